@@ -1,0 +1,3 @@
+from kvpilot.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""Runtime configuration: one pydantic model shared by the CLI flags, `--config FILE` (YAML) and the
+operator, which renders exactly this schema into a ConfigMap.
+
+Field names are the vLLM flag names with underscores (`--max-num-seqs` -> `max_num_seqs`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8", "int8"]
+
+
+class EngineConfig(BaseModel):
+    """Everything `kvpilot serve` accepts. Unknown keys in a config file are an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+    model: str = Field(DEFAULT_MODEL, description="builtin name, a .gguf file or a Hugging Face-style directory")
+    served_model_name: str | None = Field(None, description="name clients use; defaults to the model name")
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Dtype = "auto"
+    max_model_len: int | None = Field(None, ge=16, description="defaults to the model's context length")
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_dtype: KVCacheDtype = "auto"
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory: int | None = Field(None, ge=1 << 16, description="KV pool budget in bytes (CPU default 1 GiB)")
+    max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this get 429")
+    shutdown_timeout: float = Field(30.0, ge=0.0, description="seconds to let in-flight requests finish on SIGTERM")
+    api_key: str | None = Field(None, description="bearer key; prefer KVPILOT_API_KEY or api_key_file")
+    api_key_file: str | None = None
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    enforce_eager: bool = Field(False, description="disable CUDA graphs")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.max_model_len is not None and self.max_num_batched_tokens < 16:
+            raise ValueError("max_num_batched_tokens must be at least 16")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).stem if self.model != DEFAULT_MODEL else DEFAULT_MODEL
+
+    def resolved_api_key(self) -> str | None:
+        import os
+
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            return Path(self.api_key_file).read_text().strip() or None
+        return os.environ.get("KVPILOT_API_KEY") or None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> EngineConfig:
+        data: Any = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings at the top level")
+        return cls.model_validate(data)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(exclude_none=True), sort_keys=True)
