@@ -1,0 +1,266 @@
+"""Paged attention: write new K/V into the block pool, then attend through block tables.
+
+The torch reference path here is the specification: it runs everywhere (and in CPU tests); faster
+backends must agree with it. `select_backend()` is the one place that chooses a backend.
+
+KV pool layout per layer (the flash-attn block-table layout):
+    k, v: [num_blocks, block_size, num_kv_heads, head_dim]
+A token's slot is ``block_id * block_size + offset``; slot -1 means "do not write" (padding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVCacheLayer:
+    """One layer's slice of the KV pool. Quantized pools carry per-(token, head) scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[1])
+
+
+@dataclass
+class AttentionMetadata:
+    """A flat batch of T new tokens from B sequences (prefill chunks and decodes mixed)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# KV storage (quantization lives in kernels/quant.py; this module only calls it)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values [T, Hkv, D] into their slots."""
+    from kvpilot.kernels import quant
+
+    num_blocks, block_size, h, d = cache.k.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    kf = cache.k.view(num_blocks * block_size, h, d)
+    vf = cache.v.view(num_blocks * block_size, h, d)
+    if cache.k_scale is None:
+        kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
+        vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+        return
+    assert cache.v_scale is not None
+    kq, ks = quant.quantize(k, cache.k.dtype)
+    vq, vs = quant.quantize(v, cache.v.dtype)
+    kf.index_copy_(0, slot_mapping, kq)
+    vf.index_copy_(0, slot_mapping, vq)
+    cache.k_scale.view(-1, h).index_copy_(0, slot_mapping, ks)
+    cache.v_scale.view(-1, h).index_copy_(0, slot_mapping, vs)
+
+
+def gather_kv(
+    cache: KVCacheLayer, block_table: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the blocks in `block_table` ([..., nb]) as [..., nb * block_size, Hkv, D] in `dtype`."""
+    from kvpilot.kernels import quant
+
+    k = cache.k[block_table]
+    v = cache.v[block_table]
+    if cache.k_scale is not None:
+        assert cache.v_scale is not None
+        k = quant.dequantize(k, cache.k_scale[block_table], dtype)
+        v = quant.dequantize(v, cache.v_scale[block_table], dtype)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    shape = (*block_table.shape[:-1], block_table.shape[-1] * cache.block_size, k.shape[-2], k.shape[-1])
+    return k.reshape(shape), v.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference backend (torch SDPA over gathered blocks)
+
+
+class TorchReferenceBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, cache, meta.slot_mapping)
+        if meta.decode_only:
+            return self._decode(q, cache, meta, scale)
+        return self._varlen(q, cache, meta, scale)
+
+    def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [B, Hq, D]; one new token per sequence, so every sequence attends to its whole context.
+        bs = cache.block_size
+        nb = (meta.max_seq_len + bs - 1) // bs
+        kk, vv = gather_kv(cache, meta.block_tables[:, :nb], q.dtype)  # [B, L, Hkv, D]
+        length = kk.shape[1]
+        pos = torch.arange(length, device=q.device)
+        mask = pos[None, :] < meta.seq_lens[:, None].to(pos.dtype)  # [B, L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            kk.transpose(1, 2),  # [B, Hkv, L, D]
+            vv.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _varlen(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        bs = cache.block_size
+        start = 0
+        for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            end = start + qlen
+            if qlen == 0:
+                continue
+            nb = (slen + bs - 1) // bs
+            kk, vv = gather_kv(cache, meta.block_tables[i, :nb], q.dtype)
+            kk, vv = kk[:slen].transpose(0, 1), vv[:slen].transpose(0, 1)  # [Hkv, L, D]
+            qq = q[start:end].transpose(0, 1)  # [Hq, qlen, D]
+            if qlen == slen:
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                # query j sits at absolute position slen - qlen + j and sees keys 0..that position
+                qpos = torch.arange(slen - qlen, slen, device=q.device)
+                kpos = torch.arange(slen, device=q.device)
+                mask = kpos[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
+            start = end
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention with block tables (CUDA, when flash-attn is importable)
+
+
+class FlashAttentionBackend:
+    name = "flash-attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore[import-not-found]
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if cache.k_scale is not None:  # quantized pools go through the reference read path
+            return TorchReferenceBackend().forward(q, k, v, cache, meta, scale)
+        write_kv(k, v, cache, meta.slot_mapping)
+        if meta.decode_only:
+            out = self._with_kvcache(
+                q.unsqueeze(1),
+                cache.k,
+                cache.v,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
+        cu_k[1:] = torch.cumsum(meta.seq_lens, 0)
+        return self._varlen(
+            q,
+            cache.k,
+            cache.v,
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # type: ignore[import-not-found]  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def select_backend(device: torch.device, kv_quantized: bool = False) -> AttentionBackend:
+    """The one place that chooses how attention runs."""
+    if device.type == "cuda" and not kv_quantized and flash_attn_available():
+        return FlashAttentionBackend()
+    return TorchReferenceBackend()
+
+
+class PagedAttention(torch.nn.Module):
+    """What a model's attention layer calls: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        return backend.forward(q, k, v, cache, meta, self.scale)
