@@ -1,0 +1,549 @@
+"""The engine: a synchronous step loop (`LLMEngine`) and a thread that runs it beside asyncio
+(`AsyncEngine`), so the HTTP server never blocks on the model.
+
+One engine request is one sequence; the server submits each of a request's n choices separately
+(prefix caching makes the shared prompt cheap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpilot.runtime.block_manager import BlockManager
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
+from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.sequence import Sequence, SequenceStatus, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """More requests are waiting than `max_queue_len` allows; the server answers 429."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop stopped on an unexpected error; the server answers 503."""
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # all generated ids so far
+    new_token_ids: list[int]  # ids produced since the previous RequestOutput
+    logprobs: list[TokenLogprob] | None  # for the new tokens only
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EngineStats:
+    model_name: str
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    block_size: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    oom_recoveries: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    emitted: int = 0  # output tokens already reported
+    emitted_logprobs: int = 0
+
+
+@dataclass
+class OOMPolicy:
+    """How a step that ran out of device memory is retried."""
+
+    min_token_budget: int = 64
+    recover_after_steps: int = 64  # successful steps before the budget grows back
+    max_consecutive: int = 8
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class LLMEngine:
+    """Synchronous engine: add requests, call `step()` until they finish."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        cfg: EngineConfig,
+        model_name: str,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        from kvpilot.runtime.sampler import Sampler
+
+        self.cfg = cfg
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, _Tracked] = {}
+        self.oom_policy = OOMPolicy()
+        self.token_budget = cfg.max_num_batched_tokens
+        self.oom_recoveries = 0
+        self._steps_since_oom = 0
+        self._consecutive_ooms = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        # Test hook: called with the scheduled batch right before the model runs (fault injection).
+        self.before_execute: Callable[[SchedulerOutput], None] | None = None
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+        from kvpilot.runtime.loader import load_model, resolve_dtype
+
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size > 1 is not supported by this build yet; use 1")
+        device = resolve_device(cfg)
+        if device.type == "cpu":
+            torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+        dtype = resolve_dtype(cfg.dtype, device)
+        torch.manual_seed(cfg.seed)
+        loaded = load_model(cfg, device, dtype)
+        from kvpilot.kernels import quant
+
+        kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, dtype)
+        geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype, cfg.tensor_parallel_size)
+        num_blocks = cls._num_blocks(cfg, geo, device)
+        max_len = min(cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        if cfg.max_model_len and cfg.max_model_len > loaded.max_model_len:
+            log.warning("--max-model-len %d exceeds the model's %d", cfg.max_model_len, loaded.max_model_len)
+            max_len = cfg.max_model_len
+        runner = ModelRunner(loaded.model, geo, num_blocks, device)
+        eos = frozenset(loaded.tokenizer.eos_token_ids)
+        name = cfg.served_model_name or loaded.model_name
+        return cls(runner, loaded.tokenizer, cfg, name, max_len, eos)
+
+    @staticmethod
+    def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            # leave room for activations of the largest step: a rough, conservative reserve
+            reserve = 512 * 2**20 + cfg.max_num_batched_tokens * 256 * 1024
+            budget = int(total * cfg.gpu_memory_utilization) - used - reserve
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        n = geo.num_blocks_for(budget)
+        if n < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds no block of {geo.bytes_per_block} bytes; "
+                "raise --kv-cache-memory or --gpu-memory-utilization"
+            )
+        return n
+
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (a 400 for the client) for requests that can never run."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"needs {total} ({len(prompt_token_ids)} in the prompt + {params.max_tokens} max_tokens); "
+                "shorten the prompt or lower max_tokens"
+            )
+        if not self.block_manager.can_ever_fit(total):
+            raise ValueError(
+                f"the request needs {total} tokens of KV cache ({len(prompt_token_ids)} prompt + "
+                f"{params.max_tokens} max_tokens) but the whole KV pool holds {self.kv_capacity_tokens}; "
+                "lower max_tokens or shorten the prompt"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time)
+        self.requests[request_id] = _Tracked(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        tracked = self.requests.get(request_id)
+        if tracked is None or tracked.seq.is_finished:
+            return None
+        self.scheduler.finish(tracked.seq, "abort")
+        return self._output(tracked)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule(self.token_budget)
+        if sched.empty:
+            return []
+        try:
+            if self.before_execute is not None:
+                self.before_execute(sched)
+            logits, sampled = self.runner.execute(sched.scheduled)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            return self._recover_from_oom(sched)
+        self._consecutive_ooms = 0
+        self._steps_since_oom += 1
+        if self.token_budget < self.cfg.max_num_batched_tokens and (
+            self._steps_since_oom >= self.oom_policy.recover_after_steps
+        ):
+            self.token_budget = min(self.cfg.max_num_batched_tokens, self.token_budget * 2)
+            self._steps_since_oom = 0
+        self.num_steps += 1
+        for s in sched.scheduled:
+            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
+                self.prompt_tokens += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
+        self.scheduler.on_step_done(sched)
+
+        outputs: list[RequestOutput] = []
+        if sampled:
+            seqs = [s.seq for s in sampled]
+            result = self.sampler.sample(logits, seqs)
+            now = time.monotonic()
+            for seq, token_id, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
+                seq.append_token(token_id, lp)
+                self.generation_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.last_token_time = now
+                if seq.check_stop():
+                    self.scheduler.finish(seq)
+                outputs.append(self._output(self.requests[seq.seq_id]))
+        return outputs
+
+    def _recover_from_oom(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Out of device memory mid-step: free caches, shrink the step, push big requests back."""
+        self.oom_recoveries += 1
+        self._consecutive_ooms += 1
+        self._steps_since_oom = 0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.token_budget = max(self.oom_policy.min_token_budget, self.token_budget // 2)
+        log.warning(
+            "out of memory in a step of %d tokens; retrying with a budget of %d (recovery #%d)",
+            sched.num_tokens,
+            self.token_budget,
+            self.oom_recoveries,
+        )
+        # nothing of the failed step was committed: computed-token counts never advanced
+        if len(self.scheduler.running) > 1:
+            self.scheduler.preempt_largest(max(1, len(self.scheduler.running) // 4))
+        elif self._consecutive_ooms > self.oom_policy.max_consecutive and self.scheduler.running:
+            # a single request that cannot run even at the smallest step: fail it, not the server
+            seq = self.scheduler.running[0]
+            log.error("request %s does not fit in device memory even alone; aborting it", seq.seq_id)
+            self.scheduler.finish(seq, "abort")
+            return [self._output(self.requests[seq.seq_id])]
+        return []
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        seq = tracked.seq
+        out_ids = seq.output_token_ids
+        new = out_ids[tracked.emitted :]
+        tracked.emitted = len(out_ids)
+        lps: list[TokenLogprob] | None = None
+        if seq.params.logprobs is not None:
+            lps = seq.logprobs[tracked.emitted_logprobs :]
+            tracked.emitted_logprobs = len(seq.logprobs)
+        finished = seq.is_finished
+        if finished:
+            del self.requests[seq.seq_id]
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, list(out_ids), new, lps, seq.finish_reason, seq.stop_reason)],
+            finished=finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(
+                seq.arrival_time,
+                seq.first_scheduled_time,
+                seq.first_token_time,
+                time.monotonic() if finished else None,
+            ),
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            model_name=self.model_name,
+            kv_cache_usage=bm.usage,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            oom_recoveries=self.oom_recoveries,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_steps=self.num_steps,
+        )
+
+    # -- offline use ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run prompts to completion (tests and benchmarks); returns the finished sequences in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{self.num_steps}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        seqs: dict[str, Sequence] = {}
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+            seqs[rid] = self.requests[rid].seq
+        while self.has_unfinished():
+            self.step()
+        return [seqs[rid] for rid in ids]
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class _Inbox:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    new: list[_Pending] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+class AsyncEngine:
+    """Runs `LLMEngine` in a background thread and streams each request's outputs to asyncio."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int = 1024) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.max_queue_len = max_queue_len
+        self._inbox = _Inbox()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._stats = engine.stats()
+        self._num_unfinished = 0
+        self._num_queued = 0  # waiting in the scheduler plus not yet picked up
+        self.dead: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine.from_config(cfg), cfg.max_queue_len)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    def num_unfinished(self) -> int:
+        return self._num_unfinished
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate and enqueue; raises ValueError (bad request), QueueFullError, EngineDeadError."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        params.validate()
+        self.engine.validate_request(prompt_token_ids, params)
+        if self._num_queued >= self.max_queue_len:
+            raise QueueFullError(f"{self._num_queued} requests are already waiting (max_queue_len)")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        pending = _Pending(request_id, prompt_token_ids, params, cache_salt, time.monotonic(), queue)
+        self._queues[request_id] = (loop, queue)
+        with self._inbox.lock:
+            self._inbox.new.append(pending)
+            self._num_queued += 1
+            self._num_unfinished += 1
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                # coalesce what piled up while the consumer was busy
+                while not item.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        raise nxt
+                    item = _merge(item, nxt)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # consumer went away (client disconnected, stop string hit)
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        with self._inbox.lock:
+            self._inbox.aborts.append(request_id)
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._inbox.lock:
+            new, self._inbox.new = self._inbox.new, []
+            aborts, self._inbox.aborts = self._inbox.aborts, []
+        for p in new:
+            try:
+                self.engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time)
+            except ValueError as exc:
+                self._deliver(p.request_id, exc)
+                with self._inbox.lock:
+                    self._num_unfinished -= 1
+        for rid in aborts:
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._deliver(rid, out)
+                with self._inbox.lock:
+                    self._num_unfinished -= 1
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        entry = self._queues.get(request_id)
+        if entry is None:
+            return
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _refresh_counts(self) -> None:
+        self._stats = self.engine.stats()
+        with self._inbox.lock:
+            self._num_queued = len(self.engine.scheduler.waiting) + len(self._inbox.new)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._refresh_counts()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                    if out.finished:
+                        with self._inbox.lock:
+                            self._num_unfinished -= 1
+                self._refresh_counts()
+        except BaseException as exc:  # a bug, not a bad request: fail everyone loudly, keep the server up
+            log.exception("engine loop died")
+            self.dead = exc
+            for rid in list(self._queues):
+                self._deliver(rid, EngineDeadError(f"the engine stopped: {exc}"))
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    ca, cb = a.outputs[0], b.outputs[0]
+    lps = None
+    if ca.logprobs is not None or cb.logprobs is not None:
+        lps = (ca.logprobs or []) + (cb.logprobs or [])
+    merged = CompletionOutput(
+        ca.index, cb.token_ids, ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason
+    )
+    return RequestOutput(b.request_id, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics)

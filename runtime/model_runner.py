@@ -1,0 +1,168 @@
+"""Turns a scheduled batch into flat tensors, runs the model, returns the logits to sample from.
+
+Flat batch layout (one row per new token across all scheduled sequences):
+input ids, positions, slot mapping; per sequence: query start offsets, context lengths and the
+block table. Only the last token of a sequence that reaches its end this step is turned into logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpilot.kernels import quant
+from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
+from kvpilot.runtime.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int  # per tensor-parallel rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # storage dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elems = 2 * self.num_layers * self.block_size * self.num_kv_heads
+        size = elems * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        if quant.is_quantized(self.dtype):
+            size += elems * 4  # one float32 scale per (token, head)
+        return size
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.bytes_per_block)
+
+
+def kv_geometry(arch: Any, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVGeometry:
+    num_kv_heads = int(arch.num_key_value_heads)
+    return KVGeometry(
+        num_layers=int(arch.num_hidden_layers),
+        num_kv_heads=max(1, num_kv_heads // tp_size),
+        head_dim=int(arch.head_dim),
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def allocate_kv_cache(geo: KVGeometry, num_blocks: int, device: torch.device) -> list[KVCacheLayer]:
+    shape = (num_blocks, geo.block_size, geo.num_kv_heads, geo.head_dim)
+    layers = []
+    for _ in range(geo.num_layers):
+        k = torch.zeros(shape, dtype=geo.dtype, device=device)
+        v = torch.zeros(shape, dtype=geo.dtype, device=device)
+        ks = vs = None
+        if quant.is_quantized(geo.dtype):
+            ks = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            vs = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        layers.append(KVCacheLayer(k, v, ks, vs))
+    return layers
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the flat batch whose logits are needed
+    sampled: list[ScheduledSeq]
+
+
+def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> PreparedBatch:
+    """Pure: the scheduled chunks -> the flat tensors the model and attention read."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    sample_rows: list[int] = []
+    sampled: list[ScheduledSeq] = []
+    max_blocks = 0
+    for s in scheduled:
+        seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+        end = start + n
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        for pos in range(start, end):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        query_lens.append(n)
+        seq_lens.append(end)
+        max_blocks = max(max_blocks, len(table))
+        if s.samples:
+            sample_rows.append(len(input_ids) - 1)
+            sampled.append(s)
+    tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+
+    def t(x: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots, torch.int64),
+        query_start_loc=t(qsl, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_tables=t(tables, torch.int32),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return PreparedBatch(
+        input_ids=t(input_ids, torch.int64),
+        positions=t(positions, torch.int64),
+        meta=meta,
+        sample_indices=t(sample_rows, torch.int64),
+        sampled=sampled,
+    )
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the attention backend on one device."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        geometry: KVGeometry,
+        num_blocks: int,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        self.model = model
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self.device = device
+        self.kv_caches = allocate_kv_cache(geometry, num_blocks, device)
+        self.backend = backend or select_backend(device, quant.is_quantized(geometry.dtype))
+        log.info(
+            "KV pool: %d blocks x %d tokens (%.0f MiB, %s, attention backend %s)",
+            num_blocks,
+            geometry.block_size,
+            num_blocks * geometry.bytes_per_block / 2**20,
+            geometry.dtype,
+            self.backend.name,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run one step; returns float32 logits [num_sampled, vocab] and the sequences they belong to."""
+        batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        if not batch.sampled:
+            return torch.empty(0, 0), []
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+        return logits.float(), batch.sampled

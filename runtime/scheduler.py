@@ -1,0 +1,137 @@
+"""Continuous batching with chunked prefill and preemption.
+
+Every step hands out a token budget: running sequences first (decodes and unfinished prefill
+chunks), then waiting ones, within `max_num_batched_tokens` and `max_num_seqs`. When blocks run out,
+the most recently admitted running sequence is preempted (its blocks freed, recomputed later) instead
+of failing anyone, and no new sequence is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpilot.runtime.block_manager import BlockManager
+from kvpilot.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    samples: bool = False  # the chunk reaches the end of the sequence, so the step samples a token
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        return cls(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Remove a sequence wherever it is and free its blocks (finished or aborted)."""
+        if reason is not None:
+            seq.finish_reason = reason
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.bm.free_seq(seq)
+        self.bm.forget(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def preempt_largest(self, count: int = 1) -> list[Sequence]:
+        """Used by OOM recovery: push the sequences holding the most blocks back to the queue."""
+        victims = sorted(self.running, key=lambda s: len(s.block_table), reverse=True)[:count]
+        for seq in victims:
+            self._preempt(seq)
+        return victims
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens if token_budget is None else token_budget
+        out = SchedulerOutput()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, "a running sequence always has a token to compute"
+            while not self.bm.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq.of(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            # `seq` preempted itself: everything after it is gone too, stop here
+            break
+        # victims were taken from the tail, so anything scheduled earlier is still running
+        out.scheduled = [s for s in out.scheduled if s.seq.status == SequenceStatus.RUNNING]
+
+        if out.preempted:
+            return out
+
+        now = time.monotonic()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.bm.match_prefix(seq) if not seq.block_table else []
+            remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
+            num_new = min(remaining, budget)
+            if not self.bm.allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq.of(seq, num_new))
+            budget -= num_new
+        return out
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and publish completed blocks to the prefix cache."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.bm.cache_full_blocks(s.seq)
