@@ -1,0 +1,27 @@
+"""Model registry: architecture names (HF `architectures[0]`, GGUF `general.architecture`) -> classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvpilot.runtime.models.arch_config import ModelArchConfig
+from kvpilot.runtime.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "llama": LlamaForCausalLM,  # GGUF general.architecture (Llama, Mistral, SmolLM GGUFs)
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "ModelArchConfig", "get_model_class"]

@@ -53,6 +53,7 @@ def test_preempts_most_recent_and_admits_nobody_that_step() -> None:
     for x in (a, b, c):
         s.add(x)
     run_step(s)  # prefill: 7 tokens each + first sampled token -> 8 tokens, 2 blocks each
+    run_step(s)  # decode: 8 computed tokens fill the 2 blocks; the next token needs a 3rd block
     s.add(seq("d", 2))
     out = s.schedule()
     assert [p.seq_id for p in out.preempted] == ["c"]
