@@ -185,7 +185,7 @@ class FlashAttentionBackend:
     name = "flash-attn"
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore[import-not-found]
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -231,7 +231,7 @@ class FlashAttentionBackend:
 
 def flash_attn_available() -> bool:
     try:
-        import flash_attn  # type: ignore[import-not-found]  # noqa: F401
+        import flash_attn  # noqa: F401
     except Exception:
         return False
     return torch.cuda.is_available()

@@ -21,6 +21,7 @@ import torch
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
+from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, SequenceStatus, TokenLogprob
@@ -121,7 +122,6 @@ class LLMEngine:
         max_model_len: int,
         eos_token_ids: frozenset[int],
     ) -> None:
-        from kvpilot.runtime.sampler import Sampler
 
         self.cfg = cfg
         self.runner = runner
@@ -268,7 +268,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if sampled:
             seqs = [s.seq for s in sampled]
-            result = self.sampler.sample(logits, seqs)
+            result = self.sampler.sample(logits, [SamplingRow.from_sequence(q) for q in seqs])
             now = time.monotonic()
             for seq, token_id, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
                 seq.append_token(token_id, lp)
