@@ -1,0 +1,267 @@
+"""The scaling policy: a pure function from what the fleet reports to the replica count it should have.
+
+decide(current, snapshot, targets, history, now) -> Decision(desired, reason, history)
+
+No I/O, no clock, no randomness: the controller and the fleet simulator call the same function, and a
+restarted controller continues from the history it wrote into the InferenceModel's status.
+
+Steps, in order (HPA-like where the HPA has an answer):
+1. Recommendations: KV = ceil(reporting * avg_kv / target_kv) (+ non-reporting replicas, held);
+   queue = ceil(total_waiting / target_queue_per_replica). Each is ignored inside the tolerance band.
+   The raw recommendation is the larger. A ready replica that did not report is never read as idle:
+   with any replica missing, the raw recommendation is at least the current size.
+2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
+   scale-up window, asks burst_factor more and uses the larger burst rate limit.
+3. Stabilization: scale up to the smallest recommendation in the up window (default 0 s, i.e. now),
+   scale down to the largest recommendation in the down window (default 300 s).
+4. Rate limits over the events in the rule's period, like HPA behavior policies.
+5. ScalingLimited (pods Unschedulable): never ask for more than we have.
+6. Clamp to [minReplicas, maxReplicas].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    time: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    time: float
+    from_replicas: int
+    to_replicas: int
+
+
+@dataclass(frozen=True)
+class History:
+    """What the policy remembers between calls (bounded by targets.history_horizon_s)."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    events: tuple[ScaleEvent, ...] = ()
+    # (time, total waiting) at the previous sync with metrics, for the queue growth rate.
+    last_queue: tuple[float, int] | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str
+    history: History
+    current: int
+    recommendation: int  # raw: after the missing-metrics hold, before stabilization and limits
+    kv_recommendation: int | None = None
+    queue_recommendation: int | None = None
+    burst: bool = False
+    avg_kv_cache_usage: float | None = None
+    total_waiting: int = 0
+    reporting: int = 0
+    ready: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def action(self) -> Literal["up", "down", "hold"]:
+        if self.desired > self.current:
+            return "up"
+        if self.desired < self.current:
+            return "down"
+        return "hold"
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - _EPS)
+
+
+def _period_start(
+    current: int, events: tuple[ScaleEvent, ...], now: float, period_s: float
+) -> tuple[int, int]:
+    """(replicas added, replicas removed) by events inside the last period_s."""
+    added = removed = 0
+    for e in events:
+        if now - e.time < period_s:
+            delta = e.to_replicas - e.from_replicas
+            if delta > 0:
+                added += delta
+            else:
+                removed -= delta
+    return added, removed
+
+
+def scale_up_limit(current: int, events: tuple[ScaleEvent, ...], now: float, rule: ScalingRule) -> int:
+    """Largest size allowed now: max(start + pods, start * (1 + percent)) where start is the size at
+    the beginning of the period (HPA's calculateScaleUpLimitWithScalingRules)."""
+    added, removed = _period_start(current, events, now, rule.period_s)
+    start = max(0, current - added + removed)
+    return max(start + rule.pods, _ceil(start * (1.0 + rule.percent / 100.0)), current)
+
+
+def scale_down_limit(current: int, events: tuple[ScaleEvent, ...], now: float, rule: ScalingRule) -> int:
+    """Smallest size allowed now: min(start - pods, start * (1 - percent)) where start is the size at
+    the beginning of the period."""
+    added, removed = _period_start(current, events, now, rule.period_s)
+    start = current + removed - added
+    proposed = min(start - rule.pods, math.floor(start * (1.0 - rule.percent / 100.0) + _EPS))
+    return min(max(0, proposed), current)
+
+
+def _kv_text(avg: float, target: float, tol: float) -> str:
+    ratio = avg / target
+    rel = "~" if abs(ratio - 1.0) <= tol else (">" if ratio > 1.0 else "<")
+    return f"kv {avg:.2f} {rel} target {target:.2f}"
+
+
+def decide(
+    current: int,
+    snapshot: MetricsSnapshot,
+    targets: ScalingTargets,
+    history: History,
+    now: float,
+) -> Decision:
+    """Desired replica count, a human reason, and the history to pass to the next call."""
+    b = targets.behavior
+    tol = b.tolerance
+    n = snapshot.reporting
+    ready = snapshot.ready_replicas
+    missing = snapshot.missing
+    waiting = snapshot.total_waiting
+    avg_kv = snapshot.avg_kv_cache_usage
+    notes: list[str] = []
+
+    kv_rec: int | None = None
+    queue_rec: int | None = None
+    burst = False
+    if n == 0 or avg_kv is None:
+        raw = current
+        driver = f"no metrics from 0/{ready} ready replicas" if ready else "no ready replica reports metrics"
+    else:
+        target_kv = targets.target_kv_cache_utilization
+        ratio = avg_kv / target_kv
+        if abs(ratio - 1.0) <= tol:
+            kv_rec = current
+        else:
+            kv_rec = _ceil(n * avg_kv / target_kv) + missing
+            # Starting pods (current - ready) neither report nor get read as idle: KV above target
+            # never asks for fewer replicas, KV below target never asks for more.
+            kv_rec = max(kv_rec, current) if ratio > 1.0 else min(kv_rec, current)
+        queue_rec = _ceil(waiting / targets.target_queue_depth)
+        if current > 0 and abs(queue_rec / current - 1.0) <= tol:
+            queue_rec = current
+        raw = max(kv_rec, queue_rec)
+        kv_part = _kv_text(avg_kv, target_kv, tol)
+        q_part = f"queue {waiting} waiting ({waiting / n:.1f}/replica, target {targets.target_queue_depth:g})"
+        if queue_rec > kv_rec:
+            driver = f"{q_part}, {kv_part}"
+        else:
+            driver = f"{kv_part}, {q_part}" if waiting else kv_part
+        driver += f" on {n}/{ready} replicas"
+        if missing:
+            driver += f" ({missing} not reporting, held)"
+            raw = max(raw, current)
+
+        # Burst: saturated and queueing, or the queue growing fast. Only matters when scaling up.
+        burst_note = ""
+        if waiting > 0 and avg_kv >= b.burst_kv_threshold:
+            burst_note = f"burst: kv {avg_kv:.2f} >= {b.burst_kv_threshold:.2f} with {waiting} waiting"
+        elif history.last_queue is not None and now > history.last_queue[0]:
+            t0, w0 = history.last_queue
+            growth = (waiting - w0) / (now - t0) / n
+            if growth >= b.burst_queue_growth_per_replica_s and waiting > targets.target_queue_depth * n:
+                burst_note = f"burst: queue growing {growth:.2f}/s/replica"
+        if burst_note and raw > current:
+            burst = True
+            notes.append(burst_note)
+            raw = max(raw, _ceil(raw * b.burst_factor))
+
+    # Stabilization windows (the new recommendation included).
+    horizon = targets.history_horizon_s
+    recs = tuple(r for r in history.recommendations if now - r.time <= horizon and r.time <= now)
+    recs = (*recs, Recommendation(now, raw))
+    up_window = [r.replicas for r in recs if now - r.time <= targets.scale_up_stabilization_s]
+    down_window = [r.replicas for r in recs if now - r.time <= targets.scale_down_stabilization_s]
+    up_candidate = raw if burst else min(up_window)
+    down_candidate = max(down_window)
+    if up_candidate > current:
+        stabilized = up_candidate
+        if stabilized < raw:
+            notes.append(f"scale-up stabilization ({targets.scale_up_stabilization_s:g}s) -> {stabilized}")
+    elif down_candidate < current:
+        stabilized = down_candidate
+        if stabilized > raw:
+            notes.append(
+                f"scale-down stabilization ({targets.scale_down_stabilization_s:g}s) -> {stabilized}"
+            )
+    else:
+        stabilized = current
+        if raw < current:
+            notes.append(
+                f"scale-down stabilization ({targets.scale_down_stabilization_s:g}s) holds {current}"
+            )
+        elif raw > current:
+            notes.append(f"scale-up stabilization ({targets.scale_up_stabilization_s:g}s) holds {current}")
+
+    # Rate limits.
+    events = tuple(e for e in history.events if now - e.time < horizon and e.time <= now)
+    desired = stabilized
+    if desired > current:
+        rule = b.burst_scale_up if burst else b.scale_up
+        limit = scale_up_limit(current, events, now, rule)
+        if desired > limit:
+            notes.append(
+                f"scale-up limited to {limit} (max +{rule.pods} or {rule.percent:g}% per {rule.period_s:g}s)"
+            )
+            desired = limit
+    elif desired < current:
+        rule = b.scale_down
+        limit = scale_down_limit(current, events, now, rule)
+        if desired < limit:
+            notes.append(
+                f"scale-down limited to {limit} "
+                f"(max -{rule.pods} or {rule.percent:g}% per {rule.period_s:g}s)"
+            )
+            desired = limit
+
+    if snapshot.scaling_limited and desired > current:
+        notes.append(f"ScalingLimited (pods unschedulable): holding {current} instead of {desired}")
+        desired = current
+
+    clamped = min(max(desired, targets.min_replicas), targets.max_replicas)
+    if clamped != desired:
+        bound = "minReplicas" if clamped > desired else "maxReplicas"
+        notes.append(f"clamped to {bound} {clamped}")
+        desired = clamped
+
+    if desired != current:
+        events = (*events, ScaleEvent(now, current, desired))
+    last_queue = (now, waiting) if n > 0 else None
+    new_history = History(recommendations=recs, events=events, last_queue=last_queue)
+
+    verb = "hold" if desired == current else ("up" if desired > current else "down")
+    reason = f"{driver} -> {desired}" if desired != current else f"{driver} -> {desired} ({verb})"
+    if notes:
+        reason += "; " + "; ".join(notes)
+    return Decision(
+        desired=desired,
+        reason=reason,
+        history=new_history,
+        current=current,
+        recommendation=raw,
+        kv_recommendation=kv_rec,
+        queue_recommendation=queue_rec,
+        burst=burst,
+        avg_kv_cache_usage=avg_kv,
+        total_waiting=waiting,
+        reporting=n,
+        ready=ready,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,57 @@
+"""What a metric source reports: one sample per replica that answered, plus the ready count.
+
+A ready replica without a sample is "not reporting"; the policy holds its share of the fleet instead
+of reading the gap as zero load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """Load of one replica at one moment."""
+
+    pod: str
+    kv_cache_usage: float  # 0..1, share of the KV block pool in use
+    num_waiting: int  # requests queued, not yet admitted to the batch
+    num_running: int = 0  # requests in the running batch (used for pod-deletion-cost only)
+
+    @property
+    def load(self) -> float:
+        """One number to rank replicas by for scale-down: in-flight requests, then KV use."""
+        return (self.num_running + self.num_waiting) + self.kv_cache_usage
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Everything the policy knows about the fleet at one sync.
+
+    ready_replicas counts pods that are Ready; samples holds those that answered. Pods still starting
+    (spec replicas - ready) neither report nor count as idle.
+    """
+
+    ready_replicas: int
+    samples: tuple[ReplicaSample, ...] = field(default_factory=tuple)
+    # True when the operator's ScalingLimited condition says pods are Unschedulable.
+    scaling_limited: bool = False
+
+    @property
+    def reporting(self) -> int:
+        return len(self.samples)
+
+    @property
+    def missing(self) -> int:
+        """Ready replicas that did not report."""
+        return max(0, self.ready_replicas - len(self.samples))
+
+    @property
+    def total_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.samples)
+
+    @property
+    def avg_kv_cache_usage(self) -> float | None:
+        if not self.samples:
+            return None
+        return sum(s.kv_cache_usage for s in self.samples) / len(self.samples)

@@ -1,0 +1,99 @@
+"""Scaling targets: the InferenceModel's `spec.autoscaling` block plus the policy's tuning knobs.
+
+The spec fields come from the CRD (docs/crd-contract.md); the knobs (tolerance, rate limits, burst
+mode) are the autoscaler's own defaults, settable from the command line and the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+MetricsSourceName = Literal["pods", "prometheus"]
+
+
+@dataclass(frozen=True)
+class ScalingRule:
+    """At most max(pods, percent% of the replicas at the start of the period) per period_s.
+
+    Same shape as an HPA behavior policy with selectPolicy: Max.
+    """
+
+    pods: int
+    percent: float
+    period_s: float
+
+
+@dataclass(frozen=True)
+class Behavior:
+    """Policy knobs that are not in the CRD. Defaults were tuned on benchmarks/traces (docs/autoscaler.md)."""
+
+    tolerance: float = 0.1
+    scale_up: ScalingRule = ScalingRule(pods=4, percent=100.0, period_s=15.0)
+    scale_down: ScalingRule = ScalingRule(pods=1, percent=0.0, period_s=60.0)
+    # Burst mode: skip the up window and jump further when the fleet is saturated and queueing.
+    burst_kv_threshold: float = 0.95
+    # ... or when the queue grows by at least this many requests per ready replica per second.
+    burst_queue_growth_per_replica_s: float = 0.2
+    burst_scale_up: ScalingRule = ScalingRule(pods=8, percent=200.0, period_s=15.0)
+    # Extra headroom factor on the recommendation in burst mode (1.5 = ask for 50% more).
+    burst_factor: float = 1.5
+
+
+@dataclass(frozen=True)
+class ScalingTargets:
+    """Everything the pure policy needs to know about what the user asked for."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_kv_cache_utilization: float = 0.7
+    target_queue_depth: float = 4.0
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = 300.0
+    behavior: Behavior = Behavior()
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError("minReplicas must be >= 0")
+        if self.max_replicas < max(1, self.min_replicas):
+            raise ValueError("maxReplicas must be >= 1 and >= minReplicas")
+        if not 0.0 < self.target_kv_cache_utilization <= 1.0:
+            raise ValueError("targetKVCacheUtilization must be in (0, 1]")
+        if self.target_queue_depth <= 0:
+            raise ValueError("targetQueueDepth must be > 0")
+        if self.scale_up_stabilization_s < 0 or self.scale_down_stabilization_s < 0:
+            raise ValueError("stabilization windows must be >= 0 seconds")
+
+    @property
+    def history_horizon_s(self) -> float:
+        """How far back the policy ever looks: the longest window or rate-limit period."""
+        b = self.behavior
+        return max(
+            self.scale_up_stabilization_s,
+            self.scale_down_stabilization_s,
+            b.scale_up.period_s,
+            b.scale_down.period_s,
+            b.burst_scale_up.period_s,
+        )
+
+    @classmethod
+    def from_spec(cls, autoscaling: Mapping[str, Any], behavior: Behavior | None = None) -> ScalingTargets:
+        """Build from the CR's `spec.autoscaling` (camelCase keys, CRD defaults applied here too)."""
+        min_r = int(autoscaling.get("minReplicas", 1))
+        return cls(
+            min_replicas=min_r,
+            max_replicas=int(autoscaling.get("maxReplicas", max(1, min_r))),
+            target_kv_cache_utilization=float(autoscaling.get("targetKVCacheUtilization", 0.7)),
+            target_queue_depth=float(autoscaling.get("targetQueueDepth", 4.0)),
+            scale_up_stabilization_s=float(autoscaling.get("scaleUpStabilizationSeconds", 0)),
+            scale_down_stabilization_s=float(autoscaling.get("scaleDownStabilizationSeconds", 300)),
+            behavior=behavior or Behavior(),
+        )
+
+    def with_overrides(self, **changes: Any) -> ScalingTargets:
+        names = {f.name for f in fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise ValueError(f"unknown scaling target(s): {', '.join(sorted(unknown))}")
+        return replace(self, **changes)
