@@ -89,8 +89,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping
     assert cache.v_scale is not None
     kq, ks = quant.quantize(k, cache.k.dtype)
     vq, vs = quant.quantize(v, cache.v.dtype)
-    kf.index_copy_(0, slot_mapping, kq)
-    vf.index_copy_(0, slot_mapping, vq)
+    # copy raw bytes: CPU index kernels do not cover float8
+    kf.view(torch.uint8).index_copy_(0, slot_mapping, kq.view(torch.uint8))
+    vf.view(torch.uint8).index_copy_(0, slot_mapping, vq.view(torch.uint8))
     cache.k_scale.view(-1, h).index_copy_(0, slot_mapping, ks)
     cache.v_scale.view(-1, h).index_copy_(0, slot_mapping, vs)
 
@@ -101,14 +102,15 @@ def gather_kv(
     """K/V of the blocks in `block_table` ([..., nb]) as [..., nb * block_size, Hkv, D] in `dtype`."""
     from kvpilot.kernels import quant
 
-    k = cache.k[block_table]
-    v = cache.v[block_table]
     if cache.k_scale is not None:
         assert cache.v_scale is not None
+        idx = block_table.long()
+        k = cache.k.view(torch.uint8)[idx].view(cache.k.dtype)
+        v = cache.v.view(torch.uint8)[idx].view(cache.v.dtype)
         k = quant.dequantize(k, cache.k_scale[block_table], dtype)
         v = quant.dequantize(v, cache.v_scale[block_table], dtype)
     else:
-        k, v = k.to(dtype), v.to(dtype)
+        k, v = cache.k[block_table].to(dtype), cache.v[block_table].to(dtype)
     shape = (*block_table.shape[:-1], block_table.shape[-1] * cache.block_size, k.shape[-2], k.shape[-1])
     return k.reshape(shape), v.reshape(shape)
 
