@@ -1,0 +1,451 @@
+"""The InferenceModel API (kvpilot.dev/v1alpha1) as pydantic models.
+
+These models are the single source of the CRD schema (`crd.py` turns them into an OpenAPI v3
+structural schema) and of the operator's own parsing of a live object. Field names are the
+camelCase names users write in YAML (aliases); Python code uses snake_case.
+
+Cross-field rules live here as CEL `x-kubernetes-validations` so that the API server rejects a bad
+spec at `kubectl apply` time with a message that names the field and the fix. The same rules are
+mirrored in `InferenceModelSpec.check()` so that the operator never acts on a spec the API server
+would have refused (for example one stored before a CRD upgrade).
+
+See docs/crd-contract.md for the contract shared with the autoscaler.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceModel"
+PLURAL = "inferencemodels"
+SINGULAR = "inferencemodel"
+SHORT_NAMES = ["im"]
+
+MAX_REPLICAS = 1000
+SOURCE_PATTERN = (
+    r"^(builtin://[a-z0-9][a-z0-9._-]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?"
+    r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|file:///.+)$"
+)
+SOURCE_HELP = (
+    "spec.model.source must be one of builtin://NAME (e.g. builtin://smollm2-135m-instruct), "
+    "pvc://CLAIM/PATH (a .gguf file or model directory inside a PersistentVolumeClaim), "
+    "hf://ORG/NAME[@REVISION] or file:///ABSOLUTE/PATH (baked into the image)"
+)
+# Kubernetes resource quantity (https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/)
+QUANTITY_PATTERN = r"^[0-9]+([.][0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+
+def _rule(rule: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"rule": rule, "message": message, **extra}
+
+
+def _validations(*rules: dict[str, Any]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, unknown fields ignored (the API server prunes them anyway)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        use_attribute_docstrings=True,
+    )
+
+    def dump(self) -> dict[str, Any]:
+        """The object as it appears in YAML: camelCase keys, unset optional fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------------------------------------
+# spec
+# ---------------------------------------------------------------------------------------------
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the InferenceModel's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="name of the Secret")
+    key: str = Field("token", min_length=1, max_length=253, description="key within the Secret")
+
+
+class ModelSource(_Model):
+    """Which weights to serve and under which name."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _rule(
+                "!has(self.hfTokenSecret) || self.source.startsWith('hf://')",
+                "spec.model.hfTokenSecret is only used with hf:// sources: remove hfTokenSecret "
+                "or change spec.model.source to hf://ORG/NAME",
+            )
+        )
+    )
+
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        description=(
+            "Where the weights come from: builtin://NAME, pvc://CLAIM/PATH, hf://ORG/NAME[@REVISION] "
+            "or file:///ABSOLUTE/PATH."
+        ),
+        json_schema_extra=_validations(_rule(f"self.matches('{SOURCE_PATTERN}')", SOURCE_HELP)),
+    )
+    served_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="The model name clients send in requests; defaults to metadata.name.",
+    )
+    hf_token_secret: SecretKeyRef | None = Field(
+        None, description="Secret holding a Hugging Face token (only for hf:// sources)."
+    )
+
+
+class PrometheusSource(_Model):
+    """Where the autoscaler reads metrics when metricsSource is prometheus."""
+
+    url: str = Field(
+        max_length=1024,
+        description="Prometheus base URL, e.g. http://prometheus.monitoring.svc:9090",
+        json_schema_extra=_validations(
+            _rule(
+                "self.matches('^https?://.+')",
+                "spec.autoscaling.prometheus.url must be an http:// or https:// URL of the Prometheus "
+                "server, e.g. http://prometheus.monitoring.svc:9090",
+            )
+        ),
+    )
+    kv_query: str | None = Field(None, max_length=4096, description="PromQL for KV-cache usage (0..1).")
+    queue_query: str | None = Field(None, max_length=4096, description="PromQL for waiting requests.")
+
+
+class Autoscaling(_Model):
+    """KV-cache and queue-aware autoscaling; when set, the autoscaler owns spec.replicas."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _rule(
+                "self.minReplicas <= self.maxReplicas",
+                "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas: lower "
+                "minReplicas or raise maxReplicas",
+            ),
+            _rule(
+                "self.metricsSource != 'prometheus' || has(self.prometheus)",
+                "spec.autoscaling.prometheus (with at least url) is required when "
+                "spec.autoscaling.metricsSource is prometheus: add it, or set metricsSource to pods",
+            ),
+        )
+    )
+
+    min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Fewest replicas (0 allows scale to zero).")
+    max_replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Most replicas.")
+    target_kv_cache_utilization: float = Field(
+        0.7,
+        gt=0.0,
+        le=1.0,
+        alias="targetKVCacheUtilization",
+        description="Target mean KV-cache usage per replica (0..1].",
+    )
+    target_queue_depth: float = Field(4.0, gt=0.0, description="Target waiting requests per replica.")
+    scale_up_stabilization_seconds: int = Field(
+        0, ge=0, le=3600, description="Window over which scale-up takes the lowest recommendation."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, le=3600, description="Window over which scale-down takes the highest recommendation."
+    )
+    metrics_source: Literal["pods", "prometheus"] = Field(
+        "pods", description="pods: scrape each pod's /metrics; prometheus: query the Prometheus HTTP API."
+    )
+    prometheus: PrometheusSource | None = None
+
+
+class Resources(_Model):
+    """What each replica asks of its node."""
+
+    gpus: int = Field(1, ge=0, le=16, description="nvidia.com/gpu per replica; 0 runs on CPU.")
+    gpu_type: str | None = Field(
+        None,
+        max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
+        description="Schedule only on nodes labelled kvpilot.dev/gpu-type=<gpuType>, e.g. h100.",
+    )
+    cpu: str | None = Field(
+        None,
+        max_length=32,
+        description="CPU request, a Kubernetes quantity such as '4' or '500m'.",
+        json_schema_extra=_validations(
+            _rule(
+                f"self.matches('{QUANTITY_PATTERN}')",
+                "spec.resources.cpu must be a Kubernetes quantity such as '4' or '500m'",
+            )
+        ),
+    )
+    memory: str | None = Field(
+        None,
+        max_length=32,
+        description="Memory request and limit, a Kubernetes quantity such as '32Gi'.",
+        json_schema_extra=_validations(
+            _rule(
+                f"self.matches('{QUANTITY_PATTERN}')",
+                "spec.resources.memory must be a Kubernetes quantity such as '32Gi' or '512Mi'",
+            )
+        ),
+    )
+
+
+class RuntimeSettings(_Model):
+    """Engine settings rendered into the runtime's config file; unset fields use the runtime's defaults."""
+
+    max_model_len: int | None = Field(None, ge=16, le=1 << 20, description="Context length; model's own by default.")
+    block_size: Literal[8, 16, 32, 64, 128] | None = Field(None, description="Tokens per KV-cache block.")
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] | None = Field(None, description="KV-cache storage dtype.")
+    enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks across shared prefixes.")
+    tensor_parallel_size: int | None = Field(None, ge=1, le=16, description="GPUs one model copy is sharded over.")
+    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Most sequences in one batch.")
+    max_num_batched_tokens: int | None = Field(None, ge=16, le=1 << 20, description="Token budget per step.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="Fraction of GPU memory for weights plus KV cache."
+    )
+    max_queue_len: int | None = Field(None, ge=1, le=1 << 20, description="Waiting requests beyond this get 429.")
+    shutdown_timeout_seconds: int | None = Field(
+        None, ge=0, le=3600, description="Seconds in-flight requests get to finish after SIGTERM."
+    )
+
+
+class OOMPolicy(_Model):
+    """What the operator does when a replica runs out of memory."""
+
+    adapt: bool = Field(
+        False,
+        description=(
+            "Lower gpuMemoryUtilization (0.05 a step) and halve maxNumSeqs and maxNumBatchedTokens "
+            "after an out-of-memory kill, down to the minimums below."
+        ),
+    )
+    min_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Floor for gpuMemoryUtilization.")
+    min_max_num_seqs: int = Field(4, ge=1, le=4096, description="Floor for maxNumSeqs.")
+    min_max_num_batched_tokens: int = Field(256, ge=16, le=1 << 20, description="Floor for maxNumBatchedTokens.")
+
+
+class Toleration(_Model):
+    """A core/v1 Toleration."""
+
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Model):
+    """A core/v1 EnvVar (valueFrom is passed through as written)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(None, description="core/v1 EnvVarSource")
+
+
+_SPEC_RULES = _validations(
+    _rule(
+        "oldSelf.hasValue() || !(has(self.replicas) && has(self.autoscaling))",
+        "spec.replicas and spec.autoscaling cannot both be set when an InferenceModel is created: "
+        "remove spec.replicas (the autoscaler starts at autoscaling.minReplicas and owns replicas)",
+        optionalOldSelf=True,
+    ),
+    _rule(
+        "!has(self.autoscaling) || !has(self.replicas)"
+        " || (oldSelf.hasValue() && has(oldSelf.value().replicas) && oldSelf.value().replicas == self.replicas)"
+        " || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+        "spec.replicas must lie between spec.autoscaling.minReplicas and spec.autoscaling.maxReplicas: "
+        "change replicas or widen the autoscaling bounds",
+        optionalOldSelf=True,
+    ),
+    _rule(
+        "!has(self.runtime) || !has(self.runtime.tensorParallelSize) || !has(self.resources)"
+        " || !has(self.resources.gpus) || self.resources.gpus == 0"
+        " || self.resources.gpus % self.runtime.tensorParallelSize == 0",
+        "spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize (one model copy "
+        "spans tensorParallelSize GPUs): set gpus to tensorParallelSize or a multiple of it",
+    ),
+)
+
+
+class InferenceModelSpec(_Model):
+    """Desired state of an InferenceModel."""
+
+    model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
+
+    model: ModelSource
+    replicas: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Replica count (default 1). Leave unset with autoscaling: the autoscaler owns it.",
+    )
+    autoscaling: Autoscaling | None = None
+    resources: Resources = Field(default_factory=Resources, json_schema_extra={"default": {}})
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, json_schema_extra={"default": {}})
+    oom_policy: OOMPolicy = Field(default_factory=OOMPolicy, json_schema_extra={"default": {}})
+    image: str | None = Field(None, max_length=512, description="Runtime image; the operator's --image by default.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    node_selector: dict[str, str] | None = Field(None, description="Extra node labels the pods require.")
+    tolerations: list[Toleration] | None = Field(None, max_length=64)
+    affinity: dict[str, Any] | None = Field(None, description="core/v1 Affinity, passed through as written.")
+    priority_class_name: str | None = Field(None, max_length=253)
+    env: list[EnvVar] | None = Field(None, max_length=128, description="Extra environment for the runtime.")
+    extra_args: list[str] | None = Field(
+        None, max_length=64, description="Extra `kvpilot serve` flags, appended after --config."
+    )
+
+    def effective_gpus(self) -> int:
+        return self.resources.gpus
+
+    def check(self) -> list[str]:
+        """The CEL rules, in Python: messages for every rule this spec breaks (create rules excluded)."""
+        problems: list[str] = []
+        if not re.match(SOURCE_PATTERN, self.model.source):
+            problems.append(SOURCE_HELP)
+        if self.model.hf_token_secret is not None and not self.model.source.startswith("hf://"):
+            problems.append("spec.model.hfTokenSecret is only used with hf:// sources")
+        a = self.autoscaling
+        if a is not None:
+            if a.min_replicas > a.max_replicas:
+                problems.append("spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas")
+            if a.metrics_source == "prometheus" and a.prometheus is None:
+                problems.append("spec.autoscaling.prometheus is required when metricsSource is prometheus")
+        tp = self.runtime.tensor_parallel_size
+        if tp and self.resources.gpus and self.resources.gpus % tp:
+            problems.append("spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize")
+        return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+# ---------------------------------------------------------------------------------------------
+
+ConditionType = Literal["Ready", "Progressing", "Degraded", "ScalingLimited"]
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition."""
+
+    type: str = Field(max_length=64, description="Ready, Progressing, Degraded or ScalingLimited.")
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=128, description="CamelCase reason.")
+    message: str = Field("", max_length=4096, description="What happened, for a person.")
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class DecisionMetrics(_Model):
+    """The metrics a scaling decision was based on."""
+
+    kv_cache_usage: float | None = Field(None, alias="kvCacheUsage")
+    queue_depth: float | None = None
+    ready_replicas: int | None = None
+    reporting: int | None = Field(None, description="Replicas whose metrics were read.")
+
+
+class ScalingDecision(_Model):
+    """The autoscaler's last decision."""
+
+    time: datetime | None = None
+    from_replicas: int | None = None
+    to_replicas: int | None = None
+    reason: str | None = Field(None, max_length=1024)
+    metrics: DecisionMetrics | None = None
+
+
+class HistoryEntry(_Model):
+    """One past recommendation."""
+
+    time: datetime
+    replicas: int
+
+
+class AutoscalerStatus(_Model):
+    """Written by the autoscaler (field manager kvpilot-autoscaler), never by the operator."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    last_decision: ScalingDecision | None = None
+    history: list[HistoryEntry] | None = Field(None, max_length=10000)
+    last_scale_time: datetime | None = None
+
+
+class OOMOverrides(_Model):
+    """The adapted runtime settings currently in force (they cap spec.runtime)."""
+
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+class OOMAdaptation(_Model):
+    """What the operator changed after out-of-memory kills (spec.oomPolicy.adapt)."""
+
+    count: int = Field(0, ge=0, description="Adaptations so far.")
+    last_time: datetime | None = None
+    changes: dict[str, str] | None = Field(None, description='The last step, field -> "old -> new".')
+    overrides: OOMOverrides | None = None
+    runtime_hash: str | None = Field(
+        None, description="Hash of spec.runtime and spec.oomPolicy the overrides were made for; a spec change resets them."
+    )
+
+
+class InferenceModelStatus(_Model):
+    """Observed state of an InferenceModel."""
+
+    observed_generation: int | None = None
+    replicas: int | None = Field(None, description="Pods of this model (scale subresource statusReplicasPath).")
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    selector: str | None = Field(None, description="Label selector of the pods (scale subresource).")
+    endpoint: str | None = Field(None, description="OpenAI-compatible base URL inside the cluster.")
+    conditions: list[Condition] | None = Field(
+        None,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    kv_cache_usage: str | None = Field(None, alias="kvCacheUsage", description='Mean KV-cache usage, e.g. "42%".')
+    autoscaler: AutoscalerStatus | None = None
+    oom_adaptation: OOMAdaptation | None = Field(None, alias="oomAdaptation")
+
+
+class InferenceModel(_Model):
+    """kvpilot.dev/v1alpha1 InferenceModel: one model served by N replicas behind a Service."""
+
+    api_version: str = API_VERSION
+    kind: str = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: InferenceModelSpec
+    status: InferenceModelStatus = Field(default_factory=InferenceModelStatus)
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.metadata.get("namespace") or "default")
+
+    @property
+    def uid(self) -> str:
+        return str(self.metadata.get("uid", ""))
+
+    @property
+    def generation(self) -> int:
+        return int(self.metadata.get("generation") or 0)
