@@ -1,0 +1,228 @@
+"""The control loop: a thin I/O shell around the pure policy.
+
+Every interval, for each InferenceModel with spec.autoscaling: list its Ready pods, collect samples
+from the model's metric source, read the policy's history back from status, call policy.decide(),
+then (scale-down only) mark the least-loaded pods cheapest to delete, write spec.replicas through the
+scale subresource, record status.autoscaler and status.kvCacheUsage, and emit an Event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvpilot.autoscaler.election import AlwaysLeader, is_leader
+from kvpilot.autoscaler.kube import DELETION_COST, KubeApi, Obj
+from kvpilot.autoscaler.policy import Decision, decide
+from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.sources import MetricSource, ModelRef, PodScrapeSource, PodTarget, PrometheusSource
+from kvpilot.autoscaler.spec import Behavior, ScalingTargets
+from kvpilot.autoscaler.state import decision_to_status, history_from_status, kv_cache_usage_text
+
+log = logging.getLogger(__name__)
+
+MODEL_LABEL = "kvpilot.dev/model"
+RUNTIME_PORT = 8000
+# A ready pod that did not report is never cheap to delete: it is not known to be idle.
+UNKNOWN_LOAD_COST = 1_000_000
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    namespace: str | None = None  # None: all namespaces
+    interval_s: float = 15.0
+    default_metrics_source: str = "pods"  # used when a spec leaves metricsSource out
+    prometheus_url: str | None = None  # used when spec.autoscaling.prometheus.url is not set
+    behavior: Behavior = field(default_factory=Behavior)
+    pod_port: int = RUNTIME_PORT
+    scrape_timeout_s: float = 2.0
+    max_concurrent_models: int = 8
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    namespace: str
+    name: str
+    decision: Decision
+    scaled: bool
+    event_reason: str | None
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    status = pod.get("status") or {}
+    if not status.get("podIP"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def condition_is_true(status: Mapping[str, Any], cond_type: str) -> bool:
+    return any(
+        c.get("type") == cond_type and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+
+
+def deletion_costs(pods: Sequence[str], snapshot: MetricsSnapshot) -> dict[str, int]:
+    """pod -> pod-deletion-cost: the least loaded pod gets the lowest cost, so the ReplicaSet deletes
+    it first. Load is in-flight requests plus KV use; pods that did not report get the highest cost."""
+    by_pod = {s.pod: s for s in snapshot.samples}
+    costs: dict[str, int] = {}
+    for name in pods:
+        sample = by_pod.get(name)
+        costs[name] = (
+            UNKNOWN_LOAD_COST if sample is None else min(UNKNOWN_LOAD_COST - 1, round(sample.load * 100))
+        )
+    return costs
+
+
+def hold_kind(decision: Decision) -> str | None:
+    """Why a hold is worth an Event (None: a plain, uneventful hold)."""
+    if decision.desired != decision.current:
+        return None
+    if decision.ready and decision.reporting == 0:
+        return "no-metrics"
+    if decision.reporting < decision.ready:
+        return "not-reporting"
+    if any(n.startswith("ScalingLimited") for n in decision.notes):
+        return "scaling-limited"
+    if decision.recommendation != decision.current:
+        return "stabilization"
+    return None
+
+
+class Controller:
+    def __init__(
+        self,
+        api: KubeApi,
+        config: ControllerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        elector: Any = None,
+        pod_source: MetricSource | None = None,
+        prometheus_factory: Callable[[str, str | None, str | None], MetricSource] | None = None,
+    ) -> None:
+        self.api = api
+        self.config = config or ControllerConfig()
+        self.clock = clock
+        self.elector = elector or AlwaysLeader()
+        self._pod_source = pod_source
+        self._prometheus_factory = prometheus_factory or (
+            lambda url, kvq, qq: PrometheusSource(url, kv_query=kvq, queue_query=qq)
+        )
+        self._prometheus: dict[tuple[str, str | None, str | None], MetricSource] = {}
+
+    def _source_for(self, autoscaling: Mapping[str, Any]) -> MetricSource:
+        kind = autoscaling.get("metricsSource") or self.config.default_metrics_source
+        if kind == "prometheus":
+            prom = autoscaling.get("prometheus") or {}
+            url = prom.get("url") or self.config.prometheus_url
+            if not url:
+                raise ValueError(
+                    "metricsSource is prometheus but neither spec.autoscaling.prometheus.url "
+                    "nor --prometheus-url is set"
+                )
+            key = (url, prom.get("kvQuery"), prom.get("queueQuery"))
+            if key not in self._prometheus:
+                self._prometheus[key] = self._prometheus_factory(*key)
+            return self._prometheus[key]
+        if self._pod_source is None:
+            self._pod_source = PodScrapeSource(timeout_s=self.config.scrape_timeout_s)
+        return self._pod_source
+
+    async def sync_model(self, obj: Obj) -> SyncResult | None:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        autoscaling = spec.get("autoscaling")
+        if not autoscaling:
+            return None
+        ns, name = meta["namespace"], meta["name"]
+        targets = ScalingTargets.from_spec(autoscaling, self.config.behavior)
+        replicas = spec.get("replicas")
+        # The operator renders minReplicas while spec.replicas is unset; that is the current size.
+        current = int(replicas) if replicas is not None else targets.min_replicas
+
+        pods = await self.api.list_pods(ns, f"{MODEL_LABEL}={name}")
+        ready = [p for p in pods if pod_is_ready(p)]
+        pod_targets = [
+            PodTarget(p["metadata"]["name"], p["status"]["podIP"], self.config.pod_port) for p in ready
+        ]
+        served = (spec.get("model") or {}).get("servedName") or name
+        snapshot = await self._source_for(autoscaling).collect(ModelRef(ns, name, served), pod_targets)
+        snapshot = replace(snapshot, scaling_limited=condition_is_true(status, "ScalingLimited"))
+
+        previous = status.get("autoscaler") or {}
+        now = self.clock()
+        decision = decide(current, snapshot, targets, history_from_status(previous), now)
+
+        event_reason: str | None = None
+        if decision.desired < current:
+            await self._mark_deletion_costs(ns, ready, snapshot)
+        if decision.desired != current:
+            await self.api.patch_scale(ns, name, decision.desired)
+            event_reason = "ScaledUp" if decision.desired > current else "ScaledDown"
+            log.info("%s/%s: %d -> %d: %s", ns, name, current, decision.desired, decision.reason)
+        block = decision_to_status(decision, now, previous)
+        kind = hold_kind(decision)
+        if kind:
+            block["heldKind"] = kind
+            if previous.get("heldKind") != kind:
+                event_reason = "ScalingHeld"
+        await self.api.patch_status(
+            ns, name, {"autoscaler": block, "kvCacheUsage": kv_cache_usage_text(decision.avg_kv_cache_usage)}
+        )
+        if event_reason:
+            etype = "Warning" if kind in ("no-metrics", "not-reporting", "scaling-limited") else "Normal"
+            try:
+                await self.api.create_event(ns, obj, event_reason, decision.reason, etype)
+            except Exception as exc:  # an Event is best effort; the scale already happened
+                log.warning("%s/%s: could not record Event %s: %s", ns, name, event_reason, exc)
+        return SyncResult(ns, name, decision, decision.desired != current, event_reason)
+
+    async def _mark_deletion_costs(self, ns: str, ready: Sequence[Obj], snapshot: MetricsSnapshot) -> None:
+        costs = deletion_costs([p["metadata"]["name"] for p in ready], snapshot)
+        for pod in ready:
+            pod_name = pod["metadata"]["name"]
+            value = str(costs[pod_name])
+            if (pod["metadata"].get("annotations") or {}).get(DELETION_COST) != value:
+                await self.api.annotate_pod(ns, pod_name, {DELETION_COST: value})
+
+    async def sync_all(self) -> list[SyncResult]:
+        models = await self.api.list_models(self.config.namespace)
+        limit = asyncio.Semaphore(self.config.max_concurrent_models)
+
+        async def one(obj: Obj) -> SyncResult | None:
+            async with limit:
+                try:
+                    return await self.sync_model(obj)
+                except Exception:
+                    meta = obj.get("metadata") or {}
+                    log.exception("%s/%s: sync failed", meta.get("namespace"), meta.get("name"))
+                    return None
+
+        results = await asyncio.gather(*(one(m) for m in models))
+        return [r for r in results if r is not None]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sync every interval while leader, until stop is set."""
+        while not stop.is_set():
+            started = time.monotonic()
+            if is_leader(self.elector):
+                try:
+                    await self.sync_all()
+                except Exception:
+                    log.exception("listing InferenceModels failed; retrying next interval")
+            delay = max(0.0, self.config.interval_s - (time.monotonic() - started))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+
+    async def close(self) -> None:
+        sources = [*self._prometheus.values(), *([self._pod_source] if self._pod_source else [])]
+        for s in sources:
+            await s.close()

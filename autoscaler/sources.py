@@ -1,0 +1,297 @@
+"""Metric sources: where per-replica KV use and queue depth come from.
+
+Two plug-ins share one interface (``MetricSource.collect``):
+- PodScrapeSource: GET each Ready pod's /metrics (Prometheus text format) directly.
+- PrometheusSource: instant queries against the Prometheus HTTP API, grouped by pod.
+
+Both understand kvpilot's metric names and vLLM's. A pod that does not answer, answers with an error,
+or lacks either metric is "not reporting": it gets no sample, and the policy holds its share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+# In order of preference: the first family a pod exports wins.
+KV_METRICS = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+WAITING_METRICS = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
+RUNNING_METRICS = ("kvpilot_num_requests_running", "vllm:num_requests_running")
+
+DEFAULT_KV_QUERY = (
+    'max by (pod) (kvpilot_kv_cache_usage_ratio{namespace="{namespace}",model_name="{model}"}'
+    ' or vllm:kv_cache_usage_perc{namespace="{namespace}",model_name="{model}"}'
+    ' or vllm:gpu_cache_usage_perc{namespace="{namespace}",model_name="{model}"})'
+)
+DEFAULT_QUEUE_QUERY = (
+    'sum by (pod) (kvpilot_num_requests_waiting{namespace="{namespace}",model_name="{model}"}'
+    ' or vllm:num_requests_waiting{namespace="{namespace}",model_name="{model}"})'
+)
+DEFAULT_RUNNING_QUERY = (
+    'sum by (pod) (kvpilot_num_requests_running{namespace="{namespace}",model_name="{model}"}'
+    ' or vllm:num_requests_running{namespace="{namespace}",model_name="{model}"})'
+)
+
+
+@dataclass(frozen=True)
+class PodTarget:
+    """A Ready pod of the model, as the controller saw it."""
+
+    name: str
+    ip: str
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    namespace: str
+    name: str  # the InferenceModel's name
+    served_name: str  # the model_name label value the runtime exports
+
+
+class MetricSource(Protocol):
+    async def collect(self, model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
+        """Samples for the pods that answered; len(pods) is the ready count."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MetricsParseError(ValueError):
+    pass
+
+
+def _series(
+    values: Mapping[str, list[tuple[dict[str, str], float]]], names: Iterable[str], model: str | None
+) -> list[float] | None:
+    """Finite values of the first metric family present, restricted to the model's series if any match."""
+    for name in names:
+        series = values.get(name)
+        if not series:
+            continue
+        matching = [v for labels, v in series if model is not None and labels.get("model_name") == model]
+        # The pod was selected by the model's label already: a served name that differs from the
+        # InferenceModel's (vLLM's HF path, say) still belongs to it.
+        chosen = matching or [v for _, v in series]
+        finite = [v for v in chosen if math.isfinite(v)]
+        return finite or None
+    return None
+
+
+def parse_metrics_text(text: str, pod: str, model: str | None = None) -> ReplicaSample | None:
+    """A replica's sample from its /metrics page, or None when KV use or queue depth is missing.
+
+    Raises MetricsParseError when the page is not Prometheus text format.
+    """
+    wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS)
+    values: dict[str, list[tuple[dict[str, str], float]]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in wanted:
+                    values.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"{pod}: not Prometheus text format: {exc}") from exc
+    kv = _series(values, KV_METRICS, model)
+    waiting = _series(values, WAITING_METRICS, model)
+    if kv is None or waiting is None:
+        return None
+    running = _series(values, RUNNING_METRICS, model) or [0.0]
+    return ReplicaSample(
+        pod=pod,
+        # A ratio: several series (one per engine, say) are averaged; counts are summed.
+        kv_cache_usage=min(1.0, max(0.0, sum(kv) / len(kv))),
+        num_waiting=max(0, round(sum(waiting))),
+        num_running=max(0, round(sum(running))),
+    )
+
+
+class PodScrapeSource:
+    """Scrape http://POD_IP:PORT/metrics of every Ready pod, concurrently, each with a timeout."""
+
+    def __init__(
+        self,
+        timeout_s: float = 2.0,
+        path: str = "/metrics",
+        session: aiohttp.ClientSession | None = None,
+        max_concurrency: int = 32,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.path = path
+        self._session = session
+        self._own_session = session is None
+        self._limit = asyncio.Semaphore(max_concurrency)
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers={"User-Agent": "kvpilot-autoscaler"},
+            )
+        return self._session
+
+    async def scrape(self, model: ModelRef, pod: PodTarget) -> ReplicaSample | None:
+        url = f"http://{pod.ip}:{pod.port}{self.path}"
+        try:
+            async with (
+                self._limit,
+                self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp,
+            ):
+                if resp.status != 200:
+                    log.info(
+                        "%s/%s: %s answered %d; not reporting",
+                        model.namespace,
+                        pod.name,
+                        url,
+                        resp.status,
+                    )
+                    return None
+                text = await resp.text()
+            sample = parse_metrics_text(text, pod.name, model.served_name)
+        except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
+            log.info(
+                "%s/%s: scrape failed (%s); not reporting",
+                model.namespace,
+                pod.name,
+                exc or type(exc).__name__,
+            )
+            return None
+        if sample is None:
+            log.info("%s/%s: no KV/queue metrics at %s; not reporting", model.namespace, pod.name, url)
+        return sample
+
+    async def collect(self, model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
+        results = await asyncio.gather(*(self.scrape(model, p) for p in pods))
+        return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(s for s in results if s is not None))
+
+    async def close(self) -> None:
+        if self._session is not None and self._own_session:
+            await self._session.close()
+        self._session = None
+
+
+def render_query(template: str, namespace: str, model: str) -> str:
+    """Fill {namespace} and {model} in a PromQL template (plain replacement: PromQL uses braces too)."""
+
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"')
+
+    return template.replace("{namespace}", esc(namespace)).replace("{model}", esc(model))
+
+
+class PrometheusQueryError(RuntimeError):
+    pass
+
+
+def parse_query_response(body: Any, label: str = "pod") -> dict[str, float]:
+    """Map pod -> value from an /api/v1/query vector response; NaN values are dropped."""
+    if not isinstance(body, dict) or body.get("status") != "success":
+        err = body.get("error") if isinstance(body, dict) else None
+        raise PrometheusQueryError(f"query failed: {err or body!r}")
+    data = body.get("data") or {}
+    if data.get("resultType") != "vector":
+        raise PrometheusQueryError(f"expected an instant vector, got {data.get('resultType')!r}")
+    out: dict[str, float] = {}
+    for item in data.get("result") or []:
+        pod = (item.get("metric") or {}).get(label)
+        try:
+            value = float(item["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if pod and math.isfinite(value):
+            out[pod] = out.get(pod, 0.0) + value
+    return out
+
+
+class PrometheusSource:
+    """Ask Prometheus for per-pod KV use and queue depth of the model's Ready pods.
+
+    Series for pods that are not Ready (terminated pods linger for the 5-minute lookback) are ignored.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        kv_query: str | None = None,
+        queue_query: str | None = None,
+        running_query: str | None = DEFAULT_RUNNING_QUERY,
+        timeout_s: float = 5.0,
+        session: aiohttp.ClientSession | None = None,
+        pod_label: str = "pod",
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.kv_query = kv_query or DEFAULT_KV_QUERY
+        self.queue_query = queue_query or DEFAULT_QUEUE_QUERY
+        self.running_query = running_query
+        self.timeout_s = timeout_s
+        self.pod_label = pod_label
+        self._session = session
+        self._own_session = session is None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers={"User-Agent": "kvpilot-autoscaler"},
+            )
+        return self._session
+
+    async def query(self, promql: str) -> dict[str, float]:
+        async with self._get_session().get(
+            f"{self.url}/api/v1/query",
+            params={"query": promql},
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        ) as resp:
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError as exc:
+                raise PrometheusQueryError(f"HTTP {resp.status}: not JSON") from exc
+            if resp.status != 200 and not isinstance(body, dict):
+                raise PrometheusQueryError(f"HTTP {resp.status}")
+            return parse_query_response(body, self.pod_label)
+
+    async def collect(self, model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
+        queries = [self.kv_query, self.queue_query]
+        if self.running_query:
+            queries.append(self.running_query)
+        rendered = [render_query(q, model.namespace, model.served_name) for q in queries]
+        try:
+            results = await asyncio.gather(*(self.query(q) for q in rendered))
+        except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
+            log.warning(
+                "%s/%s: Prometheus at %s failed (%s); no replica reporting",
+                model.namespace,
+                model.name,
+                self.url,
+                exc or type(exc).__name__,
+            )
+            return MetricsSnapshot(ready_replicas=len(pods))
+        kv, waiting = results[0], results[1]
+        running = results[2] if len(results) > 2 else {}
+        samples = []
+        for p in pods:
+            if p.name in kv and p.name in waiting:
+                samples.append(
+                    ReplicaSample(
+                        pod=p.name,
+                        kv_cache_usage=min(1.0, max(0.0, kv[p.name])),
+                        num_waiting=max(0, round(waiting[p.name])),
+                        num_running=max(0, round(running.get(p.name, 0.0))),
+                    )
+                )
+        return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples))
+
+    async def close(self) -> None:
+        if self._session is not None and self._own_session:
+            await self._session.close()
+        self._session = None
