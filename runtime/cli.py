@@ -1,0 +1,194 @@
+"""`kvpilot serve [MODEL]`: flags, `--config FILE`, and the serving process.
+
+Precedence: EngineConfig defaults < the `--config` YAML file < flags given on the command line.
+Every flag defaults to "not given" (argparse.SUPPRESS), so only what the user typed overrides the
+file. Invalid settings print a message naming the field and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kvpilot.runtime.config import EngineConfig
+from pydantic import ValidationError
+
+log = logging.getLogger("kvpilot.serve")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'536870912', '512MiB', '2GiB', '1.5G' -> bytes (argparse type: errors name the flag)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a suffix like 512MiB, 2GiB, 1.5GB"
+        )
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be positive")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    s = argparse.SUPPRESS
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=s,
+        help="builtin name (default smollm2-135m-instruct), a .gguf file or a Hugging Face-style directory",
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", default=s, help="YAML settings (flags given here override it)"
+    )
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=s, help="address to listen on (default 0.0.0.0)")
+    g.add_argument("--port", type=int, default=s, help="port to listen on (default 8000)")
+    g.add_argument("--served-model-name", default=s, help="model name clients use (default: from MODEL)")
+    g.add_argument(
+        "--api-key", default=s, help="require 'Authorization: Bearer KEY' on /v1/* (or KVPILOT_API_KEY)"
+    )
+    g.add_argument(
+        "--max-queue-len", type=_positive_int, default=s, help="waiting requests beyond this get 429"
+    )
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=s, help="seconds in-flight requests get on SIGTERM"
+    )
+    e = parser.add_argument_group("engine")
+    e.add_argument("--device", choices=["auto", "cpu", "cuda"], default=s)
+    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=s)
+    e.add_argument(
+        "--max-model-len", type=_positive_int, default=s, help="context length (default: the model's)"
+    )
+    e.add_argument("--max-num-seqs", type=_positive_int, default=s, help="sequences per batch")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=s, help="token budget per step")
+    e.add_argument("--block-size", type=_positive_int, default=s, help="tokens per KV block")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default=s)
+    e.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=s, metavar="BYTES", help="KV pool size, e.g. 2GiB"
+    )
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=s)
+    e.add_argument("--tensor-parallel-size", type=_positive_int, default=s)
+    e.add_argument("--gpu-memory-utilization", type=float, default=s)
+    e.add_argument("--threads", type=_positive_int, default=s, help="torch threads on CPU")
+    e.add_argument("--seed", type=int, default=s)
+    e.add_argument("--enforce-eager", action="store_true", default=s, help="disable CUDA graphs")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+_NOT_CONFIG = {"config", "log_level", "_run", "command"}
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    """Defaults < --config file < explicit flags. Raises ValueError with a message naming the field."""
+    data: dict[str, Any] = {}
+    config_path = getattr(args, "config", None)
+    if config_path:
+        try:
+            loaded = yaml.safe_load(Path(config_path).read_text())
+        except OSError as e:
+            raise ValueError(f"--config {config_path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {config_path}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {config_path}: expected a mapping of settings at the top level")
+        data.update(loaded)
+    flags = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    data.update(flags)
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(_describe(e, config_path, set(flags))) from None
+
+
+def _describe(e: ValidationError, config_path: str | None, from_flags: set[str]) -> str:
+    lines = []
+    for err in e.errors(include_url=False):
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        top = str(err["loc"][0]) if err["loc"] else ""
+        if top in from_flags:
+            where = f"--{top.replace('_', '-')}"
+        elif config_path:
+            where = f"{config_path}: {field}"
+        else:
+            where = field
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        lines.append(f"invalid setting {where}: {msg}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = build_config(args)
+        api_key = cfg.resolved_api_key()
+    except (ValueError, OSError) as e:
+        print(f"kvpilot serve: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(cfg, api_key))
+
+
+async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
+    from kvpilot.runtime.lifecycle import serve
+    from kvpilot.runtime.server import OpenAIServer, ServerSettings
+
+    settings = ServerSettings(
+        model_name=cfg.model_name, api_key=api_key, shutdown_timeout=cfg.shutdown_timeout
+    )
+    server = OpenAIServer(settings)
+
+    def load() -> Any:
+        if cfg.threads is not None:
+            import torch
+
+            torch.set_num_threads(cfg.threads)
+        from kvpilot.runtime.engine import AsyncEngine
+
+        return AsyncEngine.from_config(cfg)
+
+    log.info("loading model %s (device=%s, dtype=%s)", cfg.model, cfg.device, cfg.dtype)
+    return await serve(server, cfg.host, cfg.port, load_engine=load, shutdown_timeout=cfg.shutdown_timeout)

@@ -1,0 +1,192 @@
+"""Prometheus metrics of one server, with the names DESIGN.md fixes (label `model_name` on each).
+
+Two sources: the server counts what it sees per request (tokens, finished requests, latencies),
+and engine-side values (KV usage, running/waiting, preemptions, prefix cache, OOM recoveries) are
+read from `engine.stats()` when Prometheus scrapes, so they are always current. While no engine is
+attached (the model is still loading) the engine-side series are absent, not zero: the autoscaler
+treats a missing metric as "hold", and a zero as a real reading.
+
+Each server gets its own `CollectorRegistry`, so tests (or two servers in one process) don't clash.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+QUEUE_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
+# (metric name, help, EngineStats attribute)
+ENGINE_GAUGES = (
+    ("kvpilot_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
+    ("kvpilot_num_requests_running", "Requests (sequences) in the running batch.", "num_running"),
+    ("kvpilot_num_requests_waiting", "Requests (sequences) waiting to be scheduled.", "num_waiting"),
+)
+ENGINE_COUNTERS = (
+    ("kvpilot_num_preemptions_total", "Sequences preempted for lack of KV blocks.", "num_preemptions"),
+    (
+        "kvpilot_prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_queries",
+    ),
+    ("kvpilot_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("kvpilot_oom_recoveries_total", "Out-of-memory conditions recovered from.", "oom_recoveries"),
+)
+
+StatsSource = Callable[[], Any]
+
+
+class EngineStatsCollector(Collector):
+    """Reads `stats()` at scrape time and reports its values under the contract names."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.source: StatsSource | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        try:
+            stats = self.source()
+        except Exception:  # a scrape must never take the server down
+            log.exception("engine stats unavailable")
+            return
+        for name, help_text, attr in ENGINE_GAUGES:
+            value = getattr(stats, attr, None)
+            if value is not None:
+                g = GaugeMetricFamily(name, help_text, labels=["model_name"])
+                g.add_metric([self.model_name], float(value))
+                yield g
+        for name, help_text, attr in ENGINE_COUNTERS:
+            value = getattr(stats, attr, None)
+            if value is not None:
+                c = CounterMetricFamily(name, help_text, labels=["model_name"])
+                c.add_metric([self.model_name], float(value))
+                yield c
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._engine = EngineStatsCollector(model_name)
+        self.registry.register(self._engine)
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter(
+            "kvpilot_prompt_tokens", "Prompt tokens received (once per prompt).", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "kvpilot_generation_tokens", "Tokens generated and delivered to clients.", labels, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            "kvpilot_request_success",
+            "Finished generations (one per choice) by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvpilot_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "kvpilot_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one sequence.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "kvpilot_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "kvpilot_request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            labels,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+
+    def attach_engine(self, stats: StatsSource | None) -> None:
+        """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable."""
+        self._engine.source = stats
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

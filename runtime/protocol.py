@@ -1,0 +1,598 @@
+"""The OpenAI-compatible API surface: request models, validation, conversion to `SamplingParams`,
+and the response/chunk bodies.
+
+Requests are pydantic models in strict mode (a string where a number belongs is an error, not a
+coercion). Every rejection is an `APIError` whose message names the parameter, so a client can act
+on it. Responses are built as plain dicts by small functions: the streaming path builds one per
+token, and dicts keep the exact OpenAI shapes (explicit nulls included) without a model round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
+
+from kvpilot.runtime.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_LOGPROBS = 20
+MAX_CHOICES = 1024  # n * number of prompts in one request
+# Logprobs can be -inf in float32; JSON has no infinity, so clamp like vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error the client sees as an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ChatTokenizer(Protocol):
+    """What the API layer needs from runtime/tokenizer.py's Tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# Body parsing
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"request body is not valid UTF-8 (byte offset {e.start})") from None
+    if not text.strip():
+        raise APIError("request body is empty; expected a JSON object")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(
+            f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError("request body must be a JSON object")
+    _reject_lone_surrogates(data, "")
+    return data
+
+
+def _reject_lone_surrogates(value: Any, path: str) -> None:
+    """JSON escapes like "\\ud800" decode to strings that are not valid Unicode; refuse them early."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(
+                f"{path or 'body'} contains an invalid Unicode escape (lone surrogate)", param=path or None
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _reject_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _reject_lone_surrogates(v, f"{path}[{i}]")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+def _loc_to_param(loc: Sequence[int | str]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; drops pydantic's union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper() or not part.replace("_", "a").isalnum():
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error_to_api(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    param = _loc_to_param(err["loc"])
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if err["type"] == "missing":
+        return APIError(f"'{param}' is a required parameter", param=param)
+    if err["type"] == "extra_forbidden":
+        return APIError(f"unrecognized parameter '{param}'", param=param)
+    return APIError(f"invalid value for '{param}': {msg}", param=param)
+
+
+# ----------------------------------------------------------------------------------------------
+# Requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # accepted for vLLM compatibility; usage comes at the end
+
+
+class _SamplingFields(_Strict):
+    """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI plus vLLM extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def check_model(self, served_name: str) -> None:
+        if self.model is not None and self.model != served_name:
+            raise APIError(
+                f"The model '{self.model}' does not exist; this server serves '{served_name}'.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise APIError("'logit_bias' is not supported", param="logit_bias")
+        if not 1 <= self.n <= 128:
+            raise APIError(f"'n' must be between 1 and 128, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise APIError("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+
+    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """Validate against the prompt's length and build the engine's parameters (n is kept)."""
+        max_tokens, mt_param = self._requested_max_tokens()
+        prompt_param = "messages" if isinstance(self, ChatCompletionRequest) else "prompt"
+        if prompt_len >= max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
+                param=prompt_param,
+            )
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_len  # vLLM's default: whatever fits
+        elif max_tokens < 1:
+            raise APIError(f"'{mt_param}' must be at least 1, got {max_tokens}", param=mt_param)
+        elif prompt_len + max_tokens > max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
+                f"completion). Please reduce the prompt or '{mt_param}'.",
+                param=mt_param,
+            )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=self._logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            msg = str(e)
+            param = msg.split()[0]
+            if param == "max_tokens":
+                param = mt_param
+            elif param == "logprobs" and isinstance(self, ChatCompletionRequest):
+                param = "top_logprobs"
+            raise APIError(
+                f"'{param}' {msg[len(param) + 1 :]}" if msg.startswith(param) else msg, param=param
+            ) from None
+        return params
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked in token_prompts()
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def validate_request(self) -> None:
+        self._check_common()
+        self.prompt_list()
+        if self.suffix:
+            raise APIError("'suffix' is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("'best_of' is not supported (use 'n')", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", param="logprobs"
+            )
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo"
+            )
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts as given: each is text or token ids. Each becomes n choices."""
+        p = self.prompt
+        if p is None:
+            raise APIError("'prompt' is a required parameter", param="prompt")
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            prompts = list(p)
+        elif isinstance(p, list) and p and all(_is_token_id(x) for x in p):
+            prompts = [list(p)]
+        elif (
+            isinstance(p, list)
+            and p
+            and all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in p)
+        ):
+            prompts = [list(x) for x in p]
+        elif isinstance(p, list) and not p:
+            raise APIError("'prompt' must not be empty", param="prompt")
+        else:
+            raise APIError(
+                "'prompt' must be a string, a list of strings, a list of token ids "
+                "or a list of lists of token ids",
+                param="prompt",
+            )
+        for i, one in enumerate(prompts):
+            if len(one) == 0:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise APIError(f"'{where}' must not be empty", param="prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(
+                f"too many choices: {len(prompts)} prompts x n={self.n} exceeds {MAX_CHOICES}", param="n"
+            )
+        return prompts
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class TextContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            if self.role == "assistant":
+                return ""
+            raise APIError(
+                f"'messages[{index}].content' is required for role '{self.role}'",
+                param=f"messages[{index}].content",
+            )
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    f"'messages[{index}].content[{j}]': only text content parts are supported, "
+                    f"got type '{part.type}'",
+                    param=f"messages[{index}].content[{j}].type",
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+
+    def validate_request(self) -> None:
+        self._check_common()
+        if not self.messages:
+            raise APIError("'messages' must be a non-empty list", param="messages")
+        if self.tools or self.functions:
+            param = "tools" if self.tools else "functions"
+            raise APIError(f"'{param}' (tool/function calling) is not supported by this server", param=param)
+        for param, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
+            if value not in (None, "none"):
+                raise APIError(f"'{param}' is not supported by this server", param=param)
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(
+                f"'response_format' type '{self.response_format.type}' is not supported "
+                "(no guided decoding); use 'text' or leave it out",
+                param="response_format",
+            )
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
+
+    def _requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+    data = parse_json_body(body)
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_api(e) from None
+    req.validate_request()
+    return req
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    req: CompletionRequest = parse_request(body, CompletionRequest)
+    return req
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    req: ChatCompletionRequest = parse_request(body, ChatCompletionRequest)
+    return req
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> None:
+    limit = vocab_size if vocab_size is not None else float("inf")
+    bad = [t for t in ids if not 0 <= t < limit]
+    if bad:
+        raise APIError(f"'{param}' contains token id {bad[0]} outside the vocabulary", param=param)
+
+
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """Each of the n choices is its own engine request: n=1, and seed+choice so they differ."""
+    seed = None if params.seed is None else params.seed + choice
+    return replace(params, n=1, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def clamp_logprob(lp: float) -> float:
+    return lp if lp >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def completion_body(
+    request_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
+
+
+def completion_choice(
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_body(
+    request_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None,
+    chunk: bool = False,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chunk else "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
+
+
+def chat_choice(
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """How a token appears in logprobs: its text and its exact bytes."""
+
+    text: str
+    bytes: list[int]
+
+
+LogprobEntry = tuple[TokenText, float, list[tuple[TokenText, float]]]  # (token, logprob, top alternatives)
+
+
+def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int) -> dict[str, Any]:
+    """The legacy completions format; `text_offset` is where the first token's text starts."""
+    offsets = []
+    for tok, _, _ in entries:
+        offsets.append(text_offset)
+        text_offset += len(tok.text)
+    return {
+        "tokens": [tok.text for tok, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{t.text: v for t, v in top} for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": tok.text,
+                "logprob": lp,
+                "bytes": tok.bytes,
+                "top_logprobs": [{"token": t.text, "logprob": v, "bytes": t.bytes} for t, v in top],
+            }
+            for tok, lp, top in entries
+        ],
+        "refusal": None,
+    }
+
+
+def chat_chunk_choice(
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice

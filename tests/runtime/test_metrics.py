@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+from fake_engine import FakeEngine, FakeStats, LiveServer
+from kvpilot.runtime.metrics import ServerMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+CONTRACT = {
+    "kvpilot_kv_cache_usage_ratio": "gauge",
+    "kvpilot_num_requests_running": "gauge",
+    "kvpilot_num_requests_waiting": "gauge",
+    "kvpilot_num_preemptions": "counter",
+    "kvpilot_prefix_cache_queries": "counter",
+    "kvpilot_prefix_cache_hits": "counter",
+    "kvpilot_prompt_tokens": "counter",
+    "kvpilot_generation_tokens": "counter",
+    "kvpilot_request_success": "counter",
+    "kvpilot_oom_recoveries": "counter",
+    "kvpilot_time_to_first_token_seconds": "histogram",
+    "kvpilot_inter_token_latency_seconds": "histogram",
+    "kvpilot_e2e_request_latency_seconds": "histogram",
+    "kvpilot_request_queue_time_seconds": "histogram",
+}
+
+
+def scrape_text(text: str) -> dict[str, dict[str, float]]:
+    """family name -> {sample name + sorted labels: value}"""
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        samples = out.setdefault(fam.name, {})
+        samples["__type__"] = fam.type  # type: ignore[assignment]
+        for s in fam.samples:
+            key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("le",))
+            if "le" in s.labels:
+                continue
+            samples[key] = s.value
+    return out
+
+
+@pytest.fixture
+def live() -> Iterator[LiveServer]:
+    server = LiveServer(FakeEngine())
+    yield server
+    server.close()
+
+
+def get_metrics(live: LiveServer) -> tuple[str, str]:
+    with urllib.request.urlopen(live.url + "/metrics", timeout=10) as resp:
+        return resp.headers["Content-Type"], resp.read().decode()
+
+
+def test_contract_names_types_and_labels(live: LiveServer) -> None:
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    c.completions.create(model="fake-model", prompt="hello", max_tokens=5)
+    c.completions.create(model="fake-model", prompt="hello", max_tokens=50, stop=["STOP"])
+    ctype, text = get_metrics(live)
+    assert ctype.startswith("text/plain")
+    fams = scrape_text(text)
+    for name, kind in CONTRACT.items():
+        assert name in fams, name
+        assert fams[name]["__type__"] == kind, name
+    for fam in text_string_to_metric_families(text):
+        if fam.name.startswith("kvpilot_"):
+            for s in fam.samples:
+                assert s.labels.get("model_name") == "fake-model", s
+    prompt_len = len(FakeEngine().tokenizer.encode("hello"))
+    assert (
+        fams["kvpilot_prompt_tokens"]["kvpilot_prompt_tokens_total,model_name=fake-model"] == 2 * prompt_len
+    )
+    success = fams["kvpilot_request_success"]
+    assert success["kvpilot_request_success_total,finished_reason=length,model_name=fake-model"] == 1
+    assert success["kvpilot_request_success_total,finished_reason=stop,model_name=fake-model"] == 1
+    ttft = fams["kvpilot_time_to_first_token_seconds"]
+    assert ttft["kvpilot_time_to_first_token_seconds_count,model_name=fake-model"] == 2
+    assert (
+        fams["kvpilot_inter_token_latency_seconds"][
+            "kvpilot_inter_token_latency_seconds_count,model_name=fake-model"
+        ]
+        > 0
+    )
+    assert (
+        fams["kvpilot_request_queue_time_seconds"][
+            "kvpilot_request_queue_time_seconds_count,model_name=fake-model"
+        ]
+        == 2
+    )
+    stats = FakeStats()
+    assert fams["kvpilot_kv_cache_usage_ratio"]["kvpilot_kv_cache_usage_ratio,model_name=fake-model"] == (
+        stats.kv_cache_usage
+    )
+    assert fams["kvpilot_num_preemptions"]["kvpilot_num_preemptions_total,model_name=fake-model"] == 3
+    assert fams["kvpilot_prefix_cache_hits"]["kvpilot_prefix_cache_hits_total,model_name=fake-model"] == 40
+    assert fams["kvpilot_oom_recoveries"]["kvpilot_oom_recoveries_total,model_name=fake-model"] == 1
+
+
+def test_engine_metrics_live_and_absent_without_engine() -> None:
+    m = ServerMetrics("m")
+    text = m.render().decode()
+    assert "kvpilot_kv_cache_usage_ratio" not in text  # missing, never a fake zero
+    stats = FakeStats(kv_cache_usage=0.1)
+    m.attach_engine(lambda: stats)
+    assert 'kvpilot_kv_cache_usage_ratio{model_name="m"} 0.1' in m.render().decode()
+    stats.kv_cache_usage = 0.9
+    stats.num_waiting = 7
+    text = m.render().decode()
+    assert 'kvpilot_kv_cache_usage_ratio{model_name="m"} 0.9' in text
+    assert 'kvpilot_num_requests_waiting{model_name="m"} 7.0' in text
+
+
+def test_failing_stats_does_not_break_scrape() -> None:
+    m = ServerMetrics("m")
+
+    def broken() -> FakeStats:
+        raise RuntimeError("boom")
+
+    m.attach_engine(broken)
+    m.prompt_tokens.inc(3)
+    assert 'kvpilot_prompt_tokens_total{model_name="m"} 3.0' in m.render().decode()
+
+
+def test_separate_registries() -> None:
+    a, b = ServerMetrics("a"), ServerMetrics("b")
+    a.generation_tokens.inc(5)
+    assert 'kvpilot_generation_tokens_total{model_name="b"} 0.0' in b.render().decode()

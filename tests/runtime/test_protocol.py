@@ -1,0 +1,329 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from kvpilot.runtime.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_token_ids,
+    choice_params,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+
+def body(**kw: Any) -> bytes:
+    return json.dumps(kw).encode()
+
+
+def completion_error(raw: bytes) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_completion_request(raw)
+    return info.value
+
+
+def chat_error(raw: bytes) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_chat_request(raw)
+    return info.value
+
+
+def params_error(req: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_len: int) -> APIError:
+    with pytest.raises(APIError) as info:
+        req.to_sampling_params(prompt_len, max_len)
+    return info.value
+
+
+# -- body-level errors --------------------------------------------------------------------------
+
+
+def test_malformed_json() -> None:
+    e = completion_error(b'{"prompt": "hi",')
+    assert e.status == 400 and "not valid JSON" in e.message and e.type == "invalid_request_error"
+
+
+def test_invalid_utf8_body() -> None:
+    e = completion_error(b'{"prompt": "\xff\xfe"}')
+    assert e.status == 400 and "UTF-8" in e.message
+
+
+def test_lone_surrogate_escape() -> None:
+    e = completion_error(b'{"prompt": "bad \\ud800 char"}')
+    assert e.status == 400 and "surrogate" in e.message and e.param == "prompt"
+
+
+def test_empty_body_and_non_object() -> None:
+    assert "empty" in completion_error(b"").message
+    assert "JSON object" in completion_error(b"[1, 2]").message
+
+
+# -- wrong types ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "10"),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("temperature", "hot"),
+        ("n", "2"),
+        ("stream", "yes"),
+        ("stop", 5),
+        ("seed", 1.5),
+        ("logprobs", "3"),
+    ],
+)
+def test_wrong_types_name_the_parameter(field: str, value: Any) -> None:
+    e = completion_error(body(prompt="hi", **{field: value}))
+    assert e.status == 400
+    assert e.param == field
+    assert f"'{field}'" in e.message
+
+
+def test_wrong_prompt_type() -> None:
+    for prompt in (5, [1, "a"], [[1], "a"], {"x": 1}, [True, False]):
+        e = completion_error(body(prompt=prompt))
+        assert e.status == 400 and e.param == "prompt" and "'prompt' must be" in e.message
+
+
+def test_message_errors_have_a_path() -> None:
+    e = chat_error(body(messages=[{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]))
+    assert e.status == 400 and e.param == "messages[1].role"
+    e = chat_error(body(messages=[{"content": "hi"}]))
+    assert e.param == "messages[0].role" and "required" in e.message
+
+
+# -- empty inputs -------------------------------------------------------------------------------
+
+
+def test_missing_or_empty_prompt() -> None:
+    for raw in (body(), body(prompt=""), body(prompt=[]), body(prompt=[[]]), body(prompt=["ok", ""])):
+        with pytest.raises(APIError) as info:
+            parse_completion_request(raw).prompt_list()
+        assert info.value.status == 400 and info.value.param == "prompt"
+        assert "prompt" in info.value.message
+
+
+def test_empty_messages() -> None:
+    for raw in (body(messages=[]), body()):
+        e = chat_error(raw)
+        assert e.status == 400 and e.param == "messages" and "non-empty" in e.message
+
+
+def test_prompt_forms() -> None:
+    assert parse_completion_request(body(prompt="a")).prompt_list() == ["a"]
+    assert parse_completion_request(body(prompt=["a", "b"])).prompt_list() == ["a", "b"]
+    assert parse_completion_request(body(prompt=[1, 2])).prompt_list() == [[1, 2]]
+    assert parse_completion_request(body(prompt=[[1], [2, 3]])).prompt_list() == [[1], [2, 3]]
+
+
+# -- max_tokens and the context window -----------------------------------------------------------
+
+
+def test_max_tokens_defaults_to_remaining_context() -> None:
+    req = parse_completion_request(body(prompt="hi"))
+    assert req.to_sampling_params(prompt_len=10, max_model_len=100).max_tokens == 90
+
+
+def test_negative_and_zero_max_tokens() -> None:
+    for v in (0, -5):
+        e = params_error(parse_completion_request(body(prompt="hi", max_tokens=v)), 10, 100)
+        assert e.status == 400 and e.param == "max_tokens" and str(v) in e.message
+
+
+def test_prompt_plus_max_tokens_over_context_states_both_numbers() -> None:
+    e = params_error(parse_completion_request(body(prompt="hi", max_tokens=95)), 10, 100)
+    assert e.status == 400 and e.param == "max_tokens"
+    assert "100" in e.message and "105" in e.message and "10 in the prompt" in e.message
+    assert "95 in the completion" in e.message
+
+
+def test_absurd_max_tokens() -> None:
+    e = params_error(parse_completion_request(body(prompt="hi", max_tokens=10**12)), 10, 2048)
+    assert e.status == 400 and "2048" in e.message
+
+
+def test_prompt_alone_too_long() -> None:
+    e = params_error(parse_completion_request(body(prompt="hi")), 100, 100)
+    assert e.status == 400 and e.param == "prompt" and "100" in e.message
+    e = params_error(parse_chat_request(body(messages=[{"role": "user", "content": "x"}])), 120, 100)
+    assert e.param == "messages" and "120" in e.message
+
+
+def test_chat_max_completion_tokens_wins_and_is_named() -> None:
+    req = parse_chat_request(
+        body(messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7)
+    )
+    assert req.to_sampling_params(10, 100).max_tokens == 7
+    req = parse_chat_request(body(messages=[{"role": "user", "content": "x"}], max_completion_tokens=200))
+    assert params_error(req, 10, 100).param == "max_completion_tokens"
+
+
+# -- value ranges (SamplingParams.validate, reported with the parameter name) ---------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -3),
+        ("min_p", 1.5),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+    ],
+)
+def test_out_of_range_values(field: str, value: float) -> None:
+    e = params_error(parse_completion_request(body(prompt="hi", **{field: value})), 5, 100)
+    assert e.status == 400 and e.param == field and e.message.startswith(f"'{field}'")
+
+
+def test_min_tokens_over_max_tokens() -> None:
+    e = params_error(parse_completion_request(body(prompt="hi", max_tokens=5, min_tokens=6)), 5, 100)
+    assert e.param == "min_tokens"
+
+
+def test_n_and_logprobs_ranges() -> None:
+    assert completion_error(body(prompt="hi", n=0)).param == "n"
+    assert completion_error(body(prompt="hi", n=1000)).param == "n"
+    assert completion_error(body(prompt="hi", logprobs=21)).param == "logprobs"
+    e = chat_error(body(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=50))
+    assert e.param == "top_logprobs"
+    e = chat_error(body(messages=[{"role": "user", "content": "x"}], top_logprobs=2))
+    assert e.param == "top_logprobs" and "logprobs" in e.message
+
+
+def test_empty_stop_string_rejected() -> None:
+    e = completion_error(body(prompt="hi", stop=["ok", ""]))
+    assert e.param == "stop" and "empty" in e.message
+
+
+def test_negative_stop_token_ids() -> None:
+    assert completion_error(body(prompt="hi", stop_token_ids=[-1])).param == "stop_token_ids"
+
+
+def test_token_ids_checked_against_vocab() -> None:
+    check_token_ids([0, 5], 10, "prompt")
+    with pytest.raises(APIError) as info:
+        check_token_ids([0, 10], 10, "prompt")
+    assert "10" in info.value.message and info.value.param == "prompt"
+
+
+# -- unsupported features ------------------------------------------------------------------------
+
+
+def test_unsupported_features_are_400_with_param() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    cases = [
+        (body(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (body(messages=msgs, tool_choice="auto"), "tool_choice"),
+        (body(messages=msgs, response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
+        (body(messages=msgs, response_format={"type": "json_object"}), "response_format"),
+        (body(messages=msgs, logit_bias={"5": 1.0}), "logit_bias"),
+        (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), None),
+    ]
+    for raw, param in cases:
+        req_or_err: Any
+        try:
+            req_or_err = parse_chat_request(raw)
+            req_or_err.template_messages()
+            pytest.fail(f"accepted {raw!r}")
+        except APIError as e:
+            assert e.status == 400
+            if param:
+                assert e.param == param and "not supported" in e.message
+            else:
+                assert "only text content parts" in e.message
+    for raw, param in [
+        (body(prompt="x", suffix="y"), "suffix"),
+        (body(prompt="x", best_of=3), "best_of"),
+        (body(prompt="x", echo=True, logprobs=1), "echo"),
+        (body(prompt="x", stream_options={"include_usage": True}), "stream_options"),
+    ]:
+        assert completion_error(raw).param == param
+
+
+def test_accepted_chat_forms() -> None:
+    req = parse_chat_request(
+        body(
+            model="m",
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ],
+            response_format={"type": "text"},
+            tool_choice="none",
+            user="someone",
+            unknown_extra_field=1,
+        )
+    )
+    assert req.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+# -- model name and conversion --------------------------------------------------------------------
+
+
+def test_unknown_model_is_404() -> None:
+    req = parse_completion_request(body(prompt="x", model="gpt-4"))
+    with pytest.raises(APIError) as info:
+        req.check_model("smollm2")
+    e = info.value
+    assert e.status == 404 and e.code == "model_not_found" and "gpt-4" in e.message and e.param == "model"
+    parse_completion_request(body(prompt="x", model="smollm2")).check_model("smollm2")
+    parse_completion_request(body(prompt="x")).check_model("smollm2")  # model may be omitted
+
+
+def test_conversion_to_sampling_params() -> None:
+    req = parse_completion_request(
+        body(
+            prompt="x",
+            max_tokens=7,
+            temperature=0,
+            top_p=0.5,
+            top_k=4,
+            min_p=0.1,
+            n=3,
+            stop="END",
+            seed=11,
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            repetition_penalty=1.1,
+            ignore_eos=True,
+            min_tokens=2,
+            stop_token_ids=[9],
+            logprobs=2,
+            skip_special_tokens=False,
+            include_stop_str_in_output=True,
+        )
+    )
+    p = req.to_sampling_params(3, 100)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.n) == (7, 0.0, 0.5, 4, 0.1, 3)
+    assert p.stop == ["END"] and p.stop_token_ids == [9] and p.seed == 11 and p.logprobs == 2
+    assert p.ignore_eos and p.min_tokens == 2 and not p.skip_special_tokens and p.include_stop_str_in_output
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
+    c = choice_params(p, 2)
+    assert c.n == 1 and c.seed == 13 and p.seed == 11
+
+
+def test_chat_logprobs_conversion() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    assert parse_chat_request(body(messages=msgs)).to_sampling_params(1, 10).logprobs is None
+    assert parse_chat_request(body(messages=msgs, logprobs=True)).to_sampling_params(1, 10).logprobs == 0
+    req = parse_chat_request(body(messages=msgs, logprobs=True, top_logprobs=3))
+    assert req.to_sampling_params(1, 10).logprobs == 3
+
+
+def test_defaults() -> None:
+    p = parse_completion_request(body(prompt="x")).to_sampling_params(1, 10)
+    assert (p.temperature, p.top_p, p.top_k, p.n, p.seed, p.stop) == (1.0, 1.0, 0, 1, None, [])
