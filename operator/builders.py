@@ -1,0 +1,450 @@
+"""Pure builders: an InferenceModel (plus operator settings) -> the desired child manifests.
+
+Nothing here talks to the API server; every function is a plain function of its arguments so the
+manifests can be table-tested. `render_children()` is the one entry point the reconciler uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, OOMOverrides, RuntimeSettings
+from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+
+FIELD_MANAGER = "kvpilot-operator"
+CONFIG_MOUNT_DIR = "/etc/kvpilot"
+CONFIG_FILE = "config.yaml"
+CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE}"
+MODELS_DIR = "/models"
+HTTP_PORT = 8000
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TYPE_LABEL = "kvpilot.dev/gpu-type"
+MODEL_LABEL = "kvpilot.dev/model"
+CONFIG_HASH_ANNOTATION = "kvpilot.dev/config-hash"
+APPLIED_HASH_ANNOTATION = "kvpilot.dev/applied-hash"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kvpilot-operator"
+RUN_AS_USER = 1000
+
+# Probes: a 70B model can take many minutes to load, so startup gets 30 minutes
+# (failureThreshold * periodSeconds) before liveness takes over.
+STARTUP_PERIOD_S = 10
+STARTUP_FAILURE_THRESHOLD = 180
+PRESTOP_SLEEP_S = 5  # let endpoints controllers and load balancers drop the pod before SIGTERM
+TERMINATION_MARGIN_S = 15
+DEFAULT_SHUTDOWN_TIMEOUT_S = int(EngineConfig.model_fields["shutdown_timeout"].default)
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """What the operator adds to every InferenceModel (from its command line)."""
+
+    image: str = "kvpilot/kvpilot:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    service_monitor: bool = False  # render a ServiceMonitor (the monitoring.coreos.com CRD exists)
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# names, labels, hashes
+# ---------------------------------------------------------------------------------------------
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that select a model's pods (immutable Deployment selector; Service; PDB; scale)."""
+    return {MODEL_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def common_labels(im: InferenceModel, settings: OperatorSettings | None = None) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "kvpilot",
+        "app.kubernetes.io/instance": im.name,
+        "app.kubernetes.io/component": "inference",
+        MANAGED_BY_LABEL: MANAGED_BY,
+        **selector_labels(im.name),
+    }
+    if settings:
+        labels = {**settings.extra_labels, **labels}
+    return labels
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def endpoint(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{HTTP_PORT}/v1"
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    """A short content hash of a JSON-able object (key order does not matter)."""
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:length]
+
+
+def owner_reference(im: InferenceModel) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": im.name,
+        "uid": im.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(im: InferenceModel, name: str, settings: OperatorSettings) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": im.namespace,
+        "labels": common_labels(im, settings),
+        "ownerReferences": [owner_reference(im)],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# runtime config
+# ---------------------------------------------------------------------------------------------
+
+
+def model_path(source: str) -> str:
+    """Where the runtime finds the weights inside the pod, for each source scheme."""
+    scheme, _, rest = source.partition("://")
+    if scheme == "builtin":
+        return rest or DEFAULT_MODEL
+    if scheme == "pvc":
+        _claim, _, path = rest.partition("/")
+        return f"{MODELS_DIR}/{path}".rstrip("/") if path else MODELS_DIR
+    if scheme == "hf":
+        repo = rest.split("@", 1)[0]
+        return f"{MODELS_DIR}/{repo.replace('/', '--')}"
+    if scheme == "file":
+        return rest  # file:///abs -> /abs
+    raise ValueError(f"unsupported model source {source!r}")
+
+
+def effective_runtime(runtime: RuntimeSettings, overrides: OOMOverrides | None) -> dict[str, Any]:
+    """spec.runtime (snake_case, set fields only) capped by the OOM adaptation overrides."""
+    rt = runtime.model_dump(exclude_none=True)
+    if overrides is not None:
+        for key, value in overrides.model_dump(exclude_none=True).items():
+            default = EngineConfig.model_fields[key].default
+            rt[key] = min(rt.get(key, default), value)
+    return rt
+
+
+def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = None) -> EngineConfig:
+    """The runtime's EngineConfig for this model (validated by the runtime's own schema)."""
+    rt = effective_runtime(im.spec.runtime, overrides)
+    shutdown = rt.pop("shutdown_timeout_seconds", None)
+    values: dict[str, Any] = {
+        "model": model_path(im.spec.model.source),
+        "served_model_name": im.spec.model.served_name or im.name,
+        "host": "0.0.0.0",
+        "port": HTTP_PORT,
+        "device": "cuda" if im.spec.resources.gpus > 0 else "cpu",
+        **rt,
+    }
+    if shutdown is not None:
+        values["shutdown_timeout"] = float(shutdown)
+    return EngineConfig.model_validate(values)
+
+
+def render_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = None) -> str:
+    return render_engine_config(im, overrides).to_yaml()
+
+
+def config_hash(config_yaml: str) -> str:
+    return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# children
+# ---------------------------------------------------------------------------------------------
+
+
+def render_config_map(im: InferenceModel, settings: OperatorSettings, config_yaml: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(im, config_map_name(im.name), settings),
+        "data": {CONFIG_FILE: config_yaml},
+    }
+
+
+def desired_replicas(im: InferenceModel) -> int:
+    """The Deployment's replicas: spec.replicas, else autoscaling.minReplicas, else 1; clamped to bounds."""
+    spec = im.spec
+    if spec.autoscaling is None:
+        return 1 if spec.replicas is None else spec.replicas
+    a = spec.autoscaling
+    replicas = a.min_replicas if spec.replicas is None else spec.replicas
+    return max(a.min_replicas, min(a.max_replicas, replicas))
+
+
+def termination_grace_seconds(im: InferenceModel) -> int:
+    shutdown = im.spec.runtime.shutdown_timeout_seconds
+    if shutdown is None:
+        shutdown = DEFAULT_SHUTDOWN_TIMEOUT_S
+    return PRESTOP_SLEEP_S + shutdown + TERMINATION_MARGIN_S
+
+
+def _env(im: InferenceModel) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf" if _is_hf(im) else "/tmp/.cache/huggingface"},
+    ]
+    secret = im.spec.model.hf_token_secret
+    if secret is not None:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
+        )
+    for var in im.spec.env or []:
+        env.append(var.dump())
+    return env
+
+
+def _is_hf(im: InferenceModel) -> bool:
+    return im.spec.model.source.startswith("hf://")
+
+
+def _resources(im: InferenceModel) -> dict[str, Any]:
+    r = im.spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if r.cpu:
+        requests["cpu"] = r.cpu
+    if r.memory:
+        requests["memory"] = r.memory
+        limits["memory"] = r.memory
+    if r.gpus > 0:
+        requests[GPU_RESOURCE] = str(r.gpus)
+        limits[GPU_RESOURCE] = str(r.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts of the runtime container)."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(im.name)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    scheme, _, rest = im.spec.model.source.partition("://")
+    if scheme == "pvc":
+        claim = rest.partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    elif scheme == "hf":
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR})
+    tp = im.spec.runtime.tensor_parallel_size or 1
+    if tp > 1:
+        # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _http_probe(path: str, period: int, failure: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failure,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _fetch_init_container(im: InferenceModel, image: str, pull_policy: str) -> dict[str, Any]:
+    """Download hf:// weights into the model volume before the runtime starts."""
+    source = im.spec.model.source.removeprefix("hf://")
+    repo, _, revision = source.partition("@")
+    args = ["download", repo, "--local-dir", model_path(im.spec.model.source)]
+    if revision:
+        args += ["--revision", revision]
+    env = [e for e in _env(im) if e["name"] in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_TOKEN")]
+    return {
+        "name": "fetch-model",
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": ["huggingface-cli"],
+        "args": args,
+        "env": env,
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODELS_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": _container_security(),
+    }
+
+
+def render_deployment(
+    im: InferenceModel, settings: OperatorSettings, config_yaml: str
+) -> dict[str, Any]:
+    spec = im.spec
+    image = spec.image or settings.image
+    pull_policy = spec.image_pull_policy or settings.image_pull_policy
+    volumes, mounts = _volumes(im)
+    labels = common_labels(im, settings)
+
+    container: dict[str, Any] = {
+        "name": "kvpilot",
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": ["kvpilot", "serve", "--config", CONFIG_PATH, *(spec.extra_args or [])],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": _env(im),
+        "resources": _resources(im),
+        "volumeMounts": mounts,
+        "startupProbe": _http_probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURE_THRESHOLD),
+        "readinessProbe": _http_probe("/ready", 5, 3),
+        "livenessProbe": _http_probe("/health", 10, 3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        # The last log lines become the termination message, so a CUDA OOM at start is visible in status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+
+    node_selector = dict(spec.node_selector or {})
+    if spec.resources.gpu_type:
+        node_selector[GPU_TYPE_LABEL] = spec.resources.gpu_type
+    tolerations = [t.dump() for t in spec.tolerations or []]
+    if spec.resources.gpus > 0:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": termination_grace_seconds(im),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if _is_hf(im):
+        pod_spec["initContainers"] = [_fetch_init_container(im, image, pull_policy)]
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(im, im.name, settings),
+        "spec": {
+            "replicas": desired_replicas(im),
+            "selector": {"matchLabels": selector_labels(im.name)},
+            "strategy": {
+                # Replace in place: a rollout never needs a spare GPU.
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "revisionHistoryLimit": 3,
+            # Longer than the startup probe's window, so a slow load is not called a failed rollout.
+            "progressDeadlineSeconds": STARTUP_PERIOD_S * STARTUP_FAILURE_THRESHOLD + 600,
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        CONFIG_HASH_ANNOTATION: config_hash(config_yaml),
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(HTTP_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_service(im: InferenceModel, settings: OperatorSettings) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(im, im.name, settings),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(im.name),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_pdb(im: InferenceModel, settings: OperatorSettings) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(im, im.name, settings),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(im.name)}},
+    }
+
+
+def render_service_monitor(im: InferenceModel, settings: OperatorSettings) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(im, im.name, settings),
+        "spec": {
+            "selector": {"matchLabels": {**selector_labels(im.name), MANAGED_BY_LABEL: MANAGED_BY}},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def render_children(
+    im: InferenceModel, settings: OperatorSettings, overrides: OOMOverrides | None = None
+) -> list[dict[str, Any]]:
+    """Every child of one InferenceModel, in apply order (config before the pods that mount it)."""
+    config_yaml = render_config_yaml(im, overrides)
+    children = [
+        render_config_map(im, settings, config_yaml),
+        render_deployment(im, settings, config_yaml),
+        render_service(im, settings),
+        render_pdb(im, settings),
+    ]
+    if settings.service_monitor:
+        children.append(render_service_monitor(im, settings))
+    return children
+
+
+def manifest_yaml(children: list[dict[str, Any]]) -> str:
+    """Multi-document YAML (for `kvpilot operator --dry-run`-style inspection and docs)."""
+    return yaml.safe_dump_all(children, sort_keys=False)

@@ -1,0 +1,116 @@
+"""Read what is wrong with a model's pods from their status (pure functions over pod dicts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from kvpilot.operator.builders import CONFIG_HASH_ANNOTATION
+
+# A container's lastState keeps an old OOM kill for as long as the pod lives; only a recent one
+# counts as "the model is degraded now".
+OOM_RECENT = timedelta(minutes=10)
+GPU_OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda error: out of memory")
+PULL_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
+CONFIG_REASONS = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def format_time(value: datetime) -> str:
+    return value.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    """One thing wrong with one pod."""
+
+    pod: str
+    reason: str  # OOMKilled, CrashLoopBackOff, ImagePullBackOff, CreateContainerConfigError, Unschedulable
+    message: str
+    config_hash: str | None = None
+    finished_at: datetime | None = None  # for OOM kills: when the container died
+
+    @property
+    def is_oom(self) -> bool:
+        return self.reason == "OOMKilled"
+
+
+def _oom_kind(terminated: dict[str, Any] | None) -> str | None:
+    """'memory' for a kernel OOM kill, 'gpu' for a runtime that exited on a CUDA OOM, else None."""
+    if not terminated:
+        return None
+    if terminated.get("reason") == "OOMKilled":
+        return "memory"
+    message = (terminated.get("message") or "").lower()
+    if terminated.get("exitCode", 0) != 0 and any(marker in message for marker in GPU_OOM_MARKERS):
+        return "gpu"
+    return None
+
+
+def _oom_message(pod: str, container: str, kind: str, terminated: dict[str, Any]) -> str:
+    what = "was OOMKilled (host memory limit)" if kind == "memory" else "exited on GPU out-of-memory"
+    when = terminated.get("finishedAt")
+    return f"pod {pod} container {container} {what}" + (f" at {when}" if when else "")
+
+
+def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
+    """Problems of one pod, most specific first."""
+    md = pod.get("metadata", {})
+    name = md.get("name", "?")
+    chash = (md.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION)
+    status = pod.get("status", {})
+    problems: list[PodProblem] = []
+
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            if cond.get("reason") == "Unschedulable":
+                problems.append(PodProblem(name, "Unschedulable", cond.get("message", ""), chash))
+
+    for cs in status.get("containerStatuses") or []:
+        cname = cs.get("name", "?")
+        state = cs.get("state") or {}
+        last = (cs.get("lastState") or {}).get("terminated")
+        waiting = state.get("waiting") or {}
+        terminated = state.get("terminated")
+        oom_now = _oom_kind(terminated)
+        oom_last = _oom_kind(last)
+        if oom_now and terminated:
+            problems.append(
+                PodProblem(
+                    name, "OOMKilled", _oom_message(name, cname, oom_now, terminated), chash,
+                    parse_time(terminated.get("finishedAt")) or now,
+                )
+            )
+        elif oom_last and last:
+            finished = parse_time(last.get("finishedAt")) or now
+            crashlooping = waiting.get("reason") == "CrashLoopBackOff"
+            if crashlooping or now - finished <= OOM_RECENT:
+                problems.append(
+                    PodProblem(name, "OOMKilled", _oom_message(name, cname, oom_last, last), chash, finished)
+                )
+        reason = waiting.get("reason")
+        if reason == "CrashLoopBackOff" and not (oom_now or oom_last):
+            detail = (last or {}).get("message") or (last or {}).get("reason") or waiting.get("message", "")
+            problems.append(
+                PodProblem(name, "CrashLoopBackOff", f"pod {name} container {cname} is crash-looping: {detail}".strip(), chash)
+            )
+        elif reason in PULL_REASONS:
+            problems.append(
+                PodProblem(name, "ImagePullBackOff", f"pod {name}: {reason}: {waiting.get('message', '')}".strip(), chash)
+            )
+        elif reason in CONFIG_REASONS:
+            problems.append(
+                PodProblem(name, reason, f"pod {name}: {reason}: {waiting.get('message', '')}".strip(), chash)
+            )
+    return problems
+
+
+def all_problems(pods: list[dict[str, Any]], now: datetime) -> list[PodProblem]:
+    live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+    return [problem for pod in sorted(live, key=lambda p: p["metadata"].get("name", "")) for problem in pod_problems(pod, now)]

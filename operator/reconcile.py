@@ -1,0 +1,244 @@
+"""One reconcile of one InferenceModel: read the world, render, apply what differs, derive status.
+
+Level-triggered: the outcome depends only on the InferenceModel, its children and its pods as they
+are now, never on which event woke us, so running it twice in a row is the same as running it once
+(the second run writes nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpilot.operator import metrics, oom
+from kvpilot.operator.apply import apply_child
+from kvpilot.operator.builders import (
+    OperatorSettings,
+    config_hash,
+    render_children,
+    render_config_yaml,
+    selector_string,
+)
+from kvpilot.operator.kube import Kube
+from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, InferenceModelSpec, OOMAdaptation
+from kvpilot.operator.podstate import all_problems, format_time
+from kvpilot.operator.status import (
+    EventSpec,
+    compute_status,
+    condition_events,
+    invalid_status,
+    status_patch,
+)
+
+log = logging.getLogger(__name__)
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
+SERVICE_MONITOR_TTL_S = 300.0
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did (for logs, metrics and tests)."""
+
+    applied: list[str] = field(default_factory=list)  # "Kind/name" written
+    skipped: list[str] = field(default_factory=list)  # "Kind/name" already as desired
+    status_patch: dict[str, Any] | None = None
+    events: list[EventSpec] = field(default_factory=list)
+    invalid: str | None = None
+
+    @property
+    def wrote(self) -> bool:
+        return bool(self.applied or self.status_patch or self.events)
+
+
+def spec_problem(spec: dict[str, Any]) -> tuple[InferenceModelSpec | None, str | None]:
+    """Parse spec; (spec, None) when usable, (None, why) when not."""
+    try:
+        parsed = InferenceModelSpec.model_validate(spec)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return None, f"spec.{where}: {first['msg']}"
+    problems = parsed.check()
+    if problems:
+        return None, "; ".join(problems)
+    return parsed, None
+
+
+def oom_note(spec: InferenceModelSpec, decision: oom.OOMDecision) -> str:
+    if decision.ooms:
+        return oom.describe(decision)
+    state = decision.state
+    if not spec.oom_policy.adapt:
+        return (
+            "set spec.oomPolicy.adapt: true to let the operator lower gpuMemoryUtilization, maxNumSeqs and "
+            "maxNumBatchedTokens, or give each replica more memory"
+        )
+    if state is not None and state.count:
+        return f"runtime config adapted {state.count} time(s); last step: " + ", ".join(
+            f"{k} {v}" for k, v in (state.changes or {}).items()
+        )
+    return "waiting for an OOM of the current config to adapt"
+
+
+class Reconciler:
+    """Reconciles InferenceModels through a `Kube`."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        settings: OperatorSettings,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        identity: str = "kvpilot-operator",
+    ) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.clock = clock
+        self.identity = identity
+        self._sm_checked_at = -1e9
+        self._sm_available = False
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def service_monitor_available(self) -> bool:
+        """Whether the monitoring.coreos.com API exists (re-checked every few minutes)."""
+        now = time.monotonic()
+        if now - self._sm_checked_at > SERVICE_MONITOR_TTL_S:
+            try:
+                self._sm_available = self.kube.has_api(SERVICE_MONITOR_API)
+            except Exception:  # discovery trouble must not block the reconcile
+                log.warning("could not check for %s; assuming absent", SERVICE_MONITOR_API, exc_info=True)
+                self._sm_available = False
+            self._sm_checked_at = now
+        return self._sm_available
+
+    def post_event(self, body: dict[str, Any], event: EventSpec) -> None:
+        md = body["metadata"]
+        now = format_time(self.clock())
+        obj = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{md['name']}.", "namespace": md["namespace"]},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": md["name"],
+                "namespace": md["namespace"],
+                "uid": md.get("uid"),
+            },
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message[:1024],
+            "source": {"component": "kvpilot-operator"},
+            "reportingComponent": "kvpilot.dev/operator",
+            "reportingInstance": self.identity[:128],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.kube.create(obj)
+            metrics.EVENTS.labels(event.type, event.reason).inc()
+        except Exception:  # an Event is best effort; the condition already says it
+            log.warning("could not post event %s for %s/%s", event.reason, md["namespace"], md["name"], exc_info=True)
+
+    # -- the reconcile ------------------------------------------------------------------------
+
+    def reconcile(self, body: dict[str, Any]) -> Outcome:
+        start = time.perf_counter()
+        try:
+            outcome = self._reconcile(body)
+        except Exception:
+            metrics.RECONCILES.labels("error").inc()
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
+        metrics.RECONCILES.labels("changed" if outcome.wrote else "unchanged").inc()
+        return outcome
+
+    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+        md = body["metadata"]
+        name, namespace = md["name"], md["namespace"]
+        outcome = Outcome()
+        if md.get("deletionTimestamp"):
+            return outcome  # children go with it (owner references)
+        now = self.clock()
+        live_status: dict[str, Any] = body.get("status") or {}
+
+        spec, invalid = spec_problem(body.get("spec") or {})
+        if spec is None:
+            outcome.invalid = invalid
+            desired = invalid_status(
+                name, namespace, int(md.get("generation") or 0), str(invalid), now=now, previous=live_status
+            )
+            self._write_status(body, live_status, desired, outcome, [])
+            return outcome
+
+        im = InferenceModel(metadata=md, spec=spec)
+        state = OOMAdaptation.model_validate(live_status["oomAdaptation"]) if live_status.get("oomAdaptation") else None
+        pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
+        problems = all_problems(pods, now)
+
+        chash = config_hash(render_config_yaml(im, oom.current_overrides(spec, state)))
+        decision = oom.decide(spec, state, problems, chash)
+        extra_events: list[EventSpec] = []
+        if decision.adapted:
+            metrics.OOM_ADAPTATIONS.inc()
+            extra_events.append(EventSpec("Warning", "OOMAdapted", oom.describe(decision)))
+        elif decision.exhausted:
+            extra_events.append(EventSpec("Warning", "OOMAdaptationExhausted", oom.describe(decision)))
+
+        settings = self.settings
+        if self.service_monitor_available() != settings.service_monitor:
+            settings = dataclasses.replace(settings, service_monitor=self._sm_available)
+        deployment: dict[str, Any] | None = None
+        for child in render_children(im, settings, decision.overrides):
+            ref = f"{child['kind']}/{child['metadata']['name']}"
+            result = apply_child(self.kube, child)
+            (outcome.applied if result.applied else outcome.skipped).append(ref)
+            metrics.APPLIES.labels(child["kind"], "applied" if result.applied else "skipped").inc()
+            if child["kind"] == "Deployment":
+                deployment = result.obj
+
+        desired = compute_status(
+            im,
+            deployment,
+            problems,
+            now=now,
+            previous=live_status,
+            oom=decision.state,
+            oom_note=oom_note(spec, decision),
+        )
+        self._write_status(body, live_status, desired, outcome, extra_events)
+        if outcome.applied:
+            log.info("%s/%s: applied %s", namespace, name, ", ".join(outcome.applied))
+        return outcome
+
+    def _write_status(
+        self,
+        body: dict[str, Any],
+        live_status: dict[str, Any],
+        desired: dict[str, Any],
+        outcome: Outcome,
+        extra_events: list[EventSpec],
+    ) -> None:
+        md = body["metadata"]
+        patch = status_patch(live_status, desired)
+        if patch is not None:
+            self.kube.patch_status(API_VERSION, KIND, md["namespace"], md["name"], patch)
+            metrics.STATUS_PATCHES.inc()
+            outcome.status_patch = patch
+            outcome.events = condition_events(live_status.get("conditions"), desired["conditions"]) + extra_events
+        for event in outcome.events:
+            self.post_event(body, event)

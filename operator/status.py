@@ -1,0 +1,246 @@
+"""Status computed purely from what exists: the Deployment, the pods, the OOM decision.
+
+`compute_status()` returns the part of `.status` the operator owns (never status.autoscaler or
+status.kvCacheUsage, which the autoscaler writes); `status_patch()` says what, if anything, differs
+from the live object, so an unchanged world causes no write. `condition_events()` turns condition
+transitions into the Events a person should see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvpilot.operator.builders import desired_replicas, endpoint, selector_string
+from kvpilot.operator.models import InferenceModel, OOMAdaptation
+from kvpilot.operator.podstate import PodProblem, format_time
+
+OPERATOR_STATUS_KEYS = (
+    "observedGeneration",
+    "replicas",
+    "readyReplicas",
+    "updatedReplicas",
+    "selector",
+    "endpoint",
+    "conditions",
+    "oomAdaptation",
+)
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
+# Degraded reasons, most important first.
+DEGRADED_ORDER = (
+    "OOMKilled",
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+)
+
+
+@dataclass(frozen=True)
+class Cond:
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
+
+
+def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    for cond in (deployment or {}).get("status", {}).get("conditions") or []:
+        if cond.get("type") == ctype:
+            return dict(cond)
+    return None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _summarize(problems: list[PodProblem], reason: str, limit: int = 3) -> str:
+    msgs = list(dict.fromkeys(p.message for p in problems if p.reason == reason))
+    extra = f" (and {len(msgs) - limit} more)" if len(msgs) > limit else ""
+    return "; ".join(msgs[:limit]) + extra
+
+
+def compute_conditions(
+    im: InferenceModel,
+    deployment: dict[str, Any] | None,
+    problems: list[PodProblem],
+    oom_note: str | None = None,
+) -> list[Cond]:
+    """The four conditions, from the Deployment and the pods' problems (no timestamps)."""
+    want = desired_replicas(im)
+    st = (deployment or {}).get("status", {})
+    ready = int(st.get("readyReplicas") or 0)
+    updated = int(st.get("updatedReplicas") or 0)
+    total = int(st.get("replicas") or 0)
+    available = int(st.get("availableReplicas") or 0)
+    dep_gen = int((deployment or {}).get("metadata", {}).get("generation") or 0)
+    observed = int(st.get("observedGeneration") or 0)
+    progressing = _deployment_condition(deployment, "Progressing")
+    deadline = progressing is not None and progressing.get("reason") == "ProgressDeadlineExceeded"
+    counts = f"{ready}/{want} replicas ready"
+
+    # Ready: at least one replica serves.
+    if deployment is None:
+        ready_c = Cond("Ready", False, "Creating", "the Deployment does not exist yet")
+    elif want == 0:
+        ready_c = Cond("Ready", False, "ScaledToZero", "replicas is 0: no replica serves; scale up to serve")
+    elif ready > 0:
+        ready_c = Cond("Ready", True, "Serving", f"{counts}; endpoint {endpoint(im.name, im.namespace)}")
+    else:
+        ready_c = Cond("Ready", False, "NoReplicaReady", f"{counts}: waiting for a replica to load the model")
+
+    # Progressing: a rollout or scale is under way.
+    if deadline:
+        prog_c = Cond("Progressing", False, "ProgressDeadlineExceeded", str(progressing.get("message", "")))
+    elif deployment is None:
+        prog_c = Cond("Progressing", True, "Creating", "creating the Deployment")
+    elif observed < dep_gen or updated < want or total > updated:
+        prog_c = Cond("Progressing", True, "RollingOut", f"{updated}/{want} replicas updated, {counts}")
+    elif total != want:
+        prog_c = Cond("Progressing", True, "Scaling", f"scaling from {total} to {want} replicas, {counts}")
+    elif ready < want or available < want:
+        prog_c = Cond("Progressing", True, "WaitingForReplicas", counts)
+    else:
+        prog_c = Cond("Progressing", False, "RolloutComplete", f"{counts} and up to date")
+
+    # Degraded: something a person must look at.
+    degraded_c = Cond("Degraded", False, "AsExpected")
+    for reason in DEGRADED_ORDER:
+        if any(p.reason == reason for p in problems):
+            message = _summarize(problems, reason)
+            if reason == "OOMKilled" and oom_note:
+                message = f"{message}; {oom_note}"
+            degraded_c = Cond("Degraded", True, reason, message)
+            break
+    else:
+        if deadline:
+            degraded_c = Cond("Degraded", True, "ProgressDeadlineExceeded", prog_c.message)
+
+    # ScalingLimited: pods that cannot be placed (not enough GPUs, quota).
+    unschedulable = [p for p in problems if p.reason == "Unschedulable"]
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if unschedulable:
+        n = len({p.pod for p in unschedulable})
+        scaling_c = Cond(
+            "ScalingLimited",
+            True,
+            "Unschedulable",
+            f"{_plural(n, 'pod')} cannot be scheduled: {_summarize(problems, 'Unschedulable', 1)}",
+        )
+    elif failure is not None and failure.get("status") == "True":
+        scaling_c = Cond("ScalingLimited", True, str(failure.get("reason") or "ReplicaFailure"), str(failure.get("message", "")))
+    else:
+        scaling_c = Cond("ScalingLimited", False, "AsExpected")
+    return [ready_c, prog_c, degraded_c, scaling_c]
+
+
+def merge_conditions(
+    new: list[Cond], previous: list[dict[str, Any]] | None, now: datetime, generation: int
+) -> list[dict[str, Any]]:
+    """Conditions as status dicts; lastTransitionTime only moves when the status flips."""
+    before = {c.get("type"): c for c in previous or []}
+    out = []
+    for c in new:
+        status = "True" if c.status else "False"
+        old = before.get(c.type)
+        ltt = old.get("lastTransitionTime") if old and old.get("status") == status else None
+        out.append(
+            {
+                "type": c.type,
+                "status": status,
+                "reason": c.reason,
+                "message": c.message[:4096],
+                "lastTransitionTime": ltt or format_time(now),
+                "observedGeneration": generation,
+            }
+        )
+    return out
+
+
+def compute_status(
+    im: InferenceModel,
+    deployment: dict[str, Any] | None,
+    problems: list[PodProblem],
+    *,
+    now: datetime,
+    previous: dict[str, Any] | None = None,
+    oom: OOMAdaptation | None = None,
+    oom_note: str | None = None,
+) -> dict[str, Any]:
+    """The operator-owned status of `im` (camelCase keys, as written to the API)."""
+    st = (deployment or {}).get("status", {})
+    conds = compute_conditions(im, deployment, problems, oom_note=oom_note)
+    status: dict[str, Any] = {
+        "observedGeneration": im.generation,
+        "replicas": int(st.get("replicas") or 0),
+        "readyReplicas": int(st.get("readyReplicas") or 0),
+        "updatedReplicas": int(st.get("updatedReplicas") or 0),
+        "selector": selector_string(im.name),
+        "endpoint": endpoint(im.name, im.namespace),
+        "conditions": merge_conditions(conds, (previous or {}).get("conditions"), now, im.generation),
+    }
+    if oom is not None:
+        status["oomAdaptation"] = oom.dump()
+    return status
+
+
+def status_patch(live: dict[str, Any] | None, desired: dict[str, Any]) -> dict[str, Any] | None:
+    """A merge patch for the operator-owned keys that differ, or None when nothing does."""
+    live = live or {}
+    patch = {k: v for k, v in desired.items() if k in OPERATOR_STATUS_KEYS and live.get(k) != v}
+    for key in OPERATOR_STATUS_KEYS:
+        if key not in desired and live.get(key) is not None:
+            patch[key] = None  # merge patch: remove
+    return patch or None
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def condition_events(previous: list[dict[str, Any]] | None, current: list[dict[str, Any]]) -> list[EventSpec]:
+    """Events for transitions a person should know about (never for an unchanged condition)."""
+    before = {c.get("type"): c for c in previous or []}
+    events: list[EventSpec] = []
+    for c in current:
+        old = before.get(c["type"], {})
+        changed = old.get("status") != c["status"] or old.get("reason") != c["reason"]
+        if not changed:
+            continue
+        if c["type"] in ("Degraded", "ScalingLimited") and c["status"] == "True":
+            events.append(EventSpec("Warning", c["reason"], c["message"]))
+        elif c["type"] in ("Degraded", "ScalingLimited") and old.get("status") == "True":
+            events.append(EventSpec("Normal", f"{c['type']}Cleared", f"{c['type']} cleared (was {old.get('reason')})"))
+        elif c["type"] == "Ready" and c["status"] == "True" and old.get("status") != "True":
+            events.append(EventSpec("Normal", "Ready", c["message"]))
+    return events
+
+
+def invalid_status(
+    name: str, namespace: str, generation: int, message: str, *, now: datetime, previous: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Status for a spec the operator cannot act on (replica counts are left as they were)."""
+    msg = f"spec is invalid: {message}"
+    conds = [
+        Cond("Ready", False, "InvalidSpec", msg),
+        Cond("Progressing", False, "InvalidSpec", msg),
+        Cond("Degraded", True, "InvalidSpec", msg),
+        Cond("ScalingLimited", False, "AsExpected"),
+    ]
+    prev = previous or {}
+    status = {k: prev[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation") if k in prev}
+    status.update(
+        {
+            "observedGeneration": generation,
+            "selector": selector_string(name),
+            "endpoint": endpoint(name, namespace),
+            "conditions": merge_conditions(conds, prev.get("conditions"), now, generation),
+        }
+    )
+    return status
