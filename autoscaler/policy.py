@@ -154,7 +154,23 @@ def decide(
             # Starting pods (current - ready) neither report nor get read as idle: KV above target
             # never asks for fewer replicas, KV below target never asks for more.
             kv_rec = max(kv_rec, current) if ratio > 1.0 else min(kv_rec, current)
-        queue_rec = _ceil(waiting / targets.target_queue_depth)
+        # A replica takes about as many requests as fit under the KV target (target / KV per running
+        # request), far more than targetQueueDepth. "absorb" (default): the queue beyond the target
+        # asks for one more replica per that many requests, and replicas already starting count as
+        # absorbing theirs. "average" is the plain HPA AverageValue form, ceil(waiting / target); it
+        # overshoots several-fold in bursts (docs/autoscaler.md) and is kept for comparison.
+        starting = max(0, current - ready)
+        running = sum(s.num_running for s in snapshot.samples)
+        kv_per_request = n * avg_kv / running if running and avg_kv > 0 else 0.0
+        absorb = targets.target_queue_depth
+        if kv_per_request > 0:
+            absorb = max(absorb, targets.target_kv_cache_utilization / kv_per_request)
+        if b.queue_recommendation == "average":
+            queue_rec = _ceil(waiting / targets.target_queue_depth)
+        else:
+            excess = waiting - targets.target_queue_depth * n
+            queue_rec = current + _ceil((excess - starting * absorb) / absorb) if excess > 0 else 0
+            queue_rec = max(0, queue_rec)
         if current > 0 and abs(queue_rec / current - 1.0) <= tol:
             queue_rec = current
         raw = max(kv_rec, queue_rec)

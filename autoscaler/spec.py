@@ -37,6 +37,8 @@ class Behavior:
     # ... or when the queue grows by at least this many requests per ready replica per second.
     burst_queue_growth_per_replica_s: float = 0.2
     burst_scale_up: ScalingRule = ScalingRule(pods=8, percent=200.0, period_s=15.0)
+    # How the queue turns into replicas (see policy.py): "absorb" or the plain HPA "average".
+    queue_recommendation: Literal["absorb", "average"] = "absorb"
     # Extra headroom factor on the recommendation in burst mode (1.5 = ask for 50% more).
     burst_factor: float = 1.5
 

@@ -1,0 +1,290 @@
+"""`kvpilot autoscaler run|simulate`.
+
+kvpilot autoscaler run [--kubeconfig F] [--namespace NS | --all-namespaces] [--interval 15]
+                       [--metrics-source pods|prometheus] [--prometheus-url URL] [--no-leader-elect]
+kvpilot autoscaler simulate --trace FILE.csv --policy kvpilot|static|moving-average
+                       [--slo-ttft 2.0] [--calibration FILE] ...   (prints JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from kvpilot.autoscaler.calibration import Calibration
+from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets
+from kvpilot.autoscaler.trace import TraceError, load_trace
+
+log = logging.getLogger("kvpilot.autoscaler")
+
+POLICIES = ("kvpilot", "static", "moving-average")
+
+
+def _positive_float(flag: str) -> Any:
+    def parse(value: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {value!r}") from None
+        if not v > 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be > 0, got {value}")
+        return v
+
+    return parse
+
+
+def _nonneg_int(flag: str) -> Any:
+    def parse(value: str) -> int:
+        try:
+            v = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {value!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {v}")
+        return v
+
+    return parse
+
+
+def _fraction(flag: str) -> Any:
+    def parse(value: str) -> float:
+        v = _positive_float(flag)(value)
+        if v > 1.0:
+            raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], got {value}")
+        return float(v)
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="autoscaler_command", metavar="{run,simulate}")
+    sub.required = True
+
+    run_p = sub.add_parser("run", help="run the autoscaler control loop against a cluster")
+    run_p.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: in-cluster config, then ~/.kube/config)"
+    )
+    scope = run_p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", help="watch InferenceModels in this namespace only")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces (default)")
+    run_p.add_argument(
+        "--interval", type=_positive_float("--interval"), default=15.0, help="seconds between syncs"
+    )
+    run_p.add_argument(
+        "--metrics-source",
+        choices=("pods", "prometheus"),
+        default="pods",
+        help="default metric source for models whose spec does not say (default: pods)",
+    )
+    run_p.add_argument("--prometheus-url", help="Prometheus base URL when a spec gives none")
+    run_p.add_argument("--scrape-timeout", type=_positive_float("--scrape-timeout"), default=2.0)
+    run_p.add_argument("--no-leader-elect", action="store_true", help="act without holding the Lease")
+    run_p.add_argument(
+        "--leader-namespace",
+        default=os.environ.get("POD_NAMESPACE", "kvpilot-system"),
+        help="namespace of the kvpilot-autoscaler Lease",
+    )
+    run_p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    run_p.set_defaults(_autoscaler_run=_run_controller)
+
+    sim = sub.add_parser("simulate", help="replay a trace against a simulated fleet; prints JSON")
+    sim.add_argument("--trace", required=True, help="CSV with t_seconds,prompt_tokens,output_tokens")
+    sim.add_argument("--policy", choices=POLICIES, default="kvpilot")
+    sim.add_argument(
+        "--slo-ttft", type=_positive_float("--slo-ttft"), default=2.0, help="TTFT target, seconds"
+    )
+    sim.add_argument("--calibration", help="JSON file of replica speed (see kvpilot.autoscaler.calibration)")
+    sim.add_argument("--min-replicas", type=_nonneg_int("--min-replicas"), default=1)
+    sim.add_argument("--max-replicas", type=_nonneg_int("--max-replicas"), default=40)
+    sim.add_argument(
+        "--initial-replicas", type=_nonneg_int("--initial-replicas"), help="default: min replicas"
+    )
+    sim.add_argument("--sync-interval", type=_positive_float("--sync-interval"), default=15.0)
+    sim.add_argument(
+        "--warmup",
+        type=_nonneg_int("--warmup"),
+        default=300,
+        help="seconds left out of the figures (default 300)",
+    )
+    g = sim.add_argument_group("kvpilot policy (spec.autoscaling)")
+    g.add_argument("--target-kv", type=_fraction("--target-kv"), default=None)
+    g.add_argument("--target-queue", type=_positive_float("--target-queue"), default=None)
+    g.add_argument("--scale-up-window", type=_nonneg_int("--scale-up-window"), default=None)
+    g.add_argument("--scale-down-window", type=_nonneg_int("--scale-down-window"), default=None)
+    g2 = sim.add_argument_group("static policy")
+    g2.add_argument(
+        "--replicas",
+        type=_nonneg_int("--replicas"),
+        help="fleet size (default: the smallest that meets --slo-target on this trace, found by search)",
+    )
+    g2.add_argument("--slo-target", type=_fraction("--slo-target"), default=0.99)
+    g3 = sim.add_argument_group("moving-average policy (KubeAI-style)")
+    g3.add_argument("--target-requests", type=_positive_float("--target-requests"), default=24.0)
+    g3.add_argument("--window", type=_positive_float("--window"), default=600.0, help="seconds")
+    sim.set_defaults(_autoscaler_run=_run_simulate)
+
+
+def run(args: argparse.Namespace) -> int:
+    handler = getattr(args, "_autoscaler_run", None)
+    if handler is None:
+        print("kvpilot autoscaler: choose a command: run or simulate", file=sys.stderr)
+        return 2
+    result: int = handler(args)
+    return result
+
+
+# -- simulate ------------------------------------------------------------------------------------------
+
+
+def default_targets(args: argparse.Namespace) -> ScalingTargets:
+    spec: dict[str, Any] = {"minReplicas": args.min_replicas, "maxReplicas": args.max_replicas}
+    for key, attr in (
+        ("targetKVCacheUtilization", "target_kv"),
+        ("targetQueueDepth", "target_queue"),
+        ("scaleUpStabilizationSeconds", "scale_up_window"),
+        ("scaleDownStabilizationSeconds", "scale_down_window"),
+    ):
+        value = getattr(args, attr, None)
+        if value is not None:
+            spec[key] = value
+    return ScalingTargets.from_spec(spec, Behavior())
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, MovingAveragePolicy, StaticPolicy
+    from kvpilot.autoscaler.simulator import simulate, size_static_for_slo
+
+    if args.max_replicas < max(1, args.min_replicas):
+        print(
+            "kvpilot autoscaler simulate: --max-replicas must be >= 1 and >= --min-replicas", file=sys.stderr
+        )
+        return 2
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as exc:
+        print(f"kvpilot autoscaler simulate: --trace: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cal = Calibration.from_file(args.calibration) if args.calibration else Calibration()
+    except (OSError, ValueError) as exc:
+        print(f"kvpilot autoscaler simulate: --calibration: {exc}", file=sys.stderr)
+        return 2
+    common = {
+        "sync_interval_s": args.sync_interval,
+        "slo_ttft_s": args.slo_ttft,
+        "warmup_s": float(args.warmup),
+    }
+    policy: Any
+    if args.policy == "kvpilot":
+        policy = KvpilotPolicy(default_targets(args), initial=args.initial_replicas)
+    elif args.policy == "moving-average":
+        policy = MovingAveragePolicy(
+            args.target_requests,
+            window_s=args.window,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            initial=args.initial_replicas,
+        )
+    elif args.replicas is not None:
+        policy = StaticPolicy(args.replicas)
+    else:
+        n = size_static_for_slo(trace, cal, args.slo_target, args.max_replicas, **common)
+        policy = StaticPolicy(n, sizing=f"smallest fleet meeting {args.slo_target:g} SLO attainment (search)")
+    result = simulate(trace, policy, cal, **common)
+    out = result.to_dict()
+    out["trace"] = args.trace
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+# -- run -----------------------------------------------------------------------------------------------
+
+
+def _load_kube(kubeconfig: str | None) -> Any:
+    from kubernetes import client, config
+
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    return client.ApiClient()
+
+
+def _run_controller(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.metrics_source == "prometheus" and not args.prometheus_url:
+        log.warning("--metrics-source prometheus without --prometheus-url: specs must give prometheus.url")
+    try:
+        api_client = _load_kube(args.kubeconfig)
+    except Exception as exc:
+        where = (
+            f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster config or ~/.kube/config"
+        )
+        print(
+            f"kvpilot autoscaler run: cannot load Kubernetes credentials from {where}: {exc}", file=sys.stderr
+        )
+        return 2
+    return asyncio.run(_serve(args, api_client))
+
+
+async def _serve(args: argparse.Namespace, api_client: Any) -> int:
+    from kvpilot.autoscaler.controller import Controller, ControllerConfig
+    from kvpilot.autoscaler.election import AlwaysLeader, lease_elector
+    from kvpilot.autoscaler.kube import KubernetesApi
+
+    elector: Any = AlwaysLeader()
+    driver: asyncio.Task[Any] | None = None
+    if not args.no_leader_elect:
+        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        lease = lease_elector(api_client, args.leader_namespace, identity)
+        if lease is None:
+            log.warning(
+                "leader election unavailable (kvpilot.operator.leader not installed); acting as the only "
+                "autoscaler. Run a single replica or pass --no-leader-elect to silence this."
+            )
+        else:
+            elector = lease
+            starter = getattr(lease, "run", None) or getattr(lease, "start", None)
+            if starter is not None:
+                driver = asyncio.create_task(starter())
+    cfg = ControllerConfig(
+        namespace=None if args.all_namespaces else args.namespace,
+        interval_s=args.interval,
+        default_metrics_source=args.metrics_source,
+        prometheus_url=args.prometheus_url,
+        scrape_timeout_s=args.scrape_timeout,
+        behavior=Behavior(),
+    )
+    controller = Controller(KubernetesApi(api_client), cfg, elector=elector)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    log.info("autoscaler started (scope %s, every %gs)", cfg.namespace or "all namespaces", cfg.interval_s)
+    try:
+        await controller.run(stop)
+    finally:
+        await controller.close()
+        if driver is not None:
+            stopper = getattr(elector, "stop", None)
+            if stopper is not None:
+                res = stopper()
+                if asyncio.iscoroutine(res):
+                    await res
+            driver.cancel()
+    return 0
+
+
+__all__ = ["ScalingRule", "add_arguments", "run"]

@@ -1,0 +1,511 @@
+"""Fleet simulator: replay an arrival trace against simulated replicas and a scaling policy.
+
+Each replica is a continuous-batching engine on a calibrated cost model (calibration.py): every step it
+serves running requests first (one decode token each, or the next prompt chunk), then admits waiting
+requests FIFO within the token budget, the sequence limit and the free KV blocks; when blocks run out
+it preempts the most recently admitted request (freed, recomputed later) and admits nobody that step.
+A stretch of pure decode steps with nothing to admit is advanced in one jump (exactly, block by block),
+which keeps an hours-long trace to seconds of CPU.
+
+The fleet: requests are routed round-robin to Ready replicas; a replica that is scaled up becomes
+Ready after calibration.startup_s; scale-down removes starting replicas first, then drains the
+least-loaded Ready ones (no new requests, in-flight ones finish). Every sync_interval_s the policy sees
+the same MetricsSnapshot the controller would build and returns the replica count.
+
+Deterministic: no randomness, no wall clock; the same inputs give the same numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvpilot.autoscaler.calibration import Calibration
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.trace import TraceRequest
+
+# Event kinds, in the order they are handled at equal times.
+_STEP_END, _READY, _ARRIVAL, _SYNC = 0, 1, 2, 3
+
+
+class FleetPolicy(Protocol):
+    name: str
+
+    def initial_replicas(self) -> int: ...
+
+    def decide(self, now: float, current: int, snapshot: MetricsSnapshot, in_flight: int) -> int: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+
+@dataclass(eq=False)
+class SimRequest:
+    arrival: float
+    prompt: int
+    output: int
+    generated: int = 0
+    computed: int = 0  # tokens whose KV is in the cache
+    prefill_target: int = 0  # tokens to have computed before the next token comes out
+    blocks: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+    rejected: bool = False
+    preemptions: int = 0
+
+
+@dataclass(eq=False)
+class Replica:
+    rid: int
+    cal: Calibration
+    created: float
+    ready_at: float
+    free_blocks: int
+    ready: bool = False
+    draining: bool = False
+    gone_at: float | None = None
+    waiting: deque[SimRequest] = field(default_factory=deque)
+    running: list[SimRequest] = field(default_factory=list)
+    # The step (or jump of `jump` decode steps) in progress.
+    busy: bool = False
+    step_start: float = 0.0
+    step_dur: float = 0.0
+    jump: int = 0  # > 0: a decode-only jump of this many steps; 0: one mixed step (`batch`)
+    batch: list[tuple[SimRequest, int]] = field(default_factory=list)
+    version: int = 0
+    preemptions: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.cal.num_kv_blocks
+
+    def sample(self) -> ReplicaSample:
+        return ReplicaSample(f"r{self.rid}", self.kv_usage, len(self.waiting), len(self.running))
+
+    # -- scheduling ----------------------------------------------------------------------------------
+
+    def _admissible(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.cal.max_num_seqs and self.free_blocks >= 1
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cal.block_size)
+
+    def _jump_blocks(self, k: int) -> int:
+        return sum(self._blocks_for(r.computed + k) - r.blocks for r in self.running)
+
+    def plan(self, now: float) -> float | None:
+        """Start the next step at `now`; returns its end time, or None when idle."""
+        self.busy = False
+        if not self.running and not self.waiting:
+            return None
+        if (
+            self.running
+            and not self._admissible()
+            and all(r.computed >= r.prefill_target for r in self.running)
+        ):
+            cap = min(r.output - r.generated for r in self.running)
+            if cap >= 1 and self._jump_blocks(1) <= self.free_blocks:
+                k = cap
+                if self._jump_blocks(k) > self.free_blocks:
+                    lo, hi = 1, k  # largest k that fits: needed(k) is monotone
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if self._jump_blocks(mid) <= self.free_blocks:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    k = lo
+                self.jump = k
+                self.batch = []
+                self.step_start = now
+                self.step_dur = self.cal.step_seconds(len(self.running), 0)
+                self.busy = True
+                return now + k * self.step_dur
+        return self._plan_mixed(now)
+
+    def _preempt_last(self) -> SimRequest:
+        victim = self.running.pop()
+        self.free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.computed = 0
+        victim.prefill_target = victim.prompt + victim.generated
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _plan_mixed(self, now: float) -> float | None:
+        cal = self.cal
+        budget = cal.max_num_batched_tokens
+        batch: list[tuple[SimRequest, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = 1 if req.computed >= req.prefill_target else min(req.prefill_target - req.computed, budget)
+            need = self._blocks_for(req.computed + n) - req.blocks
+            victim = None
+            while need > self.free_blocks and self.running:
+                preempted = True
+                victim = self._preempt_last()
+                if victim is req:
+                    break
+            if victim is req:
+                break
+            self.free_blocks -= need
+            req.blocks += need
+            batch.append((req, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            while self._admissible() and budget > 0:
+                req = self.waiting[0]
+                if req.prefill_target == 0:
+                    req.prefill_target = req.prompt
+                n = min(req.prefill_target - req.computed, budget)
+                need = self._blocks_for(req.computed + n) - req.blocks
+                if need > self.free_blocks:
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                self.free_blocks -= need
+                req.blocks += need
+                batch.append((req, n))
+                budget -= n
+        if not batch:
+            return None  # nothing fits (cannot happen with requests that fit the pool); stay idle
+        decoding = sum(1 for r, n in batch if r.computed >= r.prefill_target)
+        prefill = sum(n for r, n in batch if r.computed < r.prefill_target)
+        self.jump = 0
+        self.batch = batch
+        self.step_start = now
+        self.step_dur = cal.step_seconds(decoding, prefill)
+        self.busy = True
+        return now + self.step_dur
+
+    def _advance_jump(self, steps: int) -> None:
+        for r in self.running:
+            r.computed += steps
+            r.generated += steps
+            nb = self._blocks_for(r.computed)
+            self.free_blocks -= nb - r.blocks
+            r.blocks = nb
+
+    def _finish_done(self, now: float) -> list[SimRequest]:
+        done = [r for r in self.running if r.generated >= r.output]
+        if done:
+            self.running = [r for r in self.running if r.generated < r.output]
+            for r in done:
+                r.finish = now
+                self.free_blocks += r.blocks
+                r.blocks = 0
+        return done
+
+    def end_step(self, now: float) -> list[SimRequest]:
+        """Apply the finished step (or jump); returns the requests that completed."""
+        if self.jump:
+            self._advance_jump(self.jump)
+            self.jump = 0
+        else:
+            for r, n in self.batch:
+                r.computed += n
+                if r.computed >= r.prefill_target:
+                    r.generated += 1
+                    if r.first_token is None:
+                        r.first_token = now
+            self.batch = []
+        self.busy = False
+        return self._finish_done(now)
+
+    def materialize(self, now: float, truncate: bool) -> float | None:
+        """Bring a jump up to `now` (whole steps); with truncate, replan at the next step boundary.
+        Returns the new end time of the step in progress, or None if nothing changed."""
+        if not self.busy or not self.jump:
+            return None
+        done = min(self.jump - 1, int((now - self.step_start) / self.step_dur))
+        if done > 0:
+            self._advance_jump(done)
+            self.step_start += done * self.step_dur
+            self.jump -= done
+        if truncate and self.jump > 1:
+            self.jump = 1
+        elif done == 0:
+            return None
+        return self.step_start + self.jump * self.step_dur
+
+
+@dataclass
+class SimResult:
+    policy: str
+    slo_ttft_s: float
+    slo_attainment: float
+    replica_hours: float
+    scale_events: int
+    requests: int
+    rejected: int
+    ttft_p50_s: float
+    ttft_p95_s: float
+    ttft_p99_s: float
+    preemptions: int
+    peak_replicas: int
+    mean_replicas: float
+    window_s: tuple[float, float]
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "slo_ttft_s": self.slo_ttft_s,
+            "slo_attainment": round(self.slo_attainment, 5),
+            "replica_hours": round(self.replica_hours, 3),
+            "scale_events": self.scale_events,
+            "requests": self.requests,
+            "rejected": self.rejected,
+            "ttft_p50_s": round(self.ttft_p50_s, 3),
+            "ttft_p95_s": round(self.ttft_p95_s, 3),
+            "ttft_p99_s": round(self.ttft_p99_s, 3),
+            "preemptions": self.preemptions,
+            "peak_replicas": self.peak_replicas,
+            "mean_replicas": round(self.mean_replicas, 2),
+            "window_s": [round(self.window_s[0], 3), round(self.window_s[1], 3)],
+            "settings": self.settings,
+        }
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    idx = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[idx]
+
+
+class FleetSimulator:
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        policy: FleetPolicy,
+        calibration: Calibration | None = None,
+        *,
+        sync_interval_s: float = 15.0,
+        slo_ttft_s: float = 2.0,
+        warmup_s: float = 300.0,
+    ) -> None:
+        if not trace:
+            raise ValueError("empty trace")
+        self.trace = trace
+        self.policy = policy
+        self.cal = calibration or Calibration()
+        self.sync_interval_s = sync_interval_s
+        self.slo_ttft_s = slo_ttft_s
+        self.warmup_s = warmup_s
+        self.replicas: list[Replica] = []
+        self.scale_events = 0
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._rr = 0
+        self._peak = 0
+
+    # -- events --------------------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, a, b))
+
+    def _schedule(self, rep: Replica, now: float) -> None:
+        end = rep.plan(now)
+        rep.version += 1
+        if end is not None:
+            self._push(end, _STEP_END, rep.rid, rep.version)
+        elif rep.draining:
+            self._retire(rep, now)
+
+    def _reschedule(self, rep: Replica, end: float) -> None:
+        rep.version += 1
+        self._push(end, _STEP_END, rep.rid, rep.version)
+
+    # -- fleet ---------------------------------------------------------------------------------------
+
+    def _active(self) -> list[Replica]:
+        """Replicas the Deployment counts: starting or Ready, not draining."""
+        return [r for r in self.replicas if r.gone_at is None and not r.draining]
+
+    def _add_replica(self, now: float, ready_now: bool = False) -> None:
+        rep = Replica(
+            rid=len(self.replicas),
+            cal=self.cal,
+            created=now,
+            ready_at=now if ready_now else now + self.cal.startup_s,
+            free_blocks=self.cal.num_kv_blocks,
+            ready=ready_now,
+        )
+        self.replicas.append(rep)
+        if not ready_now:
+            self._push(rep.ready_at, _READY, rep.rid)
+
+    def _retire(self, rep: Replica, now: float) -> None:
+        rep.gone_at = now
+        rep.version += 1
+
+    def _scale_to(self, now: float, desired: int) -> None:
+        active = self._active()
+        if desired > len(active):
+            for _ in range(desired - len(active)):
+                self._add_replica(now)
+        elif desired < len(active):
+            excess = len(active) - desired
+            # ReplicaSet order: not-ready pods first (newest first), then the lowest deletion cost.
+            starting = sorted((r for r in active if not r.ready), key=lambda r: -r.created)
+            ready = sorted((r for r in active if r.ready), key=lambda r: (r.in_flight, r.kv_usage, -r.rid))
+            for rep in (starting + ready)[:excess]:
+                rep.draining = True
+                if not rep.ready or (not rep.busy and rep.in_flight == 0):
+                    self._retire(rep, now)
+        self._peak = max(self._peak, len(self._active()))
+
+    def _route(self, req: SimRequest, now: float) -> None:
+        ready = [r for r in self.replicas if r.ready and not r.draining and r.gone_at is None]
+        if not ready or req.prompt + req.output > self.cal.kv_capacity_tokens:
+            req.rejected = True
+            return
+        rep = ready[self._rr % len(ready)]
+        self._rr += 1
+        if len(rep.waiting) >= self.cal.max_queue_len:
+            req.rejected = True
+            return
+        rep.waiting.append(req)
+        if not rep.busy:
+            self._schedule(rep, now)
+        elif rep.jump:
+            end = rep.materialize(now, truncate=True)
+            if end is not None:
+                self._reschedule(rep, end)
+
+    def _snapshot(self, now: float) -> tuple[MetricsSnapshot, int]:
+        samples = []
+        in_flight = 0
+        for rep in self.replicas:
+            if rep.gone_at is not None or not rep.ready:
+                continue
+            if rep.jump:
+                end = rep.materialize(now, truncate=False)
+                if end is not None:
+                    self._reschedule(rep, end)
+            in_flight += rep.in_flight
+            if not rep.draining:
+                samples.append(rep.sample())
+        return MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples)), in_flight
+
+    # -- run -----------------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        requests = [SimRequest(r.t, r.prompt_tokens, r.output_tokens) for r in self.trace]
+        t_end = requests[-1].arrival
+        for _ in range(max(0, self.policy.initial_replicas())):
+            self._add_replica(0.0, ready_now=True)
+        self._peak = len(self._active())
+        for i, req in enumerate(requests):
+            self._push(req.arrival, _ARRIVAL, i)
+        self._push(self.sync_interval_s, _SYNC)
+        while self._events:
+            t, kind, _, a, b = heapq.heappop(self._events)
+            if kind == _STEP_END:
+                rep = self.replicas[a]
+                if b != rep.version or rep.gone_at is not None:
+                    continue
+                rep.end_step(t)
+                self._schedule(rep, t)
+            elif kind == _ARRIVAL:
+                self._route(requests[a], t)
+            elif kind == _READY:
+                rep = self.replicas[a]
+                if rep.gone_at is None:
+                    rep.ready = True
+            elif kind == _SYNC:
+                snapshot, in_flight = self._snapshot(t)
+                current = len(self._active())
+                desired = self.policy.decide(t, current, snapshot, in_flight)
+                if desired != current:
+                    self.scale_events += 1
+                    self._scale_to(t, desired)
+                if t + self.sync_interval_s <= t_end:
+                    self._push(t + self.sync_interval_s, _SYNC)
+        return self._result(requests, t_end)
+
+    def _result(self, requests: Sequence[SimRequest], t_end: float) -> SimResult:
+        w0 = min(self.warmup_s, t_end)
+        measured = [r for r in requests if r.arrival >= w0]
+        ttfts = sorted(
+            (r.first_token - r.arrival) for r in measured if r.first_token is not None and not r.rejected
+        )
+        ok = sum(1 for x in ttfts if x <= self.slo_ttft_s)
+        replica_seconds = 0.0
+        for rep in self.replicas:
+            start = max(rep.created, w0)
+            stop = min(rep.gone_at if rep.gone_at is not None else t_end, t_end)
+            replica_seconds += max(0.0, stop - start)
+        window = max(1e-9, t_end - w0)
+        return SimResult(
+            policy=self.policy.name,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_attainment=ok / len(measured) if measured else 1.0,
+            replica_hours=replica_seconds / 3600.0,
+            scale_events=self.scale_events,
+            requests=len(measured),
+            rejected=sum(1 for r in measured if r.rejected),
+            ttft_p50_s=_percentile(ttfts, 0.50),
+            ttft_p95_s=_percentile(ttfts, 0.95),
+            ttft_p99_s=_percentile(ttfts, 0.99),
+            preemptions=sum(r.preemptions for r in self.replicas),
+            peak_replicas=self._peak,
+            mean_replicas=replica_seconds / window,
+            window_s=(w0, t_end),
+            settings={
+                "policy": self.policy.settings(),
+                "calibration": self.cal.to_dict(),
+                "sync_interval_s": self.sync_interval_s,
+                "warmup_s": self.warmup_s,
+                "router": "round-robin over Ready replicas",
+            },
+        )
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    policy: FleetPolicy,
+    calibration: Calibration | None = None,
+    **kwargs: Any,
+) -> SimResult:
+    return FleetSimulator(trace, policy, calibration, **kwargs).run()
+
+
+def size_static_for_slo(
+    trace: Sequence[TraceRequest],
+    calibration: Calibration | None,
+    slo_target: float,
+    max_replicas: int,
+    **kwargs: Any,
+) -> int:
+    """Smallest fixed fleet whose SLO attainment on this trace is >= slo_target ("provisioned for the
+    peak" with perfect hindsight); max_replicas when none is. Binary search: attainment grows with size."""
+    from kvpilot.autoscaler.fleet_policies import StaticPolicy
+
+    def meets(n: int) -> bool:
+        return simulate(trace, StaticPolicy(n), calibration, **kwargs).slo_attainment >= slo_target
+
+    lo, hi = 1, max(1, max_replicas)
+    if not meets(hi):
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
