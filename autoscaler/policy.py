@@ -162,9 +162,13 @@ def decide(
         starting = max(0, current - ready)
         running = sum(s.num_running for s in snapshot.samples)
         kv_per_request = n * avg_kv / running if running and avg_kv > 0 else 0.0
-        absorb = targets.target_queue_depth
-        if kv_per_request > 0:
-            absorb = max(absorb, targets.target_kv_cache_utilization / kv_per_request)
+        # No KV in use: the queue is not KV-bound, so a new replica is taken to absorb a lot (and
+        # the recommendation stays monotone in load). Capped to keep the arithmetic finite.
+        per_request_cap = 1e6
+        absorb = per_request_cap
+        if kv_per_request * per_request_cap > targets.target_kv_cache_utilization:
+            absorb = targets.target_kv_cache_utilization / kv_per_request
+        absorb = max(targets.target_queue_depth, absorb)
         if b.queue_recommendation == "average":
             queue_rec = _ceil(waiting / targets.target_queue_depth)
         else:

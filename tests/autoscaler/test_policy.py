@@ -1,0 +1,277 @@
+"""Table tests and property tests of the pure scaling policy."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpilot.autoscaler.policy import (
+    History,
+    Recommendation,
+    ScaleEvent,
+    decide,
+    scale_down_limit,
+    scale_up_limit,
+)
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets
+
+NOW = 1_000_000.0
+
+
+def snap(
+    kvs: list[float],
+    waiting: list[int] | None = None,
+    ready: int | None = None,
+    running: int = 10,
+    limited: bool = False,
+) -> MetricsSnapshot:
+    waiting = waiting or [0] * len(kvs)
+    samples = tuple(
+        ReplicaSample(f"p{i}", kv, w, running) for i, (kv, w) in enumerate(zip(kvs, waiting, strict=True))
+    )
+    return MetricsSnapshot(
+        ready_replicas=len(kvs) if ready is None else ready, samples=samples, scaling_limited=limited
+    )
+
+
+def targets(**kw: object) -> ScalingTargets:
+    base: dict[str, object] = {"min_replicas": 1, "max_replicas": 20}
+    base.update(kw)
+    return ScalingTargets(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("current", "kvs", "waiting", "expected", "reason_part"),
+    [
+        (3, [0.91, 0.91, 0.91], None, 4, "kv 0.91 > target 0.70 on 3/3 replicas -> 4"),
+        (3, [0.72, 0.70, 0.68], None, 3, "kv 0.70 ~ target 0.70"),  # inside the tolerance band
+        (3, [0.76, 0.76, 0.76], None, 3, "(hold)"),  # 0.76/0.70 = 1.086: still inside 10%
+        # Queue drives: 32 waiting beyond 4/replica; a replica takes ~14 requests under the KV target
+        # (0.7 / (1.0 KV / 20 running)), so 2 + ceil(32 / 14) = 5.
+        (2, [0.5, 0.5], [20, 20], 5, "queue 40 waiting"),
+        (4, [1.0, 1.0, 1.0, 1.0], [0, 0, 0, 0], 6, "kv 1.00 > target 0.70 on 4/4 replicas -> 6"),
+    ],
+)
+def test_scale_up_table(
+    current: int, kvs: list[float], waiting: list[int] | None, expected: int, reason_part: str
+):
+    d = decide(current, snap(kvs, waiting), targets(), History(), NOW)
+    assert d.desired == expected, d.reason
+    assert reason_part in d.reason
+
+
+def test_kv_recommendation_is_ceil_of_ratio():
+    # ceil(5 * 0.9 / 0.6) = ceil(7.5) = 8
+    d = decide(5, snap([0.9] * 5), targets(target_kv_cache_utilization=0.6), History(), NOW)
+    assert d.kv_recommendation == 8
+    assert d.desired == 8
+
+
+def test_plain_average_queue_formula_is_available():
+    b = Behavior(queue_recommendation="average")
+    d = decide(2, snap([0.5, 0.5], [20, 20]), targets(behavior=b), History(), NOW)
+    assert d.queue_recommendation == 10  # ceil(40 / 4)
+    assert d.desired == 6  # rate limit: max(+4, +100%) per 15 s from 2
+
+
+def test_scale_down_waits_for_the_window_then_goes_one_at_a_time():
+    t = targets()
+    h = History(recommendations=(Recommendation(NOW - 100, 5),))
+    d = decide(5, snap([0.1] * 5), t, h, NOW)
+    assert d.desired == 5
+    assert "scale-down stabilization (300s) holds 5" in d.reason
+    # Past the window: down, but limited to one replica per 60 s.
+    h = History(recommendations=(Recommendation(NOW - 400, 5),))
+    d = decide(5, snap([0.1] * 5), t, h, NOW)
+    assert d.desired == 4
+    assert "scale-down limited" in d.reason
+    d2 = decide(4, snap([0.1] * 4), t, d.history, NOW + 15)
+    assert d2.desired == 4  # the 60 s period is not over
+    d3 = decide(4, snap([0.1] * 4), t, d2.history, NOW + 61)
+    assert d3.desired == 3
+
+
+def test_no_metrics_holds():
+    d = decide(3, MetricsSnapshot(ready_replicas=3), targets(), History(), NOW)
+    assert d.desired == 3
+    assert d.reason.startswith("no metrics from 0/3 ready replicas")
+
+
+def test_missing_replica_is_held_not_idle():
+    # 1 of 3 reporting, idle; the two silent ones are not read as idle.
+    d = decide(3, snap([0.05], ready=3), targets(), History(), NOW)
+    assert d.desired == 3
+    assert "2 not reporting, held" in d.reason
+    # ... but a hot reporting replica still scales up, on top of the held ones.
+    d = decide(3, snap([0.95], ready=3), targets(), History(), NOW)
+    assert d.desired == 4  # ceil(1 * 0.95 / 0.7) = 2, plus 2 held
+
+
+def test_scaling_limited_holds_scale_up_but_not_scale_down():
+    d = decide(3, snap([0.95] * 3, limited=True), targets(), History(), NOW)
+    assert d.desired == 3
+    assert "ScalingLimited" in d.reason
+    d = decide(3, snap([0.05] * 3, limited=True), targets(), History(), NOW)
+    assert d.desired == 2
+
+
+def test_min_max_clamp():
+    d = decide(1, snap([0.0]), targets(min_replicas=3), History(), NOW)
+    assert d.desired == 3
+    assert "minReplicas 3" in d.reason
+    d = decide(10, snap([1.0] * 10, [50] * 10), targets(max_replicas=12), History(), NOW)
+    assert d.desired == 12
+    assert "maxReplicas 12" in d.reason
+
+
+def test_burst_skips_up_window_and_jumps_further():
+    t = targets(scale_up_stabilization_s=60)
+    h = History(recommendations=(Recommendation(NOW - 30, 2),))
+    # Not a burst: the up window takes the lowest recommendation (2), so no scale-up yet.
+    d = decide(2, snap([0.85, 0.85]), t, h, NOW)
+    assert d.desired == 2
+    # KV saturated with requests waiting: burst.
+    d = decide(2, snap([0.97, 0.97], [10, 10]), t, h, NOW)
+    assert d.burst
+    assert d.desired > 3
+    assert "burst" in d.reason
+
+
+def test_burst_on_fast_queue_growth():
+    t = targets()
+    h = History(last_queue=(NOW - 15, 0))
+    d = decide(2, snap([0.6, 0.6], [20, 20]), t, h, NOW)
+    assert d.burst
+    assert "queue growing" in d.reason
+
+
+def test_rate_limits_follow_hpa_semantics():
+    up = ScalingRule(pods=4, percent=100, period_s=15)
+    assert scale_up_limit(2, (), NOW, up) == 6  # max(2 + 4, 2 * 2)
+    assert scale_up_limit(10, (), NOW, up) == 20
+    # 10 -> 14 five seconds ago: the period started at 10.
+    assert scale_up_limit(14, (ScaleEvent(NOW - 5, 10, 14),), NOW, up) == 20
+    down = ScalingRule(pods=1, percent=0, period_s=60)
+    assert scale_down_limit(5, (), NOW, down) == 4
+    assert scale_down_limit(4, (ScaleEvent(NOW - 30, 5, 4),), NOW, down) == 4
+    assert scale_down_limit(4, (ScaleEvent(NOW - 61, 5, 4),), NOW, down) == 3
+
+
+def test_history_is_bounded():
+    t = targets()
+    h = History()
+    for i in range(200):
+        d = decide(3, snap([0.7] * 3), t, h, NOW + 15 * i)
+        h = d.history
+    assert len(h.recommendations) <= t.history_horizon_s / 15 + 2
+
+
+# -- properties ------------------------------------------------------------------------------------------
+
+kv_values = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[int, MetricsSnapshot, ScalingTargets, History, float]:
+    min_r = draw(st.integers(0, 5))
+    max_r = draw(st.integers(max(1, min_r), 30))
+    t = ScalingTargets(
+        min_replicas=min_r,
+        max_replicas=max_r,
+        target_kv_cache_utilization=draw(st.floats(0.2, 1.0)),
+        target_queue_depth=draw(st.floats(0.5, 16.0)),
+        scale_up_stabilization_s=draw(st.sampled_from([0, 30, 120])),
+        scale_down_stabilization_s=draw(st.sampled_from([0, 60, 300])),
+    )
+    current = draw(st.integers(0, 40))
+    ready = draw(st.integers(0, current + 2))
+    reporting = draw(st.integers(0, ready))
+    samples = tuple(
+        ReplicaSample(f"p{i}", draw(kv_values), draw(st.integers(0, 60)), draw(st.integers(0, 64)))
+        for i in range(reporting)
+    )
+    recs = tuple(
+        Recommendation(NOW - draw(st.floats(0, 600)), draw(st.integers(0, 40)))
+        for _ in range(draw(st.integers(0, 5)))
+    )
+    events = tuple(
+        ScaleEvent(NOW - draw(st.floats(0, 120)), draw(st.integers(0, 40)), draw(st.integers(0, 40)))
+        for _ in range(draw(st.integers(0, 3)))
+    )
+    h = History(recommendations=tuple(sorted(recs, key=lambda r: r.time)), events=events)
+    return current, MetricsSnapshot(ready, samples, draw(st.booleans())), t, h, NOW
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_never_outside_min_max(s: tuple[int, MetricsSnapshot, ScalingTargets, History, float]):
+    current, snapshot, t, h, now = s
+    d = decide(current, snapshot, t, h, now)
+    assert t.min_replicas <= d.desired <= t.max_replicas
+    assert d.reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_missing_metrics_never_scale_down(s: tuple[int, MetricsSnapshot, ScalingTargets, History, float]):
+    current, snapshot, t, h, now = s
+    if snapshot.missing == 0 and snapshot.reporting > 0:
+        return
+    d = decide(current, snapshot, t, h, now)
+    # Only the spec's own bound may take it lower.
+    assert d.desired >= min(current, t.max_replicas)
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_scale_down_respects_the_window(s: tuple[int, MetricsSnapshot, ScalingTargets, History, float]):
+    current, snapshot, t, h, now = s
+    d = decide(current, snapshot, t, h, now)
+    if d.desired < current <= t.max_replicas:
+        window = [r.replicas for r in h.recommendations if now - r.time <= t.scale_down_stabilization_s]
+        assert d.desired >= max([*window, d.recommendation])
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_scale_up_respects_the_window(s: tuple[int, MetricsSnapshot, ScalingTargets, History, float]):
+    current, snapshot, t, h, now = s
+    d = decide(current, snapshot, t, h, now)
+    if d.desired > current >= t.min_replicas and not d.burst:
+        window = [r.replicas for r in h.recommendations if now - r.time <= t.scale_up_stabilization_s]
+        assert d.desired <= min([*window, d.recommendation])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 20),
+    st.lists(st.tuples(kv_values, st.integers(0, 50)), min_size=1, max_size=20),
+    st.floats(0.0, 0.5),
+    st.integers(0, 30),
+)
+def test_monotone_in_load(current: int, loads: list[tuple[float, int]], extra_kv: float, extra_wait: int):
+    t = targets(max_replicas=60)
+    lo = MetricsSnapshot(
+        len(loads), tuple(ReplicaSample(f"p{i}", kv, w, 10) for i, (kv, w) in enumerate(loads))
+    )
+    hi = MetricsSnapshot(
+        len(loads),
+        tuple(
+            ReplicaSample(f"p{i}", min(1.0, kv + extra_kv), w + extra_wait, 10)
+            for i, (kv, w) in enumerate(loads)
+        ),
+    )
+    assert decide(current, hi, t, History(), NOW).desired >= decide(current, lo, t, History(), NOW).desired
+
+
+def test_pure_same_inputs_same_output():
+    args = (3, snap([0.9, 0.2, 0.5], [3, 0, 9]), targets(), History(last_queue=(NOW - 15, 2)), NOW)
+    assert decide(*args) == decide(*args)
+
+
+def test_ceil_does_not_round_up_float_noise():
+    # 3 * 0.84 / 0.7 is 3.6000000000000005 in floats; exact values like 2 * 0.7 / 0.7 must stay 2.
+    d = decide(2, snap([0.7 * 1.5] * 2), targets(), History(), NOW)
+    assert d.kv_recommendation == 3
+    assert decide(4, snap([0.35] * 4), targets(), History(), NOW).kv_recommendation == 2
