@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, SequenceStatus, TokenLogprob
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -154,22 +157,21 @@ class LLMEngine:
         device = resolve_device(cfg)
         if device.type == "cpu":
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-        dtype = resolve_dtype(cfg.dtype, device)
         torch.manual_seed(cfg.seed)
-        loaded = load_model(cfg, device, dtype)
+        return cls.from_loaded(load_model(cfg, device, resolve_dtype(cfg.dtype, device)), cfg)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, cfg: EngineConfig) -> LLMEngine:
+        """An engine around an already-loaded model (tests share one model between engines)."""
         from kvpilot.kernels import quant
 
-        kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, dtype)
+        kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
         geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype, cfg.tensor_parallel_size)
-        num_blocks = cls._num_blocks(cfg, geo, device)
-        max_len = min(cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
-        if cfg.max_model_len and cfg.max_model_len > loaded.max_model_len:
-            log.warning("--max-model-len %d exceeds the model's %d", cfg.max_model_len, loaded.max_model_len)
-            max_len = cfg.max_model_len
-        runner = ModelRunner(loaded.model, geo, num_blocks, device)
+        num_blocks = cls._num_blocks(cfg, geo, loaded.device)
+        runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
-        return cls(runner, loaded.tokenizer, cfg, name, max_len, eos)
+        return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)
 
     @staticmethod
     def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:

@@ -1,0 +1,151 @@
+"""The engine against Hugging Face transformers on the real SmolLM2 weights (fp32, greedy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.sampling_params import SamplingParams
+
+from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
+
+MAX_NEW = 16
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "List three colors of the rainbow:",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is 12 times 7?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(make_engine: Callable[..., LLMEngine]) -> list[list[int]]:
+    tok = make_engine().tokenizer
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True
+    )
+    return [tok.encode(t) for t in TEXTS] + [tok.encode(chat, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def references(
+    prompts: list[list[int]], hf_smollm2: Any, make_engine: Callable[..., LLMEngine]
+) -> list[Reference]:
+    eos = set(make_engine().eos_token_ids)
+    return [hf_greedy(hf_smollm2, p, MAX_NEW, eos) for p in prompts]
+
+
+def greedy(n: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def check_all(engine: LLMEngine, prompts: list[list[int]], refs: list[Reference], label: str) -> None:
+    seqs = engine.generate(prompts, greedy())
+    for i, (seq, ref) in enumerate(zip(seqs, refs, strict=True)):
+        assert_matches_reference(seq.output_token_ids, ref, f"{label} prompt {i}")
+    assert engine.block_manager.usage == 0.0, "blocks leaked after every request finished"
+    engine.block_manager.check_invariants()
+
+
+def test_single_requests_match_hf(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], references: list[Reference]
+) -> None:
+    engine = make_engine()
+    for i, (p, ref) in enumerate(zip(prompts, references, strict=True)):
+        (seq,) = engine.generate([p], greedy())
+        assert_matches_reference(seq.output_token_ids, ref, f"single {i}")
+
+
+def test_one_batch_matches_hf(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], references: list[Reference]
+) -> None:
+    engine = make_engine(enable_prefix_caching=False)
+    check_all(engine, prompts, references, "batch")
+    # everything ran together: the first step prefilled all prompts at once
+    assert engine.num_steps <= MAX_NEW + 1
+
+
+def test_chunked_prefill_matches_hf(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], references: list[Reference]
+) -> None:
+    engine = make_engine(max_num_batched_tokens=16, enable_prefix_caching=False)
+    check_all(engine, prompts, references, "chunked")
+
+
+def test_kv_pressure_preempts_and_still_matches_hf(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], references: list[Reference]
+) -> None:
+    probe = make_engine()
+    block_bytes = probe.runner.geometry.bytes_per_block
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    blocks = probe.block_manager.blocks_needed(longest) + 2  # room for one request and a bit
+    engine = make_engine(kv_cache_memory=blocks * block_bytes, enable_prefix_caching=False)
+    assert engine.block_manager.num_blocks == blocks
+    check_all(engine, prompts, references, "pressure")
+    assert engine.stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits_and_outputs_do_not_change(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], references: list[Reference]
+) -> None:
+    engine = make_engine(enable_prefix_caching=True)
+    check_all(engine, prompts, references, "cold cache")
+    check_all(engine, prompts, references, "warm cache")
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_hits <= stats.prefix_cache_queries
+
+
+def test_out_of_memory_in_a_step_is_recovered(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], references: list[Reference]
+) -> None:
+    engine = make_engine()
+    calls = {"n": 0}
+
+    def fail_twice(_: object) -> None:
+        calls["n"] += 1
+        if calls["n"] in (1, 3):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    engine.before_execute = fail_twice
+    check_all(engine, prompts, references, "oom")
+    assert engine.stats().oom_recoveries == 2
+    assert engine.token_budget < engine.cfg.max_num_batched_tokens
+
+
+def test_abort_frees_blocks_at_once(make_engine: Callable[..., LLMEngine], prompts: list[list[int]]) -> None:
+    engine = make_engine()
+    engine.add_request("a", prompts[3], greedy(64))
+    engine.add_request("b", prompts[0], greedy(64))
+    for _ in range(3):
+        engine.step()
+    held = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    out = engine.abort("a")
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.block_manager.num_blocks - engine.block_manager.num_free_blocks < held
+    engine.abort("b")
+    assert engine.block_manager.usage == 0.0 and not engine.has_unfinished()
+
+
+def test_requests_that_can_never_fit_are_refused(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(kv_cache_memory=4 * 737280)  # 4 blocks of 16 tokens in fp32
+    assert engine.kv_capacity_tokens == 64
+    with pytest.raises(ValueError, match="KV pool holds 64"):
+        engine.validate_request(list(range(60)), greedy(10))
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.validate_request([1] * 10, greedy(engine.max_model_len))
+    with pytest.raises(ValueError, match="empty"):
+        engine.validate_request([], greedy())
+
+
+def test_seeded_sampling_is_reproducible_across_batches(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]]
+) -> None:
+    engine = make_engine()
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
+    alone = engine.generate([prompts[0]], params)[0].output_token_ids
+    together = engine.generate(prompts, params)[0].output_token_ids
+    assert alone == together
