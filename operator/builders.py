@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-
 from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, OOMOverrides, RuntimeSettings
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 
@@ -305,9 +304,7 @@ def _fetch_init_container(im: InferenceModel, image: str, pull_policy: str) -> d
     }
 
 
-def render_deployment(
-    im: InferenceModel, settings: OperatorSettings, config_yaml: str
-) -> dict[str, Any]:
+def render_deployment(im: InferenceModel, settings: OperatorSettings, config_yaml: str) -> dict[str, Any]:
     spec = im.spec
     image = spec.image or settings.image
     pull_policy = spec.image_pull_policy or settings.image_pull_policy

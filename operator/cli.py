@@ -10,7 +10,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvpilot import __version__
 
@@ -20,7 +20,9 @@ DEFAULT_IMAGE = f"kvpilot/kvpilot:{__version__}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
+    parser.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)"
+    )
     parser.add_argument("--context", help="kubeconfig context")
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument(
@@ -28,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces (default)")
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="runtime image when spec.image is unset")
-    parser.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    parser.add_argument(
+        "--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"]
+    )
     parser.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
     parser.add_argument("--resync-seconds", type=float, default=60.0, help="reconcile every model this often")
     parser.add_argument("--health-port", type=int, default=8081, help="serves /healthz and /readyz (0: off)")
@@ -41,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--leader-election-namespace", help="namespace of the Lease (default: own namespace)")
     parser.add_argument("--leader-election-name", default="kvpilot-operator", help="name of the Lease")
-    parser.add_argument("--identity", help="leader-election identity (default: POD_NAME or hostname, plus pid)")
+    parser.add_argument(
+        "--identity", help="leader-election identity (default: POD_NAME or hostname, plus pid)"
+    )
     parser.add_argument("--log-level", default=os.environ.get("KVPILOT_LOG_LEVEL", "INFO"))
 
 
@@ -52,7 +58,7 @@ def _own_namespace() -> str:
 
 
 class _Health(BaseHTTPRequestHandler):
-    state: dict[str, bool] = {"leading": False}
+    state: ClassVar[dict[str, bool]] = {"leading": False}
 
     def do_GET(self) -> None:
         if self.path in ("/healthz", "/livez", "/readyz"):
@@ -103,8 +109,6 @@ def make_login(api_client: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import kopf
-    from prometheus_client import start_http_server
-
     from kvpilot.operator import metrics
     from kvpilot.operator.builders import OperatorSettings
     from kvpilot.operator.controller import Controller
@@ -113,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.leader import KubeLeaseStore, LeaderElector, default_identity, run_as_leader
     from kvpilot.operator.models import API_VERSION, KIND
     from kvpilot.operator.reconcile import Reconciler
+    from prometheus_client import start_http_server
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),

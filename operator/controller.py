@@ -127,7 +127,9 @@ class Controller:
         for key in self._pending:
             self._queue.add(key)
         self._pending.clear()
-        tasks = [asyncio.create_task(self._worker(i), name=f"reconcile-worker-{i}") for i in range(self.workers)]
+        tasks = [
+            asyncio.create_task(self._worker(i), name=f"reconcile-worker-{i}") for i in range(self.workers)
+        ]
         tasks.append(asyncio.create_task(self._resync(), name="resync"))
         try:
             if stop is None:
@@ -162,8 +164,15 @@ class Controller:
                 n = self.failures.get(key, 0) + 1
                 self.failures[key] = n
                 delay = min(self.max_backoff, 0.5 * 2 ** (n - 1))
-                log.warning("reconcile %s/%s failed (%s); retry %d in %.1fs", key[0], key[1], e, n, delay,
-                            exc_info=n == 1)
+                log.warning(
+                    "reconcile %s/%s failed (%s); retry %d in %.1fs",
+                    key[0],
+                    key[1],
+                    e,
+                    n,
+                    delay,
+                    exc_info=n == 1,
+                )
                 if key in self.known:
                     queue.add_after(key, delay)
             finally:

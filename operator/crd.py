@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-
 from kvpilot.operator import models as m
 
 CRD_NAME = f"{m.PLURAL}.{m.GROUP}"
@@ -40,7 +39,9 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if combinator in node:
             options = [o for o in node.pop(combinator) if o.get("type") != "null"]
             if len(options) != 1:
-                raise ValueError(f"cannot express {combinator} with {len(options)} non-null options structurally")
+                raise ValueError(
+                    f"cannot express {combinator} with {len(options)} non-null options structurally"
+                )
             inner = _resolve(options[0], defs)
             for key, value in node.items():
                 if key == "x-kubernetes-validations":
@@ -103,7 +104,9 @@ def status_schema() -> dict[str, Any]:
 def openapi_schema() -> dict[str, Any]:
     spec = spec_schema()
     status = status_schema()
-    status["description"] = "Observed state, written by the operator (and status.autoscaler by the autoscaler)."
+    status["description"] = (
+        "Observed state, written by the operator (and status.autoscaler by the autoscaler)."
+    )
     return {
         "type": "object",
         "description": m.InferenceModel.__doc__,
@@ -122,7 +125,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source", "description": "Weights source"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Pods"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready pods"},
-    {"name": "KV", "type": "string", "jsonPath": ".status.kvCacheUsage", "description": "Mean KV-cache usage"},
+    {
+        "name": "KV",
+        "type": "string",
+        "jsonPath": ".status.kvCacheUsage",
+        "description": "Mean KV-cache usage",
+    },
     {
         "name": "Status",
         "type": "string",

@@ -20,7 +20,8 @@ from tenacity import (
     retry,
     retry_if_exception,
     stop_after_attempt,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def is_retryable(exc: BaseException) -> bool:
 
 _retry = retry(
     retry=retry_if_exception(is_retryable),
-    wait=wait_exponential_jitter(initial=0.2, max=5.0),
+    wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.2),
     stop=stop_after_attempt(6),
     reraise=True,
 )
@@ -84,7 +85,9 @@ _retry = retry(
 class Kube(Protocol):
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
 
-    def list(self, api_version: str, kind: str, namespace: str | None, selector: str = "") -> list[dict[str, Any]]: ...
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, selector: str = ""
+    ) -> list[dict[str, Any]]: ...
 
     def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]: ...
 
@@ -120,9 +123,16 @@ class ApiKube:
         if content_type:
             headers["Content-Type"] = content_type
         m, url, hdrs, data, post = self.api.param_serialize(
-            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
+            method,
+            path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
         )
-        resp = self.api.call_api(m, url, header_params=hdrs, body=data, post_params=post, _request_timeout=self.timeout)
+        resp = self.api.call_api(
+            m, url, header_params=hdrs, body=data, post_params=post, _request_timeout=self.timeout
+        )
         resp.read()
         if not 200 <= resp.status < 300:
             raise ApiException(http_resp=resp)
@@ -138,7 +148,9 @@ class ApiKube:
             raise
 
     @_retry
-    def list(self, api_version: str, kind: str, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, selector: str = ""
+    ) -> list[dict[str, Any]]:
         query = [("labelSelector", selector)] if selector else []
         body = self.request("GET", kind_of(api_version, kind).path(namespace), query=query)
         items: list[dict[str, Any]] = body.get("items", [])
@@ -166,7 +178,9 @@ class ApiKube:
     ) -> dict[str, Any]:
         """Merge-patch `.status` (the patch is for the status object itself) via the status subresource."""
         path = kind_of(api_version, kind).path(namespace, name, "status")
-        return self.request("PATCH", path, body={"status": patch}, content_type="application/merge-patch+json")
+        return self.request(
+            "PATCH", path, body={"status": patch}, content_type="application/merge-patch+json"
+        )
 
     @_retry
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:

@@ -280,13 +280,21 @@ class LeaderElector:
             if self.try_acquire_or_renew():
                 self.leading.set()
             elif self.leading.is_set() and self.monotonic() - self._last_renew >= self.renew_deadline:
-                log.error("lease %s/%s: could not renew for %.0fs; stepping down", self.namespace, self.name,
-                          self.renew_deadline)
+                log.error(
+                    "lease %s/%s: could not renew for %.0fs; stepping down",
+                    self.namespace,
+                    self.name,
+                    self.renew_deadline,
+                )
                 self.leading.clear()
                 if lost is not None:
                     lost.set()
                 return
-            elif self.leading.is_set() and self._observed is not None and self._observed.holder != self.identity:
+            elif (
+                self.leading.is_set()
+                and self._observed is not None
+                and self._observed.holder != self.identity
+            ):
                 log.error("lease %s/%s: taken over by %s", self.namespace, self.name, self._observed.holder)
                 self.leading.clear()
                 if lost is not None:
@@ -309,7 +317,9 @@ def run_as_leader(
     """
     lost = threading.Event()
     campaign_stop = threading.Event()
-    thread = threading.Thread(target=elector.run, args=(campaign_stop, lost), name="leader-election", daemon=True)
+    thread = threading.Thread(
+        target=elector.run, args=(campaign_stop, lost), name="leader-election", daemon=True
+    )
     thread.start()
     log.info("waiting to become leader of %s/%s as %s", elector.namespace, elector.name, elector.identity)
     while not (stop.is_set() or elector.leading.wait(0.2) or lost.is_set()):

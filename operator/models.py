@@ -150,7 +150,9 @@ class Autoscaling(_Model):
         )
     )
 
-    min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Fewest replicas (0 allows scale to zero).")
+    min_replicas: int = Field(
+        1, ge=0, le=MAX_REPLICAS, description="Fewest replicas (0 allows scale to zero)."
+    )
     max_replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Most replicas.")
     target_kv_cache_utilization: float = Field(
         0.7,
@@ -209,17 +211,23 @@ class Resources(_Model):
 class RuntimeSettings(_Model):
     """Engine settings rendered into the runtime's config file; unset fields use the runtime's defaults."""
 
-    max_model_len: int | None = Field(None, ge=16, le=1 << 20, description="Context length; model's own by default.")
+    max_model_len: int | None = Field(
+        None, ge=16, le=1 << 20, description="Context length; model's own by default."
+    )
     block_size: Literal[8, 16, 32, 64, 128] | None = Field(None, description="Tokens per KV-cache block.")
     kv_cache_dtype: Literal["auto", "fp8", "int8"] | None = Field(None, description="KV-cache storage dtype.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks across shared prefixes.")
-    tensor_parallel_size: int | None = Field(None, ge=1, le=16, description="GPUs one model copy is sharded over.")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, le=16, description="GPUs one model copy is sharded over."
+    )
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Most sequences in one batch.")
     max_num_batched_tokens: int | None = Field(None, ge=16, le=1 << 20, description="Token budget per step.")
     gpu_memory_utilization: float | None = Field(
         None, gt=0.0, le=1.0, description="Fraction of GPU memory for weights plus KV cache."
     )
-    max_queue_len: int | None = Field(None, ge=1, le=1 << 20, description="Waiting requests beyond this get 429.")
+    max_queue_len: int | None = Field(
+        None, ge=1, le=1 << 20, description="Waiting requests beyond this get 429."
+    )
     shutdown_timeout_seconds: int | None = Field(
         None, ge=0, le=3600, description="Seconds in-flight requests get to finish after SIGTERM."
     )
@@ -235,9 +243,13 @@ class OOMPolicy(_Model):
             "after an out-of-memory kill, down to the minimums below."
         ),
     )
-    min_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Floor for gpuMemoryUtilization.")
+    min_gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="Floor for gpuMemoryUtilization."
+    )
     min_max_num_seqs: int = Field(4, ge=1, le=4096, description="Floor for maxNumSeqs.")
-    min_max_num_batched_tokens: int = Field(256, ge=16, le=1 << 20, description="Floor for maxNumBatchedTokens.")
+    min_max_num_batched_tokens: int = Field(
+        256, ge=16, le=1 << 20, description="Floor for maxNumBatchedTokens."
+    )
 
 
 class Toleration(_Model):
@@ -267,8 +279,10 @@ _SPEC_RULES = _validations(
     ),
     _rule(
         "!has(self.autoscaling) || !has(self.replicas)"
-        " || (oldSelf.hasValue() && has(oldSelf.value().replicas) && oldSelf.value().replicas == self.replicas)"
-        " || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+        " || (oldSelf.hasValue() && has(oldSelf.value().replicas)"
+        " && oldSelf.value().replicas == self.replicas)"
+        " || (self.replicas >= self.autoscaling.minReplicas"
+        " && self.replicas <= self.autoscaling.maxReplicas)",
         "spec.replicas must lie between spec.autoscaling.minReplicas and spec.autoscaling.maxReplicas: "
         "change replicas or widen the autoscaling bounds",
         optionalOldSelf=True,
@@ -299,7 +313,9 @@ class InferenceModelSpec(_Model):
     resources: Resources = Field(default_factory=Resources, json_schema_extra={"default": {}})
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, json_schema_extra={"default": {}})
     oom_policy: OOMPolicy = Field(default_factory=OOMPolicy, json_schema_extra={"default": {}})
-    image: str | None = Field(None, max_length=512, description="Runtime image; the operator's --image by default.")
+    image: str | None = Field(
+        None, max_length=512, description="Runtime image; the operator's --image by default."
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     node_selector: dict[str, str] | None = Field(None, description="Extra node labels the pods require.")
     tolerations: list[Toleration] | None = Field(None, max_length=64)
@@ -402,7 +418,10 @@ class OOMAdaptation(_Model):
     changes: dict[str, str] | None = Field(None, description='The last step, field -> "old -> new".')
     overrides: OOMOverrides | None = None
     runtime_hash: str | None = Field(
-        None, description="Hash of spec.runtime and spec.oomPolicy the overrides were made for; a spec change resets them."
+        None,
+        description=(
+            "Hash of spec.runtime and spec.oomPolicy the overrides were made for; a spec change resets them."
+        ),
     )
 
 
@@ -410,7 +429,9 @@ class InferenceModelStatus(_Model):
     """Observed state of an InferenceModel."""
 
     observed_generation: int | None = None
-    replicas: int | None = Field(None, description="Pods of this model (scale subresource statusReplicasPath).")
+    replicas: int | None = Field(
+        None, description="Pods of this model (scale subresource statusReplicasPath)."
+    )
     ready_replicas: int | None = None
     updated_replicas: int | None = None
     selector: str | None = Field(None, description="Label selector of the pods (scale subresource).")
@@ -420,7 +441,9 @@ class InferenceModelStatus(_Model):
         max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    kv_cache_usage: str | None = Field(None, alias="kvCacheUsage", description='Mean KV-cache usage, e.g. "42%".')
+    kv_cache_usage: str | None = Field(
+        None, alias="kvCacheUsage", description='Mean KV-cache usage, e.g. "42%".'
+    )
     autoscaler: AutoscalerStatus | None = None
     oom_adaptation: OOMAdaptation | None = Field(None, alias="oomAdaptation")
 

@@ -11,6 +11,7 @@ Editing spec.runtime or spec.oomPolicy resets the overrides (their hash no longe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from kvpilot.operator.builders import effective_runtime, stable_hash
 from kvpilot.operator.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
 from kvpilot.operator.podstate import PodProblem, format_time
@@ -36,7 +37,9 @@ def current_overrides(spec: InferenceModelSpec, state: OOMAdaptation | None) -> 
     return state.overrides
 
 
-def step_down(values: dict[str, float | int], policy: OOMPolicy) -> dict[str, tuple[float | int, float | int]]:
+def step_down(
+    values: dict[str, float | int], policy: OOMPolicy
+) -> dict[str, tuple[float | int, float | int]]:
     """One adaptation step: field -> (old, new) for each field that can still go down."""
     out: dict[str, tuple[float | int, float | int]] = {}
     gmu = float(values["gpu_memory_utilization"])
@@ -98,7 +101,10 @@ def decide(
     new_ooms = tuple(
         p
         for p in problems
-        if p.is_oom and p.config_hash == config_hash and p.finished_at and (last is None or p.finished_at > last)
+        if p.is_oom
+        and p.config_hash == config_hash
+        and p.finished_at
+        and (last is None or p.finished_at > last)
     )
     if not new_ooms or not spec.oom_policy.adapt:
         return OOMDecision(state)
@@ -112,7 +118,9 @@ def decide(
         kept = state or OOMAdaptation()
         return OOMDecision(kept.model_copy(update={"last_time": latest}), exhausted=True, ooms=new_ooms)
 
-    new_overrides = (overrides or OOMOverrides()).model_copy(update={k: new for k, (_old, new) in steps.items()})
+    new_overrides = (overrides or OOMOverrides()).model_copy(
+        update={k: new for k, (_old, new) in steps.items()}
+    )
     changes = {CAMEL[k]: f"{old} -> {new}" for k, (old, new) in steps.items()}
     new_state = OOMAdaptation(
         count=count + 1,

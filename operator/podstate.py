@@ -68,9 +68,9 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
     problems: list[PodProblem] = []
 
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            if cond.get("reason") == "Unschedulable":
-                problems.append(PodProblem(name, "Unschedulable", cond.get("message", ""), chash))
+        scheduled = cond.get("type") == "PodScheduled"
+        if scheduled and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+            problems.append(PodProblem(name, "Unschedulable", cond.get("message", ""), chash))
 
     for cs in status.get("containerStatuses") or []:
         cname = cs.get("name", "?")
@@ -83,7 +83,10 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
         if oom_now and terminated:
             problems.append(
                 PodProblem(
-                    name, "OOMKilled", _oom_message(name, cname, oom_now, terminated), chash,
+                    name,
+                    "OOMKilled",
+                    _oom_message(name, cname, oom_now, terminated),
+                    chash,
                     parse_time(terminated.get("finishedAt")) or now,
                 )
             )
@@ -98,11 +101,21 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
         if reason == "CrashLoopBackOff" and not (oom_now or oom_last):
             detail = (last or {}).get("message") or (last or {}).get("reason") or waiting.get("message", "")
             problems.append(
-                PodProblem(name, "CrashLoopBackOff", f"pod {name} container {cname} is crash-looping: {detail}".strip(), chash)
+                PodProblem(
+                    name,
+                    "CrashLoopBackOff",
+                    f"pod {name} container {cname} is crash-looping: {detail}".strip(),
+                    chash,
+                )
             )
         elif reason in PULL_REASONS:
             problems.append(
-                PodProblem(name, "ImagePullBackOff", f"pod {name}: {reason}: {waiting.get('message', '')}".strip(), chash)
+                PodProblem(
+                    name,
+                    "ImagePullBackOff",
+                    f"pod {name}: {reason}: {waiting.get('message', '')}".strip(),
+                    chash,
+                )
             )
         elif reason in CONFIG_REASONS:
             problems.append(
@@ -113,4 +126,8 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
 
 def all_problems(pods: list[dict[str, Any]], now: datetime) -> list[PodProblem]:
     live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
-    return [problem for pod in sorted(live, key=lambda p: p["metadata"].get("name", "")) for problem in pod_problems(pod, now)]
+    return [
+        problem
+        for pod in sorted(live, key=lambda p: p["metadata"].get("name", ""))
+        for problem in pod_problems(pod, now)
+    ]

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvpilot.operator import metrics, oom
 from kvpilot.operator.apply import apply_child
 from kvpilot.operator.builders import (
@@ -36,6 +34,7 @@ from kvpilot.operator.status import (
     invalid_status,
     status_patch,
 )
+from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
@@ -151,7 +150,9 @@ class Reconciler:
             self.kube.create(obj)
             metrics.EVENTS.labels(event.type, event.reason).inc()
         except Exception:  # an Event is best effort; the condition already says it
-            log.warning("could not post event %s for %s/%s", event.reason, md["namespace"], md["name"], exc_info=True)
+            log.warning(
+                "could not post event %s for %s/%s", event.reason, md["namespace"], md["name"], exc_info=True
+            )
 
     # -- the reconcile ------------------------------------------------------------------------
 
@@ -186,7 +187,11 @@ class Reconciler:
             return outcome
 
         im = InferenceModel(metadata=md, spec=spec)
-        state = OOMAdaptation.model_validate(live_status["oomAdaptation"]) if live_status.get("oomAdaptation") else None
+        state = (
+            OOMAdaptation.model_validate(live_status["oomAdaptation"])
+            if live_status.get("oomAdaptation")
+            else None
+        )
         pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
         problems = all_problems(pods, now)
 
@@ -239,6 +244,8 @@ class Reconciler:
             self.kube.patch_status(API_VERSION, KIND, md["namespace"], md["name"], patch)
             metrics.STATUS_PATCHES.inc()
             outcome.status_patch = patch
-            outcome.events = condition_events(live_status.get("conditions"), desired["conditions"]) + extra_events
+            outcome.events = (
+                condition_events(live_status.get("conditions"), desired["conditions"]) + extra_events
+            )
         for event in outcome.events:
             self.post_event(body, event)

@@ -97,7 +97,7 @@ def compute_conditions(
         prog_c = Cond("Progressing", False, "ProgressDeadlineExceeded", str(progressing.get("message", "")))
     elif deployment is None:
         prog_c = Cond("Progressing", True, "Creating", "creating the Deployment")
-    elif observed < dep_gen or updated < want or total > updated:
+    elif observed < dep_gen or updated < total:  # pods of an older template remain
         prog_c = Cond("Progressing", True, "RollingOut", f"{updated}/{want} replicas updated, {counts}")
     elif total != want:
         prog_c = Cond("Progressing", True, "Scaling", f"scaling from {total} to {want} replicas, {counts}")
@@ -131,7 +131,12 @@ def compute_conditions(
             f"{_plural(n, 'pod')} cannot be scheduled: {_summarize(problems, 'Unschedulable', 1)}",
         )
     elif failure is not None and failure.get("status") == "True":
-        scaling_c = Cond("ScalingLimited", True, str(failure.get("reason") or "ReplicaFailure"), str(failure.get("message", "")))
+        scaling_c = Cond(
+            "ScalingLimited",
+            True,
+            str(failure.get("reason") or "ReplicaFailure"),
+            str(failure.get("message", "")),
+        )
     else:
         scaling_c = Cond("ScalingLimited", False, "AsExpected")
     return [ready_c, prog_c, degraded_c, scaling_c]
@@ -216,14 +221,22 @@ def condition_events(previous: list[dict[str, Any]] | None, current: list[dict[s
         if c["type"] in ("Degraded", "ScalingLimited") and c["status"] == "True":
             events.append(EventSpec("Warning", c["reason"], c["message"]))
         elif c["type"] in ("Degraded", "ScalingLimited") and old.get("status") == "True":
-            events.append(EventSpec("Normal", f"{c['type']}Cleared", f"{c['type']} cleared (was {old.get('reason')})"))
+            events.append(
+                EventSpec("Normal", f"{c['type']}Cleared", f"{c['type']} cleared (was {old.get('reason')})")
+            )
         elif c["type"] == "Ready" and c["status"] == "True" and old.get("status") != "True":
             events.append(EventSpec("Normal", "Ready", c["message"]))
     return events
 
 
 def invalid_status(
-    name: str, namespace: str, generation: int, message: str, *, now: datetime, previous: dict[str, Any] | None
+    name: str,
+    namespace: str,
+    generation: int,
+    message: str,
+    *,
+    now: datetime,
+    previous: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Status for a spec the operator cannot act on (replica counts are left as they were)."""
     msg = f"spec is invalid: {message}"
@@ -234,7 +247,9 @@ def invalid_status(
         Cond("ScalingLimited", False, "AsExpected"),
     ]
     prev = previous or {}
-    status = {k: prev[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation") if k in prev}
+    status = {
+        k: prev[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation") if k in prev
+    }
     status.update(
         {
             "observedGeneration": generation,

@@ -1,0 +1,151 @@
+"""The CRD's CEL rules, evaluated locally with cel-python: each invalid spec gets its message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("celpy")
+
+from kvpilot.operator.crd import build_crd
+from kvpilot.operator.models import InferenceModelSpec
+
+from tests.operator.celcheck import apply_defaults, violations
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+SPEC_SCHEMA = SCHEMA["properties"]["spec"]
+BUILTIN = {"source": "builtin://smollm2-135m-instruct"}
+
+
+def check(spec: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    new = apply_defaults(SPEC_SCHEMA, spec)
+    old = apply_defaults(SPEC_SCHEMA, old) if old is not None else None
+    return violations(SPEC_SCHEMA, new, old, "spec")
+
+
+VALID = [
+    {"model": BUILTIN},
+    {"model": BUILTIN, "replicas": 0, "resources": {"gpus": 0}},
+    {
+        "model": {"source": "pvc://models/llama-3.1-8b"},
+        "resources": {"gpus": 2},
+        "runtime": {"tensorParallelSize": 2},
+    },
+    {"model": {"source": "pvc://models"}},
+    {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct@main", "hfTokenSecret": {"name": "hf"}}},
+    {"model": {"source": "file:///opt/models/qwen.gguf"}, "resources": {"cpu": "500m", "memory": "16Gi"}},
+    {"model": BUILTIN, "autoscaling": {"minReplicas": 0, "maxReplicas": 4}},
+    {
+        "model": BUILTIN,
+        "autoscaling": {
+            "maxReplicas": 4,
+            "metricsSource": "prometheus",
+            "prometheus": {"url": "http://prom:9090"},
+        },
+    },
+    {"model": BUILTIN, "resources": {"gpus": 0}, "runtime": {"tensorParallelSize": 2}},
+    {"model": BUILTIN, "resources": {"gpuType": "h100"}},
+]
+
+INVALID = [
+    ({"model": {"source": "s3://bucket/model"}}, "spec.model.source must be one of builtin://NAME"),
+    ({"model": {"source": "hf://no-org"}}, "spec.model.source must be one of"),
+    ({"model": {"source": "pvc://Bad_Claim/x"}}, "spec.model.source must be one of"),
+    (
+        {"model": {**BUILTIN, "hfTokenSecret": {"name": "hf"}}},
+        "spec.model.hfTokenSecret is only used with hf:// sources",
+    ),
+    (
+        {"model": BUILTIN, "replicas": 2, "autoscaling": {"maxReplicas": 4}},
+        "spec.replicas and spec.autoscaling cannot both be set when an InferenceModel is created",
+    ),
+    (
+        {"model": BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 3}},
+        "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas",
+    ),
+    (
+        {"model": BUILTIN, "autoscaling": {"maxReplicas": 3, "metricsSource": "prometheus"}},
+        "spec.autoscaling.prometheus (with at least url) is required",
+    ),
+    (
+        {
+            "model": BUILTIN,
+            "autoscaling": {
+                "maxReplicas": 3,
+                "metricsSource": "prometheus",
+                "prometheus": {"url": "prom:9090"},
+            },
+        },
+        "spec.autoscaling.prometheus.url must be an http:// or https:// URL",
+    ),
+    (
+        {"model": BUILTIN, "resources": {"gpus": 3}, "runtime": {"tensorParallelSize": 2}},
+        "spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize",
+    ),
+    ({"model": BUILTIN, "resources": {"cpu": "two"}}, "spec.resources.cpu must be a Kubernetes quantity"),
+    (
+        {"model": BUILTIN, "resources": {"memory": "16GB"}},
+        "spec.resources.memory must be a Kubernetes quantity",
+    ),
+    ({"model": BUILTIN, "resources": {"gpuType": "-h100"}}, "should match"),
+]
+
+
+@pytest.mark.parametrize("spec", VALID)
+def test_valid_specs_pass(spec: dict[str, Any]) -> None:
+    assert check(spec) == []
+    assert InferenceModelSpec.model_validate(spec).check() == []
+
+
+@pytest.mark.parametrize(("spec", "message"), INVALID)
+def test_invalid_specs_get_their_message(spec: dict[str, Any], message: str) -> None:
+    problems = check(spec)
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"), [c for c in INVALID if "created" not in c[1] and "match" not in c[1]]
+)
+def test_operator_mirror_agrees_with_cel(spec: dict[str, Any], message: str) -> None:
+    """The operator's own check() rejects what CEL rejects (quantities and URLs are left to CEL)."""
+    try:
+        problems = InferenceModelSpec.model_validate(spec).check()
+    except ValueError:
+        return
+    if "Kubernetes quantity" in message or "http:// or https://" in message:
+        pytest.skip("checked by the API server only")
+    assert problems, message
+
+
+def test_replicas_with_autoscaling_allowed_after_create() -> None:
+    """The autoscaler writes spec.replicas through the scale subresource: that is an update."""
+    old = {"model": BUILTIN, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
+    assert check({**old, "replicas": 3}, old=old) == []
+
+
+def test_replicas_outside_bounds_rejected_when_replicas_change() -> None:
+    old = {"model": BUILTIN, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}, "replicas": 2}
+    problems = check({**old, "replicas": 9}, old=old)
+    assert problems == [
+        "spec.replicas must lie between spec.autoscaling.minReplicas and spec.autoscaling.maxReplicas: "
+        "change replicas or widen the autoscaling bounds"
+    ]
+
+
+def test_lowering_max_below_current_replicas_is_allowed() -> None:
+    """Ratcheting: a user may lower maxReplicas; the operator clamps and the autoscaler follows."""
+    old = {"model": BUILTIN, "autoscaling": {"minReplicas": 1, "maxReplicas": 8}, "replicas": 6}
+    new = {"model": BUILTIN, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}, "replicas": 6}
+    assert check(new, old=old) == []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid(path: Path) -> None:
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc.get("kind") == "InferenceModel":
+            assert check(doc["spec"]) == [], path
+            assert InferenceModelSpec.model_validate(doc["spec"]).check() == []

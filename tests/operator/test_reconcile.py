@@ -1,0 +1,258 @@
+"""Apply-skip logic and whole reconciles against an in-memory API: idempotent and quiet."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import yaml
+from kvpilot.operator.apply import is_subset, needs_apply, stamp
+from kvpilot.operator.builders import APPLIED_HASH_ANNOTATION, CONFIG_HASH_ANNOTATION, OperatorSettings
+from kvpilot.operator.models import API_VERSION, KIND
+from kvpilot.operator.reconcile import Reconciler
+
+from tests.operator.fakes import FakeKube, make_body
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("desired", "live", "expected"),
+    [
+        ({"a": 1}, {"a": 1, "b": 2}, True),
+        ({"a": 1}, {"a": 2}, False),
+        ({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2], "c": 0}}, True),
+        ({"l": [1, 2]}, {"l": [1, 2, 3]}, False),
+        ({"c": [{"name": "x", "v": 1}]}, {"c": [{"name": "y"}, {"name": "x", "v": 1, "d": 0}]}, True),
+        ({"c": [{"name": "x", "v": 1}]}, {"c": [{"name": "x", "v": 2}]}, False),
+        ({"n": 1}, {"n": 1.0}, True),
+        ({"t": True}, {"t": 1}, False),
+        ({"s": "1"}, {"s": 1}, False),
+        ({"m": {}}, {}, False),
+    ],
+)
+def test_is_subset(desired: Any, live: Any, expected: bool) -> None:
+    assert is_subset(desired, live) is expected
+
+
+def test_stamp_hash_ignores_its_own_annotation() -> None:
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}, "data": {"k": "v"}}
+    once = stamp(obj)
+    assert stamp(once) == once
+    assert (
+        stamp({**obj, "data": {"k": "w"}})["metadata"]["annotations"][APPLIED_HASH_ANNOTATION]
+        != (once["metadata"]["annotations"][APPLIED_HASH_ANNOTATION])
+    )
+    assert "annotations" not in obj["metadata"]  # no mutation
+
+
+def test_needs_apply() -> None:
+    desired = stamp({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}, "data": {"k": "v"}})
+    live = {**desired, "metadata": {**desired["metadata"], "resourceVersion": "7", "uid": "u"}}
+    assert needs_apply(desired, None)
+    assert not needs_apply(desired, live)
+    assert needs_apply(desired, {**live, "data": {"k": "edited"}})  # drift is repaired
+    old_hash = {**live, "metadata": {**live["metadata"], "annotations": {APPLIED_HASH_ANNOTATION: "old"}}}
+    assert needs_apply(desired, old_hash)  # something we rendered before may need removing
+
+
+# -- whole reconciles ------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def setup(kube: FakeKube, **spec: Any) -> tuple[Reconciler, Clock]:
+    kube.put(make_body(**spec))
+    clock = Clock()
+    return Reconciler(kube, OperatorSettings(image="img"), clock=clock), clock
+
+
+def body(kube: FakeKube) -> dict[str, Any]:
+    got = kube.get(API_VERSION, KIND, "ml", "llama")
+    assert got is not None
+    return got
+
+
+def child(kube: FakeKube, api_version: str, kind: str, name: str = "llama") -> dict[str, Any]:
+    got = kube.get(api_version, kind, "ml", name)
+    assert got is not None
+    return got
+
+
+def test_second_reconcile_writes_nothing(fake_kube: FakeKube) -> None:
+    rec, clock = setup(fake_kube)
+    first = rec.reconcile(body(fake_kube))
+    assert first.applied == [
+        "ConfigMap/llama-config",
+        "Deployment/llama",
+        "Service/llama",
+        "PodDisruptionBudget/llama",
+    ]
+    assert first.status_patch is not None
+    versions = {k: o["metadata"]["resourceVersion"] for k, o in fake_kube.objects.items()}
+    writes = len(fake_kube.writes)
+    clock.now = NOW.replace(minute=30)  # time passing alone changes nothing
+    second = rec.reconcile(body(fake_kube))
+    assert not second.wrote and len(second.skipped) == 4
+    assert len(fake_kube.writes) == writes
+    assert {k: o["metadata"]["resourceVersion"] for k, o in fake_kube.objects.items()} == versions
+
+
+def test_restarted_operator_makes_no_writes(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube)
+    rec.reconcile(body(fake_kube))
+    writes = len(fake_kube.writes)
+    fresh = Reconciler(fake_kube, OperatorSettings(image="img"), clock=lambda: NOW.replace(hour=13))
+    assert not fresh.reconcile(body(fake_kube)).wrote
+    assert len(fake_kube.writes) == writes
+
+
+def test_spec_change_rolls_only_what_changed(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube)
+    rec.reconcile(body(fake_kube))
+    before = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    b = body(fake_kube)
+    b["spec"]["runtime"] = {"maxNumSeqs": 8}
+    b["metadata"]["generation"] = 2
+    fake_kube.put(b)
+    out = rec.reconcile(body(fake_kube))
+    assert out.applied == ["ConfigMap/llama-config", "Deployment/llama"]
+    after = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert after[CONFIG_HASH_ANNOTATION] != before[CONFIG_HASH_ANNOTATION]
+    cfg = yaml.safe_load(child(fake_kube, "v1", "ConfigMap", "llama-config")["data"]["config.yaml"])
+    assert cfg["max_num_seqs"] == 8
+    assert body(fake_kube)["status"]["observedGeneration"] == 2
+
+
+def test_scaling_changes_only_the_deployment(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube)
+    rec.reconcile(body(fake_kube))
+    b = body(fake_kube)
+    b["spec"]["replicas"] = 3
+    fake_kube.put(b)
+    assert rec.reconcile(body(fake_kube)).applied == ["Deployment/llama"]
+    assert child(fake_kube, "apps/v1", "Deployment")["spec"]["replicas"] == 3
+
+
+def test_drift_is_repaired(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube)
+    rec.reconcile(body(fake_kube))
+    dep = child(fake_kube, "apps/v1", "Deployment")
+    dep["spec"]["template"]["spec"]["containers"][0]["image"] = "evil"
+    fake_kube.put(dep)
+    assert rec.reconcile(body(fake_kube)).applied == ["Deployment/llama"]
+    assert (
+        child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "img"
+    )
+
+
+def test_service_monitor_when_the_api_exists(fake_kube: FakeKube) -> None:
+    fake_kube.apis.add("monitoring.coreos.com/v1")
+    rec, _ = setup(fake_kube)
+    assert "ServiceMonitor/llama" in rec.reconcile(body(fake_kube)).applied
+
+
+def test_invalid_spec_reports_and_renders_nothing(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube, resources={"gpus": 3}, runtime={"tensorParallelSize": 2})
+    out = rec.reconcile(body(fake_kube))
+    assert out.invalid and out.applied == []
+    degraded = next(c for c in body(fake_kube)["status"]["conditions"] if c["type"] == "Degraded")
+    assert (
+        degraded["reason"] == "InvalidSpec"
+        and "multiple of spec.runtime.tensorParallelSize" in degraded["message"]
+    )
+    assert [(e["type"], e["reason"]) for e in fake_kube.events] == [("Warning", "InvalidSpec")]
+    assert not rec.reconcile(body(fake_kube)).wrote
+
+
+def _add_pod(kube: FakeKube, chash: str, **status: Any) -> None:
+    kube.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "llama-1",
+                "namespace": "ml",
+                "labels": {"kvpilot.dev/model": "llama"},
+                "annotations": {CONFIG_HASH_ANNOTATION: chash},
+            },
+            "status": status,
+        }
+    )
+
+
+def test_unschedulable_sets_scaling_limited_and_one_event(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube, resources={"gpus": 8})
+    rec.reconcile(body(fake_kube))
+    chash = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["metadata"]["annotations"][
+        CONFIG_HASH_ANNOTATION
+    ]
+    _add_pod(
+        fake_kube,
+        chash,
+        phase="Pending",
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+            }
+        ],
+    )
+    rec.reconcile(body(fake_kube))
+    limited = next(c for c in body(fake_kube)["status"]["conditions"] if c["type"] == "ScalingLimited")
+    assert (limited["status"], limited["reason"]) == ("True", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in limited["message"]
+    rec.reconcile(body(fake_kube))
+    assert [e["reason"] for e in fake_kube.events] == ["Unschedulable"]
+
+
+def test_oom_adapts_config_once_and_records_it(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube, oomPolicy={"adapt": True})
+    rec.reconcile(body(fake_kube))
+    chash = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["metadata"]["annotations"][
+        CONFIG_HASH_ANNOTATION
+    ]
+    _add_pod(
+        fake_kube,
+        chash,
+        containerStatuses=[
+            {
+                "name": "kvpilot",
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {
+                    "terminated": {
+                        "reason": "OOMKilled",
+                        "exitCode": 137,
+                        "finishedAt": "2026-01-01T11:59:00Z",
+                    }
+                },
+            }
+        ],
+    )
+    out = rec.reconcile(body(fake_kube))
+    assert out.applied == ["ConfigMap/llama-config", "Deployment/llama"]
+    status = body(fake_kube)["status"]
+    assert status["oomAdaptation"]["count"] == 1
+    assert status["oomAdaptation"]["changes"]["maxNumSeqs"] == "64 -> 32"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "OOMKilled" and "adapted runtime config" in degraded["message"]
+    cfg = yaml.safe_load(child(fake_kube, "v1", "ConfigMap", "llama-config")["data"]["config.yaml"])
+    assert (cfg["gpu_memory_utilization"], cfg["max_num_seqs"], cfg["max_num_batched_tokens"]) == (
+        0.85,
+        32,
+        1024,
+    )
+    assert "OOMAdapted" in [e["reason"] for e in fake_kube.events]
+    # The pod still shows the old OOM; that is not a new one.
+    again = rec.reconcile(body(fake_kube))
+    assert again.applied == [] and body(fake_kube)["status"]["oomAdaptation"]["count"] == 1
