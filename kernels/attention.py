@@ -24,7 +24,7 @@ class KVCacheLayer:
 
     k: torch.Tensor
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] quant.SCALE_DTYPE
     v_scale: torch.Tensor | None = None
 
     @property
@@ -102,15 +102,17 @@ def gather_kv(
     """K/V of the blocks in `block_table` ([..., nb]) as [..., nb * block_size, Hkv, D] in `dtype`."""
     from kvpilot.kernels import quant
 
+    # index_select, not advanced indexing: the latter is orders of magnitude slower on CPU
+    idx = block_table.reshape(-1)
     if cache.k_scale is not None:
         assert cache.v_scale is not None
-        idx = block_table.long()
-        k = cache.k.view(torch.uint8)[idx].view(cache.k.dtype)
-        v = cache.v.view(torch.uint8)[idx].view(cache.v.dtype)
-        k = quant.dequantize(k, cache.k_scale[block_table], dtype)
-        v = quant.dequantize(v, cache.v_scale[block_table], dtype)
+        # raw bytes: CPU index kernels do not cover float8
+        k = cache.k.view(torch.uint8).index_select(0, idx).view(cache.k.dtype)
+        v = cache.v.view(torch.uint8).index_select(0, idx).view(cache.v.dtype)
+        k = quant.dequantize(k, cache.k_scale.index_select(0, idx), dtype)
+        v = quant.dequantize(v, cache.v_scale.index_select(0, idx), dtype)
     else:
-        k, v = cache.k[block_table].to(dtype), cache.v[block_table].to(dtype)
+        k, v = cache.k.index_select(0, idx).to(dtype), cache.v.index_select(0, idx).to(dtype)
     shape = (*block_table.shape[:-1], block_table.shape[-1] * cache.block_size, k.shape[-2], k.shape[-1])
     return k.reshape(shape), v.reshape(shape)
 
@@ -136,7 +138,9 @@ class TorchReferenceBackend:
             return self._decode(q, cache, meta, scale)
         return self._varlen(q, cache, meta, scale)
 
-    def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         # q: [B, Hq, D]; one new token per sequence, so every sequence attends to its whole context.
         bs = cache.block_size
         nb = (meta.max_seq_len + bs - 1) // bs
@@ -154,7 +158,9 @@ class TorchReferenceBackend:
         )
         return out.squeeze(2)
 
-    def _varlen(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _varlen(
+        self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         bs = cache.block_size
         start = 0

@@ -1,4 +1,8 @@
-"""KV-cache quantization: per-(token, head) absmax scales. int8 and fp8 (e4m3) storage."""
+"""KV-cache quantization: per-(token, head) absmax scales. int8 and fp8 (e4m3) storage.
+
+Scales are stored as float16 (2 bytes per token and head), so a head of 64 values costs 66 bytes
+instead of 128 in 16-bit: 1.94x the tokens in the same memory.
+"""
 
 from __future__ import annotations
 
@@ -22,16 +26,21 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in (torch.int8, torch.float8_e4m3fn)
 
 
+SCALE_DTYPE = torch.float16
+_MIN_AMAX = 1e-4  # keeps amax / qmax a normal-ish float16
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H, D] -> (q [..., H, D] in dtype, scale [..., H] float32) with x ~= q * scale."""
+    """x [..., H, D] -> (q [..., H, D] in dtype, scale [..., H] float16) with x ~= q * scale."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1).clamp(min=1e-6)
+    amax = xf.abs().amax(dim=-1).clamp(min=_MIN_AMAX)
     qmax = INT8_MAX if dtype == torch.int8 else FP8_MAX
-    scale = amax / qmax
-    y = xf / scale.unsqueeze(-1)
+    # round the scale to its storage dtype first, so that quantization uses exactly the stored scale
+    scale = (amax / qmax).to(SCALE_DTYPE)
+    y = xf / scale.float().unsqueeze(-1)
     q = y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8) if dtype == torch.int8 else y.to(dtype)
     return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)

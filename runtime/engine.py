@@ -8,6 +8,7 @@ One engine request is one sequence; the server submits each of a request's n cho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -17,14 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.sequence import Sequence, SequenceStatus, TokenLogprob
+from kvpilot.runtime.sequence import Sequence, TokenLogprob
 
 if TYPE_CHECKING:
     from kvpilot.runtime.loader import LoadedModel
@@ -264,7 +264,9 @@ class LLMEngine:
         self.num_steps += 1
         for s in sched.scheduled:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
-                self.prompt_tokens += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
+                self.prompt_tokens += min(
+                    s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens
+                )
         self.scheduler.on_step_done(sched)
 
         outputs: list[RequestOutput] = []
@@ -353,7 +355,36 @@ class LLMEngine:
         )
 
     # -- offline use ---------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], chunk_size: int = 256) -> torch.Tensor:
+        """Log-probability of each token given the ones before it ([len - 1] float32), computed in
+        chunks through the paged KV cache, so it measures what the cache stores (quantization included).
+        Call it only while no request is running."""
+        from kvpilot.runtime.scheduler import ScheduledSeq
+
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        seq = Sequence(f"score-{time.monotonic_ns()}", token_ids, SamplingParams(max_tokens=1))
+        out: list[torch.Tensor] = []
+        try:
+            while seq.num_computed_tokens < len(token_ids) - 1:
+                n = min(chunk_size, len(token_ids) - 1 - seq.num_computed_tokens)
+                if not self.block_manager.allocate(seq, n):
+                    raise ValueError(f"{len(token_ids)} tokens do not fit in the KV pool")
+                hidden = self.runner.hidden_states([ScheduledSeq.of(seq, n)])
+                logp = torch.log_softmax(self.runner.model.compute_logits(hidden).float(), dim=-1)
+                start = seq.num_computed_tokens
+                targets = torch.tensor(token_ids[start + 1 : start + n + 1], device=logp.device)
+                out.append(logp.gather(1, targets[:, None]).squeeze(1).cpu())
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.free_seq(seq)
+            self.block_manager.forget(seq)
+        return torch.cat(out)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
         """Run prompts to completion (tests and benchmarks); returns the finished sequences in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{self.num_steps}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
@@ -396,7 +427,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._queues: dict[
+            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]
+        ] = {}
         self._stats = engine.stats()
         self._num_unfinished = 0
         self._num_queued = 0  # waiting in the scheduler plus not yet picked up
@@ -490,7 +523,9 @@ class AsyncEngine:
             aborts, self._inbox.aborts = self._inbox.aborts, []
         for p in new:
             try:
-                self.engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time)
+                self.engine.add_request(
+                    p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time
+                )
             except ValueError as exc:
                 self._deliver(p.request_id, exc)
                 with self._inbox.lock:
@@ -507,10 +542,8 @@ class AsyncEngine:
         if entry is None:
             return
         loop, queue = entry
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed
-            pass
 
     def _refresh_counts(self) -> None:
         self._stats = self.engine.stats()
@@ -548,4 +581,6 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     merged = CompletionOutput(
         ca.index, cb.token_ids, ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason
     )
-    return RequestOutput(b.request_id, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics)
+    return RequestOutput(
+        b.request_id, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics
+    )

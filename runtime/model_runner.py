@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
 from kvpilot.kernels import quant
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
 from kvpilot.runtime.scheduler import ScheduledSeq
@@ -50,7 +49,7 @@ class KVGeometry:
         elems = 2 * self.num_layers * self.block_size * self.num_kv_heads
         size = elems * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
         if quant.is_quantized(self.dtype):
-            size += elems * 4  # one float32 scale per (token, head)
+            size += elems * quant.SCALE_DTYPE.itemsize  # one scale per (token, head)
         return size
 
     @property
@@ -80,8 +79,8 @@ def allocate_kv_cache(geo: KVGeometry, num_blocks: int, device: torch.device) ->
         v = torch.zeros(shape, dtype=geo.dtype, device=device)
         ks = vs = None
         if quant.is_quantized(geo.dtype):
-            ks = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-            vs = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            ks = torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE, device=device)
+            vs = torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE, device=device)
         layers.append(KVCacheLayer(k, v, ks, vs))
     return layers
 
@@ -171,6 +170,12 @@ class ModelRunner:
             geometry.dtype,
             self.backend.name,
         )
+
+    @torch.inference_mode()
+    def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""
+        batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:

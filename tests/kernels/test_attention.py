@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from kvpilot.kernels import quant
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 
@@ -31,8 +30,8 @@ def make_cache(num_blocks: int, dtype: torch.dtype = torch.float32) -> KVCacheLa
         return KVCacheLayer(
             torch.zeros(shape, dtype=dtype),
             torch.zeros(shape, dtype=dtype),
-            torch.zeros(shape[:-1]),
-            torch.zeros(shape[:-1]),
+            torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
+            torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
         )
     return KVCacheLayer(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
 
@@ -67,7 +66,9 @@ def run_step(
     return TorchReferenceBackend().forward(q, k, v, cache, meta, 1 / math.sqrt(D))
 
 
-@pytest.mark.parametrize("kv_dtype,tol", [(torch.float32, 1e-5), (torch.int8, 3e-2), (torch.float8_e4m3fn, 8e-2)])
+@pytest.mark.parametrize(
+    "kv_dtype,tol", [(torch.float32, 1e-5), (torch.int8, 3e-2), (torch.float8_e4m3fn, 8e-2)]
+)
 def test_chunked_prefill_then_batched_decode_matches_dense(kv_dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)
     lens = [11, 5, 17]
