@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+import pytest
 from fake_engine import FakeTokenizer, bpe_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from kvpilot.runtime.detokenizer import (
     TextStream,
 )
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.tokenizer import Tokenizer
 
 TOK = FakeTokenizer()
 VOCAB = bpe_tokenizer().get_vocab_size()
@@ -168,3 +171,51 @@ def test_nothing_after_stop() -> None:
     assert stream.push(TOK.encode("more")) == ""
     assert stream.finish() == ""
     assert stream.text == "Hello "
+
+
+# -- the real SmolLM2 tokenizer (byte-level BPE from the builtin GGUF) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_gguf_path)
+
+
+@PROFILE
+@given(ids=st.lists(st.integers(min_value=0, max_value=49151), max_size=40), sizes=chunks_strategy)
+def test_smollm2_random_tokens_concat_equals_decode(
+    smollm2_tokenizer: Tokenizer, ids: list[int], sizes: list[int]
+) -> None:
+    d = IncrementalDetokenizer(smollm2_tokenizer)
+    deltas = [d.push(c) for c in chunked(ids, sizes)]
+    deltas.append(d.flush())
+    final = smollm2_tokenizer.decode(ids)
+    assert "".join(deltas) == final
+    if REPLACEMENT_CHAR not in final:
+        assert not any(REPLACEMENT_CHAR in x for x in deltas)
+
+
+@PROFILE
+@given(text=text_strategy, sizes=chunks_strategy, data=st.data())
+def test_smollm2_text_with_chat_prompt_and_stops(
+    smollm2_tokenizer: Tokenizer, text: str, sizes: list[int], data: st.DataObject
+) -> None:
+    tok = smollm2_tokenizer
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    stops = data.draw(
+        st.lists(st.sampled_from([text[i : i + 3] for i in range(len(text))] or ["zz"]), max_size=2)
+    )
+    stream = TextStream(tok, SamplingParams(stop=stops), prompt)
+    deltas = [stream.push(c) for c in chunked(ids, sizes)]
+    deltas.append(stream.finish())
+    out = "".join(deltas)
+    # (SmolLM2's vocabulary lacks a few lead bytes, e.g. 0xF1, so rare characters do not round-trip.)
+    final = tok.decode(ids)
+    expected, _ = reference_stop(final, stops, include=False)
+    assert out == expected
+    if REPLACEMENT_CHAR not in final:
+        assert not any(REPLACEMENT_CHAR in x for x in deltas)
+    assert not any(s and s in out for s in stops)

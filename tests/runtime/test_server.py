@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -12,14 +13,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from fake_engine import FakeEngine, LiveServer
+from kvpilot.runtime import cli
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.lifecycle import serve
+from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.server import OpenAIServer, ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -490,3 +495,128 @@ async def test_sigterm_drains_and_returns_0() -> None:
         assert (await resp.json())["choices"][0]["finish_reason"] == "length"
     assert await asyncio.wait_for(task, 10) == 0
     assert engine.shut_down
+
+
+# -- the `kvpilot serve` flags and --config precedence ---------------------------------------------
+
+
+def serve_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_precedence_defaults_file_flags(tmp_path: Path) -> None:
+    cfg = cli.build_config(serve_args([]))
+    assert cfg == EngineConfig()
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 9000\nmax_num_seqs: 8\nenable_prefix_caching: false\nkv_cache_dtype: int8\n")
+    cfg = cli.build_config(serve_args(["--config", str(path), "--max-num-seqs", "4", "model.gguf"]))
+    assert (cfg.port, cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.kv_cache_dtype) == (
+        9000,
+        4,
+        False,
+        "int8",
+    )
+    assert cfg.model == "model.gguf"
+    cfg = cli.build_config(serve_args(["--config", str(path), "--enable-prefix-caching"]))
+    assert cfg.enable_prefix_caching is True
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1048576", 1 << 20), ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000)],
+)
+def test_cli_kv_cache_memory_suffixes(text: str, value: int) -> None:
+    assert serve_args(["--kv-cache-memory", text]).kv_cache_memory == value
+
+
+def test_cli_bad_size_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        serve_args(["--kv-cache-memory", "lots"])
+    assert info.value.code == 2
+    assert "--kv-cache-memory" in capsys.readouterr().err
+
+
+def test_cli_config_errors_name_the_field_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("port: 70000\nmax_num_sqs: 3\n")
+    assert cli.run(serve_args(["--config", str(path)])) == 2
+    err = capsys.readouterr().err
+    assert "port" in err and "max_num_sqs" in err and "unknown setting" in err
+    assert cli.run(serve_args(["--gpu-memory-utilization", "1.5"])) == 2
+    assert "--gpu-memory-utilization" in capsys.readouterr().err
+    path.write_text("- just\n- a list\n")
+    assert cli.run(serve_args(["--config", str(path)])) == 2
+    assert cli.run(serve_args(["--config", str(tmp_path / "missing.yaml")])) == 2
+
+
+# -- the real engine and SmolLM2 ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
+    from kvpilot.runtime.engine import AsyncEngine
+
+    engine = AsyncEngine(make_engine(max_model_len=512))
+    engine.start()
+    live = LiveServer(engine, model_name=engine.model_name)
+    yield live, engine
+    live.close()
+
+
+def test_real_engine_chat_greedy_matches_offline(
+    real_live: tuple[LiveServer, Any], make_engine: Callable[..., Any]
+) -> None:
+    live, engine = real_live
+    c = client(live)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = c.chat.completions.create(model=engine.model_name, messages=messages, max_tokens=8, temperature=0)
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    # A separate engine: the served one is stepped by its own thread.
+    offline = make_engine(max_model_len=512).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8)
+    )[0]
+    text = tok.decode(offline.output_token_ids)
+    assert out.choices[0].message.content == text
+    assert out.usage is not None and out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == len(offline.output_token_ids)
+    stream = c.chat.completions.create(
+        model=engine.model_name, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
+
+
+def test_real_engine_stop_string_and_seeded_n(real_live: tuple[LiveServer, Any]) -> None:
+    live, engine = real_live
+    c = client(live)
+    full = c.completions.create(model=engine.model_name, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    assert "6" in text
+    cut = c.completions.create(
+        model=engine.model_name, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop="6"
+    )
+    assert cut.choices[0].text == text[: text.index("6")] and cut.choices[0].finish_reason == "stop"
+    a = c.completions.create(
+        model=engine.model_name, prompt="Once", max_tokens=6, n=2, seed=7, temperature=1.0
+    )
+    b = c.completions.create(
+        model=engine.model_name, prompt="Once", max_tokens=6, n=2, seed=7, temperature=1.0
+    )
+    assert sorted((x.index, x.text) for x in a.choices) == sorted((x.index, x.text) for x in b.choices)
+    wait_for(lambda: engine.num_unfinished() == 0)
+
+
+async def test_real_engine_disconnect_frees_the_sequence(real_live: tuple[LiveServer, Any]) -> None:
+    live, engine = real_live
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            live.url + "/v1/completions",
+            json={"prompt": "Tell me a story", "max_tokens": 400, "stream": True},
+        )
+        await resp.content.readline()
+        resp.close()
+    await asyncio.to_thread(wait_for, lambda: engine.num_unfinished() == 0, 20)
