@@ -69,6 +69,10 @@ def event_body(involved: Obj, reason: str, message: str, event_type: str, now: f
     }
 
 
+def _drop_none(obj: Obj) -> Obj:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in obj.items() if v is not None}
+
+
 class KubernetesApi:
     """KubeApi over the official client. Construct with a kubernetes.client.ApiClient."""
 
@@ -113,6 +117,7 @@ class KubernetesApi:
             {"spec": {"replicas": replicas}},
             field_manager=FIELD_MANAGER,
             _content_type=MERGE_PATCH,
+            _preload_content=False,  # the response is not used; skip the client's model validation
         )
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
@@ -126,6 +131,7 @@ class KubernetesApi:
             {"status": dict(status)},
             field_manager=FIELD_MANAGER,
             _content_type=MERGE_PATCH,
+            _preload_content=False,  # the response is not used; skip the client's model validation
         )
 
     async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
@@ -136,6 +142,7 @@ class KubernetesApi:
             {"metadata": {"annotations": dict(annotations)}},
             field_manager=FIELD_MANAGER,
             _content_type=MERGE_PATCH,
+            _preload_content=False,  # the response is not used; skip the client's model validation
         )
 
     async def create_event(
@@ -143,9 +150,13 @@ class KubernetesApi:
     ) -> None:
         from kubernetes.client import CoreV1Event
 
-        body = CoreV1Event.from_dict(event_body(involved, reason, message, event_type))
+        body = CoreV1Event.from_dict(_drop_none(event_body(involved, reason, message, event_type)))
         if body is None:
             raise ValueError("could not build the Event")
         await asyncio.to_thread(
-            self._core.create_namespaced_event, namespace, body, field_manager=FIELD_MANAGER
+            self._core.create_namespaced_event,
+            namespace,
+            body,
+            field_manager=FIELD_MANAGER,
+            _preload_content=False,
         )

@@ -1,0 +1,310 @@
+"""The control loop against an in-memory Kubernetes fake, and the real client against a fake API server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+from aiohttp import web
+from kvpilot.autoscaler.controller import Controller, ControllerConfig, deletion_costs, pod_is_ready
+from kvpilot.autoscaler.kube import DELETION_COST, FIELD_MANAGER, KubernetesApi
+from kvpilot.autoscaler.policy import History, Recommendation
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.sources import ModelRef, PodTarget
+from kvpilot.autoscaler.state import decision_to_status, format_time, history_from_status
+
+T0 = 1_700_000_000.0
+
+
+class FakeSource:
+    def __init__(self) -> None:
+        self.samples: dict[str, ReplicaSample] = {}
+
+    async def collect(self, model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
+        return MetricsSnapshot(len(pods), tuple(self.samples[p.name] for p in pods if p.name in self.samples))
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeKube:
+    def __init__(self, model: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        self.model = model
+        self.pods = pods
+        self.calls: list[tuple[str, Any]] = []
+
+    async def list_models(self, namespace: str | None) -> list[dict[str, Any]]:
+        return [json.loads(json.dumps(self.model))]
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        assert selector == f"kvpilot.dev/model={self.model['metadata']['name']}"
+        return self.pods
+
+    async def patch_scale(self, namespace: str, name: str, replicas: int) -> None:
+        self.calls.append(("scale", replicas))
+        self.model["spec"]["replicas"] = replicas
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.calls.append(("status", status))
+        merged = self.model.setdefault("status", {})
+        for k, v in status.items():
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        self.calls.append(("annotate", (name, dict(annotations))))
+
+    async def create_event(
+        self, namespace: str, involved: Any, reason: str, message: str, event_type: str = "Normal"
+    ):
+        self.calls.append(("event", (reason, message, event_type)))
+
+
+def pod(name: str, ready: bool = True) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "annotations": {}},
+        "status": {
+            "podIP": "10.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def model(replicas: int | None = 3, **autoscaling: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"source": "builtin://smollm2-135m-instruct"},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 10, **autoscaling},
+    }
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"metadata": {"name": "chat", "namespace": "ml", "uid": "u1"}, "spec": spec, "status": {}}
+
+
+def make(kube: FakeKube, source: FakeSource, now: list[float]) -> Controller:
+    return Controller(kube, ControllerConfig(namespace="ml"), clock=lambda: now[0], pod_source=source)
+
+
+def calls(kube: FakeKube, kind: str) -> list[Any]:
+    return [c[1] for c in kube.calls if c[0] == kind]
+
+
+async def test_scale_up_writes_scale_status_and_event():
+    kube = FakeKube(model(3), [pod("a"), pod("b"), pod("c")])
+    src = FakeSource()
+    src.samples = {n: ReplicaSample(n, 0.91, 0, 10) for n in "abc"}
+    results = await make(kube, src, [T0]).sync_all()
+    assert results[0].decision.desired == 4
+    assert calls(kube, "scale") == [4]
+    (reason, message, etype) = calls(kube, "event")[0]
+    assert (reason, etype) == ("ScaledUp", "Normal")
+    assert message.startswith("kv 0.91 > target 0.70 on 3/3 replicas -> 4")
+    status = calls(kube, "status")[0]
+    assert status["kvCacheUsage"] == "91%"
+    last = status["autoscaler"]["lastDecision"]
+    assert (last["fromReplicas"], last["toReplicas"]) == (3, 4)
+    assert last["metrics"] == {"kvCacheUsage": 0.91, "queueDepth": 0, "readyReplicas": 3, "reporting": 3}
+    assert status["autoscaler"]["lastScaleTime"] == format_time(T0)
+
+
+async def test_restart_continues_from_status_history():
+    """A scale-up recommendation written to status keeps a new controller from scaling down."""
+    kube = FakeKube(model(3), [pod("a"), pod("b"), pod("c")])
+    src = FakeSource()
+    src.samples = {n: ReplicaSample(n, 0.91, 0, 10) for n in "abc"}
+    await make(kube, src, [T0]).sync_all()  # -> 4, recommendation 4 recorded in status
+    kube.pods.append(pod("d"))
+    src.samples = {n: ReplicaSample(n, 0.05, 0, 1) for n in "abcd"}
+    # A brand-new controller (restart) 60 s later: the 300 s down window still holds 4.
+    fresh = make(kube, src, [T0 + 60])
+    r = (await fresh.sync_all())[0]
+    assert r.decision.desired == 4
+    assert "scale-down stabilization" in r.decision.reason
+    # Past the window (and the rate-limit period): one replica down, least loaded pod marked cheapest.
+    src.samples["c"] = ReplicaSample("c", 0.0, 0, 0)
+    r = (await make(kube, src, [T0 + 400]).sync_all())[0]
+    assert r.decision.desired == 3
+    costs = dict(calls(kube, "annotate"))
+    assert costs["c"][DELETION_COST] == "0"
+    assert int(costs["c"][DELETION_COST]) < int(costs["a"][DELETION_COST])
+    assert calls(kube, "scale")[-1] == 3
+    assert calls(kube, "event")[-1][0] == "ScaledDown"
+
+
+async def test_missing_metrics_hold_with_warning_event_once():
+    kube = FakeKube(model(3), [pod("a"), pod("b"), pod("c"), pod("z", ready=False)])
+    src = FakeSource()  # nobody answers
+    now = [T0]
+    ctl = make(kube, src, now)
+    r = (await ctl.sync_all())[0]
+    assert r.decision.desired == 3
+    assert calls(kube, "scale") == []
+    assert calls(kube, "event") == [("ScalingHeld", r.decision.reason, "Warning")]
+    assert calls(kube, "status")[0]["kvCacheUsage"] is None
+    now[0] += 15
+    await ctl.sync_all()
+    assert len(calls(kube, "event")) == 1  # the same hold is not re-announced every sync
+
+
+async def test_scaling_limited_condition_holds():
+    m = model(3)
+    m["status"]["conditions"] = [{"type": "ScalingLimited", "status": "True", "reason": "Unschedulable"}]
+    kube = FakeKube(m, [pod("a"), pod("b"), pod("c")])
+    src = FakeSource()
+    src.samples = {n: ReplicaSample(n, 0.99, 20, 10) for n in "abc"}
+    r = (await make(kube, src, [T0]).sync_all())[0]
+    assert r.decision.desired == 3
+    assert calls(kube, "scale") == []
+    assert "ScalingLimited" in calls(kube, "event")[0][1]
+
+
+async def test_unset_replicas_means_min_and_models_without_autoscaling_are_skipped():
+    kube = FakeKube(model(None, minReplicas=2), [pod("a"), pod("b")])
+    src = FakeSource()
+    src.samples = {n: ReplicaSample(n, 0.7, 0, 5) for n in "ab"}
+    r = (await make(kube, src, [T0]).sync_all())[0]
+    assert r.decision.current == 2 and r.decision.desired == 2
+    del kube.model["spec"]["autoscaling"]
+    assert await make(kube, src, [T0]).sync_all() == []
+
+
+async def test_prometheus_source_is_chosen_from_the_spec():
+    created: list[tuple[str, str | None, str | None]] = []
+
+    def factory(url: str, kvq: str | None, qq: str | None) -> FakeSource:
+        created.append((url, kvq, qq))
+        return FakeSource()
+
+    m = model(2, metricsSource="prometheus", prometheus={"url": "http://prom:9090", "kvQuery": "kv{}"})
+    kube = FakeKube(m, [pod("a"), pod("b")])
+    ctl = Controller(kube, ControllerConfig(), clock=lambda: T0, prometheus_factory=factory)
+    await ctl.sync_all()
+    await ctl.sync_all()
+    assert created == [("http://prom:9090", "kv{}", None)]
+
+
+async def test_one_broken_model_does_not_stop_the_loop():
+    class Broken(FakeKube):
+        async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+            raise RuntimeError("apiserver hiccup")
+
+    assert await make(Broken(model(2), []), FakeSource(), [T0]).sync_all() == []
+
+
+async def test_run_stops_and_respects_leadership():
+    class NotLeader:
+        is_leader = False
+
+    kube = FakeKube(model(2), [pod("a"), pod("b")])
+    ctl = Controller(kube, ControllerConfig(interval_s=0.01), pod_source=FakeSource(), elector=NotLeader())
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 2)
+    assert kube.calls == []  # a follower never writes
+
+
+def test_pod_readiness_and_deletion_costs():
+    assert pod_is_ready(pod("a"))
+    assert not pod_is_ready(pod("a", ready=False))
+    terminating = pod("a")
+    terminating["metadata"]["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    assert not pod_is_ready(terminating)
+    snap = MetricsSnapshot(3, (ReplicaSample("busy", 0.9, 4, 30), ReplicaSample("idle", 0.0, 0, 0)))
+    costs = deletion_costs(["busy", "idle", "silent"], snap)
+    assert costs["idle"] < costs["busy"] < costs["silent"]
+
+
+def test_history_round_trips_through_status():
+    from kvpilot.autoscaler.policy import decide
+    from kvpilot.autoscaler.spec import ScalingTargets
+
+    h = History(recommendations=(Recommendation(T0 - 30, 5),))
+    d = decide(
+        5,
+        MetricsSnapshot(5, tuple(ReplicaSample(f"p{i}", 0.99, 9, 9) for i in range(5))),
+        ScalingTargets(max_replicas=10),
+        h,
+        T0,
+    )
+    block = json.loads(json.dumps(decision_to_status(d, T0, None)))
+    back = history_from_status(block)
+    assert [(r.time, r.replicas) for r in back.recommendations] == [(T0 - 30, 5), (T0, d.recommendation)]
+    assert [(e.from_replicas, e.to_replicas) for e in back.events] == [(5, d.desired)]
+    assert back.last_queue == (T0, 45)
+    # Garbage in status is skipped, never guessed.
+    assert history_from_status({"history": [{"time": "yesterday", "replicas": 3}, "x"]}) == History()
+
+
+# -- the real kubernetes client against a fake API server -------------------------------------------------
+
+
+async def test_kubernetes_api_sends_merge_patches_under_our_field_manager():
+    seen: list[tuple[str, str, str, dict[str, str], Any]] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.text()
+        seen.append(
+            (
+                request.method,
+                request.path,
+                request.headers.get("Content-Type", ""),
+                dict(request.query),
+                json.loads(body) if body else None,
+            )
+        )
+        if request.method == "GET" and request.path.endswith("/pods"):
+            return web.json_response({"kind": "PodList", "items": [pod("a")]})
+        if request.method == "GET":
+            return web.json_response({"items": [model(2)]})
+        return web.json_response({"kind": "Status", "metadata": {}})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        from kubernetes import client
+
+        cfg = client.Configuration(host=f"http://127.0.0.1:{port}")
+        api = KubernetesApi(client.ApiClient(cfg))
+        assert (await api.list_models("ml"))[0]["metadata"]["name"] == "chat"
+        assert (await api.list_models(None))[0]["metadata"]["name"] == "chat"
+        assert (await api.list_pods("ml", "kvpilot.dev/model=chat"))[0]["metadata"]["name"] == "a"
+        await api.patch_scale("ml", "chat", 5)
+        await api.patch_status("ml", "chat", {"kvCacheUsage": "42%"})
+        await api.annotate_pod("ml", "a", {DELETION_COST: "7"})
+        await api.create_event("ml", model(2), "ScaledUp", "kv 0.91 > target 0.70 -> 4")
+    finally:
+        await runner.cleanup()
+    by_path = {(m, p): (ct, q, b) for m, p, ct, q, b in seen}
+    assert ("GET", "/apis/kvpilot.dev/v1alpha1/namespaces/ml/inferencemodels") in by_path
+    assert ("GET", "/apis/kvpilot.dev/v1alpha1/inferencemodels") in by_path
+    assert by_path[("GET", "/api/v1/namespaces/ml/pods")][1]["labelSelector"] == "kvpilot.dev/model=chat"
+    scale = by_path[("PATCH", "/apis/kvpilot.dev/v1alpha1/namespaces/ml/inferencemodels/chat/scale")]
+    assert scale == (
+        "application/merge-patch+json",
+        {"fieldManager": FIELD_MANAGER},
+        {"spec": {"replicas": 5}},
+    )
+    status = by_path[("PATCH", "/apis/kvpilot.dev/v1alpha1/namespaces/ml/inferencemodels/chat/status")]
+    assert status[0] == "application/merge-patch+json" and status[2] == {"status": {"kvCacheUsage": "42%"}}
+    annotate = by_path[("PATCH", "/api/v1/namespaces/ml/pods/a")]
+    assert annotate[0] == "application/merge-patch+json"
+    assert annotate[2] == {"metadata": {"annotations": {DELETION_COST: "7"}}}
+    event = by_path[("POST", "/api/v1/namespaces/ml/events")][2]
+    assert event["reason"] == "ScaledUp" and event["involvedObject"]["kind"] == "InferenceModel"
+    assert event["source"]["component"] == FIELD_MANAGER
+
+
+@pytest.mark.parametrize("value", [None, {}, {"history": None}])
+def test_empty_status_is_empty_history(value: Any):
+    assert history_from_status(value) == History()

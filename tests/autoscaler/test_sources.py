@@ -1,0 +1,239 @@
+"""Metric sources against real HTTP servers on 127.0.0.1: a pod's /metrics and Prometheus' /api/v1/query."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from kvpilot.autoscaler.sources import (
+    DEFAULT_KV_QUERY,
+    MetricsParseError,
+    ModelRef,
+    PodScrapeSource,
+    PodTarget,
+    PrometheusSource,
+    parse_metrics_text,
+    parse_query_response,
+    render_query,
+)
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+MODEL = ModelRef("ml", "llama", "llama")
+
+
+def kvpilot_page(kv: float, waiting: int, running: int = 3, model: str = "llama") -> str:
+    reg = CollectorRegistry()
+    Gauge("kvpilot_kv_cache_usage_ratio", "kv", ["model_name"], registry=reg).labels(model).set(kv)
+    Gauge("kvpilot_num_requests_waiting", "w", ["model_name"], registry=reg).labels(model).set(waiting)
+    Gauge("kvpilot_num_requests_running", "r", ["model_name"], registry=reg).labels(model).set(running)
+    return generate_latest(reg).decode()
+
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="meta-llama/Llama-3.1-8B"} 7.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="meta-llama/Llama-3.1-8B"} 5.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="meta-llama/Llama-3.1-8B"} 0.42
+"""
+
+
+def test_parse_kvpilot_family():
+    s = parse_metrics_text(kvpilot_page(0.61, 4, 9), "p0", "llama")
+    assert s is not None
+    assert (s.kv_cache_usage, s.num_waiting, s.num_running) == (pytest.approx(0.61), 4, 9)
+
+
+def test_parse_vllm_family_with_gpu_cache_fallback_and_other_served_name():
+    s = parse_metrics_text(VLLM_PAGE, "p0", "llama")
+    assert s is not None
+    assert s.kv_cache_usage == pytest.approx(0.42)
+    assert (s.num_waiting, s.num_running) == (5, 7)
+
+
+def test_parse_prefers_new_vllm_name():
+    page = VLLM_PAGE + '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.9\n'
+    s = parse_metrics_text(page, "p0", None)
+    assert s is not None and s.kv_cache_usage == pytest.approx(0.9)
+
+
+def test_parse_missing_family_is_not_reporting():
+    page = "# TYPE kvpilot_kv_cache_usage_ratio gauge\nkvpilot_kv_cache_usage_ratio 0.5\n"
+    assert parse_metrics_text(page, "p0") is None  # no queue depth: never guessed as 0
+
+
+def test_parse_garbage_raises():
+    with pytest.raises(MetricsParseError):
+        parse_metrics_text("this is { not prometheus", "p0")
+
+
+def test_parse_nan_is_not_reporting():
+    page = "kvpilot_kv_cache_usage_ratio NaN\nkvpilot_num_requests_waiting 1\n"
+    assert parse_metrics_text(page, "p0") is None
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, port
+
+
+@pytest.fixture
+async def pod_server() -> AsyncIterator[tuple[dict[str, object], int]]:
+    pages: dict[str, object] = {}
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        behaviour = pages.get(request.match_info["pod"])
+        if behaviour == "slow":
+            await asyncio.sleep(5)
+        if behaviour == "500":
+            return web.Response(status=500, text="boom")
+        return web.Response(text=str(behaviour), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/{pod}/metrics", metrics)
+    runner, port = await _serve(app)
+    yield pages, port
+    await runner.cleanup()
+
+
+async def test_pod_scrape_reads_each_ready_pod(pod_server):
+    pages, port = pod_server
+    pages.update({"a": kvpilot_page(0.8, 2), "b": VLLM_PAGE, "c": "slow", "d": "500", "e": "garbage {"})
+    snaps = []
+    for name in "abcde":
+        # One test server stands in for five pods: each has its own path prefix.
+        src = PodScrapeSource(timeout_s=0.5, path=f"/{name}/metrics")
+        try:
+            snaps.append(await src.collect(MODEL, [PodTarget(name, "127.0.0.1", port)]))
+        finally:
+            await src.close()
+    reporting = {s.samples[0].pod: s.samples[0] for s in snaps if s.samples}
+    assert set(reporting) == {"a", "b"}  # slow, 500 and garbage are "not reporting"
+    assert reporting["a"].kv_cache_usage == pytest.approx(0.8)
+    assert reporting["b"].num_waiting == 5
+
+
+async def test_pod_scrape_collect_counts_ready_and_reporting(pod_server):
+    pages, port = pod_server
+    pages.update({"x": kvpilot_page(0.3, 1)})
+    src = PodScrapeSource(timeout_s=0.5, path="/x/metrics")
+    try:
+        # The second pod's address refuses connections: not reporting.
+        snap = await src.collect(MODEL, [PodTarget("x", "127.0.0.1", port), PodTarget("y", "127.0.0.1", 1)])
+    finally:
+        await src.close()
+    assert snap.ready_replicas == 2
+    assert [s.pod for s in snap.samples] == ["x"]
+    assert snap.missing == 1
+
+
+def test_render_query_fills_without_touching_promql_braces():
+    q = render_query(DEFAULT_KV_QUERY, "ml", 'we"ird')
+    assert 'namespace="ml"' in q
+    assert 'model_name="we\\"ird"' in q
+    assert "{namespace}" not in q and "max by (pod)" in q
+
+
+def test_parse_query_response_shapes():
+    body = {
+        "status": "success",
+        "data": {
+            "resultType": "vector",
+            "result": [
+                {"metric": {"pod": "a"}, "value": [1, "0.5"]},
+                {"metric": {"pod": "b"}, "value": [1, "NaN"]},
+                {"metric": {}, "value": [1, "1"]},
+            ],
+        },
+    }
+    assert parse_query_response(body) == {"a": 0.5}
+    with pytest.raises(RuntimeError):
+        parse_query_response({"status": "error", "error": "bad query"})
+
+
+@pytest.fixture
+async def prometheus() -> AsyncIterator[tuple[dict[str, object], int]]:
+    state: dict[str, object] = {"queries": [], "fail": False}
+
+    async def query(request: web.Request) -> web.StreamResponse:
+        q = request.query["query"]
+        state["queries"].append(q)  # type: ignore[attr-defined]
+        if state["fail"]:
+            return web.json_response(
+                {"status": "error", "errorType": "bad_data", "error": "nope"}, status=400
+            )
+        if "kv_cache" in q:
+            result = [
+                {"metric": {"pod": "a"}, "value": [0, "0.9"]},
+                {"metric": {"pod": "b"}, "value": [0, "0.5"]},
+                {"metric": {"pod": "gone"}, "value": [0, "0.1"]},  # stale series of a deleted pod
+            ]
+        elif "waiting" in q:
+            result = [
+                {"metric": {"pod": "a"}, "value": [0, "3"]},
+                {"metric": {"pod": "gone"}, "value": [0, "0"]},
+            ]
+        else:
+            result = [{"metric": {"pod": "a"}, "value": [0, "12"]}]
+        return web.Response(
+            text=json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}),
+            content_type="application/json",
+        )
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner, port = await _serve(app)
+    yield state, port
+    await runner.cleanup()
+
+
+async def test_prometheus_source_groups_by_pod(prometheus):
+    state, port = prometheus
+    src = PrometheusSource(f"http://127.0.0.1:{port}/")
+    try:
+        snap = await src.collect(MODEL, [PodTarget("a", "10.0.0.1"), PodTarget("b", "10.0.0.2")])
+    finally:
+        await src.close()
+    # b has KV but no queue series: not reporting. "gone" is not a Ready pod: ignored.
+    assert snap.ready_replicas == 2
+    assert [(s.pod, s.kv_cache_usage, s.num_waiting, s.num_running) for s in snap.samples] == [
+        ("a", 0.9, 3, 12)
+    ]
+    queries = state["queries"]
+    assert any('kvpilot_kv_cache_usage_ratio{namespace="ml",model_name="llama"}' in q for q in queries)
+    assert any("vllm:gpu_cache_usage_perc" in q for q in queries)
+
+
+async def test_prometheus_custom_templates_and_failure_means_not_reporting(prometheus):
+    state, port = prometheus
+    src = PrometheusSource(
+        f"http://127.0.0.1:{port}",
+        kv_query='my_kv_cache{ns="{namespace}",m="{model}"}',
+        queue_query='my_waiting{ns="{namespace}"}',
+        running_query=None,
+    )
+    try:
+        snap = await src.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+        assert [s.pod for s in snap.samples] == ["a"]
+        assert 'my_kv_cache{ns="ml",m="llama"}' in state["queries"]
+        state["fail"] = True
+        snap = await src.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+        assert snap.ready_replicas == 1 and snap.samples == ()
+        # Unreachable Prometheus: also nobody reporting, never an exception.
+        dead = PrometheusSource("http://127.0.0.1:1", timeout_s=0.5)
+        snap = await dead.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+        await dead.close()
+        assert snap.samples == ()
+    finally:
+        await src.close()
