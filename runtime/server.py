@@ -483,7 +483,10 @@ class OpenAIServer:
                 c.first_token_time = now
                 self.metrics.ttft.observe(now - arrival)
             elif c.last_token_time is not None:
-                self.metrics.itl.observe((now - c.last_token_time) / len(new))
+                # Outputs may carry several tokens (the engine coalesces); spread the gap over them.
+                per_token = (now - c.last_token_time) / len(new)
+                for _ in new:
+                    self.metrics.itl.observe(per_token)
             c.last_token_time = now
         text = c.stream.push(new)
         entries = self._logprob_entries(co.logprobs) if c.want_logprobs else []
