@@ -113,6 +113,15 @@ class BlockManager:
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
         return hashes[:n_full]
 
+    def first_block_hash(self, seq: Sequence) -> BlockHash | None:
+        """Hash of the sequence's first full block (None when the prompt is shorter than a block)."""
+        if not self.enable_prefix_caching or seq.num_tokens <= self.block_size:
+            return None
+        return self._full_block_hashes(seq, self.block_size)[0]
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.cached
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of a new sequence; at least its last token is left to compute."""
         if not self.enable_prefix_caching:

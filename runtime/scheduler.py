@@ -114,8 +114,16 @@ class Scheduler:
             return out
 
         now = time.monotonic()
+        # Prefix-aware admission: a waiting request whose first block another request is computing
+        # right now waits one step and then reuses it, instead of computing the same prefix again.
+        inflight = {h for h in map(self.bm.first_block_hash, self._prefilling()) if h is not None}
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            first = self.bm.first_block_hash(seq) if not seq.block_table else None
+            if first is not None and first in inflight and not self.bm.is_cached(first):
+                deferred.append(self.waiting.popleft())
+                continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else []
             remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
             num_new = min(remaining, budget)
@@ -128,7 +136,13 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq.of(seq, num_new))
             budget -= num_new
+            if first is not None:
+                inflight.add(first)
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _prefilling(self) -> list[Sequence]:
+        return [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and publish completed blocks to the prefix cache."""

@@ -87,3 +87,19 @@ def test_every_request_finishes_with_exact_length_under_pressure(
     for x, (_, o) in zip(seqs, lens, strict=True):
         assert x.num_output_tokens == o
     assert bm.num_free_blocks == num_blocks
+
+
+def test_requests_sharing_a_prefix_wait_for_it_instead_of_recomputing() -> None:
+    bm = BlockManager(64, 4, enable_prefix_caching=True)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    shared = list(range(12))
+    a = Sequence("a", [*shared, 100], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = Sequence("b", [*shared, 200], SamplingParams(max_tokens=4, ignore_eos=True))
+    other = Sequence("c", [7, 7, 7, 7, 7, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    for x in (a, b, other):
+        s.add(x)
+    # step 1: a computes the shared prefix; b waits for it; c (different prefix) is admitted
+    assert run_step(s) == [("a", 13), ("c", 6)]
+    # step 2: b reuses a's three full blocks and computes only its last token
+    assert ("b", 1) in run_step(s)
+    assert b.num_cached_tokens == 12
