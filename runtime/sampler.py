@@ -4,9 +4,9 @@ Order of processing (vLLM's): penalties -> min_tokens masking -> greedy argmax, 
 top-k -> top-p -> min-p -> sample. Logprobs are those of the *raw* model distribution (log-softmax of
 the logits before penalties, temperature and truncation), which is what OpenAI and vLLM report.
 
-Random rows are sampled with the exponential race (argmax of p / q, q ~ Exp(1)), which is exactly
-a draw from p. A seeded row draws its noise from its own generator, V values per step, so its output
-depends on its seed alone and not on which other rows share the batch.
+Random rows are sampled by inverting the CDF with one uniform number per row. A seeded row draws
+that number from its own generator, so its output depends on its seed alone and not on which other
+rows share the batch.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class Sampler:
 
     # ------------------------------------------------------------------------------------------
     def _sample_general(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        logits = logits.clone()
         pen_rows = [i for i, r in enumerate(rows) if r.has_penalties]
+        if pen_rows or any(r.min_tokens_active for r in rows):
+            logits = logits.clone()  # the caller's tensor stays untouched
         if pen_rows:
             sub = apply_penalties(logits[pen_rows], [rows[i] for i in pen_rows])
             logits[pen_rows] = sub
@@ -113,11 +114,12 @@ class Sampler:
         random_idx = [i for i, r in enumerate(rows) if not r.greedy]
         if greedy_idx:
             sampled[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+        if len(random_idx) == len(rows):  # all random: no gather/scatter of rows
+            return sample_from_probs(processed_probs(logits, rows), rows)
         if random_idx:
             random_rows = [rows[i] for i in random_idx]
             probs = processed_probs(logits[random_idx], random_rows)
-            noise = _exponential_noise(probs, random_rows)
-            sampled[random_idx] = (probs / noise).argmax(dim=-1)
+            sampled[random_idx] = sample_from_probs(probs, random_rows)
         return sampled
 
     @staticmethod
@@ -179,8 +181,10 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     """Temperature, top-k, top-p and min-p on [R, V] logits of random (non-greedy) rows -> probs."""
     vocab = logits.shape[1]
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], device=device, dtype=logits.dtype)
-    x = logits / temps.unsqueeze(1)
+    x = logits
+    if any(r.params.temperature != 1.0 for r in rows):
+        temps = torch.tensor([r.params.temperature for r in rows], device=device, dtype=logits.dtype)
+        x = logits / temps.unsqueeze(1)
 
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -197,23 +201,66 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return probs
 
 
+# Top-k/top-p look only at the best candidates when they provably suffice (a top-k limit, or a
+# nucleus whose mass the candidates already cover); a full sort of the vocabulary is the fallback.
+_CANDIDATE_WIDTHS = (128, 1024)
+
+
 def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask [R, V] scaled logits to each row's top-k, then to the nucleus of the (renormalized)
+    top-k distribution, as vLLM does. Rows with neither limit pass through unchanged."""
     vocab = x.shape[1]
-    device = x.device
+    k_limits = [k for k in top_k if k < vocab]
+    p_only = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k >= vocab and p < 1.0]
+    full_probs = torch.softmax(x[p_only], dim=-1) if p_only else None
+    for cand in _CANDIDATE_WIDTHS:
+        width = max([*k_limits, cand if p_only else 0])
+        if width >= vocab:
+            break
+        vals, idx = x.topk(width, dim=-1)  # sorted, best first
+        true_mass = None
+        if full_probs is not None:
+            true_mass = full_probs.gather(1, idx[p_only])
+            p_needed = torch.tensor([top_p[i] for i in p_only], device=x.device, dtype=x.dtype)
+            if bool((true_mass.sum(dim=-1) < p_needed).any()):
+                continue  # the nucleus may reach beyond the candidates: widen
+        masked = _mask_sorted(vals, top_k, top_p, p_only, true_mass)
+        out = torch.full_like(x, float("-inf")).scatter(1, idx, masked)
+        plain = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k >= vocab and p >= 1.0]
+        if plain:
+            out[plain] = x[plain]
+        return out
     sorted_x, order = x.sort(dim=-1, descending=True)
-    positions = torch.arange(vocab, device=device).unsqueeze(0)
+    true_mass = torch.softmax(sorted_x[p_only], dim=-1) if p_only else None
+    masked = _mask_sorted(sorted_x, top_k, top_p, p_only, true_mass)
+    return torch.full_like(x, float("-inf")).scatter(1, order, masked)
+
+
+def _mask_sorted(
+    sorted_x: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    p_only: list[int],
+    true_mass: torch.Tensor | None,
+) -> torch.Tensor:
+    """Top-k then top-p on logits sorted best-first. For rows without top-k (`p_only`) the nucleus
+    uses `true_mass`, the full-vocabulary probabilities of the sorted entries."""
+    device = sorted_x.device
+    positions = torch.arange(sorted_x.shape[1], device=device).unsqueeze(0)
     k = torch.tensor(top_k, device=device).unsqueeze(1)
-    drop = positions >= k
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    p = torch.tensor(top_p, device=device, dtype=x.dtype).unsqueeze(1)
-    if (p < 1.0).any():
-        sorted_probs = torch.softmax(sorted_x, dim=-1)
-        # Keep the smallest prefix whose mass reaches p: drop a token when the mass before it does.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_p = mass_before >= p
-        drop_p[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop_p, float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    out = sorted_x.masked_fill(positions >= k, float("-inf"))
+    if all(p >= 1.0 for p in top_p):
+        return out
+    sorted_probs = torch.softmax(out, dim=-1)
+    if true_mass is not None:
+        sorted_probs[p_only] = true_mass
+    p = torch.tensor(top_p, device=device, dtype=sorted_x.dtype).unsqueeze(1)
+    # Keep the smallest prefix whose mass reaches p: drop a token when the mass before it does.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # (rows with p = 1 keep everything: float32 cumsums can reach 1.0 before the last token)
+    drop = (mass_before >= p) & (p < 1.0)
+    drop[:, 0] = False
+    return out.masked_fill(drop, float("-inf"))
 
 
 def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -231,17 +278,27 @@ def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.devic
     return counts[:, :vocab]
 
 
-def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
+def sample_from_probs(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One draw per row by inverting the CDF with a single uniform number.
+
+    A seeded row takes its number from its own generator (on the generator's device, so a CPU
+    generator works for CUDA logits), so its draw depends on its seed alone. One uniform per row is
+    also far cheaper than a vocabulary-sized noise tensor.
+    """
+    num_rows = probs.shape[0]
+    device = probs.device
+    u = torch.empty(num_rows, 1, device=device, dtype=probs.dtype)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), 1, device=device, dtype=probs.dtype)
     for i, r in enumerate(rows):
-        g = r.generator
-        if g is None:
-            continue
-        # Draw on the generator's own device so a CPU generator works for CUDA logits too.
-        row_noise = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g)
-        noise[i] = row_noise.to(probs.device)
-    # exponential_ can return exactly 0 on some backends; p / 0 would pick a masked token.
-    return noise.clamp_min_(1e-20)
+        if r.generator is not None:
+            u[i] = torch.rand(1, generator=r.generator, device=r.generator.device).to(device, probs.dtype)
+    cdf = probs.cumsum(dim=-1)
+    # Scale by the row's total so float32 rounding in the cumsum can never push u past the end.
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(probs.shape[1] - 1)
+    # At the very end of the CDF rounding could still land on a masked token: take the mode then.
+    ok = probs.gather(1, idx) > 0
+    if not bool(ok.all()):
+        idx = torch.where(ok, idx, probs.argmax(dim=-1, keepdim=True))
+    return idx.squeeze(1)

@@ -4,12 +4,14 @@ import math
 
 import pytest
 import torch
+from kvpilot.runtime import sampler as sampler_module
 from kvpilot.runtime.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
     make_generator,
     processed_probs,
+    sample_from_probs,
 )
 from kvpilot.runtime.sampling_params import SamplingParams
 
@@ -178,3 +180,33 @@ def test_logprobs_zero_gives_only_chosen() -> None:
 def test_shape_mismatch_raises() -> None:
     with pytest.raises(ValueError):
         Sampler().sample(logits(2), [row()])
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 8.0])  # flat (full-sort fallback) to peaked (candidates)
+def test_top_k_top_p_candidate_path_equals_full_sort(scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    vocab = 4096
+    x = torch.randn(6, vocab, generator=torch.Generator().manual_seed(11)) * scale
+    rows = [
+        row(top_k=40),
+        row(top_p=0.9),
+        row(top_k=200, top_p=0.5),
+        row(temperature=0.7),
+        row(top_p=0.99, min_p=0.01),
+        row(top_k=3000, top_p=0.95),
+    ]
+    fast = processed_probs(x, rows)
+    monkeypatch.setattr(sampler_module, "_CANDIDATE_WIDTHS", ())
+    reference = processed_probs(x, rows)
+    assert torch.equal(fast > 0, reference > 0)
+    assert torch.allclose(fast, reference, atol=1e-6)
+
+
+def test_sample_from_probs_never_picks_masked_tokens() -> None:
+    probs = torch.zeros(4, 1000)
+    probs[:, [3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
+    probs[1, 999] = 0.0
+    probs[1] /= probs[1].sum()
+    rows = [row(temperature=1.0, seed=i) for i in range(4)]
+    for _ in range(200):
+        picked = sample_from_probs(probs, rows).tolist()
+        assert all(probs[i, t] > 0 for i, t in enumerate(picked))
