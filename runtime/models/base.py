@@ -1,0 +1,30 @@
+"""The interface every causal LM here implements; the model runner calls exactly these methods."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of T tokens (input_ids and positions are [T])."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (select the rows to sample from before calling)."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (HF parameter name, full tensor) pairs; each parameter keeps its own shard."""
+        raise NotImplementedError

@@ -1,0 +1,346 @@
+"""Building blocks for decoder-only models, tensor-parallel from the start.
+
+Each parallel layer owns this rank's shard of its weights. Every parameter carries a
+`weight_loader(param, loaded_weight, shard_id=None)` that receives the *full* checkpoint tensor and
+copies in the slice this rank keeps, so checkpoint formats never need to know about sharding. At
+tensor-parallel world size 1 the layers are plain linears/embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from kvpilot.runtime.parallel import divide, get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    """Copy a replicated (unsharded) tensor; shapes must agree exactly."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def get_weight_loader(param: nn.Parameter) -> WeightLoader:
+    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    return loader
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    # Uninitialized: every parameter is overwritten by a weight loader.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"shape mismatch: parameter shard {tuple(dst.shape)}, checkpoint shard {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms and activations
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as transformers does), optionally fused with the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if residual is not None:
+            x = x + residual
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), x
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2 * d] (gate, up) -> silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2], float32, with `default`, `linear` or `llama3` scaling."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    assert scaling is not None
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly between.
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX / HF Llama layout) rotary embedding over per-token positions.
+
+    The cos/sin table is float32 and sized for `max_position` positions; it is cast to the query dtype
+    when applied, as transformers does.
+    """
+
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]: cos of each frequency, then sin
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        self.max_position = max_position
+        self.base = base
+        self.scaling = scaling
+        table = self._table(None).to(torch.get_default_device())
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    def _table(self, freq_factors: torch.Tensor | None) -> torch.Tensor:
+        # Computed on the CPU in float32 whatever the model's device and dtype, then moved.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(self.rotary_dim, self.base, self.scaling)
+            if freq_factors is not None:
+                inv_freq = inv_freq / freq_factors.to(device="cpu", dtype=torch.float32)
+            t = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)
+            return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
+        """llama.cpp's `rope_freqs` tensor: per-frequency divisors (Llama 3.1 GGUFs)."""
+        device = self.cos_sin_cache.device
+        self.cos_sin_cache = self._table(freq_factors).to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim / 2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cos = cos.to(x.dtype).unsqueeze(-2)
+        sin = sin.to(x.dtype).unsqueeze(-2)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its output rows; each rank holds output_size / tp rows."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
+    ) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_rank = divide(output_size, self.tp_size)
+        self.gather_output = gather_output
+        self.weight = _new_param(self.output_size_per_rank, input_size)
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = _new_param(self.output_size_per_rank)
+            set_weight_loader(self.bias, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel linears fused into one matmul (gate_proj and up_proj -> gate_up_proj).
+
+    Each rank's weight is [shard_0 / tp; shard_1 / tp; ...]; `shard_id` is the index of the piece.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(self.output_sizes), bias=bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs the shard index of the loaded piece")
+        index = int(shard_id)
+        size = self.output_sizes[index] // self.tp_size
+        offset = sum(self.output_sizes[:index]) // self.tp_size
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. Heads are split across ranks; when there are fewer KV heads than ranks,
+    each KV head is replicated on tp / num_kv_heads ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp_size = get_tp_world_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias=bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            offset, size, src = 0, self.q_size, self.tp_rank * self.q_size
+        elif shard_id == "k":
+            offset, size, src = self.q_size, self.kv_size, (self.tp_rank // self.kv_replicas) * self.kv_size
+        elif shard_id == "v":
+            offset, size = self.q_size + self.kv_size, self.kv_size
+            src = (self.tp_rank // self.kv_replicas) * self.kv_size
+        else:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, src, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its input columns; partial products are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.input_size_per_rank = divide(input_size, self.tp_size)
+        self.weight = _new_param(output_size, self.input_size_per_rank)
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:  # replicated: added once, after the reduction
+            self.bias = _new_param(output_size)
+            set_weight_loader(self.bias, default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        size = param.shape[1]
+        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding and LM head
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks (vocabulary padded up to a multiple of the world size)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        self.weight = _new_param(self.rows_per_rank, embedding_dim)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"embedding has {loaded_weight.shape[0]} rows in the checkpoint, the model expects "
+                f"{self.num_embeddings} (vocab_size)"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        _copy_checked(param.data[:rows], loaded_weight[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mine, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection with the vocabulary split across ranks; logits are gathered on every rank."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is used through compute_logits(), not as an embedding")

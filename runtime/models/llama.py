@@ -1,0 +1,216 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+One class covers the family: the differences are configuration (q/k/v bias for Qwen2, tied
+embeddings for SmolLM, rope scaling for Llama 3.x). The forward pass takes a flat batch of T tokens
+from any mix of prefill chunks and decodes; attention goes through `PagedAttention`, which writes the
+new K/V into the block pool and reads each sequence's context through its block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, PagedAttention
+from kvpilot.runtime.models.arch_config import ModelArchConfig
+from kvpilot.runtime.models.base import CausalLM
+from kvpilot.runtime.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    get_weight_loader,
+)
+from torch import nn
+
+# checkpoint (HF) name piece -> (our fused parameter piece, shard id)
+PACKED_MODULES: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+# Checkpoint entries that are derived state, not weights.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+# llama.cpp's `rope_freqs` tensor (Llama 3.1 GGUFs), under the name the GGUF reader gives it.
+ROPE_FREQS_NAME = "model.rotary_emb.freq_factors"
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias=cfg.qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.rotary_emb = rotary  # one module shared by every layer (one cos/sin table)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta, backend)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output delta, running residual); the caller adds them lazily."""
+        x, residual = self.input_layernorm(hidden, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV cache layers for a model with {len(self.layers)} layers"
+            )
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, cache, meta, backend)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of T tokens (input_ids and positions are [T])."""
+        return self.model(input_ids, positions, kv_caches, meta, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (pick the rows to sample from before calling)."""
+        return self.lm_head.compute_logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (HF name, full tensor) pairs; each parameter's weight_loader keeps this rank's shard.
+
+        Raises ValueError naming unknown checkpoint entries or parameters the checkpoint left unset.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == ROPE_FREQS_NAME:
+                self.model.rotary_emb.set_freq_factors(tensor)
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy of the embedding; the embedding wins
+            target, shard_id = _map_name(name)
+            if target not in params:
+                unexpected.append(name)
+                continue
+            param = params[target]
+            get_weight_loader(param)(param, tensor, shard_id)
+            loaded.add(target)
+        _check_complete(params, loaded, unexpected)
+
+
+def _map_name(name: str) -> tuple[str, str | int | None]:
+    for piece, (fused, shard_id) in PACKED_MODULES.items():
+        if f".{piece}." in name:
+            return name.replace(f".{piece}.", f".{fused}."), shard_id
+    return name, None
+
+
+def _check_complete(params: dict[str, nn.Parameter], loaded: set[str], unexpected: list[str]) -> None:
+    # named_parameters() lists a tied parameter once, under its first name (the embedding).
+    missing = sorted(set(params) - loaded)
+    if unexpected or missing:
+        parts = []
+        if unexpected:
+            parts.append(
+                f"unexpected checkpoint tensors: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+            )
+        if missing:
+            parts.append(
+                f"parameters missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
+        raise ValueError("; ".join(parts))

