@@ -80,6 +80,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    if not cache.k.is_contiguous():  # transposed K storage (the CPU kernel's layout): strided writes
+        kq, ks = (k.to(cache.k.dtype), None) if cache.k_scale is None else quant.quantize(k, cache.k.dtype)
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        if kq.dtype == torch.float8_e4m3fn:
+            _raw(cache.k)[blocks, offsets] = kq.view(torch.uint8)
+        else:
+            cache.k[blocks, offsets] = kq
+        if ks is not None:
+            assert cache.k_scale is not None
+            cache.k_scale.view(-1, h).index_copy_(0, slot_mapping, ks)
+        _write_rows(v, cache.v, cache.v_scale, slot_mapping)
+        return
     kf = cache.k.view(num_blocks * block_size, h, d)
     vf = cache.v.view(num_blocks * block_size, h, d)
     if cache.k_scale is None:
@@ -96,6 +108,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping
     cache.v_scale.view(-1, h).index_copy_(0, slot_mapping, vs)
 
 
+def _write_rows(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> None:
+    from kvpilot.kernels import quant
+
+    nb, bs, h, d = dst.shape
+    flat = dst.view(nb * bs, h, d)
+    if scale is None:
+        flat.index_copy_(0, slots, x.to(dst.dtype))
+        return
+    xq, xs = quant.quantize(x, dst.dtype)
+    flat.view(torch.uint8).index_copy_(0, slots, xq.view(torch.uint8))
+    scale.view(-1, h).index_copy_(0, slots, xs)
+
+
 def gather_kv(
     cache: KVCacheLayer, block_table: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,14 +132,19 @@ def gather_kv(
     if cache.k_scale is not None:
         assert cache.v_scale is not None
         # raw bytes: CPU index kernels do not cover float8
-        k = cache.k.view(torch.uint8).index_select(0, idx).view(cache.k.dtype)
-        v = cache.v.view(torch.uint8).index_select(0, idx).view(cache.v.dtype)
+        k = _raw(cache.k).index_select(0, idx).view(cache.k.dtype)
+        v = _raw(cache.v).index_select(0, idx).view(cache.v.dtype)
         k = quant.dequantize(k, cache.k_scale.index_select(0, idx), dtype)
         v = quant.dequantize(v, cache.v_scale.index_select(0, idx), dtype)
     else:
         k, v = cache.k.index_select(0, idx).to(dtype), cache.v.index_select(0, idx).to(dtype)
     shape = (*block_table.shape[:-1], block_table.shape[-1] * cache.block_size, k.shape[-2], k.shape[-1])
     return k.reshape(shape), v.reshape(shape)
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """A byte view of a 1-byte-element cache, any strides (CPU index kernels skip float8)."""
+    return x.view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +279,11 @@ def select_backend(device: torch.device, kv_quantized: bool = False) -> Attentio
     """The one place that chooses how attention runs."""
     if device.type == "cuda" and not kv_quantized and flash_attn_available():
         return FlashAttentionBackend()
+    if device.type == "cpu":
+        from kvpilot.kernels import cpu_attention
+
+        if cpu_attention.available():
+            return cpu_attention.CPUPagedAttentionBackend()
     return TorchReferenceBackend()
 
 

@@ -71,11 +71,20 @@ def kv_geometry(arch: Any, block_size: int, dtype: torch.dtype, tp_size: int = 1
     )
 
 
-def allocate_kv_cache(geo: KVGeometry, num_blocks: int, device: torch.device) -> list[KVCacheLayer]:
+def allocate_kv_cache(
+    geo: KVGeometry, num_blocks: int, device: torch.device, transposed_k: bool = False
+) -> list[KVCacheLayer]:
+    """One [num_blocks, block_size, kv_heads, head_dim] K and V per layer (K may be stored transposed
+    per block for the CPU kernel; it is still seen through that logical shape)."""
+    from kvpilot.kernels.cpu_attention import transposed_k_cache
+
     shape = (num_blocks, geo.block_size, geo.num_kv_heads, geo.head_dim)
     layers = []
     for _ in range(geo.num_layers):
-        k = torch.zeros(shape, dtype=geo.dtype, device=device)
+        if transposed_k:
+            k = transposed_k_cache(*shape, dtype=geo.dtype, device=device)
+        else:
+            k = torch.zeros(shape, dtype=geo.dtype, device=device)
         v = torch.zeros(shape, dtype=geo.dtype, device=device)
         ks = vs = None
         if quant.is_quantized(geo.dtype):
@@ -160,8 +169,9 @@ class ModelRunner:
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = allocate_kv_cache(geometry, num_blocks, device)
         self.backend = backend or select_backend(device, quant.is_quantized(geometry.dtype))
+        transposed = bool(getattr(self.backend, "transposed_k", False))
+        self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, transposed)
         log.info(
             "KV pool: %d blocks x %d tokens (%.0f MiB, %s, attention backend %s)",
             num_blocks,

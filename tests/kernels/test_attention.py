@@ -6,10 +6,19 @@ import math
 
 import pytest
 import torch
-from kvpilot.kernels import quant
-from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, TorchReferenceBackend
+from kvpilot.kernels import cpu_attention, quant
+from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 
 HQ, HKV, D, BS = 6, 2, 16, 4
+
+BACKENDS = {"torch": TorchReferenceBackend, "cpu-paged": cpu_attention.CPUPagedAttentionBackend}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> AttentionBackend:
+    if request.param == "cpu-paged" and not cpu_attention.available():
+        pytest.skip("no C compiler for the CPU kernel")
+    return BACKENDS[request.param]()
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
@@ -24,19 +33,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
-def make_cache(num_blocks: int, dtype: torch.dtype = torch.float32) -> KVCacheLayer:
+def make_cache(
+    num_blocks: int, dtype: torch.dtype = torch.float32, transposed_k: bool = False
+) -> KVCacheLayer:
     shape = (num_blocks, BS, HKV, D)
+    k = (
+        cpu_attention.transposed_k_cache(*shape, dtype=dtype)
+        if transposed_k
+        else torch.zeros(shape, dtype=dtype)
+    )
     if quant.is_quantized(dtype):
         return KVCacheLayer(
-            torch.zeros(shape, dtype=dtype),
+            k,
             torch.zeros(shape, dtype=dtype),
             torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
             torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
         )
-    return KVCacheLayer(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    return KVCacheLayer(k, torch.zeros(shape, dtype=dtype))
 
 
 def run_step(
+    backend: AttentionBackend,
     cache: KVCacheLayer,
     tables: list[list[int]],
     starts: list[int],
@@ -63,13 +80,15 @@ def run_step(
         max_query_len=max(qlens),
         max_seq_len=max(seq_lens),
     )
-    return TorchReferenceBackend().forward(q, k, v, cache, meta, 1 / math.sqrt(D))
+    return backend.forward(q, k, v, cache, meta, 1 / math.sqrt(D))
 
 
 @pytest.mark.parametrize(
     "kv_dtype,tol", [(torch.float32, 1e-5), (torch.int8, 3e-2), (torch.float8_e4m3fn, 8e-2)]
 )
-def test_chunked_prefill_then_batched_decode_matches_dense(kv_dtype: torch.dtype, tol: float) -> None:
+def test_chunked_prefill_then_batched_decode_matches_dense(
+    backend: AttentionBackend, kv_dtype: torch.dtype, tol: float
+) -> None:
     torch.manual_seed(0)
     lens = [11, 5, 17]
     # scattered, non-contiguous block tables
@@ -77,11 +96,12 @@ def test_chunked_prefill_then_batched_decode_matches_dense(kv_dtype: torch.dtype
     qs = [torch.randn(n + 3, HQ, D) for n in lens]
     ks = [torch.randn(n + 3, HKV, D) for n in lens]
     vs = [torch.randn(n + 3, HKV, D) for n in lens]
-    cache = make_cache(16, kv_dtype)
+    cache = make_cache(16, kv_dtype, transposed_k=getattr(backend, "transposed_k", False))
 
     # step 1: first chunk of every prompt (at most 6 tokens each)
     chunk = [min(6, n) for n in lens]
     out1 = run_step(
+        backend,
         cache,
         tables,
         [0, 0, 0],
@@ -94,6 +114,7 @@ def test_chunked_prefill_then_batched_decode_matches_dense(kv_dtype: torch.dtype
     rest = [n - c for n, c in zip(lens, chunk, strict=True)]
     live = [i for i, r in enumerate(rest) if r > 0]
     out2 = run_step(
+        backend,
         cache,
         [tables[i] for i in live],
         [chunk[i] for i in live],
@@ -107,6 +128,7 @@ def test_chunked_prefill_then_batched_decode_matches_dense(kv_dtype: torch.dtype
     for j in range(3):
         decodes.append(
             run_step(
+                backend,
                 cache,
                 tables,
                 [n + j for n in lens],
@@ -136,3 +158,67 @@ def test_padding_slots_are_not_written() -> None:
     write_kv(k, k, cache, torch.tensor([3, -1]))
     assert cache.k.view(-1, HKV, D)[3].eq(1).all()
     assert cache.k.view(-1, HKV, D).sum() == HKV * D
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+def test_cpu_kernel_matches_reference_on_a_mixed_batch(dtype: torch.dtype, transposed: bool) -> None:
+    """Decodes and prefill chunks in one step, 16-bit cache, realistic head sizes."""
+    if not cpu_attention.available():
+        pytest.skip("no C compiler for the CPU kernel")
+    torch.manual_seed(1)
+    hq, hkv, d, bs = 9, 3, 64, 16
+    ctx = [40, 1, 77, 16, 130]  # tokens already cached
+    new = [1, 1, 23, 5, 1]
+    nb = [(c + n + bs - 1) // bs for c, n in zip(ctx, new, strict=True)]
+    perm = torch.randperm(sum(nb) + 4).tolist()
+    tables, at = [], 0
+    for n in nb:
+        tables.append(perm[at : at + n])
+        at += n
+    shape = (len(perm), bs, hkv, d)
+    k = (
+        cpu_attention.transposed_k_cache(*shape, dtype=dtype)
+        if transposed
+        else torch.zeros(shape, dtype=dtype)
+    )
+    scales = (
+        torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
+        torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
+    )
+    cache = KVCacheLayer(
+        k, torch.zeros(shape, dtype=dtype), *(scales if quant.is_quantized(dtype) else (None, None))
+    )
+    act = torch.bfloat16 if quant.is_quantized(dtype) else dtype
+    # fill the cached context through the same write path
+    from kvpilot.kernels.attention import write_kv
+
+    for table, c in zip(tables, ctx, strict=True):
+        slots_ctx = torch.tensor([table[p // bs] * bs + p % bs for p in range(c)])
+        write_kv(torch.randn(c, hkv, d).to(act), torch.randn(c, hkv, d).to(act), cache, slots_ctx)
+    t = sum(new)
+    q = torch.randn(t, hq, d).to(act)
+    kn = torch.randn(t, hkv, d).to(act)
+    vn = torch.randn(t, hkv, d).to(act)
+    slots: list[int] = []
+    for table, c, n in zip(tables, ctx, new, strict=True):
+        slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+    width = max(nb)
+    lens = [c + n for c, n in zip(ctx, new, strict=True)]
+    qsl = [0]
+    for n in new:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.int32),
+        query_lens_cpu=new,
+        seq_lens_cpu=lens,
+        max_query_len=max(new),
+        max_seq_len=max(lens),
+    )
+    got = cpu_attention.CPUPagedAttentionBackend().forward(q, kn, vn, cache, meta, d**-0.5)
+    # the reference reads the very cache the kernel read (same layout, same quantized values)
+    want = TorchReferenceBackend().forward(q, kn, vn, cache, meta, d**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,178 @@
+"""The CPU paged-attention kernel (kernels/csrc/paged_attention_cpu.c), built on first use.
+
+It reads K/V in place through the block tables instead of gathering them into a copy, which is what
+dominates the torch reference path on CPUs. The shared library is compiled once per source, compiler
+and CPU into ~/.cache/kvpilot/kernels (or $KVPILOT_KERNEL_CACHE) and loaded with ctypes; when no C
+compiler is available the runtime falls back to the torch reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_DTYPES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.int8: 3,
+    torch.float8_e4m3fn: 4,
+}
+_lock = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+        )
+    except OSError:
+        flags = ""
+    return flags
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernel (once per source, flags and CPU) and return the shared library's path."""
+    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise KernelBuildError("no C compiler (gcc/cc) on PATH")
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_out = Path(tmp) / target.name
+        proc = subprocess.run(
+            [cc, *CFLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_out, target)  # atomic: concurrent builders never see a half-written file
+    log.info("built the CPU paged-attention kernel: %s", target)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    with _lock:
+        lib = ctypes.CDLL(str(build()))
+    fn = lib.kvpilot_paged_attention
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [p, i, p, p, p, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
+        return False
+    try:
+        _library()
+    except (KernelBuildError, OSError) as exc:
+        log.warning("CPU paged-attention kernel unavailable, using the torch reference path: %s", exc)
+        return False
+    return True
+
+
+def k_transposed(k: torch.Tensor) -> bool:
+    """True for a [NB, BS, H, D] view of [NB, H, D, BS] storage (see transposed_k_cache)."""
+    if k.is_contiguous():
+        return False
+    _, bs, h, d = k.shape
+    if k.stride() != (h * d * bs, 1, d * bs, bs):
+        raise ValueError(f"unsupported K cache strides {k.stride()} for shape {tuple(k.shape)}")
+    return True
+
+
+def transposed_k_cache(
+    num_blocks: int, block_size: int, num_heads: int, head_dim: int, **kw: object
+) -> torch.Tensor:
+    """K storage as [NB, H, D, BS] (K^T per block and head), returned as a [NB, BS, H, D] view."""
+    storage = torch.zeros(num_blocks, num_heads, head_dim, block_size, **kw)  # type: ignore[call-overload]
+    return storage.permute(0, 3, 1, 2)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def paged_attention(
+    q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the cached context (the new tokens' K/V already written)."""
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"unsupported query dtype {q.dtype}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables = meta.block_tables.contiguous()
+    qsl = meta.query_start_loc.contiguous()
+    lens = meta.seq_lens.contiguous()
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    rc = _library().kvpilot_paged_attention(
+        q.data_ptr(),
+        _DTYPES[q.dtype],
+        out.data_ptr(),
+        cache.k.data_ptr(),
+        cache.v.data_ptr(),
+        _DTYPES[cache.k.dtype],
+        int(k_transposed(cache.k)),
+        _ptr(cache.k_scale),
+        _ptr(cache.v_scale),
+        tables.data_ptr(),
+        int(tables.shape[1]),
+        qsl.data_ptr(),
+        lens.data_ptr(),
+        meta.num_seqs,
+        int(q.shape[1]),
+        int(num_kv_heads),
+        int(head_dim),
+        int(block_size),
+        float(scale),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"paged attention kernel rejected its arguments (code {rc})")
+    return out
+
+
+class CPUPagedAttentionBackend:
+    name = "cpu-paged"
+    transposed_k = True  # the model runner allocates K with transposed_k_cache()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCacheLayer,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, cache, meta.slot_mapping)
+        return paged_attention(q, cache, meta, scale)
