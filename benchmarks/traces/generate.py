@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
 from kvpilot.autoscaler.trace import TraceRequest, write_trace
 
 Rate = Callable[[float], float]
@@ -96,7 +95,7 @@ SCENARIOS: dict[str, tuple[int, Callable[[np.random.Generator], tuple[float, Rat
 def generate(seed: int, shape: Callable[[np.random.Generator], tuple[float, Rate]]) -> list[TraceRequest]:
     rng = np.random.default_rng(seed)
     duration, base_rate = shape(rng)
-    minutes = int(math.ceil(duration / 60.0))
+    minutes = math.ceil(duration / 60.0)
     noise = np.exp(rng.normal(0.0, 0.15, size=minutes))  # per-minute multiplicative noise
 
     def rate(t: float) -> float:
