@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.sampling_params import SamplingParams

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import torch
+
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.sampling_params import SamplingParams

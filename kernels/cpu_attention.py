@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
 from kvpilot.kernels import quant
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
 from kvpilot.runtime.scheduler import ScheduledSeq

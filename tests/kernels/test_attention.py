@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from kvpilot.kernels import cpu_attention, quant
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 
