@@ -17,6 +17,8 @@ from typing import Any
 
 from kvpilot.autoscaler.policy import Decision, History, Recommendation, ScaleEvent
 
+MAX_REASON = 1024  # the CRD's maxLength for lastDecision.reason
+
 
 def format_time(t: float) -> str:
     """RFC 3339 with second precision (what Kubernetes itself writes)."""
@@ -100,7 +102,7 @@ def decision_to_status(decision: Decision, now: float, previous: Mapping[str, An
             "time": format_time(now),
             "fromReplicas": decision.current,
             "toReplicas": decision.desired,
-            "reason": decision.reason,
+            "reason": decision.reason[:MAX_REASON],
             "metrics": {
                 "kvCacheUsage": None
                 if decision.avg_kv_cache_usage is None
