@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
 from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, OOMOverrides, RuntimeSettings
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 

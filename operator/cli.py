@@ -109,6 +109,8 @@ def make_login(api_client: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import kopf
+    from prometheus_client import start_http_server
+
     from kvpilot.operator import metrics
     from kvpilot.operator.builders import OperatorSettings
     from kvpilot.operator.controller import Controller
@@ -117,7 +119,6 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.leader import KubeLeaseStore, LeaderElector, default_identity, run_as_leader
     from kvpilot.operator.models import API_VERSION, KIND
     from kvpilot.operator.reconcile import Reconciler
-    from prometheus_client import start_http_server
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),

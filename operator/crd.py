@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+
 from kvpilot.operator import models as m
 
 CRD_NAME = f"{m.PLURAL}.{m.GROUP}"

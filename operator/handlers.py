@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import kopf
+
 from kvpilot.operator.builders import MANAGED_BY, MANAGED_BY_LABEL
 from kvpilot.operator.controller import Controller
 from kvpilot.operator.models import GROUP, PLURAL, VERSION

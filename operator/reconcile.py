@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvpilot.operator import metrics, oom
 from kvpilot.operator.apply import apply_child
 from kvpilot.operator.builders import (
@@ -34,7 +36,6 @@ from kvpilot.operator.status import (
     invalid_status,
     status_patch,
 )
-from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"

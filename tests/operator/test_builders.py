@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from kvpilot.operator.builders import (
     APPLIED_HASH_ANNOTATION,
     CONFIG_HASH_ANNOTATION,
@@ -20,7 +21,6 @@ from kvpilot.operator.builders import (
 )
 from kvpilot.operator.models import InferenceModel, OOMOverrides
 from kvpilot.runtime.config import EngineConfig
-
 from tests.operator.fakes import make_body
 
 SETTINGS = OperatorSettings(image="kvpilot/kvpilot:test")

@@ -12,7 +12,6 @@ pytest.importorskip("celpy")
 
 from kvpilot.operator.crd import build_crd
 from kvpilot.operator.models import InferenceModelSpec
-
 from tests.operator.celcheck import apply_defaults, violations
 
 ROOT = Path(__file__).resolve().parents[2]

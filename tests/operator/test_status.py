@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from kvpilot.operator.models import InferenceModel
 from kvpilot.operator.podstate import all_problems, pod_problems
 from kvpilot.operator.status import (
@@ -16,7 +17,6 @@ from kvpilot.operator.status import (
     merge_conditions,
     status_patch,
 )
-
 from tests.operator.fakes import make_body
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

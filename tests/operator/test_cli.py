@@ -1,0 +1,62 @@
+"""`kvpilot operator` flags and the kopf wiring (no cluster)."""
+
+from __future__ import annotations
+
+import argparse
+
+import kopf
+
+from kvpilot.operator.cli import DEFAULT_IMAGE, add_arguments, make_login
+from kvpilot.operator.controller import Controller
+from kvpilot.operator.handlers import build_registry, configure_settings
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults() -> None:
+    args = parse()
+    assert args.namespace == [] and not args.all_namespaces
+    assert args.image == DEFAULT_IMAGE
+    assert (args.health_port, args.metrics_port) == (8081, 8080)
+    assert args.leader_elect is True and args.leader_election_name == "kvpilot-operator"
+
+
+def test_flags() -> None:
+    args = parse(
+        "--kubeconfig", "/k", "-n", "a", "-n", "b", "--image", "x:1", "--no-leader-elect", "--workers", "8"
+    )
+    assert (args.kubeconfig, args.namespace, args.image, args.leader_elect, args.workers) == (
+        "/k", ["a", "b"], "x:1", False, 8,
+    )  # fmt: skip
+
+
+def test_registry_has_stateless_event_handlers_only() -> None:
+    ctrl = Controller(lambda key: None)
+    registry = build_registry(ctrl, login=lambda **_: None)
+    selectors = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
+    assert selectors == {("kvpilot.dev", "inferencemodels"), ("apps", "deployments"), ("", "pods")}
+    assert (
+        not registry._changing.get_all_handlers()
+    )  # no on.create/update: kopf writes nothing to our objects
+    settings = configure_settings(kopf.OperatorSettings())
+    assert settings.peering.standalone and not settings.posting.enabled
+
+
+def test_login_reuses_the_client_configuration() -> None:
+    from kubernetes import client
+
+    cfg = client.Configuration()
+    cfg.host = "https://127.0.0.1:6443"
+    cfg.api_key = {"BearerToken": "Bearer abc"}
+    cfg.verify_ssl = False
+    info = make_login(client.ApiClient(cfg))()
+    assert (info.server, info.scheme, info.token, info.insecure) == (
+        "https://127.0.0.1:6443",
+        "Bearer",
+        "abc",
+        True,
+    )
