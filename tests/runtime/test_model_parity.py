@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.loader import LoadedModel, load_model
@@ -125,23 +126,7 @@ def rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 # SmolLM2 against transformers
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_gguf_path: Path) -> Any:
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files (test extra)")
-    import functools
-
-    import gguf
-    from transformers import AutoModelForCausalLM
-
-    # Speed only: transformers parses the file twice and rebuilds the same (pure) tensor-name map
-    # once per module; memoizing both cuts ~15 s of CPU and changes nothing it computes.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=4)(gguf.get_tensor_name_map))
-        model = AutoModelForCausalLM.from_pretrained(
-            smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-        )
-    return model.eval()
+# `hf_smollm2` (transformers' model from the same GGUF, float32) is a session fixture in conftest.py.
 
 
 @pytest.fixture(scope="module")
