@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
 from kvpilot.runtime.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
-from tqdm import tqdm
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (distribution, file inside it)

@@ -24,6 +24,7 @@ def smollm2_gguf_path() -> Path:
 def smollm2_fp32(smollm2_gguf_path: Path) -> LoadedModel:
     """SmolLM2 loaded once per session on the CPU in float32 (read-only: do not modify its weights)."""
     import torch
+
     from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
     from kvpilot.runtime.loader import load_model
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from torch import nn
+
+from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 
 
 class CausalLM(nn.Module):

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kvpilot.runtime.parallel import divide, get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 from torch import nn
+
+from kvpilot.runtime.parallel import divide, get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 WeightLoader = Callable[..., None]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, PagedAttention
 from kvpilot.runtime.models.arch_config import ModelArchConfig
 from kvpilot.runtime.models.base import CausalLM
@@ -25,7 +27,6 @@ from kvpilot.runtime.models.layers import (
     VocabParallelEmbedding,
     get_weight_loader,
 )
-from torch import nn
 
 # checkpoint (HF) name piece -> (our fused parameter piece, shard id)
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from kvpilot.kernels.attention import TorchReferenceBackend
 from kvpilot.runtime import loader
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig

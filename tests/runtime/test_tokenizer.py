@@ -8,6 +8,7 @@ from typing import Any
 
 import jinja2
 import pytest
+
 from kvpilot.runtime.tokenizer import (
     Tokenizer,
     byte_to_unicode,
