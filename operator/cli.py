@@ -91,7 +91,7 @@ def make_login(api_client: Any) -> Any:
     def login(**_: Any) -> kopf.ConnectionInfo:
         # Calling through auth_settings() runs the client's refresh hook (exec plugins, token files).
         auth = str(cfg.auth_settings().get("BearerToken", {}).get("value") or "")
-        scheme, _, token = auth.partition(" ")
+        scheme, _sep, token = auth.partition(" ")
         return kopf.ConnectionInfo(
             server=cfg.host,
             ca_path=cfg.ssl_ca_cert,

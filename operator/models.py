@@ -310,9 +310,15 @@ class InferenceModelSpec(_Model):
         description="Replica count (default 1). Leave unset with autoscaling: the autoscaler owns it.",
     )
     autoscaling: Autoscaling | None = None
-    resources: Resources = Field(default_factory=Resources, json_schema_extra={"default": {}})
-    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, json_schema_extra={"default": {}})
-    oom_policy: OOMPolicy = Field(default_factory=OOMPolicy, json_schema_extra={"default": {}})
+    resources: Resources = Field(
+        default_factory=lambda: Resources.model_validate({}), json_schema_extra={"default": {}}
+    )
+    runtime: RuntimeSettings = Field(
+        default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
+    )
+    oom_policy: OOMPolicy = Field(
+        default_factory=lambda: OOMPolicy.model_validate({}), json_schema_extra={"default": {}}
+    )
     image: str | None = Field(
         None, max_length=512, description="Runtime image; the operator's --image by default."
     )
@@ -455,7 +461,7 @@ class InferenceModel(_Model):
     kind: str = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: InferenceModelSpec
-    status: InferenceModelStatus = Field(default_factory=InferenceModelStatus)
+    status: InferenceModelStatus = Field(default_factory=lambda: InferenceModelStatus.model_validate({}))
 
     @property
     def name(self) -> str:

@@ -94,7 +94,9 @@ def compute_conditions(
 
     # Progressing: a rollout or scale is under way.
     if deadline:
-        prog_c = Cond("Progressing", False, "ProgressDeadlineExceeded", str(progressing.get("message", "")))
+        prog_c = Cond(
+            "Progressing", False, "ProgressDeadlineExceeded", str((progressing or {}).get("message", ""))
+        )
     elif deployment is None:
         prog_c = Cond("Progressing", True, "Creating", "creating the Deployment")
     elif observed < dep_gen or updated < total:  # pods of an older template remain
@@ -247,7 +249,7 @@ def invalid_status(
         Cond("ScalingLimited", False, "AsExpected"),
     ]
     prev = previous or {}
-    status = {
+    status: dict[str, Any] = {
         k: prev[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation") if k in prev
     }
     status.update(

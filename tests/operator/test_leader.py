@@ -141,7 +141,7 @@ def test_api_errors_are_not_leadership() -> None:
 
 
 def test_run_steps_down_when_it_cannot_renew() -> None:
-    store, clock = MemoryLeases(), Clock()
+    store = MemoryLeases()
     a = LeaderElector(
         store,
         namespace="ns",
