@@ -29,13 +29,22 @@ def build_registry(controller: Controller, login: Any = None) -> kopf.OperatorRe
     if login is not None:
         kopf.on.login(registry=registry)(login)
 
+    seen: dict[tuple[str, str], tuple[Any, ...]] = {}
+
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def inference_model_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         key = (body.metadata.namespace or "", body.metadata.name or "")
         if type == "DELETED":
+            seen.pop(key, None)
             controller.forget(key)
-        else:
-            controller.enqueue(key)
+            return
+        # Like controller-runtime's GenerationChangedPredicate: our own status writes (and the
+        # autoscaler's) bump resourceVersion but not generation; they need no reconcile.
+        state = (body.metadata.uid, body.metadata.get("generation"), body.metadata.get("deletionTimestamp"))
+        if seen.get(key) == state:
+            return
+        seen[key] = state
+        controller.enqueue(key)
 
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)
     async def deployment_event(body: kopf.Body, **_: Any) -> None:

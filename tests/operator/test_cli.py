@@ -60,3 +60,27 @@ def test_login_reuses_the_client_configuration() -> None:
         "abc",
         True,
     )
+
+
+async def test_status_only_updates_do_not_enqueue() -> None:
+    keys: list[tuple[str, str]] = []
+
+    class Recorder(Controller):
+        def enqueue(self, key: tuple[str, str]) -> None:
+            keys.append(key)
+
+    registry = build_registry(Recorder(lambda key: None))
+    handler = next(
+        h for h in registry._watching.get_all_handlers() if h.selector.any_name == "inferencemodels"
+    )
+    body = {"metadata": {"namespace": "ns", "name": "m", "uid": "u", "generation": 1}, "status": {}}
+
+    async def send(kind: str | None, raw: dict) -> None:
+        await handler.fn(type=kind, body=kopf.Body(raw))
+
+    await send(None, body)  # listed at start
+    await send("MODIFIED", {**body, "status": {"readyReplicas": 1}})  # our own status write
+    await send("MODIFIED", {**body, "metadata": {**body["metadata"], "generation": 2}})  # a spec change
+    await send("DELETED", body)
+    await send("ADDED", body)  # re-created with the same name
+    assert keys == [("ns", "m"), ("ns", "m"), ("ns", "m")]
