@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
-from kvpilot.runtime.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvpilot.runtime.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 1024  # n * number of prompts in one request
@@ -167,6 +168,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # prefix caching: requests with different salts never share cached blocks (vLLM's name)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

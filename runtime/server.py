@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
+
 from kvpilot.runtime import protocol as P
 from kvpilot.runtime.detokenizer import TextStream
 from kvpilot.runtime.engine import EngineDeadError, QueueFullError
@@ -52,7 +53,11 @@ class Engine(Protocol):
     max_model_len: int
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Any]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -84,6 +89,7 @@ class _Choice:
     queue_time_seen: bool = False
     text_offset: int = 0
     logprobs: list[P.LogprobEntry] = field(default_factory=list)
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
 
     @property
     def finished(self) -> bool:
@@ -336,7 +342,9 @@ class OpenAIServer:
             prompt_lens.append(len(ids))
             for i in range(req.n):
                 choices.append(
-                    self._new_choice(request_id, p_idx * req.n + i, ids, P.choice_params(params, i), echo)
+                    self._new_choice(
+                        request_id, p_idx * req.n + i, ids, P.choice_params(params, i), echo, req.cache_salt
+                    )
                 )
         return await self._generate(
             request, "completion", request_id, choices, prompt_lens, req.stream, req.include_usage
@@ -359,7 +367,10 @@ class OpenAIServer:
         params = req.to_sampling_params(len(ids), engine.max_model_len)
         P.check_token_ids(params.stop_token_ids, getattr(tok, "vocab_size", None), "stop_token_ids")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = [self._new_choice(request_id, i, ids, P.choice_params(params, i), "") for i in range(req.n)]
+        choices = [
+            self._new_choice(request_id, i, ids, P.choice_params(params, i), "", req.cache_salt)
+            for i in range(req.n)
+        ]
         return await self._generate(
             request, "chat", request_id, choices, [len(ids)], req.stream, req.include_usage
         )
@@ -372,7 +383,13 @@ class OpenAIServer:
         return list(encode(text, add_special_tokens=add_special_tokens))
 
     def _new_choice(
-        self, request_id: str, index: int, ids: list[int], params: SamplingParams, echo: str
+        self,
+        request_id: str,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        echo: str,
+        cache_salt: str | None = None,
     ) -> _Choice:
         assert self.engine is not None
         return _Choice(
@@ -384,6 +401,7 @@ class OpenAIServer:
             echo_text=echo,
             want_logprobs=params.logprobs is not None,
             text_offset=len(echo),
+            cache_salt=cache_salt,
         )
 
     async def _generate(
@@ -431,7 +449,7 @@ class OpenAIServer:
 
     def _submit(self, engine: Engine, c: _Choice) -> AsyncIterator[Any]:
         try:
-            return engine.add_request(c.engine_id, c.prompt_token_ids, c.params)
+            return engine.add_request(c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         except QueueFullError:

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from kvpilot.runtime.engine import (
     CompletionOutput,
     EngineStats,
@@ -24,7 +26,6 @@ from kvpilot.runtime.engine import (
 )
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sequence import TokenLogprob
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -138,8 +139,13 @@ class FakeEngine:
             ev.set()
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        self.last_cache_salt = cache_salt
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise ValueError("prompt too long")
         if self.max_waiting is not None and len(self._live) >= self.max_waiting:

@@ -21,6 +21,7 @@ import aiohttp
 import openai
 import pytest
 from fake_engine import FakeEngine, LiveServer
+
 from kvpilot.runtime import cli
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.lifecycle import serve
@@ -620,3 +621,26 @@ async def test_real_engine_disconnect_frees_the_sequence(real_live: tuple[LiveSe
         await resp.content.readline()
         resp.close()
     await asyncio.to_thread(wait_for, lambda: engine.num_unfinished() == 0, 20)
+
+
+def test_real_engine_cache_salt_isolates_prefix_cache(real_live: tuple[LiveServer, Any]) -> None:
+    live, engine = real_live
+    c = client(live)
+    prompt = "The history of the printing press begins " * 8  # several full KV blocks
+
+    def hits_after(salt: str) -> int:
+        before = engine.stats().prefix_cache_hits
+        c.completions.create(
+            model=engine.model_name,
+            prompt=prompt,
+            max_tokens=1,
+            temperature=0,
+            extra_body={"cache_salt": salt},
+        )
+        wait_for(lambda: engine.num_unfinished() == 0)
+        time.sleep(0.6)  # stats are refreshed by the engine thread
+        return int(engine.stats().prefix_cache_hits - before)
+
+    assert hits_after("tenant-a") == 0  # first time this prefix is seen under this salt
+    assert hits_after("tenant-b") == 0  # same text, another tenant: no sharing
+    assert hits_after("tenant-a") > 0  # same tenant again: reused
