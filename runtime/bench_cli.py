@@ -16,7 +16,6 @@ import time
 
 from kvpilot.runtime import cli as serve_cli
 
-
 WORKLOAD_FLAGS = {"num_prompts", "input_len", "output_len", "bench_seed"}
 
 
