@@ -15,8 +15,8 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
+from dataclasses import replace
 from typing import Any
 
 from kvpilot.autoscaler.calibration import Calibration
@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("POD_NAMESPACE", "kvpilot-system"),
         help="namespace of the kvpilot-autoscaler Lease",
     )
+    run_p.add_argument(
+        "--identity",
+        help="leader-election identity, also written as status.autoscaler.decidedBy "
+        "(default: POD_NAME or hostname, plus pid)",
+    )
+    add_behavior_arguments(run_p)
     run_p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     run_p.set_defaults(_autoscaler_run=_run_controller)
 
@@ -129,7 +135,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g3 = sim.add_argument_group("moving-average policy (KubeAI-style)")
     g3.add_argument("--target-requests", type=_positive_float("--target-requests"), default=24.0)
     g3.add_argument("--window", type=_positive_float("--window"), default=600.0, help="seconds")
+    add_behavior_arguments(sim)
     sim.set_defaults(_autoscaler_run=_run_simulate)
+
+
+def _rule(flag: str) -> Any:
+    """PODS,PERCENT,PERIOD_S -> ScalingRule (an HPA behavior policy, selectPolicy Max)."""
+
+    def parse(value: str) -> ScalingRule:
+        parts = value.split(",")
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            rule = ScalingRule(pods=int(parts[0]), percent=float(parts[1]), period_s=float(parts[2]))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be PODS,PERCENT,PERIOD_SECONDS (e.g. 1,50,60), got {value!r}"
+            ) from None
+        if rule.pods < 0 or rule.percent < 0 or not rule.period_s > 0:
+            raise argparse.ArgumentTypeError(f"{flag}: pods and percent must be >= 0 and the period > 0")
+        return rule
+
+    return parse
+
+
+def add_behavior_arguments(parser: argparse.ArgumentParser) -> None:
+    """The policy knobs that are not in the CRD (spec.Behavior); defaults in docs/autoscaler.md."""
+    d = Behavior()
+    g = parser.add_argument_group("policy behavior (not in the CRD)")
+
+    def show(r: ScalingRule) -> str:
+        return f"{r.pods},{r.percent:g},{r.period_s:g}"
+
+    g.add_argument(
+        "--scale-up-rule",
+        type=_rule("--scale-up-rule"),
+        default=d.scale_up,
+        metavar="PODS,PERCENT,PERIOD",
+        help=f"at most max(+PODS, +PERCENT%%) per PERIOD seconds (default {show(d.scale_up)})",
+    )
+    g.add_argument(
+        "--scale-down-rule",
+        type=_rule("--scale-down-rule"),
+        default=d.scale_down,
+        metavar="PODS,PERCENT,PERIOD",
+        help=f"at most max(-PODS, -PERCENT%%) per PERIOD seconds (default {show(d.scale_down)})",
+    )
+    g.add_argument(
+        "--tolerance", type=_fraction("--tolerance"), default=d.tolerance, help="relative dead band"
+    )
+
+
+def behavior_from_args(args: argparse.Namespace) -> Behavior:
+    d = Behavior()
+    return replace(
+        d,
+        scale_up=getattr(args, "scale_up_rule", d.scale_up),
+        scale_down=getattr(args, "scale_down_rule", d.scale_down),
+        tolerance=getattr(args, "tolerance", d.tolerance),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +219,7 @@ def default_targets(args: argparse.Namespace) -> ScalingTargets:
         value = getattr(args, attr, None)
         if value is not None:
             spec[key] = value
-    return ScalingTargets.from_spec(spec, Behavior())
+    return ScalingTargets.from_spec(spec, behavior_from_args(args))
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -240,31 +304,25 @@ def _run_controller(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, api_client: Any) -> int:
     from kvpilot.autoscaler.controller import Controller, ControllerConfig
-    from kvpilot.autoscaler.election import AlwaysLeader, lease_elector
+    from kvpilot.autoscaler.election import AlwaysLeader, LeaseElection, lease_election
     from kvpilot.autoscaler.kube import KubernetesApi
+    from kvpilot.operator.leader import default_identity
 
+    identity = args.identity or default_identity()
     elector: Any = AlwaysLeader()
-    driver: asyncio.Task[Any] | None = None
+    election: LeaseElection | None = None
     if not args.no_leader_elect:
-        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-        lease = lease_elector(api_client, args.leader_namespace, identity)
-        if lease is None:
-            log.warning(
-                "leader election unavailable (kvpilot.operator.leader not installed); acting as the only "
-                "autoscaler. Run a single replica or pass --no-leader-elect to silence this."
-            )
-        else:
-            elector = lease
-            starter = getattr(lease, "run", None) or getattr(lease, "start", None)
-            if starter is not None:
-                driver = asyncio.create_task(starter())
+        election = lease_election(api_client, args.leader_namespace, identity)
+        elector = election.start()
+        log.info("campaigning for Lease %s/kvpilot-autoscaler as %s", args.leader_namespace, identity)
     cfg = ControllerConfig(
         namespace=None if args.all_namespaces else args.namespace,
         interval_s=args.interval,
         default_metrics_source=args.metrics_source,
         prometheus_url=args.prometheus_url,
         scrape_timeout_s=args.scrape_timeout,
-        behavior=Behavior(),
+        behavior=behavior_from_args(args),
+        identity=identity,
     )
     controller = Controller(KubernetesApi(api_client), cfg, elector=elector)
     stop = asyncio.Event()
@@ -277,13 +335,9 @@ async def _serve(args: argparse.Namespace, api_client: Any) -> int:
         await controller.run(stop)
     finally:
         await controller.close()
-        if driver is not None:
-            stopper = getattr(elector, "stop", None)
-            if stopper is not None:
-                res = stopper()
-                if asyncio.iscoroutine(res):
-                    await res
-            driver.cancel()
+        if election is not None:
+            # Releases the Lease when held, so a standby takes over without waiting for it to expire.
+            await asyncio.to_thread(election.stop)
     return 0
 
 

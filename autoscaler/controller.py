@@ -42,6 +42,7 @@ class ControllerConfig:
     pod_port: int = RUNTIME_PORT
     scrape_timeout_s: float = 2.0
     max_concurrent_models: int = 8
+    identity: str | None = None  # written as status.autoscaler.decidedBy (which replica decided)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class Controller:
         if not autoscaling:
             return None
         ns, name = meta["namespace"], meta["name"]
+        if not is_leader(self.elector):  # lost the Lease during this sync: a standby writes nothing
+            return None
         targets = ScalingTargets.from_spec(autoscaling, self.config.behavior)
         replicas = spec.get("replicas")
         # The operator renders minReplicas while spec.replicas is unset; that is the current size.
@@ -162,6 +165,8 @@ class Controller:
         decision = decide(current, snapshot, targets, history_from_status(previous), now)
 
         event_reason: str | None = None
+        if not is_leader(self.elector):  # the metric queries took long enough to lose the Lease
+            return None
         if decision.desired < current:
             await self._mark_deletion_costs(ns, ready, snapshot)
         if decision.desired != current:
@@ -169,6 +174,8 @@ class Controller:
             event_reason = "ScaledUp" if decision.desired > current else "ScaledDown"
             log.info("%s/%s: %d -> %d: %s", ns, name, current, decision.desired, decision.reason)
         block = decision_to_status(decision, now, previous)
+        if self.config.identity:
+            block["decidedBy"] = self.config.identity
         kind = hold_kind(decision)
         if kind:
             block["heldKind"] = kind

@@ -1,15 +1,19 @@
-"""Leader election seam: only one autoscaler acts, in the operator process or `kvpilot autoscaler run`.
+"""Leader election: only one autoscaler acts, however many `kvpilot autoscaler run` replicas there are.
 
-The Lease-based elector lives in kvpilot.operator.leader (the operator's module). The controller only
-needs to ask "am I the leader now?", so it codes against this Protocol; `lease_elector()` adapts the
-operator's module when it is installed and returns None when it is not.
+The Lease mechanics are the operator's (`kvpilot.operator.leader.LeaderElector`: client-go semantics,
+resourceVersion-guarded writes, release on a clean stop). The controller only asks "am I the leader
+now?" before each sync and before writing each model, so it codes against the small `LeaderElector`
+Protocol below; `LeaseElection` campaigns in a background thread.
+
+Unlike the operator (which exits when it loses the Lease, as controller-runtime does), the autoscaler
+keeps running and campaigns again: it holds no state worth a restart (the policy's history is in each
+InferenceModel's status), and a standby that stops acting is all that correctness needs.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
+import threading
 from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
@@ -31,32 +35,65 @@ class AlwaysLeader:
         return True
 
 
-def lease_elector(api_client: Any, namespace: str, identity: str, lease_name: str = LEASE_NAME) -> Any | None:
-    """An elector from kvpilot.operator.leader, or None when that module is not available.
+class LeaseElection:
+    """Campaign for a Lease in a thread; `is_leader` while this process holds it.
 
-    The returned object has `is_leader` (property or method) and may have async `run()`/`start()`
-    and `stop()`; the CLI drives whichever it has (see ``drive``).
+    `elector` is a kvpilot.operator.leader.LeaderElector: anything with `is_leader` and a blocking
+    `campaign(stop, lost)` (older versions: `run(stop, lost)`) that returns when `stop` is set, after
+    releasing the Lease, or when leadership is lost, after setting `lost`.
     """
-    try:
-        module = importlib.import_module("kvpilot.operator.leader")
-    except ModuleNotFoundError:
-        return None
-    for name in ("LeaseLeaderElector", "LeaderElector", "LeaseElector"):
-        factory = getattr(module, name, None)
-        if factory is None:
-            continue
-        params = inspect.signature(factory).parameters
-        candidates = {
-            "api_client": api_client,
-            "namespace": namespace,
-            "identity": identity,
-            "name": lease_name,
-            "lease_name": lease_name,
-        }
-        kwargs = {k: v for k, v in candidates.items() if k in params}
-        return factory(**kwargs)
-    log.warning("kvpilot.operator.leader has no known elector class; leader election is off")
-    return None
+
+    def __init__(self, elector: Any) -> None:
+        self.elector = elector
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def identity(self) -> str:
+        return str(getattr(self.elector, "identity", ""))
+
+    @property
+    def is_leader(self) -> bool:
+        return bool(self.elector.is_leader)
+
+    def start(self) -> LeaseElection:
+        self._thread = threading.Thread(target=self._campaign, name="autoscaler-leader-election", daemon=True)
+        self._thread.start()
+        return self
+
+    def _campaign(self) -> None:
+        while not self._stop.is_set():
+            lost = threading.Event()
+            campaign = getattr(self.elector, "campaign", None) or self.elector.run
+            campaign(self._stop, lost)
+            if lost.is_set() and not self._stop.is_set():
+                log.warning("lost the %s Lease; standing by and campaigning again", LEASE_NAME)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop campaigning; the elector releases the Lease if held, so a standby takes over at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+
+def lease_election(
+    api_client: Any,
+    namespace: str,
+    identity: str | None = None,
+    lease_name: str = LEASE_NAME,
+    **timing: float,
+) -> LeaseElection:
+    """A LeaseElection on `namespace/lease_name` through the Kubernetes API (not started).
+
+    `timing` passes lease_duration / renew_deadline / retry_period to the elector.
+    """
+    from kvpilot.operator.leader import KubeLeaseStore
+    from kvpilot.operator.leader import LeaderElector as LeaseLeaderElector
+
+    elector = LeaseLeaderElector(
+        KubeLeaseStore(api_client), namespace=namespace, name=lease_name, identity=identity, **timing
+    )
+    return LeaseElection(elector)
 
 
 def is_leader(elector: Any) -> bool:

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
-from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from kvpilot.autoscaler.trace import TraceRequest, write_trace
 
 Rate = Callable[[float], float]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
 from kvpilot.autoscaler.controller import Controller, ControllerConfig, deletion_costs, pod_is_ready
 from kvpilot.autoscaler.kube import DELETION_COST, FIELD_MANAGER, KubernetesApi
 from kvpilot.autoscaler.policy import History, Recommendation

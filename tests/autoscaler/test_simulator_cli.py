@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, MovingAveragePolicy, StaticPolicy
 from kvpilot.autoscaler.simulator import simulate, size_static_for_slo
 from kvpilot.autoscaler.spec import ScalingTargets
 from kvpilot.autoscaler.trace import TraceError, TraceRequest, format_trace, parse_trace
-
 from kvpilot.cli import main
 
 FAST = Calibration(startup_s=30.0)

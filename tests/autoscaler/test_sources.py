@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
 from kvpilot.autoscaler.sources import (
     DEFAULT_KV_QUERY,
     MetricsParseError,
@@ -19,7 +21,6 @@ from kvpilot.autoscaler.sources import (
     parse_query_response,
     render_query,
 )
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 MODEL = ModelRef("ml", "llama", "llama")
 
