@@ -2,8 +2,12 @@
 
 Shared by the operator and the autoscaler (`from kvpilot.operator.leader import LeaderElector`):
 
-    elector = LeaderElector(KubeLeaseStore(api_client), namespace="kvpilot-system", name="kvpilot-operator")
+    # blocking: run `lead` only while leading (the operator)
+    elector = LeaderElector(api_client=api_client, namespace="kvpilot-system", name="kvpilot-operator")
     code = run_as_leader(elector, lead=lambda stop: my_loop(stop), stop=stop_event)
+
+    # or poll: campaign in the background and ask `elector.is_leader` each cycle (the autoscaler)
+    task = asyncio.create_task(elector.run()); ...; elector.stop()
 
 Semantics (same as client-go): a candidate takes the lease when it is free or when the holder has
 not renewed it for `lease_duration` seconds *as observed by this candidate's own clock* (so clock
@@ -179,11 +183,12 @@ class LeaderElector:
 
     def __init__(
         self,
-        store: LeaseStore,
+        store: LeaseStore | None = None,
         *,
         namespace: str,
         name: str,
         identity: str | None = None,
+        api_client: Any = None,
         lease_duration: float = LEASE_DURATION_S,
         renew_deadline: float = RENEW_DEADLINE_S,
         retry_period: float = RETRY_PERIOD_S,
@@ -192,7 +197,11 @@ class LeaderElector:
     ) -> None:
         if not lease_duration > renew_deadline > retry_period > 0:
             raise ValueError("need lease_duration > renew_deadline > retry_period > 0")
-        self.store = store
+        if store is None:
+            if api_client is None:
+                raise ValueError("pass a LeaseStore or a kubernetes ApiClient")
+            store = KubeLeaseStore(api_client)
+        self.store: LeaseStore = store
         self.namespace = namespace
         self.name = name
         self.identity = identity or default_identity()
@@ -202,6 +211,8 @@ class LeaderElector:
         self.monotonic = monotonic
         self.wallclock = wallclock
         self.leading = threading.Event()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
         self._observed: LeaseRecord | None = None
         self._observed_at = 0.0
         self._last_renew = 0.0
@@ -273,9 +284,9 @@ class LeaderElector:
         finally:
             self.leading.clear()
 
-    def run(self, stop: threading.Event, lost: threading.Event | None = None) -> None:
-        """Campaign until `stop`; set `leading` while leading; set `lost` (and return) if leadership
-        is lost. Releases the Lease when stopped while leading."""
+    def campaign(self, stop: threading.Event, lost: threading.Event | None = None) -> None:
+        """Campaign (blocking) until `stop`; set `leading` while leading; set `lost` (and return) if
+        leadership is lost. Releases the Lease when stopped while leading."""
         while not stop.is_set():
             if self.try_acquire_or_renew():
                 self.leading.set()
@@ -304,6 +315,26 @@ class LeaderElector:
         if self.leading.is_set():
             self.release()
 
+    # -- for callers that only ask `is_leader` (the autoscaler) ----------------------------------
+
+    async def run(self) -> None:
+        """Campaign in a worker thread until `stop()`; meanwhile `is_leader` tells the state."""
+        import asyncio
+
+        await asyncio.to_thread(self.campaign, self._stop, self.lost)
+
+    def start(self) -> threading.Thread:
+        """Campaign in a daemon thread until `stop()`."""
+        thread = threading.Thread(
+            target=self.campaign, args=(self._stop, self.lost), name="lease", daemon=True
+        )
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """End `run()`/`start()`; the Lease is released if held."""
+        self._stop.set()
+
 
 def run_as_leader(
     elector: LeaderElector,
@@ -318,7 +349,7 @@ def run_as_leader(
     lost = threading.Event()
     campaign_stop = threading.Event()
     thread = threading.Thread(
-        target=elector.run, args=(campaign_stop, lost), name="leader-election", daemon=True
+        target=elector.campaign, args=(campaign_stop, lost), name="leader-election", daemon=True
     )
     thread.start()
     log.info("waiting to become leader of %s/%s as %s", elector.namespace, elector.name, elector.identity)

@@ -152,7 +152,7 @@ def test_run_steps_down_when_it_cannot_renew() -> None:
         retry_period=0.05,
     )
     stop, lost = threading.Event(), threading.Event()
-    t = threading.Thread(target=a.run, args=(stop, lost))
+    t = threading.Thread(target=a.campaign, args=(stop, lost))
     t.start()
     assert a.leading.wait(2)
     store.fail = True
@@ -212,3 +212,41 @@ def test_invalid_timings_rejected() -> None:
 def test_default_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POD_NAME", "kvpilot-operator-7d9-abc")
     assert default_identity().startswith("kvpilot-operator-7d9-abc_")
+
+
+async def test_async_run_and_stop_for_pollers() -> None:
+    import asyncio
+
+    store = MemoryLeases()
+    a = LeaderElector(
+        store,
+        namespace="ns",
+        name="lease",
+        identity="a",
+        lease_duration=0.3,
+        renew_deadline=0.2,
+        retry_period=0.05,
+    )
+    task = asyncio.create_task(a.run())
+    for _ in range(100):
+        if a.is_leader:
+            break
+        await asyncio.sleep(0.01)
+    assert a.is_leader
+    a.stop()
+    await asyncio.wait_for(task, 2)
+    assert not a.is_leader and store.record is not None and store.record.holder is None
+
+
+def test_the_autoscaler_election_uses_this_elector() -> None:
+    """kvpilot.autoscaler.election builds on LeaderElector(KubeLeaseStore(api), ...).campaign()."""
+    election = pytest.importorskip("kvpilot.autoscaler.election")
+    if not hasattr(election, "lease_election"):
+        pytest.skip("autoscaler election module has another shape")
+    from kubernetes import client
+
+    wrapped = election.lease_election(client.ApiClient(client.Configuration()), "ns", "me")
+    elector = wrapped.elector
+    assert isinstance(elector, LeaderElector)
+    assert (elector.namespace, elector.identity, elector.name) == ("ns", "me", election.LEASE_NAME)
+    assert callable(elector.campaign) and wrapped.is_leader is False
