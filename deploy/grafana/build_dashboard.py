@@ -1,0 +1,625 @@
+"""Build the kvpilot Grafana dashboard: `python deploy/grafana/build_dashboard.py` writes
+examples/grafana-dashboard.json (then `python deploy/sync.py` copies it into the chart).
+
+The dashboard is code so that panels stay uniform and every query is reviewable in one place;
+tests/charts/test_dashboard.py checks the JSON is what this script builds and that every metric a
+query names is one the runtime (DESIGN.md's list), the operator, the kube-state-metrics config
+(deploy/kube-state-metrics/inferencemodel-crs.yaml) or the recording rules define.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+OUTPUT = ROOT / "examples" / "grafana-dashboard.json"
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'namespace=~"$namespace", model_name=~"$model"'
+KSM_SEL = 'namespace=~"$namespace"'
+BY_MODEL = "namespace, model_name"
+
+
+class Layout:
+    """Places panels left to right on Grafana's 24-column grid, wrapping rows."""
+
+    def __init__(self) -> None:
+        self.y = 0
+        self.x = 0
+        self.row_h = 0
+        self.next_id = 1
+        self.panels: list[dict[str, Any]] = []
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self.y += self.row_h
+        self.x, self.row_h = 0, 0
+        self.panels.append(
+            {
+                "type": "row",
+                "id": self._id(),
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
+                "panels": [],
+            }
+        )
+        self.y += 1
+
+    def add(self, panel: dict[str, Any], w: int, h: int) -> None:
+        if self.x + w > 24:
+            self.y += self.row_h
+            self.x, self.row_h = 0, 0
+        panel["id"] = self._id()
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.panels.append(panel)
+        self.x += w
+        self.row_h = max(self.row_h, h)
+
+
+def target(expr: str, legend: str, ref: str = "A", instant: bool = False) -> dict[str, Any]:
+    t: dict[str, Any] = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
+    if instant:
+        t["instant"] = True
+        t["range"] = False
+    return t
+
+
+def timeseries(
+    title: str,
+    description: str,
+    targets: list[dict[str, Any]],
+    unit: str = "short",
+    *,
+    min_: float | None = 0,
+    max_: float | None = None,
+    thresholds: list[tuple[float | None, str]] | None = None,
+    stack: bool = False,
+) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": False,
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "dashed" if thresholds else "off"},
+        },
+        "thresholds": {
+            "mode": "absolute",
+            "steps": [{"color": c, "value": v} for v, c in (thresholds or [(None, "green")])],
+        },
+    }
+    if min_ is not None:
+        defaults["min"] = min_
+    if max_ is not None:
+        defaults["max"] = max_
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def stat(
+    title: str,
+    description: str,
+    expr: str,
+    unit: str = "short",
+    thresholds: list[tuple[float | None, str]] | None = None,
+    decimals: int | None = None,
+) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "thresholds": {
+            "mode": "absolute",
+            "steps": [{"color": c, "value": v} for v, c in (thresholds or [(None, "green")])],
+        },
+    }
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": [target(expr, "", instant=True)],
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "textMode": "auto",
+        },
+    }
+
+
+def quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list[dict[str, Any]]:
+    return [
+        target(
+            f"histogram_quantile({q}, sum by (le, {BY_MODEL}) (rate({metric}_bucket{{{SEL}}}[$__rate_interval])))",
+            f"p{round(q * 100)} {{{{model_name}}}}",
+            ref=chr(ord("A") + i),
+        )
+        for i, q in enumerate(qs)
+    ]
+
+
+def variables() -> list[dict[str, Any]]:
+    def query_var(name: str, label: str, query: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "label": label,
+            "type": "query",
+            "datasource": DS,
+            "query": {"query": query, "refId": f"{name}-var"},
+            "definition": query,
+            "refresh": 2,
+            "includeAll": True,
+            "multi": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "sort": 1,
+        }
+
+    return [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "hide": 0,
+        },
+        query_var("namespace", "Namespace", "label_values(kvpilot_kv_cache_usage_ratio, namespace)"),
+        query_var(
+            "model",
+            "Model",
+            'label_values(kvpilot_kv_cache_usage_ratio{namespace=~"$namespace"}, model_name)',
+        ),
+    ]
+
+
+def build() -> dict[str, Any]:
+    g = Layout()
+
+    g.row("Overview")
+    g.add(
+        stat(
+            "Replicas reporting",
+            "Model pods whose /metrics Prometheus scraped (one kvpilot_kv_cache_usage_ratio series each).",
+            f"count(kvpilot_kv_cache_usage_ratio{{{SEL}}})",
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "KV cache used (avg)",
+            "Average share of KV-cache blocks in use across the selected replicas.",
+            f"avg(kvpilot_kv_cache_usage_ratio{{{SEL}}})",
+            "percentunit",
+            [(None, "green"), (0.7, "yellow"), (0.9, "red")],
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "Requests waiting",
+            "Requests queued, not yet admitted to a batch.",
+            f"sum(kvpilot_num_requests_waiting{{{SEL}}})",
+            thresholds=[(None, "green"), (10, "yellow"), (50, "red")],
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "Generation throughput",
+            "Output tokens per second, all selected replicas.",
+            f"sum(rate(kvpilot_generation_tokens_total{{{SEL}}}[$__rate_interval]))",
+            "short",
+            decimals=1,
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "TTFT p99",
+            "99th percentile time to first token over the last 5 minutes.",
+            "histogram_quantile(0.99, sum by (le) "
+            f"(rate(kvpilot_time_to_first_token_seconds_bucket{{{SEL}}}[5m])))",
+            "s",
+            [(None, "green"), (1, "yellow"), (2.5, "red")],
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "First token within 2.5 s",
+            "Share of requests whose first token came within 2.5 s over the last hour (objective: 99%).",
+            f'sum(rate(kvpilot_time_to_first_token_seconds_bucket{{{SEL}, le="2.5"}}[1h])) / '
+            f"sum(rate(kvpilot_time_to_first_token_seconds_count{{{SEL}}}[1h]))",
+            "percentunit",
+            [(None, "red"), (0.99, "green")],
+            decimals=2,
+        ),
+        4,
+        4,
+    )
+
+    g.row("KV cache and queue")
+    g.add(
+        timeseries(
+            "KV cache usage by model",
+            "Average and busiest replica's share of KV-cache blocks in use. The autoscaler's default "
+            "target is 70%; KvpilotKVCacheNearlyFull fires over 90% for 10 minutes.",
+            [
+                target(f"avg by ({BY_MODEL}) (kvpilot_kv_cache_usage_ratio{{{SEL}}})", "avg {{model_name}}"),
+                target(
+                    f"max by ({BY_MODEL}) (kvpilot_kv_cache_usage_ratio{{{SEL}}})", "max {{model_name}}", "B"
+                ),
+            ],
+            "percentunit",
+            max_=1,
+            thresholds=[(None, "green"), (0.7, "yellow"), (0.9, "red")],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "KV cache usage by pod",
+            "Each replica's share of KV-cache blocks in use.",
+            [target(f"kvpilot_kv_cache_usage_ratio{{{SEL}}}", "{{pod}}")],
+            "percentunit",
+            max_=1,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Requests running and waiting",
+            "Requests in the running batch and requests queued for admission, per model.",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (kvpilot_num_requests_running{{{SEL}}})", "running {{model_name}}"
+                ),
+                target(
+                    f"sum by ({BY_MODEL}) (kvpilot_num_requests_waiting{{{SEL}}})",
+                    "waiting {{model_name}}",
+                    "B",
+                ),
+            ],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Queue time",
+            "Time requests waited before admission (p50, p90, p99).",
+            quantiles("kvpilot_request_queue_time_seconds"),
+            "s",
+        ),
+        12,
+        8,
+    )
+
+    g.row("Latency")
+    g.add(
+        timeseries(
+            "Time to first token",
+            "TTFT percentiles per model. The SLO alerts use 2.5 s as the threshold.",
+            quantiles("kvpilot_time_to_first_token_seconds"),
+            "s",
+            thresholds=[(None, "green"), (2.5, "red")],
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Inter-token latency",
+            "Time between output tokens of a stream (p50, p90, p99).",
+            quantiles("kvpilot_inter_token_latency_seconds"),
+            "s",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "End-to-end request latency",
+            "Arrival to last token (p50, p90, p99).",
+            quantiles("kvpilot_e2e_request_latency_seconds"),
+            "s",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "TTFT error-budget burn (5m)",
+            "Share of requests over 2.5 s to first token (recording rule kvpilot:ttft_slo_errors:ratio_rate5m) "
+            "against the 1% objective; 14.4% is the fast-burn page threshold.",
+            [
+                target(
+                    f"kvpilot:ttft_slo_errors:ratio_rate5m{{{SEL}}}",
+                    "{{model_name}}",
+                )
+            ],
+            "percentunit",
+            thresholds=[(None, "green"), (0.01, "yellow"), (0.144, "red")],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Requests finished",
+            "Finished requests per second by reason (stop, length, abort, ...).",
+            [
+                target(
+                    f"sum by (model_name, finished_reason) "
+                    f"(rate(kvpilot_request_success_total{{{SEL}}}[$__rate_interval]))",
+                    "{{model_name}} {{finished_reason}}",
+                )
+            ],
+            "reqps",
+            stack=True,
+        ),
+        12,
+        8,
+    )
+
+    g.row("Throughput")
+    g.add(
+        timeseries(
+            "Token throughput",
+            "Prompt (prefill) and generated tokens per second, per model.",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_prompt_tokens_total{{{SEL}}}[$__rate_interval]))",
+                    "prompt {{model_name}}",
+                ),
+                target(
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_generation_tokens_total{{{SEL}}}[$__rate_interval]))",
+                    "generated {{model_name}}",
+                    "B",
+                ),
+            ],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Prefix cache hit rate",
+            "Share of prompt tokens found in the prefix cache.",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_prefix_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_prefix_cache_queries_total{{{SEL}}}[$__rate_interval]))",
+                    "{{model_name}}",
+                )
+            ],
+            "percentunit",
+            max_=1,
+        ),
+        12,
+        8,
+    )
+
+    g.row("Preemptions and OOM")
+    g.add(
+        timeseries(
+            "Preemptions",
+            "Sequences preempted for lack of KV blocks, per second (recomputed later).",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_num_preemptions_total{{{SEL}}}[$__rate_interval]))",
+                    "{{model_name}}",
+                )
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "OOM recoveries",
+            "Out-of-memory conditions the runtime recovered from, per 15 minutes.",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (increase(kvpilot_oom_recoveries_total{{{SEL}}}[15m]))",
+                    "{{model_name}}",
+                )
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+
+    g.row("Replicas and scaling")
+    g.add(
+        timeseries(
+            "Replicas: desired, ready, reporting",
+            "spec.replicas (the autoscaler's decision), ready replicas (InferenceModel status, from "
+            "kube-state-metrics) and pods reporting metrics.",
+            [
+                target(
+                    f"kvpilot_inferencemodel_spec_replicas{{{KSM_SEL}}}"
+                    " * on (namespace, name) group_left (model_name) "
+                    f"kvpilot:inferencemodel_info:by_model_name{{{SEL}}}",
+                    "desired {{model_name}}",
+                ),
+                target(
+                    f"kvpilot_inferencemodel_status_ready_replicas{{{KSM_SEL}}}"
+                    " * on (namespace, name) group_left (model_name) "
+                    f"kvpilot:inferencemodel_info:by_model_name{{{SEL}}}",
+                    "ready {{model_name}}",
+                    "B",
+                ),
+                target(
+                    f"count by ({BY_MODEL}) (kvpilot_kv_cache_usage_ratio{{{SEL}}})",
+                    "reporting {{model_name}}",
+                    "C",
+                ),
+                target(
+                    f"kvpilot_inferencemodel_autoscaling_max_replicas{{{KSM_SEL}}}"
+                    " * on (namespace, name) group_left (model_name) "
+                    f"kvpilot:inferencemodel_info:by_model_name{{{SEL}}}",
+                    "max {{model_name}}",
+                    "D",
+                ),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Scaling decisions",
+            "Changes of spec.replicas per 5 minutes: each one is an autoscaler decision (or a manual "
+            "kubectl scale). `kubectl describe im` shows the reasons as ScaledUp/ScaledDown Events.",
+            [
+                target(
+                    f"changes(kvpilot_inferencemodel_spec_replicas{{{KSM_SEL}}}[5m])"
+                    " * on (namespace, name) group_left (model_name) "
+                    f"kvpilot:inferencemodel_info:by_model_name{{{SEL}}}",
+                    "{{model_name}}",
+                )
+            ],
+            "short",
+            stack=True,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Autoscaler readings",
+            "What the autoscaler saw at its last decision: average KV-cache use and waiting requests.",
+            [
+                target(
+                    f"kvpilot_inferencemodel_autoscaler_kv_cache_usage{{{KSM_SEL}}}"
+                    " * on (namespace, name) group_left (model_name) "
+                    f"kvpilot:inferencemodel_info:by_model_name{{{SEL}}}",
+                    "KV use {{model_name}}",
+                ),
+                target(
+                    f"kvpilot_inferencemodel_autoscaler_queue_depth{{{KSM_SEL}}}"
+                    " * on (namespace, name) group_left (model_name) "
+                    f"kvpilot:inferencemodel_info:by_model_name{{{SEL}}}",
+                    "waiting {{model_name}}",
+                    "B",
+                ),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Operator reconciles",
+            "The operator's reconciles per second by result, and whether a replica leads.",
+            [
+                target(
+                    "sum by (result) (rate(kvpilot_operator_reconcile_total[$__rate_interval]))",
+                    "{{result}}",
+                ),
+                target("max(kvpilot_operator_leader)", "leader", "B"),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+
+    return {
+        "__inputs": [],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "description": "kvpilot: KV cache, queue, latency, throughput, preemptions and autoscaling per model.",
+        "editable": True,
+        "graphTooltip": 1,
+        "links": [
+            {
+                "title": "Runbooks",
+                "type": "link",
+                "url": "https://github.com/kvpilot/kvpilot/blob/main/docs/runbooks.md",
+                "targetBlank": True,
+            }
+        ],
+        "panels": g.panels,
+        "refresh": "30s",
+        "schemaVersion": 39,
+        "tags": ["kvpilot", "llm", "inference"],
+        "templating": {"list": variables()},
+        "time": {"from": "now-3h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "title": "kvpilot",
+        "uid": "kvpilot-overview",
+        "version": 1,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build examples/grafana-dashboard.json")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the file differs from the build")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is out of date: run `python deploy/grafana/build_dashboard.py`", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

