@@ -1,0 +1,40 @@
+"""The config the operator renders is what `kvpilot serve --config FILE` accepts (examples end to end)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpilot.cli import build_parser
+from kvpilot.operator.builders import CONFIG_PATH, OperatorSettings, render_children
+from kvpilot.operator.models import InferenceModel
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_serve_accepts_the_rendered_config(path: Path, tmp_path: Path) -> None:
+    runtime_cli = pytest.importorskip("kvpilot.runtime.cli")
+    doc = yaml.safe_load(path.read_text())
+    im = InferenceModel.model_validate(
+        {**doc, "metadata": {**doc["metadata"], "namespace": "ns", "uid": "u"}}
+    )
+    children = {c["kind"]: c for c in render_children(im, OperatorSettings())}
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(children["ConfigMap"]["data"]["config.yaml"])
+
+    command = children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["kvpilot", "serve", "--config", CONFIG_PATH]
+    argv = [*command[1:3], str(config_file), *command[4:]]
+    cfg = runtime_cli.build_config(build_parser(argv).parse_args(argv))
+    assert cfg.port == 8000 and cfg.host == "0.0.0.0"
+    assert cfg.served_model_name == (doc["spec"]["model"].get("servedName") or doc["metadata"]["name"])
+    for key, value in (doc["spec"].get("runtime") or {}).items():
+        if key == "shutdownTimeoutSeconds":
+            assert cfg.shutdown_timeout == value
+        else:
+            snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
+            assert getattr(cfg, snake) == value, key
