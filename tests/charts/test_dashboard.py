@@ -1,0 +1,98 @@
+"""The Grafana dashboard: built from deploy/grafana/build_dashboard.py, valid, and only real metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.charts.metric_names import (
+    design_metrics,
+    ksm_metrics,
+    operator_metrics,
+    promql_metric_names,
+    recorded,
+    runtime_metrics,
+)
+from tests.charts.tools import CHART, ROOT
+
+DASHBOARD = ROOT / "examples" / "grafana-dashboard.json"
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def queries() -> list[tuple[str, str]]:
+    out = []
+    for panel in dashboard()["panels"]:
+        for t in panel.get("targets", []):
+            out.append((panel["title"], t["expr"]))
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] == "query":
+            out.append((f"${var['name']}", var["definition"].removeprefix("label_values(").rsplit(",", 1)[0]))
+    return out
+
+
+def test_dashboard_is_what_the_builder_makes() -> None:
+    from deploy.grafana.build_dashboard import render
+
+    assert DASHBOARD.read_text() == render(), "run `python deploy/grafana/build_dashboard.py`"
+
+
+def test_chart_carries_the_same_dashboard() -> None:
+    assert (CHART / "files" / "grafana-dashboard.json").read_text() == DASHBOARD.read_text()
+
+
+def test_dashboard_structure() -> None:
+    d = dashboard()
+    assert d["uid"] and d["title"] == "kvpilot" and d["schemaVersion"] >= 36
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in d["panels"]:
+        pos = p["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert p["targets"] and p.get("description")
+    names = {v["name"] for v in d["templating"]["list"]}
+    assert names == {"datasource", "namespace", "model"}
+
+
+def test_dashboard_covers_the_issue_s_panels() -> None:
+    titles = " | ".join(p["title"].lower() for p in dashboard()["panels"])
+    for word in (
+        "kv cache",
+        "waiting",
+        "time to first token",
+        "inter-token",
+        "throughput",
+        "preemptions",
+        "replicas",
+        "scaling decisions",
+    ):
+        assert word in titles, word
+
+
+def test_every_query_reads_known_metrics() -> None:
+    """Runtime metrics must be in DESIGN.md's contract list (and really exposed by runtime/metrics.py);
+    the rest come from the operator, the kube-state-metrics config or the recording rules."""
+    contract = design_metrics() or runtime_metrics()
+    known = contract | operator_metrics() | ksm_metrics() | recorded()
+    used: set[str] = set()
+    for title, expr in queries():
+        names = promql_metric_names(expr)
+        assert names, f"{title}: no metric in {expr!r}"
+        unknown = names - known
+        assert not unknown, f"{title}: unknown metrics {unknown} in {expr!r}"
+        used |= names
+    runtime_used = {
+        n
+        for n in used
+        if n.startswith("kvpilot_") and not n.startswith(("kvpilot_operator_", "kvpilot_inferencemodel_"))
+    }
+    assert runtime_used <= runtime_metrics()
+    # every contract metric family shows up somewhere
+    families = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in contract}
+    used_families = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in used}
+    assert families <= used_families, families - used_families
