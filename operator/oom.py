@@ -115,7 +115,7 @@ def decide(
     steps = step_down(values, spec.oom_policy)
     count = state.count if state else 0
     if not steps:
-        kept = state or OOMAdaptation()
+        kept = state or OOMAdaptation.model_validate({})
         return OOMDecision(kept.model_copy(update={"last_time": latest}), exhausted=True, ooms=new_ooms)
 
     new_overrides = (overrides or OOMOverrides()).model_copy(
