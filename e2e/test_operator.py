@@ -590,3 +590,54 @@ if os.environ.get("KVPILOT_E2E_DEBUG"):  # pragma: no cover - a hook for poking 
         op = request.node.funcargs.get("operator")
         if op is not None:
             print(op.log())
+
+
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "ServiceMonitor", "listKind": "ServiceMonitorList", "plural": "servicemonitors",
+                  "singular": "servicemonitor"},
+        "versions": [{
+            "name": "v1", "served": True, "storage": True,
+            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+        }],
+    },
+}  # fmt: skip
+
+
+def test_service_monitor_only_when_its_crd_exists(
+    cluster: Cluster, crds: None, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    crd = "crd/servicemonitors.monitoring.coreos.com"
+    installed_here = not cluster.kubectl.exists(crd)
+    if not installed_here:
+        pytest.skip("a ServiceMonitor CRD is already installed; not touching it")
+    op = OperatorProcess(cluster, kubectl.namespace or "", tmp_path, "--no-leader-elect").start()
+    try:
+        kubectl.apply(model("plain", replicas=0))
+        wait_until(lambda: get(kubectl, "deployment", "plain"), timeout=30, what="Deployment")
+    finally:
+        op.stop()
+    cluster.kubectl.apply(SERVICE_MONITOR_CRD)
+    try:
+        cluster.kubectl("wait", "--for=condition=Established", crd, "--timeout=60s")
+        op = OperatorProcess(cluster, kubectl.namespace or "", tmp_path, "--no-leader-elect").start()
+        try:
+            kubectl.apply(model("monitored", replicas=0))
+            sm = wait_until(
+                lambda: get(kubectl, "servicemonitor", "monitored"), timeout=30, what="ServiceMonitor"
+            )
+            assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+            assert sm["metadata"]["ownerReferences"][0]["name"] == "monitored"
+            # The model from before the CRD existed gets one too once reconciled (the restart did it).
+            wait_until(
+                lambda: get(kubectl, "servicemonitor", "plain"), timeout=30, what="ServiceMonitor for plain"
+            )
+        finally:
+            op.stop()
+    finally:
+        cluster.kubectl.run("delete", crd, "--wait=false", check=False)
