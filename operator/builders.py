@@ -282,20 +282,27 @@ def _http_probe(path: str, period: int, failure: int, timeout: int = 5) -> dict[
     }
 
 
+# Runs in the runtime image, whose tokenizers dependency brings huggingface_hub; the Python API is
+# stable across huggingface_hub versions (its CLI was renamed from huggingface-cli to hf).
+FETCH_SCRIPT = (
+    "import sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "repo, dest, revision = sys.argv[1], sys.argv[2], sys.argv[3] or None\n"
+    "snapshot_download(repo_id=repo, local_dir=dest, revision=revision)\n"
+    "print('fetched', repo, revision or 'main', 'into', dest)\n"
+)
+
+
 def _fetch_init_container(im: InferenceModel, image: str, pull_policy: str) -> dict[str, Any]:
     """Download hf:// weights into the model volume before the runtime starts."""
     source = im.spec.model.source.removeprefix("hf://")
     repo, _, revision = source.partition("@")
-    args = ["download", repo, "--local-dir", model_path(im.spec.model.source)]
-    if revision:
-        args += ["--revision", revision]
     env = [e for e in _env(im) if e["name"] in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_TOKEN")]
     return {
         "name": "fetch-model",
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": ["huggingface-cli"],
-        "args": args,
+        "command": ["python", "-c", FETCH_SCRIPT, repo, model_path(im.spec.model.source), revision],
         "env": env,
         "volumeMounts": [
             {"name": "model", "mountPath": MODELS_DIR},

@@ -181,14 +181,9 @@ def test_hf_source_gets_cache_volume_token_and_fetch_init_container() -> None:
     assert token in ps["containers"][0]["env"]
     init = ps["initContainers"][0]
     assert token in init["env"]
-    assert init["args"] == [
-        "download",
-        "Qwen/Qwen2.5-7B",
-        "--local-dir",
-        "/models/Qwen--Qwen2.5-7B",
-        "--revision",
-        "abc",
-    ]
+    assert init["command"][:2] == ["python", "-c"]
+    assert init["command"][3:] == ["Qwen/Qwen2.5-7B", "/models/Qwen--Qwen2.5-7B", "abc"]
+    compile(init["command"][2], "fetch", "exec")  # the script is valid Python
 
 
 def test_prometheus_annotations_and_config_hash() -> None:

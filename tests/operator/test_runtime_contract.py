@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -12,13 +13,19 @@ from kvpilot.operator.builders import CONFIG_PATH, OperatorSettings, render_chil
 from kvpilot.operator.models import InferenceModel
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = [
+    (path, doc)
+    for path in sorted((ROOT / "examples").glob("*.yaml"))
+    for doc in yaml.safe_load_all(path.read_text())
+    if doc and doc.get("kind") == "InferenceModel"
+]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_serve_accepts_the_rendered_config(path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("path", "doc"), EXAMPLES, ids=[f"{p.name}:{d['metadata']['name']}" for p, d in EXAMPLES]
+)
+def test_serve_accepts_the_rendered_config(path: Path, doc: dict[str, Any], tmp_path: Path) -> None:
     runtime_cli = pytest.importorskip("kvpilot.runtime.cli")
-    doc = yaml.safe_load(path.read_text())
     im = InferenceModel.model_validate(
         {**doc, "metadata": {**doc["metadata"], "namespace": "ns", "uid": "u"}}
     )
