@@ -308,7 +308,8 @@ def test_install_upgrade_uninstall_with_least_privilege(
 
     env = {**cluster.env(), "PYTHONUNBUFFERED": "1"}
     prom = FakePrometheus(models, "chat")
-    operator = autoscaler = None
+    operator: Process | None = None
+    autoscaler: Process | None = None
     try:
         op_port, op_health = free_port(), free_port()
         operator = Process(
@@ -426,14 +427,14 @@ def test_install_upgrade_uninstall_with_least_privilege(
         assert health(idle)["status"] == "Suspended"
         capture("scaled-to-zero", idle)
 
-        for proc in (operator, autoscaler):
-            proc.alive()
-            log = proc.log()
+        for running in (operator, autoscaler):
+            running.alive()
+            log = running.log()
             assert "403" not in log and "Forbidden" not in log and "forbidden" not in log, log[-3000:]
     finally:
-        for proc in (operator, autoscaler):
-            if proc is not None:
-                proc.stop()
+        for started in (operator, autoscaler):
+            if started is not None:
+                started.stop()
         prom.close()
 
     # -- upgrade ---------------------------------------------------------------------------------

