@@ -8,6 +8,7 @@ are now, never on which event woke us, so running it twice in a row is the same 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpilot.operator import metrics, oom
@@ -73,6 +75,14 @@ def spec_problem(spec: dict[str, Any]) -> tuple[InferenceModelSpec | None, str |
     if problems:
         return None, "; ".join(problems)
     return parsed, None
+
+
+def api_message(e: ApiException) -> str:
+    """The API server's own message from an error response."""
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)
+    except (ValueError, AttributeError):
+        return str(e.reason)
 
 
 def oom_note(spec: InferenceModelSpec, decision: oom.OOMDecision) -> str:
@@ -209,9 +219,16 @@ class Reconciler:
         if self.service_monitor_available() != settings.service_monitor:
             settings = dataclasses.replace(settings, service_monitor=self._sm_available)
         deployment: dict[str, Any] | None = None
+        apply_errors: list[str] = []
         for child in render_children(im, settings, decision.overrides):
             ref = f"{child['kind']}/{child['metadata']['name']}"
-            result = apply_child(self.kube, child)
+            try:
+                result = apply_child(self.kube, child)
+            except ApiException as e:
+                if e.status not in (400, 422):
+                    raise  # transient: the work queue retries with backoff
+                apply_errors.append(f"{ref} was rejected: {api_message(e)}")
+                continue
             (outcome.applied if result.applied else outcome.skipped).append(ref)
             metrics.APPLIES.labels(child["kind"], "applied" if result.applied else "skipped").inc()
             if child["kind"] == "Deployment":
@@ -225,6 +242,7 @@ class Reconciler:
             previous=live_status,
             oom=decision.state,
             oom_note=oom_note(spec, decision),
+            apply_error="; ".join(apply_errors) or None,
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:

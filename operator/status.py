@@ -28,7 +28,7 @@ OPERATOR_STATUS_KEYS = (
 )
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
 # Degraded reasons, most important first.
-DEGRADED_ORDER = (
+DEGRADED_ORDER = (  # after InvalidSpec and ApplyFailed
     "OOMKilled",
     "CrashLoopBackOff",
     "ImagePullBackOff",
@@ -68,6 +68,7 @@ def compute_conditions(
     deployment: dict[str, Any] | None,
     problems: list[PodProblem],
     oom_note: str | None = None,
+    apply_error: str | None = None,
 ) -> list[Cond]:
     """The four conditions, from the Deployment and the pods' problems (no timestamps)."""
     want = desired_replicas(im)
@@ -110,6 +111,14 @@ def compute_conditions(
 
     # Degraded: something a person must look at.
     degraded_c = Cond("Degraded", False, "AsExpected")
+    if apply_error:
+        # The API server refused a child (e.g. a nodeSelector value it does not accept).
+        return [
+            ready_c,
+            prog_c,
+            Cond("Degraded", True, "ApplyFailed", apply_error),
+            _scaling(deployment, problems),
+        ]
     for reason in DEGRADED_ORDER:
         if any(p.reason == reason for p in problems):
             message = _summarize(problems, reason)
@@ -121,7 +130,11 @@ def compute_conditions(
         if deadline:
             degraded_c = Cond("Degraded", True, "ProgressDeadlineExceeded", prog_c.message)
 
-    # ScalingLimited: pods that cannot be placed (not enough GPUs, quota).
+    return [ready_c, prog_c, degraded_c, _scaling(deployment, problems)]
+
+
+def _scaling(deployment: dict[str, Any] | None, problems: list[PodProblem]) -> Cond:
+    """ScalingLimited: pods that cannot be placed (not enough GPUs, quota)."""
     unschedulable = [p for p in problems if p.reason == "Unschedulable"]
     failure = _deployment_condition(deployment, "ReplicaFailure")
     if unschedulable:
@@ -141,7 +154,7 @@ def compute_conditions(
         )
     else:
         scaling_c = Cond("ScalingLimited", False, "AsExpected")
-    return [ready_c, prog_c, degraded_c, scaling_c]
+    return scaling_c
 
 
 def merge_conditions(
@@ -176,10 +189,11 @@ def compute_status(
     previous: dict[str, Any] | None = None,
     oom: OOMAdaptation | None = None,
     oom_note: str | None = None,
+    apply_error: str | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status of `im` (camelCase keys, as written to the API)."""
     st = (deployment or {}).get("status", {})
-    conds = compute_conditions(im, deployment, problems, oom_note=oom_note)
+    conds = compute_conditions(im, deployment, problems, oom_note=oom_note, apply_error=apply_error)
     status: dict[str, Any] = {
         "observedGeneration": im.generation,
         "replicas": int(st.get("replicas") or 0),

@@ -256,3 +256,24 @@ def test_oom_adapts_config_once_and_records_it(fake_kube: FakeKube) -> None:
     # The pod still shows the old OOM; that is not a new one.
     again = rec.reconcile(body(fake_kube))
     assert again.applied == [] and body(fake_kube)["status"]["oomAdaptation"]["count"] == 1
+
+
+def test_a_rejected_child_is_reported_not_retried_forever(fake_kube: FakeKube) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    class Rejecting(FakeKube):
+        def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]:
+            if obj["kind"] == "Deployment":
+                err = ApiException(status=422, reason="Unprocessable Entity")
+                err.body = '{"message": "Deployment.apps \\"llama\\" is invalid: spec.template.spec.nodeSelector: bad"}'
+                raise err
+            return super().apply(obj, field_manager)
+
+    kube = Rejecting()
+    rec, _ = setup(kube)
+    out = rec.reconcile(body(kube))
+    assert out.applied == ["ConfigMap/llama-config", "Service/llama", "PodDisruptionBudget/llama"]
+    degraded = next(c for c in body(kube)["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "ApplyFailed"
+    assert degraded["message"].startswith("Deployment/llama was rejected: Deployment.apps")
+    assert ("Warning", "ApplyFailed") in [(e["type"], e["reason"]) for e in kube.events]
