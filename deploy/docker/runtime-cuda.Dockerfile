@@ -50,10 +50,8 @@ RUN apt-get update \
     && groupadd --system --gid 10001 kvpilot \
     && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvpilot
 COPY --from=build /opt/kvpilot /opt/kvpilot
-# The operator's fetch-model init container calls `huggingface-cli download`; huggingface_hub >= 1.0
-# names that command `hf`, so keep the old name working.
-RUN printf '#!/bin/sh\nexec hf "$@"\n' > /usr/local/bin/huggingface-cli \
-    && chmod 0755 /usr/local/bin/huggingface-cli
+# `python` (the virtualenv's, first on PATH) also runs the operator's fetch-model init container
+# (huggingface_hub.snapshot_download for hf:// sources).
 ENV PATH=/opt/kvpilot/bin:$PATH \
     HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \

@@ -166,3 +166,24 @@ def test_images_point_at_what_the_operator_renders() -> None:
         text = (DOCKER / name).read_text()
         assert f'CMD ["serve", "--config", "{CONFIG_PATH}"]' in text
         assert f"EXPOSE {HTTP_PORT}" in text
+
+
+def test_runtime_images_run_the_operator_s_init_container() -> None:
+    """The operator's fetch-model init container runs `python -c ...` in the runtime image: the
+    virtualenv's python must be first on PATH."""
+    from kvpilot.operator.builders import OperatorSettings, render_config_yaml, render_deployment
+    from kvpilot.operator.models import InferenceModel
+
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "m", "namespace": "ml", "uid": "u", "generation": 1},
+        "spec": {"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct"}, "resources": {"gpus": 0}},
+    }
+    im = InferenceModel.model_validate(body)
+    spec = render_deployment(im, OperatorSettings(), render_config_yaml(im))["spec"]["template"]["spec"]
+    commands = {c["command"][0] for c in spec.get("initContainers", []) + spec["containers"]}
+    assert commands <= {"python", "kvpilot"}
+    for name in ("runtime-cuda.Dockerfile", "runtime-cpu.Dockerfile"):
+        final = stages(DOCKER / name)[-1]
+        assert any(i == "ENV" and "PATH=/opt/kvpilot/bin:$PATH" in a for i, a in final)
