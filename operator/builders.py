@@ -29,7 +29,7 @@ CONFIG_HASH_ANNOTATION = "kvpilot.dev/config-hash"
 APPLIED_HASH_ANNOTATION = "kvpilot.dev/applied-hash"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "kvpilot-operator"
-RUN_AS_USER = 1000
+RUN_AS_USER = 10001  # the runtime images (deploy/docker) run as this uid
 
 # Probes: a 70B model can take many minutes to load, so startup gets 30 minutes
 # (failureThreshold * periodSeconds) before liveness takes over.
