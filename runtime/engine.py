@@ -153,8 +153,14 @@ class LLMEngine:
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
         from kvpilot.runtime.loader import load_model, resolve_dtype
 
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError("--tensor-parallel-size > 1 is not supported by this build yet; use 1")
+        if cfg.tensor_parallel_size > 1:
+            from kvpilot.runtime.tp_runner import start_tensor_parallel
+
+            runner = start_tensor_parallel(cfg)  # checks the size, spawns ranks 1.., loads rank 0's shard
+            loaded = runner.loaded
+            name = cfg.served_model_name or loaded.model_name
+            eos = frozenset(loaded.tokenizer.eos_token_ids)
+            return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)
         device = resolve_device(cfg)
         if device.type == "cpu":
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)

@@ -182,6 +182,10 @@ class ModelRunner:
             self.backend.name,
         )
 
+    def close(self) -> None:
+        """Release what the runner holds besides memory: nothing here; the tensor-parallel runner
+        (runtime/tp_runner.py) stops its worker processes."""
+
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""

@@ -1,0 +1,304 @@
+"""Tensor parallelism, rank 0's side: check the size against the model, start the workers, and a
+model runner that takes them along on every step.
+
+Rank 0 lives in the engine process and is a normal `ModelRunner` over its own shard and KV pool
+shard; before each step it sends the step's flat inputs to ranks 1..N-1 (runtime/tp_worker.py),
+which run the same forward on theirs. Row-parallel all-reduces and the logits all-gather inside the
+model keep the ranks in lockstep; only rank 0 samples. The scheduler and block manager are rank 0's
+alone: every rank's pool has the same number of blocks, so one block table serves them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvpilot.kernels.attention import AttentionMetadata
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.distributed import GroupSpec, TensorParallelError, Workers, join_group, leave_group
+from kvpilot.runtime.model_runner import (
+    CPU_DEFAULT_KV_BYTES,
+    KVGeometry,
+    ModelRunner,
+    PreparedBatch,
+    kv_geometry,
+    prepare_batch,
+)
+from kvpilot.runtime.models import CausalLM, ModelArchConfig
+from kvpilot.runtime.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TPModelRunner", "TensorParallelError", "check_tensor_parallel", "start_tensor_parallel"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Which sizes a model supports
+
+
+def _problems(arch: ModelArchConfig, tp: int) -> list[str]:
+    kv = arch.num_key_value_heads
+    problems = []
+    if arch.num_attention_heads % tp:
+        problems.append(f"{arch.num_attention_heads} attention heads")
+    if (kv % tp) if tp <= kv else (tp % kv):  # more ranks than KV heads: each head is replicated
+        problems.append(f"{kv} KV heads (nor is it a multiple of them)")
+    if arch.intermediate_size % tp:
+        problems.append(f"MLP width of {arch.intermediate_size}")
+    return problems
+
+
+def check_tensor_parallel(arch: ModelArchConfig, tp: int) -> None:
+    """Raise ValueError unless `tp` ranks can split this model's heads and MLP evenly."""
+    problems = _problems(arch, tp)
+    if problems:
+        valid = [n for n in range(1, arch.num_attention_heads + 1) if not _problems(arch, n)]
+        raise ValueError(
+            f"--tensor-parallel-size {tp} does not divide the model's {' or its '.join(problems)}; "
+            f"sizes this model supports: {', '.join(map(str, valid))}"
+        )
+
+
+def read_arch(path: Path) -> ModelArchConfig:
+    """The architecture of a resolved model path, without loading weights."""
+    from kvpilot.runtime.gguf_reader import GGUFFile
+    from kvpilot.runtime.loader import gguf_arch_config, hf_arch_config
+
+    if path.is_file():
+        with GGUFFile(path) as f:
+            return gguf_arch_config(f)
+    return hf_arch_config(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# What every rank does to start
+
+
+def bind_rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r uses GPU r (of those visible); on the CPU all ranks share the host."""
+    if device.type != "cuda":
+        return device
+    bound = torch.device("cuda", rank)
+    torch.cuda.set_device(bound)
+    return bound
+
+
+def load_shard(
+    cfg: EngineConfig, device: torch.device, dtype: torch.dtype, world_size: int
+) -> tuple[LoadedModel, KVGeometry, int]:
+    """Load this rank's shard; return it, its KV geometry and how many KV blocks fit on its device.
+
+    `--kv-cache-memory` and `--gpu-memory-utilization` are per rank (per GPU), as in vLLM; on the
+    CPU the ranks share the host, so the default 1 GiB budget is split between them.
+    """
+    from kvpilot.kernels import quant
+    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.loader import load_model
+
+    loaded = load_model(cfg, device, dtype)  # layers read this rank's place in the group as they are built
+    geometry = kv_geometry(
+        loaded.arch, cfg.block_size, quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype), world_size
+    )
+    budget = cfg
+    if device.type == "cpu" and cfg.kv_cache_memory is None:
+        budget = cfg.model_copy(update={"kv_cache_memory": CPU_DEFAULT_KV_BYTES // world_size})
+    return loaded, geometry, LLMEngine._num_blocks(budget, geometry, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# A step's inputs, shipped from rank 0 to the workers
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's flat batch as host arrays. Rank 0 sends it to every worker and every rank, rank 0
+    included, builds its device tensors from it, so all ranks run on identical inputs."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    sample_indices: np.ndarray
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def from_batch(cls, batch: PreparedBatch) -> StepInputs:
+        """From a batch prepared on the CPU."""
+        meta = batch.meta
+        return cls(
+            input_ids=batch.input_ids.numpy(),
+            positions=batch.positions.numpy(),
+            slot_mapping=meta.slot_mapping.numpy(),
+            query_start_loc=meta.query_start_loc.numpy(),
+            seq_lens=meta.seq_lens.numpy(),
+            block_tables=meta.block_tables.numpy(),
+            sample_indices=batch.sample_indices.numpy(),
+            query_lens=list(meta.query_lens_cpu),
+            seq_lens_list=list(meta.seq_lens_cpu),
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )
+
+    def to_device(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, attention metadata, sample rows) on `device`."""
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(self.slot_mapping),
+            query_start_loc=t(self.query_start_loc),
+            seq_lens=t(self.seq_lens),
+            block_tables=t(self.block_tables),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens_list,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )
+        return t(self.input_ids), t(self.positions), meta, t(self.sample_indices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank 0's runner
+
+
+class ShardedModel:
+    """`runner.model` under tensor parallelism: rank 0's shard (attributes, parameters), whose
+    `compute_logits` brings the workers along, since the vocabulary all-gather is collective."""
+
+    def __init__(self, shard: CausalLM, workers: Workers) -> None:
+        self._shard = shard
+        self._workers = workers
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        with self._workers.step():
+            self._workers.send("logits", (tuple(hidden.shape), hidden.dtype))
+            dist.broadcast(hidden, src=0)
+            return self._shard.compute_logits(hidden)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise TypeError("a tensor-parallel model runs through its runner (execute, hidden_states)")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shard, name)
+
+
+def _shutdown(workers: Workers) -> None:
+    workers.close()
+    leave_group()
+
+
+class TPModelRunner(ModelRunner):
+    """A `ModelRunner` for rank 0 of a tensor-parallel group (same interface; the engine cannot tell).
+
+    `close()` stops the workers; so does garbage collection of the runner and interpreter exit.
+    """
+
+    def __init__(self, loaded: LoadedModel, geometry: KVGeometry, num_blocks: int, workers: Workers) -> None:
+        super().__init__(ShardedModel(loaded.model, workers), geometry, num_blocks, loaded.device)
+        self.loaded = loaded
+        self.shard = loaded.model
+        self.workers = workers
+        self._finalizer = weakref.finalize(self, _shutdown, workers)
+
+    @property
+    def tp_size(self) -> int:
+        return self.workers.spec.world_size
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[ScheduledSeq]]:
+        batch = prepare_batch(scheduled, self.geometry.block_size, torch.device("cpu"))
+        return StepInputs.from_batch(batch), batch.sampled
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, positions, meta, sample_rows = inputs.to_device(self.device)
+        return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+
+    @torch.inference_mode()
+    def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        inputs, _ = self._inputs(scheduled)
+        with self.workers.step():
+            self.workers.send("hidden", inputs)
+            hidden, _ = self._forward(inputs)
+        return hidden
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        inputs, sampled = self._inputs(scheduled)
+        with self.workers.step():
+            self.workers.send("execute", inputs)
+            hidden, sample_rows = self._forward(inputs)
+            if not sampled:
+                return torch.empty(0, 0), []
+            logits = self.shard.compute_logits(hidden.index_select(0, sample_rows))
+        return logits.float(), sampled
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting the group
+
+
+def start_tensor_parallel(cfg: EngineConfig) -> TPModelRunner:
+    """Check the size, spawn ranks 1..N-1, load rank 0's shard here and size the KV pools (the
+    smallest count any rank fits). The runner's `loaded` has the tokenizer and limits."""
+    from kvpilot.runtime.engine import resolve_device
+    from kvpilot.runtime.loader import resolve_dtype, resolve_model_path
+    from kvpilot.runtime.tp_worker import worker_main
+
+    tp = cfg.tensor_parallel_size
+    check_tensor_parallel(read_arch(resolve_model_path(cfg.model)), tp)
+    device = resolve_device(cfg)
+    if device.type == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized: one tensor-parallel engine per process")
+    dtype = resolve_dtype(cfg.dtype, device)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // tp)
+    spec = GroupSpec.local(tp, device)
+    args = (spec, cfg, device.type, dtype, threads)
+    # one progress bar while loading (rank 0's) is enough
+    workers = Workers.spawn(spec, worker_main, lambda rank: args, env={"TQDM_DISABLE": "1"})
+    try:
+        workers.gather("joining")
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed)
+        device = bind_rank_device(device, 0)
+        join_group(spec, 0)
+        loaded, geometry, fits = load_shard(cfg, device, dtype, tp)
+        num_blocks = min([fits, *workers.gather("loaded")])
+        workers.send("kv_blocks", num_blocks)
+        runner = TPModelRunner(loaded, geometry, num_blocks, workers)
+        workers.gather("ready")
+    except BaseException:
+        _shutdown(workers)
+        raise
+    log.info(
+        "tensor parallel: %d ranks (%s), worker pids %s, %d KV blocks per rank",
+        tp,
+        spec.backend,
+        workers.pids,
+        num_blocks,
+    )
+    return runner
