@@ -22,7 +22,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: LLM inference fleets on Kubernetes")
+    parser = argparse.ArgumentParser(
+        prog="kvpilot", description="kvpilot: LLM inference fleets on Kubernetes"
+    )
     from kvpilot import __version__
 
     parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")

@@ -23,7 +23,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
-    model: str = Field(DEFAULT_MODEL, description="builtin name, a .gguf file or a Hugging Face-style directory")
+    model: str = Field(
+        DEFAULT_MODEL, description="builtin name, a .gguf file or a Hugging Face-style directory"
+    )
     served_model_name: str | None = Field(None, description="name clients use; defaults to the model name")
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
@@ -37,9 +39,13 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    kv_cache_memory: int | None = Field(None, ge=1 << 16, description="KV pool budget in bytes (CPU default 1 GiB)")
+    kv_cache_memory: int | None = Field(
+        None, ge=1 << 16, description="KV pool budget in bytes (CPU default 1 GiB)"
+    )
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this get 429")
-    shutdown_timeout: float = Field(30.0, ge=0.0, description="seconds to let in-flight requests finish on SIGTERM")
+    shutdown_timeout: float = Field(
+        30.0, ge=0.0, description="seconds to let in-flight requests finish on SIGTERM"
+    )
     api_key: str | None = Field(None, description="bearer key; prefer KVPILOT_API_KEY or api_key_file")
     api_key_file: str | None = None
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")

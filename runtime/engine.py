@@ -169,11 +169,15 @@ class LLMEngine:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, cfg: EngineConfig) -> LLMEngine:
-        """An engine around an already-loaded model (tests share one model between engines)."""
+        """An engine around an already-loaded, unsharded model (tests share one model between engines)."""
         from kvpilot.kernels import quant
 
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError(
+                "from_loaded() takes a whole model; use from_config() for --tensor-parallel-size > 1"
+            )
         kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
-        geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype, cfg.tensor_parallel_size)
+        geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
         num_blocks = cls._num_blocks(cfg, geo, loaded.device)
         runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
         eos = frozenset(loaded.tokenizer.eos_token_ids)
@@ -361,6 +365,10 @@ class LLMEngine:
             num_steps=self.num_steps,
         )
 
+    def close(self) -> None:
+        """Release the model runner (stops tensor-parallel worker processes)."""
+        self.runner.close()
+
     # -- offline use ---------------------------------------------------------------------------
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int = 256) -> torch.Tensor:
@@ -458,6 +466,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        self.engine.close()
 
     def num_unfinished(self) -> int:
         return self._num_unfinished
