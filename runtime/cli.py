@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvpilot.runtime.config import EngineConfig
 from pydantic import ValidationError
+
+from kvpilot.runtime.config import EngineConfig
 
 log = logging.getLogger("kvpilot.serve")
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+
 from kvpilot.runtime.server import OpenAIServer
 
 log = logging.getLogger("kvpilot.serve")

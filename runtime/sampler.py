@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sequence import TokenLogprob
 

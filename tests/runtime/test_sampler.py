@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from kvpilot.runtime import sampler as sampler_module
 from kvpilot.runtime.sampler import (
     Sampler,
