@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.sampling_params import SamplingParams
-
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
 MAX_NEW = 16
@@ -149,3 +149,47 @@ def test_seeded_sampling_is_reproducible_across_batches(
     alone = engine.generate([prompts[0]], params)[0].output_token_ids
     together = engine.generate(prompts, params)[0].output_token_ids
     assert alone == together
+
+
+def test_eviction_under_pressure_with_shared_prefixes_keeps_outputs(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]]
+) -> None:
+    """Prefix caching on, a pool too small for the load: cached blocks get evicted and requests
+    preempted, yet every output equals the unconstrained run's."""
+    shared = prompts[3] * 2  # a common prefix of several full blocks
+    batch = [shared + p for p in prompts]
+    roomy = make_engine(enable_prefix_caching=True)
+    want = [s.output_token_ids for s in roomy.generate(batch, greedy())]
+    probe = make_engine()
+    longest = max(len(p) for p in batch) + MAX_NEW
+    blocks = probe.block_manager.blocks_needed(longest) + 3
+    tight = make_engine(
+        enable_prefix_caching=True, kv_cache_memory=blocks * probe.runner.geometry.bytes_per_block
+    )
+    got = [s.output_token_ids for s in tight.generate(batch, greedy())]
+    assert got == want
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert tight.block_manager.usage == 0.0
+    tight.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_cache_under_preemption_matches_its_unconstrained_run(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], kv_dtype: str
+) -> None:
+    roomy = make_engine(kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    want = [s.output_token_ids for s in roomy.generate(prompts, greedy())]
+    assert all(len(w) > 0 for w in want)
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    blocks = roomy.block_manager.blocks_needed(longest) + 2
+    tight = make_engine(
+        kv_cache_dtype=kv_dtype,
+        enable_prefix_caching=False,
+        kv_cache_memory=blocks * roomy.runner.geometry.bytes_per_block,
+    )
+    assert tight.runner.geometry.dtype != torch.float32
+    got = [s.output_token_ids for s in tight.generate(prompts, greedy())]
+    # recomputation after preemption writes the same quantized values, so the outputs are identical
+    assert got == want
+    assert tight.stats().num_preemptions > 0
