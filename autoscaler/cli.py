@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 # -- simulate ------------------------------------------------------------------------------------------
 
 
-def default_targets(args: argparse.Namespace) -> ScalingTargets:
+def default_targets(args: argparse.Namespace, max_num_seqs: int | None = None) -> ScalingTargets:
     spec: dict[str, Any] = {"minReplicas": args.min_replicas, "maxReplicas": args.max_replicas}
     for key, attr in (
         ("targetKVCacheUtilization", "target_kv"),
@@ -219,7 +219,7 @@ def default_targets(args: argparse.Namespace) -> ScalingTargets:
         value = getattr(args, attr, None)
         if value is not None:
             spec[key] = value
-    return ScalingTargets.from_spec(spec, behavior_from_args(args))
+    return ScalingTargets.from_spec(spec, behavior_from_args(args), max_num_seqs=max_num_seqs)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -248,7 +248,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     }
     policy: Any
     if args.policy == "kvpilot":
-        policy = KvpilotPolicy(default_targets(args), initial=args.initial_replicas)
+        policy = KvpilotPolicy(default_targets(args, cal.max_num_seqs), initial=args.initial_replicas)
     elif args.policy == "moving-average":
         policy = MovingAveragePolicy(
             args.target_requests,

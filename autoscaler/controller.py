@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MODEL_LABEL = "kvpilot.dev/model"
 RUNTIME_PORT = 8000
+DEFAULT_MAX_NUM_SEQS = 64  # kvpilot.runtime.config.EngineConfig.max_num_seqs
 # A ready pod that did not report is never cheap to delete: it is not known to be idle.
 UNKNOWN_LOAD_COST = 1_000_000
 
@@ -61,6 +62,16 @@ def pod_is_ready(pod: Mapping[str, Any]) -> bool:
     if not status.get("podIP"):
         return False
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def runtime_max_num_seqs(spec: Mapping[str, Any], status: Mapping[str, Any]) -> int:
+    """The batch slots each replica runs with: spec.runtime.maxNumSeqs (the runtime's default when
+    unset), capped by what the operator's OOM adaptation lowered it to."""
+    value = (spec.get("runtime") or {}).get("maxNumSeqs") or DEFAULT_MAX_NUM_SEQS
+    override = ((status.get("oomAdaptation") or {}).get("overrides") or {}).get("maxNumSeqs")
+    if isinstance(override, int) and override > 0:
+        value = min(int(value), override)
+    return max(1, int(value))
 
 
 def condition_is_true(status: Mapping[str, Any], cond_type: str) -> bool:
@@ -146,7 +157,9 @@ class Controller:
         ns, name = meta["namespace"], meta["name"]
         if not is_leader(self.elector):  # lost the Lease during this sync: a standby writes nothing
             return None
-        targets = ScalingTargets.from_spec(autoscaling, self.config.behavior)
+        targets = ScalingTargets.from_spec(
+            autoscaling, self.config.behavior, max_num_seqs=runtime_max_num_seqs(spec, status)
+        )
         replicas = spec.get("replicas")
         # The operator renders minReplicas while spec.replicas is unset; that is the current size.
         current = int(replicas) if replicas is not None else targets.min_replicas

@@ -6,8 +6,10 @@ No I/O, no clock, no randomness: the controller and the fleet simulator call the
 restarted controller continues from the history it wrote into the InferenceModel's status.
 
 Steps, in order (HPA-like where the HPA has an answer):
-1. Recommendations: KV = ceil(reporting * avg_kv / target_kv) (+ non-reporting replicas, held);
-   queue = ceil(total_waiting / target_queue_per_replica). Each is ignored inside the tolerance band.
+1. Recommendations: utilization = ceil(reporting * avg_util / target_kv) (+ non-reporting replicas,
+   held), where a replica's utilization is the larger of its KV use and its batch-slot use
+   (running / max_num_seqs, when known); queue = the waiting requests beyond target_queue_per_replica,
+   at the rate one replica absorbs them. Each is ignored inside the tolerance band.
    The raw recommendation is the larger. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
@@ -65,6 +67,7 @@ class Decision:
     queue_recommendation: int | None = None
     burst: bool = False
     avg_kv_cache_usage: float | None = None
+    avg_utilization: float | None = None  # max(KV use, batch-slot use), averaged over reporting replicas
     total_waiting: int = 0
     reporting: int = 0
     ready: int = 0
@@ -136,21 +139,30 @@ def decide(
     missing = snapshot.missing
     waiting = snapshot.total_waiting
     avg_kv = snapshot.avg_kv_cache_usage
+    # A replica is as full as its scarcest capacity: KV blocks, or batch slots (max_num_seqs) when
+    # requests are short. Both are held to the same target.
+    slots = targets.max_num_seqs
+    avg_slots = sum(min(1.0, s.num_running / slots) for s in snapshot.samples) / n if slots and n else None
+    avg_util = None if avg_kv is None else max(avg_kv, avg_slots or 0.0)
     notes: list[str] = []
 
     kv_rec: int | None = None
     queue_rec: int | None = None
     burst = False
-    if n == 0 or avg_kv is None:
+    if n == 0 or avg_kv is None or avg_util is None:
         raw = current
         driver = f"no metrics from 0/{ready} ready replicas" if ready else "no ready replica reports metrics"
     else:
         target_kv = targets.target_kv_cache_utilization
-        ratio = avg_kv / target_kv
+        ratio = avg_util / target_kv
         if abs(ratio - 1.0) <= tol:
             kv_rec = current
         else:
-            kv_rec = _ceil(n * avg_kv / target_kv) + missing
+            # Below target, utilization is convex in load (in-flight = arrivals x latency, and a
+            # fuller batch is slower), so n * u / target removes too many replicas; a replica's
+            # utilization is taken to grow as load ** (1 / exponent) instead.
+            exponent = 1.0 if ratio > 1.0 else b.scale_down_exponent
+            kv_rec = _ceil(n * ratio**exponent) + missing
             # Starting pods (current - ready) neither report nor get read as idle: KV above target
             # never asks for fewer replicas, KV below target never asks for more.
             kv_rec = max(kv_rec, current) if ratio > 1.0 else min(kv_rec, current)
@@ -168,17 +180,30 @@ def decide(
         absorb = per_request_cap
         if kv_per_request * per_request_cap > targets.target_kv_cache_utilization:
             absorb = targets.target_kv_cache_utilization / kv_per_request
+        if slots:  # nor more than its batch slots at the target
+            absorb = min(absorb, targets.target_kv_cache_utilization * slots)
         absorb = max(targets.target_queue_depth, absorb)
         if b.queue_recommendation == "average":
             queue_rec = _ceil(waiting / targets.target_queue_depth)
         else:
-            excess = waiting - targets.target_queue_depth * n
+            if b.queue_recommendation == "least-loaded":
+                # Round-robin gives every replica the same share of arrivals, so the least-loaded
+                # replica's queue is what that share does to a replica: the fleet is short of capacity
+                # only when even it queues. A backlog stranded on replicas that were Ready when a burst
+                # began is left out: new replicas never take it (it drains where it is), and counting
+                # it asked for 40 replicas where 13 sufficed (docs/autoscaler.md).
+                least = min(s.num_waiting for s in snapshot.samples)
+                excess = n * (least - targets.target_queue_depth)
+            else:
+                excess = waiting - targets.target_queue_depth * n
             queue_rec = current + _ceil((excess - starting * absorb) / absorb) if excess > 0 else 0
             queue_rec = max(0, queue_rec)
         if current > 0 and abs(queue_rec / current - 1.0) <= tol:
             queue_rec = current
         raw = max(kv_rec, queue_rec)
         kv_part = _kv_text(avg_kv, target_kv, tol)
+        if avg_slots is not None and avg_slots > avg_kv:
+            kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)
         q_part = f"queue {waiting} waiting ({waiting / n:.1f}/replica, target {targets.target_queue_depth:g})"
         if queue_rec > kv_rec:
             driver = f"{q_part}, {kv_part}"
@@ -191,8 +216,9 @@ def decide(
 
         # Burst: saturated and queueing, or the queue growing fast. Only matters when scaling up.
         burst_note = ""
-        if waiting > 0 and avg_kv >= b.burst_kv_threshold:
-            burst_note = f"burst: kv {avg_kv:.2f} >= {b.burst_kv_threshold:.2f} with {waiting} waiting"
+        if waiting > 0 and avg_util >= b.burst_kv_threshold:
+            what = "kv" if avg_util == avg_kv else "slots"
+            burst_note = f"burst: {what} {avg_util:.2f} >= {b.burst_kv_threshold:.2f} with {waiting} waiting"
         elif history.last_queue is not None and now > history.last_queue[0]:
             t0, w0 = history.last_queue
             growth = (waiting - w0) / (now - t0) / n
@@ -280,6 +306,7 @@ def decide(
         queue_recommendation=queue_rec,
         burst=burst,
         avg_kv_cache_usage=avg_kv,
+        avg_utilization=avg_util,
         total_waiting=waiting,
         reporting=n,
         ready=ready,

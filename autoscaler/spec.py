@@ -37,10 +37,18 @@ class Behavior:
     # ... or when the queue grows by at least this many requests per ready replica per second.
     burst_queue_growth_per_replica_s: float = 0.2
     burst_scale_up: ScalingRule = ScalingRule(pods=8, percent=200.0, period_s=15.0)
-    # How the queue turns into replicas (see policy.py): "absorb" or the plain HPA "average".
-    queue_recommendation: Literal["absorb", "average"] = "absorb"
+    # How the queue turns into replicas (see policy.py): "absorb" (default: all waiting requests, at
+    # the rate a replica absorbs them), "least-loaded" (only what the least-loaded replica's queue
+    # says about the arrival share: cheaper, but it leaves the backlog on round-robin-routed replicas
+    # where it is) or the plain HPA "average".
+    queue_recommendation: Literal["absorb", "least-loaded", "average"] = "absorb"
     # Extra headroom factor on the recommendation in burst mode (1.5 = ask for 50% more).
     burst_factor: float = 1.5
+    # Below target the utilization recommendation is n * (u / target) ** exponent. 1 is the HPA's
+    # proportional rule; 0.5 (default) takes utilization to grow as the square of per-replica load,
+    # as KV use of a decode-bound replica does between ~30% and ~90% of its capacity: the proportional
+    # rule removed twice the replicas it should and then scaled back up (docs/autoscaler.md).
+    scale_down_exponent: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,9 @@ class ScalingTargets:
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
     behavior: Behavior = Behavior()
+    # Batch slots per replica (the runtime's max_num_seqs), when known: running / max_num_seqs counts
+    # as utilization alongside KV use, so a replica whose batch is full is not read as idle.
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -66,6 +77,8 @@ class ScalingTargets:
             raise ValueError("targetQueueDepth must be > 0")
         if self.scale_up_stabilization_s < 0 or self.scale_down_stabilization_s < 0:
             raise ValueError("stabilization windows must be >= 0 seconds")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
 
     @property
     def history_horizon_s(self) -> float:
@@ -80,7 +93,12 @@ class ScalingTargets:
         )
 
     @classmethod
-    def from_spec(cls, autoscaling: Mapping[str, Any], behavior: Behavior | None = None) -> ScalingTargets:
+    def from_spec(
+        cls,
+        autoscaling: Mapping[str, Any],
+        behavior: Behavior | None = None,
+        max_num_seqs: int | None = None,
+    ) -> ScalingTargets:
         """Build from the CR's `spec.autoscaling` (camelCase keys, CRD defaults applied here too)."""
         min_r = int(autoscaling.get("minReplicas", 1))
         return cls(
@@ -91,6 +109,7 @@ class ScalingTargets:
             scale_up_stabilization_s=float(autoscaling.get("scaleUpStabilizationSeconds", 0)),
             scale_down_stabilization_s=float(autoscaling.get("scaleDownStabilizationSeconds", 300)),
             behavior=behavior or Behavior(),
+            max_num_seqs=max_num_seqs,
         )
 
     def with_overrides(self, **changes: Any) -> ScalingTargets:

@@ -309,3 +309,12 @@ async def test_kubernetes_api_sends_merge_patches_under_our_field_manager():
 @pytest.mark.parametrize("value", [None, {}, {"history": None}])
 def test_empty_status_is_empty_history(value: Any):
     assert history_from_status(value) == History()
+
+
+def test_batch_slots_come_from_the_spec_and_oom_overrides():
+    from kvpilot.autoscaler.controller import runtime_max_num_seqs
+
+    assert runtime_max_num_seqs({}, {}) == 64
+    assert runtime_max_num_seqs({"runtime": {"maxNumSeqs": 8}}, {}) == 8
+    lowered = {"oomAdaptation": {"overrides": {"maxNumSeqs": 4}}}
+    assert runtime_max_num_seqs({"runtime": {"maxNumSeqs": 8}}, lowered) == 4

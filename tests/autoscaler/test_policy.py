@@ -275,4 +275,51 @@ def test_ceil_does_not_round_up_float_noise():
     # 3 * 0.84 / 0.7 is 3.6000000000000005 in floats; exact values like 2 * 0.7 / 0.7 must stay 2.
     d = decide(2, snap([0.7 * 1.5] * 2), targets(), History(), NOW)
     assert d.kv_recommendation == 3
-    assert decide(4, snap([0.35] * 4), targets(), History(), NOW).kv_recommendation == 2
+    hpa = targets(behavior=Behavior(scale_down_exponent=1.0))
+    assert decide(4, snap([0.35] * 4), hpa, History(), NOW).kv_recommendation == 2
+    # 4 * (0.0784 / 0.7) ** 0.5 = 4 * 0.3346... -> 2; float noise must not make it 3.
+    assert decide(4, snap([0.7 / 4] * 4), targets(), History(), NOW).kv_recommendation == 2
+
+
+def test_scale_down_recommendation_assumes_convex_utilization():
+    # Utilization half the target on 8 replicas: the proportional rule (exponent 1) says 4, but a
+    # decode-bound replica's KV use grows about as load squared, so 4 replicas would sit at twice
+    # the target. The default exponent 0.5 says ceil(8 * 0.5 ** 0.5) = 6.
+    s = snap([0.35] * 8)
+    assert decide(8, s, targets(), History(), NOW).kv_recommendation == 6
+    hpa = targets(behavior=Behavior(scale_down_exponent=1.0))
+    assert decide(8, s, hpa, History(), NOW).kv_recommendation == 4
+    # Scale-up stays proportional.
+    assert decide(4, snap([1.0] * 4), targets(), History(), NOW).kv_recommendation == 6
+
+
+def test_full_batch_slots_count_as_load_when_kv_is_low():
+    # Short requests: 8 of 8 batch slots busy on every replica, KV almost empty. Without the slot
+    # signal the KV recommendation alone would read the fleet as idle and scale it down.
+    s = snap([0.09, 0.09, 0.09], running=8)
+    blind = decide(3, s, targets(scale_down_stabilization_s=0.0), History(), NOW)
+    assert blind.desired < 3
+    d = decide(3, s, targets(max_num_seqs=8, scale_down_stabilization_s=0.0), History(), NOW)
+    assert d.desired == 5  # ceil(3 * 1.0 / 0.7)
+    assert d.avg_utilization == pytest.approx(1.0) and d.avg_kv_cache_usage == pytest.approx(0.09)
+    assert "kv 0.09, slots 1.00 > target 0.70 on 3/3 replicas -> 5" in d.reason
+
+
+def test_slots_cap_what_a_replica_absorbs_from_the_queue():
+    # KV says a replica could run 0.7 / (0.1 / 4) = 28 requests, but it has only 8 slots: the queue
+    # of 40 beyond target (2 replicas x 4) is absorbed at 0.7 * 8 = 5.6 per new replica.
+    s = snap([0.1, 0.1], waiting=[24, 24], running=4)
+    d = decide(2, s, targets(max_num_seqs=8), History(), NOW)
+    assert d.queue_recommendation == 2 + 8  # ceil(40 / 5.6) = 8
+    wide = decide(2, s, targets(), History(), NOW)
+    assert wide.queue_recommendation == 2 + 2  # ceil(40 / 28)
+
+
+def test_least_loaded_queue_ignores_a_backlog_stranded_on_one_replica():
+    s = snap([0.9, 0.3, 0.3], waiting=[120, 0, 0])
+    least = targets(behavior=Behavior(queue_recommendation="least-loaded"))
+    assert decide(3, s, least, History(), NOW).queue_recommendation == 0
+    assert decide(3, s, targets(), History(), NOW).queue_recommendation > 3  # "absorb" counts it
+    # Every replica queueing beyond the target: the arrival share is too much for a replica.
+    busy = snap([0.9, 0.9, 0.9], waiting=[30, 20, 14])
+    assert decide(3, busy, least, History(), NOW).queue_recommendation > 3
