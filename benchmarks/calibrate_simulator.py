@@ -206,7 +206,7 @@ def measure_startup(args: argparse.Namespace, runs: int) -> list[float]:
 def poisson_requests(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
     """Chat-like but short enough for one CPU replica: log-normal prompt (median 128) and output (48)."""
     rng = np.random.default_rng(seed)
-    t, out = 0.0, []
+    t, out = 0.0, list[TraceRequest]()
     while True:
         t += float(rng.exponential(1.0 / rate))
         if t >= seconds:

@@ -160,7 +160,7 @@ def main() -> None:
     max_replicas = args.max_replicas
     common = {"max_replicas": max_replicas, "sync_interval_s": args.sync_interval}
     traces = sorted(str(p) for p in Path(args.traces).glob("*.csv"))
-    jobs = []
+    jobs: list[tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any]]] = []
     for t in traces:
         jobs.append((t, "kvpilot", {}, cal, common))
         jobs.append((t, "kvpilot", {"targetKVCacheUtilization": 0.5}, cal, common))

@@ -212,7 +212,7 @@ class LocalKubelet:
             self._stop.wait(self.poll_s)
 
     def sync(self) -> None:
-        resp = self.core.list_namespaced_pod(
+        resp: Any = self.core.list_namespaced_pod(
             self.namespace, label_selector=self.selector, _preload_content=False
         )
         items = json.loads(resp.data).get("items") or []
@@ -226,8 +226,8 @@ class LocalKubelet:
             ):
                 self._start(pod)
         for uid, lp in list(self.pods.items()):
-            pod = seen.get(uid)
-            gone = pod is None or bool(pod["metadata"].get("deletionTimestamp"))
+            current = seen.get(uid)
+            gone = current is None or bool(current["metadata"].get("deletionTimestamp"))
             if gone and lp.deleted_at is None:
                 self._terminate(lp)
             self._check(lp)
@@ -240,9 +240,8 @@ class LocalKubelet:
         pod_dir.mkdir(parents=True, exist_ok=True)
 
         def configmap(cm: str) -> Mapping[str, str]:
-            obj = json.loads(
-                self.core.read_namespaced_config_map(cm, self.namespace, _preload_content=False).data
-            )
+            resp: Any = self.core.read_namespaced_config_map(cm, self.namespace, _preload_content=False)
+            obj = json.loads(resp.data)
             data: dict[str, str] = obj.get("data") or {}
             return data
 

@@ -72,7 +72,7 @@ def api_client(cluster: Cluster) -> Iterator[Any]:
 def get_model(api_client: Any, namespace: str, name: str = MODEL) -> dict[str, Any]:
     from kubernetes import client
 
-    resp = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+    resp: Any = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
         "kvpilot.dev", "v1alpha1", namespace, "inferencemodels", name, _preload_content=False
     )
     obj: dict[str, Any] = json.loads(resp.data)
