@@ -7,6 +7,7 @@ import pytest
 from fake_engine import FakeTokenizer, bpe_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvpilot.runtime.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,

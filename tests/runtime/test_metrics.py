@@ -6,8 +6,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 from fake_engine import FakeEngine, FakeStats, LiveServer
-from kvpilot.runtime.metrics import ServerMetrics
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.runtime.metrics import ServerMetrics
 
 CONTRACT = {
     "kvpilot_kv_cache_usage_ratio": "gauge",

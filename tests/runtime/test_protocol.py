@@ -4,6 +4,7 @@ import json
 from typing import Any
 
 import pytest
+
 from kvpilot.runtime.protocol import (
     APIError,
     ChatCompletionRequest,
