@@ -184,6 +184,18 @@ def add_behavior_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tolerance", type=_fraction("--tolerance"), default=d.tolerance, help="relative dead band"
     )
+    g.add_argument(
+        "--scale-down-exponent",
+        type=_fraction("--scale-down-exponent"),
+        default=d.scale_down_exponent,
+        help=f"below target: n * (u / target) ** EXP replicas (default {d.scale_down_exponent:g}; 1: HPA)",
+    )
+    g.add_argument(
+        "--queue-recommendation",
+        choices=("absorb", "least-loaded", "average"),
+        default=d.queue_recommendation,
+        help=f"how waiting requests become replicas (default {d.queue_recommendation})",
+    )
 
 
 def behavior_from_args(args: argparse.Namespace) -> Behavior:
@@ -193,6 +205,8 @@ def behavior_from_args(args: argparse.Namespace) -> Behavior:
         scale_up=getattr(args, "scale_up_rule", d.scale_up),
         scale_down=getattr(args, "scale_down_rule", d.scale_down),
         tolerance=getattr(args, "tolerance", d.tolerance),
+        scale_down_exponent=getattr(args, "scale_down_exponent", d.scale_down_exponent),
+        queue_recommendation=getattr(args, "queue_recommendation", d.queue_recommendation),
     )
 
 

@@ -165,3 +165,26 @@ def test_cli_missing_trace_file(capsys: pytest.CaptureFixture[str]):
 def test_cli_bad_kubeconfig(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert main(["autoscaler", "run", "--kubeconfig", str(tmp_path / "missing")]) == 2
     assert "--kubeconfig" in capsys.readouterr().err
+
+
+def test_cli_behavior_flags_reach_the_policy():
+    from argparse import ArgumentParser
+
+    from kvpilot.autoscaler.cli import add_arguments, behavior_from_args
+
+    parser = ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "simulate", "--trace", "t.csv",
+            "--scale-down-rule", "2,25,30", "--scale-up-rule", "4,100,60",
+            "--scale-down-exponent", "1", "--queue-recommendation", "least-loaded", "--tolerance", "0.05",
+        ]
+    )  # fmt: skip
+    b = behavior_from_args(args)
+    assert (b.scale_down.pods, b.scale_down.percent, b.scale_down.period_s) == (2, 25.0, 30.0)
+    assert b.scale_up.period_s == 60.0
+    assert b.scale_down_exponent == 1.0 and b.queue_recommendation == "least-loaded"
+    assert b.tolerance == 0.05
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--trace", "t.csv", "--scale-down-rule", "1,2"])
