@@ -81,17 +81,24 @@ def lease_election(
     namespace: str,
     identity: str | None = None,
     lease_name: str = LEASE_NAME,
-    **timing: float,
+    lease_duration: float | None = None,
+    renew_deadline: float | None = None,
+    retry_period: float | None = None,
 ) -> LeaseElection:
     """A LeaseElection on `namespace/lease_name` through the Kubernetes API (not started).
 
-    `timing` passes lease_duration / renew_deadline / retry_period to the elector.
+    Timings left as None take the elector's defaults (15 s lease, 10 s renew deadline, 5 s retry).
     """
-    from kvpilot.operator.leader import KubeLeaseStore
-    from kvpilot.operator.leader import LeaderElector as LeaseLeaderElector
+    from kvpilot.operator import leader
 
-    elector = LeaseLeaderElector(
-        KubeLeaseStore(api_client), namespace=namespace, name=lease_name, identity=identity, **timing
+    elector = leader.LeaderElector(
+        leader.KubeLeaseStore(api_client),
+        namespace=namespace,
+        name=lease_name,
+        identity=identity,
+        lease_duration=leader.LEASE_DURATION_S if lease_duration is None else lease_duration,
+        renew_deadline=leader.RENEW_DEADLINE_S if renew_deadline is None else renew_deadline,
+        retry_period=leader.RETRY_PERIOD_S if retry_period is None else retry_period,
     )
     return LeaseElection(elector)
 
