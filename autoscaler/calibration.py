@@ -8,10 +8,12 @@ The defaults are ASSUMED, not measured: an 8B-class fp16 model on one 48 GB GPU 
 ~8k prompt tokens/s prefill, 2048 KV blocks of 16 tokens (32k tokens after weights and activations),
 60 s from pod start to Ready (image cached, weights loaded from a local volume).
 
-To calibrate from the runtime, run its benchmark on the target hardware and fit the three step-time
-coefficients (a least-squares fit of step durations against batch composition; `kvpilot bench`
-reports per-step timings), read num_kv_blocks from the runtime's startup log ("KV cache: N blocks"),
-and time a pod from creation to Ready. Save as JSON (the field names below) and pass --calibration.
+To calibrate from the runtime, run `python benchmarks/calibrate_simulator.py` on the target hardware
+with the settings pods run with (`--threads`, `--max-num-seqs`, `--kv-cache-memory`): it times the
+real engine's steps, fits the three coefficients by least squares, reads the KV pool size, times
+`kvpilot serve` to /ready, writes the JSON (the field names below) and checks the fit by replaying
+Poisson arrivals through the engine and the simulator. Pass the file with --calibration.
+benchmarks/calibration/smollm2-cpu.json is such a file for SmolLM2 on a shared 2-core CPU.
 """
 
 from __future__ import annotations
