@@ -54,7 +54,7 @@ def _engine(args: argparse.Namespace) -> Any:
     from kvpilot.runtime.engine import LLMEngine
 
     cfg = EngineConfig(
-        device="cpu",
+        device=args.device,
         threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -182,7 +182,7 @@ def measure_startup(args: argparse.Namespace, runs: int) -> list[float]:
         t0 = time.monotonic()
         argv = [
             sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--device", "cpu", "--threads", str(args.threads),
+            "--device", args.device, "--threads", str(args.threads),
             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
         ]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -253,7 +253,8 @@ def main() -> None:
     from kvpilot.runtime.cli import parse_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("256MiB"))
@@ -296,8 +297,8 @@ def main() -> None:
         num_kv_blocks=num_blocks,
         startup_s=round(statistics.median(startup), 1),
         source=(
-            f"measured by benchmarks/calibrate_simulator.py: kvpilot runtime, SmolLM2-135M (builtin) on CPU, "
-            f"{args.threads} thread(s), {platform.processor() or platform.machine()}, "
+            f"measured by benchmarks/calibrate_simulator.py: kvpilot runtime, SmolLM2-135M (builtin) on "
+            f"{args.device}, {args.threads} thread(s), {platform.processor() or platform.machine()}, "
             f"load average {load0[0]:.1f}, {time.strftime('%Y-%m-%d')}"
         ),
     )
