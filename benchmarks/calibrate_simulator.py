@@ -4,7 +4,7 @@ replaying Poisson arrivals through the real engine and through the simulator.
     python benchmarks/calibrate_simulator.py [--threads 1] [--max-num-seqs 32] [--kv-cache-memory 256MiB]
         [--out benchmarks/calibration/smollm2-cpu.json] [--validate-seconds 90]
 
-1. Step times of the real engine (`LLMEngine.from_config(EngineConfig(...))`, SmolLM2 on CPU, prefix
+1. Step times of the real engine (`LLMEngine.from_config(EngineConfig(...))`, SmolLM2 on CPU or --device cuda, prefix
    caching off, EOS ignored): decode-only steps at batch sizes 1..max_num_seqs (context 256; the
    largest batch is prefilled once and aborted down to each smaller size), prefill steps of 64..2048
    tokens, and steps mixing 8 decodes with a prefill. A least-squares fit (relative error) gives the
