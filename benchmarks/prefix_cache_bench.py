@@ -162,10 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine.from_config(cfg)
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
         key = "caching_on" if caching else "caching_off"
-        results[key] = {
-            "shared_system_prompt": shared_system_prompt(engine, args),
-            "multi_turn": multi_turn(engine, args),
-        }
+        chosen = set(args.workloads.split(","))
+        results[key] = {}
+        if "shared" in chosen:
+            results[key]["shared_system_prompt"] = shared_system_prompt(engine, args)
+        if "multi-turn" in chosen:
+            results[key]["multi_turn"] = multi_turn(engine, args)
         del engine
     off, on = results["caching_off"], results["caching_on"]
     gain: dict[str, float] = {}
