@@ -451,10 +451,10 @@ def engine_matmul_dtype(engine: Any) -> torch.dtype:
 def load_hf(gguf_path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
-    model = model.to(dtype=dtype).eval()
+    model = model.to(dtype).eval()
     # never stop early: lengths come from max_new_tokens only (the equivalent of ignore_eos)
     model.generation_config.eos_token_id = None
     return model
