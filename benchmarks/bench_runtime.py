@@ -405,6 +405,7 @@ def run_kvpilot_batch(engine: Any, reqs: list[wl.Request], prefix: str) -> dict[
         "steps": s1.num_steps - s0.num_steps,
         "step_ms": dist(step_s),
         "prompt_tokens_computed": s1.prompt_tokens - s0.prompt_tokens,
+        "prefix_cache_hit_tokens": s1.prefix_cache_hits - s0.prefix_cache_hits,
         "preemptions": s1.num_preemptions - s0.num_preemptions,
         "ttft_s": dist(ttft, scale=1.0, digits=2),
     }
@@ -987,9 +988,18 @@ def main(argv: list[str] | None = None) -> int:
     online = wl.make_online_requests(
         args.online_requests, args.online_rate, prompt_range, output_range, args.seed + 1, corpus
     )
-    single = wl.Request(0, corpus[1000 : 1000 + args.single_prompt], args.single_output)
+
+    def round_requests(r: int) -> list[wl.Request]:
+        """Round r: the same lengths on different text (nothing a prefix cache could reuse)."""
+        return wl.make_requests(args.num_requests, prompt_range, output_range, args.seed, corpus, r)
+
+    def round_single(r: int) -> wl.Request:
+        start = 1000 + r * (args.single_prompt + 64)
+        return wl.Request(0, corpus[start : start + args.single_prompt], args.single_output)
+
+    single = round_single(0)
     flops = model_flops(reqs, dims)
-    warm = reqs[0].prompt_ids
+    warm = corpus[-64:]  # warm-up text that no measured prompt starts with
 
     doc: dict[str, Any] = {
         "benchmark": "kvpilot runtime vs HF transformers vs llama.cpp server (CPU)",
@@ -1055,12 +1065,14 @@ def main(argv: list[str] | None = None) -> int:
             if "batch" not in skip:
                 log(f"{e.name}: batch (round {r + 1}/{args.rounds})")
                 batch_rounds[e.name].append(
-                    measure(rec, f"batch_round{r + 1}", functools.partial(e.batch, reqs, f"b{r}"))
+                    measure(
+                        rec, f"batch_round{r + 1}", functools.partial(e.batch, round_requests(r), f"b{r}")
+                    )
                 )
             if "single" not in skip:
                 log(f"{e.name}: single stream (round {r + 1}/{args.rounds})")
                 single_rounds[e.name].append(
-                    measure(rec, f"single_stream_round{r + 1}", functools.partial(e.single, single))
+                    measure(rec, f"single_stream_round{r + 1}", functools.partial(e.single, round_single(r)))
                 )
     for e in ready:
         keep_best(res[e.name], "batch", batch_rounds[e.name], "output_tok_per_s")

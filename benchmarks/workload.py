@@ -132,17 +132,24 @@ def make_requests(
     output_len: tuple[int, int] = (64, 512),
     seed: int = 0,
     corpus: list[int] | None = None,
+    text_variant: int = 0,
 ) -> list[Request]:
-    """`num_requests` requests with lengths uniform in the inclusive ranges, prompts cut from the corpus."""
+    """`num_requests` requests with lengths uniform in the inclusive ranges, prompts cut from the corpus.
+
+    The lengths depend on `seed` only; where each prompt starts in the corpus also depends on
+    `text_variant`, so repeated rounds can run the same shapes on new text (no prefix-cache reuse
+    between rounds, in any engine).
+    """
     ids = corpus if corpus is not None else corpus_token_ids()
-    rng = random.Random(seed)
+    lengths = random.Random(seed)
+    offsets = random.Random(f"{seed}/text/{text_variant}")
     reqs: list[Request] = []
     for i in range(num_requests):
-        plen = rng.randint(*prompt_len)
-        olen = rng.randint(*output_len)
+        plen = lengths.randint(*prompt_len)
+        olen = lengths.randint(*output_len)
         if plen > len(ids):
             raise ValueError(f"prompt length {plen} exceeds the corpus ({len(ids)} tokens)")
-        start = rng.randrange(0, len(ids) - plen + 1)
+        start = offsets.randrange(0, len(ids) - plen + 1)
         reqs.append(Request(i, list(ids[start : start + plen]), olen))
     return reqs
 
