@@ -3,7 +3,8 @@
 
 For a decode step (B sequences, one new token each, context L) and a prefill (one sequence of P
 tokens, no cached prefix), times one layer's attention call of:
-  * cpu-paged: kernels/cpu_attention.py's C kernel reading K/V through the block tables,
+  * cpu-paged: kernels/cpu_attention.py's C kernel reading K/V through the block tables (its
+    AVX-512 path where the CPU has it; cpu-paged-generic: the portable loop of the same kernel),
   * torch-ref: kernels/attention.py's reference backend (gather the blocks, then SDPA),
   * dense-sdpa: torch SDPA over contiguous K/V (no paging at all): what torch's own fused CPU
     kernels reach for the same math, a practical bound for the paged versions.
@@ -111,6 +112,12 @@ def run_case(name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtyp
             q, cache, meta = make_case(qlens, seq_lens, dtype, transposed_k=True)
             out["cpu-paged"] = figures(
                 best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale)), pairs, kv_bytes
+            )
+            out["cpu-paged"]["vectorized_path"] = cpu_attention.fast_path(HQ, cache)
+            out["cpu-paged-generic"] = figures(
+                best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale, generic=True)),
+                pairs,
+                kv_bytes,
             )
         q, cache, meta = make_case(qlens, seq_lens, dtype, transposed_k=False)
         ref = TorchReferenceBackend()

@@ -85,8 +85,11 @@ def _library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build()))
     fn = lib.kvpilot_paged_attention
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, i, p, p, p, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i]
+    fn.argtypes = [p, i, p, p, p, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
     fn.restype = ctypes.c_int
+    probe = lib.kvpilot_fast_path
+    probe.argtypes = [i, i, i, i, i, i]
+    probe.restype = ctypes.c_int
     return lib
 
 
@@ -123,10 +126,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def fast_path(num_q_heads: int, cache: KVCacheLayer) -> bool:
+    """Whether this build takes the vectorized (AVX-512) path for these heads and this cache."""
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    return bool(
+        _library().kvpilot_fast_path(
+            num_q_heads,
+            int(num_kv_heads),
+            int(head_dim),
+            int(block_size),
+            _DTYPES[cache.k.dtype],
+            int(k_transposed(cache.k)),
+        )
+    )
+
+
 def paged_attention(
-    q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float, *, generic: bool = False
 ) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over the cached context (the new tokens' K/V already written)."""
+    """Attention of q [T, Hq, D] over the cached context (the new tokens' K/V already written).
+
+    `generic` forces the portable loop even where the vectorized path applies (tests compare both).
+    """
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"unsupported query dtype {q.dtype}")
     q = q.contiguous()
@@ -156,6 +177,7 @@ def paged_attention(
         int(block_size),
         float(scale),
         torch.get_num_threads(),
+        int(not generic),
     )
     if rc != 0:
         raise ValueError(f"paged attention kernel rejected its arguments (code {rc})")

@@ -13,7 +13,8 @@
  *
  * One work item is (token, kv head): the G = Hq / Hkv query heads of a group share every K/V row
  * they load. Softmax is computed online, one block of keys at a time. Parallel with OpenMP (the
- * process's libgomp, the one torch already loaded).
+ * process's libgomp, the one torch already loaded). With AVX-512 and the common shape (head_dim 64,
+ * block size 16, K transposed) an item takes the vectorized fast path below unless allow_fast is 0.
  */
 #include <math.h>
 #include <stdint.h>
@@ -125,6 +126,164 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
     }
 }
 
+#if defined(__AVX512F__)
+/*
+ * AVX-512 fast path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8,
+ * K/V in float32, bfloat16, float16 or int8. A block's 16 keys fill one 512-bit register, so its
+ * scores are 64 broadcast-FMAs per query head; a V row is 4 registers. G and the storage type are
+ * compile-time constants in each instantiation (FAST_CASE below), so the accumulators stay in
+ * registers. Everything else (other shapes, fp8) takes the generic loop.
+ */
+#include <immintrin.h>
+
+#define FD 64
+#define FBS 16
+#define MAX_FG 8
+#define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
+
+static inline __attribute__((always_inline)) __m512 ld16(const void *base, int dt, size_t off) {
+    switch (dt) {
+        case DT_F32: return _mm512_loadu_ps((const float *)base + off);
+        case DT_BF16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))),
+                16));
+        case DT_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+        default: /* DT_I8 */
+            return _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
+    }
+}
+
+/* exp(x) for x <= 0 (Cephes expf's polynomial, relative error ~2e-7; exp(x < -87) ~ 0) */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* One (token, kv head) item: qf [G][64] already scaled; writes the normalized output to o [G][64]. */
+static inline __attribute__((always_inline)) void fast_item(
+    const int G, const int dt, const float *qf, float *o, const void *k_cache, const void *v_cache,
+    const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *table, int ctx, int Hkv, int h) {
+    __m512 acc[MAX_FG][4];
+    float m[MAX_FG], l[MAX_FG];
+    float pb[MAX_FG][FBS];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+        m[g] = NEG_BIG;
+        l[g] = 0.0f;
+    }
+    const int nblocks = (ctx + FBS - 1) / FBS;
+    for (int i = 0; i < nblocks; i++) {
+        const size_t blk = (size_t)table[i];
+        const int n = (i + 1) * FBS <= ctx ? FBS : ctx - i * FBS;
+        const __mmask16 live = (__mmask16)(n == FBS ? 0xFFFFu : ((1u << n) - 1u));
+        if (i + 1 < nblocks) { /* the next block is elsewhere in the pool: start fetching its K */
+            const char *nk = (const char *)k_cache +
+                             ((size_t)table[i + 1] * Hkv + h) * FD * FBS * elem_size(dt);
+            for (int c = 0; c < FD * FBS * (int)elem_size(dt); c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
+        }
+        __m512 s[MAX_FG];
+        for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
+        const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
+        for (int d = 0; d < FD; d++) {
+            const __m512 kr = ld16(k_cache, dt, tile + (size_t)d * FBS);
+            for (int g = 0; g < G; g++) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * FD + d]), kr, s[g]);
+        }
+        if (dt == DT_I8) {
+            float ks[FBS];
+            for (int r = 0; r < FBS; r++) ks[r] = r < n ? f16_to_f32(k_scale[(blk * FBS + r) * Hkv + h]) : 0.0f;
+            const __m512 ksv = _mm512_loadu_ps(ks);
+            for (int g = 0; g < G; g++) s[g] = _mm512_mul_ps(s[g], ksv);
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 sv = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_BIG), s[g]);
+            const float bmax = _mm512_reduce_max_ps(sv);
+            const float m_new = bmax > m[g] ? bmax : m[g];
+            const float corr = m[g] == NEG_BIG ? 0.0f : expf(m[g] - m_new);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+            m[g] = m_new;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+            _mm512_storeu_ps(pb[g], p);
+        }
+        for (int r = 0; r < n; r++) {
+            const size_t off = ((blk * FBS + r) * Hkv + h) * (size_t)FD;
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
+            if (dt == DT_I8) {
+                const __m512 vs = _mm512_set1_ps(f16_to_f32(v_scale[(blk * FBS + r) * Hkv + h]));
+                for (int c = 0; c < 4; c++) v[c] = _mm512_mul_ps(v[c], vs);
+            }
+            for (int g = 0; g < G; g++) {
+                const __m512 pg = _mm512_set1_ps(pb[g][r]);
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * FD + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+#define FAST_DT(G, dt) \
+    fast_item(G, dt, qf, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h)
+#define FAST_CASE(G)                                      \
+    case G:                                               \
+        switch (kv_dtype) {                               \
+            case DT_F32: FAST_DT(G, DT_F32); break;       \
+            case DT_BF16: FAST_DT(G, DT_BF16); break;     \
+            case DT_F16: FAST_DT(G, DT_F16); break;       \
+            default: FAST_DT(G, DT_I8); break;            \
+        }                                                 \
+        break;
+
+static void fast_dispatch(int G, int kv_dtype, const float *qf, float *o, const void *k_cache,
+                          const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
+                          const int32_t *table, int ctx, int Hkv, int h) {
+    switch (G) {
+        FAST_CASE(1)
+        FAST_CASE(2)
+        FAST_CASE(3)
+        FAST_CASE(4)
+        FAST_CASE(5)
+        FAST_CASE(6)
+        FAST_CASE(7)
+        FAST_CASE(8)
+    }
+}
+
+static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
+    return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
+           (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8);
+}
+#else
+static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
+    (void)G, (void)D, (void)BS, (void)kv_dtype, (void)k_transposed;
+    return 0;
+}
+#endif
+
+/* 1 when this build and these arguments take the vectorized path (for tests and benchmarks). */
+int kvpilot_fast_path(int num_q_heads, int num_kv_heads, int head_dim, int block_size, int kv_dtype,
+                      int k_transposed) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return 0;
+    return fast_path_applies(num_q_heads / num_kv_heads, head_dim, block_size, kv_dtype, k_transposed);
+}
+
 int kvpilot_paged_attention(
     const void *q, int q_dtype, void *out,
     const void *k_cache, const void *v_cache, int kv_dtype, int k_transposed,
@@ -132,7 +291,7 @@ int kvpilot_paged_attention(
     const int32_t *block_tables, int max_blocks,
     const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
     int num_q_heads, int num_kv_heads, int head_dim, int block_size, float sm_scale,
-    int num_threads) {
+    int num_threads, int allow_fast) {
     const int G = num_q_heads / num_kv_heads;
     const int D = head_dim, BS = block_size, Hkv = num_kv_heads, Hq = num_q_heads;
     if (G > MAX_G || D > MAX_D || BS > MAX_BS || G * Hkv != Hq) return -1;
@@ -144,6 +303,7 @@ int kvpilot_paged_attention(
     for (int b = 0; b < num_seqs; b++)
         for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) tok_seq[t] = b;
     const long items = (long)T * Hkv;
+    const int fast = fast_path_applies(G, D, BS, kv_dtype, k_transposed) && allow_fast;
 
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (long item = 0; item < items; item++) {
@@ -155,6 +315,19 @@ int kvpilot_paged_attention(
         const int32_t *table = block_tables + (size_t)b * max_blocks;
 
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];
+#if defined(__AVX512F__)
+        if (fast) {
+            float qs[MAX_FG * FD], o[MAX_FG * FD];
+            for (int g = 0; g < G; g++) {
+                load_row(q, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, 1.0f, qs + g * FD);
+                for (int d = 0; d < D; d++) qs[g * FD + d] *= sm_scale;
+            }
+            fast_dispatch(G, kv_dtype, qs, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h);
+            for (int g = 0; g < G; g++)
+                store_row(out, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, o + g * FD);
+            continue;
+        }
+#endif
         float sg[MAX_G][MAX_BS]; /* scores, then probabilities, of the current block */
         float row[MAX_D];
         for (int g = 0; g < G; g++) {

@@ -161,14 +161,24 @@ def test_padding_slots_are_not_written() -> None:
     assert cache.k.view(-1, HKV, D).sum() == HKV * D
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["fast-path", "generic-loop"])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
-def test_cpu_kernel_matches_reference_on_a_mixed_batch(dtype: torch.dtype, transposed: bool) -> None:
-    """Decodes and prefill chunks in one step, 16-bit cache, realistic head sizes."""
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
+)
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)], ids=["gqa3", "mqa8", "mha"])
+def test_cpu_kernel_matches_reference_on_a_mixed_batch(
+    dtype: torch.dtype, transposed: bool, generic: bool, heads: tuple[int, int]
+) -> None:
+    """Decodes and prefill chunks in one step, realistic head sizes, every cache dtype, both kernel paths.
+
+    Unused slots of the sequences' last blocks hold NaN (stale data of a reused block can be
+    anything): the kernel must mask them, never multiply them in.
+    """
     if not cpu_attention.available():
         pytest.skip("no C compiler for the CPU kernel")
     torch.manual_seed(1)
-    hq, hkv, d, bs = 9, 3, 64, 16
+    (hq, hkv), d, bs = heads, 64, 16
     ctx = [40, 1, 77, 16, 130]  # tokens already cached
     new = [1, 1, 23, 5, 1]
     nb = [(c + n + bs - 1) // bs for c, n in zip(ctx, new, strict=True)]
@@ -187,9 +197,11 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(dtype: torch.dtype, trans
         torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
         torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
     )
-    cache = KVCacheLayer(
-        k, torch.zeros(shape, dtype=dtype), *(scales if quant.is_quantized(dtype) else (None, None))
-    )
+    v = torch.zeros(shape, dtype=dtype)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    cache = KVCacheLayer(k, v, *(scales if quant.is_quantized(dtype) else (None, None)))
     act = torch.bfloat16 if quant.is_quantized(dtype) else dtype
     # fill the cached context through the same write path
     from kvpilot.kernels.attention import write_kv
@@ -219,7 +231,16 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(dtype: torch.dtype, trans
         max_query_len=max(new),
         max_seq_len=max(lens),
     )
-    got = cpu_attention.CPUPagedAttentionBackend().forward(q, kn, vn, cache, meta, d**-0.5)
-    # the reference reads the very cache the kernel read (same layout, same quantized values)
+    write_kv(kn, vn, cache, meta.slot_mapping)
+    fast = cpu_attention.fast_path(hq, cache)
+    if not generic and not fast:
+        pytest.skip("this CPU/build has no vectorized path for this cache (no AVX-512 or fp8)")
+    got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, generic=generic)
+    # the reference reads the very cache the kernel read (same quantized values), NaN slots zeroed:
+    # it multiplies whole gathered blocks by masked probabilities, and 0 * NaN is NaN
+    if dtype.itemsize > 1:
+        cache = KVCacheLayer(torch.nan_to_num(cache.k), torch.nan_to_num(cache.v), None, None)
     want = TorchReferenceBackend().forward(q, kn, vn, cache, meta, d**-0.5)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(got).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
