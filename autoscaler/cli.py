@@ -41,6 +41,19 @@ def _positive_float(flag: str) -> Any:
     return parse
 
 
+def _nonneg_float(flag: str) -> Any:
+    def parse(value: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {value!r}") from None
+        if not v >= 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {value}")
+        return v
+
+    return parse
+
+
 def _nonneg_int(flag: str) -> Any:
     def parse(value: str) -> int:
         try:
@@ -196,6 +209,33 @@ def add_behavior_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.queue_recommendation,
         help=f"how waiting requests become replicas (default {d.queue_recommendation})",
     )
+    g.add_argument(
+        "--arrival-rate",
+        action=argparse.BooleanOptionalAction,
+        default=d.arrival_rate,
+        help="also size for the forecast arrival rate (needs the request_success counter; "
+        f"default {'on' if d.arrival_rate else 'off'})",
+    )
+    g.add_argument(
+        "--arrival-lead",
+        type=_nonneg_float("--arrival-lead"),
+        default=d.arrival_lead_s,
+        metavar="SECONDS",
+        help=f"forecast the arrival rate this far ahead (default {d.arrival_lead_s:g}: about pod startup)",
+    )
+    g.add_argument(
+        "--arrival-trend-window",
+        type=_nonneg_float("--arrival-trend-window"),
+        default=d.arrival_trend_window_s,
+        metavar="SECONDS",
+        help=f"fit the arrival trend over this window (default {d.arrival_trend_window_s:g})",
+    )
+    g.add_argument(
+        "--arrival-headroom",
+        type=_positive_float("--arrival-headroom"),
+        default=d.arrival_headroom,
+        help=f"multiply the forecast arrival rate by this (default {d.arrival_headroom:g})",
+    )
 
 
 def behavior_from_args(args: argparse.Namespace) -> Behavior:
@@ -207,6 +247,10 @@ def behavior_from_args(args: argparse.Namespace) -> Behavior:
         tolerance=getattr(args, "tolerance", d.tolerance),
         scale_down_exponent=getattr(args, "scale_down_exponent", d.scale_down_exponent),
         queue_recommendation=getattr(args, "queue_recommendation", d.queue_recommendation),
+        arrival_rate=getattr(args, "arrival_rate", d.arrival_rate),
+        arrival_lead_s=getattr(args, "arrival_lead", d.arrival_lead_s),
+        arrival_trend_window_s=getattr(args, "arrival_trend_window", d.arrival_trend_window_s),
+        arrival_headroom=getattr(args, "arrival_headroom", d.arrival_headroom),
     )
 
 

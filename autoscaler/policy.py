@@ -10,7 +10,10 @@ Steps, in order (HPA-like where the HPA has an answer):
    held), where a replica's utilization is the larger of its KV use and its batch-slot use
    (running / max_num_seqs, when known); queue = the waiting requests beyond target_queue_per_replica,
    at the rate one replica absorbs them. Each is ignored inside the tolerance band.
-   The raw recommendation is the larger. A ready replica that did not report is never read as idle:
+   Arrival rate (Behavior.arrival_rate): the arrival rate (completions from a per-pod counter plus
+   the change in waiting + running), forecast arrival_lead_s ahead with a rising linear trend, over
+   the rate one replica sustains at the target (its completion rate now, scaled to the target).
+   The raw recommendation is the largest. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
    scale-up window, asks burst_factor more and uses the larger burst rate limit.
@@ -47,6 +50,32 @@ class ScaleEvent:
 
 
 @dataclass(frozen=True)
+class PodCounter:
+    """One replica at the previous sync: its completed-requests counter (None when its source gave a
+    rate instead) and its requests in flight (waiting + running)."""
+
+    pod: str
+    completed: float | None
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class RateSample:
+    time: float
+    rate: float  # requests/s arriving at the fleet
+
+
+@dataclass(frozen=True)
+class ArrivalState:
+    """What the arrival-rate estimate remembers between syncs."""
+
+    time: float | None = None  # of the counters below
+    counters: tuple[PodCounter, ...] = ()
+    rates: tuple[RateSample, ...] = ()  # within Behavior.arrival_trend_window_s
+    service_rate: float | None = None  # requests/s one replica sustains at the target (smoothed)
+
+
+@dataclass(frozen=True)
 class History:
     """What the policy remembers between calls (bounded by targets.history_horizon_s)."""
 
@@ -54,6 +83,7 @@ class History:
     events: tuple[ScaleEvent, ...] = ()
     # (time, total waiting) at the previous sync with metrics, for the queue growth rate.
     last_queue: tuple[float, int] | None = None
+    arrivals: ArrivalState = ArrivalState()
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,10 @@ class Decision:
     recommendation: int  # raw: after the missing-metrics hold, before stabilization and limits
     kv_recommendation: int | None = None
     queue_recommendation: int | None = None
+    arrival_recommendation: int | None = None
+    arrival_rate: float | None = None  # requests/s arriving, measured over the last sync interval
+    arrival_forecast: float | None = None  # requests/s expected Behavior.arrival_lead_s ahead
+    service_rate: float | None = None  # requests/s one replica sustains at the target
     burst: bool = False
     avg_kv_cache_usage: float | None = None
     avg_utilization: float | None = None  # max(KV use, batch-slot use), averaged over reporting replicas
@@ -124,6 +158,102 @@ def _kv_text(avg: float, target: float, tol: float) -> str:
     return f"kv {avg:.2f} {rel} target {target:.2f}"
 
 
+# Counters older than this are not differenced (an autoscaler that was down for a while starts over).
+MAX_COUNTER_AGE_S = 300.0
+# The service-rate estimate is only updated when replicas are at least this share of the target busy:
+# at lower load, completions per replica are a few noisy requests and the extrapolation is long.
+MIN_INFORMATIVE_LOAD = 0.25
+SERVICE_RATE_SMOOTHING = 0.5  # weight of the new estimate
+
+
+def measure_arrivals(
+    snapshot: MetricsSnapshot, previous: ArrivalState, now: float
+) -> tuple[float | None, float | None, tuple[PodCounter, ...]]:
+    """(arrivals/s, completions/s per reporting replica, counters to remember) since the last sync.
+
+    A replica's arrivals over the interval are the requests it finished (counter difference, or its
+    reported completion rate x the interval) plus the change in its requests in flight. A replica
+    not seen at the last sync started empty (it became Ready since), so its counter and in-flight
+    count are all new; that is capped at the busiest known replica's arrivals, in case it was only
+    missing from the last scrape. A counter that went down was reset (the process restarted).
+    A replica without a counter (Prometheus has no rate for a series a few seconds old) is counted
+    like a new one, with no completions. Ready replicas that did not report are assumed to get the
+    average replica's share. None when no replica has a counter, there is no previous sync or it is
+    too old, or no replica was seen both times.
+    """
+    samples = snapshot.samples
+    have_any = any(s.completed_total is not None or s.completion_rate is not None for s in samples)
+    counters = tuple(
+        PodCounter(s.pod, s.completed_total, s.num_running + s.num_waiting)
+        for s in samples
+        if s.completion_rate is not None or s.completed_total is not None
+    )
+    t0 = previous.time
+    if not have_any or t0 is None or not 0.0 < now - t0 <= MAX_COUNTER_AGE_S:
+        return None, None, counters
+    dt = now - t0
+    before = {c.pod: c for c in previous.counters}
+    known_arrivals: list[float] = []
+    known_done: list[float] = []
+    new_arrivals: list[float] = []
+    for s in samples:
+        in_flight = s.num_running + s.num_waiting
+        prev = before.get(s.pod)
+        if s.completion_rate is not None:
+            done = max(0.0, s.completion_rate) * dt
+        elif prev is not None and prev.completed is not None and s.completed_total is not None:
+            diff = s.completed_total - prev.completed
+            done = s.completed_total if diff < 0 else diff
+        else:  # no counter, or none to difference it with: count it as a new replica
+            prev, done = None, s.completed_total or 0.0
+        if prev is None:
+            new_arrivals.append(max(0.0, done + in_flight))
+        else:
+            known_arrivals.append(max(0.0, done + in_flight - prev.in_flight))
+            known_done.append(done)
+    if not known_arrivals:
+        return None, None, counters
+    cap = max(known_arrivals)
+    total = sum(known_arrivals) + sum(min(a, cap) for a in new_arrivals)
+    if snapshot.missing:
+        total *= snapshot.ready_replicas / len(samples)
+    return total / dt, sum(known_done) / dt / len(known_done), counters
+
+
+def forecast_arrivals(rates: tuple[RateSample, ...], now: float, lead_s: float, max_growth: float) -> float:
+    """The arrival rate lead_s ahead: the latest rate plus the least-squares slope of `rates` (the
+    latest included, last) times lead_s. Only rising trends count (a falling one would only speed up
+    scale-down, which the down window is there to slow), and the forecast is at most max_growth x the
+    latest rate."""
+    latest = rates[-1].rate
+    if len(rates) < 2 or lead_s <= 0:
+        return latest
+    n = len(rates)
+    mt = sum(r.time for r in rates) / n
+    mr = sum(r.rate for r in rates) / n
+    var = sum((r.time - mt) ** 2 for r in rates)
+    if var <= 0:
+        return latest
+    slope = sum((r.time - mt) * (r.rate - mr) for r in rates) / var
+    return min(latest + max(0.0, slope) * lead_s, latest * max_growth)
+
+
+def service_rate_at_target(
+    completions_per_replica: float, utilization: float, target: float, exponent_below: float
+) -> float | None:
+    """Requests/s one replica sustains at the target utilization, from what it does now.
+
+    Above the target (queueing, a full batch) throughput is about proportional to utilization. Below
+    it, utilization grows faster than load (as for Behavior.scale_down_exponent): load at the target
+    is load now x (target / u) ** exponent_below (Behavior.arrival_service_exponent). None when the
+    replicas are too idle to say.
+    """
+    if completions_per_replica <= 0 or utilization < MIN_INFORMATIVE_LOAD * target:
+        return None
+    ratio = target / utilization
+    return completions_per_replica * ratio ** (1.0 if ratio < 1.0 else exponent_below)
+
+
 def decide(
     current: int,
     snapshot: MetricsSnapshot,
@@ -148,7 +278,28 @@ def decide(
 
     kv_rec: int | None = None
     queue_rec: int | None = None
+    arrival_rec: int | None = None
     burst = False
+    # The arrival rate is measured (and remembered) whether or not it drives the size.
+    arrivals = history.arrivals
+    arrival_rate, forecast, service_rate = None, None, arrivals.service_rate
+    if n > 0:
+        arrival_rate, per_replica_done, counters = measure_arrivals(snapshot, arrivals, now)
+        rates = tuple(r for r in arrivals.rates if now - b.arrival_trend_window_s < r.time < now)
+        if arrival_rate is not None:
+            rates = (*rates, RateSample(now, arrival_rate))
+            forecast = forecast_arrivals(rates, now, b.arrival_lead_s, b.arrival_max_growth)
+        if per_replica_done is not None and avg_util is not None:
+            estimate = service_rate_at_target(
+                per_replica_done, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
+            )
+            if estimate is not None:
+                service_rate = (
+                    estimate
+                    if service_rate is None
+                    else SERVICE_RATE_SMOOTHING * estimate + (1.0 - SERVICE_RATE_SMOOTHING) * service_rate
+                )
+        arrivals = ArrivalState(now if counters else None, counters, rates, service_rate)
     if n == 0 or avg_kv is None or avg_util is None:
         raw = current
         driver = f"no metrics from 0/{ready} ready replicas" if ready else "no ready replica reports metrics"
@@ -201,6 +352,19 @@ def decide(
         if current > 0 and abs(queue_rec / current - 1.0) <= tol:
             queue_rec = current
         raw = max(kv_rec, queue_rec)
+        a_part = ""
+        if b.arrival_rate and forecast is not None and service_rate:
+            # Capped: a saturated fleet finishing almost nothing gives a tiny service rate.
+            cap = max(current, targets.max_replicas)
+            arrival_rec = _ceil(min(float(cap), forecast * b.arrival_headroom / service_rate))
+            if current > 0 and abs(arrival_rec / current - 1.0) <= tol:
+                arrival_rec = current
+            a_part = f"arrivals {arrival_rate:.2f}/s"
+            if forecast > (arrival_rate or 0.0) + _EPS:
+                a_part += f" (forecast {forecast:.2f}/s in {b.arrival_lead_s:g}s)"
+            a_part += f" at {service_rate:.2f}/s per replica"
+            if arrival_rec > raw:
+                raw = arrival_rec
         kv_part = _kv_text(avg_kv, target_kv, tol)
         if avg_slots is not None and avg_slots > avg_kv:
             kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)
@@ -210,6 +374,12 @@ def decide(
         else:
             driver = f"{kv_part}, {q_part}" if waiting else kv_part
         driver += f" on {n}/{ready} replicas"
+        if a_part:
+            driver = (
+                f"{a_part}, {driver}"
+                if arrival_rec == raw and raw > max(kv_rec, queue_rec)
+                else f"{driver}, {a_part}"
+            )
         if missing:
             driver += f" ({missing} not reporting, held)"
             raw = max(raw, current)
@@ -290,7 +460,7 @@ def decide(
     if desired != current:
         events = (*events, ScaleEvent(now, current, desired))
     last_queue = (now, waiting) if n > 0 else None
-    new_history = History(recommendations=recs, events=events, last_queue=last_queue)
+    new_history = History(recommendations=recs, events=events, last_queue=last_queue, arrivals=arrivals)
 
     verb = "hold" if desired == current else ("up" if desired > current else "down")
     reason = f"{driver} -> {desired}" if desired != current else f"{driver} -> {desired} ({verb})"
@@ -304,6 +474,10 @@ def decide(
         recommendation=raw,
         kv_recommendation=kv_rec,
         queue_recommendation=queue_rec,
+        arrival_recommendation=arrival_rec,
+        arrival_rate=arrival_rate,
+        arrival_forecast=forecast,
+        service_rate=service_rate,
         burst=burst,
         avg_kv_cache_usage=avg_kv,
         avg_utilization=avg_util,

@@ -16,7 +16,14 @@ class ReplicaSample:
     pod: str
     kv_cache_usage: float  # 0..1, share of the KV block pool in use
     num_waiting: int  # requests queued, not yet admitted to the batch
-    num_running: int = 0  # requests in the running batch (used for pod-deletion-cost only)
+    num_running: int = 0  # requests in the running batch (slot use, deletion cost, queue absorption)
+    # Requests this replica has finished since its process started (a counter: kvpilot's
+    # kvpilot_request_success_total, vLLM's vllm:request_success_total). The policy turns the
+    # difference between two syncs, plus the change in waiting + running, into an arrival rate.
+    completed_total: float | None = None
+    # Or the completion rate itself (requests/s), when the source computes it (Prometheus rate()).
+    # Preferred over completed_total when both are set.
+    completion_rate: float | None = None
 
     @property
     def load(self) -> float:

@@ -79,6 +79,7 @@ class Replica:
     batch: list[tuple[SimRequest, int]] = field(default_factory=list)
     version: int = 0
     preemptions: int = 0
+    completed: int = 0  # requests finished: the runtime's request_success counter
 
     @property
     def in_flight(self) -> int:
@@ -89,7 +90,9 @@ class Replica:
         return 1.0 - self.free_blocks / self.cal.num_kv_blocks
 
     def sample(self) -> ReplicaSample:
-        return ReplicaSample(f"r{self.rid}", self.kv_usage, len(self.waiting), len(self.running))
+        return ReplicaSample(
+            f"r{self.rid}", self.kv_usage, len(self.waiting), len(self.running), float(self.completed)
+        )
 
     # -- scheduling ----------------------------------------------------------------------------------
 
@@ -204,6 +207,7 @@ class Replica:
         done = [r for r in self.running if r.generated >= r.output]
         if done:
             self.running = [r for r in self.running if r.generated < r.output]
+            self.completed += len(done)
             for r in done:
                 r.finish = now
                 self.free_blocks += r.blocks

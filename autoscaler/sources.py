@@ -4,7 +4,9 @@ Two plug-ins share one interface (``MetricSource.collect``):
 - PodScrapeSource: GET each Ready pod's /metrics (Prometheus text format) directly.
 - PrometheusSource: instant queries against the Prometheus HTTP API, grouped by pod.
 
-Both understand kvpilot's metric names and vLLM's. A pod that does not answer, answers with an error,
+Both understand kvpilot's metric names and vLLM's. Each sample also carries the replica's finished
+requests, when it exports them (the pod scrape: the counter; Prometheus: its rate over a minute), for
+the policy's arrival-rate estimate. A pod that does not answer, answers with an error,
 or lacks either metric is "not reporting": it gets no sample, and the policy holds its share.
 """
 
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 KV_METRICS = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 WAITING_METRICS = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
 RUNNING_METRICS = ("kvpilot_num_requests_running", "vllm:num_requests_running")
+# Finished requests (a counter, one series per finish reason; summed).
+COMPLETED_METRICS = ("kvpilot_request_success_total", "vllm:request_success_total")
 
 DEFAULT_KV_QUERY = (
     'max by (pod) (kvpilot_kv_cache_usage_ratio{namespace="{namespace}",model_name="{model}"}'
@@ -41,6 +45,13 @@ DEFAULT_QUEUE_QUERY = (
 DEFAULT_RUNNING_QUERY = (
     'sum by (pod) (kvpilot_num_requests_running{namespace="{namespace}",model_name="{model}"}'
     ' or vllm:num_requests_running{namespace="{namespace}",model_name="{model}"})'
+)
+
+# Completions per second over the last minute (the arrival-rate signal; see policy.measure_arrivals).
+# Not in the CRD: a failed or empty answer only leaves the arrival rate out.
+DEFAULT_COMPLETIONS_QUERY = (
+    'sum by (pod) (rate(kvpilot_request_success_total{namespace="{namespace}",model_name="{model}"}[1m])'
+    ' or rate(vllm:request_success_total{namespace="{namespace}",model_name="{model}"}[1m]))'
 )
 
 
@@ -94,7 +105,7 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
 
     Raises MetricsParseError when the page is not Prometheus text format.
     """
-    wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS)
+    wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS) | set(COMPLETED_METRICS)
     values: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -108,12 +119,14 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     if kv is None or waiting is None:
         return None
     running = _series(values, RUNNING_METRICS, model) or [0.0]
+    completed = _series(values, COMPLETED_METRICS, model)
     return ReplicaSample(
         pod=pod,
         # A ratio: several series (one per engine, say) are averaged; counts are summed.
         kv_cache_usage=min(1.0, max(0.0, sum(kv) / len(kv))),
         num_waiting=max(0, round(sum(waiting))),
         num_running=max(0, round(sum(running))),
+        completed_total=None if completed is None else max(0.0, sum(completed)),
     )
 
 
@@ -226,6 +239,7 @@ class PrometheusSource:
         kv_query: str | None = None,
         queue_query: str | None = None,
         running_query: str | None = DEFAULT_RUNNING_QUERY,
+        completions_query: str | None = DEFAULT_COMPLETIONS_QUERY,
         timeout_s: float = 5.0,
         session: aiohttp.ClientSession | None = None,
         pod_label: str = "pod",
@@ -234,6 +248,7 @@ class PrometheusSource:
         self.kv_query = kv_query or DEFAULT_KV_QUERY
         self.queue_query = queue_query or DEFAULT_QUEUE_QUERY
         self.running_query = running_query
+        self.completions_query = completions_query
         self.timeout_s = timeout_s
         self.pod_label = pod_label
         self._session = session
@@ -261,13 +276,31 @@ class PrometheusSource:
                 raise PrometheusQueryError(f"HTTP {resp.status}")
             return parse_query_response(body, self.pod_label)
 
+    async def _optional_query(self, model: ModelRef, template: str | None) -> dict[str, float]:
+        """A query whose failure only leaves its signal out (logged), never the whole snapshot."""
+        if not template:
+            return {}
+        try:
+            return await self.query(render_query(template, model.namespace, model.served_name))
+        except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
+            log.info(
+                "%s/%s: optional Prometheus query failed (%s); left out",
+                model.namespace,
+                model.name,
+                exc or type(exc).__name__,
+            )
+            return {}
+
     async def collect(self, model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
         queries = [self.kv_query, self.queue_query]
         if self.running_query:
             queries.append(self.running_query)
         rendered = [render_query(q, model.namespace, model.served_name) for q in queries]
         try:
-            results = await asyncio.gather(*(self.query(q) for q in rendered))
+            results, completions = await asyncio.gather(
+                asyncio.gather(*(self.query(q) for q in rendered)),
+                self._optional_query(model, self.completions_query),
+            )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.warning(
                 "%s/%s: Prometheus at %s failed (%s); no replica reporting",
@@ -288,6 +321,7 @@ class PrometheusSource:
                         kv_cache_usage=min(1.0, max(0.0, kv[p.name])),
                         num_waiting=max(0, round(waiting[p.name])),
                         num_running=max(0, round(running.get(p.name, 0.0))),
+                        completion_rate=None if p.name not in completions else max(0.0, completions[p.name]),
                     )
                 )
         return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples))

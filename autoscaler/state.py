@@ -6,16 +6,27 @@ status.autoscaler (written by field manager kvpilot-autoscaler with a merge patc
   history: [{time, replicas}]            recommendations inside the longest stabilization window
   scaleEvents: [{time, fromReplicas, toReplicas}]   scale changes inside the longest rate-limit period
   lastScaleTime
-Times are RFC 3339 UTC strings. Everything here is pure: dicts in, dataclasses out, and back.
+  arrivals: {time, pods: [{pod, completed, inFlight}], rates: [{time, rate}], serviceRate}
+                                         the arrival-rate estimate's counters and trend (policy.ArrivalState)
+Times are RFC 3339 UTC strings (arrivals' with milliseconds: rates are counter differences over them). Everything here is pure: dicts in, dataclasses out, and back.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from kvpilot.autoscaler.policy import Decision, History, Recommendation, ScaleEvent
+from kvpilot.autoscaler.policy import (
+    ArrivalState,
+    Decision,
+    History,
+    PodCounter,
+    RateSample,
+    Recommendation,
+    ScaleEvent,
+)
 
 MAX_REASON = 1024  # the CRD's maxLength for lastDecision.reason
 
@@ -23,6 +34,11 @@ MAX_REASON = 1024  # the CRD's maxLength for lastDecision.reason
 def format_time(t: float) -> str:
     """RFC 3339 with second precision (what Kubernetes itself writes)."""
     return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def format_time_ms(t: float) -> str:
+    """RFC 3339 with milliseconds, for the arrival estimate's counter times."""
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def parse_time(value: Any) -> float | None:
@@ -42,6 +58,57 @@ def _int(value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+def arrivals_from_status(block: Any) -> ArrivalState:
+    """Read back arrivals_to_status; entries that do not parse are skipped (a pod without its
+    entry is counted as new, capped: see policy.measure_arrivals)."""
+    if not isinstance(block, Mapping):
+        return ArrivalState()
+    pods: list[PodCounter] = []
+    for item in block.get("pods") or []:
+        if not isinstance(item, Mapping) or not isinstance(item.get("pod"), str):
+            continue
+        in_flight = _int(item.get("inFlight"))
+        completed = item.get("completed")
+        done = None if completed is None else _number(completed)
+        if in_flight is None or in_flight < 0 or (completed is not None and done is None):
+            continue
+        pods.append(PodCounter(item["pod"], done, in_flight))
+    rates: list[RateSample] = []
+    for item in block.get("rates") or []:
+        if not isinstance(item, Mapping):
+            continue
+        t, r = parse_time(item.get("time")), _number(item.get("rate"))
+        if t is not None and r is not None:
+            rates.append(RateSample(t, r))
+    rates.sort(key=lambda r: r.time)
+    service = _number(block.get("serviceRate"))
+    return ArrivalState(
+        time=parse_time(block.get("time")),
+        counters=tuple(pods),
+        rates=tuple(rates),
+        service_rate=service if service else None,
+    )
+
+
+def arrivals_to_status(state: ArrivalState) -> dict[str, Any]:
+    block: dict[str, Any] = {
+        "pods": [{"pod": c.pod, "completed": c.completed, "inFlight": c.in_flight} for c in state.counters],
+        "rates": [{"time": format_time_ms(r.time), "rate": round(r.rate, 4)} for r in state.rates],
+    }
+    if state.time is not None:
+        block["time"] = format_time_ms(state.time)
+    if state.service_rate is not None:
+        block["serviceRate"] = round(state.service_rate, 4)
+    return block
 
 
 def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:
@@ -86,7 +153,12 @@ def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:
             events.append(ScaleEvent(last_scale, f, to))
     recs.sort(key=lambda r: r.time)
     events.sort(key=lambda e: e.time)
-    return History(recommendations=tuple(recs), events=tuple(events), last_queue=last_queue)
+    return History(
+        recommendations=tuple(recs),
+        events=tuple(events),
+        last_queue=last_queue,
+        arrivals=arrivals_from_status(autoscaler_status.get("arrivals")),
+    )
 
 
 def kv_cache_usage_text(avg_kv: float | None) -> str | None:
@@ -118,6 +190,7 @@ def decision_to_status(decision: Decision, now: float, previous: Mapping[str, An
             for e in h.events
         ],
     }
+    block["arrivals"] = arrivals_to_status(h.arrivals)
     if decision.desired != decision.current:
         block["lastScaleTime"] = format_time(now)
     elif previous and previous.get("lastScaleTime"):

@@ -318,3 +318,46 @@ def test_batch_slots_come_from_the_spec_and_oom_overrides():
     assert runtime_max_num_seqs({"runtime": {"maxNumSeqs": 8}}, {}) == 8
     lowered = {"oomAdaptation": {"overrides": {"maxNumSeqs": 4}}}
     assert runtime_max_num_seqs({"runtime": {"maxNumSeqs": 8}}, lowered) == 4
+
+
+async def test_restart_continues_the_arrival_rate_from_status():
+    """The per-pod counters are in status.autoscaler.arrivals: a new controller differences against them."""
+    kube = FakeKube(model(2), [pod("a"), pod("b")])
+    src = FakeSource()
+    src.samples = {n: ReplicaSample(n, 0.5, 0, 10, completed_total=100.0) for n in "ab"}
+    r = (await make(kube, src, [T0]).sync_all())[0]
+    assert r.decision.arrival_rate is None  # nothing to difference yet
+    block = calls(kube, "status")[-1]["autoscaler"]
+    assert block["arrivals"]["pods"] == [
+        {"pod": "a", "completed": 100.0, "inFlight": 10},
+        {"pod": "b", "completed": 100.0, "inFlight": 10},
+    ]
+    src.samples = {n: ReplicaSample(n, 0.5, 1, 10, completed_total=130.0) for n in "ab"}
+    r = (await make(kube, src, [T0 + 15.5]).sync_all())[0]
+    assert r.decision.arrival_rate == pytest.approx(2 * 31 / 15.5)  # millisecond times in status
+
+
+def test_arrival_state_round_trips_and_skips_garbage():
+    from kvpilot.autoscaler.policy import ArrivalState, PodCounter, RateSample
+    from kvpilot.autoscaler.state import arrivals_from_status, arrivals_to_status
+
+    state = ArrivalState(
+        T0 + 0.25,
+        (PodCounter("a", 12.0, 3), PodCounter("b", None, 0)),
+        (RateSample(T0 - 15.5, 2.5), RateSample(T0 + 0.25, 3.0)),
+        4.5,
+    )
+    assert arrivals_from_status(json.loads(json.dumps(arrivals_to_status(state)))) == state
+    garbage = {
+        "time": "soon",
+        "pods": [
+            {"pod": "a", "completed": "x", "inFlight": 1},
+            {"pod": 3},
+            {"pod": "b", "inFlight": -1},
+            "z",
+        ],
+        "rates": [{"time": "never", "rate": 1}, {"time": format_time(T0), "rate": float("nan")}],
+        "serviceRate": -1,
+    }
+    assert arrivals_from_status(garbage) == ArrivalState()
+    assert arrivals_from_status("nope") == ArrivalState()

@@ -7,12 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.autoscaler.policy import (
+    ArrivalState,
     History,
+    PodCounter,
+    RateSample,
     Recommendation,
     ScaleEvent,
     decide,
+    forecast_arrivals,
+    measure_arrivals,
     scale_down_limit,
     scale_up_limit,
+    service_rate_at_target,
 )
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets
@@ -323,3 +329,155 @@ def test_least_loaded_queue_ignores_a_backlog_stranded_on_one_replica():
     # Every replica queueing beyond the target: the arrival share is too much for a replica.
     busy = snap([0.9, 0.9, 0.9], waiting=[30, 20, 14])
     assert decide(3, busy, least, History(), NOW).queue_recommendation > 3
+
+
+# -- the arrival-rate recommendation ---------------------------------------------------------------------
+
+
+def csnap(pods: list[tuple[str, float, int, int, float | None]], ready: int | None = None) -> MetricsSnapshot:
+    """(pod, kv, waiting, running, completed_total) per reporting replica."""
+    samples = tuple(ReplicaSample(p, kv, w, r, c) for p, kv, w, r, c in pods)
+    return MetricsSnapshot(ready_replicas=len(samples) if ready is None else ready, samples=samples)
+
+
+def test_arrivals_are_completions_plus_in_flight_growth():
+    before = ArrivalState(NOW - 15, (PodCounter("a", 100.0, 10), PodCounter("b", 50.0, 10)))
+    snapshot = csnap([("a", 0.5, 2, 10, 130.0), ("b", 0.5, 0, 12, 80.0)])
+    rate, done, counters = measure_arrivals(snapshot, before, NOW)
+    # a: 30 done + 2 more in flight; b: 30 done + 2 more in flight -> 64 over 15 s.
+    assert rate == pytest.approx(64 / 15)
+    assert done == pytest.approx(30 / 15)  # per replica
+    assert counters == (PodCounter("a", 130.0, 12), PodCounter("b", 80.0, 12))
+
+
+def test_arrivals_handle_new_pods_resets_and_missing_replicas():
+    before = ArrivalState(NOW - 10, (PodCounter("a", 100.0, 5),))
+    # a restarted (counter went down: it counts from 0); c is new and started empty; its count is
+    # capped at the busiest known replica's arrivals in case it only missed the last scrape.
+    snapshot = csnap([("a", 0.5, 0, 5, 20.0), ("c", 0.5, 0, 5, 500.0)])
+    rate, _, _ = measure_arrivals(snapshot, before, NOW)
+    assert rate == pytest.approx((20 + 0 + 20) / 10)
+    # A Ready replica that did not report is taken to get the average share.
+    rate_missing, _, _ = measure_arrivals(csnap([("a", 0.5, 0, 5, 120.0)], ready=2), before, NOW)
+    assert rate_missing == pytest.approx(2 * 20 / 10)
+    # A Prometheus rate instead of a counter.
+    prom = MetricsSnapshot(1, (ReplicaSample("a", 0.5, 0, 7, completion_rate=3.0),))
+    rate_prom, done_prom, _ = measure_arrivals(prom, before, NOW)
+    assert rate_prom == pytest.approx((30 + 2) / 10) and done_prom == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    "previous",
+    [
+        ArrivalState(),  # first sync: nothing to difference
+        ArrivalState(NOW - 3600, (PodCounter("a", 1.0, 0),)),  # too old
+        ArrivalState(NOW - 15, (PodCounter("z", 1.0, 0),)),  # nobody seen twice
+    ],
+)
+def test_no_arrival_rate_without_a_previous_sync(previous: ArrivalState):
+    rate, done, counters = measure_arrivals(csnap([("a", 0.5, 0, 5, 10.0)]), previous, NOW)
+    assert rate is None and done is None
+    assert counters == (PodCounter("a", 10.0, 5),)  # remembered for the next sync
+
+
+def test_no_counter_no_arrival_rate():
+    before = ArrivalState(NOW - 15, (PodCounter("a", 1.0, 0),))
+    assert measure_arrivals(snap([0.5]), before, NOW) == (None, None, ())
+
+
+def test_forecast_follows_a_rising_trend_only_and_is_capped():
+    rising = tuple(RateSample(NOW - 60 + 15 * i, 10.0 + 0.1 * 15 * i) for i in range(5))
+    assert forecast_arrivals(rising, NOW, 60.0, 2.0) == pytest.approx(16.0 + 0.1 * 60)
+    falling = tuple(RateSample(NOW - 60 + 15 * i, 20.0 - 15 * 0.1 * i) for i in range(5))
+    assert forecast_arrivals(falling, NOW, 60.0, 2.0) == pytest.approx(14.0)
+    steep = (RateSample(NOW - 15, 1.0), RateSample(NOW, 10.0))
+    assert forecast_arrivals(steep, NOW, 60.0, 2.0) == pytest.approx(20.0)
+    assert forecast_arrivals(rising[-1:], NOW, 60.0, 2.0) == pytest.approx(16.0)
+    assert forecast_arrivals(rising, NOW, 0.0, 2.0) == pytest.approx(16.0)
+
+
+def test_service_rate_at_target():
+    # Above target: proportional (a replica at 1.4x the target does 2x what it would at the target).
+    assert service_rate_at_target(4.0, 1.4, 0.7, 0.5) == pytest.approx(2.0)
+    # Below: load grows as utilization ** 0.5 (quadratic), so 4x the utilization is 2x the load.
+    assert service_rate_at_target(1.0, 0.175, 0.7, 0.5) == pytest.approx(2.0)
+    assert service_rate_at_target(1.0, 0.175, 0.7, 1.0) == pytest.approx(4.0)
+    assert service_rate_at_target(1.0, 0.1, 0.7, 0.5) is None  # too idle to extrapolate from
+    assert service_rate_at_target(0.0, 0.5, 0.7, 0.5) is None
+
+
+def test_arrival_rate_scales_up_before_kv_and_queue_do():
+    t = targets()
+    # 2 replicas at the KV target: KV and queue say hold. Arrivals rose from 10/s to 16/s over the
+    # last minute, and each replica sustains ~5/s at the target (it finishes 5/s at u = 0.7).
+    rates = tuple(RateSample(NOW - 60 + 15 * i, 10.0 + 1.5 * i) for i in range(4))
+    h = History(
+        arrivals=ArrivalState(
+            NOW - 15, (PodCounter("a", 0.0, 40), PodCounter("b", 0.0, 40)), rates, service_rate=5.0
+        )
+    )
+    pods = [("a", 0.7, 0, 40 + 45, 75.0), ("b", 0.7, 0, 40 + 45, 75.0)]
+    d = decide(2, csnap(pods), t, h, NOW)
+    assert d.kv_recommendation == 2 and d.queue_recommendation == 0  # nothing waits
+    assert d.arrival_rate == pytest.approx(2 * (75 + 45) / 15)  # 16/s
+    assert d.service_rate == pytest.approx(5.0)
+    assert d.arrival_forecast is not None and d.arrival_forecast > d.arrival_rate
+    assert d.arrival_recommendation == d.desired == 5  # ceil(22 / 5)
+    assert d.reason.startswith("arrivals 16.00/s (forecast")
+    # The same with the option off: hold.
+    off = decide(2, csnap(pods), targets(behavior=Behavior(arrival_rate=False)), h, NOW)
+    assert off.desired == 2 and off.arrival_recommendation is None
+    assert off.arrival_rate == d.arrival_rate  # still measured (and remembered)
+
+
+def test_arrival_state_continues_across_calls():
+    t = targets()
+    h = History()
+    total = 0.0
+    d = None
+    for i in range(6):
+        total += 60.0  # 4/s finished per replica, nothing queues
+        pods = [("a", 0.7, 0, 20, total), ("b", 0.7, 0, 20, total)]
+        d = decide(2, csnap(pods), t, h, NOW + 15 * i)
+        h = d.history
+    assert d is not None and d.arrival_rate == pytest.approx(8.0)
+    assert d.service_rate == pytest.approx(4.0)  # at the target: what it does now
+    assert d.arrival_recommendation == 2 and d.desired == 2
+    assert len(h.arrivals.rates) == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    current=st.integers(1, 12),
+    pods=st.lists(
+        st.tuples(
+            st.floats(0, 1),
+            st.integers(0, 50),
+            st.integers(0, 64),
+            st.one_of(st.none(), st.floats(0, 1e4)),
+        ),
+        min_size=0,
+        max_size=8,
+    ),
+    before=st.lists(st.tuples(st.floats(0, 1e4), st.integers(0, 100)), max_size=8),
+    service=st.one_of(st.none(), st.floats(0.01, 100)),
+)
+def test_arrival_rate_only_ever_adds_replicas(
+    current: int,
+    pods: list[tuple[float, int, int, float | None]],
+    before: list[tuple[float, int]],
+    service: float | None,
+):
+    """Combined as the max: whatever the counters say (or lack), the recommendation is never below
+    what the policy without the arrival term recommends."""
+    snapshot = csnap(
+        [(f"p{i}", kv, w, r, c) for i, (kv, w, r, c) in enumerate(pods)], ready=max(len(pods), 1)
+    )
+    prev = ArrivalState(
+        NOW - 15, tuple(PodCounter(f"p{i}", c, f) for i, (c, f) in enumerate(before)), (), service
+    )
+    h = History(arrivals=prev)
+    on = decide(current, snapshot, targets(), h, NOW)
+    off = decide(current, snapshot, targets(behavior=Behavior(arrival_rate=False)), h, NOW)
+    assert on.recommendation >= off.recommendation
+    assert on.desired >= off.desired

@@ -186,5 +186,17 @@ def test_cli_behavior_flags_reach_the_policy():
     assert b.scale_up.period_s == 60.0
     assert b.scale_down_exponent == 1.0 and b.queue_recommendation == "least-loaded"
     assert b.tolerance == 0.05
+    assert b.arrival_rate  # on by default
+    args = parser.parse_args(
+        [
+            "simulate", "--trace", "t.csv", "--no-arrival-rate", "--arrival-lead", "0",
+            "--arrival-trend-window", "90", "--arrival-headroom", "1.2",
+        ]
+    )  # fmt: skip
+    b = behavior_from_args(args)
+    assert not b.arrival_rate and b.arrival_lead_s == 0.0
+    assert b.arrival_trend_window_s == 90.0 and b.arrival_headroom == 1.2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--trace", "t.csv", "--arrival-lead", "-1"])
     with pytest.raises(SystemExit):
         parser.parse_args(["simulate", "--trace", "t.csv", "--scale-down-rule", "1,2"])

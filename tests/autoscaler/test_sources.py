@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvpilot.autoscaler.sources import (
     DEFAULT_KV_QUERY,
@@ -25,11 +25,18 @@ from kvpilot.autoscaler.sources import (
 MODEL = ModelRef("ml", "llama", "llama")
 
 
-def kvpilot_page(kv: float, waiting: int, running: int = 3, model: str = "llama") -> str:
+def kvpilot_page(
+    kv: float, waiting: int, running: int = 3, model: str = "llama", finished: dict[str, int] | None = None
+) -> str:
     reg = CollectorRegistry()
     Gauge("kvpilot_kv_cache_usage_ratio", "kv", ["model_name"], registry=reg).labels(model).set(kv)
     Gauge("kvpilot_num_requests_waiting", "w", ["model_name"], registry=reg).labels(model).set(waiting)
     Gauge("kvpilot_num_requests_running", "r", ["model_name"], registry=reg).labels(model).set(running)
+    if finished is not None:
+        # As runtime/metrics.py declares it: one series per finish reason.
+        c = Counter("kvpilot_request_success", "done", ["model_name", "finished_reason"], registry=reg)
+        for reason, n in finished.items():
+            c.labels(model, reason).inc(n)
     return generate_latest(reg).decode()
 
 
@@ -78,6 +85,19 @@ def test_parse_garbage_raises():
 def test_parse_nan_is_not_reporting():
     page = "kvpilot_kv_cache_usage_ratio NaN\nkvpilot_num_requests_waiting 1\n"
     assert parse_metrics_text(page, "p0") is None
+
+
+def test_parse_completed_requests_counter():
+    sample = parse_metrics_text(kvpilot_page(0.5, 1, finished={"stop": 7, "length": 5}), "p0", "llama")
+    assert sample is not None and sample.completed_total == 12.0
+    assert parse_metrics_text(kvpilot_page(0.5, 1), "p0", "llama").completed_total is None  # type: ignore[union-attr]
+    vllm = VLLM_PAGE + (
+        "# TYPE vllm:request_success_total counter\n"
+        'vllm:request_success_total{finished_reason="stop",model_name="meta-llama/Llama-3.1-8B"} 40.0\n'
+        'vllm:request_success_total{finished_reason="length",model_name="meta-llama/Llama-3.1-8B"} 2.0\n'
+    )
+    sample = parse_metrics_text(vllm, "p0", "llama")
+    assert sample is not None and sample.completed_total == 42.0
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
@@ -180,6 +200,10 @@ async def prometheus() -> AsyncIterator[tuple[dict[str, object], int]]:
                 {"metric": {"pod": "b"}, "value": [0, "0.5"]},
                 {"metric": {"pod": "gone"}, "value": [0, "0.1"]},  # stale series of a deleted pod
             ]
+        elif "request_success" in q:
+            if state.get("fail_completions"):
+                return web.json_response({"status": "error", "error": "no such metric"}, status=400)
+            result = [{"metric": {"pod": "a"}, "value": [0, "2.5"]}]
         elif "waiting" in q:
             result = [
                 {"metric": {"pod": "a"}, "value": [0, "3"]},
@@ -214,6 +238,21 @@ async def test_prometheus_source_groups_by_pod(prometheus):
     queries = state["queries"]
     assert any('kvpilot_kv_cache_usage_ratio{namespace="ml",model_name="llama"}' in q for q in queries)
     assert any("vllm:gpu_cache_usage_perc" in q for q in queries)
+    assert snap.samples[0].completion_rate == 2.5
+    assert any(
+        'rate(kvpilot_request_success_total{namespace="ml",model_name="llama"}[1m])' in q for q in queries
+    )
+
+
+async def test_prometheus_completions_query_failing_only_leaves_the_rate_out(prometheus):
+    state, port = prometheus
+    state["fail_completions"] = True
+    src = PrometheusSource(f"http://127.0.0.1:{port}/")
+    try:
+        snap = await src.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+    finally:
+        await src.close()
+    assert [(s.pod, s.num_waiting, s.completion_rate) for s in snap.samples] == [("a", 3, None)]
 
 
 async def test_prometheus_custom_templates_and_failure_means_not_reporting(prometheus):
