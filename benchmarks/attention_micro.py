@@ -47,10 +47,10 @@ def best_ms(fn: Callable[[], Any], seconds: float = 1.0, repeats: int = 5) -> fl
 
 
 def make_case(
-    qlens: list[int], seq_lens: list[int], dtype: torch.dtype, transposed_k: bool
+    qlens: list[int], seq_lens: list[int], dtype: torch.dtype, tiled: bool
 ) -> tuple[torch.Tensor, Any, Any]:
     from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer
-    from kvpilot.kernels.cpu_attention import transposed_k_cache
+    from kvpilot.kernels.cpu_attention import head_major_v_cache, transposed_k_cache
 
     nblocks = [(s + BS - 1) // BS for s in seq_lens]
     total = sum(nblocks)
@@ -61,12 +61,14 @@ def make_case(
         row = perm[start : start + nb].tolist()
         tables.append(row + [0] * (width - nb))
         start += nb
-    if transposed_k:
+    if tiled:  # the layout the engine allocates for the CPU kernel
         k = transposed_k_cache(total, BS, HKV, D, dtype=dtype)
         k.copy_(torch.randn(total, BS, HKV, D).to(dtype))
+        v = head_major_v_cache(total, BS, HKV, D, dtype=dtype)
+        v.copy_(torch.randn(total, BS, HKV, D).to(dtype))
     else:
         k = torch.randn(total, BS, HKV, D).to(dtype)
-    v = torch.randn(total, BS, HKV, D).to(dtype)
+        v = torch.randn(total, BS, HKV, D).to(dtype)
     qsl = [0]
     for n in qlens:
         qsl.append(qsl[-1] + n)
@@ -109,7 +111,7 @@ def run_case(name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtyp
     }
     with torch.inference_mode():
         if cpu_attention.available():
-            q, cache, meta = make_case(qlens, seq_lens, dtype, transposed_k=True)
+            q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=True)
             out["cpu-paged"] = figures(
                 best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale)), pairs, kv_bytes
             )
@@ -119,7 +121,7 @@ def run_case(name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtyp
                 pairs,
                 kv_bytes,
             )
-        q, cache, meta = make_case(qlens, seq_lens, dtype, transposed_k=False)
+        q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=False)
         ref = TorchReferenceBackend()
         fn = ref._decode if meta.decode_only else ref._varlen
         out["torch-ref"] = figures(best_ms(lambda: fn(q, cache, meta, scale)), pairs, kv_bytes)

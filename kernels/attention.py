@@ -73,52 +73,29 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values [T, Hkv, D] into their slots."""
-    from kvpilot.kernels import quant
-
-    num_blocks, block_size, h, d = cache.k.shape
+    """Scatter new keys/values [T, Hkv, D] into their slots (negative slots are padding: skipped)."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    if not cache.k.is_contiguous():  # transposed K storage (the CPU kernel's layout): strided writes
-        kq, ks = (k.to(cache.k.dtype), None) if cache.k_scale is None else quant.quantize(k, cache.k.dtype)
-        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        if kq.dtype == torch.float8_e4m3fn:
-            _raw(cache.k)[blocks, offsets] = kq.view(torch.uint8)
-        else:
-            cache.k[blocks, offsets] = kq
-        if ks is not None:
-            assert cache.k_scale is not None
-            cache.k_scale.view(-1, h).index_copy_(0, slot_mapping, ks)
-        _write_rows(v, cache.v, cache.v_scale, slot_mapping)
-        return
-    kf = cache.k.view(num_blocks * block_size, h, d)
-    vf = cache.v.view(num_blocks * block_size, h, d)
-    if cache.k_scale is None:
-        kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
-        vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
-        return
-    assert cache.v_scale is not None
-    kq, ks = quant.quantize(k, cache.k.dtype)
-    vq, vs = quant.quantize(v, cache.v.dtype)
-    # copy raw bytes: CPU index kernels do not cover float8
-    kf.view(torch.uint8).index_copy_(0, slot_mapping, kq.view(torch.uint8))
-    vf.view(torch.uint8).index_copy_(0, slot_mapping, vq.view(torch.uint8))
-    cache.k_scale.view(-1, h).index_copy_(0, slot_mapping, ks)
-    cache.v_scale.view(-1, h).index_copy_(0, slot_mapping, vs)
+    _write_rows(k, cache.k, cache.k_scale, slot_mapping)
+    _write_rows(v, cache.v, cache.v_scale, slot_mapping)
 
 
 def _write_rows(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> None:
+    """Write rows x [T, H, D] into their slots of one cache tensor, quantized when it has scales."""
     from kvpilot.kernels import quant
 
     nb, bs, h, d = dst.shape
-    flat = dst.view(nb * bs, h, d)
-    if scale is None:
-        flat.index_copy_(0, slots, x.to(dst.dtype))
-        return
-    xq, xs = quant.quantize(x, dst.dtype)
-    flat.view(torch.uint8).index_copy_(0, slots, xq.view(torch.uint8))
-    scale.view(-1, h).index_copy_(0, slots, xs)
+    xq, xs = (x.to(dst.dtype), None) if scale is None else quant.quantize(x, dst.dtype)
+    if xs is not None:
+        assert scale is not None
+        scale.view(-1, h).index_copy_(0, slots, xs)
+    # raw bytes for float8: CPU index kernels do not cover it
+    raw, rows = (_raw(dst), xq.view(torch.uint8)) if xq.dtype == torch.float8_e4m3fn else (dst, xq)
+    if dst.is_contiguous():
+        raw.view(nb * bs, h, d).index_copy_(0, slots, rows)
+    else:  # tiled storage (the CPU kernel's K^T / head-major V): strided writes
+        raw[slots // bs, slots % bs] = rows
 
 
 def gather_kv(

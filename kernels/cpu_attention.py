@@ -85,7 +85,7 @@ def _library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build()))
     fn = lib.kvpilot_paged_attention
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, i, p, p, p, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
+    fn.argtypes = [p, i, p, p, p, i, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
     fn.restype = ctypes.c_int
     probe = lib.kvpilot_fast_path
     probe.argtypes = [i, i, i, i, i, i]
@@ -112,6 +112,28 @@ def k_transposed(k: torch.Tensor) -> bool:
     if k.stride() != (h * d * bs, 1, d * bs, bs):
         raise ValueError(f"unsupported K cache strides {k.stride()} for shape {tuple(k.shape)}")
     return True
+
+
+def v_head_major(v: torch.Tensor) -> bool:
+    """True for a [NB, BS, H, D] view of [NB, H, BS, D] storage (see head_major_v_cache)."""
+    if v.is_contiguous():
+        return False
+    _, bs, h, d = v.shape
+    if v.stride() != (h * bs * d, d, bs * d, 1):
+        raise ValueError(f"unsupported V cache strides {v.stride()} for shape {tuple(v.shape)}")
+    return True
+
+
+def head_major_v_cache(
+    num_blocks: int, block_size: int, num_heads: int, head_dim: int, **kw: object
+) -> torch.Tensor:
+    """V storage as [NB, H, BS, D] (each block's rows grouped by head), as a [NB, BS, H, D] view.
+
+    With transposed_k_cache, one (block, head) pair's keys and values are two contiguous tiles, which
+    the kernel streams; in the [NB, BS, H, D] layout a head's rows are strided by H * D elements.
+    """
+    storage = torch.zeros(num_blocks, num_heads, block_size, head_dim, **kw)  # type: ignore[call-overload]
+    return storage.permute(0, 2, 1, 3)
 
 
 def transposed_k_cache(
@@ -164,6 +186,7 @@ def paged_attention(
         cache.v.data_ptr(),
         _DTYPES[cache.k.dtype],
         int(k_transposed(cache.k)),
+        int(v_head_major(cache.v)),
         _ptr(cache.k_scale),
         _ptr(cache.v_scale),
         tables.data_ptr(),
@@ -186,7 +209,7 @@ def paged_attention(
 
 class CPUPagedAttentionBackend:
     name = "cpu-paged"
-    transposed_k = True  # the model runner allocates K with transposed_k_cache()
+    tiled_kv = True  # the model runner allocates transposed_k_cache() K and head_major_v_cache() V
 
     def forward(
         self,

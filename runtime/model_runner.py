@@ -73,20 +73,22 @@ def kv_geometry(arch: Any, block_size: int, dtype: torch.dtype, tp_size: int = 1
 
 
 def allocate_kv_cache(
-    geo: KVGeometry, num_blocks: int, device: torch.device, transposed_k: bool = False
+    geo: KVGeometry, num_blocks: int, device: torch.device, tiled: bool = False
 ) -> list[KVCacheLayer]:
-    """One [num_blocks, block_size, kv_heads, head_dim] K and V per layer (K may be stored transposed
-    per block for the CPU kernel; it is still seen through that logical shape)."""
-    from kvpilot.kernels.cpu_attention import transposed_k_cache
+    """One [num_blocks, block_size, kv_heads, head_dim] K and V per layer. `tiled`: the CPU kernel's
+    storage (K^T and V tiles per block and head, see kernels/cpu_attention.py), seen through the
+    same logical shape."""
+    from kvpilot.kernels.cpu_attention import head_major_v_cache, transposed_k_cache
 
     shape = (num_blocks, geo.block_size, geo.num_kv_heads, geo.head_dim)
     layers = []
     for _ in range(geo.num_layers):
-        if transposed_k:
+        if tiled:
             k = transposed_k_cache(*shape, dtype=geo.dtype, device=device)
+            v = head_major_v_cache(*shape, dtype=geo.dtype, device=device)
         else:
             k = torch.zeros(shape, dtype=geo.dtype, device=device)
-        v = torch.zeros(shape, dtype=geo.dtype, device=device)
+            v = torch.zeros(shape, dtype=geo.dtype, device=device)
         ks = vs = None
         if quant.is_quantized(geo.dtype):
             ks = torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE, device=device)
@@ -171,8 +173,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.backend = backend or select_backend(device, quant.is_quantized(geometry.dtype))
-        transposed = bool(getattr(self.backend, "transposed_k", False))
-        self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, transposed)
+        tiled = bool(getattr(self.backend, "tiled_kv", False))
+        self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, tiled)
         log.info(
             "KV pool: %d blocks x %d tokens (%.0f MiB, %s, attention backend %s)",
             num_blocks,

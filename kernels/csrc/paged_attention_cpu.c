@@ -7,6 +7,8 @@
  *   k_cache/v_cache: [NB, BS, Hkv, D]      element type kv_dtype
  *   k_cache when k_transposed: [NB, Hkv, D, BS] storage: each block holds K^T per head, so the
  *                    scores of a whole block are D vector FMAs across its keys, no horizontal sums
+ *   v_cache when v_head_major: [NB, Hkv, BS, D] storage, so with K^T a (block, head) pair's keys and
+ *                    values are two contiguous tiles (streamed, not strided across the heads)
  *   k/v_scale:       [NB, BS, Hkv] float16 (only for int8 / fp8 storage; x = q * scale)
  *   block_tables:    [B, max_blocks] int32
  *   query_start_loc: [B + 1] int32;  seq_lens: [B] int32 (context length after this step)
@@ -175,7 +177,8 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
 /* One (token, kv head) item: qf [G][64] already scaled; writes the normalized output to o [G][64]. */
 static inline __attribute__((always_inline)) void fast_item(
     const int G, const int dt, const float *qf, float *o, const void *k_cache, const void *v_cache,
-    const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *table, int ctx, int Hkv, int h) {
+    const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *table, int ctx, int Hkv, int h,
+    int vhm) {
     __m512 acc[MAX_FG][4];
     float m[MAX_FG], l[MAX_FG];
     float pb[MAX_FG][FBS];
@@ -189,10 +192,14 @@ static inline __attribute__((always_inline)) void fast_item(
         const size_t blk = (size_t)table[i];
         const int n = (i + 1) * FBS <= ctx ? FBS : ctx - i * FBS;
         const __mmask16 live = (__mmask16)(n == FBS ? 0xFFFFu : ((1u << n) - 1u));
-        if (i + 1 < nblocks) { /* the next block is elsewhere in the pool: start fetching its K */
-            const char *nk = (const char *)k_cache +
-                             ((size_t)table[i + 1] * Hkv + h) * FD * FBS * elem_size(dt);
-            for (int c = 0; c < FD * FBS * (int)elem_size(dt); c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
+        if (i + 1 < nblocks) { /* the next block is elsewhere in the pool: start fetching it */
+            const size_t nb = (size_t)table[i + 1], tile_bytes = (size_t)FD * FBS * elem_size(dt);
+            const char *nk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
+            for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
+            if (vhm) {
+                const char *nv = (const char *)v_cache + (nb * Hkv + h) * tile_bytes;
+                for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nv + c, _MM_HINT_T0);
+            }
         }
         __m512 s[MAX_FG];
         for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
@@ -220,7 +227,7 @@ static inline __attribute__((always_inline)) void fast_item(
             _mm512_storeu_ps(pb[g], p);
         }
         for (int r = 0; r < n; r++) {
-            const size_t off = ((blk * FBS + r) * Hkv + h) * (size_t)FD;
+            const size_t off = (vhm ? (blk * Hkv + h) * FBS + r : (blk * FBS + r) * Hkv + h) * (size_t)FD;
             __m512 v[4];
             for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
             if (dt == DT_I8) {
@@ -240,7 +247,7 @@ static inline __attribute__((always_inline)) void fast_item(
 }
 
 #define FAST_DT(G, dt) \
-    fast_item(G, dt, qf, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h)
+    fast_item(G, dt, qf, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h, vhm)
 #define FAST_CASE(G)                                      \
     case G:                                               \
         switch (kv_dtype) {                               \
@@ -253,7 +260,7 @@ static inline __attribute__((always_inline)) void fast_item(
 
 static void fast_dispatch(int G, int kv_dtype, const float *qf, float *o, const void *k_cache,
                           const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
-                          const int32_t *table, int ctx, int Hkv, int h) {
+                          const int32_t *table, int ctx, int Hkv, int h, int vhm) {
     switch (G) {
         FAST_CASE(1)
         FAST_CASE(2)
@@ -286,7 +293,7 @@ int kvpilot_fast_path(int num_q_heads, int num_kv_heads, int head_dim, int block
 
 int kvpilot_paged_attention(
     const void *q, int q_dtype, void *out,
-    const void *k_cache, const void *v_cache, int kv_dtype, int k_transposed,
+    const void *k_cache, const void *v_cache, int kv_dtype, int k_transposed, int v_head_major,
     const uint16_t *k_scale, const uint16_t *v_scale,
     const int32_t *block_tables, int max_blocks,
     const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
@@ -322,7 +329,8 @@ int kvpilot_paged_attention(
                 load_row(q, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, 1.0f, qs + g * FD);
                 for (int d = 0; d < D; d++) qs[g * FD + d] *= sm_scale;
             }
-            fast_dispatch(G, kv_dtype, qs, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h);
+            fast_dispatch(G, kv_dtype, qs, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h,
+                          v_head_major);
             for (int g = 0; g < G; g++)
                 store_row(out, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, o + g * FD);
             continue;
@@ -392,8 +400,9 @@ int kvpilot_paged_attention(
             }
             for (int r = 0; r < n; r++) {
                 const size_t slot = (blk * BS + r) * Hkv + h;
+                const size_t vrow = v_head_major ? (blk * Hkv + h) * BS + r : slot;
                 const float vs = v_scale ? f16_to_f32(v_scale[slot]) : 1.0f;
-                load_row(v_cache, kv_dtype, slot * D, D, vs, row);
+                load_row(v_cache, kv_dtype, vrow * D, D, vs, row);
                 for (int g = 0; g < G; g++) {
                     const float p = sg[g][r];
                     for (int d = 0; d < D; d++) acc[g][d] += p * row[d];

@@ -34,23 +34,24 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
-def make_cache(
-    num_blocks: int, dtype: torch.dtype = torch.float32, transposed_k: bool = False
-) -> KVCacheLayer:
+def make_cache(num_blocks: int, dtype: torch.dtype = torch.float32, tiled: bool = False) -> KVCacheLayer:
     shape = (num_blocks, BS, HKV, D)
-    k = (
-        cpu_attention.transposed_k_cache(*shape, dtype=dtype)
-        if transposed_k
-        else torch.zeros(shape, dtype=dtype)
+    k, v = (
+        (
+            cpu_attention.transposed_k_cache(*shape, dtype=dtype),
+            cpu_attention.head_major_v_cache(*shape, dtype=dtype),
+        )
+        if tiled
+        else (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
     )
     if quant.is_quantized(dtype):
         return KVCacheLayer(
             k,
-            torch.zeros(shape, dtype=dtype),
+            v,
             torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
             torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
         )
-    return KVCacheLayer(k, torch.zeros(shape, dtype=dtype))
+    return KVCacheLayer(k, v)
 
 
 def run_step(
@@ -97,7 +98,7 @@ def test_chunked_prefill_then_batched_decode_matches_dense(
     qs = [torch.randn(n + 3, HQ, D) for n in lens]
     ks = [torch.randn(n + 3, HKV, D) for n in lens]
     vs = [torch.randn(n + 3, HKV, D) for n in lens]
-    cache = make_cache(16, kv_dtype, transposed_k=getattr(backend, "transposed_k", False))
+    cache = make_cache(16, kv_dtype, tiled=getattr(backend, "tiled_kv", False))
 
     # step 1: first chunk of every prompt (at most 6 tokens each)
     chunk = [min(6, n) for n in lens]
@@ -162,13 +163,13 @@ def test_padding_slots_are_not_written() -> None:
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["fast-path", "generic-loop"])
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("layout", ["rows", "k-transposed", "tiled"])
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 )
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)], ids=["gqa3", "mqa8", "mha"])
 def test_cpu_kernel_matches_reference_on_a_mixed_batch(
-    dtype: torch.dtype, transposed: bool, generic: bool, heads: tuple[int, int]
+    dtype: torch.dtype, layout: str, generic: bool, heads: tuple[int, int]
 ) -> None:
     """Decodes and prefill chunks in one step, realistic head sizes, every cache dtype, both kernel paths.
 
@@ -190,14 +191,18 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
     shape = (len(perm), bs, hkv, d)
     k = (
         cpu_attention.transposed_k_cache(*shape, dtype=dtype)
-        if transposed
+        if layout != "rows"
+        else torch.zeros(shape, dtype=dtype)
+    )
+    v = (
+        cpu_attention.head_major_v_cache(*shape, dtype=dtype)
+        if layout == "tiled"
         else torch.zeros(shape, dtype=dtype)
     )
     scales = (
         torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
         torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE),
     )
-    v = torch.zeros(shape, dtype=dtype)
     if dtype.is_floating_point and dtype.itemsize > 1:
         k.fill_(float("nan"))
         v.fill_(float("nan"))
