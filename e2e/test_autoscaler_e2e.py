@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness import Cluster, Kubectl, wait_until
-from e2e.localpods import LocalKubelet, free_port, openai_load
-from e2e.test_operator import OperatorProcess
+from e2e.harness import Cluster, Kubectl, free_port, wait_until
+from e2e.localpods import LocalKubelet, openai_load
+from e2e.processes import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "inferencemodels.kvpilot.dev"

@@ -22,8 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from e2e.harness import wait_until
-from e2e.localpods import free_port
+from e2e.harness import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_FLIGHT = 32

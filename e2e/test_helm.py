@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness import Cluster, Kubectl, wait_until
+from e2e.harness import Cluster, Kubectl, free_port, wait_until
 from tests.charts.lua_health import health
 from tests.charts.tools import CHART, find_helm
 
@@ -50,12 +49,6 @@ def helm_bin() -> str:
 def crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Helm:
