@@ -196,7 +196,37 @@ class TorchReferenceBackend:
 # FlashAttention with block tables (CUDA, when flash-attn is importable)
 
 
+# flash-attn 2 reads K/V through a block table only in pages of a multiple of 256 tokens
+# ("Paged KV cache block size must be divisible by 256"); smaller blocks are packed first.
+FLASH_PAGE_MULTIPLE = 256
+
+
+def packed_kv(
+    cache: KVCacheLayer, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every sequence's context K/V, in order, packed as [sum(seq_lens), Hkv, D], with cu_seqlens_k.
+
+    The varlen layout flash-attn takes without a block table; one index_select per tensor.
+    """
+    bs = cache.block_size
+    lens = meta.seq_lens.to(torch.int64)
+    cu = torch.zeros(meta.num_seqs + 1, dtype=torch.int64, device=lens.device)
+    cu[1:] = torch.cumsum(lens, 0)
+    total = int(sum(meta.seq_lens_cpu))
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=lens.device), lens, output_size=total)
+    pos = torch.arange(total, device=lens.device) - cu[:-1].index_select(0, seq)
+    blocks = meta.block_tables.to(torch.int64)[seq, pos // bs]
+    slots = blocks * bs + pos % bs
+    nb, _, h, d = cache.k.shape
+    k = cache.k.reshape(nb * bs, h, d).index_select(0, slots)
+    v = cache.v.reshape(nb * bs, h, d).index_select(0, slots)
+    return k, v, cu.to(torch.int32)
+
+
 class FlashAttentionBackend:
+    """flash-attn 2 on CUDA. Paged reads straight from the pool when the block size is one flash-attn
+    pages by (a multiple of 256); otherwise the context is packed (packed_kv) and read as varlen."""
+
     name = "flash-attn"
 
     def __init__(self) -> None:
@@ -217,6 +247,19 @@ class FlashAttentionBackend:
         if cache.k_scale is not None:  # quantized pools go through the reference read path
             return TorchReferenceBackend().forward(q, k, v, cache, meta, scale)
         write_kv(k, v, cache, meta.slot_mapping)
+        if cache.block_size % FLASH_PAGE_MULTIPLE != 0:
+            kk, vv, cu_k = packed_kv(cache, meta)
+            return self._varlen(
+                q,
+                kk,
+                vv,
+                cu_seqlens_q=meta.query_start_loc,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_seq_len,
+                softmax_scale=scale,
+                causal=True,  # bottom-right aligned: each new token sees its cached context
+            )
         if meta.decode_only:
             out = self._with_kvcache(
                 q.unsqueeze(1),

@@ -108,6 +108,21 @@ def resolve_device(cfg: EngineConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) -> int:
+    """Bytes for the KV pool: `--kv-cache-memory` when set; on a GPU (device_memory = (free, total)
+    after the weights are loaded) the `--gpu-memory-utilization` share of the card minus what is in
+    use and a reserve for the largest step's activations; on a CPU a fixed default."""
+    if cfg.kv_cache_memory is not None:
+        return cfg.kv_cache_memory
+    if device_memory is None:
+        return CPU_DEFAULT_KV_BYTES
+    free, total = device_memory
+    used = total - free
+    # leave room for activations of the largest step: a rough, conservative reserve
+    reserve = 512 * 2**20 + cfg.max_num_batched_tokens * 256 * 1024
+    return int(total * cfg.gpu_memory_utilization) - used - reserve
+
+
 def is_oom_error(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
@@ -186,16 +201,10 @@ class LLMEngine:
 
     @staticmethod
     def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-        elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            # leave room for activations of the largest step: a rough, conservative reserve
-            reserve = 512 * 2**20 + cfg.max_num_batched_tokens * 256 * 1024
-            budget = int(total * cfg.gpu_memory_utilization) - used - reserve
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
+        mem = (
+            torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
+        )
+        budget = kv_budget_bytes(cfg, mem)
         n = geo.num_blocks_for(budget)
         if n < 1:
             raise ValueError(

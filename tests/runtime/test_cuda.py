@@ -1,0 +1,165 @@
+"""The engine on a CUDA GPU, and the CPU siblings that check the same decisions without one.
+
+GPU tests skip cleanly without CUDA. Their CPU siblings: the KV budget arithmetic below (pure), the
+engine's HF parity, preemption and injected-OOM tests in test_engine.py, and the flash-attn packing
+tests in tests/kernels/test_flash_attention.py. `scripts/gpu_check.sh` runs this module on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import CPU_DEFAULT_KV_BYTES, LLMEngine, kv_budget_bytes
+from kvpilot.runtime.sampling_params import SamplingParams
+from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
+
+GIB = 2**30
+MAX_NEW = 16
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is 12 times 7?\nA:",
+]
+
+
+# -- CPU: the KV budget decision --------------------------------------------------------------
+
+
+def test_kv_budget_takes_the_explicit_size_first() -> None:
+    cfg = EngineConfig(kv_cache_memory=3 * GIB, gpu_memory_utilization=0.5)
+    assert kv_budget_bytes(cfg, (10 * GIB, 80 * GIB)) == 3 * GIB
+    assert kv_budget_bytes(cfg, None) == 3 * GIB
+
+
+def test_kv_budget_on_cpu_is_the_default() -> None:
+    assert kv_budget_bytes(EngineConfig(), None) == CPU_DEFAULT_KV_BYTES
+
+
+def test_kv_budget_on_a_gpu_is_the_utilization_share_minus_use_and_step_reserve() -> None:
+    cfg = EngineConfig(gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    total, weights = 80 * GIB, 16 * GIB
+    budget = kv_budget_bytes(cfg, (total - weights, total))
+    reserve = 512 * 2**20 + 2048 * 256 * 1024
+    assert budget == int(0.9 * total) - weights - reserve
+    # a lower share, or a bigger step, leaves less for the pool
+    assert kv_budget_bytes(EngineConfig(gpu_memory_utilization=0.5), (total - weights, total)) < budget
+    assert kv_budget_bytes(EngineConfig(max_num_batched_tokens=8192), (total - weights, total)) < budget
+
+
+def test_kv_budget_can_come_out_negative_and_the_engine_says_which_flag_to_raise() -> None:
+    cfg = EngineConfig(gpu_memory_utilization=0.1)
+    assert kv_budget_bytes(cfg, (2 * GIB, 80 * GIB)) < 0
+
+
+# -- CUDA --------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU siblings: see module doc)"
+)
+
+
+@pytest.fixture(scope="module")
+def make_cuda_engine(smollm2_gguf_path: Any) -> Iterator[Callable[..., LLMEngine]]:
+    engines: list[LLMEngine] = []
+
+    def make(**overrides: Any) -> LLMEngine:
+        settings: dict[str, Any] = {"model": str(smollm2_gguf_path), "device": "cuda", **overrides}
+        engine = LLMEngine.from_config(EngineConfig(**settings))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_refs(
+    hf_smollm2: Any, make_cuda_engine: Callable[..., LLMEngine]
+) -> tuple[list[list[int]], list[Reference]]:
+    engine = make_cuda_engine(dtype="float32", kv_cache_memory=GIB)
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    eos = set(engine.eos_token_ids)
+    return prompts, [hf_greedy(hf_smollm2, p, MAX_NEW, eos) for p in prompts]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+@cuda
+def test_float32_on_cuda_matches_hf_one_batch(
+    make_cuda_engine: Callable[..., LLMEngine], prompts_and_refs: tuple[list[list[int]], list[Reference]]
+) -> None:
+    prompts, refs = prompts_and_refs
+    engine = make_cuda_engine(dtype="float32", kv_cache_memory=GIB)
+    assert engine.runner.device.type == "cuda"
+    for i, (seq, ref) in enumerate(zip(engine.generate(prompts, greedy()), refs, strict=True)):
+        assert_matches_reference(seq.output_token_ids, ref, f"cuda fp32 prompt {i}")
+    assert engine.block_manager.usage == 0.0
+
+
+@cuda
+def test_kv_pool_on_cuda_follows_gpu_memory_utilization(make_cuda_engine: Callable[..., LLMEngine]) -> None:
+    small = make_cuda_engine(dtype="bfloat16", gpu_memory_utilization=0.3)
+    large = make_cuda_engine(dtype="bfloat16", gpu_memory_utilization=0.5)
+    total = torch.cuda.mem_get_info()[1]
+    small_bytes = small.block_manager.num_blocks * small.runner.geometry.bytes_per_block
+    assert 0 < small_bytes <= 0.3 * total
+    assert large.block_manager.num_blocks > small.block_manager.num_blocks
+
+
+@cuda
+def test_kv_pressure_on_cuda_preempts_and_still_matches_hf(
+    make_cuda_engine: Callable[..., LLMEngine], prompts_and_refs: tuple[list[list[int]], list[Reference]]
+) -> None:
+    prompts, refs = prompts_and_refs
+    probe = make_cuda_engine(dtype="float32", kv_cache_memory=GIB)
+    need = max(len(p) for p in prompts) + MAX_NEW
+    blocks = -(-need // probe.block_manager.block_size) + 1  # one long sequence fits, not all at once
+    engine = make_cuda_engine(
+        dtype="float32",
+        kv_cache_memory=blocks * probe.runner.geometry.bytes_per_block,
+        enable_prefix_caching=False,
+    )
+    for i, (seq, ref) in enumerate(zip(engine.generate(prompts, greedy()), refs, strict=True)):
+        assert_matches_reference(seq.output_token_ids, ref, f"cuda pressure prompt {i}")
+    assert engine.stats().num_preemptions > 0
+
+
+@cuda
+def test_a_real_cuda_out_of_memory_is_recovered(
+    make_cuda_engine: Callable[..., LLMEngine], prompts_and_refs: tuple[list[list[int]], list[Reference]]
+) -> None:
+    """Not an injected exception: the first step asks the allocator for more than the card has."""
+    prompts, refs = prompts_and_refs
+    engine = make_cuda_engine(dtype="float32", kv_cache_memory=GIB)
+    calls = {"n": 0}
+
+    def allocate_too_much(_: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            torch.empty(torch.cuda.mem_get_info()[1] * 2, dtype=torch.uint8, device="cuda")
+
+    engine.before_execute = allocate_too_much
+    for i, (seq, ref) in enumerate(zip(engine.generate(prompts, greedy()), refs, strict=True)):
+        assert_matches_reference(seq.output_token_ids, ref, f"cuda oom prompt {i}")
+    assert engine.stats().oom_recoveries == 1
+
+
+@cuda
+def test_bfloat16_on_cuda_serves_a_batch_to_completion(make_cuda_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_cuda_engine(dtype="auto", kv_cache_memory=GIB)
+    assert engine.runner.geometry.dtype in (torch.bfloat16, torch.float16)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS] * 8
+    seqs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [len(s.output_token_ids) for s in seqs] == [32] * len(prompts)
+    assert engine.block_manager.usage == 0.0
