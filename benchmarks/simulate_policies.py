@@ -13,9 +13,11 @@ startup time (the sensitivity that matters most).
 
 Policies, all on the same simulated fleet (kvpilot.autoscaler.simulator) and the same SLO (TTFT <= 2 s):
 - kvpilot: policy.decide() with the CRD defaults (targetKVCacheUtilization 0.7, targetQueueDepth 4,
-  windows 0 s / 300 s) and the autoscaler's default Behavior, minReplicas 2; kvpilot-kv0.5 is the same
-  with a 0.5 utilization target; "kvpilot (proportional down)" is the previous default (the HPA's
-  proportional scale-down, scale_down_exponent 1).
+  windows 0 s / 300 s) and the autoscaler's default Behavior (arrival-rate term on), minReplicas 2;
+  kvpilot-kv0.5 is the same with a 0.5 utilization target; "kvpilot (no arrival rate)" is the
+  previous default (Behavior.arrival_rate off); "kvpilot (arrival, 90 s trend)" and
+  "kvpilot (arrival, headroom 1.15)" vary the arrival term; "kvpilot (proportional down)" uses the
+  HPA's proportional scale-down (scale_down_exponent 1).
 - static-min: the smallest fixed fleet whose attainment over the whole trace meets the goal (perfect
   hindsight; it may let short peaks miss, as they are a small share of all requests).
 - static-peak: the smallest fixed fleet that meets the goal in every minute: provisioned for the peak.
@@ -56,6 +58,12 @@ SLO_TTFT_S = 2.0
 SLO_GOAL = 0.99
 MIN_REPLICAS = 2
 MA_WINDOW_S = 600.0
+# Variants of the default Behavior shown as their own rows.
+KVPILOT_VARIANTS: dict[str, dict[str, Any]] = {
+    "kvpilot (no arrival rate)": {"arrival_rate": False},
+    "kvpilot (arrival, 90 s trend)": {"arrival_trend_window_s": 90.0},
+    "kvpilot (arrival, headroom 1.15)": {"arrival_headroom": 1.15},
+}
 KEYS = (
     "slo_attainment",
     "worst_minute_attainment",
@@ -199,6 +207,8 @@ def main() -> None:
         jobs.append((t, "kvpilot", {}, cal, common))
         jobs.append((t, "kvpilot", {"targetKVCacheUtilization": 0.5}, cal, common))
         jobs.append((t, "kvpilot", {"behavior": {"scale_down_exponent": 1.0}}, cal, common))
+        for variant in KVPILOT_VARIANTS.values():
+            jobs.append((t, "kvpilot", {"behavior": variant}, cal, common))
         jobs.append((t, "static-min", {}, cal, common))
         jobs.append((t, "static-peak", {}, cal, common))
         jobs += [(t, "moving-average", {"target": x}, cal, common) for x in _ma_targets(calibration)]
@@ -213,7 +223,15 @@ def main() -> None:
         mine = [r for r in runs if r["trace"] == name]
         kv = next(r for r in mine if r["kind"] == "kvpilot" and not r["params"])
         kv5 = next(r for r in mine if r["kind"] == "kvpilot" and "targetKVCacheUtilization" in r["params"])
-        prop = next(r for r in mine if r["kind"] == "kvpilot" and "behavior" in r["params"])
+        prop = next(
+            r
+            for r in mine
+            if r["kind"] == "kvpilot" and r["params"].get("behavior") == {"scale_down_exponent": 1.0}
+        )
+        variants = [
+            (label, next(r for r in mine if r["kind"] == "kvpilot" and r["params"].get("behavior") == b))
+            for label, b in KVPILOT_VARIANTS.items()
+        ]
         static = next(r for r in mine if r["kind"] == "static-min")
         peak = next(r for r in mine if r["kind"] == "static-peak")
         ma = [r for r in mine if r["kind"] == "moving-average"]
@@ -237,6 +255,7 @@ def main() -> None:
         for label, r in (
             ("kvpilot", kv),
             ("kvpilot-kv0.5", kv5),
+            *variants,
             ("kvpilot (proportional down)", prop),
             ("static-min", static),
             ("static-peak", peak),
