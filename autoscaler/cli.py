@@ -2,6 +2,7 @@
 
 kvpilot autoscaler run [--kubeconfig F] [--namespace NS | --all-namespaces] [--interval 15]
                        [--metrics-source pods|prometheus] [--prometheus-url URL] [--no-leader-elect]
+                       [--health-port 8081] [--metrics-port 8080]
 kvpilot autoscaler simulate --trace FILE.csv --policy kvpilot|static|moving-average
                        [--slo-ttft 2.0] [--calibration FILE] ...   (prints JSON)
 """
@@ -100,6 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_p.add_argument("--prometheus-url", help="Prometheus base URL when a spec gives none")
     run_p.add_argument("--scrape-timeout", type=_positive_float("--scrape-timeout"), default=2.0)
     run_p.add_argument("--no-leader-elect", action="store_true", help="act without holding the Lease")
+    run_p.add_argument(
+        "--health-port",
+        type=_nonneg_int("--health-port"),
+        default=8081,
+        help="serves /healthz and /readyz (0: off)",
+    )
+    run_p.add_argument(
+        "--metrics-port",
+        type=_nonneg_int("--metrics-port"),
+        default=8080,
+        help="serves Prometheus /metrics (0: off)",
+    )
     run_p.add_argument(
         "--leader-namespace",
         default=os.environ.get("POD_NAMESPACE", "kvpilot-system"),
@@ -361,9 +374,14 @@ def _run_controller(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, api_client: Any) -> int:
+    from prometheus_client import REGISTRY, start_http_server
+
     from kvpilot.autoscaler.controller import Controller, ControllerConfig
     from kvpilot.autoscaler.election import AlwaysLeader, LeaseElection, lease_election
+    from kvpilot.autoscaler.health import LoopHealth
     from kvpilot.autoscaler.kube import KubernetesApi
+    from kvpilot.autoscaler.metrics import AutoscalerMetrics
+    from kvpilot.health import start_health_server
     from kvpilot.operator.leader import default_identity
 
     identity = args.identity or default_identity()
@@ -382,20 +400,33 @@ async def _serve(args: argparse.Namespace, api_client: Any) -> int:
         behavior=behavior_from_args(args),
         identity=identity,
     )
-    controller = Controller(KubernetesApi(api_client), cfg, elector=elector)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    log.info("autoscaler started (scope %s, every %gs)", cfg.namespace or "all namespaces", cfg.interval_s)
+    health = LoopHealth(cfg.interval_s)
+    metrics = AutoscalerMetrics(REGISTRY)
+    servers: list[Any] = []
     try:
-        await controller.run(stop)
+        if args.health_port:
+            servers.append(start_health_server(args.health_port, health.checks()))
+        if args.metrics_port:
+            servers.append(start_http_server(args.metrics_port, registry=metrics.registry)[0])
+        controller = Controller(KubernetesApi(api_client), cfg, elector=elector, observers=[metrics, health])
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        log.info(
+            "autoscaler started (scope %s, every %gs)", cfg.namespace or "all namespaces", cfg.interval_s
+        )
+        try:
+            await controller.run(stop)
+        finally:
+            await controller.close()
     finally:
-        await controller.close()
         if election is not None:
             # Releases the Lease when held, so a standby takes over without waiting for it to expire.
             await asyncio.to_thread(election.stop)
+        for server in servers:
+            server.shutdown()
     return 0
 
 

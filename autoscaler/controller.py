@@ -4,6 +4,10 @@ Every interval, for each InferenceModel with spec.autoscaling: list its Ready po
 from the model's metric source, read the policy's history back from status, call policy.decide(),
 then (scale-down only) mark the least-loaded pods cheapest to delete, write spec.replicas through the
 scale subresource, record status.autoscaler and status.kvCacheUsage, and emit an Event.
+
+What the loop does is reported to `SyncObserver`s (the Prometheus metrics of
+kvpilot.autoscaler.metrics, the liveness state of kvpilot.autoscaler.health); the controller itself
+keeps no counters.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +35,11 @@ RUNTIME_PORT = 8000
 DEFAULT_MAX_NUM_SEQS = 64  # kvpilot.runtime.config.EngineConfig.max_num_seqs
 # A ready pod that did not report is never cheap to delete: it is not known to be idle.
 UNKNOWN_LOAD_COST = 1_000_000
+# Where a sync failed (SyncObserver.sync_error): listing the InferenceModels, one model's sync (its
+# pods, metrics, scale or status write), or the best-effort Event after a decision.
+STAGE_LIST = "list"
+STAGE_MODEL = "model"
+STAGE_EVENT = "event"
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,14 @@ def deletion_costs(pods: Sequence[str], snapshot: MetricsSnapshot) -> dict[str, 
     return costs
 
 
+def autoscaled_key(obj: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(namespace, name) of an InferenceModel with spec.autoscaling, else None."""
+    meta = obj.get("metadata") or {}
+    if not (obj.get("spec") or {}).get("autoscaling") or not meta.get("namespace") or not meta.get("name"):
+        return None
+    return str(meta["namespace"]), str(meta["name"])
+
+
 def hold_kind(decision: Decision) -> str | None:
     """Why a hold is worth an Event (None: a plain, uneventful hold)."""
     if decision.desired != decision.current:
@@ -108,6 +125,31 @@ def hold_kind(decision: Decision) -> str | None:
     return None
 
 
+class SyncObserver:
+    """Hooks the control loop calls as it works. Every method here does nothing: subclass and override
+    what you need. Hooks run on the event loop, so they must be quick; one that raises is logged and
+    otherwise ignored (observing must never stop scaling)."""
+
+    def iteration_finished(self, leader: bool) -> None:
+        """One turn of `run()` ended (a leader's after its sync, a standby's at once); `leader`: now."""
+
+    def sync_finished(self, duration_s: float, ok: bool, now: float) -> None:
+        """A sync (`sync_all`) ended; ok: the models were listed and every model synced without error.
+        `now` is the controller's clock (wall time)."""
+
+    def sync_error(self, stage: str) -> None:
+        """Something failed at `stage` (STAGE_LIST, STAGE_MODEL or STAGE_EVENT)."""
+
+    def models_listed(self, models: Collection[tuple[str, str]]) -> None:
+        """(namespace, name) of every InferenceModel with spec.autoscaling that this sync found."""
+
+    def model_synced(self, result: SyncResult) -> None:
+        """A model's decision was made and written."""
+
+    def scaled(self, namespace: str, name: str, from_replicas: int, to_replicas: int) -> None:
+        """spec.replicas was written through the scale subresource."""
+
+
 class Controller:
     def __init__(
         self,
@@ -118,6 +160,7 @@ class Controller:
         elector: Any = None,
         pod_source: MetricSource | None = None,
         prometheus_factory: Callable[[str, str | None, str | None], MetricSource] | None = None,
+        observers: Sequence[SyncObserver] = (),
     ) -> None:
         self.api = api
         self.config = config or ControllerConfig()
@@ -128,6 +171,14 @@ class Controller:
             lambda url, kvq, qq: PrometheusSource(url, kv_query=kvq, queue_query=qq)
         )
         self._prometheus: dict[tuple[str, str | None, str | None], MetricSource] = {}
+        self.observers = tuple(observers)
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:
+                log.exception("observer %s.%s failed", type(observer).__name__, hook)
 
     def _source_for(self, autoscaling: Mapping[str, Any]) -> MetricSource:
         kind = autoscaling.get("metricsSource") or self.config.default_metrics_source
@@ -184,6 +235,7 @@ class Controller:
             await self._mark_deletion_costs(ns, ready, snapshot)
         if decision.desired != current:
             await self.api.patch_scale(ns, name, decision.desired)
+            self._notify("scaled", ns, name, current, decision.desired)
             event_reason = "ScaledUp" if decision.desired > current else "ScaledDown"
             log.info("%s/%s: %d -> %d: %s", ns, name, current, decision.desired, decision.reason)
         block = decision_to_status(decision, now, previous)
@@ -202,6 +254,7 @@ class Controller:
             try:
                 await self.api.create_event(ns, obj, event_reason, decision.reason, etype)
             except Exception as exc:  # an Event is best effort; the scale already happened
+                self._notify("sync_error", STAGE_EVENT)
                 log.warning("%s/%s: could not record Event %s: %s", ns, name, event_reason, exc)
         return SyncResult(ns, name, decision, decision.desired != current, event_reason)
 
@@ -214,8 +267,16 @@ class Controller:
                 await self.api.annotate_pod(ns, pod_name, {DELETION_COST: value})
 
     async def sync_all(self) -> list[SyncResult]:
-        models = await self.api.list_models(self.config.namespace)
+        started = time.monotonic()
+        try:
+            models = await self.api.list_models(self.config.namespace)
+        except Exception:
+            self._notify("sync_error", STAGE_LIST)
+            self._notify("sync_finished", time.monotonic() - started, False, self.clock())
+            raise
+        self._notify("models_listed", {key for m in models if (key := autoscaled_key(m)) is not None})
         limit = asyncio.Semaphore(self.config.max_concurrent_models)
+        failed: list[str] = []
 
         async def one(obj: Obj) -> SyncResult | None:
             async with limit:
@@ -223,14 +284,20 @@ class Controller:
                     return await self.sync_model(obj)
                 except Exception:
                     meta = obj.get("metadata") or {}
+                    failed.append(f"{meta.get('namespace')}/{meta.get('name')}")
+                    self._notify("sync_error", STAGE_MODEL)
                     log.exception("%s/%s: sync failed", meta.get("namespace"), meta.get("name"))
                     return None
 
-        results = await asyncio.gather(*(one(m) for m in models))
-        return [r for r in results if r is not None]
+        results = [r for r in await asyncio.gather(*(one(m) for m in models)) if r is not None]
+        for r in results:
+            self._notify("model_synced", r)
+        self._notify("sync_finished", time.monotonic() - started, not failed, self.clock())
+        return results
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Sync every interval while leader, until stop is set."""
+        """Sync every interval while leader, until stop is set. A standby's loop still turns (and
+        reports each turn to the observers: the liveness probe needs to see it alive)."""
         while not stop.is_set():
             started = time.monotonic()
             if is_leader(self.elector):
@@ -238,6 +305,7 @@ class Controller:
                     await self.sync_all()
                 except Exception:
                     log.exception("listing InferenceModels failed; retrying next interval")
+            self._notify("iteration_finished", is_leader(self.elector))
             delay = max(0.0, self.config.interval_s - (time.monotonic() - started))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)

@@ -8,11 +8,13 @@ import logging
 import os
 import signal
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kvpilot import __version__
+from kvpilot.health import Probe
+from kvpilot.health import start_health_server as serve_health
 
 log = logging.getLogger("kvpilot.operator")
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -57,29 +59,18 @@ def _own_namespace() -> str:
     return os.environ.get("POD_NAMESPACE", "default")
 
 
-class _Health(BaseHTTPRequestHandler):
+class _Health:
+    """What the operator's probes report: 200 on every path as soon as it serves, leader or standby."""
+
     state: ClassVar[dict[str, bool]] = {"leading": False}
 
-    def do_GET(self) -> None:
-        if self.path in ("/healthz", "/livez", "/readyz"):
-            body = b"ok (leader)\n" if self.state["leading"] else b"ok (standby)\n"
-            self.send_response(200)
-        else:
-            body = b"not found\n"
-            self.send_response(404)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe(True, "ok (leader)" if cls.state["leading"] else "ok (standby)")
 
 
 def start_health_server(port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("0.0.0.0", port), _Health)
-    threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
-    return server
+    return serve_health(port, {path: _Health.probe for path in ("/healthz", "/livez", "/readyz")})
 
 
 def make_login(api_client: Any) -> Any:

@@ -84,3 +84,29 @@ async def test_status_only_updates_do_not_enqueue() -> None:
     await send("DELETED", body)
     await send("ADDED", body)  # re-created with the same name
     assert keys == [("ns", "m"), ("ns", "m"), ("ns", "m")]
+
+
+def test_health_server_answers_200_as_leader_and_standby() -> None:
+    import urllib.error
+    import urllib.request
+
+    from kvpilot.operator.cli import _Health, start_health_server
+
+    server = start_health_server(0)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for path in ("/healthz", "/livez", "/readyz"):
+            with urllib.request.urlopen(base + path, timeout=5) as resp:
+                assert (resp.status, resp.read()) == (200, b"ok (standby)\n")
+        _Health.state["leading"] = True
+        with urllib.request.urlopen(base + "/healthz", timeout=5) as resp:
+            assert resp.read() == b"ok (leader)\n"
+        try:
+            urllib.request.urlopen(base + "/metrics", timeout=5)
+            raise AssertionError("expected 404")
+        except urllib.error.HTTPError as err:
+            assert err.code == 404
+    finally:
+        _Health.state["leading"] = False
+        server.shutdown()
+        server.server_close()
