@@ -106,6 +106,24 @@ def operator_metrics() -> frozenset[str]:
 
 
 @cache
+def autoscaler_metrics() -> frozenset[str]:
+    """Sample names `kvpilot autoscaler run` exposes (kvpilot.autoscaler.metrics, a fresh registry)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpilot.autoscaler.metrics import AutoscalerMetrics
+
+    m = AutoscalerMetrics()
+    m.desired.labels("ns", "model").set(1)  # per-model gauges have no sample until a decision
+    m.current.labels("ns", "model").set(1)
+    m.reporting.labels("ns", "model").set(1)
+    names = set()
+    for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        names |= {s.name for s in family.samples}
+    return frozenset(n for n in names if not n.endswith("_created"))
+
+
+@cache
 def ksm_metrics() -> frozenset[str]:
     config = yaml.safe_load(KSM_CONFIG.read_text())
     names = set()

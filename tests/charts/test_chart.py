@@ -84,7 +84,8 @@ def test_defaults_render_what_a_cluster_wide_install_needs() -> None:
             "Role",
             "RoleBinding",
             "RoleBinding",
-            "Service",
+            "Service",  # the operator's metrics
+            "Service",  # the autoscaler's metrics
             "ServiceAccount",
             "ServiceAccount",
         ]
@@ -131,6 +132,7 @@ def test_rendered_command_lines_parse_with_the_real_cli(sets: tuple[str, ...]) -
     assert op.health_port == 8081 and op.metrics_port == 8080
     auto = _cli_args(r.one("Deployment", "-autoscaler")["spec"]["template"]["spec"]["containers"][0])
     assert auto.autoscaler_command == "run"
+    assert auto.health_port == 8081 and auto.metrics_port == 8080
 
 
 def test_operator_args_follow_values() -> None:
@@ -380,16 +382,47 @@ def test_monitoring_objects_follow_the_cluster_capabilities() -> None:
     assert {"ServiceMonitor", "PrometheusRule"} <= set(forced.kinds())
 
 
-def test_service_monitor_selects_the_metrics_service() -> None:
+@pytest.mark.parametrize("component", ["operator", "autoscaler"])
+def test_service_monitor_selects_the_metrics_service(component: str) -> None:
     r = template("metrics.serviceMonitor.labels.release=prom", monitoring=True)
-    sm = r.one("ServiceMonitor", "-operator")
-    svc = r.one("Service", "-metrics")
+    sm = r.one("ServiceMonitor", f"-{component}")
+    svc = r.one("Service", f"-{component}-metrics")
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
     assert all(svc["metadata"]["labels"][k] == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
-    dep = r.one("Deployment", "-operator")
+    # each ServiceMonitor selects its own Service only (the selector labels include the component)
+    others = [
+        o["metadata"]["name"]
+        for o in r.all("Service")
+        if all(o["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    ]
+    assert others == [svc["metadata"]["name"]]
+    dep = r.one("Deployment", f"-{component}")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(pod_labels[k] == v for k, v in svc["spec"]["selector"].items())
+    ports = {p["name"]: p["containerPort"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    # the autoscaler's per-model series carry the model's namespace: kept, not renamed exported_namespace
+    assert sm["spec"]["endpoints"][0].get("honorLabels", False) is (component == "autoscaler")
+
+
+def test_autoscaler_metrics_objects_follow_autoscaler_enabled() -> None:
+    r = template("autoscaler.enabled=false", monitoring=True)
+    assert [o["metadata"]["name"] for o in r.all("Service")] == ["kvp-kvpilot-operator-metrics"]
+    assert [o["metadata"]["name"] for o in r.all("ServiceMonitor")] == ["kvp-kvpilot-operator"]
+    assert not template("metrics.service.enabled=false", monitoring=True).all("ServiceMonitor")
+
+
+def test_autoscaler_probes_and_ports_follow_values() -> None:
+    r = template("autoscaler.healthPort=9091", "autoscaler.metricsPort=9090")
+    c = r.one("Deployment", "-autoscaler")["spec"]["template"]["spec"]["containers"][0]
+    args = _cli_args(c)
+    assert (args.health_port, args.metrics_port) == (9091, 9090)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9090, "health": 9091}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    # the liveness window (3 failures x 10 s) comes on top of the loop's own max(3 x interval, 60 s)
+    assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] <= 60
 
 
 def test_prometheus_rule_is_the_rules_file() -> None:
@@ -431,8 +464,15 @@ def test_network_policies() -> None:
     api_rule = next(e for e in op["egress"] if any(p["port"] == 443 for p in e["ports"]))
     assert api_rule["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     auto = r.one("NetworkPolicy", "-autoscaler")["spec"]
-    assert "ingress" not in auto and auto["policyTypes"] == ["Ingress", "Egress"]
+    assert auto["policyTypes"] == ["Ingress", "Egress"]
+    assert [p["port"] for rule in auto["ingress"] for p in rule["ports"]] == ["metrics", "health"]
     assert any(p["port"] == 8000 for e in auto["egress"] for p in e["ports"])
+    peers = template(
+        "networkPolicy.enabled=true", "networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prom"
+    )
+    for component in ("operator", "autoscaler"):
+        metrics_rule = peers.one("NetworkPolicy", f"-{component}")["spec"]["ingress"][0]
+        assert metrics_rule["from"] == [{"podSelector": {"matchLabels": {"app": "prom"}}}]
 
 
 # -- values and guard rails --------------------------------------------------------------------------------
@@ -550,3 +590,12 @@ def _objects(r: Rendered, kind: str) -> list[str]:
 def test_operator_pdb_only_with_several_replicas() -> None:
     assert not _objects(template(), "PodDisruptionBudget")
     assert _objects(template("operator.replicas=2"), "PodDisruptionBudget") == ["kvp-kvpilot-operator"]
+
+
+@pytest.mark.parametrize("autoscaler", [True, False])
+def test_helm_test_pod_checks_each_metrics_service(autoscaler: bool) -> None:
+    pod = template(f"autoscaler.enabled={str(autoscaler).lower()}").one("Pod", "-test")
+    code = pod["spec"]["containers"][0]["command"][2]
+    compile(code, "helm-test", "exec")
+    assert "http://kvp-kvpilot-operator-metrics.kvpilot-system.svc:8080/metrics" in code
+    assert ("http://kvp-kvpilot-autoscaler-metrics.kvpilot-system.svc:8080/metrics" in code) is autoscaler

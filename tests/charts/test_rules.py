@@ -13,6 +13,7 @@ import yaml
 from tests.charts.metric_names import (
     EXTERNAL,
     RULES,
+    autoscaler_metrics,
     design_metrics,
     ksm_metrics,
     operator_metrics,
@@ -120,7 +121,9 @@ def test_alert_has_severity_summary_description_and_runbook(alert: dict[str, Any
 
 
 def test_every_metric_the_rules_read_is_defined_somewhere() -> None:
-    known = runtime_metrics() | operator_metrics() | ksm_metrics() | recorded() | EXTERNAL
+    known = (
+        runtime_metrics() | operator_metrics() | autoscaler_metrics() | ksm_metrics() | recorded() | EXTERNAL
+    )
     for rule in rules():
         unknown = promql_metric_names(rule["expr"]) - known
         assert not unknown, f"{rule.get('alert') or rule.get('record')} reads unknown metrics {unknown}"
@@ -128,7 +131,34 @@ def test_every_metric_the_rules_read_is_defined_somewhere() -> None:
 
 def test_runtime_metrics_in_rules_are_the_design_contract() -> None:
     names = {n for r in rules() for n in promql_metric_names(r["expr"]) if n.startswith("kvpilot_")}
-    runtime = {n for n in names if not n.startswith(("kvpilot_operator_", "kvpilot_inferencemodel_"))}
+    runtime = {
+        n
+        for n in names
+        if not n.startswith(("kvpilot_operator_", "kvpilot_autoscaler_", "kvpilot_inferencemodel_"))
+    }
     assert runtime <= runtime_metrics()
     if design_metrics():
         assert runtime <= design_metrics(), runtime - design_metrics()
+
+
+def test_the_chart_drops_the_autoscaler_alerts_without_an_autoscaler() -> None:
+    """prometheusrule.yaml names the alerts that read the autoscaler's own metrics: exactly these."""
+    reads_autoscaler = {
+        a["alert"]
+        for a in alerts()
+        if any(n.startswith("kvpilot_autoscaler_") for n in promql_metric_names(a["expr"]))
+    }
+    assert reads_autoscaler == {
+        "KvpilotAutoscalerDown",
+        "KvpilotAutoscalerNoLeader",
+        "KvpilotAutoscalerNotSyncing",
+    }
+
+    def names(*sets: str) -> set[str]:
+        groups = template(*sets, monitoring=True).one("PrometheusRule")["spec"]["groups"]
+        return {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+
+    assert reads_autoscaler <= names()
+    without = names("autoscaler.enabled=false")
+    assert not reads_autoscaler & without
+    assert "KvpilotAutoscalerAtMaxReplicas" in without and "KvpilotOperatorDown" in without
