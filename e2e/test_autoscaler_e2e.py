@@ -187,11 +187,15 @@ class AutoscalerProcess:
         self.cluster = cluster
         self.identity = identity
         self.log_path = log_dir / f"autoscaler-{identity}.log"
+        # Own ports: two of these run at once (the Lease test), and 8080/8081 may be taken on the host.
+        self.health_port, self.metrics_port = free_port(), free_port()
         self.args = [
             sys.executable, "-m", "kvpilot", "autoscaler", "run",
             "--kubeconfig", str(cluster.kubeconfig),
             "--namespace", namespace,
             "--identity", identity,
+            "--health-port", str(self.health_port),
+            "--metrics-port", str(self.metrics_port),
             *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -112,6 +113,21 @@ class Process:
                 self.proc.kill()
                 self.proc.wait()
         self.handle.close()
+
+
+def scrape_metrics(port: int, prefix: str) -> dict[str, float]:
+    """Samples on 127.0.0.1:port/metrics whose names start with prefix, keyed by 'name{labels}'."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
 
 
 class FakePrometheus:
@@ -318,11 +334,13 @@ def test_install_upgrade_uninstall_with_least_privilege(
             tmp_path / "operator.log",
             env,
         )  # fmt: skip
+        as_port, as_health = free_port(), free_port()
         autoscaler = Process(
             [
                 sys.executable, "-m", "kvpilot", "autoscaler", "run",
                 "--kubeconfig", str(token_kubeconfig(cluster, namespace, sa_as, tmp_path / "as.kubeconfig")),
                 "--namespace", models_namespace, "--leader-namespace", namespace, "--interval", "2",
+                "--metrics-port", str(as_port), "--health-port", str(as_health),
             ],
             tmp_path / "autoscaler.log",
             env,
@@ -381,6 +399,16 @@ def test_install_upgrade_uninstall_with_least_privilege(
             "jsonpath={.items[*].reason}",
         )
         assert "ScaledUp" in reasons.split()
+        # what it decided is on its /metrics, and its probes pass
+        as_metrics = scrape_metrics(as_port, "kvpilot_autoscaler_")
+        assert as_metrics["kvpilot_autoscaler_leader"] == 1
+        assert as_metrics['kvpilot_autoscaler_scale_writes_total{direction="up"}'] >= 1
+        chat = f'{{model="chat",namespace="{models_namespace}"}}'
+        assert as_metrics[f"kvpilot_autoscaler_desired_replicas{chat}"] == 3
+        assert as_metrics["kvpilot_autoscaler_last_successful_sync_timestamp_seconds"] > 0
+        for path in ("/healthz", "/readyz"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{as_health}{path}", timeout=5) as resp:
+                assert resp.status == 200, path
 
         # idle: scale-down marks the cheapest pod (pods patch) and shrinks the model
         prom.kv = 0.0
