@@ -174,6 +174,23 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
+#if defined(__AVX512BF16__)
+/* Lane i of the result holds elements (i, 16 + i) of the source: two 16-wide rows, interleaved into
+ * the (even, odd) bf16 pairs that vdpbf16ps multiplies and adds in one instruction. */
+static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline __attribute__((always_inline)) __m512i pair_rows(const uint16_t *a, const uint16_t *b) {
+    const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                                           _mm256_loadu_si256((const __m256i *)b), 1);
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(pair_idx), two);
+}
+
+static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i x, uint32_t pair) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_set1_epi32((int)pair));
+}
+#endif
+
 /* One (token, kv head) item: qf [G][64] already scaled; writes the normalized output to o [G][64]. */
 static inline __attribute__((always_inline)) void fast_item(
     const int G, const int dt, const float *qf, float *o, const void *k_cache, const void *v_cache,
@@ -187,6 +204,17 @@ static inline __attribute__((always_inline)) void fast_item(
         m[g] = NEG_BIG;
         l[g] = 0.0f;
     }
+#if defined(__AVX512BF16__)
+    /* bf16 K/V: scores and P.V as bf16 pair dot products (vdpbf16ps, fp32 accumulation); q is bf16
+     * already in a bf16 model, and P is rounded to bf16 before P.V, as FlashAttention does */
+    uint16_t qb[MAX_FG][FD] __attribute__((aligned(64)));
+    uint16_t pbh[MAX_FG][FBS] __attribute__((aligned(64)));
+    if (dt == DT_BF16)
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++)
+                _mm256_store_si256((__m256i *)(qb[g] + c * 16),
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qf + g * FD + c * 16)));
+#endif
     const int nblocks = (ctx + FBS - 1) / FBS;
     for (int i = 0; i < nblocks; i++) {
         const size_t blk = (size_t)table[i];
@@ -204,9 +232,37 @@ static inline __attribute__((always_inline)) void fast_item(
         __m512 s[MAX_FG];
         for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
         const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
-        for (int d = 0; d < FD; d++) {
-            const __m512 kr = ld16(k_cache, dt, tile + (size_t)d * FBS);
-            for (int g = 0; g < G; g++) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * FD + d]), kr, s[g]);
+#if defined(__AVX512BF16__)
+        if (dt == DT_BF16) {
+            const uint16_t *kt = (const uint16_t *)k_cache + tile;
+            /* rows d and d+1 of K^T are adjacent: one load; two accumulator sets per query head
+             * so the FMA latency chain is not the limit */
+            const __m512i idx = _mm512_loadu_si512(pair_idx);
+            __m512 s2[MAX_FG];
+            for (int g = 0; g < G; g++) s2[g] = _mm512_setzero_ps();
+            for (int d = 0; d < FD; d += 4) {
+                const __m512i k0 = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(kt + (size_t)d * FBS));
+                const __m512i k1 = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(kt + (size_t)(d + 2) * FBS));
+                for (int g = 0; g < G; g++) {
+                    s[g] = dot_pairs(s[g], k0, ((const uint32_t *)qb[g])[d / 2]);
+                    s2[g] = dot_pairs(s2[g], k1, ((const uint32_t *)qb[g])[d / 2 + 1]);
+                }
+            }
+            for (int g = 0; g < G; g++) s[g] = _mm512_add_ps(s[g], s2[g]);
+        } else
+#endif
+        {
+            __m512 s2[MAX_FG];
+            for (int g = 0; g < G; g++) s2[g] = _mm512_setzero_ps();
+            for (int d = 0; d < FD; d += 2) {
+                const __m512 k0 = ld16(k_cache, dt, tile + (size_t)d * FBS);
+                const __m512 k1 = ld16(k_cache, dt, tile + (size_t)(d + 1) * FBS);
+                for (int g = 0; g < G; g++) {
+                    s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * FD + d]), k0, s[g]);
+                    s2[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * FD + d + 1]), k1, s2[g]);
+                }
+            }
+            for (int g = 0; g < G; g++) s[g] = _mm512_add_ps(s[g], s2[g]);
         }
         if (dt == DT_I8) {
             float ks[FBS];
@@ -225,8 +281,23 @@ static inline __attribute__((always_inline)) void fast_item(
             const __m512 cv = _mm512_set1_ps(corr);
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
             _mm512_storeu_ps(pb[g], p);
+#if defined(__AVX512BF16__)
+            if (dt == DT_BF16) _mm256_store_si256((__m256i *)pbh[g], (__m256i)_mm512_cvtneps_pbh(p));
+#endif
         }
-        for (int r = 0; r < n; r++) {
+        int r0 = 0;
+#if defined(__AVX512BF16__)
+        if (dt == DT_BF16 && vhm) { /* rows r and r+1 of the head's V tile are adjacent */
+            const uint16_t *vt = (const uint16_t *)v_cache + (blk * Hkv + h) * (size_t)FBS * FD;
+            for (; r0 + 1 < n; r0 += 2)
+                for (int c = 0; c < 4; c++) {
+                    const __m512i vp = pair_rows(vt + (size_t)r0 * FD + c * 16, vt + (size_t)(r0 + 1) * FD + c * 16);
+                    for (int g = 0; g < G; g++) acc[g][c] = dot_pairs(acc[g][c], vp, ((const uint32_t *)pbh[g])[r0 / 2]);
+                }
+            /* an odd last row (its pair partner may be stale, even NaN) takes the fp32 loop */
+        }
+#endif
+        for (int r = r0; r < n; r++) {
             const size_t off = (vhm ? (blk * Hkv + h) * FBS + r : (blk * FBS + r) * Hkv + h) * (size_t)FD;
             __m512 v[4];
             for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
