@@ -9,24 +9,21 @@ compiler is available the runtime falls back to the torch reference path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from kvpilot.kernels import cbuild
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+KernelBuildError = cbuild.KernelBuildError
 _DTYPES = {
     torch.float32: 0,
     torch.bfloat16: 1,
@@ -34,55 +31,16 @@ _DTYPES = {
     torch.int8: 3,
     torch.float8_e4m3fn: 4,
 }
-_lock = threading.Lock()
-
-
-class KernelBuildError(RuntimeError):
-    pass
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
-
-
-def _cpu_signature() -> str:
-    try:
-        flags = next(
-            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
-        )
-    except OSError:
-        flags = ""
-    return flags
 
 
 def build(compiler: str | None = None) -> Path:
     """Compile the kernel (once per source, flags and CPU) and return the shared library's path."""
-    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise KernelBuildError("no C compiler (gcc/cc) on PATH")
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmp_out = Path(tmp) / target.name
-        proc = subprocess.run(
-            [cc, *CFLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
-        os.replace(tmp_out, target)  # atomic: concurrent builders never see a half-written file
-    log.info("built the CPU paged-attention kernel: %s", target)
-    return target
+    return cbuild.build(SOURCE, CFLAGS, compiler)
 
 
 @cache
 def _library() -> ctypes.CDLL:
-    with _lock:
-        lib = ctypes.CDLL(str(build()))
+    lib = ctypes.CDLL(str(build()))
     fn = lib.kvpilot_paged_attention
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [p, i, p, p, p, i, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i, i]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels import cpu_ops
 from kvpilot.runtime.parallel import divide, get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 WeightLoader = Callable[..., None]
@@ -68,6 +69,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if cpu_ops.supports(x, self.weight, *(() if residual is None else (residual,))):
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)  # same rounding, one call
         if residual is not None:
             x = x + residual
         dtype = x.dtype
@@ -161,7 +164,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (on CPU in place, in one fused call)."""
+        if cpu_ops.rotary_supports(q, k):
+            cpu_ops.rotary_(q, k, positions, self.cos_sin_cache, self.rotary_dim)
+            return q, k
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim / 2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

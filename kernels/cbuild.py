@@ -1,0 +1,63 @@
+"""Build the C extensions in kernels/csrc on first use, with the system C compiler, and cache them.
+
+A library is compiled once per source, flags, compiler and CPU into ~/.cache/kvpilot/kernels (or
+$KVPILOT_KERNEL_CACHE) and loaded with ctypes by its module (cpu_attention.py, cpu_ops.py); without a
+C compiler those modules report themselves unavailable and the runtime uses its torch paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
+
+
+def _cpu_signature() -> str:
+    try:
+        return next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+        )
+    except OSError:
+        return ""
+
+
+def build(source: Path, flags: Sequence[str], compiler: str | None = None) -> Path:
+    """The shared library of `source` built with `flags`: from the cache, or compiled now."""
+    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise KernelBuildError("no C compiler (gcc/cc) on PATH")
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    with _lock:
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tmp_out = Path(tmp) / target.name
+            proc = subprocess.run(
+                [cc, *flags, str(source), "-o", str(tmp_out), "-lm"], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                raise KernelBuildError(f"{cc} failed to build {source.name}:\n{proc.stderr[-2000:]}")
+            os.replace(tmp_out, target)  # atomic: concurrent builders never see a half-written file
+    log.info("built %s: %s", source.name, target)
+    return target

@@ -1,0 +1,137 @@
+"""Fused RMSNorm (+ residual) and rotary embedding for CPUs (kernels/csrc/cpu_ops.c), built on first use.
+
+At decode batch sizes each of these is a handful of small torch ops per layer whose dispatch costs more
+than their arithmetic (together ~19% of a decode step on SmolLM2; docs/benchmarks.md). The C versions
+round every intermediate as the torch code in runtime/models/layers.py does, so results match it bit
+for bit in float32 and bfloat16 except for the summation order of RMSNorm's mean. The torch code stays
+the path for CUDA, other dtypes, and machines without a C compiler (`available()` is False there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kvpilot.kernels import cbuild
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+# no -ffast-math, no FMA contraction: the rounding must follow torch's op by op
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-fast-math",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(cbuild.build(SOURCE, CFLAGS)))
+    p, i, f, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    lib.kvpilot_rms_norm.argtypes = [p, p, p, p, p, i, long, i, f, i]
+    lib.kvpilot_rms_norm.restype = i
+    lib.kvpilot_rotary.argtypes = [p, p, long, long, p, p, i, long, i, i, i, i, long, i]
+    lib.kvpilot_rotary.restype = i
+    return lib
+
+
+@cache
+def available() -> bool:
+    if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
+        return False
+    try:
+        _library()
+    except (cbuild.KernelBuildError, OSError) as exc:
+        log.warning("fused CPU ops unavailable, using torch ops: %s", exc)
+        return False
+    return True
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops take these tensors: CPU, float32 or bfloat16, one dtype, contiguous."""
+    first = tensors[0]
+    return (
+        first.device.type == "cpu"
+        and first.dtype in _DTYPES
+        and all(t.dtype == first.dtype and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+        and available()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * norm(s), s) with s = x + residual (or x): RMSNorm.forward's contract, in one call."""
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    rc = _library().kvpilot_rms_norm(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        None if residual is None else total.data_ptr(),
+        out.data_ptr(),
+        weight.data_ptr(),
+        _DTYPES[x.dtype],
+        x.numel() // hidden,
+        hidden,
+        float(eps),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"rms_norm kernel rejected its arguments (code {rc})")
+    return out, total
+
+
+def rotary_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q [T, Hq, D] / k [T, Hk, D] on CPU in float32 or bfloat16, each head's D values contiguous and
+    heads adjacent within a token (a fused QKV projection's split views qualify)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k.dtype == q.dtype
+        and q.dim() == 3
+        and k.dim() == 3
+        and q.stride()[1:] == (q.shape[2], 1)
+        and k.stride()[1:] == (k.shape[2], 1)
+        and available()
+    )
+
+
+def rotary_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
+) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place (rotate-half on the first rotary_dim dims)."""
+    pos = positions.to(torch.int64).contiguous()
+    table = cos_sin_cache.to(torch.float32).contiguous()
+    rc = _library().kvpilot_rotary(
+        q.data_ptr(),
+        k.data_ptr(),
+        q.stride(0),
+        k.stride(0),
+        pos.data_ptr(),
+        table.data_ptr(),
+        _DTYPES[q.dtype],
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+        rotary_dim,
+        table.shape[0],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"rotary kernel rejected its arguments (code {rc}: bad shape or a position out of range)"
+        )

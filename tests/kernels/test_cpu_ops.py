@@ -1,0 +1,88 @@
+"""The fused CPU RMSNorm and rotary (kernels/csrc/cpu_ops.c) against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.kernels import cpu_ops
+from kvpilot.runtime.models.layers import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the fused CPU ops")
+
+
+def torch_reference(fn: object, monkeypatch: pytest.MonkeyPatch) -> object:
+    with monkeypatch.context() as m:
+        m.setattr(cpu_ops, "supports", lambda *_: False)
+        m.setattr(cpu_ops, "rotary_supports", lambda *_: False)
+        return fn() if callable(fn) else fn
+
+
+def ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (same-sign values)."""
+    return (a.view(torch.int16).to(torch.int32) - b.view(torch.int16).to(torch.int32)).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 x 576 crosses the kernel's threading threshold
+def test_rms_norm_matches_the_torch_code(
+    dtype: torch.dtype, with_residual: bool, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(576, eps=1e-5)
+    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    x = (torch.randn(tokens, 576) * 3).to(dtype)
+    residual = torch.randn(tokens, 576).to(dtype) if with_residual else None
+    assert cpu_ops.supports(x, norm.weight)
+    out, total = norm(x, residual)
+    want_out, want_total = torch_reference(lambda: norm(x, residual), monkeypatch)  # type: ignore[misc]
+    assert torch.equal(total, want_total)  # the residual add rounds exactly as torch's
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want_out, rtol=2e-6, atol=1e-6)
+    else:
+        # only the mean's summation order differs: at most one bf16 ulp, and rarely
+        assert int(ulps_bf16(out, want_out).max()) <= 1
+        assert (out != want_out).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
+def test_rotary_is_bitwise_the_torch_code_on_fused_qkv_views(
+    dtype: torch.dtype, rotary_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(1)
+    hq, hk, d, t = 9, 3, 64, 37
+    rope = RotaryEmbedding(head_dim=d, max_position=4096, base=10000.0, rotary_dim=rotary_dim)
+    qkv = torch.randn(t, (hq + 2 * hk) * d).to(dtype)
+    positions = torch.randint(0, 4096, (t,))
+
+    def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = buf.split([hq * d, hk * d, hk * d], dim=-1)  # non-contiguous, as the model has them
+        return q.reshape(t, hq, d), k.reshape(t, hk, d)
+
+    q_ref, k_ref = views(qkv.clone())
+    want_q, want_k = torch_reference(lambda: rope(positions, q_ref, k_ref), monkeypatch)  # type: ignore[misc]
+    buf = qkv.clone()
+    q, k = views(buf)
+    assert cpu_ops.rotary_supports(q, k)
+    got_q, got_k = rope(positions, q, k)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    # in place, and v (the last third of the buffer) untouched
+    assert got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(buf[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :])
+
+
+def test_rotary_rejects_a_position_past_its_table() -> None:
+    rope = RotaryEmbedding(head_dim=64, max_position=128, base=10000.0)
+    q, k = torch.randn(2, 9, 64), torch.randn(2, 3, 64)
+    with pytest.raises(ValueError, match="position out of range"):
+        rope(torch.tensor([5, 128]), q, k)
+
+
+def test_other_dtypes_and_layouts_take_the_torch_path() -> None:
+    assert not cpu_ops.supports(torch.randn(4, 8).half(), torch.ones(8).half())
+    assert not cpu_ops.supports(torch.randn(8, 4).t(), torch.ones(8))  # not contiguous
+    assert not cpu_ops.supports(torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16))  # mixed dtypes
+    q = torch.randn(2, 9, 64).transpose(0, 1)  # heads not adjacent within a token
+    assert not cpu_ops.rotary_supports(q, torch.randn(9, 2, 64))
