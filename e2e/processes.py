@@ -13,6 +13,22 @@ from e2e.harness import Cluster, free_port, wait_until
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def stop_process(
+    proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 30
+) -> int | None:
+    """Signal a running process and wait for it (killed after `timeout`); its exit code, None if never started."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class OperatorProcess:
     """`kvpilot operator` as a subprocess, with its /metrics readable."""
 
@@ -72,11 +88,4 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, sig)

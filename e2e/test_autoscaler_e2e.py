@@ -35,7 +35,7 @@ import yaml
 
 from e2e.harness import Cluster, Kubectl, free_port, wait_until
 from e2e.localpods import LocalKubelet, openai_load
-from e2e.processes import OperatorProcess
+from e2e.processes import OperatorProcess, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "inferencemodels.kvpilot.dev"
@@ -211,16 +211,7 @@ class AutoscalerProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig)
 
 
 class ReplicaWatch:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from e2e.harness import Cluster, Kubectl, free_port, wait_until
+from e2e.processes import stop_process
 from tests.charts.lua_health import health
 from tests.charts.tools import CHART, find_helm
 
@@ -105,13 +105,7 @@ class Process:
         return True
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.handle.close()
 
 
