@@ -43,8 +43,9 @@ def build(source: Path, flags: Sequence[str], compiler: str | None = None) -> Pa
     cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise KernelBuildError("no C compiler (gcc/cc) on PATH")
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_signature().encode()
+        source.read_bytes() + headers + " ".join([cc, *flags]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     with _lock:

@@ -17,22 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "dtypes.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
 
 /* a value as the activation dtype holds it: rounded to bf16 for bf16, unchanged for f32 */
 static inline float act(float v, int dt) { return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }

@@ -23,26 +23,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtypes.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3, DT_FP8 = 4 };
 
 #define MAX_G 32
 #define MAX_D 256
 #define MAX_BS 256
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 static inline float f16_to_f32(uint16_t h) {
     _Float16 x;

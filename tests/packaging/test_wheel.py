@@ -60,6 +60,21 @@ def test_parts_import_from_the_wheel(installed_wheel: Path) -> None:
     assert source_exists == "True"  # the CPU kernel's C source ships in the wheel
 
 
+def test_the_c_extensions_build_from_the_wheel(installed_wheel: Path, tmp_path: Path) -> None:
+    """Sources and the headers they include ship, and compile where the wheel is installed."""
+    code = (
+        "import os; os.environ['KVPILOT_KERNEL_CACHE'] = os.environ['CACHE'];"
+        "from kvpilot.kernels import cpu_attention, cpu_ops;"
+        "print(cpu_attention.available(), cpu_ops.available())"
+    )
+    env = {"PYTHONPATH": str(installed_wheel), "PATH": "/usr/bin:/bin", "CACHE": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=installed_wheel, check=True, capture_output=True, text=True
+    )
+    assert out.stdout.split() == ["True", "True"], out.stderr
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["cpu_ops", "paged_attention_cpu"]
+
+
 def test_no_bare_top_level_packages(installed_wheel: Path) -> None:
     names = {
         p.name
