@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_runtime.py
@@ -27,23 +28,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_runtime.py
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workload as wl
+
 HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M
 
 
 def best_ms(fn: Callable[[], Any], seconds: float = 1.0, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        n = 0
-        t0 = time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= seconds / repeats:
-                break
-        best = min(best, dt / n)
-    return best * 1000
+    return wl.best_seconds(fn, seconds, repeats) * 1000
 
 
 def make_case(

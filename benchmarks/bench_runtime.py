@@ -254,19 +254,7 @@ def cpu_probe(seconds: float = 0.4) -> float:
 
 def _best_rate(fn: Callable[[], object], flop: float, seconds: float, repeats: int = 5) -> float:
     """Best GFLOP/s of `fn` over `repeats` windows of `seconds / repeats` (a peak, robust to noise)."""
-    fn()
-    best = 0.0
-    for _ in range(repeats):
-        n = 0
-        t0 = time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= seconds / repeats:
-                break
-        best = max(best, flop * n / dt / 1e9)
-    return round(best, 1)
+    return round(flop / wl.best_seconds(fn, seconds, repeats) / 1e9, 1)
 
 
 def matmul_peak(

@@ -11,7 +11,8 @@ import importlib
 import importlib.metadata
 import inspect
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -183,3 +184,21 @@ def summarize(reqs: Sequence[Request]) -> dict[str, Any]:
         "prompt_len_min_mean_max": [min(p), round(sum(p) / len(p), 1), max(p)],
         "output_len_min_mean_max": [min(o), round(sum(o) / len(o), 1), max(o)],
     }
+
+
+def best_seconds(fn: Callable[[], object], seconds: float = 1.0, repeats: int = 5) -> float:
+    """Fastest mean time of one `fn()` call over `repeats` windows of `seconds / repeats` each, after a
+    warm-up call: a best case, robust to other work preempting a window."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        n = 0
+        t0 = time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= seconds / repeats:
+                break
+        best = min(best, dt / n)
+    return best

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -11,11 +13,14 @@ from kvpilot.runtime.models.layers import RMSNorm, RotaryEmbedding
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the fused CPU ops")
 
 
-def torch_reference(fn: object, monkeypatch: pytest.MonkeyPatch) -> object:
+def torch_reference(
+    fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn() with the fused ops switched off: the torch code they replace."""
     with monkeypatch.context() as m:
         m.setattr(cpu_ops, "supports", lambda *_: False)
         m.setattr(cpu_ops, "rotary_supports", lambda *_: False)
-        return fn() if callable(fn) else fn
+        return fn()
 
 
 def ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -36,7 +41,7 @@ def test_rms_norm_matches_the_torch_code(
     residual = torch.randn(tokens, 576).to(dtype) if with_residual else None
     assert cpu_ops.supports(x, norm.weight)
     out, total = norm(x, residual)
-    want_out, want_total = torch_reference(lambda: norm(x, residual), monkeypatch)  # type: ignore[misc]
+    want_out, want_total = torch_reference(lambda: norm(x, residual), monkeypatch)
     assert torch.equal(total, want_total)  # the residual add rounds exactly as torch's
     if dtype == torch.float32:
         torch.testing.assert_close(out, want_out, rtol=2e-6, atol=1e-6)
@@ -62,7 +67,7 @@ def test_rotary_is_bitwise_the_torch_code_on_fused_qkv_views(
         return q.reshape(t, hq, d), k.reshape(t, hk, d)
 
     q_ref, k_ref = views(qkv.clone())
-    want_q, want_k = torch_reference(lambda: rope(positions, q_ref, k_ref), monkeypatch)  # type: ignore[misc]
+    want_q, want_k = torch_reference(lambda: rope(positions, q_ref, k_ref), monkeypatch)
     buf = qkv.clone()
     q, k = views(buf)
     assert cpu_ops.rotary_supports(q, k)

@@ -2,7 +2,7 @@
 
 GPU tests skip cleanly without CUDA. Their CPU siblings: the KV budget arithmetic below (pure), the
 engine's HF parity, preemption and injected-OOM tests in test_engine.py, and the flash-attn packing
-tests in tests/kernels/test_flash_attention.py. `scripts/gpu_check.sh` runs this module on a GPU.
+tests in tests/kernels/test_flash_attention.py. On a GPU: `pytest tests/runtime/test_cuda.py`.
 """
 
 from __future__ import annotations
