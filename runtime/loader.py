@@ -223,7 +223,9 @@ def iter_gguf_weights(f: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str,
 # Hugging Face directories
 
 
-_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_HF_DENSE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_HF_MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+_HF_ARCHS = _HF_DENSE_ARCHS + _HF_MOE_ARCHS
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -237,7 +239,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def hf_arch_config(directory: Path) -> ModelArchConfig:
-    """ModelArchConfig from a transformers config.json (Llama, Mistral, Qwen2; SmolLM is Llama)."""
+    """ModelArchConfig from a transformers config.json (Llama, Mistral, Qwen2; SmolLM is Llama; the
+    MoE families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     cfg = read_json(directory / "config.json")
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
@@ -248,7 +251,9 @@ def hf_arch_config(directory: Path) -> ModelArchConfig:
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    qwen2 = arch == "Qwen2ForCausalLM"
+    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    qwen_window = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    qkv_bias = bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("attention_bias", False))
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -263,15 +268,41 @@ def hf_arch_config(directory: Path) -> ModelArchConfig:
         rope_scaling=dict(scaling) if scaling else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)),
+        qkv_bias=qkv_bias,
         o_bias=not qwen2 and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_window=_hf_sliding_window(cfg, qwen2),
+        sliding_window=_hf_sliding_window(cfg, qwen_window),
+        **(_hf_moe_settings(arch, cfg) if arch in _HF_MOE_ARCHS else {}),
         extra={
             "model_type": cfg.get("model_type"),
             "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
         },
     )
+
+
+def _hf_moe_settings(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArchConfig MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE config.json."""
+    layers = int(cfg["num_hidden_layers"])
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    settings: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        "norm_topk_prob": True if arch == "MixtralForCausalLM" else bool(cfg.get("norm_topk_prob", False)),
+    }
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        only = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        settings["dense_mlp_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
+    if arch == "Qwen2MoeForCausalLM":
+        settings["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if arch == "Qwen3MoeForCausalLM":
+        settings["qk_norm"] = "head"
+    if arch == "OlmoeForCausalLM":
+        settings["qk_norm"] = "full"
+        clip = cfg.get("clip_qkv")
+        settings["clip_qkv"] = float(clip) if clip is not None else None
+    return settings
 
 
 def _hf_sliding_window(cfg: dict[str, Any], qwen2: bool) -> int | None:

@@ -12,6 +12,18 @@ import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+_EXPERT_PARALLEL = False
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """`--enable-expert-parallel`: MoE layers built after this place whole experts on the
+    tensor-parallel ranks (E / N each) instead of splitting every expert's width N ways."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = enabled
+
+
+def expert_parallel_enabled() -> bool:
+    return _EXPERT_PARALLEL
 
 
 def set_tp_group(group: dist.ProcessGroup | None) -> None:

@@ -5,12 +5,21 @@ from __future__ import annotations
 from kvpilot.runtime.models.arch_config import ModelArchConfig
 from kvpilot.runtime.models.base import CausalLM
 from kvpilot.runtime.models.llama import LlamaForCausalLM
+from kvpilot.runtime.models.moe_llm import MoEForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
     "llama": LlamaForCausalLM,  # GGUF general.architecture (Llama, Mistral, SmolLM GGUFs)
+    "llama-moe": MoEForCausalLM,  # GGUF `llama` with llama.expert_count > 0 (Mixtral GGUFs)
+    "qwen2moe": MoEForCausalLM,
+    "qwen3moe": MoEForCausalLM,
+    "olmoe": MoEForCausalLM,
 }
 
 
@@ -23,4 +32,11 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "LlamaForCausalLM", "ModelArchConfig", "get_model_class"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "CausalLM",
+    "LlamaForCausalLM",
+    "MoEForCausalLM",
+    "ModelArchConfig",
+    "get_model_class",
+]

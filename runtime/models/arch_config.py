@@ -30,6 +30,15 @@ class ModelArchConfig:
     o_bias: bool = False  # Llama `attention_bias=True` puts a bias on o_proj too
     mlp_bias: bool = False
     sliding_window: int | None = None  # None: full attention
+    # Mixture of experts (num_experts == 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's width
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers with a dense MLP of intermediate_size (Qwen MoE)
+    qk_norm: str | None = None  # RMSNorm on q and k: "head" (Qwen3, per head) or "full" (OLMoE, whole q/k)
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     extra: dict[str, Any] = field(default_factory=dict)  # format-specific leftovers, for diagnostics
 
     def __post_init__(self) -> None:
@@ -38,6 +47,10 @@ class ModelArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:

@@ -9,6 +9,7 @@ new K/V into the block pool and reads each sequence's context through its block 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -184,7 +185,7 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy of the embedding; the embedding wins
-            target, shard_id = _map_name(name)
+            target, shard_id = self.map_name(name)
             if target not in params:
                 unexpected.append(name)
                 continue
@@ -192,6 +193,10 @@ class LlamaForCausalLM(CausalLM):
             get_weight_loader(param)(param, tensor, shard_id)
             loaded.add(target)
         _check_complete(params, loaded, unexpected)
+
+    def map_name(self, name: str) -> tuple[str, Any]:
+        """Checkpoint name -> (our parameter name, the shard id its weight_loader takes)."""
+        return _map_name(name)
 
 
 def _map_name(name: str) -> tuple[str, str | int | None]:

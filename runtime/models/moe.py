@@ -1,0 +1,216 @@
+"""Mixture-of-Experts feed-forward: routing, the expert computation, and the sparse MoE block.
+
+Routing (`route`): softmax over the router logits in float32, top-k, and (Mixtral always; Qwen2-MoE,
+Qwen3-MoE and OLMoE when `norm_topk_prob`) the top-k weights renormalized to sum to 1.
+
+Expert computation, two implementations of one contract
+`(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]`:
+- `moe_reference`: every expert on every token, combined with a dense [T, E] weight matrix that is
+  zero for experts a token did not pick. Obviously correct and the spec; O(E) work per token.
+- `moe_grouped`: the (token, expert) assignments sorted by expert (one argsort), the tokens gathered
+  into one contiguous buffer so each active expert runs once on its rows (two matmuls), the results
+  weighted and summed per token with one batched matmul. No per-token loops, no capacity limit, no
+  token dropping; the only Python loop is over the experts that received tokens.
+
+Parallelism (`FusedMoE`): under tensor parallelism each expert's intermediate width I is split across
+ranks like the dense MLP (w13 by rows, w2 by columns) and the per-rank partial sums are all-reduced;
+with expert parallelism each rank holds E / N whole experts and computes only the assignments that
+fall on them, and the same all-reduce adds the ranks' contributions. Either way every rank routes
+every token with the replicated router, so no token moves between ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.runtime.models.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
+from kvpilot.runtime.parallel import (
+    divide,
+    expert_parallel_enabled,
+    get_tp_rank,
+    get_tp_world_size,
+    tp_all_reduce,
+)
+
+# Checkpoint piece of one expert -> (fused parameter, row block within it): gate and up share w13.
+EXPERT_PIECES = ("w1", "w3", "w2")  # gate, up, down (Mixtral's names; Qwen/OLMoE map onto them)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64): softmax (float32) -> top-k -> renormalize."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """The spec: sum over the experts held here (global ids expert_offset .. +E) of
+    weight(token, expert) * expert(token), computing every held expert on every token."""
+    num_local = w13.shape[0]
+    dense = torch.zeros(x.shape[0], num_local, dtype=torch.float32, device=x.device)
+    local = ids - expert_offset
+    held = (local >= 0) & (local < num_local)
+    dense.scatter_add_(1, local.clamp(0, num_local - 1), torch.where(held, weights.float(), 0.0))
+    out = torch.zeros_like(x)
+    for e in range(num_local):
+        out += dense[:, e : e + 1].to(x.dtype) * _expert(x, w13[e], w2[e])
+    return out
+
+
+def moe_grouped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """`moe_reference`'s result with each held expert run once, on exactly the tokens routed to it."""
+    t, k = ids.shape
+    num_local = w13.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignment rows grouped by expert, token order kept
+    counts = torch.bincount(flat, minlength=expert_offset + num_local)
+    starts = torch.cumsum(counts, 0) - counts
+    counts_l = counts[expert_offset : expert_offset + num_local].tolist()
+    starts_l = starts[expert_offset : expert_offset + num_local].tolist()
+    xs = x.index_select(0, order // k)  # each assignment's token, in expert order
+    # under expert parallelism some assignments belong to other ranks' experts: they contribute zero
+    held_all = sum(counts_l) == t * k
+    partial = x.new_empty(t * k, x.shape[1]) if held_all else x.new_zeros(t * k, x.shape[1])
+    for e, (start, n) in enumerate(zip(starts_l, counts_l, strict=True)):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate_up = torch.mm(xs[rows], w13[e].t())
+        act = F.silu(gate_up[:, : gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2 :]
+        torch.mm(act, w2[e].t(), out=partial[rows])
+    unsorted = torch.empty_like(partial)
+    unsorted[order] = partial  # back to (token, k) order
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer, stacked: w13 [E_here, 2 * I_here, H] (gate rows, then up rows) and
+    w2 [E_here, H, I_here]. Loads per-expert checkpoint tensors with shard_id (expert, piece)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.num_experts = num_experts
+        self.expert_parallel = expert_parallel_enabled() and self.tp_size > 1
+        if self.expert_parallel:
+            self.num_local_experts = divide(num_experts, self.tp_size)
+            self.expert_offset = self.tp_rank * self.num_local_experts
+            self.intermediate_per_rank = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.expert_offset = 0
+            self.intermediate_per_rank = divide(intermediate_size, self.tp_size)
+        i = self.intermediate_per_rank
+        self.w13 = _new_param(self.num_local_experts, 2 * i, hidden_size)
+        self.w2 = _new_param(self.num_local_experts, hidden_size, i)
+        for p in (self.w13, self.w2):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        expert, piece = shard_id
+        local = int(expert) - self.expert_offset
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        i = self.intermediate_per_rank
+        src_start = 0 if self.expert_parallel else self.tp_rank * i
+        if piece == "w2":
+            src, dst = loaded_weight.narrow(1, src_start, i), param.data[local]
+        elif piece in ("w1", "w3"):
+            src = loaded_weight.narrow(0, src_start, i)
+            dst = param.data[local].narrow(0, 0 if piece == "w1" else i, i)
+        else:
+            raise ValueError(f"expert piece must be one of {EXPERT_PIECES}, got {piece!r}")
+        if dst.shape != src.shape:
+            raise ValueError(
+                f"shape mismatch: expert {expert} {piece} shard {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
+            )
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (the caller all-reduces)."""
+        return moe_grouped(x, self.w13, self.w2, weights, ids, self.expert_offset)
+
+
+class ReplicatedLinear(nn.Module):
+    """A small linear every rank holds whole (the router, the shared-expert gate)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = _new_param(output_size, input_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert, tensor-parallel like the dense MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> top-k experts (+ Qwen2-MoE's shared expert, scaled by sigmoid(its gate))."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = tp_all_reduce(self.experts(x, weights, ids))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
