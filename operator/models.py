@@ -220,6 +220,11 @@ class RuntimeSettings(_Model):
     tensor_parallel_size: int | None = Field(
         None, ge=1, le=16, description="GPUs one model copy is sharded over."
     )
+    enable_expert_parallel: bool | None = Field(
+        None,
+        description="Mixture-of-Experts models: whole experts per GPU of a tensor-parallel group "
+        "instead of every expert split across them.",
+    )
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Most sequences in one batch.")
     max_num_batched_tokens: int | None = Field(None, ge=16, le=1 << 20, description="Token budget per step.")
     gpu_memory_utilization: float | None = Field(

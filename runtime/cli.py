@@ -107,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=s)
     e.add_argument("--tensor-parallel-size", type=_positive_int, default=s)
+    e.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=s,
+        help="MoE models: whole experts per tensor-parallel rank instead of every expert split across them",
+    )
     e.add_argument("--gpu-memory-utilization", type=float, default=s)
     e.add_argument("--threads", type=_positive_int, default=s, help="torch threads on CPU")
     e.add_argument("--seed", type=int, default=s)

@@ -38,6 +38,10 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    enable_expert_parallel: bool = Field(
+        False,
+        description="MoE models: place whole experts on the tensor-parallel ranks instead of splitting each",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     kv_cache_memory: int | None = Field(
         None, ge=1 << 16, description="KV pool budget in bytes (CPU default 1 GiB)"

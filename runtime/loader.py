@@ -443,6 +443,10 @@ def load_model(
     path = resolve_model_path(cfg.model)
     loader = load_gguf if path.is_file() else load_hf_dir
     model, tokenizer, arch = loader(path, dev, torch_dtype)
+    if cfg.enable_expert_parallel and not arch.is_moe:  # tp > 1 refuses this before starting workers
+        raise ValueError(
+            f"--enable-expert-parallel needs a Mixture-of-Experts model; {arch.architecture} is dense"
+        )
     model.eval()
     return LoadedModel(
         model=model,

@@ -47,25 +47,38 @@ __all__ = ["TPModelRunner", "TensorParallelError", "check_tensor_parallel", "sta
 # Which sizes a model supports
 
 
-def _problems(arch: ModelArchConfig, tp: int) -> list[str]:
+def _problems(arch: ModelArchConfig, tp: int, expert_parallel: bool = False) -> list[str]:
     kv = arch.num_key_value_heads
     problems = []
     if arch.num_attention_heads % tp:
         problems.append(f"{arch.num_attention_heads} attention heads")
     if (kv % tp) if tp <= kv else (tp % kv):  # more ranks than KV heads: each head is replicated
         problems.append(f"{kv} KV heads (nor is it a multiple of them)")
-    if arch.intermediate_size % tp:
+    if (not arch.is_moe or arch.dense_mlp_layers) and arch.intermediate_size % tp:
         problems.append(f"MLP width of {arch.intermediate_size}")
+    if arch.is_moe:
+        if expert_parallel and arch.num_experts % tp:
+            problems.append(f"{arch.num_experts} experts")
+        if not expert_parallel and arch.moe_intermediate_size % tp:
+            problems.append(f"expert width of {arch.moe_intermediate_size}")
+        if arch.shared_expert_intermediate_size % tp:  # the shared expert is split even under EP
+            problems.append(f"shared-expert width of {arch.shared_expert_intermediate_size}")
     return problems
 
 
-def check_tensor_parallel(arch: ModelArchConfig, tp: int) -> None:
-    """Raise ValueError unless `tp` ranks can split this model's heads and MLP evenly."""
-    problems = _problems(arch, tp)
-    if problems:
-        valid = [n for n in range(1, arch.num_attention_heads + 1) if not _problems(arch, n)]
+def check_tensor_parallel(arch: ModelArchConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError unless `tp` ranks can split this model's heads, MLP and experts evenly
+    (with `expert_parallel`: hold an equal number of whole experts each)."""
+    if expert_parallel and not arch.is_moe:
         raise ValueError(
-            f"--tensor-parallel-size {tp} does not divide the model's {' or its '.join(problems)}; "
+            f"--enable-expert-parallel needs a Mixture-of-Experts model; {arch.architecture} is dense"
+        )
+    problems = _problems(arch, tp, expert_parallel)
+    if problems:
+        valid = [n for n in range(1, arch.num_attention_heads + 1) if not _problems(arch, n, expert_parallel)]
+        flag = f"--tensor-parallel-size {tp}" + (" with --enable-expert-parallel" if expert_parallel else "")
+        raise ValueError(
+            f"{flag} does not divide the model's {' or its '.join(problems)}; "
             f"sizes this model supports: {', '.join(map(str, valid))}"
         )
 
@@ -105,7 +118,9 @@ def load_shard(
     from kvpilot.kernels import quant
     from kvpilot.runtime.engine import LLMEngine
     from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.parallel import set_expert_parallel
 
+    set_expert_parallel(cfg.enable_expert_parallel)  # MoE layers read it as they are built
     loaded = load_model(cfg, device, dtype)  # layers read this rank's place in the group as they are built
     geometry = kv_geometry(
         loaded.arch, cfg.block_size, quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype), world_size
@@ -267,7 +282,7 @@ def start_tensor_parallel(cfg: EngineConfig) -> TPModelRunner:
     from kvpilot.runtime.tp_worker import worker_main
 
     tp = cfg.tensor_parallel_size
-    check_tensor_parallel(read_arch(resolve_model_path(cfg.model)), tp)
+    check_tensor_parallel(read_arch(resolve_model_path(cfg.model)), tp, cfg.enable_expert_parallel)
     device = resolve_device(cfg)
     if device.type == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")

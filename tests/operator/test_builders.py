@@ -127,6 +127,16 @@ def test_gpu_requests_limits_toleration_and_node_selector() -> None:
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in ps["volumes"]
 
 
+def test_expert_parallel_is_rendered_into_the_runtime_config() -> None:
+    model = im(resources={"gpus": 2}, runtime={"tensorParallelSize": 2, "enableExpertParallel": True})
+    rendered = yaml.safe_load(children(model)["ConfigMap"]["data"]["config.yaml"])
+    assert rendered["tensor_parallel_size"] == 2
+    assert rendered["enable_expert_parallel"] is True
+    assert (
+        yaml.safe_load(children(im())["ConfigMap"]["data"]["config.yaml"])["enable_expert_parallel"] is False
+    )
+
+
 def test_command_probes_lifecycle_and_grace() -> None:
     model = im(runtime={"shutdownTimeoutSeconds": 60}, extraArgs=["--enforce-eager"])
     c = container(model)
