@@ -119,13 +119,25 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts (the stacked ffn_*_exps tensors are split per expert by iter_gguf_weights)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# llama.cpp's stacked expert tensors [E, out, in] -> the HF piece of each expert
+_GGUF_EXPERT_PIECES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_GGUF_SUPPORTED_ARCHS = ("llama",)
+_GGUF_SUPPORTED_ARCHS = ("llama", "qwen2moe", "qwen3moe", "olmoe")
+# llama.cpp's default for renormalizing the top-k weights when `<arch>.expert_weights_norm` is absent
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
 def gguf_arch_config(f: GGUFFile) -> ModelArchConfig:
@@ -143,12 +155,13 @@ def gguf_arch_config(f: GGUFFile) -> ModelArchConfig:
         return value
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    moe = _gguf_moe_settings(f, arch)
     tokens = f.get("tokenizer.ggml.tokens")
     vocab = f.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:
         vocab = f.tensors["token_embd.weight"].shape[0]
     return ModelArchConfig(
-        architecture=arch,
+        architecture="llama-moe" if arch == "llama" and moe else arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -165,8 +178,36 @@ def gguf_arch_config(f: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
         o_bias="blk.0.attn_output.bias" in f.tensors,
+        **moe,
         extra={"gguf_name": f.get("general.name"), "file_type": f.get("general.file_type")},
     )
+
+
+def _gguf_moe_settings(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """The ModelArchConfig MoE fields from `<arch>.expert_*` metadata ({} for a dense model)."""
+    experts = int(f.get(f"{arch}.expert_count") or 0)
+    if experts == 0:
+        if arch != "llama":
+            raise ValueError(f"{f.path}: GGUF metadata {arch}.expert_count is missing")
+        return {}
+    layers = int(f.get(f"{arch}.block_count"))
+    ff = f.get(f"{arch}.expert_feed_forward_length") or f.get(f"{arch}.feed_forward_length")
+    settings: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(f.get(f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(ff),
+        "norm_topk_prob": bool(f.get(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK[arch])),
+        "shared_expert_intermediate_size": int(f.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+        # layers without a router have a dense MLP (Qwen MoE's mlp_only_layers / decoder_sparse_step)
+        "dense_mlp_layers": tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors
+        ),
+        "qk_norm": {"qwen3moe": "head", "olmoe": "full"}.get(arch),
+    }
+    clip = f.get(f"{arch}.attention.clamp_kqv")
+    if clip is not None:
+        settings["clip_qkv"] = float(clip)
+    return settings
 
 
 def _gguf_rope_scaling(f: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -192,6 +233,13 @@ def gguf_hf_name(name: str) -> str | None:
     return None
 
 
+def gguf_expert_piece(name: str) -> tuple[int, str] | None:
+    """`blk.N.ffn_{gate,up,down}_exps.weight` -> (N, HF piece); None for any other tensor."""
+    if m := re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", name):
+        return int(m.group(1)), _GGUF_EXPERT_PIECES[m.group(2)]
+    return None
+
+
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation, back to the HF rotate-half layout.
 
@@ -206,16 +254,29 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(f: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor the model uses, with tqdm progress on stderr."""
-    names = [n for n in f.tensors if gguf_hf_name(n) is not None]
+    """(HF name, float32 tensor) for every tensor the model uses, with tqdm progress on stderr.
+
+    Stacked expert tensors [E, out, in] are dequantized whole and handed out one expert at a time
+    under the HF per-expert names. Only the `llama` converter permutes q/k rows for llama.cpp's
+    rotary layout; qwen2moe, qwen3moe and olmoe keep HF's rotate-half rows (llama.cpp's NEOX rope).
+    """
+    names = [n for n in f.tensors if gguf_hf_name(n) is not None or gguf_expert_piece(n) is not None]
+    permuted = f.get("general.architecture") == "llama"
     for name in tqdm(names, desc=f"loading {f.path.name}", unit="tensor", file=sys.stderr, leave=False):
+        w = f.load(name)
+        if (expert := gguf_expert_piece(name)) is not None:
+            layer, piece = expert
+            for e in range(w.shape[0]):
+                yield f"model.layers.{layer}.mlp.experts.{e}.{piece}.weight", torch.from_numpy(w[e])
+            continue
         hf_name = gguf_hf_name(name)
         assert hf_name is not None
-        w = f.load(name)
-        if ".attn_q." in name:
+        if permuted and ".attn_q." in name:
             w = unpermute_rotary(w, arch.num_attention_heads)
-        elif ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             w = unpermute_rotary(w, arch.num_key_value_heads)
+        elif name.endswith(".ffn_gate_inp_shexp.weight"):
+            w = w.reshape(1, -1)  # llama.cpp stores the shared-expert gate as a vector
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
 
 

@@ -161,7 +161,7 @@ def tiny_moe_hf_model(family: str, **overrides: Any) -> Any:
         cfg3 = tf.Qwen3MoeConfig(**common, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
         return tf.Qwen3MoeForCausalLM(cfg3)
     cfgo = tf.OlmoeConfig(
-        **common, num_experts=8, norm_topk_prob=False, clip_qkv=float(common.get("clip_qkv", 0.4))
+        **common, num_experts=8, norm_topk_prob=False, clip_qkv=float(common.get("clip_qkv", 0.5))
     )
     return tf.OlmoeForCausalLM(cfgo)
 
@@ -207,7 +207,7 @@ def test_arch_config(tiny: tuple[str, Any, LoadedModel]) -> None:
     got = (arch.num_experts, arch.norm_topk_prob, arch.shared_expert_intermediate_size, arch.dense_mlp_layers)
     assert (*got, arch.qk_norm) == expected[family]
     assert arch.qkv_bias == (family == "qwen2moe")
-    assert arch.clip_qkv == (0.4 if family == "olmoe" else None)
+    assert arch.clip_qkv == (0.5 if family == "olmoe" else None)
 
 
 def test_prefill_and_decode_logits_match_transformers(tiny: tuple[str, Any, LoadedModel]) -> None:
