@@ -93,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: nn.Module = LlamaMLP(cfg)  # MoE decoders put a sparse MoE block here
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -133,7 +133,6 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int) -> None:
         nn.Module.__init__(self)
         self.self_attn = MoEAttention(cfg, rotary)
-        self.mlp: nn.Module
         if layer_idx in cfg.dense_mlp_layers:
             self.mlp = LlamaMLP(cfg)
         else:
