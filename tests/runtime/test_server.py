@@ -524,6 +524,15 @@ def test_cli_precedence_defaults_file_flags(tmp_path: Path) -> None:
     assert cfg.enable_prefix_caching is True
 
 
+def test_cli_enable_expert_parallel_flag_and_file(tmp_path: Path) -> None:
+    assert cli.build_config(serve_args([])).enable_expert_parallel is False
+    assert cli.build_config(serve_args(["--enable-expert-parallel"])).enable_expert_parallel is True
+    path = tmp_path / "serve.yaml"
+    path.write_text("tensor_parallel_size: 2\nenable_expert_parallel: true\n")
+    cfg = cli.build_config(serve_args(["--config", str(path)]))
+    assert (cfg.tensor_parallel_size, cfg.enable_expert_parallel) == (2, True)
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [("1048576", 1 << 20), ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000)],
