@@ -11,6 +11,9 @@ Expert computation, two implementations of one contract
   into one contiguous buffer so each active expert runs once on its rows (two matmuls), the results
   weighted and summed per token with one batched matmul. No per-token loops, no capacity limit, no
   token dropping; the only Python loop is over the experts that received tokens.
+- `moe_grouped_mm`: the same with the loop replaced by two `F.grouped_mm` calls whose group offsets
+  stay on the device (no host synchronization: CUDA-graph safe); used for bf16 on CUDA. It runs on
+  the CPU too, where the tests hold it to the reference.
 
 Parallelism (`FusedMoE`): under tensor parallelism each expert's intermediate width I is split across
 ranks like the dense MLP (w13 by rows, w2 by columns) and the per-rank partial sums are all-reduced;
@@ -108,6 +111,36 @@ def moe_grouped(
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)
 
 
+def moe_grouped_mm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """`moe_grouped` with the per-expert loop replaced by two `F.grouped_mm` calls whose group
+    offsets stay on the device: no host synchronization, so it can be captured in a CUDA graph.
+    Assignments to experts held elsewhere (expert parallelism) are sorted last, outside every
+    group, and contribute zero."""
+    t, k = ids.shape
+    num_local = w13.shape[0]
+    local = ids.reshape(-1) - expert_offset
+    held = (local >= 0) & (local < num_local)
+    local = torch.where(held, local, num_local)  # the others: one group past the last
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=num_local + 1)[:num_local]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x.index_select(0, order // k)
+    gate_up = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    inter = gate_up.shape[1] // 2
+    partial = F.grouped_mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2.transpose(-2, -1), offs=offs)
+    partial = torch.where(held[order].unsqueeze(-1), partial, 0.0)  # rows past the last group
+    unsorted = torch.empty_like(partial)
+    unsorted[order] = partial
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)
+
+
 def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -157,8 +190,10 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum (the caller all-reduces)."""
-        return moe_grouped(x, self.w13, self.w2, weights, ids, self.expert_offset)
+        """This rank's partial sum (the caller all-reduces). On CUDA the grouped GEMM path, which
+        never synchronizes with the host (CUDA graphs); elsewhere one matmul pair per active expert."""
+        fn = moe_grouped_mm if x.is_cuda and x.dtype == torch.bfloat16 else moe_grouped
+        return fn(x, self.w13, self.w2, weights, ids, self.expert_offset)
 
 
 class ReplicatedLinear(nn.Module):

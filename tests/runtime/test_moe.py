@@ -22,7 +22,7 @@ import torch
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models import get_model_class
-from kvpilot.runtime.models.moe import moe_grouped, moe_reference, route
+from kvpilot.runtime.models.moe import moe_grouped, moe_grouped_mm, moe_reference, route
 from tests.runtime.test_model_parity import PagedKV, _write_tiny_tokenizer, rel_diff
 
 REL_TOL = 1e-3  # of the largest reference logit (float32, different op order)
@@ -83,26 +83,33 @@ def _random_moe(t: int, e: int, k: int, h: int = 24, i: int = 16, seed: int = 0)
     return x, w13, w2, weights, ids
 
 
+GROUPED = {"loop": moe_grouped, "grouped_mm": moe_grouped_mm}  # CPU/default path, CUDA path
+
+
+@pytest.mark.parametrize("impl", GROUPED)
 @pytest.mark.parametrize(("t", "e", "k"), [(1, 4, 2), (7, 8, 2), (64, 16, 4), (33, 6, 6)])
-def test_grouped_matches_reference(t: int, e: int, k: int) -> None:
+def test_grouped_matches_reference(impl: str, t: int, e: int, k: int) -> None:
     x, w13, w2, weights, ids = _random_moe(t, e, k, seed=t)
     ref = moe_reference(x, w13, w2, weights, ids)
-    torch.testing.assert_close(moe_grouped(x, w13, w2, weights, ids), ref, rtol=1e-5, atol=1e-5)
-    if t == 1:  # a decode of one token touches only its k experts: the others' weights are never read
+    torch.testing.assert_close(GROUPED[impl](x, w13, w2, weights, ids), ref, rtol=1e-5, atol=1e-5)
+    if (
+        t == 1 and impl == "loop"
+    ):  # a decode of one token touches only its k experts: the others' weights are never read
         unused = torch.ones(e, dtype=torch.bool)
         unused[ids[0]] = False
         w13[unused] = float("nan")
         assert not moe_grouped(x, w13, w2, weights, ids).isnan().any()
 
 
+@pytest.mark.parametrize("impl", GROUPED)
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_grouped_expert_shards_sum_to_whole(ranks: int) -> None:
+def test_grouped_expert_shards_sum_to_whole(impl: str, ranks: int) -> None:
     """Expert parallelism: each rank's partial over its E / ranks experts; the sum is the whole."""
     x, w13, w2, weights, ids = _random_moe(40, 8, 2, seed=5)
     whole = moe_reference(x, w13, w2, weights, ids)
     per = 8 // ranks
     parts = [
-        moe_grouped(x, w13[r * per : (r + 1) * per], w2[r * per : (r + 1) * per], weights, ids, r * per)
+        GROUPED[impl](x, w13[r * per : (r + 1) * per], w2[r * per : (r + 1) * per], weights, ids, r * per)
         for r in range(ranks)
     ]
     refs = [
@@ -114,10 +121,11 @@ def test_grouped_expert_shards_sum_to_whole(ranks: int) -> None:
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_bfloat16_close_to_float32() -> None:
+@pytest.mark.parametrize("impl", GROUPED)
+def test_grouped_bfloat16_close_to_float32(impl: str) -> None:
     x, w13, w2, weights, ids = _random_moe(32, 8, 2, h=64, i=32, seed=9)
     ref = moe_reference(x, w13, w2, weights, ids)
-    ours = moe_grouped(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids).float()
+    ours = GROUPED[impl](x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids).float()
     assert float((ours - ref).abs().max() / ref.abs().max()) < 3e-2
 
 
