@@ -1,7 +1,8 @@
 """MoE models under tensor parallelism and expert parallelism (CPU, gloo, real worker processes).
 
-- Tiny random-weight Qwen2-MoE (shared expert, a dense layer, q/k/v bias) and OLMoE (q/k norm over
-  the whole projection, so its sum of squares is all-reduced; one KV head, replicated on both ranks):
+- Tiny random-weight models of every family (tests/runtime/test_moe.py): Mixtral, Qwen2-MoE (shared
+  expert, a dense layer, q/k/v bias), Qwen3-MoE (per-head q/k norm) and OLMoE (q/k norm over the
+  whole projection, so its sum of squares is all-reduced; one KV head, replicated on both ranks):
   batched greedy generation with chunked prefill at tp=2 (every expert's width split) and at tp=2
   with --enable-expert-parallel (whole experts per rank) gives tp=1's logits and tokens.
 - Sizes that do not divide the experts or widths are refused before any process starts, naming the
@@ -38,7 +39,7 @@ def _one_thread_no_leftovers() -> Iterator[None]:
     assert not leftovers, f"tensor-parallel workers still running: {leftovers}"
 
 
-@pytest.mark.parametrize("family", ["qwen2moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "olmoe"])
 def test_moe_tp2_and_expert_parallel_match_tp1(
     family: str, tmp_path: Path, start: Callable[..., LLMEngine]
 ) -> None:
