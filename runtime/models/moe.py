@@ -108,7 +108,7 @@ def moe_grouped(
         torch.mm(act, w2[e].t(), out=partial[rows])
     unsorted = torch.empty_like(partial)
     unsorted[order] = partial  # back to (token, k) order
-    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
 
 
 def moe_grouped_mm(
@@ -138,7 +138,7 @@ def moe_grouped_mm(
     partial = torch.where(held[order].unsqueeze(-1), partial, 0.0)  # rows past the last group
     unsorted = torch.empty_like(partial)
     unsorted[order] = partial
-    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
 
 
 def _new_param(*shape: int) -> nn.Parameter:

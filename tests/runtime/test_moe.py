@@ -102,6 +102,13 @@ def test_grouped_matches_reference(impl: str, t: int, e: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("impl", GROUPED)
+def test_grouped_empty_batch(impl: str) -> None:
+    x, w13, w2, weights, ids = _random_moe(3, 4, 2)
+    out = GROUPED[impl](x[:0], w13, w2, weights[:0], ids[:0])
+    assert out.shape == (0, x.shape[1])
+
+
+@pytest.mark.parametrize("impl", GROUPED)
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_grouped_expert_shards_sum_to_whole(impl: str, ranks: int) -> None:
     """Expert parallelism: each rank's partial over its E / ranks experts; the sum is the whole."""
