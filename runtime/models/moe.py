@@ -94,20 +94,24 @@ def moe_grouped(
     counts = torch.bincount(flat, minlength=expert_offset + num_local)
     starts = torch.cumsum(counts, 0) - counts
     counts_l = counts[expert_offset : expert_offset + num_local].tolist()
-    starts_l = starts[expert_offset : expert_offset + num_local].tolist()
-    xs = x.index_select(0, order // k)  # each assignment's token, in expert order
-    # under expert parallelism some assignments belong to other ranks' experts: they contribute zero
-    held_all = sum(counts_l) == t * k
-    partial = x.new_empty(t * k, x.shape[1]) if held_all else x.new_zeros(t * k, x.shape[1])
-    for e, (start, n) in enumerate(zip(starts_l, counts_l, strict=True)):
+    # the assignments of the experts held here are one contiguous run of the sorted order (all of
+    # it without expert parallelism); the others' rows stay zero
+    lo = int(starts[expert_offset])
+    mine = order[lo : lo + sum(counts_l)]
+    xs = x.index_select(0, mine // k)  # each assignment's token, in expert order
+    partial = x.new_empty(mine.numel(), x.shape[1])
+    start = 0
+    for e, n in enumerate(counts_l):
         if n == 0:
             continue
         rows = slice(start, start + n)
+        start += n
         gate_up = torch.mm(xs[rows], w13[e].t())
         act = F.silu(gate_up[:, : gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2 :]
         torch.mm(act, w2[e].t(), out=partial[rows])
-    unsorted = torch.empty_like(partial)
-    unsorted[order] = partial  # back to (token, k) order
+    held_all = mine.numel() == t * k
+    unsorted = x.new_empty(t * k, x.shape[1]) if held_all else x.new_zeros(t * k, x.shape[1])
+    unsorted[mine] = partial  # back to (token, k) order
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
 
 
