@@ -195,6 +195,7 @@ class LLMEngine:
     def from_loaded(cls, loaded: LoadedModel, cfg: EngineConfig) -> LLMEngine:
         """An engine around an already-loaded, unsharded model (tests share one model between engines)."""
         from kvpilot.kernels import quant
+        from kvpilot.runtime.loader import resolve_max_model_len
 
         if cfg.tensor_parallel_size != 1:
             raise ValueError(
@@ -206,7 +207,13 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
-        return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)
+        # this cfg's --max-model-len, which may differ from the one the model was loaded with
+        max_model_len = (
+            loaded.max_model_len
+            if cfg.max_model_len is None
+            else resolve_max_model_len(cfg.max_model_len, loaded.arch)
+        )
+        return cls(runner, loaded.tokenizer, cfg, name, max_model_len, eos)
 
     @staticmethod
     def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:

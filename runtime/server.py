@@ -200,9 +200,14 @@ def _dumps(obj: Any) -> bytes:
 
 
 def error_response(err: APIError) -> web.Response:
-    return web.Response(
-        status=err.status, body=_dumps(err.to_dict()), content_type="application/json", headers=err.headers
+    headers = dict(err.headers)
+    close = headers.pop("Connection", "").lower() == "close"
+    resp = web.Response(
+        status=err.status, body=_dumps(err.to_dict()), content_type="application/json", headers=headers
     )
+    if close:  # also skips reading the rest of an unread (refused) body
+        resp.force_close()
+    return resp
 
 
 def body_limit(max_model_len: int) -> int:
@@ -215,6 +220,7 @@ def body_too_large(limit: int, max_model_len: int) -> APIError:
         f"({BODY_BYTES_PER_TOKEN} bytes per token + {BODY_BASE_BYTES} bytes)",
         status=413,
         code="request_too_large",
+        headers={"Connection": "close"},
     )
 
 
