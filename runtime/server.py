@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from kvpilot.runtime import protocol as P
@@ -239,7 +239,9 @@ class OpenAIRequestHandler(RequestHandler):
         if not isinstance(exc, HttpProcessingError) or request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)
         reason = " ".join(str(message or exc.message or type(exc).__name__).split())[:200]
-        log.warning("malformed HTTP request from %s: %s", request.remote, reason)
+        # not HTTP at all (TLS, scanners) is routine on an open port: aiohttp logs it at debug too
+        level = logging.DEBUG if isinstance(exc, BadStatusLine) else logging.WARNING
+        log.log(level, "malformed HTTP request from %s: %s", request.remote, reason)
         resp = error_response(APIError(f"malformed HTTP request: {reason}", status=status))
         resp.force_close()
         return resp
