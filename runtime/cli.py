@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import ConfigError, EngineConfig
 
 log = logging.getLogger("kvpilot.serve")
 
@@ -176,7 +176,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"kvpilot serve: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(cfg, api_key))
+    try:
+        return asyncio.run(_serve(cfg, api_key))
+    except ConfigError as e:
+        print(f"kvpilot serve: {e}", file=sys.stderr)
+        return 2
 
 
 async def _serve(cfg: EngineConfig, api_key: str | None) -> int:

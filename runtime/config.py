@@ -18,6 +18,11 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "int8"]
 
 
+class ConfigError(ValueError):
+    """Settings that cannot work with this model or machine (found while loading): `kvpilot serve`
+    prints the message, which names the flag, on one line and exits 2."""
+
+
 class EngineConfig(BaseModel):
     """Everything `kvpilot serve` accepts. Unknown keys in a config file are an error."""
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -149,6 +149,15 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        if self.kv_capacity_tokens < max_model_len:
+            log.warning(
+                "the KV pool holds %d tokens, fewer than --max-model-len %d: no request can be longer "
+                "than %d tokens, and requests without max_tokens default to what fits in the pool; "
+                "raise --kv-cache-memory or lower --max-model-len",
+                self.kv_capacity_tokens,
+                max_model_len,
+                self.kv_capacity_tokens,
+            )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, _Tracked] = {}
@@ -186,6 +195,7 @@ class LLMEngine:
     def from_loaded(cls, loaded: LoadedModel, cfg: EngineConfig) -> LLMEngine:
         """An engine around an already-loaded, unsharded model (tests share one model between engines)."""
         from kvpilot.kernels import quant
+        from kvpilot.runtime.loader import resolve_max_model_len
 
         if cfg.tensor_parallel_size != 1:
             raise ValueError(
@@ -197,7 +207,13 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
-        return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)
+        # this cfg's --max-model-len, which may differ from the one the model was loaded with
+        max_model_len = (
+            loaded.max_model_len
+            if cfg.max_model_len is None
+            else resolve_max_model_len(cfg.max_model_len, loaded.arch)
+        )
+        return cls(runner, loaded.tokenizer, cfg, name, max_model_len, eos)
 
     @staticmethod
     def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
@@ -207,9 +223,10 @@ class LLMEngine:
         budget = kv_budget_bytes(cfg, mem)
         n = geo.num_blocks_for(budget)
         if n < 1:
-            raise ValueError(
-                f"the KV cache budget ({budget} bytes) holds no block of {geo.bytes_per_block} bytes; "
-                "raise --kv-cache-memory or --gpu-memory-utilization"
+            flag = "--kv-cache-memory" if cfg.kv_cache_memory is not None else "--gpu-memory-utilization"
+            raise ConfigError(
+                f"{flag}: the KV cache budget ({budget} bytes) holds no block of {geo.bytes_per_block} "
+                f"bytes (--block-size {cfg.block_size}); raise {flag}"
             )
         return n
 
@@ -447,6 +464,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self._inbox = _Inbox()
         self._wake = threading.Event()
         self._stop = threading.Event()

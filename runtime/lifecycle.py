@@ -18,7 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.runtime.server import OpenAIServer
+from kvpilot.runtime.config import ConfigError
+from kvpilot.runtime.server import OpenAIRequestHandler, OpenAIServer
 
 log = logging.getLogger("kvpilot.serve")
 
@@ -57,9 +58,9 @@ async def serve(
     await runner.setup()
     engine: Any = server.engine
     try:
-        site = web.TCPSite(runner, host, port)
+        site = _Site(runner, host, port)
         await site.start()
-        bound = _bound_port(site, port)
+        bound = site.bound_port()
         shown = "localhost" if host in ("0.0.0.0", "::", "") else host
         log.info(
             "kvpilot serving '%s' at http://%s:%d/v1 (health: /health, ready: /ready)",
@@ -116,16 +117,43 @@ async def _load(load_engine: EngineLoader, stop: asyncio.Event) -> Any:
         engine = task.result()
         if inspect.isawaitable(engine):
             engine = await engine
+    except ConfigError:
+        raise  # a setting that cannot work: the CLI prints it on one line
     except Exception:
         log.exception("loading the model failed")
         return None
     return engine
 
 
-def _bound_port(site: web.TCPSite, requested: int) -> int:
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    for sock in sockets:
-        name = sock.getsockname()
-        return int(name[1])
-    return requested
+class _Site(web.BaseSite):
+    """aiohttp's TCPSite, with connections handled by `OpenAIRequestHandler` (OpenAI error bodies for
+    requests that are not valid HTTP)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
+        super().__init__(runner)
+        self._host = host
+        self._port = port
+        self._listener: asyncio.Server | None = None
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        manager = self._runner.server
+        assert manager is not None
+
+        def protocol() -> OpenAIRequestHandler:
+            return OpenAIRequestHandler(manager, loop=loop)
+
+        self._listener = self._server = await loop.create_server(
+            protocol, self._host, self._port, reuse_address=True
+        )
+
+    def bound_port(self) -> int:
+        assert self._listener is not None
+        for sock in self._listener.sockets:
+            return int(sock.getsockname()[1])
+        return self._port

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
@@ -491,7 +491,7 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds what this model supports ({limit} tokens)")
+        raise ConfigError(f"--max-model-len {requested} exceeds what this model supports ({limit} tokens)")
     return requested
 
 

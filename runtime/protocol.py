@@ -21,6 +21,8 @@ from kvpilot.runtime.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 1024  # n * number of prompts in one request
+MAX_JSON_DEPTH = 64  # the deepest legitimate body (chat content parts) nests 4 levels
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch's generator seeds; seed + choice index stays in range
 # Logprobs can be -inf in float32; JSON has no infinity, so clamp like vLLM does.
 MIN_LOGPROB = -9999.0
 
@@ -78,27 +80,43 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
         raise APIError(
             f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
+    except RecursionError:
+        raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # an integer literal beyond Python's int_max_str_digits
+        raise APIError(f"request body is not acceptable JSON: {str(e).split(';')[0]}") from None
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object")
-    _reject_lone_surrogates(data, "")
+    _check_values(data)
     return data
 
 
-def _reject_lone_surrogates(value: Any, path: str) -> None:
-    """JSON escapes like "\\ud800" decode to strings that are not valid Unicode; refuse them early."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(
-                f"{path or 'body'} contains an invalid Unicode escape (lone surrogate)", param=path or None
-            ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _reject_lone_surrogates(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _reject_lone_surrogates(v, f"{path}[{i}]")
+def _check_values(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings with lone surrogates: JSON escapes like
+    "\\ud800" decode to strings that are not valid Unicode. Iterative, so depth cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(
+                    f"{path or 'body'} contains an invalid Unicode escape (lone surrogate)",
+                    param=path or None,
+                ) from None
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", param=_top(path))
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in value.items())
+        else:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _top(path: str) -> str | None:
+    return path.split(".")[0].split("[")[0] or None
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
@@ -135,12 +153,70 @@ def validation_error_to_api(e: ValidationError) -> APIError:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # allow_inf_nan: JSON has NaN/Infinity literals in Python's parser and 1e999 overflows to inf;
+    # every float field refuses them (a NaN temperature would compare false with every bound).
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted for vLLM compatibility; usage comes at the end
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk; needs include_usage
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
+
+
+# vLLM request fields whose meaning this server does not implement. A client that sends one expects
+# it to act (constrain, adapt, truncate, reshape the output); dropping it silently would return
+# plausible but wrong results, so a request carrying one with a value other than those listed as
+# neutral is refused with a 400 naming the field. Keep this the single list; docs/runtime.md mirrors it.
+REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    # name: (what it is, values that ask for nothing and are accepted)
+    "guided_json": ("guided decoding", (None,)),
+    "guided_regex": ("guided decoding", (None,)),
+    "guided_choice": ("guided decoding", (None,)),
+    "guided_grammar": ("guided decoding", (None,)),
+    "guided_whitespace_pattern": ("guided decoding", (None,)),
+    "guided_decoding_backend": ("guided decoding", (None,)),
+    "structured_outputs": ("structured outputs", (None,)),
+    "logits_processors": ("custom logits processors", (None, [])),
+    "lora_request": ("LoRA adapters", (None,)),
+    "prompt_logprobs": ("prompt logprobs", (None,)),
+    "allowed_token_ids": ("allowed token ids", (None,)),
+    "bad_words": ("bad words", (None, [])),
+    "use_beam_search": ("beam search", (None, False)),
+    "length_penalty": ("beam search", (None, 1, 1.0)),
+    "truncate_prompt_tokens": ("prompt truncation", (None,)),
+    "return_tokens_as_token_ids": ("token-id output", (None, False)),
+    "return_token_ids": ("token-id output", (None, False)),
+    "spaces_between_special_tokens": ("special-token spacing control", (None, True)),
+    "add_special_tokens": ("special-token control of the prompt", (None,)),
+    "chat_template": ("a per-request chat template", (None,)),
+    "chat_template_kwargs": ("chat template arguments", (None, {})),
+    "continue_final_message": ("continuing the last message", (None, False)),
+    "documents": ("documents for the chat template", (None, [])),
+    "mm_processor_kwargs": ("multimodal input", (None, {})),
+    "prompt_embeds": ("prompt embeddings", (None,)),
+    "priority": ("priority scheduling", (None, 0)),
+    "kv_transfer_params": ("disaggregated prefill", (None,)),
+    "vllm_xargs": ("vLLM extension arguments", (None, {})),
+    "reasoning_effort": ("reasoning control", (None,)),
+    "modalities": ("output modalities other than text", (None, ["text"])),
+    "audio": ("audio output", (None,)),
+}
+
+
+def check_refused_fields(data: dict[str, Any]) -> None:
+    for name, value in data.items():
+        entry = REFUSED_FIELDS.get(name)
+        if entry is None:
+            continue
+        what, neutral = entry
+        # compare types too: True == 1 in Python, but `"priority": true` is not the neutral 0
+        if any(value == v and type(v) is type(value) for v in neutral):
+            continue
+        raise APIError(f"'{name}' ({what}) is not supported by this server", param=name)
 
 
 class _SamplingFields(_Strict):
@@ -154,7 +230,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -182,6 +258,10 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous
+
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
@@ -204,11 +284,20 @@ class _SamplingFields(_Strict):
             raise APIError(f"'n' must be between 1 and 128, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        so = self.stream_options
+        if so is not None and so.continuous_usage_stats and not so.include_usage:
+            raise APIError(
+                "'stream_options.continuous_usage_stats' requires 'stream_options.include_usage'",
+                param="stream_options.continuous_usage_stats",
+            )
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
             raise APIError("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """Validate against the prompt's length and build the engine's parameters (n is kept)."""
+    def to_sampling_params(
+        self, prompt_len: int, max_model_len: int, kv_capacity: int | None = None
+    ) -> SamplingParams:
+        """Validate against the prompt's length and build the engine's parameters (n is kept).
+        `kv_capacity`: the tokens the whole KV pool holds, when that is less than max_model_len."""
         max_tokens, mt_param = self._requested_max_tokens()
         prompt_param = "messages" if isinstance(self, ChatCompletionRequest) else "prompt"
         if prompt_len >= max_model_len:
@@ -218,7 +307,16 @@ class _SamplingFields(_Strict):
                 param=prompt_param,
             )
         if max_tokens is None:
-            max_tokens = max_model_len - prompt_len  # vLLM's default: whatever fits
+            # vLLM's default: whatever fits, here in the context and in the KV pool
+            fits = max_model_len if kv_capacity is None else min(max_model_len, kv_capacity)
+            if prompt_len >= fits:
+                raise APIError(
+                    f"the prompt has {prompt_len} tokens, but this server's KV cache holds at most {fits} "
+                    "tokens for one request, which leaves no room for the completion. Please shorten the "
+                    "prompt.",
+                    param=prompt_param,
+                )
+            max_tokens = fits - prompt_len
         elif max_tokens < 1:
             raise APIError(f"'{mt_param}' must be at least 1, got {max_tokens}", param=mt_param)
         elif prompt_len + max_tokens > max_model_len:
@@ -377,6 +475,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's: prepend the last message; not implemented, refused when true
 
     def validate_request(self) -> None:
         self._check_common()
@@ -388,6 +487,8 @@ class ChatCompletionRequest(_SamplingFields):
         for param, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
             if value not in (None, "none"):
                 raise APIError(f"'{param}' is not supported by this server", param=param)
+        if self.echo:
+            raise APIError("'echo' is not supported for chat completions", param="echo")
         if self.response_format is not None and self.response_format.type != "text":
             raise APIError(
                 f"'response_format' type '{self.response_format.type}' is not supported "
@@ -423,6 +524,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
     data = parse_json_body(body)
+    check_refused_fields(data)
     try:
         req = kind.model_validate(data)
     except ValidationError as e:

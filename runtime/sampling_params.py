@@ -37,7 +37,8 @@ class SamplingParams:
             raise ValueError("max_tokens must be at least 1")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
-        if self.temperature < 0.0 or self.temperature > 100.0:
+        # written as `not lo <= x <= hi` so that NaN (false in every comparison) is refused too
+        if not 0.0 <= self.temperature <= 100.0:
             raise ValueError("temperature must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
@@ -51,5 +52,7 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError("repetition_penalty must be in (0, 10]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # torch.Generator's range
+            raise ValueError("seed must be between -2**63 and 2**64 - 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")

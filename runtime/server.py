@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from kvpilot.runtime import protocol as P
 from kvpilot.runtime.detokenizer import TextStream
@@ -36,8 +38,12 @@ from kvpilot.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpilot.server")
 
-CLIENT_MAX_SIZE = 64 * 1024 * 1024  # long prompts as token-id lists are big JSON
-ENCODE_INLINE_CHARS = 16_384  # longer texts are tokenized in a worker thread
+# A request body can be at most BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_model_len bytes: a
+# generous bound on what a context of max_model_len tokens can need (a token id is <= 8 bytes of
+# JSON; a text token is rarely over 16 characters, and \uXXXX escapes take 6 bytes a character).
+BODY_BASE_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 128
+INLINE_BODY_BYTES = 16_384  # larger bodies are parsed, validated and tokenized in a worker thread
 RETRY_AFTER_S = 1
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -51,6 +57,8 @@ class Engine(Protocol):
 
     tokenizer: Any
     max_model_len: int
+    max_queue_len: int  # a request with more choices than this could never be admitted
+    kv_capacity_tokens: int  # the whole KV pool: the longest sequence that can ever run
 
     def add_request(
         self,
@@ -94,6 +102,19 @@ class _Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class _Prepared:
+    """A validated, tokenized request, ready to be submitted to the engine."""
+
+    kind: str  # "completion" or "chat"
+    request_id: str
+    choices: list[_Choice]
+    prompt_lens: list[int]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
 
 
 @dataclass
@@ -179,9 +200,51 @@ def _dumps(obj: Any) -> bytes:
 
 
 def error_response(err: APIError) -> web.Response:
-    return web.Response(
-        status=err.status, body=_dumps(err.to_dict()), content_type="application/json", headers=err.headers
+    headers = dict(err.headers)
+    close = headers.pop("Connection", "").lower() == "close"
+    resp = web.Response(
+        status=err.status, body=_dumps(err.to_dict()), content_type="application/json", headers=headers
     )
+    if close:  # also skips reading the rest of an unread (refused) body
+        resp.force_close()
+    return resp
+
+
+def body_limit(max_model_len: int) -> int:
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_model_len
+
+
+def body_too_large(limit: int, max_model_len: int) -> APIError:
+    return APIError(
+        f"request body is larger than {limit} bytes, the limit for --max-model-len {max_model_len} "
+        f"({BODY_BYTES_PER_TOKEN} bytes per token + {BODY_BASE_BYTES} bytes)",
+        status=413,
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+class OpenAIRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering requests that fail to parse as HTTP (bad chunk sizes,
+    oversized headers, garbage) with an OpenAI error body and one log line instead of a plain-text
+    body and a traceback per request. Every other error takes aiohttp's path."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError) or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        reason = " ".join(str(message or exc.message or type(exc).__name__).split())[:200]
+        # not HTTP at all (TLS, scanners) is routine on an open port: aiohttp logs it at debug too
+        level = logging.DEBUG if isinstance(exc, BadStatusLine) else logging.WARNING
+        log.log(level, "malformed HTTP request from %s: %s", request.remote, reason)
+        resp = error_response(APIError(f"malformed HTTP request: {reason}", status=status))
+        resp.force_close()
+        return resp
 
 
 class OpenAIServer:
@@ -217,7 +280,7 @@ class OpenAIServer:
         return len(self._active)
 
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=CLIENT_MAX_SIZE)
+        app = web.Application(middlewares=[self._middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -255,7 +318,10 @@ class OpenAIServer:
             return
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # aiohttp decodes header bytes that are not UTF-8 as lone surrogates: encode them back
+        # (surrogateescape) instead of failing, so any byte sequence is just a wrong key
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
             raise APIError(
                 "invalid or missing API key; send 'Authorization: Bearer <key>'",
                 status=401,
@@ -319,22 +385,62 @@ class OpenAIServer:
     # -- generation endpoints -------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         engine = self._require_engine()
-        req = P.parse_completion_request(await request.read())
+        body = await self._read_body(request, engine)
+        return await self._generate(request, await self._prepare(self._prepare_completion, engine, body))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        engine = self._require_engine()
+        body = await self._read_body(request, engine)
+        return await self._generate(request, await self._prepare(self._prepare_chat, engine, body))
+
+    async def _read_body(self, request: web.Request, engine: Engine) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed what max_model_len can use:
+        from Content-Length before reading, else while reading."""
+        limit = body_limit(engine.max_model_len)
+        if request.content_length is not None and request.content_length > limit:
+            raise body_too_large(limit, engine.max_model_len)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise body_too_large(limit, engine.max_model_len)
+                chunks.append(chunk)
+        except HttpProcessingError as e:  # a malformed chunked body
+            reason = " ".join(str(e.message or type(e).__name__).split())[:200]
+            log.warning("malformed request body from %s: %s", request.remote, reason)
+            raise APIError(f"malformed request body: {reason}", headers={"Connection": "close"}) from None
+        return b"".join(chunks)
+
+    async def _prepare(
+        self, prepare: Callable[[Engine, bytes], _Prepared], engine: Engine, body: bytes
+    ) -> _Prepared:
+        """Parse, validate and tokenize; large bodies in a worker thread so the event loop (and
+        /health) keeps answering while they are processed."""
+        if len(body) > INLINE_BODY_BYTES:
+            return await asyncio.to_thread(prepare, engine, body)
+        return prepare(engine, body)
+
+    def _prepare_completion(self, engine: Engine, body: bytes) -> _Prepared:
+        req = P.parse_completion_request(body)
         req.check_model(self.settings.model_name)
+        prompts = req.prompt_list()
+        self._check_admissible(engine, len(prompts) * req.n)
         tok = engine.tokenizer
         vocab = getattr(tok, "vocab_size", None)
         choices: list[_Choice] = []
         prompt_lens: list[int] = []
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        for p_idx, prompt in enumerate(req.prompt_list()):
+        for p_idx, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                ids = await self._encode(prompt, add_special_tokens=True)
+                ids = list(tok.encode(prompt, add_special_tokens=True))
                 if not ids:
                     raise APIError("'prompt' encodes to zero tokens", param="prompt")
             else:
                 ids = prompt
                 P.check_token_ids(ids, vocab, "prompt")
-            params = req.to_sampling_params(len(ids), engine.max_model_len)
+            params = req.to_sampling_params(len(ids), engine.max_model_len, engine.kv_capacity_tokens)
             P.check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
             echo = ""
             if req.echo:
@@ -346,14 +452,20 @@ class OpenAIServer:
                         request_id, p_idx * req.n + i, ids, P.choice_params(params, i), echo, req.cache_salt
                     )
                 )
-        return await self._generate(
-            request, "completion", request_id, choices, prompt_lens, req.stream, req.include_usage
+        return _Prepared(
+            "completion",
+            request_id,
+            choices,
+            prompt_lens,
+            req.stream,
+            req.include_usage,
+            req.continuous_usage,
         )
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        engine = self._require_engine()
-        req = P.parse_chat_request(await request.read())
+    def _prepare_chat(self, engine: Engine, body: bytes) -> _Prepared:
+        req = P.parse_chat_request(body)
         req.check_model(self.settings.model_name)
+        self._check_admissible(engine, req.n)
         tok = engine.tokenizer
         messages = req.template_messages()
         try:
@@ -363,24 +475,28 @@ class OpenAIServer:
                 f"'messages' could not be formatted with the chat template: {e}", param="messages"
             ) from None
         # The template already has the special tokens (BOS) it wants.
-        ids = await self._encode(rendered, add_special_tokens=False)
-        params = req.to_sampling_params(len(ids), engine.max_model_len)
+        ids = list(tok.encode(rendered, add_special_tokens=False))
+        params = req.to_sampling_params(len(ids), engine.max_model_len, engine.kv_capacity_tokens)
         P.check_token_ids(params.stop_token_ids, getattr(tok, "vocab_size", None), "stop_token_ids")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [
             self._new_choice(request_id, i, ids, P.choice_params(params, i), "", req.cache_salt)
             for i in range(req.n)
         ]
-        return await self._generate(
-            request, "chat", request_id, choices, [len(ids)], req.stream, req.include_usage
+        return _Prepared(
+            "chat", request_id, choices, [len(ids)], req.stream, req.include_usage, req.continuous_usage
         )
 
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        assert self.engine is not None
-        encode = self.engine.tokenizer.encode
-        if len(text) > ENCODE_INLINE_CHARS:
-            return list(await asyncio.to_thread(encode, text, add_special_tokens=add_special_tokens))
-        return list(encode(text, add_special_tokens=add_special_tokens))
+    @staticmethod
+    def _check_admissible(engine: Engine, num_choices: int) -> None:
+        """Each choice waits in the engine's queue; more than --max-queue-len can never be admitted
+        (a 429 would be retried forever), so that is the client's error."""
+        if num_choices > engine.max_queue_len:
+            raise APIError(
+                f"the request asks for {num_choices} choices (n x prompts), more than this server's "
+                f"--max-queue-len of {engine.max_queue_len}; lower 'n' or split the request",
+                param="n",
+            )
 
     def _new_choice(
         self,
@@ -404,17 +520,9 @@ class OpenAIServer:
             cache_salt=cache_salt,
         )
 
-    async def _generate(
-        self,
-        request: web.Request,
-        kind: str,
-        request_id: str,
-        choices: list[_Choice],
-        prompt_lens: list[int],
-        stream: bool,
-        include_usage: bool,
-    ) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, prep: _Prepared) -> web.StreamResponse:
         engine = self._require_engine()
+        kind, request_id, choices, prompt_lens = prep.kind, prep.request_id, prep.choices, prep.prompt_lens
         arrival = time.monotonic()
         streams: dict[int, AsyncIterator[Any]] = {}
         self._active[request_id] = [c.engine_id for c in choices]
@@ -427,10 +535,8 @@ class OpenAIServer:
             self.metrics.prompt_tokens.inc(sum(prompt_lens))
             merger = _OutputMerger(streams)
             deltas = self._deltas(engine, choices, merger, arrival)
-            if stream:
-                return await self._stream_response(
-                    request, kind, request_id, choices, prompt_lens, deltas, include_usage
-                )
+            if prep.stream:
+                return await self._stream_response(request, prep, deltas)
             return await self._full_response(kind, request_id, choices, prompt_lens, deltas)
         finally:
             for c in choices:
@@ -612,15 +718,15 @@ class OpenAIServer:
         )
 
     async def _stream_response(
-        self,
-        request: web.Request,
-        kind: str,
-        request_id: str,
-        choices: list[_Choice],
-        prompt_lens: list[int],
-        deltas: AsyncIterator[_Delta],
-        include_usage: bool,
+        self, request: web.Request, prep: _Prepared, deltas: AsyncIterator[_Delta]
     ) -> web.StreamResponse:
+        kind, request_id, choices, include_usage = (
+            prep.kind,
+            prep.request_id,
+            prep.choices,
+            prep.include_usage,
+        )
+        prompt_tokens = sum(prep.prompt_lens)
         resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": request_id})
         await resp.prepare(request)
         created = P.now()
@@ -631,7 +737,9 @@ class OpenAIServer:
                 body = P.chat_body(request_id, name, created, [choice], None, chunk=True)
             else:
                 body = P.completion_body(request_id, name, created, [choice], None)
-            if not include_usage:
+            if prep.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                body["usage"] = P.usage(prompt_tokens, sum(c.stream.num_tokens for c in choices))
+            elif not include_usage:
                 del body["usage"]
             return body
 
@@ -677,7 +785,7 @@ class OpenAIServer:
                     ).to_dict()
                 )
             if include_usage:
-                usage = P.usage(sum(prompt_lens), sum(c.stream.num_tokens for c in choices))
+                usage = P.usage(prompt_tokens, sum(c.stream.num_tokens for c in choices))
                 body = chunk({})
                 body["choices"] = []
                 body["usage"] = usage

@@ -96,6 +96,8 @@ class FakeEngine:
     max_model_len: int = 256
     model_name: str = "fake-model"
     max_waiting: int | None = None  # add_request raises QueueFullError past this many unfinished
+    max_queue_len: int = 1024  # the server refuses requests with more choices than this (400)
+    kv_capacity_tokens: int = 1 << 20  # the whole KV pool; max_tokens defaults to what fits
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     added: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)

@@ -6,6 +6,8 @@ from typing import Any
 import pytest
 
 from kvpilot.runtime.protocol import (
+    MAX_JSON_DEPTH,
+    REFUSED_FIELDS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -328,3 +330,154 @@ def test_chat_logprobs_conversion() -> None:
 def test_defaults() -> None:
     p = parse_completion_request(body(prompt="x")).to_sampling_params(1, 10)
     assert (p.temperature, p.top_p, p.top_k, p.n, p.seed, p.stop) == (1.0, 1.0, 0, 1, None, [])
+
+
+# -- hostile bodies: every one a 400 naming what is wrong, never an exception ------------------------
+
+
+def test_deep_nesting_is_400() -> None:
+    for depth in (MAX_JSON_DEPTH + 1, 1_000, 100_000):  # 100,000 exceeds the JSON parser's recursion limit
+        raw = b'{"prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+        e = completion_error(raw)
+        assert e.status == 400 and "deeper than" in e.message
+    ok = b'{"prompt": "x", "tool_choice": ' + b"[" * 10 + b"]" * 10 + b"}"
+    assert parse_completion_request(ok).prompt == "x"
+
+
+def test_integer_beyond_python_digit_limit_is_400() -> None:
+    e = completion_error(b'{"prompt": "x", "max_tokens": ' + b"9" * 5_000 + b"}")
+    assert e.status == 400 and "4300 digits" in e.message and "set_int_max_str_digits" not in e.message
+
+
+FLOAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])
+def test_float_fields_refuse_nan_and_infinity(field: str, literal: str) -> None:
+    raw = f'{{"prompt": "x", "{field}": {literal}}}'.encode()
+    e = completion_error(raw)
+    assert e.status == 400 and e.param == field and "finite" in e.message
+    raw = f'{{"messages": [{{"role": "user", "content": "x"}}], "{field}": {literal}}}'.encode()
+    assert chat_error(raw).param == field
+
+
+def test_logit_bias_values_refuse_nan() -> None:
+    assert completion_error(b'{"prompt": "x", "logit_bias": {"5": NaN}}').param.startswith("logit_bias")
+
+
+def test_sampling_params_validate_refuses_nan() -> None:
+    from kvpilot.runtime.sampling_params import SamplingParams
+
+    for field in FLOAT_FIELDS:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: float("nan")}).validate()
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
+def test_seed_out_of_range_names_seed(seed: int) -> None:
+    e = completion_error(body(prompt="x", seed=seed))
+    assert e.status == 400 and e.param == "seed" and "overflow" not in e.message.lower()
+
+
+def test_extreme_seeds_in_range_are_accepted() -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        req = parse_completion_request(body(prompt="x", seed=seed, n=3))
+        params = req.to_sampling_params(2, 100)
+        for i in range(3):
+            choice_params(params, i).validate()
+
+
+# -- vLLM fields whose meaning is not implemented -------------------------------------------------
+
+MEANINGFUL = {  # a value that asks for something, per refused field
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": "root ::= 'a'",
+    "guided_whitespace_pattern": " ",
+    "guided_decoding_backend": "xgrammar",
+    "structured_outputs": {"json": {"type": "object"}},
+    "logits_processors": ["my.module:proc"],
+    "lora_request": {"lora_name": "a", "lora_int_id": 1, "lora_path": "/x"},
+    "prompt_logprobs": 1,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["x"],
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "truncate_prompt_tokens": 10,
+    "return_tokens_as_token_ids": True,
+    "return_token_ids": True,
+    "spaces_between_special_tokens": False,
+    "add_special_tokens": False,
+    "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": True},
+    "continue_final_message": True,
+    "documents": [{"text": "d"}],
+    "mm_processor_kwargs": {"a": 1},
+    "prompt_embeds": "AAAA",
+    "priority": 1,
+    "kv_transfer_params": {},
+    "vllm_xargs": {"a": 1},
+    "reasoning_effort": "high",
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy"},
+}
+
+
+def test_every_refused_field_has_a_case() -> None:
+    assert set(MEANINGFUL) == set(REFUSED_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
+def test_refused_fields_are_400_naming_the_field(field: str) -> None:
+    value = MEANINGFUL[field]
+    e = completion_error(json.dumps({"prompt": "x", field: value}).encode())
+    assert e.status == 400 and e.param == field and "not supported" in e.message
+    e = chat_error(json.dumps({"messages": [{"role": "user", "content": "x"}], field: value}).encode())
+    assert e.param == field
+    if field == "priority":  # true == 1 in Python; it is still not the neutral 0
+        assert completion_error(json.dumps({"prompt": "x", field: True}).encode()).param == field
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
+def test_refused_fields_accept_their_neutral_values(field: str) -> None:
+    for value in REFUSED_FIELDS[field][1]:
+        assert parse_completion_request(json.dumps({"prompt": "x", field: value}).encode()).prompt == "x"
+
+
+def test_chat_echo_is_refused() -> None:
+    e = chat_error(body(messages=[{"role": "user", "content": "x"}], echo=True))
+    assert e.param == "echo"
+
+
+def test_continuous_usage_stats_needs_include_usage() -> None:
+    e = completion_error(body(prompt="x", stream=True, stream_options={"continuous_usage_stats": True}))
+    assert e.param == "stream_options.continuous_usage_stats"
+    req = parse_completion_request(
+        body(prompt="x", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    )
+    assert req.continuous_usage and req.include_usage
+
+
+def test_default_max_tokens_fits_the_kv_pool() -> None:
+    req = parse_completion_request(body(prompt="x"))
+    assert req.to_sampling_params(10, 1000, kv_capacity=64).max_tokens == 54
+    assert req.to_sampling_params(10, 50, kv_capacity=64).max_tokens == 40
+    with pytest.raises(APIError) as info:
+        req.to_sampling_params(64, 1000, kv_capacity=64)
+    assert info.value.param == "prompt" and "64" in info.value.message
+    # an explicit max_tokens is the client's choice: the engine refuses it if it can never fit
+    assert (
+        parse_completion_request(body(prompt="x", max_tokens=500))
+        .to_sampling_params(10, 1000, kv_capacity=64)
+        .max_tokens
+        == 500
+    )
