@@ -208,6 +208,18 @@ class Resources(_Model):
     )
 
 
+class Routing(_Model):
+    """How `kvpilot router` spreads this model's requests over its pods."""
+
+    policy: Literal["round-robin", "least-loaded", "prefix-affinity", "kv-aware"] | None = Field(
+        None,
+        description=(
+            "round-robin, least-loaded, prefix-affinity (consistent hashing with bounded load on the "
+            "prompt's leading blocks or a session header) or kv-aware; the router's --policy by default."
+        ),
+    )
+
+
 class RuntimeSettings(_Model):
     """Engine settings rendered into the runtime's config file; unset fields use the runtime's defaults."""
 
@@ -316,6 +328,7 @@ class InferenceModelSpec(_Model):
     runtime: RuntimeSettings = Field(
         default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
     )
+    routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
     oom_policy: OOMPolicy = Field(
         default_factory=lambda: OOMPolicy.model_validate({}), json_schema_extra={"default": {}}
     )
