@@ -24,7 +24,14 @@ from kvpilot.autoscaler.election import AlwaysLeader, is_leader
 from kvpilot.autoscaler.kube import DELETION_COST, KubeApi, Obj
 from kvpilot.autoscaler.policy import Decision, decide
 from kvpilot.autoscaler.samples import MetricsSnapshot
-from kvpilot.autoscaler.sources import MetricSource, ModelRef, PodScrapeSource, PodTarget, PrometheusSource
+from kvpilot.autoscaler.sources import (
+    MetricSource,
+    ModelRef,
+    PodScrapeSource,
+    PodTarget,
+    PrometheusSource,
+    RouterQueueSource,
+)
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
 from kvpilot.autoscaler.state import decision_to_status, history_from_status, kv_cache_usage_text
 
@@ -53,6 +60,9 @@ class ControllerConfig:
     scrape_timeout_s: float = 2.0
     max_concurrent_models: int = 8
     identity: str | None = None  # written as status.autoscaler.decidedBy (which replica decided)
+    # `kvpilot router` replicas' base URLs: their queue depth for a model is part of its queue signal,
+    # and the one signal that wakes a model scaled to zero.
+    router_urls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,11 @@ class Controller:
         )
         self._prometheus: dict[tuple[str, str | None, str | None], MetricSource] = {}
         self.observers = tuple(observers)
+        self._router = (
+            RouterQueueSource(self.config.router_urls, self.config.scrape_timeout_s)
+            if self.config.router_urls
+            else None
+        )
 
     def _notify(self, hook: str, *args: Any) -> None:
         for observer in self.observers:
@@ -223,6 +238,8 @@ class Controller:
         served = (spec.get("model") or {}).get("servedName") or name
         snapshot = await self._source_for(autoscaling).collect(ModelRef(ns, name, served), pod_targets)
         snapshot = replace(snapshot, scaling_limited=condition_is_true(status, "ScalingLimited"))
+        if self._router is not None:
+            snapshot = replace(snapshot, router_queue=await self._router.queue_depth(served))
 
         previous = status.get("autoscaler") or {}
         now = self.clock()
@@ -314,3 +331,5 @@ class Controller:
         sources = [*self._prometheus.values(), *([self._pod_source] if self._pod_source else [])]
         for s in sources:
             await s.close()
+        if self._router is not None:
+            await self._router.close()

@@ -330,3 +330,57 @@ class PrometheusSource:
         if self._session is not None and self._own_session:
             await self._session.close()
         self._session = None
+
+
+ROUTER_QUEUE_METRIC = "kvpilot_router_queue_depth"
+
+
+def parse_router_queue(text: str, model: str) -> int | None:
+    """The router's queue depth for `model` from its /metrics page; None when it does not serve it."""
+    depth: float | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if (
+                    s.name == ROUTER_QUEUE_METRIC
+                    and s.labels.get("model_name") == model
+                    and math.isfinite(s.value)
+                ):
+                    depth = (depth or 0.0) + float(s.value)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"router: not Prometheus text format: {exc}") from exc
+    return None if depth is None else max(0, round(depth))
+
+
+class RouterQueueSource:
+    """Requests held by `kvpilot router` replicas for a model: the sum over the routers that serve it.
+
+    Every router replica has its own queue, so each replica's URL is listed (or a headless Service's
+    per-pod names). None when no router answered or none serves the model: unknown, never zero.
+    """
+
+    def __init__(self, urls: Sequence[str], timeout_s: float = 2.0) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _one(self, url: str, model: str) -> int | None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        try:
+            async with self._session.get(url + "/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                return parse_router_queue(await resp.text(), model)
+        except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
+            log.info("router %s: scrape failed (%s)", url, exc or type(exc).__name__)
+            return None
+
+    async def queue_depth(self, model: str) -> int | None:
+        depths = [d for d in await asyncio.gather(*(self._one(u, model) for u in self.urls)) if d is not None]
+        return sum(depths) if depths else None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._session = None
