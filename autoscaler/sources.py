@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -355,8 +357,9 @@ def parse_router_queue(text: str, model: str) -> int | None:
 class RouterQueueSource:
     """Requests held by `kvpilot router` replicas for a model: the sum over the routers that serve it.
 
-    Every router replica has its own queue, so each replica's URL is listed (or a headless Service's
-    per-pod names). None when no router answered or none serves the model: unknown, never zero.
+    Every router replica has its own queue, so every replica is read: a URL's host is resolved to all
+    its addresses (a headless Service's name gives each router pod) and each is scraped. None when no
+    router answered or none serves the model: unknown, never zero.
     """
 
     def __init__(self, urls: Sequence[str], timeout_s: float = 2.0) -> None:
@@ -376,8 +379,22 @@ class RouterQueueSource:
             log.info("router %s: scrape failed (%s)", url, exc or type(exc).__name__)
             return None
 
+    async def _expand(self, url: str) -> list[str]:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        if not host:
+            return [url]
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.info("router %s: cannot resolve %s (%s)", url, host, exc)
+            return []
+        addresses = sorted({str(info[4][0]) for info in infos})
+        return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses]
+
     async def queue_depth(self, model: str) -> int | None:
-        depths = [d for d in await asyncio.gather(*(self._one(u, model) for u in self.urls)) if d is not None]
+        urls = [u for group in await asyncio.gather(*(self._expand(u) for u in self.urls)) for u in group]
+        depths = [d for d in await asyncio.gather(*(self._one(u, model) for u in urls)) if d is not None]
         return sum(depths) if depths else None
 
     async def close(self) -> None:

@@ -377,7 +377,8 @@ async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}"
     kube = FakeKube(model(0, minReplicas=0), [])
     now = [T0]
     controller = Controller(

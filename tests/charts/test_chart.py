@@ -24,6 +24,7 @@ EVERYTHING = (
     "rbac.secretNames={hf-token}",
     "autoscaler.metricsSource=prometheus",
     "autoscaler.prometheusURL=http://prometheus.monitoring.svc:9090",
+    "router.enabled=true",
 )
 
 
@@ -284,7 +285,7 @@ def assert_hardened(name: str, spec: dict[str, Any]) -> None:
 def test_chart_pods_are_hardened() -> None:
     r = template(*EVERYTHING)
     specs = r.pod_specs()
-    assert len(specs) == 3
+    assert len(specs) == 4  # operator, autoscaler, router, helm test
     for name, spec in specs:
         assert_hardened(name, spec)
         assert spec["securityContext"]["runAsUser"] == 10001
