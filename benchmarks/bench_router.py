@@ -253,13 +253,13 @@ TOPICS = [
 ]
 
 
-def system_prompt(topic: str, salt: str) -> str:
+def system_prompt(topic: str, salt: str, repeat: int = 6) -> str:
     rules = (
         "Answer in one short sentence. Be polite and precise. If you do not know, say so. "
         "Never invent prices, opening hours or policies. Refer complex cases to a human colleague. "
         "Use plain words and avoid jargon. Keep personal data private. "
     )
-    return f"[{salt}] You are the assistant of {topic}. " + rules * 4
+    return f"[{salt}] You are the assistant of {topic}. " + rules * repeat
 
 
 QUESTIONS = [
@@ -309,7 +309,14 @@ async def chat_turn(
 
 
 async def conversations(
-    url: str, n_conv: int, turns: int, max_tokens: int, salt: str, concurrency: int, use_session: bool
+    url: str,
+    n_conv: int,
+    turns: int,
+    max_tokens: int,
+    salt: str,
+    concurrency: int,
+    use_session: bool,
+    system_repeat: int,
 ) -> tuple[list[float], dict[str, int]]:
     rng = random.Random(7)
     convs = [(i, TOPICS[i % len(TOPICS)]) for i in range(n_conv)]
@@ -318,7 +325,7 @@ async def conversations(
     sem = asyncio.Semaphore(concurrency)
 
     async def run_conv(i: int, topic: str, s: aiohttp.ClientSession) -> None:
-        messages = [{"role": "system", "content": system_prompt(topic, salt)}]
+        messages = [{"role": "system", "content": system_prompt(topic, salt, system_repeat)}]
         questions = rng.sample(QUESTIONS, turns)
         for q in questions:
             messages.append({"role": "user", "content": q})
@@ -366,7 +373,7 @@ def prefix(args: argparse.Namespace) -> dict[str, Any]:
             ttfts, per_pod = asyncio.run(
                 conversations(
                     router_url, args.conversations, args.turns, args.max_tokens, f"run-{policy}",
-                    args.concurrency, args.session,
+                    args.concurrency, args.session, args.system_repeat,
                 )
             )  # fmt: skip
             wall = time.perf_counter() - t0
@@ -398,6 +405,7 @@ def prefix(args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "session_header": args.session,
         "kv_cache_memory": args.kv_cache_memory,
+        "system_prompt_chars": len(system_prompt(TOPICS[0], "run-x", args.system_repeat)),
         "policies": results,
     }
 
@@ -413,9 +421,12 @@ def main() -> None:
     f.add_argument("--pods", type=int, default=3)
     f.add_argument("--conversations", type=int, default=12)
     f.add_argument("--turns", type=int, default=3)
-    f.add_argument("--max-tokens", type=int, default=8)
-    f.add_argument("--concurrency", type=int, default=6)
-    f.add_argument("--kv-cache-memory", default="32MiB")
+    f.add_argument("--max-tokens", type=int, default=4)
+    f.add_argument("--concurrency", type=int, default=3)
+    f.add_argument(
+        "--kv-cache-memory", default="24MiB", help="per pod: small, so a pod cannot cache every prefix"
+    )
+    f.add_argument("--system-repeat", type=int, default=6, help="system prompt length (x 230 characters)")
     f.add_argument("--session", action="store_true", help="send X-Session-ID per conversation")
     f.add_argument("--policies", default="round-robin,least-loaded,prefix-affinity,kv-aware")
     fp = sub.add_parser("_fake_pod")

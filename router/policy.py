@@ -255,14 +255,20 @@ class KvAware(_Base):
 
     def choose(self, key: RouteKey, pods: Sequence[PodView]) -> int | None:
         n = len(pods)
-        best: tuple[float, float, int] | None = None
         choice: int | None = None
+        best_kv: tuple[float, int, float, int] | None = None
         for i, p in enumerate(pods):
             if not p.has_room:
                 continue
-            score = (self.cost(p, key), p.load / max(1, p.capacity), self._rotation(i, n))
-            if best is None or score < best:
-                best, choice = score, i
+            # equal cost: the pod holding more of the prefix (its cache stays warm), then the lighter
+            score = (
+                self.cost(p, key),
+                -self.cached_blocks(p.name, key),
+                p.load / max(1, p.capacity),
+                self._rotation(i, n),
+            )
+            if best_kv is None or score < best_kv:
+                best_kv, choice = score, i
         if choice is not None:
             self._cursor = (choice + 1) % n
         return choice

@@ -164,6 +164,9 @@ def test_kv_aware_trades_cache_hits_against_load() -> None:
     assert policy.choose(key, busy) == 1
     light = [PodView("pod-0", 1, 8, active_blocks=5), PodView("pod-1", 0, 8)]
     assert policy.choose(key, light) == 0
+    # a tie (10 blocks in use against 10 blocks to prefill) keeps the warm pod
+    tie = [PodView("pod-0", 1, 8, active_blocks=10), PodView("pod-1", 0, 8)]
+    assert policy.choose(key, tie) == 0
 
 
 def test_kv_aware_forgets_evicted_and_deleted_pods() -> None:
