@@ -285,6 +285,15 @@ class KvAware(_Base):
         self._sent.pop(pod, None)
 
 
+def route(policy: Policy, key: RouteKey, pods: Sequence[PodView]) -> int | None:
+    """choose() and, when a pod is chosen, dispatched(): one call for a caller that sends at once
+    (the fleet simulator). None: hold the request in the central queue and ask again later."""
+    i = policy.choose(key, pods)
+    if i is not None:
+        policy.dispatched(pods[i].name, key)
+    return i
+
+
 _OPTIONS: dict[str, set[str]] = {
     "round-robin": set(),
     "least-loaded": set(),

@@ -142,6 +142,7 @@ class Router:
         self._policy_of.pop(model, None)
         if pool is not None:
             pool.set_endpoints([])
+            self.metrics.ready_pods.labels(model).set(0)
 
     def mark_synced(self) -> None:
         self.synced = True

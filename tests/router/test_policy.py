@@ -18,6 +18,7 @@ from kvpilot.router.policy import (
     RouteKey,
     load_bound,
     make_policy,
+    route,
 )
 
 
@@ -208,3 +209,12 @@ def test_request_keys_from_bodies() -> None:
     assert "abc" in prompt_text(parts, chat=True)
     assert request_key({"prompt": "x", "max_tokens": 160}, chat=False).size_blocks == 10
     assert request_key({"prompt": "x"}, chat=False, session="s1").session == "s1"
+
+
+def test_route_chooses_and_records_for_the_simulator() -> None:
+    policy = KvAware()
+    pods = pods_of([0, 0, 0])
+    key = key_of("a prompt the simulator sends " * 3)
+    i = route(policy, key, pods)
+    assert i is not None and policy.cached_blocks(pods[i].name, key) == len(key.blocks)
+    assert route(policy, key, pods_of([8, 8, 8])) is None
