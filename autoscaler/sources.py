@@ -337,21 +337,23 @@ class PrometheusSource:
 ROUTER_QUEUE_METRIC = "kvpilot_router_queue_depth"
 
 
-def parse_router_queue(text: str, model: str) -> int | None:
-    """The router's queue depth for `model` from its /metrics page; None when it does not serve it."""
-    depth: float | None = None
+def parse_router_queues(text: str) -> dict[str, int]:
+    """{model_name: queue depth} from a router's /metrics page (the models it serves)."""
+    depths: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if (
-                    s.name == ROUTER_QUEUE_METRIC
-                    and s.labels.get("model_name") == model
-                    and math.isfinite(s.value)
-                ):
-                    depth = (depth or 0.0) + float(s.value)
+                model = s.labels.get("model_name")
+                if s.name == ROUTER_QUEUE_METRIC and model and math.isfinite(s.value):
+                    depths[model] = depths.get(model, 0.0) + float(s.value)
     except (ValueError, TypeError, IndexError) as exc:
         raise MetricsParseError(f"router: not Prometheus text format: {exc}") from exc
-    return None if depth is None else max(0, round(depth))
+    return {m: max(0, round(d)) for m, d in depths.items()}
+
+
+def parse_router_queue(text: str, model: str) -> int | None:
+    """The router's queue depth for `model` from its /metrics page; None when it does not serve it."""
+    return parse_router_queues(text).get(model)
 
 
 class RouterQueueSource:
@@ -366,15 +368,16 @@ class RouterQueueSource:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self.last: dict[str, int] | None = None  # the last depths read (the baseline for "grew")
 
-    async def _one(self, url: str, model: str) -> int | None:
+    async def _one(self, url: str) -> dict[str, int] | None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
             async with self._session.get(url + "/metrics") as resp:
                 if resp.status != 200:
                     return None
-                return parse_router_queue(await resp.text(), model)
+                return parse_router_queues(await resp.text())
         except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
             log.info("router %s: scrape failed (%s)", url, exc or type(exc).__name__)
             return None
@@ -392,10 +395,22 @@ class RouterQueueSource:
         addresses = sorted({str(info[4][0]) for info in infos})
         return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses]
 
-    async def queue_depth(self, model: str) -> int | None:
+    async def depths(self) -> dict[str, int] | None:
+        """{model_name: requests held} summed over every router replica that answered; None if none did."""
         urls = [u for group in await asyncio.gather(*(self._expand(u) for u in self.urls)) for u in group]
-        depths = [d for d in await asyncio.gather(*(self._one(u, model) for u in urls)) if d is not None]
-        return sum(depths) if depths else None
+        pages = [d for d in await asyncio.gather(*(self._one(u) for u in urls)) if d is not None]
+        if not pages:
+            return None
+        total: dict[str, int] = {}
+        for page in pages:
+            for model, depth in page.items():
+                total[model] = total.get(model, 0) + depth
+        self.last = total
+        return total
+
+    async def queue_depth(self, model: str) -> int | None:
+        depths = await self.depths()
+        return None if depths is None else depths.get(model)
 
     async def close(self) -> None:
         if self._session is not None:
