@@ -455,6 +455,10 @@ class InferenceModelStatus(_Model):
     updated_replicas: int | None = None
     selector: str | None = Field(None, description="Label selector of the pods (scale subresource).")
     endpoint: str | None = Field(None, description="OpenAI-compatible base URL inside the cluster.")
+    router_endpoint: str | None = Field(
+        None,
+        description="OpenAI-compatible base URL through kvpilot router (send model=<servedName>), when one serves the namespace.",
+    )
     conditions: list[Condition] | None = Field(
         None,
         max_length=16,

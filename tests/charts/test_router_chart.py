@@ -91,3 +91,14 @@ def test_autoscaler_reads_every_router_replica() -> None:
 def test_schema_rejects_an_unknown_router_policy() -> None:
     err = template_error("router.enabled=true", "router.policy=random")
     assert "schema" in err and "policy" in err
+
+
+def test_operator_shows_the_router_endpoint_in_status() -> None:
+    r = template("router.enabled=true", "router.namespace=ml")
+    op = r.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    argv = [*op["command"][1:], *op["args"]]
+    args = build_parser(argv).parse_args(argv)
+    assert args.router_endpoint == ["ml=http://kvp-kvpilot-router.kvpilot-system.svc:80/v1"]
+    off = template()
+    op = off.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--router-endpoint") for a in op["args"])
