@@ -218,6 +218,15 @@ class Routing(_Model):
             "prompt's leading blocks or a session header) or kv-aware; the router's --policy by default."
         ),
     )
+    fallback_model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description=(
+            "Served name of another model in the namespace that takes this model's requests when they "
+            "would get 429 (queue full or waited too long) and it has a pod with room."
+        ),
+    )
 
 
 class RuntimeSettings(_Model):

@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a request waits for a model with no Ready pod (scale from zero)",
     )
     parser.add_argument("--max-retries", type=int, default=2, help="other pods tried before the first byte")
+    parser.add_argument(
+        "--fallback",
+        action="append",
+        default=[],
+        metavar="MODEL=OTHER",
+        help="OTHER takes MODEL's requests instead of a 429 when it has room (repeatable; "
+        "spec.routing.fallbackModel with Kubernetes)",
+    )
     parser.add_argument("--session-header", default="X-Session-ID", help="header that keys prefix affinity")
     parser.add_argument(
         "--scrape-interval", type=float, default=2.0, help="seconds between pod /metrics scrapes; 0 disables"
@@ -76,6 +84,12 @@ def build_router(args: argparse.Namespace) -> Router:
     if args.max_retries < 0 or args.scrape_interval < 0 or args.prefix_affinity_eps < 0:
         raise ValueError("--max-retries, --scrape-interval and --prefix-affinity-eps must be >= 0")
     options = {"eps": args.prefix_affinity_eps} if args.policy == "prefix-affinity" else {}
+    fallbacks: dict[str, str] = {}
+    for spec in args.fallback:
+        model, sep, other = spec.partition("=")
+        if not sep or not model or not other or model == other:
+            raise ValueError(f"--fallback {spec!r}: expected MODEL=OTHER with two different models")
+        fallbacks[model] = other
     settings = RouterSettings(
         policy=args.policy,
         policy_options=options,
@@ -85,6 +99,7 @@ def build_router(args: argparse.Namespace) -> Router:
             cold_start_timeout_s=args.cold_start_timeout,
         ),
         max_retries=args.max_retries,
+        fallbacks=fallbacks,
         session_header=args.session_header,
         scrape_interval_s=args.scrape_interval,
     )
@@ -92,7 +107,12 @@ def build_router(args: argparse.Namespace) -> Router:
     if args.endpoints:
         if args.namespace:
             raise ValueError("--endpoints and --namespace exclude each other")
-        router.add_source(StaticSource(parse_endpoints(args.endpoints, args.pod_capacity)))
+        endpoints = parse_endpoints(args.endpoints, args.pod_capacity)
+        for model, other in fallbacks.items():
+            for name in (model, other):
+                if name not in endpoints:
+                    raise ValueError(f"--fallback {model}={other}: {name!r} is not a model of --endpoints")
+        router.add_source(StaticSource(endpoints))
     else:
         from kvpilot.router.kube_discovery import kube_source
 

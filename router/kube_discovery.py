@@ -1,6 +1,7 @@
 """Kubernetes discovery: each InferenceModel's Ready pods in a namespace, and its routing policy.
 
-`model_endpoints()` is the pure part: InferenceModels + pods -> {served name: (endpoints, policy)}.
+`model_endpoints()` is the pure part: InferenceModels + pods -> {served name: (endpoints, policy,
+fallback model)}.
 `KubeSource` lists both every `interval_s` through the Kube adapter (a list, not a watch: the adapter
 has no watch yet, and a 1 s list of one namespace is cheap) and tells the router what changed. A
 failed list keeps every endpoint already known: an API-server hiccup never empties a model.
@@ -25,7 +26,7 @@ MODEL_LABEL = "kvpilot.dev/model"
 HTTP_PORT = 8000
 DEFAULT_CAPACITY = 64  # the runtime's default --max-num-seqs
 
-ModelTable = dict[str, tuple[list[Endpoint], str | None]]
+ModelTable = dict[str, tuple[list[Endpoint], str | None, str | None]]
 
 
 class Lister(Protocol):
@@ -56,7 +57,7 @@ def model_endpoints(
     pods: Sequence[Mapping[str, Any]],
     default_capacity: int = DEFAULT_CAPACITY,
 ) -> ModelTable:
-    """{served model name: (Ready pods as endpoints, spec.routing.policy or None)}."""
+    """{served model name: (Ready pods as endpoints, spec.routing.policy, spec.routing.fallbackModel)}."""
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for pod in pods:
         owner = (pod.get("metadata", {}).get("labels") or {}).get(MODEL_LABEL)
@@ -79,8 +80,8 @@ def model_endpoints(
             ),
             key=lambda e: e.name,
         )
-        policy = (spec.get("routing") or {}).get("policy")
-        table[served] = (endpoints, policy)
+        routing = spec.get("routing") or {}
+        table[served] = (endpoints, routing.get("policy"), routing.get("fallbackModel"))
     return table
 
 
@@ -97,9 +98,9 @@ class KubeSource:
         return model_endpoints(models, pods)
 
     def apply(self, table: ModelTable, update: UpdateEndpoints) -> None:
-        for model, (endpoints, policy) in table.items():
-            if self.known.get(model) != (endpoints, policy):
-                update(model, endpoints, policy)
+        for model, (endpoints, policy, fallback) in table.items():
+            if self.known.get(model) != (endpoints, policy, fallback):
+                update(model, endpoints, policy, fallback)
         for model in self.known.keys() - table.keys():
             update(model, None)  # the InferenceModel was deleted
         self.known = table

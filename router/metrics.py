@@ -42,6 +42,12 @@ class RouterMetrics:
             ["model_name"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "kvpilot_router_fallbacks_total",
+            "Requests served by the model's fallback model instead of a 429",
+            ["model_name", "fallback"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvpilot_router_in_flight",
             "Requests the router has running on the model's pods",

@@ -35,6 +35,7 @@ log = logging.getLogger("kvpilot.router")
 RETRY_AFTER_S = 1
 SESSION_HEADER = "X-Session-ID"
 POD_HEADER = "X-Kvpilot-Pod"
+FALLBACK_HEADER = "X-Kvpilot-Fallback"  # set when another model served the request (overload spill-over)
 # Only what the pod needs from the client's request; hop-by-hop headers stay here.
 FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "OpenAI-Organization")
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -56,7 +57,13 @@ def error_response(
 
 
 class UpdateEndpoints(Protocol):
-    def __call__(self, model: str, endpoints: list[Endpoint] | None, policy: str | None = None) -> None: ...
+    def __call__(
+        self,
+        model: str,
+        endpoints: list[Endpoint] | None,
+        policy: str | None = None,
+        fallback: str | None = None,
+    ) -> None: ...
 
 
 class EndpointSource(Protocol):
@@ -76,6 +83,8 @@ class RouterSettings:
     policy_options: dict[str, float] = field(default_factory=dict)
     queue: QueueSettings = field(default_factory=QueueSettings)
     max_retries: int = 2  # other pods tried after a refused/reset connection or a 503
+    # model -> model that takes its requests instead of a 429 (static mode; spec.routing.fallbackModel)
+    fallbacks: dict[str, str] = field(default_factory=dict)
     session_header: str = SESSION_HEADER
     block_chars: int = BLOCK_CHARS
     scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
@@ -97,6 +106,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.pools: dict[str, ModelPool] = {}
         self._policy_of: dict[str, str] = {}
+        self._fallback_of: dict[str, str] = {}
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -116,14 +126,26 @@ class Router:
 
     # -- endpoints ------------------------------------------------------------------------------
 
-    def update(self, model: str, endpoints: list[Endpoint] | None, policy: str | None = None) -> None:
-        """Set a model's Ready pods (and its routing policy, None = the router's default).
+    def update(
+        self,
+        model: str,
+        endpoints: list[Endpoint] | None,
+        policy: str | None = None,
+        fallback: str | None = None,
+    ) -> None:
+        """Set a model's Ready pods, its routing policy (None = the router's default) and the model
+        that takes its requests instead of a 429 (None = the static --fallback, if any).
 
         endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
         """
         if endpoints is None:
             self.remove_model(model)
             return
+        chosen = fallback or self.settings.fallbacks.get(model)
+        if chosen and chosen != model:
+            self._fallback_of[model] = chosen
+        else:
+            self._fallback_of.pop(model, None)
         name = policy or self.settings.policy
         pool = self.pools.get(model)
         if pool is None or self._policy_of.get(model) != name:
@@ -140,6 +162,7 @@ class Router:
     def remove_model(self, model: str) -> None:
         pool = self.pools.pop(model, None)
         self._policy_of.pop(model, None)
+        self._fallback_of.pop(model, None)
         if pool is not None:
             pool.set_endpoints([])
             self.metrics.ready_pods.labels(model).set(0)
@@ -274,6 +297,9 @@ class Router:
                 pod = await pool.acquire(key, frozenset(tried))
             except Overloaded as e:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
+                spilled = await self._spill(request, pool, key, raw)
+                if spilled is not None:
+                    return spilled
                 return error_response(
                     429, str(e), "rate_limit_error", code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}
                 )
@@ -292,8 +318,30 @@ class Router:
             finally:
                 pool.release(pod, key)
 
+    async def _spill(
+        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes
+    ) -> web.StreamResponse | None:
+        """Serve an overloaded model's request on its fallback model when a pod there has room now
+        (no queueing there, no retries); None when there is no fallback or it has no room either."""
+        name = self._fallback_of.get(pool.model)
+        target = self.pools.get(name) if name else None
+        if target is None:
+            return None
+        pod = target.try_acquire(key)
+        if pod is None:
+            return None
+        self.metrics.fallbacks.labels(pool.model, target.model).inc()
+        body = json.loads(raw)
+        body["model"] = target.model  # the fallback's pods serve their own name
+        try:
+            return await self._forward(request, target, pod, json.dumps(body).encode(), fallback=target.model)
+        except _Retry as e:
+            return error_response(502, f"fallback model {target.model!r} failed too: {e}", "upstream_error")
+        finally:
+            target.release(pod, key)
+
     async def _forward(
-        self, request: web.Request, pool: ModelPool, pod: Pod, raw: bytes
+        self, request: web.Request, pool: ModelPool, pod: Pod, raw: bytes, fallback: str | None = None
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
@@ -308,6 +356,8 @@ class Router:
                 raise _Retry(f"{pod.name}: 503 {upstream.reason}")
             content_type = upstream.headers.get("Content-Type", "application/json")
             out_headers = {"Content-Type": content_type, POD_HEADER: pod.name}
+            if fallback is not None:
+                out_headers[FALLBACK_HEADER] = fallback
             if "Retry-After" in upstream.headers:
                 out_headers["Retry-After"] = upstream.headers["Retry-After"]
             if not content_type.startswith("text/event-stream"):

@@ -60,7 +60,7 @@ class Lister:
 
 def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
     models = [
-        im("llama", runtime={"maxNumSeqs": 8}, routing={"policy": "kv-aware"}),
+        im("llama", runtime={"maxNumSeqs": 8}, routing={"policy": "kv-aware", "fallbackModel": "qwen-chat"}),
         im("qwen", model={"source": "builtin://x", "servedName": "qwen-chat"}),
     ]
     pods = [
@@ -75,8 +75,9 @@ def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
     assert table["llama"] == (
         [Endpoint("llama-a", "http://10.0.0.1:8000", 8), Endpoint("llama-b", "http://10.0.0.2:8000", 8)],
         "kv-aware",
+        "qwen-chat",
     )
-    assert table["qwen-chat"] == ([], None)  # scaled to zero: routable, requests wait for a pod
+    assert table["qwen-chat"] == ([], None, None)  # scaled to zero: routable, requests wait for a pod
 
 
 def test_oom_adaptation_caps_capacity() -> None:

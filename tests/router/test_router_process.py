@@ -40,6 +40,11 @@ def router_cmd(*args: str) -> list[str]:
             "--endpoints and --namespace exclude each other",
         ),
         ([], "--namespace is required without --endpoints"),
+        (["--endpoints", "m=http://x", "--fallback", "m=small"], "'small' is not a model of --endpoints"),
+        (
+            ["--endpoints", "m=http://x", "--fallback", "m=m"],
+            "expected MODEL=OTHER with two different models",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from kvpilot.router.discovery import StaticSource, parse_endpoints
 from kvpilot.router.pool import Endpoint, QueueSettings
-from kvpilot.router.server import POD_HEADER, Router, RouterSettings, parse_load
+from kvpilot.router.server import FALLBACK_HEADER, POD_HEADER, Router, RouterSettings, parse_load
 from tests.router.upstreams import FakePod, LiveRouter, closed_port_url, start_router
 
 MODEL = "m"
@@ -42,9 +42,14 @@ def eps(pods: list[FakePod], capacity: int = 64) -> list[Endpoint]:
 
 @contextlib.asynccontextmanager
 async def live(
-    endpoints: dict[str, list[Endpoint]], policy: str = "round-robin", **queue: Any
+    endpoints: dict[str, list[Endpoint]],
+    policy: str = "round-robin",
+    fallbacks: dict[str, str] | None = None,
+    **queue: Any,
 ) -> AsyncIterator[LiveRouter]:
-    settings = RouterSettings(policy=policy, queue=QueueSettings(**queue), scrape_interval_s=0)
+    settings = RouterSettings(
+        policy=policy, queue=QueueSettings(**queue), scrape_interval_s=0, fallbacks=fallbacks or {}
+    )
     router = Router(settings)
     router.add_source(StaticSource(endpoints))
     lr = await start_router(router)
@@ -308,3 +313,28 @@ def test_parse_endpoints_and_flag_errors() -> None:
     ]:
         with pytest.raises(ValueError, match=msg):
             parse_endpoints([bad])
+
+
+async def test_overload_spills_to_the_fallback_model_instead_of_429(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    endpoints = {MODEL: eps(pods[:1], capacity=1), "small": eps(pods[1:2], capacity=1)}
+    async with live(endpoints, fallbacks={MODEL: "small"}, max_queue=1, queue_timeout_s=5) as lr:
+        running = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "a"}))
+        await until(lambda: pods[0].active == 1)
+        queued = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "b"}))
+        await until(lambda: lr.router.pools[MODEL].queue_depth == 1)
+        # the queue is full: instead of a 429 the fallback model's idle pod serves it, under its own name
+        status, body, headers = await post(lr, {"model": MODEL, "prompt": "c"})
+        assert status == 200 and headers[FALLBACK_HEADER] == "small" and headers[POD_HEADER] == "p1"
+        assert pods[1].bodies == [{"model": "small", "prompt": "c"}]
+        assert metric(lr, "kvpilot_router_fallbacks_total", model_name=MODEL, fallback="small") == 1
+        # the fallback busy too (its gate closed): then it is a 429 after all
+        pods[1].gate = asyncio.Event()
+        spill = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "d"}))
+        await until(lambda: pods[1].active == 1)
+        status, body, _ = await post(lr, {"model": MODEL, "prompt": "e"})
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        gate.set()
+        pods[1].gate.set()
+        assert [r[0] for r in await asyncio.gather(running, queued, spill)] == [200, 200, 200]
