@@ -576,6 +576,12 @@ def test_notes_render_next_steps(tmp_path: Path) -> None:
     assert "No PrometheusRule rendered" in notes
     notes = render_notes(tmp_path / "ns", "watchNamespaces={ml}", "autoscaler.enabled=false")
     assert "namespace: ml" in notes and "Autoscaler: disabled" in notes
+    assert "Router:     disabled" in notes
+    notes = render_notes(tmp_path / "router", "router.enabled=true")
+    assert (
+        "Router:     2 replica(s) serving namespace kvpilot-system at http://kvp-kvpilot-router.kvpilot-system.svc:80/v1"
+        in notes
+    )
 
 
 def test_rendered_output_is_deterministic() -> None:
