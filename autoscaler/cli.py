@@ -99,6 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default metric source for models whose spec does not say (default: pods)",
     )
     run_p.add_argument("--prometheus-url", help="Prometheus base URL when a spec gives none")
+    run_p.add_argument(
+        "--router-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a kvpilot router replica (repeatable, one per replica): its queue depth per model is part of "
+        "the queue signal and wakes models scaled to zero",
+    )
     run_p.add_argument("--scrape-timeout", type=_positive_float("--scrape-timeout"), default=2.0)
     run_p.add_argument("--no-leader-elect", action="store_true", help="act without holding the Lease")
     run_p.add_argument(
@@ -396,6 +404,7 @@ async def _serve(args: argparse.Namespace, api_client: Any) -> int:
         interval_s=args.interval,
         default_metrics_source=args.metrics_source,
         prometheus_url=args.prometheus_url,
+        router_urls=tuple(args.router_url),
         scrape_timeout_s=args.scrape_timeout,
         behavior=behavior_from_args(args),
         identity=identity,

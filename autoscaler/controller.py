@@ -24,7 +24,14 @@ from kvpilot.autoscaler.election import AlwaysLeader, is_leader
 from kvpilot.autoscaler.kube import DELETION_COST, KubeApi, Obj
 from kvpilot.autoscaler.policy import Decision, decide
 from kvpilot.autoscaler.samples import MetricsSnapshot
-from kvpilot.autoscaler.sources import MetricSource, ModelRef, PodScrapeSource, PodTarget, PrometheusSource
+from kvpilot.autoscaler.sources import (
+    MetricSource,
+    ModelRef,
+    PodScrapeSource,
+    PodTarget,
+    PrometheusSource,
+    RouterQueueSource,
+)
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
 from kvpilot.autoscaler.state import decision_to_status, history_from_status, kv_cache_usage_text
 
@@ -53,6 +60,11 @@ class ControllerConfig:
     scrape_timeout_s: float = 2.0
     max_concurrent_models: int = 8
     identity: str | None = None  # written as status.autoscaler.decidedBy (which replica decided)
+    # `kvpilot router` replicas' base URLs: their queue depth for a model is part of its queue signal,
+    # and the one signal that wakes a model scaled to zero.
+    router_urls: tuple[str, ...] = ()
+    # Between syncs, read the routers' queues this often and sync at once when one grew.
+    router_poll_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,11 @@ class Controller:
         )
         self._prometheus: dict[tuple[str, str | None, str | None], MetricSource] = {}
         self.observers = tuple(observers)
+        self._router = (
+            RouterQueueSource(self.config.router_urls, self.config.scrape_timeout_s)
+            if self.config.router_urls
+            else None
+        )
 
     def _notify(self, hook: str, *args: Any) -> None:
         for observer in self.observers:
@@ -223,6 +240,8 @@ class Controller:
         served = (spec.get("model") or {}).get("servedName") or name
         snapshot = await self._source_for(autoscaling).collect(ModelRef(ns, name, served), pod_targets)
         snapshot = replace(snapshot, scaling_limited=condition_is_true(status, "ScalingLimited"))
+        if self._router is not None:
+            snapshot = replace(snapshot, router_queue=await self._router.queue_depth(served))
 
         previous = status.get("autoscaler") or {}
         now = self.clock()
@@ -306,11 +325,34 @@ class Controller:
                 except Exception:
                     log.exception("listing InferenceModels failed; retrying next interval")
             self._notify("iteration_finished", is_leader(self.elector))
-            delay = max(0.0, self.config.interval_s - (time.monotonic() - started))
+            await self._wait_next(stop, started + self.config.interval_s)
+
+    async def _wait_next(self, stop: asyncio.Event, next_sync: float) -> None:
+        """Until the next sync is due, or earlier when a router's queue for some model grew (a burst,
+        or the first request for a model at zero replicas): that is decided within router_poll_s."""
+        # the queues as the sync read them: a request held since then counts as growth
+        last = self._router.last if self._router is not None else None
+        while not stop.is_set():
+            remaining = next_sync - time.monotonic()
+            if remaining <= 0:
+                return
+            step = remaining if self._router is None else min(remaining, self.config.router_poll_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+                await asyncio.wait_for(stop.wait(), timeout=step)
+            if self._router is None or stop.is_set() or not is_leader(self.elector):
+                continue
+            depths = await self._router.depths()
+            if depths is None:
+                continue
+            grew = sorted(m for m, d in depths.items() if d > (last or {}).get(m, 0))
+            if grew and last is not None:
+                log.info("router queue grew for %s: syncing now", ", ".join(grew))
+                return
+            last = depths
 
     async def close(self) -> None:
         sources = [*self._prometheus.values(), *([self._pod_source] if self._pod_source else [])]
         for s in sources:
             await s.close()
+        if self._router is not None:
+            await self._router.close()

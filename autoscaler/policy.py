@@ -300,7 +300,11 @@ def decide(
                     else SERVICE_RATE_SMOOTHING * estimate + (1.0 - SERVICE_RATE_SMOOTHING) * service_rate
                 )
         arrivals = ArrivalState(now if counters else None, counters, rates, service_rate)
-    if n == 0 or avg_kv is None or avg_util is None:
+    if current == 0 and snapshot.router_queue:
+        # Scale from zero: nothing runs, so nothing reports; the router holding requests is the signal.
+        raw = 1
+        driver = f"scale from zero: {snapshot.router_queue} requests held by the router"
+    elif n == 0 or avg_kv is None or avg_util is None:
         raw = current
         driver = f"no metrics from 0/{ready} ready replicas" if ready else "no ready replica reports metrics"
     else:
@@ -344,7 +348,8 @@ def decide(
                 # began is left out: new replicas never take it (it drains where it is), and counting
                 # it asked for 40 replicas where 13 sufficed (docs/autoscaler.md).
                 least = min(s.num_waiting for s in snapshot.samples)
-                excess = n * (least - targets.target_queue_depth)
+                # requests the router holds wait for a free slot anywhere: all of them count
+                excess = n * (least - targets.target_queue_depth) + (snapshot.router_queue or 0)
             else:
                 excess = waiting - targets.target_queue_depth * n
             queue_rec = current + _ceil((excess - starting * absorb) / absorb) if excess > 0 else 0

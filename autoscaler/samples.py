@@ -43,6 +43,10 @@ class MetricsSnapshot:
     samples: tuple[ReplicaSample, ...] = field(default_factory=tuple)
     # True when the operator's ScalingLimited condition says pods are Unschedulable.
     scaling_limited: bool = False
+    # Requests held in `kvpilot router`'s central queue for this model (kvpilot_router_queue_depth),
+    # None when no router serves the model or it did not answer. They wait as surely as a pod's queue,
+    # and they are the only signal a model scaled to zero has.
+    router_queue: int | None = None
 
     @property
     def reporting(self) -> int:
@@ -55,7 +59,8 @@ class MetricsSnapshot:
 
     @property
     def total_waiting(self) -> int:
-        return sum(s.num_waiting for s in self.samples)
+        """Requests waiting on the pods plus those held by the router."""
+        return sum(s.num_waiting for s in self.samples) + (self.router_queue or 0)
 
     @property
     def avg_kv_cache_usage(self) -> float | None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -328,5 +330,89 @@ class PrometheusSource:
 
     async def close(self) -> None:
         if self._session is not None and self._own_session:
+            await self._session.close()
+        self._session = None
+
+
+ROUTER_QUEUE_METRIC = "kvpilot_router_queue_depth"
+
+
+def parse_router_queues(text: str) -> dict[str, int]:
+    """{model_name: queue depth} from a router's /metrics page (the models it serves)."""
+    depths: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                model = s.labels.get("model_name")
+                if s.name == ROUTER_QUEUE_METRIC and model and math.isfinite(s.value):
+                    depths[model] = depths.get(model, 0.0) + float(s.value)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"router: not Prometheus text format: {exc}") from exc
+    return {m: max(0, round(d)) for m, d in depths.items()}
+
+
+def parse_router_queue(text: str, model: str) -> int | None:
+    """The router's queue depth for `model` from its /metrics page; None when it does not serve it."""
+    return parse_router_queues(text).get(model)
+
+
+class RouterQueueSource:
+    """Requests held by `kvpilot router` replicas for a model: the sum over the routers that serve it.
+
+    Every router replica has its own queue, so every replica is read: a URL's host is resolved to all
+    its addresses (a headless Service's name gives each router pod) and each is scraped. None when no
+    router answered or none serves the model: unknown, never zero.
+    """
+
+    def __init__(self, urls: Sequence[str], timeout_s: float = 2.0) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self.last: dict[str, int] | None = None  # the last depths read (the baseline for "grew")
+
+    async def _one(self, url: str) -> dict[str, int] | None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        try:
+            async with self._session.get(url + "/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                return parse_router_queues(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
+            log.info("router %s: scrape failed (%s)", url, exc or type(exc).__name__)
+            return None
+
+    async def _expand(self, url: str) -> list[str]:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        if not host:
+            return [url]
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.info("router %s: cannot resolve %s (%s)", url, host, exc)
+            return []
+        addresses = sorted({str(info[4][0]) for info in infos})
+        return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses]
+
+    async def depths(self) -> dict[str, int] | None:
+        """{model_name: requests held} summed over every router replica that answered; None if none did."""
+        urls = [u for group in await asyncio.gather(*(self._expand(u) for u in self.urls)) for u in group]
+        pages = [d for d in await asyncio.gather(*(self._one(u) for u in urls)) if d is not None]
+        if not pages:
+            return None
+        total: dict[str, int] = {}
+        for page in pages:
+            for model, depth in page.items():
+                total[model] = total.get(model, 0) + depth
+        self.last = total
+        return total
+
+    async def queue_depth(self, model: str) -> int | None:
+        depths = await self.depths()
+        return None if depths is None else depths.get(model)
+
+    async def close(self) -> None:
+        if self._session is not None:
             await self._session.close()
         self._session = None

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvpilot.operator.cli", "run the InferenceModel operator"),
     "crds": ("kvpilot.operator.crds_cli", "print or write the generated CRD YAML"),
     "autoscaler": ("kvpilot.autoscaler.cli", "run the autoscaler, or simulate a policy on a trace"),
+    "router": ("kvpilot.router.cli", "route OpenAI requests to the pods of many models (one endpoint)"),
 }
 
 

@@ -48,6 +48,8 @@ class OperatorSettings:
     image_pull_policy: str = "IfNotPresent"
     service_monitor: bool = False  # render a ServiceMonitor (the monitoring.coreos.com CRD exists)
     extra_labels: dict[str, str] = field(default_factory=dict)
+    # namespace -> base URL of the `kvpilot router` serving that namespace's models (status.routerEndpoint)
+    router_endpoints: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,19 @@ SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespac
 DEFAULT_IMAGE = f"kvpilot/kvpilot:{__version__}"
 
 
+def parse_router_endpoints(specs: list[str]) -> dict[str, str]:
+    """`NAMESPACE=URL` flags -> {namespace: url}; raises SystemExit naming the flag on a bad one."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        ns, sep, url = spec.partition("=")
+        if not sep or not ns or not url.startswith(("http://", "https://")):
+            raise SystemExit(
+                f"kvpilot operator: error: --router-endpoint {spec!r}: expected NAMESPACE=http(s)://URL"
+            )
+        out[ns] = url.rstrip("/")
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)"
@@ -34,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="runtime image when spec.image is unset")
     parser.add_argument(
         "--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"]
+    )
+    parser.add_argument(
+        "--router-endpoint",
+        action="append",
+        default=[],
+        metavar="NAMESPACE=URL",
+        help="a kvpilot router's base URL for a namespace's models, shown as status.routerEndpoint (repeatable)",
     )
     parser.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
     parser.add_argument("--resync-seconds", type=float, default=60.0, help="reconcile every model this often")
@@ -111,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.models import API_VERSION, KIND
     from kvpilot.operator.reconcile import Reconciler
 
+    router_endpoints = parse_router_endpoints(args.router_endpoint)  # a bad flag fails before anything starts
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -121,7 +142,11 @@ def run(args: argparse.Namespace) -> int:
     identity = args.identity or default_identity()
     api_client = load_api_client(args.kubeconfig, args.context)
     kube = ApiKube(api_client)
-    settings = OperatorSettings(image=args.image, image_pull_policy=args.image_pull_policy)
+    settings = OperatorSettings(
+        image=args.image,
+        image_pull_policy=args.image_pull_policy,
+        router_endpoints=router_endpoints,
+    )
     reconciler = Reconciler(kube, settings, identity=identity)
 
     def reconcile_key(key: tuple[str, str]) -> None:

@@ -208,6 +208,27 @@ class Resources(_Model):
     )
 
 
+class Routing(_Model):
+    """How `kvpilot router` spreads this model's requests over its pods."""
+
+    policy: Literal["round-robin", "least-loaded", "prefix-affinity", "kv-aware"] | None = Field(
+        None,
+        description=(
+            "round-robin, least-loaded, prefix-affinity (consistent hashing with bounded load on the "
+            "prompt's leading blocks or a session header) or kv-aware; the router's --policy by default."
+        ),
+    )
+    fallback_model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description=(
+            "Served name of another model in the namespace that takes this model's requests when they "
+            "would get 429 (queue full or waited too long) and it has a pod with room."
+        ),
+    )
+
+
 class RuntimeSettings(_Model):
     """Engine settings rendered into the runtime's config file; unset fields use the runtime's defaults."""
 
@@ -321,6 +342,7 @@ class InferenceModelSpec(_Model):
     runtime: RuntimeSettings = Field(
         default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
     )
+    routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
     oom_policy: OOMPolicy = Field(
         default_factory=lambda: OOMPolicy.model_validate({}), json_schema_extra={"default": {}}
     )
@@ -447,6 +469,10 @@ class InferenceModelStatus(_Model):
     updated_replicas: int | None = None
     selector: str | None = Field(None, description="Label selector of the pods (scale subresource).")
     endpoint: str | None = Field(None, description="OpenAI-compatible base URL inside the cluster.")
+    router_endpoint: str | None = Field(
+        None,
+        description="OpenAI-compatible base URL through kvpilot router (send model=<servedName>), when one serves the namespace.",
+    )
     conditions: list[Condition] | None = Field(
         None,
         max_length=16,

@@ -243,6 +243,7 @@ class Reconciler:
             oom=decision.state,
             oom_note=oom_note(spec, decision),
             apply_error="; ".join(apply_errors) or None,
+            router_endpoint=settings.router_endpoints.get(namespace),
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:

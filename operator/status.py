@@ -23,6 +23,7 @@ OPERATOR_STATUS_KEYS = (
     "updatedReplicas",
     "selector",
     "endpoint",
+    "routerEndpoint",
     "conditions",
     "oomAdaptation",
 )
@@ -190,6 +191,7 @@ def compute_status(
     oom: OOMAdaptation | None = None,
     oom_note: str | None = None,
     apply_error: str | None = None,
+    router_endpoint: str | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status of `im` (camelCase keys, as written to the API)."""
     st = (deployment or {}).get("status", {})
@@ -203,6 +205,8 @@ def compute_status(
         "endpoint": endpoint(im.name, im.namespace),
         "conditions": merge_conditions(conds, (previous or {}).get("conditions"), now, im.generation),
     }
+    if router_endpoint:
+        status["routerEndpoint"] = router_endpoint
     if oom is not None:
         status["oomAdaptation"] = oom.dump()
     return status

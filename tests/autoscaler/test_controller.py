@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -361,3 +362,99 @@ def test_arrival_state_round_trips_and_skips_garbage():
     }
     assert arrivals_from_status(garbage) == ArrivalState()
     assert arrivals_from_status("nope") == ArrivalState()
+
+
+async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
+    import aiohttp
+
+    from kvpilot.autoscaler.sources import parse_router_queue
+    from kvpilot.router.pool import QueueSettings
+    from kvpilot.router.server import Router, RouterSettings
+
+    router = Router(RouterSettings(queue=QueueSettings(cold_start_timeout_s=30), scrape_interval_s=0))
+    router.update("chat", [])  # the model is served by the router but has no Ready pod
+    runner = web.AppRunner(router.app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}"
+    kube = FakeKube(model(0, minReplicas=0), [])
+    now = [T0]
+    controller = Controller(
+        kube,
+        ControllerConfig(namespace="ml", router_urls=(url,)),
+        clock=lambda: now[0],
+        pod_source=FakeSource(),
+    )
+    try:
+        results = await controller.sync_all()
+        assert results[0].decision.desired == 0 and calls(kube, "scale") == []  # nothing held: stays at zero
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(
+                session.post(url + "/v1/completions", json={"model": "chat", "prompt": "hi"})
+            )
+            for _ in range(200):
+                if router.pools["chat"].queue_depth == 1:
+                    break
+                await asyncio.sleep(0.01)
+            now[0] += 15
+            results = await controller.sync_all()
+            assert results[0].decision.desired == 1, (
+                router.pools["chat"].queue_depth,
+                results[0].decision.reason,
+            )
+            assert calls(kube, "scale") == [1]
+            assert "scale from zero: 1 requests held by the router" in results[0].decision.reason
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+    finally:
+        await controller.close()
+        await runner.cleanup()
+    assert parse_router_queue('kvpilot_router_queue_depth{model_name="chat"} 2.0\n', "chat") == 2
+    assert parse_router_queue('kvpilot_router_queue_depth{model_name="other"} 2.0\n', "chat") is None
+
+
+async def test_a_growing_router_queue_syncs_before_the_interval():
+    import aiohttp
+
+    from kvpilot.router.pool import QueueSettings
+    from kvpilot.router.server import Router, RouterSettings
+
+    router = Router(RouterSettings(queue=QueueSettings(cold_start_timeout_s=60), scrape_interval_s=0))
+    router.update("chat", [])
+    runner = web.AppRunner(router.app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    kube = FakeKube(model(0, minReplicas=0), [])
+    # a 10-minute interval: only the router poll (every 0.05 s here) can explain a prompt scale-up
+    config = ControllerConfig(namespace="ml", interval_s=600, router_urls=(url,), router_poll_s=0.05)
+    controller = Controller(kube, config, pod_source=FakeSource())
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(controller.run(stop))
+    try:
+        for _ in range(500):
+            if calls(kube, "status"):
+                break
+            await asyncio.sleep(0.01)
+        assert calls(kube, "status") and calls(kube, "scale") == []  # first sync: nothing held, stays at 0
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(
+                session.post(url + "/v1/completions", json={"model": "chat", "prompt": "hi"})
+            )
+            for _ in range(1000):
+                if calls(kube, "scale"):
+                    break
+                await asyncio.sleep(0.01)
+            assert calls(kube, "scale") == [1]
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+    finally:
+        stop.set()
+        await loop_task
+        await controller.close()
+        await runner.cleanup()

@@ -481,3 +481,24 @@ def test_arrival_rate_only_ever_adds_replicas(
     off = decide(current, snapshot, targets(behavior=Behavior(arrival_rate=False)), h, NOW)
     assert on.recommendation >= off.recommendation
     assert on.desired >= off.desired
+
+
+def test_router_queue_wakes_a_model_from_zero():
+    t = targets(min_replicas=0)
+    idle = decide(0, MetricsSnapshot(ready_replicas=0, router_queue=0), t, History(), NOW)
+    assert idle.desired == 0
+    d = decide(0, MetricsSnapshot(ready_replicas=0, router_queue=3), t, History(), NOW)
+    assert d.desired == 1
+    assert "scale from zero: 3 requests held by the router" in d.reason
+    # no router answering (None) is not a signal: zero stays zero
+    assert decide(0, MetricsSnapshot(ready_replicas=0), t, History(), NOW).desired == 0
+    # a replica already starting (current 1, none Ready) is not started twice
+    assert decide(1, MetricsSnapshot(ready_replicas=0, router_queue=3), t, History(), NOW).desired == 1
+
+
+def test_router_queue_counts_as_waiting():
+    base = snap([0.5, 0.5], [0, 0])
+    assert decide(2, base, targets(), History(), NOW).desired == 2
+    held = MetricsSnapshot(ready_replicas=2, samples=base.samples, router_queue=40)
+    d = decide(2, held, targets(), History(), NOW)
+    assert d.desired > 2 and "queue 40 waiting" in d.reason

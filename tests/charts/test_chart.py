@@ -24,6 +24,7 @@ EVERYTHING = (
     "rbac.secretNames={hf-token}",
     "autoscaler.metricsSource=prometheus",
     "autoscaler.prometheusURL=http://prometheus.monitoring.svc:9090",
+    "router.enabled=true",
 )
 
 
@@ -284,7 +285,7 @@ def assert_hardened(name: str, spec: dict[str, Any]) -> None:
 def test_chart_pods_are_hardened() -> None:
     r = template(*EVERYTHING)
     specs = r.pod_specs()
-    assert len(specs) == 3
+    assert len(specs) == 4  # operator, autoscaler, router, helm test
     for name, spec in specs:
         assert_hardened(name, spec)
         assert spec["securityContext"]["runAsUser"] == 10001
@@ -575,6 +576,12 @@ def test_notes_render_next_steps(tmp_path: Path) -> None:
     assert "No PrometheusRule rendered" in notes
     notes = render_notes(tmp_path / "ns", "watchNamespaces={ml}", "autoscaler.enabled=false")
     assert "namespace: ml" in notes and "Autoscaler: disabled" in notes
+    assert "Router:     disabled" in notes
+    notes = render_notes(tmp_path / "router", "router.enabled=true")
+    assert (
+        "Router:     2 replica(s) serving namespace kvpilot-system at http://kvp-kvpilot-router.kvpilot-system.svc:80/v1"
+        in notes
+    )
 
 
 def test_rendered_output_is_deterministic() -> None:

@@ -110,3 +110,14 @@ def test_health_server_answers_200_as_leader_and_standby() -> None:
         _Health.state["leading"] = False
         server.shutdown()
         server.server_close()
+
+
+def test_router_endpoint_flags() -> None:
+    import pytest
+
+    from kvpilot.operator.cli import parse_router_endpoints
+
+    args = parse("--router-endpoint", "ml=http://r.kvpilot-system.svc:80/v1/")
+    assert parse_router_endpoints(args.router_endpoint) == {"ml": "http://r.kvpilot-system.svc:80/v1"}
+    with pytest.raises(SystemExit, match="--router-endpoint 'ml': expected NAMESPACE="):
+        parse_router_endpoints(["ml"])

@@ -277,3 +277,22 @@ def test_a_rejected_child_is_reported_not_retried_forever(fake_kube: FakeKube) -
     assert degraded["reason"] == "ApplyFailed"
     assert degraded["message"].startswith("Deployment/llama was rejected: Deployment.apps")
     assert ("Warning", "ApplyFailed") in [(e["type"], e["reason"]) for e in kube.events]
+
+
+def test_router_endpoint_in_status_only_for_the_routed_namespace(fake_kube: FakeKube) -> None:
+    fake_kube.put(make_body())
+    fake_kube.put(make_body(name="other", namespace="research"))
+    routed = OperatorSettings(
+        image="img", router_endpoints={"ml": "http://kvpilot-router.kvpilot-system.svc:80/v1"}
+    )
+    rec = Reconciler(fake_kube, routed, clock=Clock())
+    rec.reconcile(body(fake_kube))
+    assert body(fake_kube)["status"]["routerEndpoint"] == "http://kvpilot-router.kvpilot-system.svc:80/v1"
+    other = fake_kube.get(API_VERSION, KIND, "research", "other")
+    assert other is not None
+    rec.reconcile(other)
+    other = fake_kube.get(API_VERSION, KIND, "research", "other")
+    assert other is not None and "routerEndpoint" not in other["status"]
+    # the router goes away: the field is removed, not left stale
+    Reconciler(fake_kube, OperatorSettings(image="img"), clock=Clock()).reconcile(body(fake_kube))
+    assert "routerEndpoint" not in body(fake_kube)["status"]

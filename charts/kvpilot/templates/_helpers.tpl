@@ -157,3 +157,12 @@ app.kubernetes.io/component: {{ .component }}
     {{- end }}
   {{- end }}
 {{- end }}
+
+{{- define "kvpilot.router.fullname" -}}
+{{- printf "%s-router" (include "kvpilot.fullname" .) }}
+{{- end }}
+
+{{/* The namespace whose InferenceModels the router serves (its pods watch and route there). */}}
+{{- define "kvpilot.router.namespace" -}}
+{{- default .Release.Namespace .Values.router.namespace }}
+{{- end }}

@@ -1,0 +1,6 @@
+"""The fleet router: one OpenAI endpoint in front of many models' pods (`kvpilot router`).
+
+`policy` holds the pure routing decisions (usable without aiohttp, e.g. from the fleet simulator),
+`keys` turns a request body into its routing key, `pool` keeps a model's pods and its central queue,
+`server` is the aiohttp shell, `discovery` feeds the pools from a static list or Kubernetes.
+"""

@@ -1,0 +1,150 @@
+"""`kvpilot router`: the fleet router, from a static endpoint list or watching a namespace's pods."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from kvpilot.router.policy import DEFAULT_POLICY, POLICIES
+from kvpilot.router.pool import QueueSettings
+from kvpilot.router.server import Router, RouterSettings
+
+log = logging.getLogger("kvpilot.router")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--endpoints",
+        action="append",
+        default=[],
+        metavar="MODEL=URL[,URL...]",
+        help="a model's pods (repeatable); without it the router watches Kubernetes (--namespace)",
+    )
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="default routing policy")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--pod-capacity",
+        type=int,
+        default=64,
+        help="requests a pod runs at once (its --max-num-seqs), static mode",
+    )
+    parser.add_argument("--max-queue", type=int, default=256, help="requests held per model before 429")
+    parser.add_argument(
+        "--queue-timeout", type=float, default=30.0, help="seconds a request waits for a free pod"
+    )
+    parser.add_argument(
+        "--cold-start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request waits for a model with no Ready pod (scale from zero)",
+    )
+    parser.add_argument("--max-retries", type=int, default=2, help="other pods tried before the first byte")
+    parser.add_argument(
+        "--fallback",
+        action="append",
+        default=[],
+        metavar="MODEL=OTHER",
+        help="OTHER takes MODEL's requests instead of a 429 when it has room (repeatable; "
+        "spec.routing.fallbackModel with Kubernetes)",
+    )
+    parser.add_argument("--session-header", default="X-Session-ID", help="header that keys prefix affinity")
+    parser.add_argument(
+        "--scrape-interval", type=float, default=2.0, help="seconds between pod /metrics scrapes; 0 disables"
+    )
+    parser.add_argument(
+        "--prefix-affinity-eps", type=float, default=0.25, help="bounded-load slack (1+eps) x avg"
+    )
+    parser.add_argument(
+        "--namespace", default=None, help="Kubernetes namespace to watch (without --endpoints)"
+    )
+    parser.add_argument("--kubeconfig", default=None)
+    parser.add_argument("--log-level", default="info")
+
+
+def build_router(args: argparse.Namespace) -> Router:
+    """The router the flags describe; raises ValueError naming a bad flag."""
+    from kvpilot.router.discovery import StaticSource, parse_endpoints
+
+    for flag, value in (("--pod-capacity", args.pod_capacity), ("--max-queue", args.max_queue)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, fvalue in (
+        ("--queue-timeout", args.queue_timeout),
+        ("--cold-start-timeout", args.cold_start_timeout),
+    ):
+        if fvalue <= 0:
+            raise ValueError(f"{flag} must be > 0, got {fvalue}")
+    if args.max_retries < 0 or args.scrape_interval < 0 or args.prefix_affinity_eps < 0:
+        raise ValueError("--max-retries, --scrape-interval and --prefix-affinity-eps must be >= 0")
+    options = {"eps": args.prefix_affinity_eps} if args.policy == "prefix-affinity" else {}
+    fallbacks: dict[str, str] = {}
+    for spec in args.fallback:
+        model, sep, other = spec.partition("=")
+        if not sep or not model or not other or model == other:
+            raise ValueError(f"--fallback {spec!r}: expected MODEL=OTHER with two different models")
+        fallbacks[model] = other
+    settings = RouterSettings(
+        policy=args.policy,
+        policy_options=options,
+        queue=QueueSettings(
+            max_queue=args.max_queue,
+            queue_timeout_s=args.queue_timeout,
+            cold_start_timeout_s=args.cold_start_timeout,
+        ),
+        max_retries=args.max_retries,
+        fallbacks=fallbacks,
+        session_header=args.session_header,
+        scrape_interval_s=args.scrape_interval,
+    )
+    router = Router(settings)
+    if args.endpoints:
+        if args.namespace:
+            raise ValueError("--endpoints and --namespace exclude each other")
+        endpoints = parse_endpoints(args.endpoints, args.pod_capacity)
+        for model, other in fallbacks.items():
+            for name in (model, other):
+                if name not in endpoints:
+                    raise ValueError(f"--fallback {model}={other}: {name!r} is not a model of --endpoints")
+        router.add_source(StaticSource(endpoints))
+    else:
+        from kvpilot.router.kube_discovery import kube_source
+
+        router.add_source(kube_source(args.namespace, args.kubeconfig))
+    return router
+
+
+async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("kvpilot router listening on http://%s:%d/v1", host, port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        router = build_router(args)
+    except ValueError as e:
+        print(f"kvpilot router: error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(router, args.host, args.port))
+    return 0

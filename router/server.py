@@ -1,0 +1,421 @@
+"""The router's HTTP shell: one OpenAI endpoint that proxies each request to a pod of its model.
+
+Decisions live in `policy` and admission in `pool`; this module reads the request, asks the model's
+pool for a pod (queueing when none has room), forwards the body as is, and passes the answer back:
+server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection
+or a 503 (a draining pod) before any byte reached the client is retried on another pod; after the
+first byte nothing is retried, and a pod that dies mid-stream ends the stream with an error event.
+A client that goes away cancels the handler (handler_cancellation), which closes the upstream
+connection, and the pod aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.router.keys import BLOCK_CHARS, request_key
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, RouteKey, make_policy
+from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings
+
+log = logging.getLogger("kvpilot.router")
+
+RETRY_AFTER_S = 1
+SESSION_HEADER = "X-Session-ID"
+POD_HEADER = "X-Kvpilot-Pod"
+FALLBACK_HEADER = "X-Kvpilot-Fallback"  # set when another model served the request (overload spill-over)
+# Only what the pod needs from the client's request; hop-by-hop headers stay here.
+FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "OpenAI-Organization")
+UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.json_response(error_body(message, type_, code, param), status=status, headers=headers)
+
+
+class UpdateEndpoints(Protocol):
+    def __call__(
+        self,
+        model: str,
+        endpoints: list[Endpoint] | None,
+        policy: str | None = None,
+        fallback: str | None = None,
+    ) -> None: ...
+
+
+class EndpointSource(Protocol):
+    """Feeds the router the Ready pods of each model it serves (static list, Kubernetes watch...).
+
+    `run` calls `update(model, endpoints, policy)` whenever a model's pods (or its routing policy)
+    change (endpoints None: the model is gone), `synced()` once every model is known, and returns only when cancelled. An error while
+    watching must not drop the endpoints already known: keep them until the source sees otherwise.
+    """
+
+    async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str = DEFAULT_POLICY
+    policy_options: dict[str, float] = field(default_factory=dict)
+    queue: QueueSettings = field(default_factory=QueueSettings)
+    max_retries: int = 2  # other pods tried after a refused/reset connection or a 503
+    # model -> model that takes its requests instead of a 429 (static mode; spec.routing.fallbackModel)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    session_header: str = SESSION_HEADER
+    block_chars: int = BLOCK_CHARS
+    scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
+    connect_timeout_s: float = 5.0
+
+
+class _Retry(Exception):
+    """The pod could not take the request and nothing reached the client: try another pod."""
+
+
+class Router:
+    def __init__(self, settings: RouterSettings | None = None, metrics: RouterMetrics | None = None) -> None:
+        self.settings = settings or RouterSettings()
+        if self.settings.policy not in POLICIES:
+            raise ValueError(
+                f"unknown routing policy {self.settings.policy!r}; choose one of {', '.join(POLICIES)}"
+            )
+        make_policy(self.settings.policy, **self.settings.policy_options)  # options are checked up front
+        self.metrics = metrics or RouterMetrics()
+        self.pools: dict[str, ModelPool] = {}
+        self._policy_of: dict[str, str] = {}
+        self._fallback_of: dict[str, str] = {}
+        self.synced = False
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.app = web.Application(client_max_size=64 * 2**20)
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/ready", self.ready),
+                web.get("/metrics", self.metrics_handler),
+            ]
+        )
+        self.app.on_startup.append(self._startup)
+        self.app.on_cleanup.append(self._cleanup)
+
+    # -- endpoints ------------------------------------------------------------------------------
+
+    def update(
+        self,
+        model: str,
+        endpoints: list[Endpoint] | None,
+        policy: str | None = None,
+        fallback: str | None = None,
+    ) -> None:
+        """Set a model's Ready pods, its routing policy (None = the router's default) and the model
+        that takes its requests instead of a 429 (None = the static --fallback, if any).
+
+        endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
+        """
+        if endpoints is None:
+            self.remove_model(model)
+            return
+        chosen = fallback or self.settings.fallbacks.get(model)
+        if chosen and chosen != model:
+            self._fallback_of[model] = chosen
+        else:
+            self._fallback_of.pop(model, None)
+        name = policy or self.settings.policy
+        pool = self.pools.get(model)
+        if pool is None or self._policy_of.get(model) != name:
+            options = self.settings.policy_options if name == self.settings.policy else {}
+            new = ModelPool(model, make_policy(name, **options), self.settings.queue, self._queue_changed)
+            if pool is not None:  # a policy change keeps the queue and the counters
+                new.pods, new._queue = pool.pods, pool._queue
+            self.pools[model], self._policy_of[model] = new, name
+            self.metrics.queue_depth.labels(model).set(new.queue_depth)
+            pool = new
+        pool.set_endpoints(endpoints)
+        self.metrics.ready_pods.labels(model).set(len(pool.pods))
+
+    def remove_model(self, model: str) -> None:
+        pool = self.pools.pop(model, None)
+        self._policy_of.pop(model, None)
+        self._fallback_of.pop(model, None)
+        if pool is not None:
+            pool.set_endpoints([])
+            self.metrics.ready_pods.labels(model).set(0)
+
+    def mark_synced(self) -> None:
+        self.synced = True
+
+    def _queue_changed(self, model: str, depth: int) -> None:
+        self.metrics.queue_depth.labels(model).set(depth)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def add_source(self, source: EndpointSource) -> None:
+        self.app.on_startup.append(lambda app: self._spawn(source.run(self.update, self.mark_synced)))
+
+    async def _spawn(self, coro: Awaitable[Any]) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("router background task failed")
+
+        self._tasks.append(asyncio.create_task(guarded()))
+
+    async def _startup(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+        await self._spawn(self._tick())
+        if self.settings.scrape_interval_s > 0:
+            await self._spawn(self._scrape_loop())
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._session is not None:
+            await self._session.close()
+
+    async def _tick(self) -> None:
+        """Pods coming back from their unhealthy spell take queued requests without a release."""
+        while True:
+            await asyncio.sleep(0.25)
+            for pool in list(self.pools.values()):
+                pool.pump()
+                self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            pods = [(pool, pod) for pool in list(self.pools.values()) for pod in list(pool.pods.values())]
+            await asyncio.gather(*(self._scrape(pool, pod) for pool, pod in pods))
+            await asyncio.sleep(self.settings.scrape_interval_s)
+
+    async def _scrape(self, pool: ModelPool, pod: Pod) -> None:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(0.5, self.settings.scrape_interval_s))
+            async with self._session.get(pod.url + "/metrics", timeout=timeout) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (*UPSTREAM_ERRORS, UnicodeDecodeError):
+            pod.kv_usage, pod.waiting = None, None  # unknown, not zero
+            return
+        kv, waiting = parse_load(text, pool.model)
+        pod.kv_usage, pod.waiting = kv, waiting
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if not self.synced:
+            return error_response(
+                503, "the router has not listed its models' pods yet", "service_unavailable"
+            )
+        return web.json_response({"status": "ready", "models": sorted(self.pools)})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        for pool in list(self.pools.values()):
+            self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"} for m in sorted(self.pools)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=True)
+
+    async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            return error_response(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return error_response(400, "'model' is required and must be a string", param="model")
+        pool = self.pools.get(model)
+        if pool is None:
+            served = ", ".join(sorted(self.pools)) or "(none)"
+            return error_response(
+                404,
+                f"model {model!r} is not served here; served models: {served}",
+                code="model_not_found",
+                param="model",
+            )
+        key = request_key(
+            body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
+        )
+        response = await self._route(request, pool, key, raw)
+        self.metrics.requests.labels(model, str(response.status)).inc()
+        return response
+
+    async def _route(
+        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes
+    ) -> web.StreamResponse:
+        tried: set[str] = set()
+        started = time.monotonic()
+        while True:
+            try:
+                pod = await pool.acquire(key, frozenset(tried))
+            except Overloaded as e:
+                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
+                spilled = await self._spill(request, pool, key, raw)
+                if spilled is not None:
+                    return spilled
+                return error_response(
+                    429, str(e), "rate_limit_error", code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}
+                )
+            if not tried:
+                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
+            try:
+                return await self._forward(request, pool, pod, raw)
+            except _Retry as e:
+                tried.add(pod.name)
+                if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
+                    return error_response(
+                        502, f"no pod of model {pool.model!r} could take the request: {e}", "upstream_error"
+                    )
+                self.metrics.retries.labels(pool.model).inc()
+                log.info("retrying %s on another pod after %s failed: %s", pool.model, pod.name, e)
+            finally:
+                pool.release(pod, key)
+
+    async def _spill(
+        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes
+    ) -> web.StreamResponse | None:
+        """Serve an overloaded model's request on its fallback model when a pod there has room now
+        (no queueing there, no retries); None when there is no fallback or it has no room either."""
+        name = self._fallback_of.get(pool.model)
+        target = self.pools.get(name) if name else None
+        if target is None:
+            return None
+        pod = target.try_acquire(key)
+        if pod is None:
+            return None
+        self.metrics.fallbacks.labels(pool.model, target.model).inc()
+        body = json.loads(raw)
+        body["model"] = target.model  # the fallback's pods serve their own name
+        try:
+            return await self._forward(request, target, pod, json.dumps(body).encode(), fallback=target.model)
+        except _Retry as e:
+            return error_response(502, f"fallback model {target.model!r} failed too: {e}", "upstream_error")
+        finally:
+            target.release(pod, key)
+
+    async def _forward(
+        self, request: web.Request, pool: ModelPool, pod: Pod, raw: bytes, fallback: str | None = None
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
+        try:
+            upstream = await self._session.post(pod.url + request.path, data=raw, headers=headers)
+        except UPSTREAM_ERRORS as e:
+            pool.mark_unhealthy(pod)
+            raise _Retry(f"{pod.name}: {type(e).__name__}: {e}") from None
+        try:
+            if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
+                pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
+                raise _Retry(f"{pod.name}: 503 {upstream.reason}")
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            out_headers = {"Content-Type": content_type, POD_HEADER: pod.name}
+            if fallback is not None:
+                out_headers[FALLBACK_HEADER] = fallback
+            if "Retry-After" in upstream.headers:
+                out_headers["Retry-After"] = upstream.headers["Retry-After"]
+            if not content_type.startswith("text/event-stream"):
+                try:
+                    data = await upstream.read()
+                except UPSTREAM_ERRORS as e:  # nothing reached the client yet
+                    pool.mark_unhealthy(pod)
+                    raise _Retry(f"{pod.name}: {type(e).__name__}: {e}") from None
+                return web.Response(status=upstream.status, body=data, headers=out_headers)
+            return await self._stream(request, pool, pod, upstream, out_headers)
+        finally:
+            upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
+
+    async def _stream(
+        self,
+        request: web.Request,
+        pool: ModelPool,
+        pod: Pod,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+        except UPSTREAM_ERRORS as e:
+            pool.mark_unhealthy(pod)
+            self.metrics.stream_failures.labels(pool.model).inc()
+            log.warning("pod %s of %s broke a stream: %s: %s", pod.name, pool.model, type(e).__name__, e)
+            event = error_body(
+                f"the pod serving this request failed mid-stream ({type(e).__name__}); the output is incomplete",
+                "upstream_error",
+                code="upstream_disconnected",
+            )
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await out.write_eof()
+        return out
+
+
+def parse_load(text: str, model: str) -> tuple[float | None, int | None]:
+    """KV use and waiting count of a pod's /metrics page (kvpilot's or vLLM's names), None if absent."""
+    kv_names = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    waiting_names = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
+    found: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                # the pod was chosen by its model already; a differing served name still counts
+                if s.name in kv_names or s.name in waiting_names:
+                    found.setdefault(s.name, []).append(float(s.value))
+    except (ValueError, TypeError, IndexError):
+        return None, None
+    kv = next((found[n] for n in kv_names if n in found), None)
+    waiting = next((found[n] for n in waiting_names if n in found), None)
+    return (
+        None if kv is None else min(1.0, max(0.0, sum(kv) / len(kv))),
+        None if waiting is None else max(0, round(sum(waiting))),
+    )

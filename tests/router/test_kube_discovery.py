@@ -1,0 +1,120 @@
+"""Kubernetes discovery: InferenceModels and their Ready pods -> the router's endpoints and policies."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+
+from kvpilot.router.kube_discovery import KubeSource, model_endpoints
+from kvpilot.router.pool import Endpoint
+from kvpilot.router.server import Router, RouterSettings
+
+
+def im(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": {"model": {"source": "builtin://smollm2-135m-instruct"}, **spec},
+    }
+
+
+def pod(
+    name: str, model: str, ip: str | None = "10.0.0.1", ready: bool = True, deleting: bool = False
+) -> dict[str, Any]:
+    md: dict[str, Any] = {"name": name, "namespace": "ml", "labels": {"kvpilot.dev/model": model}}
+    if deleting:
+        md["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": md,
+        "spec": {"containers": [{"name": "runtime", "ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+class Lister:
+    """The Kube adapter's list() over objects in memory; `fail` makes every list raise (API down)."""
+
+    def __init__(self, objects: list[dict[str, Any]]) -> None:
+        self.objects = objects
+        self.fail = False
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, selector: str = ""
+    ) -> list[dict[str, Any]]:
+        if self.fail:
+            raise ConnectionError("apiserver unreachable")
+        return [
+            copy.deepcopy(o)
+            for o in self.objects
+            if o["apiVersion"] == api_version
+            and o["kind"] == kind
+            and (not selector or selector in o["metadata"].get("labels", {}))
+        ]
+
+
+def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
+    models = [
+        im("llama", runtime={"maxNumSeqs": 8}, routing={"policy": "kv-aware", "fallbackModel": "qwen-chat"}),
+        im("qwen", model={"source": "builtin://x", "servedName": "qwen-chat"}),
+    ]
+    pods = [
+        pod("llama-b", "llama", "10.0.0.2"),
+        pod("llama-a", "llama", "10.0.0.1"),
+        pod("llama-c", "llama", "10.0.0.3", ready=False),
+        pod("llama-d", "llama", None),
+        pod("llama-e", "llama", "10.0.0.5", deleting=True),
+        pod("other", "unknown-model"),
+    ]
+    table = model_endpoints(models, pods)
+    assert table["llama"] == (
+        [Endpoint("llama-a", "http://10.0.0.1:8000", 8), Endpoint("llama-b", "http://10.0.0.2:8000", 8)],
+        "kv-aware",
+        "qwen-chat",
+    )
+    assert table["qwen-chat"] == ([], None, None)  # scaled to zero: routable, requests wait for a pod
+
+
+def test_oom_adaptation_caps_capacity() -> None:
+    m = im("llama", runtime={"maxNumSeqs": 32})
+    m["status"] = {"oomAdaptation": {"overrides": {"maxNumSeqs": 8}}}
+    assert model_endpoints([m], [pod("p", "llama")])["llama"][0][0].capacity == 8
+
+
+async def test_source_feeds_the_router_and_keeps_endpoints_when_listing_fails() -> None:
+    objects = [im("llama", routing={"policy": "round-robin"}), pod("llama-a", "llama")]
+    lister = Lister(objects)
+    router = Router(RouterSettings(policy="prefix-affinity", scrape_interval_s=0))
+    source = KubeSource(lister, "ml", interval_s=0.01)
+    task = asyncio.create_task(source.run(router.update, router.mark_synced))
+    try:
+
+        async def until(cond: Any) -> None:
+            for _ in range(500):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("not in time")
+
+        await until(lambda: router.synced and "llama" in router.pools)
+        pool = router.pools["llama"]
+        assert list(pool.pods) == ["llama-a"] and pool.policy.name == "round-robin"
+        lister.fail = True  # the API server goes away: nothing is dropped
+        await asyncio.sleep(0.1)
+        assert list(router.pools["llama"].pods) == ["llama-a"]
+        lister.fail = False
+        objects.append(pod("llama-b", "llama", "10.0.0.2"))
+        objects[0]["spec"]["routing"]["policy"] = "least-loaded"
+        await until(lambda: len(router.pools["llama"].pods) == 2)
+        assert router.pools["llama"].policy.name == "least-loaded"
+        del objects[0]  # the InferenceModel is deleted: the model leaves the router
+        await until(lambda: "llama" not in router.pools)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

@@ -1,0 +1,220 @@
+"""The routing decisions, as pure functions: bounded load, affinity, capacity, the kv-aware estimate."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpilot.router.keys import prompt_text, request_key, text_blocks, token_blocks
+from kvpilot.router.policy import (
+    POLICIES,
+    KvAware,
+    PodView,
+    PrefixAffinity,
+    RouteKey,
+    load_bound,
+    make_policy,
+    route,
+)
+
+
+def pods_of(loads: list[int], capacity: int = 8) -> list[PodView]:
+    return [PodView(name=f"pod-{i}", in_flight=n, capacity=capacity) for i, n in enumerate(loads)]
+
+
+def key_of(text: str, session: str | None = None) -> RouteKey:
+    return RouteKey(blocks=text_blocks(text, 8), session=session)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_holds_when_no_pod_has_room(name: str) -> None:
+    policy = make_policy(name)
+    assert policy.choose(key_of("x" * 64), pods_of([4, 4, 4], capacity=4)) is None
+    assert policy.choose(key_of("x" * 64), []) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@given(loads=st.lists(st.integers(0, 8), min_size=1, max_size=6), text=st.text(max_size=80))
+@settings(max_examples=60, deadline=None)
+def test_every_policy_picks_a_pod_with_room(name: str, loads: list[int], text: str) -> None:
+    pods = pods_of(loads, capacity=8)
+    i = make_policy(name).choose(key_of(text), pods)
+    if all(n >= 8 for n in loads):
+        assert i is None
+    else:
+        assert i is not None and pods[i].has_room
+
+
+def test_round_robin_cycles_and_skips_full_pods() -> None:
+    policy = make_policy("round-robin")
+    assert [policy.choose(RouteKey(), pods_of([0, 0, 0])) for _ in range(4)] == [0, 1, 2, 0]
+    pods = pods_of([0, 8, 0])
+    assert [policy.choose(RouteKey(), pods) for _ in range(3)] == [2, 0, 2]
+
+
+def test_least_loaded_uses_in_flight_waiting_and_kv_use() -> None:
+    policy = make_policy("least-loaded")
+    assert policy.choose(RouteKey(), pods_of([3, 1, 2])) == 1
+    # scraped waiting counts add to the router's own in-flight counts
+    pods = [PodView("a", 1, 8, waiting=5), PodView("b", 2, 8, waiting=0)]
+    assert policy.choose(RouteKey(), pods) == 1
+    # equal load: lower KV use wins
+    pods = [PodView("a", 1, 8, kv_usage=0.9), PodView("b", 1, 8, kv_usage=0.2)]
+    assert policy.choose(RouteKey(), pods) == 1
+    # load is per slot: 4 of 16 is less than 3 of 8
+    assert policy.choose(RouteKey(), [PodView("a", 3, 8), PodView("b", 4, 16)]) == 1
+
+
+@given(
+    loads=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    eps=st.sampled_from([0.0, 0.1, 0.25, 1.0]),
+    text=st.text(min_size=8, max_size=64),
+    session=st.one_of(st.none(), st.text(max_size=10)),
+)
+@settings(max_examples=200, deadline=None)
+def test_prefix_affinity_never_exceeds_the_load_bound(
+    loads: list[int], eps: float, text: str, session: str | None
+) -> None:
+    pods = pods_of(loads, capacity=1000)
+    i = PrefixAffinity(eps=eps).choose(key_of(text, session), pods)
+    assert i is not None
+    assert pods[i].load + 1 <= load_bound(pods, eps)
+
+
+def test_prefix_affinity_bound_is_ceil_of_one_plus_eps_times_average() -> None:
+    pods = pods_of([3, 3, 3])
+    assert load_bound(pods, 0.25) == math.ceil(1.25 * 10 / 3)
+
+
+def test_prefix_affinity_sticks_and_spreads_different_prefixes() -> None:
+    policy = PrefixAffinity()
+    pods = pods_of([0, 0, 0, 0])
+    keys = [key_of(f"system prompt number {k} " * 4) for k in range(40)]
+    first = [policy.choose(k, pods) for k in keys]
+    # same key, same pod, every time the load allows
+    assert [policy.choose(k, pods) for k in keys] == first
+    # different prefixes land on different pods (64 virtual nodes per pod)
+    counts = collections.Counter(first)
+    assert len(counts) == 4 and max(counts.values()) < 20
+
+
+def test_prefix_affinity_hashes_leading_blocks_only() -> None:
+    policy = PrefixAffinity(affinity_blocks=2)
+    pods = pods_of([0, 0, 0, 0, 0])
+    base = "S" * 16  # two blocks of 8 characters
+    chosen = {policy.choose(key_of(base + f"user question {k}"), pods) for k in range(20)}
+    assert len(chosen) == 1
+
+
+def test_prefix_affinity_session_overrides_prompt() -> None:
+    policy = PrefixAffinity()
+    pods = pods_of([0] * 6)
+    by_session = {policy.choose(key_of(f"turn {t} " * 5, session="conv-7"), pods) for t in range(10)}
+    assert len(by_session) == 1
+
+
+def test_prefix_affinity_passes_on_when_the_home_pod_is_over_the_bound() -> None:
+    policy = PrefixAffinity(eps=0.25)
+    pods = pods_of([0, 0, 0])
+    key = key_of("a shared system prompt, long enough")
+    home = policy.choose(key, pods)
+    assert home is not None
+    loads = [0, 0, 0]
+    loads[home] = 5  # bound = ceil(1.25 * 6 / 3) = 3
+    second = policy.choose(key, pods_of(loads))
+    assert second is not None and second != home
+    # the ring order decides where it goes next, and that is stable too
+    assert policy.choose(key, pods_of(loads)) == second
+    assert policy.ring_order(key, pods)[0] == home
+
+
+def test_prefix_affinity_moves_few_keys_when_a_pod_joins() -> None:
+    policy = PrefixAffinity()
+    keys = [key_of(f"prompt {k} " * 3) for k in range(300)]
+    three = [policy.choose(k, pods_of([0, 0, 0])) for k in keys]
+    four = [policy.choose(k, pods_of([0, 0, 0, 0])) for k in keys]
+    moved = [(a, b) for a, b in zip(three, four, strict=True) if a != b]
+    # consistent hashing: only keys that now belong to the new pod move, about a quarter
+    assert all(b == 3 for _, b in moved)
+    assert 0 < len(moved) < 150
+
+
+def test_kv_aware_follows_what_it_sent_where() -> None:
+    policy = KvAware()
+    pods = pods_of([0, 0, 0])
+    turn1 = key_of("system prompt. " * 8 + "user: hi")
+    i = policy.choose(turn1, pods)
+    assert i is not None
+    policy.dispatched(pods[i].name, turn1)
+    # the next turn extends the same conversation: its prefix is cached on pod i only
+    turn2 = key_of("system prompt. " * 8 + "user: hi assistant: hello user: more")
+    assert policy.cached_blocks(pods[i].name, turn2) == len(turn1.blocks)
+    assert policy.choose(turn2, pods) == i
+
+
+def test_kv_aware_trades_cache_hits_against_load() -> None:
+    policy = KvAware(prefill_weight=1.0)
+    key = key_of("z" * 80)  # 10 blocks
+    policy.dispatched("pod-0", key)
+    busy = [PodView("pod-0", 3, 8, active_blocks=30), PodView("pod-1", 0, 8)]
+    # 30 blocks in use on pod-0 cost more than prefilling 10 blocks on the idle pod-1
+    assert policy.choose(key, busy) == 1
+    light = [PodView("pod-0", 1, 8, active_blocks=5), PodView("pod-1", 0, 8)]
+    assert policy.choose(key, light) == 0
+    # a tie (10 blocks in use against 10 blocks to prefill) keeps the warm pod
+    tie = [PodView("pod-0", 1, 8, active_blocks=10), PodView("pod-1", 0, 8)]
+    assert policy.choose(key, tie) == 0
+
+
+def test_kv_aware_forgets_evicted_and_deleted_pods() -> None:
+    policy = KvAware(max_blocks_per_pod=4)
+    key = key_of("q" * 80)
+    policy.dispatched("pod-0", key)
+    assert policy.cached_blocks("pod-0", key) == 0  # its leading blocks were evicted first (LRU)
+    small = key_of("q" * 24)
+    policy.dispatched("pod-0", small)
+    assert policy.cached_blocks("pod-0", small) == 3
+    policy.forget("pod-0")
+    assert policy.cached_blocks("pod-0", small) == 0
+
+
+def test_make_policy_refuses_unknown_names_and_options() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="takes no option bogus"):
+        make_policy("kv-aware", bogus=1.0)
+    assert isinstance(make_policy("prefix-affinity", eps=0.5), PrefixAffinity)
+
+
+def test_blocks_are_chained_prefix_hashes() -> None:
+    a = text_blocks("abcdefgh" * 3 + "tail", 8)
+    b = text_blocks("abcdefgh" * 2 + "XXXXXXXX", 8)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert text_blocks("short", 8) == ()
+    assert token_blocks(list(range(40)), 16)[:1] == token_blocks(list(range(16)), 16)
+
+
+def test_request_keys_from_bodies() -> None:
+    chat = {"messages": [{"role": "system", "content": "S" * 100}, {"role": "user", "content": "hi"}]}
+    longer = {"messages": [*chat["messages"], {"role": "assistant", "content": "hello" * 20}]}
+    k1, k2 = request_key(chat, chat=True), request_key(longer, chat=True)
+    assert k2.blocks[: len(k1.blocks)] == k1.blocks and len(k2.blocks) > len(k1.blocks)
+    assert prompt_text({"prompt": ["first", "second"]}, chat=False) == "first"
+    assert prompt_text({"prompt": [1, 2, 3]}, chat=False) == "1,2,3"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]}
+    assert "abc" in prompt_text(parts, chat=True)
+    assert request_key({"prompt": "x", "max_tokens": 160}, chat=False).size_blocks == 10
+    assert request_key({"prompt": "x"}, chat=False, session="s1").session == "s1"
+
+
+def test_route_chooses_and_records_for_the_simulator() -> None:
+    policy = KvAware()
+    pods = pods_of([0, 0, 0])
+    key = key_of("a prompt the simulator sends " * 3)
+    i = route(policy, key, pods)
+    assert i is not None and policy.cached_blocks(pods[i].name, key) == len(key.blocks)
+    assert route(policy, key, pods_of([8, 8, 8])) is None

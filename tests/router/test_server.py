@@ -1,0 +1,340 @@
+"""The router over real HTTP: fake pods are real aiohttp servers with canned answers and SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from kvpilot.router.discovery import StaticSource, parse_endpoints
+from kvpilot.router.pool import Endpoint, QueueSettings
+from kvpilot.router.server import FALLBACK_HEADER, POD_HEADER, Router, RouterSettings, parse_load
+from tests.router.upstreams import FakePod, LiveRouter, closed_port_url, start_router
+
+MODEL = "m"
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[list[FakePod]]:
+    started = [await FakePod(f"p{i}").start() for i in range(3)]
+    yield started
+    for p in started:
+        await p.stop()
+
+
+def eps(pods: list[FakePod], capacity: int = 64) -> list[Endpoint]:
+    return [Endpoint(p.name, p.url, capacity) for p in pods]
+
+
+@contextlib.asynccontextmanager
+async def live(
+    endpoints: dict[str, list[Endpoint]],
+    policy: str = "round-robin",
+    fallbacks: dict[str, str] | None = None,
+    **queue: Any,
+) -> AsyncIterator[LiveRouter]:
+    settings = RouterSettings(
+        policy=policy, queue=QueueSettings(**queue), scrape_interval_s=0, fallbacks=fallbacks or {}
+    )
+    router = Router(settings)
+    router.add_source(StaticSource(endpoints))
+    lr = await start_router(router)
+    await until(lambda: router.synced)
+    try:
+        yield lr
+    finally:
+        await lr.runner.cleanup()
+
+
+@pytest.fixture
+async def rt(pods: list[FakePod]) -> AsyncIterator[LiveRouter]:
+    async with live({MODEL: eps(pods), "other": []}) as lr:
+        yield lr
+
+
+async def post(
+    lr: LiveRouter, body: Any, path: str = "/v1/completions", headers: dict[str, str] | None = None
+) -> tuple[int, Any, Any]:
+    async with aiohttp.ClientSession() as s:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        async with s.post(lr.url + path, data=data, headers=headers) as r:
+            text = await r.text()
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = text
+            return r.status, parsed, r.headers
+
+
+def metric(lr: LiveRouter, name: str, **labels: str) -> float:
+    value = lr.router.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_models_health_ready_metrics(rt: LiveRouter) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(rt.url + "/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["m", "other"]
+        async with s.get(rt.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(rt.url + "/ready") as r:
+            assert r.status == 200
+        async with s.get(rt.url + "/metrics") as r:
+            text = await r.text()
+    assert 'kvpilot_router_queue_depth{model_name="m"} 0.0' in text
+    assert 'kvpilot_router_ready_pods{model_name="m"} 3.0' in text
+
+
+async def test_bad_requests_never_touch_a_pod(rt: LiveRouter, pods: list[FakePod]) -> None:
+    status, body, _ = await post(rt, b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
+    status, body, _ = await post(rt, [1, 2])
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body, _ = await post(rt, {"prompt": "hi"})
+    assert status == 400 and body["error"]["param"] == "model"
+    status, body, _ = await post(rt, {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "served models: m, other" in body["error"]["message"]
+    assert all(not p.bodies for p in pods)
+    assert (
+        metric(rt, "kvpilot_router_requests_total", model_name="gpt-9", code="404") == 0
+    )  # no label per typo
+
+
+async def test_round_robin_proxies_bodies_unchanged(rt: LiveRouter, pods: list[FakePod]) -> None:
+    served = []
+    for i in range(6):
+        body = {"model": MODEL, "prompt": f"hello {i}", "max_tokens": 3, "extra": {"nested": [i]}}
+        status, answer, headers = await post(rt, body)
+        assert status == 200
+        served.append(headers[POD_HEADER])
+        assert answer["choices"][0]["text"].startswith(headers[POD_HEADER] + "-0 ")  # the pod's own answer
+    assert sorted(served) == sorted([p.name for p in pods] * 2)
+    assert [b["prompt"] for p in pods for b in p.bodies] == [f"hello {i}" for i in (0, 3, 1, 4, 2, 5)]
+    assert pods[0].bodies[0]["extra"] == {"nested": [0]}
+    assert metric(rt, "kvpilot_router_requests_total", model_name=MODEL, code="200") == 6
+
+
+async def test_sse_passes_chunk_by_chunk(pods: list[FakePod]) -> None:
+    hold = asyncio.Event()
+    pods[0].hold_after_first = hold
+    async with live({MODEL: eps(pods[:1])}) as lr:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "x", "stream": True}
+            async with s.post(lr.url + "/v1/completions", json=body) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+                # the pod is still holding the rest: the first chunk was not buffered behind it
+                assert json.loads(first[len(b"data: ") :])["choices"][0]["text"] == "p0-0 "
+                assert pods[0].finished == 0
+                hold.set()
+                rest = await r.read()
+        assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == 4
+        assert pods[0].finished == 1
+
+
+async def test_openai_client_streams_through(rt: LiveRouter) -> None:
+    client = openai.AsyncOpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == "".join(f"p0-{i} " for i in range(4))
+    completion = await client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert completion.choices[0].text == "".join(f"p1-{i} " for i in range(4))
+    with pytest.raises(openai.NotFoundError, match="served models"):
+        await client.completions.create(model="nope", prompt="hi")
+    await client.close()
+
+
+async def test_client_disconnect_cancels_the_upstream_request(pods: list[FakePod]) -> None:
+    hold = asyncio.Event()
+    pods[0].hold_after_first = hold
+    async with live({MODEL: eps(pods[:1])}) as lr:
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(lr.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+            await r.content.readuntil(b"\n\n")
+            r.close()  # the client goes away mid-stream
+        await until(lambda: pods[0].cancelled == 1)
+        await until(lambda: lr.router.pools[MODEL].in_flight == 0)
+        assert pods[0].finished == 0
+
+
+async def test_central_queue_holds_fifo_and_hands_over_on_release(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    for p in pods[:2]:
+        p.gate = gate
+    async with live({MODEL: eps(pods[:2], capacity=1)}) as lr:
+        first = [asyncio.create_task(post(lr, {"model": MODEL, "prompt": f"r{i}"})) for i in range(2)]
+        await until(lambda: pods[0].active + pods[1].active == 2)
+        queued = []
+        for i in range(3):  # every pod runs its capacity: these wait in the router, in order
+            queued.append(asyncio.create_task(post(lr, {"model": MODEL, "prompt": f"q{i}"})))
+            await until(lambda i=i: lr.router.pools[MODEL].queue_depth == i + 1)
+        assert metric(lr, "kvpilot_router_queue_depth", model_name=MODEL) == 3
+        assert all(len(p.bodies) == 1 for p in pods[:2])  # the pods never saw the queued ones
+        gate.set()
+        results = await asyncio.gather(*first, *queued)
+        assert all(status == 200 for status, _, _ in results)
+        order = sorted((b["prompt"] for p in pods[:2] for b in p.bodies[1:]), key=lambda s: s)
+        assert order == ["q0", "q1", "q2"]
+        assert metric(lr, "kvpilot_router_queue_depth", model_name=MODEL) == 0
+        assert metric(lr, "kvpilot_router_queue_time_seconds_count", model_name=MODEL) == 5
+
+
+async def test_overload_is_429_with_retry_after_never_5xx(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    async with live({MODEL: eps(pods[:1], capacity=1)}, max_queue=1, queue_timeout_s=0.3) as lr:
+        running = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "a"}))
+        await until(lambda: pods[0].active == 1)
+        waiting = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "b"}))
+        await until(lambda: lr.router.pools[MODEL].queue_depth == 1)
+        status, body, headers = await post(lr, {"model": MODEL, "prompt": "c"})
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
+        status, body, headers = await waiting  # its deadline passed while the pod stayed busy
+        assert status == 429 and body["error"]["code"] == "queue_timeout" and "Retry-After" in headers
+        gate.set()
+        assert (await running)[0] == 200
+        assert metric(lr, "kvpilot_router_requests_total", model_name=MODEL, code="429") == 2
+        assert len(pods[0].bodies) == 1
+
+
+async def test_refused_and_503_are_retried_on_another_pod(pods: list[FakePod]) -> None:
+    pods[1].mode = "503"
+    dead = Endpoint("dead", closed_port_url(), 64)
+    async with live({MODEL: [dead, *eps(pods[:2])]}) as lr:
+        for i in range(4):
+            status, _, headers = await post(lr, {"model": MODEL, "prompt": f"r{i}"})
+            assert status == 200 and headers[POD_HEADER] == "p0"
+        assert metric(lr, "kvpilot_router_upstream_retries_total", model_name=MODEL) >= 2
+        pool = lr.router.pools[MODEL]
+        assert pool.routable() == [pool.pods["p0"]]  # both faulty pods sit out their unhealthy spell
+        assert len(pods[1].bodies) == 1  # the draining pod got one try, not more
+
+
+async def test_all_pods_failing_is_502_not_a_hang() -> None:
+    async with live({MODEL: [Endpoint("dead", closed_port_url(), 4)]}) as lr:
+        status, body, _ = await post(lr, {"model": MODEL, "prompt": "x"})
+        assert status == 502 and body["error"]["type"] == "upstream_error"
+
+
+async def test_pod_dying_mid_stream_ends_with_error_event_and_no_retry(pods: list[FakePod]) -> None:
+    pods[0].mode = "die_mid_stream"
+    async with live({MODEL: eps(pods[:2])}) as lr:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "x", "stream": True}
+            async with s.post(lr.url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers[POD_HEADER] == "p0"
+                raw = await r.read()
+        events = [json.loads(e[len("data: ") :]) for e in raw.decode().strip().split("\n\n")]
+        assert [e["choices"][0]["text"] for e in events[:2]] == ["p0-0 ", "p0-1 "]
+        assert events[-1]["error"]["code"] == "upstream_disconnected"
+        assert pods[1].bodies == []  # nothing was retried after bytes reached the client
+        pool = lr.router.pools[MODEL]
+        assert pool.pods["p0"] not in pool.routable()
+        assert metric(lr, "kvpilot_router_upstream_failures_total", model_name=MODEL) == 1
+        # the next request goes to the healthy pod
+        status, _, headers = await post(lr, {"model": MODEL, "prompt": "y"})
+        assert status == 200 and headers[POD_HEADER] == "p1"
+
+
+async def test_scale_from_zero_holds_until_a_pod_is_ready(pods: list[FakePod]) -> None:
+    async with live({MODEL: []}, cold_start_timeout_s=10) as lr:
+        held = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "wake up"}))
+        await until(lambda: metric(lr, "kvpilot_router_queue_depth", model_name=MODEL) == 1)
+        await asyncio.sleep(0.2)
+        assert not held.done()
+        lr.router.update(MODEL, eps(pods[:1]))  # the first replica became Ready
+        status, body, headers = await held
+        assert status == 200 and headers[POD_HEADER] == "p0" and body["choices"][0]["text"]
+        assert metric(lr, "kvpilot_router_queue_depth", model_name=MODEL) == 0
+
+
+async def test_scale_from_zero_deadline_is_429(pods: list[FakePod]) -> None:
+    async with live({MODEL: []}, cold_start_timeout_s=0.2) as lr:
+        status, body, _ = await post(lr, {"model": MODEL, "prompt": "x"})
+        assert status == 429 and "no Ready pod" in body["error"]["message"]
+
+
+async def test_session_header_sticks_to_one_pod(pods: list[FakePod]) -> None:
+    async with live({MODEL: eps(pods)}, policy="prefix-affinity") as lr:
+        seen = set()
+        for turn in range(6):
+            body = {"model": MODEL, "prompt": f"turn {turn} " * 30}
+            _, _, headers = await post(lr, body, headers={"X-Session-ID": "conversation-1"})
+            seen.add(headers[POD_HEADER])
+        assert len(seen) == 1
+
+
+async def test_scrape_reads_pod_load(pods: list[FakePod]) -> None:
+    assert parse_load("kvpilot_kv_cache_usage_ratio 0.25\nkvpilot_num_requests_waiting 3\n", MODEL) == (
+        0.25,
+        3,
+    )
+    assert parse_load("vllm:kv_cache_usage_perc 0.5\n", MODEL) == (0.5, None)
+    assert parse_load("garbage {{{", MODEL) == (None, None)
+    router = Router(RouterSettings(scrape_interval_s=0.05))
+    router.add_source(StaticSource({MODEL: [*eps(pods[:1]), Endpoint("dead", closed_port_url())]}))
+    lr = await start_router(router)
+    try:
+        pool = router.pools[MODEL]
+        await until(lambda: pool.pods["p0"].kv_usage == 0.5 and pool.pods["p0"].waiting == 0)
+        assert pool.pods["dead"].kv_usage is None  # unknown, never read as zero
+    finally:
+        await lr.runner.cleanup()
+
+
+def test_parse_endpoints_and_flag_errors() -> None:
+    got = parse_endpoints(["a=http://h1:8000,http://h2:8000/v1", "b=https://x"], capacity=8)
+    assert [e.url for e in got["a"]] == ["http://h1:8000", "http://h2:8000"] and got["a"][0].capacity == 8
+    for bad, msg in [
+        ("a", "MODEL=URL"),
+        ("a=", "MODEL=URL"),
+        ("a=ftp://x", "not an http"),
+        ("a=http://h,http://h", "twice"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_endpoints([bad])
+
+
+async def test_overload_spills_to_the_fallback_model_instead_of_429(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    endpoints = {MODEL: eps(pods[:1], capacity=1), "small": eps(pods[1:2], capacity=1)}
+    async with live(endpoints, fallbacks={MODEL: "small"}, max_queue=1, queue_timeout_s=5) as lr:
+        running = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "a"}))
+        await until(lambda: pods[0].active == 1)
+        queued = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "b"}))
+        await until(lambda: lr.router.pools[MODEL].queue_depth == 1)
+        # the queue is full: instead of a 429 the fallback model's idle pod serves it, under its own name
+        status, body, headers = await post(lr, {"model": MODEL, "prompt": "c"})
+        assert status == 200 and headers[FALLBACK_HEADER] == "small" and headers[POD_HEADER] == "p1"
+        assert pods[1].bodies == [{"model": "small", "prompt": "c"}]
+        assert metric(lr, "kvpilot_router_fallbacks_total", model_name=MODEL, fallback="small") == 1
+        # the fallback busy too (its gate closed): then it is a 429 after all
+        pods[1].gate = asyncio.Event()
+        spill = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "d"}))
+        await until(lambda: pods[1].active == 1)
+        status, body, _ = await post(lr, {"model": MODEL, "prompt": "e"})
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        gate.set()
+        pods[1].gate.set()
+        assert [r[0] for r in await asyncio.gather(running, queued, spill)] == [200, 200, 200]
