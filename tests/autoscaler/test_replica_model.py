@@ -129,7 +129,8 @@ def test_replica_capacity_at_the_slo():
     short = replica_capacity(cal, slo, 400, 150)
     long = replica_capacity(cal, slo, 15_000, 150)
     assert short > 5 * long > 0  # long contexts: KV reads and prefill eat the step budget
-    assert replica_capacity(cal, Slo(tpot_s=0.1), 400, 150) > short  # a looser TPOT carries more
+    assert replica_capacity(cal, Slo(tpot_s=0.1), 15_000, 150) > long  # a looser TPOT carries more
+    assert replica_capacity(cal, Slo(tpot_s=0.1), 400, 150) == pytest.approx(short)  # batch-slot bound
     assert replica_capacity(cal, Slo(tpot_s=0.005), 400, 150) == 0.0  # below one step's weight read
     assert replicas_needed(0.0, short) == 0
     assert replicas_needed(2.5 * short, short) == 3
