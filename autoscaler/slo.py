@@ -57,24 +57,33 @@ def solo_prefill_s(cal: Calibration, prompt_tokens: int) -> float:
     return t
 
 
-def _step_at(cal: Calibration, rate: float, prompt: float, output: float) -> float | None:
-    """Steady-state step time at `rate` requests/s: each step decodes B = rate x output x step
-    sequences (of mean context prompt + output / 2) and prefills rate x prompt x step tokens.
-    None when the fixed point diverges or the batch or token budget is exceeded."""
+def _fits(cal: Calibration, rate: float, prompt: float, output: float, limit: float) -> bool:
+    """Whether `rate` requests/s run with steps of at most `limit` seconds. A step of s seconds
+    decodes B = rate x output x s sequences (Little's law; mean context prompt + output / 2) and
+    prefills rate x prompt x s tokens; the steady-state step is the fixed point s = step(work(s)),
+    found by bisection when the work of a `limit`-long step fits in it. Then the batch, the token
+    budget and the KV pool must hold that step's work."""
     ctx = prompt + output / 2.0
-    step = cal.step_seconds(1, 0, ctx, ctx)
-    for _ in range(60):
-        batch = rate * output * step
-        chunk = rate * prompt * step
-        if batch > cal.max_num_seqs or chunk > cal.max_num_batched_tokens:
-            return None
-        if batch * (prompt + output) > cal.kv_capacity_tokens:
-            return None
-        new = cal.step_seconds(batch, chunk, batch * ctx + chunk, chunk * prompt / 2.0)
-        if abs(new - step) <= 1e-9 + 1e-6 * step:
-            return new
-        step = new
-    return None
+
+    def work(s: float) -> tuple[float, float, float]:
+        batch, chunk = rate * output * s, rate * prompt * s
+        return batch, chunk, cal.step_seconds(batch, chunk, batch * ctx + chunk, chunk * prompt / 2.0)
+
+    if work(limit)[2] > limit:
+        return False
+    lo, hi = 0.0, limit
+    for _ in range(50):
+        mid = (lo + hi) / 2.0
+        if work(mid)[2] <= mid:
+            hi = mid
+        else:
+            lo = mid
+    batch, chunk, _ = work(hi)
+    return (
+        batch <= cal.max_num_seqs
+        and chunk <= cal.max_num_batched_tokens
+        and batch * (prompt + output) <= cal.kv_capacity_tokens
+    )
 
 
 def replica_capacity(
@@ -89,8 +98,7 @@ def replica_capacity(
         return 0.0
 
     def ok(rate: float) -> bool:
-        step = _step_at(cal, rate, prompt, output)
-        return step is not None and step <= limit
+        return _fits(cal, rate, prompt, output, limit)
 
     lo, hi = 0.0, 1.0
     if not ok(1e-6):
