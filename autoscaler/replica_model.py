@@ -266,7 +266,7 @@ def calibration_for(
         source=(
             f"roofline {name or model.name + ' on ' + gpu.name}: {model.name} {dtype} (KV {kv_dtype}), "
             f"tp={tp} x {gpu.name}; bandwidth x {gpu.bandwidth_efficiency}, FLOP/s x "
-            f"{gpu.flops_efficiency}; KV pool {pool} tokens; startup {startup_s:g} s (assumed)"
+            f"{gpu.flops_efficiency}; KV pool {pool} tokens; startup_s assumed unless measured"
         ),
     )
 

@@ -55,7 +55,9 @@ def test_planner_sizes_for_arrivals_at_the_slo_capacity():
     assert d.token_mix == (2000.0, 200.0)
     assert d.slo_capacity == pytest.approx(cap, rel=0.05)
     assert d.slo_recommendation == pytest.approx(40.0 / d.slo_capacity, abs=1.0)
-    assert d.desired == d.slo_recommendation and "slo planner" in d.reason  # no earlier recommendation holds it
+    assert (
+        d.desired == d.slo_recommendation and "slo planner" in d.reason
+    )  # no earlier recommendation holds it
     # Longer prompts: the same arrival rate needs more replicas.
     long = tuple(sample(f"p{i}", 1150, 2_000_000 + 150 * 12_000, 200_000 + 150 * 200) for i in range(4))
     d2 = decide(4, MetricsSnapshot(4, long), targets, previous(4), NOW)
