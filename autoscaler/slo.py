@@ -15,8 +15,9 @@ chat traffic the base dominates. Set the factor to 0 for a fixed target. Mooncak
 scale their SLOs on the same single-request baseline.
 
 `replica_capacity` is the throughput planner's number (Dynamo's idea): the request rate one replica
-sustains for a given token mix with its steps within the TPOT target and a prompt's prefill within
-the TTFT target, from the step-time model (Little's law for the batch: B = rate x output x step).
+sustains for a given token mix with its mean step (what a decoding sequence sees, prefill chunks
+included) within the TPOT target and a prompt's prefill plus its queueing within the TTFT target,
+from the step-time model (see _fits).
 """
 
 from __future__ import annotations
@@ -57,33 +58,46 @@ def solo_prefill_s(cal: Calibration, prompt_tokens: int) -> float:
     return t
 
 
-def _fits(cal: Calibration, rate: float, prompt: float, output: float, limit: float) -> bool:
-    """Whether `rate` requests/s run with steps of at most `limit` seconds. A step of s seconds
-    decodes B = rate x output x s sequences (Little's law; mean context prompt + output / 2) and
-    prefills rate x prompt x s tokens; the steady-state step is the fixed point s = step(work(s)),
-    found by bisection when the work of a `limit`-long step fits in it. Then the batch, the token
-    budget and the KV pool must hold that step's work."""
+P99_WAIT_FACTOR = 4.6  # ln(100): the 99th percentile of an exponential-tailed wait over its mean
+# Squared coefficient of variation of prefill times: prompt lengths vary about as much as an
+# exponential's (1); the Mooncake and chat traces' prompts do (a 40k prompt behind a 2k one).
+PREFILL_CV2 = 1.0
+
+
+def _fits(cal: Calibration, slo: Slo, rate: float, prompt: float, output: float, limit: float) -> bool:
+    """Whether one replica serves `rate` requests/s of this mix within the SLO.
+
+    The engine runs prefill steps (a chunk of C = min(max_num_batched_tokens, prompt) prompt tokens,
+    the decoding batch riding along) and decode-only steps. Per second: n_p = rate x prompt / C
+    prefill steps of s_p seconds, and the rest of the second in decode steps of s_d, so a decoding
+    sequence sees a mean step (its TPOT) of 1 / (n_p + n_d). The batch follows Little's law,
+    B = rate x output x mean step (a fixed point, iterated). Holds when the mean step is within
+    `limit`, the batch and KV pool hold B, and the prefill queue (M/G/1 at utilization
+    rho = n_p x s_p, Pollaczek-Khinchine mean wait rho x S x (1 + cv^2) / (2 (1 - rho)) with
+    cv^2 = PREFILL_CV2, its 99th percentile taken as P99_WAIT_FACTOR x the mean) leaves the
+    prompt's TTFT within its target."""
     ctx = prompt + output / 2.0
-
-    def work(s: float) -> tuple[float, float, float]:
-        batch, chunk = rate * output * s, rate * prompt * s
-        return batch, chunk, cal.step_seconds(batch, chunk, batch * ctx + chunk, chunk * prompt / 2.0)
-
-    if work(limit)[2] > limit:
+    chunk = min(float(cal.max_num_batched_tokens), prompt)
+    n_p = rate * prompt / chunk
+    batch = 0.0
+    mean_step = limit
+    for _ in range(40):
+        s_p = cal.step_seconds(batch, chunk, batch * ctx + prompt / 2.0, chunk * prompt / 2.0)
+        s_d = cal.step_seconds(max(batch, 1.0), 0, max(batch, 1.0) * ctx, max(batch, 1.0) * ctx)
+        rho = n_p * s_p
+        if rho >= 1.0:
+            return False
+        n_d = (1.0 - rho) / s_d
+        new = 1.0 / (n_p + n_d)
+        batch = rate * output * new
+        if abs(new - mean_step) <= 1e-9:
+            break
+        mean_step = new
+    if mean_step > limit or batch > cal.max_num_seqs or batch * (prompt + output) > cal.kv_capacity_tokens:
         return False
-    lo, hi = 0.0, limit
-    for _ in range(50):
-        mid = (lo + hi) / 2.0
-        if work(mid)[2] <= mid:
-            hi = mid
-        else:
-            lo = mid
-    batch, chunk, _ = work(hi)
-    return (
-        batch <= cal.max_num_seqs
-        and chunk <= cal.max_num_batched_tokens
-        and batch * (prompt + output) <= cal.kv_capacity_tokens
-    )
+    service = prompt / chunk * s_p  # the prompt's own prefill, at this load
+    wait_p99 = P99_WAIT_FACTOR * rho * service * (1.0 + PREFILL_CV2) / (2.0 * (1.0 - rho))
+    return wait_p99 + service <= slo.ttft_target(int(prompt), cal)
 
 
 def replica_capacity(
@@ -98,7 +112,7 @@ def replica_capacity(
         return 0.0
 
     def ok(rate: float) -> bool:
-        return _fits(cal, rate, prompt, output, limit)
+        return _fits(cal, slo, rate, prompt, output, limit)
 
     lo, hi = 0.0, 1.0
     if not ok(1e-6):
