@@ -80,13 +80,13 @@ class Calibration:
 
     def step_seconds(
         self,
-        decoding_seqs: int,
-        prefill_tokens: int,
+        decoding_seqs: float,
+        prefill_tokens: float,
         context_tokens: float = 0.0,
         attn_pairs: float = 0.0,
     ) -> float:
         """One step: `decoding_seqs` sequences emit a token, `prefill_tokens` prompt tokens are
-        computed; the roofline terms also take the KV tokens the step reads (`context_tokens`, all
+        computed (fractional in slo.py's steady-state averages); the roofline terms also take the KV tokens the step reads (`context_tokens`, all
         sequences' context) and the attention (query, key) pairs it computes (`attn_pairs`)."""
         linear = (
             self.step_overhead_s

@@ -275,8 +275,8 @@ class Replica:
                 self.batch = []
                 self.step_start = now
                 d = len(self.running)
-                mid = sum(r.computed for r in self.running) + d + d * (k - 1) / 2.0
-                self.step_dur = self.cal.step_seconds(d, 0, mid, mid)
+                ctx = sum(r.computed for r in self.running) + d + d * (k - 1) / 2.0
+                self.step_dur = self.cal.step_seconds(d, 0, ctx, ctx)
                 self.busy = True
                 return now + k * self.step_dur
         return self._plan_mixed(now)
