@@ -2,6 +2,12 @@
 
 Step time of one continuous-batching step (the shape every paged-KV engine has):
     step_s = step_overhead_s + decode_s_per_seq * decoding_seqs + prefill_s_per_token * prefill_tokens
+             + max(memory_s, compute_s)
+    memory_s  = weight_read_s + expert_read_s * experts touched + kv_read_s_per_token * context tokens
+    compute_s = compute_s_per_token * tokens + attn_s_per_token_pair * attention pairs
+The first line is the linear model fitted to the CPU runtime (benchmarks/calibrate_simulator.py); the
+roofline terms (replica_model.py: GPU x model from first principles) are 0 there. A GPU calibration has
+the linear coefficients at 0 and the roofline ones set: `--calibration h100/llama-3.1-8b`.
 
 The defaults are ASSUMED, not measured: an 8B-class fp16 model on one 48 GB GPU (L40S class) —
 ~22 ms to stream the weights once per step, ~0.4 ms per decoding sequence (its KV reads),
@@ -29,6 +35,14 @@ class Calibration:
     step_overhead_s: float = 0.022
     decode_s_per_seq: float = 0.0004
     prefill_s_per_token: float = 0.00012
+    # Roofline terms (replica_model.calibration_for); 0 in a fitted linear calibration.
+    weight_read_s: float = 0.0  # reading the weights every token goes through, once per step
+    expert_read_s: float = 0.0  # reading one expert (all layers), per expert the step touches
+    num_experts: int = 0
+    experts_per_token: int = 0
+    kv_read_s_per_token: float = 0.0  # reading one token of context's KV
+    compute_s_per_token: float = 0.0  # 2 x active params FLOPs, per token computed
+    attn_s_per_token_pair: float = 0.0  # attention FLOPs per (query token, key token) pair
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -53,17 +67,41 @@ class Calibration:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"calibration {name} must be >= 1")
+        if self.experts_per_token > self.num_experts or (self.num_experts and not self.experts_per_token):
+            raise ValueError("calibration experts_per_token must be in [1, num_experts] for a MoE")
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
-    def step_seconds(self, decoding_seqs: int, prefill_tokens: int) -> float:
-        return (
+    @property
+    def roofline(self) -> bool:
+        return self.weight_read_s > 0 or self.compute_s_per_token > 0 or self.kv_read_s_per_token > 0
+
+    def step_seconds(
+        self,
+        decoding_seqs: float,
+        prefill_tokens: float,
+        context_tokens: float = 0.0,
+        attn_pairs: float = 0.0,
+    ) -> float:
+        """One step: `decoding_seqs` sequences emit a token, `prefill_tokens` prompt tokens are
+        computed (fractional in slo.py's steady-state averages); the roofline terms also take the KV tokens the step reads (`context_tokens`, all
+        sequences' context) and the attention (query, key) pairs it computes (`attn_pairs`)."""
+        linear = (
             self.step_overhead_s
             + self.decode_s_per_seq * decoding_seqs
             + self.prefill_s_per_token * prefill_tokens
         )
+        if not self.roofline:
+            return linear
+        tokens = decoding_seqs + prefill_tokens
+        memory = self.weight_read_s + self.kv_read_s_per_token * context_tokens
+        if self.num_experts and tokens > 0:
+            k, e = self.experts_per_token, self.num_experts
+            memory += self.expert_read_s * e * (1.0 - (1.0 - k / e) ** tokens)
+        compute = self.compute_s_per_token * tokens + self.attn_s_per_token_pair * attn_pairs
+        return linear + max(memory, compute)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

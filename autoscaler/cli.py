@@ -3,8 +3,11 @@
 kvpilot autoscaler run [--kubeconfig F] [--namespace NS | --all-namespaces] [--interval 15]
                        [--metrics-source pods|prometheus] [--prometheus-url URL] [--no-leader-elect]
                        [--health-port 8081] [--metrics-port 8080]
-kvpilot autoscaler simulate --trace FILE.csv --policy kvpilot|static|moving-average
-                       [--slo-ttft 2.0] [--calibration FILE] ...   (prints JSON)
+kvpilot autoscaler simulate --trace FILE(.csv|.jsonl) --policy kvpilot|static|moving-average
+                       [--calibration NAME|FILE] [--startup-s S] [--slo-ttft S] [--slo-tpot S]
+                       [--min-replicas N] [--max-replicas N] [--router round-robin|least-loaded]
+                       [--time-scale F] [--rate-scale R] [--startup-sweep] ...   (prints one JSON object)
+kvpilot autoscaler simulate --list-calibrations
 """
 
 from __future__ import annotations
@@ -20,13 +23,27 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kvpilot.autoscaler.calibration import Calibration
-from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets
-from kvpilot.autoscaler.trace import TraceError, load_trace
+from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets, SloTargets
+from kvpilot.autoscaler.trace import TraceError, load_per_minute, load_trace, scale_trace
 
 log = logging.getLogger("kvpilot.autoscaler")
 
 POLICIES = ("kvpilot", "static", "moving-average")
+DEFAULT_CALIBRATION = "h100/llama-3.1-8b"
+STARTUP_SWEEP_S = (0.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _ListCalibrations(argparse.Action):
+    """--list-calibrations: print the GPU/model pairs (JSON) and exit, like --version."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from kvpilot.autoscaler.replica_model import list_calibrations
+
+        print(json.dumps(list_calibrations(), indent=2))
+        parser.exit(0)
 
 
 def _positive_float(flag: str) -> Any:
@@ -136,12 +153,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_p.set_defaults(_autoscaler_run=_run_controller)
 
     sim = sub.add_parser("simulate", help="replay a trace against a simulated fleet; prints JSON")
-    sim.add_argument("--trace", required=True, help="CSV with t_seconds,prompt_tokens,output_tokens")
+    sim.add_argument(
+        "--trace",
+        required=True,
+        help="CSV (t_seconds,prompt_tokens,output_tokens) or Mooncake JSONL (.jsonl: timestamp ms, "
+        "input_length, output_length, hash_ids)",
+    )
     sim.add_argument("--policy", choices=POLICIES, default="kvpilot")
     sim.add_argument(
-        "--slo-ttft", type=_positive_float("--slo-ttft"), default=2.0, help="TTFT target, seconds"
+        "--list-calibrations", action=_ListCalibrations, help="print the named calibrations and exit"
     )
-    sim.add_argument("--calibration", help="JSON file of replica speed (see kvpilot.autoscaler.calibration)")
+    sim.add_argument(
+        "--calibration",
+        default=DEFAULT_CALIBRATION,
+        metavar="NAME|FILE",
+        help=f"replica model: GPU/MODEL[/DTYPE][/tpN] (default {DEFAULT_CALIBRATION}; "
+        "--list-calibrations) or a JSON file (kvpilot.autoscaler.calibration)",
+    )
+    sim.add_argument(
+        "--startup-s",
+        type=_nonneg_float("--startup-s"),
+        help="seconds from scale-up to Ready (default: the calibration's)",
+    )
+    sim.add_argument(
+        "--startup-sweep",
+        action="store_true",
+        help="run at startup 0, 10, 30, 60 and 120 s; the object gets a `startup_sweep` list",
+    )
+    sim.add_argument(
+        "--slo-ttft", type=_positive_float("--slo-ttft"), default=2.0, help="TTFT target (base), seconds"
+    )
+    sim.add_argument(
+        "--slo-tpot", type=_positive_float("--slo-tpot"), default=0.05, help="TPOT target, seconds"
+    )
+    sim.add_argument(
+        "--slo-ttft-prefill-factor",
+        type=_nonneg_float("--slo-ttft-prefill-factor"),
+        default=2.0,
+        help="the TTFT target grows by this x the prompt's prefill time on an idle replica (0: fixed)",
+    )
+    sim.add_argument(
+        "--router",
+        choices=("round-robin", "least-loaded"),
+        default="round-robin",
+        help="request-to-replica assignment (least-loaded holds requests in a central queue)",
+    )
+    sim.add_argument(
+        "--time-scale", type=_positive_float("--time-scale"), default=1.0, help="stretch the trace's time"
+    )
+    sim.add_argument(
+        "--rate-scale",
+        type=_positive_float("--rate-scale"),
+        default=1.0,
+        help="R x the requests over the same time",
+    )
     sim.add_argument("--min-replicas", type=_nonneg_int("--min-replicas"), default=1)
     sim.add_argument("--max-replicas", type=_nonneg_int("--max-replicas"), default=40)
     sim.add_argument(
@@ -159,6 +224,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--target-queue", type=_positive_float("--target-queue"), default=None)
     g.add_argument("--scale-up-window", type=_nonneg_int("--scale-up-window"), default=None)
     g.add_argument("--scale-down-window", type=_nonneg_int("--scale-down-window"), default=None)
+    g.add_argument(
+        "--slo-planner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="size for the arrival rate at the replica's capacity within the SLO (spec.autoscaling.slo; "
+        "default on)",
+    )
     g2 = sim.add_argument_group("static policy")
     g2.add_argument(
         "--replicas",
@@ -287,7 +359,9 @@ def run(args: argparse.Namespace) -> int:
 # -- simulate ------------------------------------------------------------------------------------------
 
 
-def default_targets(args: argparse.Namespace, max_num_seqs: int | None = None) -> ScalingTargets:
+def default_targets(
+    args: argparse.Namespace, max_num_seqs: int | None = None, slo: SloTargets | None = None
+) -> ScalingTargets:
     spec: dict[str, Any] = {"minReplicas": args.min_replicas, "maxReplicas": args.max_replicas}
     for key, attr in (
         ("targetKVCacheUtilization", "target_kv"),
@@ -298,52 +372,94 @@ def default_targets(args: argparse.Namespace, max_num_seqs: int | None = None) -
         value = getattr(args, attr, None)
         if value is not None:
             spec[key] = value
-    return ScalingTargets.from_spec(spec, behavior_from_args(args), max_num_seqs=max_num_seqs)
+    targets = ScalingTargets.from_spec(spec, behavior_from_args(args), max_num_seqs=max_num_seqs)
+    return targets if slo is None else targets.with_overrides(slo=slo)
+
+
+def _fail(message: str) -> int:
+    print(f"kvpilot autoscaler simulate: {message}", file=sys.stderr)
+    return 2
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
     from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, MovingAveragePolicy, StaticPolicy
-    from kvpilot.autoscaler.simulator import simulate, size_static_for_slo
+    from kvpilot.autoscaler.replica_model import resolve_calibration
+    from kvpilot.autoscaler.simulator import ROUTERS, simulate, size_static_for_slo
+    from kvpilot.autoscaler.slo import Slo
 
     if args.max_replicas < max(1, args.min_replicas):
-        print(
-            "kvpilot autoscaler simulate: --max-replicas must be >= 1 and >= --min-replicas", file=sys.stderr
-        )
-        return 2
+        return _fail("--max-replicas must be >= 1 and >= --min-replicas")
+    if args.startup_sweep and args.startup_s is not None:
+        return _fail("--startup-sweep runs its own startup times; drop --startup-s")
     try:
-        trace = load_trace(args.trace)
+        trace = scale_trace(load_trace(args.trace), args.time_scale, args.rate_scale)
     except TraceError as exc:
-        print(f"kvpilot autoscaler simulate: --trace: {exc}", file=sys.stderr)
-        return 2
+        return _fail(f"--trace: {exc}")
+    except ValueError as exc:
+        return _fail(f"--rate-scale: {exc}")
     try:
-        cal = Calibration.from_file(args.calibration) if args.calibration else Calibration()
-    except (OSError, ValueError) as exc:
-        print(f"kvpilot autoscaler simulate: --calibration: {exc}", file=sys.stderr)
-        return 2
-    common = {
+        cal = resolve_calibration(args.calibration, args.startup_s)
+    except ValueError as exc:
+        return _fail(f"--calibration: {exc}")
+    slo = Slo(args.slo_ttft, args.slo_tpot, args.slo_ttft_prefill_factor)
+    router_cls = ROUTERS[args.router]
+    common: dict[str, Any] = {
         "sync_interval_s": args.sync_interval,
-        "slo_ttft_s": args.slo_ttft,
+        "slo": slo,
         "warmup_s": float(args.warmup),
     }
-    policy: Any
-    if args.policy == "kvpilot":
-        policy = KvpilotPolicy(default_targets(args, cal.max_num_seqs), initial=args.initial_replicas)
-    elif args.policy == "moving-average":
-        policy = MovingAveragePolicy(
-            args.target_requests,
-            window_s=args.window,
-            min_replicas=args.min_replicas,
-            max_replicas=args.max_replicas,
-            initial=args.initial_replicas,
-        )
-    elif args.replicas is not None:
-        policy = StaticPolicy(args.replicas)
+
+    def run_once(startup_s: float | None) -> dict[str, Any]:
+        from dataclasses import replace as dc_replace
+
+        c = cal if startup_s is None else dc_replace(cal, startup_s=startup_s)
+        policy: Any
+        if args.policy == "kvpilot":
+            planner = (
+                SloTargets(c, args.calibration, slo.ttft_s, slo.tpot_s, slo.ttft_prefill_factor)
+                if args.slo_planner
+                else None
+            )
+            policy = KvpilotPolicy(
+                default_targets(args, c.max_num_seqs, planner), initial=args.initial_replicas
+            )
+        elif args.policy == "moving-average":
+            policy = MovingAveragePolicy(
+                args.target_requests,
+                window_s=args.window,
+                min_replicas=args.min_replicas,
+                max_replicas=args.max_replicas,
+                initial=args.initial_replicas,
+            )
+        elif args.replicas is not None:
+            policy = StaticPolicy(args.replicas)
+        else:
+            n = size_static_for_slo(
+                trace, c, args.slo_target, args.max_replicas, router_factory=router_cls, **common
+            )
+            policy = StaticPolicy(
+                n, sizing=f"smallest fleet meeting {args.slo_target:g} SLO attainment (search)"
+            )
+        return simulate(trace, policy, c, router=router_cls(), **common).to_dict()
+
+    if args.startup_sweep:
+        sweep = [{"startup_s": s_, **run_once(s_)} for s_ in STARTUP_SWEEP_S]
+        out = {k: v for k, v in sweep[-1].items() if k in ("policy", "settings")}
+        out["startup_sweep"] = [{k: v for k, v in r.items() if k != "settings"} for r in sweep]
     else:
-        n = size_static_for_slo(trace, cal, args.slo_target, args.max_replicas, **common)
-        policy = StaticPolicy(n, sizing=f"smallest fleet meeting {args.slo_target:g} SLO attainment (search)")
-    result = simulate(trace, policy, cal, **common)
-    out = result.to_dict()
+        out = run_once(None)
     out["trace"] = args.trace
+    out["settings"].update(
+        {
+            "calibration_name": args.calibration,
+            "startup_s": None if args.startup_sweep else cal.startup_s,
+            "min_replicas": args.min_replicas,
+            "max_replicas": args.max_replicas,
+            "time_scale": args.time_scale,
+            "rate_scale": args.rate_scale,
+        }
+    )
+    out["load_per_minute"] = load_per_minute(trace)
     print(json.dumps(out, indent=2))
     return 0
 

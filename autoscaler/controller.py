@@ -225,9 +225,16 @@ class Controller:
         ns, name = meta["namespace"], meta["name"]
         if not is_leader(self.elector):  # lost the Lease during this sync: a standby writes nothing
             return None
-        targets = ScalingTargets.from_spec(
-            autoscaling, self.config.behavior, max_num_seqs=runtime_max_num_seqs(spec, status)
-        )
+        max_seqs = runtime_max_num_seqs(spec, status)
+        try:
+            targets = ScalingTargets.from_spec(autoscaling, self.config.behavior, max_num_seqs=max_seqs)
+        except ValueError as exc:
+            if not autoscaling.get("slo"):
+                raise
+            # A calibration this autoscaler does not know: scale on the KV and queue rules alone.
+            log.warning("%s/%s: spec.autoscaling.slo ignored: %s", ns, name, exc)
+            without = {k: v for k, v in autoscaling.items() if k != "slo"}
+            targets = ScalingTargets.from_spec(without, self.config.behavior, max_num_seqs=max_seqs)
         replicas = spec.get("replicas")
         # The operator renders minReplicas while spec.replicas is unset; that is the current size.
         current = int(replicas) if replicas is not None else targets.min_replicas

@@ -13,7 +13,11 @@ Steps, in order (HPA-like where the HPA has an answer):
    Arrival rate (Behavior.arrival_rate): the arrival rate (completions from a per-pod counter plus
    the change in waiting + running), forecast arrival_lead_s ahead with a rising linear trend, over
    the rate one replica sustains at the target (its completion rate now, scaled to the target).
-   The raw recommendation is the largest. A ready replica that did not report is never read as idle:
+   SLO planner (targets.slo, spec.autoscaling.slo), Dynamo's throughput-planner idea: the forecast
+   arrival rate over what one replica serves within the TTFT/TPOT targets at the observed token
+   mix (prompt and output tokens per finished request, from per-pod counters), computed from the
+   replica model (slo.replica_capacity); it replaces the completion-rate service estimate above.
+   The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
    scale-up window, asks burst_factor more and uses the larger burst rate limit.
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.slo import replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
 
 _EPS = 1e-9
@@ -57,6 +62,8 @@ class PodCounter:
     pod: str
     completed: float | None
     in_flight: int
+    prompt_tokens: float | None = None  # the replica's prompt / generated token counters
+    generation_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class ArrivalState:
     counters: tuple[PodCounter, ...] = ()
     rates: tuple[RateSample, ...] = ()  # within Behavior.arrival_trend_window_s
     service_rate: float | None = None  # requests/s one replica sustains at the target (smoothed)
+    token_mix: tuple[float, float] | None = None  # (prompt, output) tokens per request (smoothed)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,9 @@ class Decision:
     kv_recommendation: int | None = None
     queue_recommendation: int | None = None
     arrival_recommendation: int | None = None
+    slo_recommendation: int | None = None
+    slo_capacity: float | None = None  # requests/s one replica serves within the SLO at token_mix
+    token_mix: tuple[float, float] | None = None
     arrival_rate: float | None = None  # requests/s arriving, measured over the last sync interval
     arrival_forecast: float | None = None  # requests/s expected Behavior.arrival_lead_s ahead
     service_rate: float | None = None  # requests/s one replica sustains at the target
@@ -184,7 +195,13 @@ def measure_arrivals(
     samples = snapshot.samples
     have_any = any(s.completed_total is not None or s.completion_rate is not None for s in samples)
     counters = tuple(
-        PodCounter(s.pod, s.completed_total, s.num_running + s.num_waiting)
+        PodCounter(
+            s.pod,
+            s.completed_total,
+            s.num_running + s.num_waiting,
+            s.prompt_tokens_total,
+            s.generation_tokens_total,
+        )
         for s in samples
         if s.completion_rate is not None or s.completed_total is not None
     )
@@ -218,6 +235,31 @@ def measure_arrivals(
     if snapshot.missing:
         total *= snapshot.ready_replicas / len(samples)
     return total / dt, sum(known_done) / dt / len(known_done), counters
+
+
+def measure_token_mix(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float] | None:
+    """(prompt, output) tokens per finished request since the last sync, from the replicas seen both
+    times with completion and token counters; None when none finished a request (or a counter went
+    down: a restart)."""
+    before = {c.pod: c for c in previous.counters}
+    done = prompt = output = 0.0
+    for s in snapshot.samples:
+        prev = before.get(s.pod)
+        if (
+            prev is None
+            or None in (prev.completed, prev.prompt_tokens, prev.generation_tokens)
+            or None in (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total)
+        ):
+            continue
+        d = (s.completed_total or 0.0) - (prev.completed or 0.0)
+        p = (s.prompt_tokens_total or 0.0) - (prev.prompt_tokens or 0.0)
+        g = (s.generation_tokens_total or 0.0) - (prev.generation_tokens or 0.0)
+        if d < 0 or p < 0 or g < 0:
+            continue
+        done, prompt, output = done + d, prompt + p, output + g
+    if done <= 0:
+        return None
+    return prompt / done, output / done
 
 
 def forecast_arrivals(rates: tuple[RateSample, ...], now: float, lead_s: float, max_growth: float) -> float:
@@ -279,6 +321,8 @@ def decide(
     kv_rec: int | None = None
     queue_rec: int | None = None
     arrival_rec: int | None = None
+    slo_rec: int | None = None
+    slo_capacity: float | None = None
     burst = False
     # The arrival rate is measured (and remembered) whether or not it drives the size.
     arrivals = history.arrivals
@@ -299,7 +343,19 @@ def decide(
                     if service_rate is None
                     else SERVICE_RATE_SMOOTHING * estimate + (1.0 - SERVICE_RATE_SMOOTHING) * service_rate
                 )
-        arrivals = ArrivalState(now if counters else None, counters, rates, service_rate)
+        token_mix = arrivals.token_mix
+        if targets.slo is not None:
+            mix = measure_token_mix(snapshot, arrivals)
+            if mix is not None:
+                token_mix = (
+                    mix
+                    if token_mix is None
+                    else (
+                        SERVICE_RATE_SMOOTHING * mix[0] + (1.0 - SERVICE_RATE_SMOOTHING) * token_mix[0],
+                        SERVICE_RATE_SMOOTHING * mix[1] + (1.0 - SERVICE_RATE_SMOOTHING) * token_mix[1],
+                    )
+                )
+        arrivals = ArrivalState(now if counters else None, counters, rates, service_rate, token_mix)
     if current == 0 and snapshot.router_queue:
         # Scale from zero: nothing runs, so nothing reports; the router holding requests is the signal.
         raw = 1
@@ -358,7 +414,24 @@ def decide(
             queue_rec = current
         raw = max(kv_rec, queue_rec)
         a_part = ""
-        if b.arrival_rate and forecast is not None and service_rate:
+        if targets.slo is not None and forecast is not None and arrivals.token_mix is not None:
+            mix = arrivals.token_mix
+            slo_capacity = targets.slo.capacity(*mix)
+            cap = max(current, targets.max_replicas)
+            slo_rec = min(cap, replicas_needed(forecast, slo_capacity))
+            if current > 0 and abs(slo_rec / current - 1.0) <= tol:
+                slo_rec = current
+            a_part = f"slo planner: arrivals {arrival_rate or 0.0:.2f}/s"
+            if forecast > (arrival_rate or 0.0) + _EPS:
+                a_part += f" (forecast {forecast:.2f}/s in {b.arrival_lead_s:g}s)"
+            a_part += (
+                f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
+                f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s"
+            )
+            arrival_rec = slo_rec
+            if slo_rec > raw:
+                raw = slo_rec
+        elif b.arrival_rate and forecast is not None and service_rate:
             # Capped: a saturated fleet finishing almost nothing gives a tiny service rate.
             cap = max(current, targets.max_replicas)
             arrival_rec = _ceil(min(float(cap), forecast * b.arrival_headroom / service_rate))
@@ -480,6 +553,9 @@ def decide(
         kv_recommendation=kv_rec,
         queue_recommendation=queue_rec,
         arrival_recommendation=arrival_rec,
+        slo_recommendation=slo_rec,
+        slo_capacity=slo_capacity,
+        token_mix=arrivals.token_mix,
         arrival_rate=arrival_rate,
         arrival_forecast=forecast,
         service_rate=service_rate,

@@ -24,6 +24,11 @@ class ReplicaSample:
     # Or the completion rate itself (requests/s), when the source computes it (Prometheus rate()).
     # Preferred over completed_total when both are set.
     completion_rate: float | None = None
+    # Prompt and generated tokens of the requests this replica has served (counters: kvpilot's
+    # kvpilot_prompt_tokens_total / kvpilot_generation_tokens_total, vLLM's vllm:prompt_tokens_total /
+    # vllm:generation_tokens_total): the token mix the SLO planner sizes for. None when not exported.
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
 
     @property
     def load(self) -> float:

@@ -1,16 +1,36 @@
 """Fleet simulator: replay an arrival trace against simulated replicas and a scaling policy.
 
-Each replica is a continuous-batching engine on a calibrated cost model (calibration.py): every step it
-serves running requests first (one decode token each, or the next prompt chunk), then admits waiting
-requests FIFO within the token budget, the sequence limit and the free KV blocks; when blocks run out
-it preempts the most recently admitted request (freed, recomputed later) and admits nobody that step.
-A stretch of pure decode steps with nothing to admit is advanced in one jump (exactly, block by block),
-which keeps an hours-long trace to seconds of CPU.
+Each replica is a continuous-batching engine on a calibrated cost model (calibration.py; from first
+principles for a GPU x model in replica_model.py): every step it serves running requests first (one
+decode token each, or the next prompt chunk), then admits waiting requests FIFO within the token
+budget, the sequence limit and the free KV blocks; when blocks run out it preempts the most recently
+admitted request (freed, recomputed later) and admits nobody that step. A step's time depends on the
+context the batch reads (KV bytes) and the attention pairs it computes. A stretch of pure decode steps
+with nothing to admit is advanced in one jump (block by block; every step of the jump is timed at the
+jump's mid context, exact while the steps are memory-bound, as decode steps are), which keeps an
+hours-long trace to seconds of CPU.
 
-The fleet: requests are routed round-robin to Ready replicas; a replica that is scaled up becomes
-Ready after calibration.startup_s; scale-down removes starting replicas first, then drains the
-least-loaded Ready ones (no new requests, in-flight ones finish). Every sync_interval_s the policy sees
-the same MetricsSnapshot the controller would build and returns the replica count.
+Prefix cache: a replica keeps an LRU of the prompt blocks (trace hash_ids, 512 tokens each) it has
+computed, as many as its KV pool holds; a request admitted to the batch skips the leading run of its
+blocks found there (at least its last token is computed). Cached blocks are not shared with running
+requests' allocations (the pool is charged for the whole prompt): a little pessimistic on memory.
+
+Routing (the interface the fleet router's policies plug into): a `Router` is a callable
+    router(request: RequestView, replicas: Sequence[ReplicaView]) -> int | None
+given the request and one view per Ready, non-draining replica (load, free KV, the request's prefix
+hit there), returning the index into `replicas` to send it to, or None to hold it in the fleet's
+central FIFO queue. Queued requests are offered again, oldest first, whenever a replica finishes a
+step or becomes Ready, until the router holds the oldest. Routers have a `name`. Two are here:
+`RoundRobin` (today's behaviour: per-replica queues, never holds) and `LeastLoaded` (the replica with
+the fewest requests in flight among those with a free batch slot and KV for the prompt, else hold).
+
+The fleet: a replica that is scaled up becomes Ready after calibration.startup_s; scale-down removes
+starting replicas first, then drains the least-loaded Ready ones (no new requests, in-flight ones
+finish). Every sync_interval_s the policy sees the same MetricsSnapshot the controller would build and
+returns the replica count.
+
+SLO (slo.py): a request meets it when its TTFT is within its target (which grows with the prompt) and
+its TPOT (time per output token after the first) within the TPOT target; rejected requests miss.
 
 Deterministic: no randomness, no wall clock; the same inputs give the same numbers.
 """
@@ -19,14 +39,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
-from kvpilot.autoscaler.trace import TraceRequest
+from kvpilot.autoscaler.slo import Slo
+from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
 
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 
@@ -44,11 +65,84 @@ class FleetPolicy(Protocol):
     def settings(self) -> dict[str, Any]: ...
 
 
+# -- routing -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestView:
+    prompt_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One Ready, non-draining replica as a router sees it."""
+
+    replica_id: int
+    waiting: int  # queued on the replica, not yet in the batch
+    running: int  # in the batch
+    max_num_seqs: int
+    free_kv_tokens: int  # free KV minus what its waiting requests' prompts will take
+    kv_capacity_tokens: int
+    prefix_hit_tokens: int  # of this request's prompt, cached on this replica
+
+    @property
+    def in_flight(self) -> int:
+        return self.waiting + self.running
+
+
+class Router(Protocol):
+    name: str
+
+    def __call__(self, request: RequestView, replicas: Sequence[ReplicaView]) -> int | None: ...
+
+
+class RoundRobin:
+    """Each request to the next Ready replica in turn; never holds (per-replica queues)."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def __call__(self, request: RequestView, replicas: Sequence[ReplicaView]) -> int | None:
+        i = self._next % len(replicas)
+        self._next += 1
+        return i
+
+
+class LeastLoaded:
+    """The replica with the fewest requests in flight (then the most free KV) among those with a free
+    batch slot and KV for the prompt; None (hold in the central queue) when none has room."""
+
+    name = "least-loaded"
+
+    def __call__(self, request: RequestView, replicas: Sequence[ReplicaView]) -> int | None:
+        best, key = None, None
+        for i, r in enumerate(replicas):
+            if (
+                r.in_flight >= r.max_num_seqs
+                or r.free_kv_tokens < request.prompt_tokens - r.prefix_hit_tokens
+            ):
+                continue
+            k = (r.in_flight, -r.free_kv_tokens)
+            if key is None or k < key:
+                best, key = i, k
+        return best
+
+
+ROUTERS = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
+
+
 @dataclass(eq=False)
 class SimRequest:
     arrival: float
     prompt: int
     output: int
+    hash_ids: tuple[int, ...] = ()
+    ttft_target: float = math.inf
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
     generated: int = 0
     computed: int = 0  # tokens whose KV is in the cache
     prefill_target: int = 0  # tokens to have computed before the next token comes out
@@ -80,6 +174,10 @@ class Replica:
     version: int = 0
     preemptions: int = 0
     completed: int = 0  # requests finished: the runtime's request_success counter
+    prompt_tokens_done: int = 0  # prompt and output tokens of the finished requests (counters)
+    output_tokens_done: int = 0
+    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # prompt block ids, LRU first
+    waiting_tokens: int = 0  # prompt tokens of the waiting requests (for routers' free-KV view)
 
     @property
     def in_flight(self) -> int:
@@ -91,10 +189,56 @@ class Replica:
 
     def sample(self) -> ReplicaSample:
         return ReplicaSample(
-            f"r{self.rid}", self.kv_usage, len(self.waiting), len(self.running), float(self.completed)
+            f"r{self.rid}",
+            self.kv_usage,
+            len(self.waiting),
+            len(self.running),
+            float(self.completed),
+            prompt_tokens_total=float(self.prompt_tokens_done),
+            generation_tokens_total=float(self.output_tokens_done),
+        )
+
+    def view(self, req: SimRequest) -> ReplicaView:
+        return ReplicaView(
+            self.rid,
+            len(self.waiting),
+            len(self.running),
+            self.cal.max_num_seqs,
+            self.free_blocks * self.cal.block_size - self.waiting_tokens,
+            self.cal.kv_capacity_tokens,
+            min(req.prompt, self.prefix_hit(req.hash_ids) * HASH_BLOCK_TOKENS) if req.hash_ids else 0,
         )
 
     # -- scheduling ----------------------------------------------------------------------------------
+
+    def prefix_hit(self, hash_ids: tuple[int, ...]) -> int:
+        """Cached blocks at the start of this prompt."""
+        n = 0
+        for h in hash_ids:
+            if h not in self.cache:
+                break
+            n += 1
+        return n
+
+    def _admit_prefix(self, req: SimRequest) -> None:
+        """On admission with nothing computed: skip the cached leading blocks, record the prompt's."""
+        if not req.hash_ids:
+            if req.cached_tokens is None:
+                req.cached_tokens = 0
+            return
+        hit = min(self.prefix_hit(req.hash_ids) * HASH_BLOCK_TOKENS, req.prompt - 1)
+        if req.cached_tokens is None:
+            req.cached_tokens = hit
+        req.computed = hit
+        cache = self.cache
+        for h in req.hash_ids:
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+        cap = max(1, self.cal.kv_capacity_tokens // HASH_BLOCK_TOKENS)
+        while len(cache) > cap:
+            cache.popitem(last=False)
 
     def _admissible(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.cal.max_num_seqs and self.free_blocks >= 1
@@ -130,7 +274,9 @@ class Replica:
                 self.jump = k
                 self.batch = []
                 self.step_start = now
-                self.step_dur = self.cal.step_seconds(len(self.running), 0)
+                d = len(self.running)
+                ctx = sum(r.computed for r in self.running) + d + d * (k - 1) / 2.0
+                self.step_dur = self.cal.step_seconds(d, 0, ctx, ctx)
                 self.busy = True
                 return now + k * self.step_dur
         return self._plan_mixed(now)
@@ -144,6 +290,7 @@ class Replica:
         victim.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(victim)
+        self.waiting_tokens += victim.prompt
         return victim
 
     def _plan_mixed(self, now: float) -> float | None:
@@ -174,11 +321,14 @@ class Replica:
                 req = self.waiting[0]
                 if req.prefill_target == 0:
                     req.prefill_target = req.prompt
+                if req.computed == 0 and req.blocks == 0:
+                    self._admit_prefix(req)
                 n = min(req.prefill_target - req.computed, budget)
                 need = self._blocks_for(req.computed + n) - req.blocks
                 if need > self.free_blocks:
                     break
                 self.waiting.popleft()
+                self.waiting_tokens -= req.prompt
                 self.running.append(req)
                 self.free_blocks -= need
                 req.blocks += need
@@ -186,12 +336,19 @@ class Replica:
                 budget -= n
         if not batch:
             return None  # nothing fits (cannot happen with requests that fit the pool); stay idle
-        decoding = sum(1 for r, n in batch if r.computed >= r.prefill_target)
-        prefill = sum(n for r, n in batch if r.computed < r.prefill_target)
+        decoding = prefill = 0
+        context = pairs = 0.0
+        for r, n in batch:
+            if r.computed >= r.prefill_target:
+                decoding += 1
+            else:
+                prefill += n
+            context += r.computed + n
+            pairs += n * (r.computed + (n + 1) / 2.0)
         self.jump = 0
         self.batch = batch
         self.step_start = now
-        self.step_dur = cal.step_seconds(decoding, prefill)
+        self.step_dur = cal.step_seconds(decoding, prefill, context, pairs)
         self.busy = True
         return now + self.step_dur
 
@@ -210,6 +367,8 @@ class Replica:
             self.completed += len(done)
             for r in done:
                 r.finish = now
+                self.prompt_tokens_done += r.prompt
+                self.output_tokens_done += r.output
                 self.free_blocks += r.blocks
                 r.blocks = 0
         return done
@@ -250,7 +409,7 @@ class Replica:
 @dataclass
 class SimResult:
     policy: str
-    slo_ttft_s: float
+    slo: Slo
     slo_attainment: float
     replica_hours: float
     scale_events: int
@@ -259,6 +418,10 @@ class SimResult:
     ttft_p50_s: float
     ttft_p95_s: float
     ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    prefix_hit_rate: float  # share of the measured requests' prompt tokens found in a prefix cache
+    ttft_attainment: float  # share meeting the TTFT target alone
     preemptions: int
     peak_replicas: int
     mean_replicas: float
@@ -267,12 +430,20 @@ class SimResult:
     # The lowest SLO attainment of any minute (with at least MIN_MINUTE_REQUESTS requests) after the
     # warmup: what "provisioned for the peak" is held to.
     worst_minute_attainment: float = 1.0
+    throughput_tokens_s: float = 0.0  # output tokens of requests finished in the window, per second
+
+    @property
+    def slo_ttft_s(self) -> float:
+        return self.slo.ttft_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
-            "slo_ttft_s": self.slo_ttft_s,
+            "slo_ttft_s": self.slo.ttft_s,
+            "slo_tpot_s": self.slo.tpot_s,
+            "slo_ttft_prefill_factor": self.slo.ttft_prefill_factor,
             "slo_attainment": round(self.slo_attainment, 5),
+            "ttft_attainment": round(self.ttft_attainment, 5),
             "replica_hours": round(self.replica_hours, 3),
             "scale_events": self.scale_events,
             "requests": self.requests,
@@ -280,6 +451,10 @@ class SimResult:
             "ttft_p50_s": round(self.ttft_p50_s, 3),
             "ttft_p95_s": round(self.ttft_p95_s, 3),
             "ttft_p99_s": round(self.ttft_p99_s, 3),
+            "tpot_p50_s": round(self.tpot_p50_s, 4),
+            "tpot_p99_s": round(self.tpot_p99_s, 4),
+            "prefix_hit_rate": round(self.prefix_hit_rate, 4),
+            "throughput_tokens_s": round(self.throughput_tokens_s, 1),
             "preemptions": self.preemptions,
             "peak_replicas": self.peak_replicas,
             "mean_replicas": round(self.mean_replicas, 2),
@@ -304,23 +479,30 @@ class FleetSimulator:
         calibration: Calibration | None = None,
         *,
         sync_interval_s: float = 15.0,
-        slo_ttft_s: float = 2.0,
+        slo: Slo | None = None,
+        slo_ttft_s: float | None = None,
         warmup_s: float = 300.0,
+        router: Router | None = None,
     ) -> None:
+        """slo_ttft_s alone (no slo): a fixed TTFT target and no TPOT target (the old judgement)."""
         if not trace:
             raise ValueError("empty trace")
         self.trace = trace
         self.policy = policy
         self.cal = calibration or Calibration()
         self.sync_interval_s = sync_interval_s
-        self.slo_ttft_s = slo_ttft_s
+        if slo is None:
+            slo = Slo(ttft_s=slo_ttft_s, tpot_s=math.inf, ttft_prefill_factor=0.0) if slo_ttft_s else Slo()
+        self.slo = slo
         self.warmup_s = warmup_s
+        self.router: Router = router or RoundRobin()
         self.replicas: list[Replica] = []
         self.scale_events = 0
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
-        self._rr = 0
         self._peak = 0
+        self._queue: deque[SimRequest] = deque()  # the central queue (requests the router held)
+        self._ready_cache: list[Replica] | None = None
 
     # -- events --------------------------------------------------------------------------------------
 
@@ -346,6 +528,11 @@ class FleetSimulator:
         """Replicas the Deployment counts: starting or Ready, not draining."""
         return [r for r in self.replicas if r.gone_at is None and not r.draining]
 
+    def _routable(self) -> list[Replica]:
+        if self._ready_cache is None:
+            self._ready_cache = [r for r in self.replicas if r.ready and not r.draining and r.gone_at is None]
+        return self._ready_cache
+
     def _add_replica(self, now: float, ready_now: bool = False) -> None:
         rep = Replica(
             rid=len(self.replicas),
@@ -356,12 +543,14 @@ class FleetSimulator:
             ready=ready_now,
         )
         self.replicas.append(rep)
+        self._ready_cache = None
         if not ready_now:
             self._push(rep.ready_at, _READY, rep.rid)
 
     def _retire(self, rep: Replica, now: float) -> None:
         rep.gone_at = now
         rep.version += 1
+        self._ready_cache = None
 
     def _scale_to(self, now: float, desired: int) -> None:
         active = self._active()
@@ -377,29 +566,60 @@ class FleetSimulator:
                 rep.draining = True
                 if not rep.ready or (not rep.busy and rep.in_flight == 0):
                     self._retire(rep, now)
+            self._ready_cache = None
         self._peak = max(self._peak, len(self._active()))
 
-    def _route(self, req: SimRequest, now: float) -> None:
-        ready = [r for r in self.replicas if r.ready and not r.draining and r.gone_at is None]
-        if not ready or req.prompt + req.output > self.cal.kv_capacity_tokens:
-            req.rejected = True
-            return
-        rep = ready[self._rr % len(ready)]
-        self._rr += 1
+    def _assign(self, rep: Replica, req: SimRequest, now: float) -> bool:
         if len(rep.waiting) >= self.cal.max_queue_len:
             req.rejected = True
-            return
+            return False
         rep.waiting.append(req)
+        rep.waiting_tokens += req.prompt
         if not rep.busy:
             self._schedule(rep, now)
         elif rep.jump:
             end = rep.materialize(now, truncate=True)
             if end is not None:
                 self._reschedule(rep, end)
+        return True
+
+    def _offer(self, req: SimRequest, ready: list[Replica]) -> Replica | None:
+        view = RequestView(req.prompt, req.output, req.hash_ids)
+        idx = self.router(view, [r.view(req) for r in ready])
+        return None if idx is None else ready[idx]
+
+    def _route(self, req: SimRequest, now: float) -> None:
+        ready = self._routable()
+        if not ready or req.prompt + req.output > self.cal.kv_capacity_tokens:
+            req.rejected = True
+            return
+        if self._queue:  # FIFO: nobody overtakes the central queue
+            if len(self._queue) >= self.cal.max_queue_len * len(ready):
+                req.rejected = True
+                return
+            self._queue.append(req)
+            self._dispatch(now)
+            return
+        rep = self._offer(req, ready)
+        if rep is None:
+            self._queue.append(req)
+        else:
+            self._assign(rep, req, now)
+
+    def _dispatch(self, now: float) -> None:
+        """Offer the central queue to the router, oldest first, until it holds one."""
+        while self._queue:
+            ready = self._routable()
+            if not ready:
+                return
+            rep = self._offer(self._queue[0], ready)
+            if rep is None:
+                return
+            self._assign(rep, self._queue.popleft(), now)
 
     def _snapshot(self, now: float) -> tuple[MetricsSnapshot, int]:
         samples = []
-        in_flight = 0
+        in_flight = len(self._queue)
         for rep in self.replicas:
             if rep.gone_at is not None or not rep.ready:
                 continue
@@ -410,12 +630,34 @@ class FleetSimulator:
             in_flight += rep.in_flight
             if not rep.draining:
                 samples.append(rep.sample())
+        # The central queue is the router's: reported as waiting, spread over the replicas (a
+        # router exports its queue depth; the policy reads it as the fleet's waiting requests).
+        if self._queue and samples:
+            extra, rest = divmod(len(self._queue), len(samples))
+            samples = [
+                ReplicaSample(
+                    s.pod,
+                    s.kv_cache_usage,
+                    s.num_waiting + extra + (1 if i < rest else 0),
+                    s.num_running,
+                    s.completed_total,
+                    prompt_tokens_total=s.prompt_tokens_total,
+                    generation_tokens_total=s.generation_tokens_total,
+                )
+                for i, s in enumerate(samples)
+            ]
         return MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples)), in_flight
 
     # -- run -----------------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        requests = [SimRequest(r.t, r.prompt_tokens, r.output_tokens) for r in self.trace]
+        cal, slo = self.cal, self.slo
+        requests = [SimRequest(r.t, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in self.trace]
+        targets: dict[int, float] = {}
+        for req in requests:  # prompt lengths repeat: one solo-prefill per distinct length
+            if req.prompt not in targets:
+                targets[req.prompt] = slo.ttft_target(req.prompt, cal)
+            req.ttft_target = targets[req.prompt]
         t_end = requests[-1].arrival
         for _ in range(max(0, self.policy.initial_replicas())):
             self._add_replica(0.0, ready_now=True)
@@ -431,12 +673,17 @@ class FleetSimulator:
                     continue
                 rep.end_step(t)
                 self._schedule(rep, t)
+                if self._queue:
+                    self._dispatch(t)
             elif kind == _ARRIVAL:
                 self._route(requests[a], t)
             elif kind == _READY:
                 rep = self.replicas[a]
                 if rep.gone_at is None:
                     rep.ready = True
+                    self._ready_cache = None
+                    if self._queue:
+                        self._dispatch(t)
             elif kind == _SYNC:
                 snapshot, in_flight = self._snapshot(t)
                 current = len(self._active())
@@ -446,7 +693,21 @@ class FleetSimulator:
                     self._scale_to(t, desired)
                 if t + self.sync_interval_s <= t_end:
                     self._push(t + self.sync_interval_s, _SYNC)
+        for req in self._queue:  # still held when the trace ended with no replica left to take it
+            req.rejected = True
         return self._result(requests, t_end)
+
+    def _meets(self, r: SimRequest) -> tuple[bool, bool]:
+        """(TTFT met, TTFT and TPOT met)."""
+        if r.rejected or r.first_token is None:
+            return False, False
+        ttft_ok = r.first_token - r.arrival <= r.ttft_target + 1e-9
+        if not ttft_ok:
+            return False, False
+        if r.finish is None:  # still decoding at the end of the trace: judged on what it did so far
+            return True, True
+        tpot = (r.finish - r.first_token) / (r.output - 1) if r.output > 1 else 0.0
+        return True, tpot <= self.slo.tpot_s + 1e-9
 
     def _result(self, requests: Sequence[SimRequest], t_end: float) -> SimResult:
         w0 = min(self.warmup_s, t_end)
@@ -454,12 +715,17 @@ class FleetSimulator:
         ttfts = sorted(
             (r.first_token - r.arrival) for r in measured if r.first_token is not None and not r.rejected
         )
-        ok = sum(1 for x in ttfts if x <= self.slo_ttft_s)
+        tpots = sorted(
+            (r.finish - r.first_token) / (r.output - 1)
+            for r in measured
+            if r.finish is not None and r.first_token is not None and r.output > 1
+        )
+        ok = ok_ttft = 0
         minutes: dict[int, list[int]] = {}
         for r in measured:
-            met = (
-                r.first_token is not None and not r.rejected and r.first_token - r.arrival <= self.slo_ttft_s
-            )
+            t_ok, met = self._meets(r)
+            ok += met
+            ok_ttft += t_ok
             counts = minutes.setdefault(int((r.arrival - w0) // 60.0), [0, 0])
             counts[0] += int(met)
             counts[1] += 1
@@ -470,10 +736,14 @@ class FleetSimulator:
             stop = min(rep.gone_at if rep.gone_at is not None else t_end, t_end)
             replica_seconds += max(0.0, stop - start)
         window = max(1e-9, t_end - w0)
+        prompt_tokens = sum(r.prompt for r in measured if r.cached_tokens is not None)
+        cached = sum(r.cached_tokens or 0 for r in measured)
+        out_tokens = sum(r.output for r in measured if r.finish is not None and r.finish <= t_end)
         return SimResult(
             policy=self.policy.name,
-            slo_ttft_s=self.slo_ttft_s,
+            slo=self.slo,
             slo_attainment=ok / len(measured) if measured else 1.0,
+            ttft_attainment=ok_ttft / len(measured) if measured else 1.0,
             replica_hours=replica_seconds / 3600.0,
             scale_events=self.scale_events,
             requests=len(measured),
@@ -481,6 +751,10 @@ class FleetSimulator:
             ttft_p50_s=_percentile(ttfts, 0.50),
             ttft_p95_s=_percentile(ttfts, 0.95),
             ttft_p99_s=_percentile(ttfts, 0.99),
+            tpot_p50_s=_percentile(tpots, 0.50),
+            tpot_p99_s=_percentile(tpots, 0.99),
+            prefix_hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
+            throughput_tokens_s=out_tokens / window,
             preemptions=sum(r.preemptions for r in self.replicas),
             peak_replicas=self._peak,
             mean_replicas=replica_seconds / window,
@@ -491,7 +765,13 @@ class FleetSimulator:
                 "calibration": self.cal.to_dict(),
                 "sync_interval_s": self.sync_interval_s,
                 "warmup_s": self.warmup_s,
-                "router": "round-robin over Ready replicas",
+                "router": self.router.name,
+                "slo": {
+                    "ttft_s": self.slo.ttft_s,
+                    "tpot_s": self.slo.tpot_s,
+                    "ttft_prefill_factor": self.slo.ttft_prefill_factor,
+                    "ttft_target": "ttft_s + ttft_prefill_factor x the prompt's prefill time on an idle replica",
+                },
             },
         )
 
@@ -512,6 +792,7 @@ def size_static_for_slo(
     max_replicas: int,
     *,
     every_minute: bool = False,
+    router_factory: Any = None,
     **kwargs: Any,
 ) -> int:
     """Smallest fixed fleet whose SLO attainment on this trace is >= slo_target, found with perfect
@@ -520,11 +801,13 @@ def size_static_for_slo(
     every_minute=False: over the whole trace (the cheapest static fleet that meets the goal; it may
     let the short peaks miss, since they are a small share of all requests).
     every_minute=True: in every minute too, i.e. provisioned for the peak load.
+    router_factory: makes a fresh router for each run (routers may keep state).
     """
     from kvpilot.autoscaler.fleet_policies import StaticPolicy
 
     def meets(n: int) -> bool:
-        r = simulate(trace, StaticPolicy(n), calibration, **kwargs)
+        extra = {"router": router_factory()} if router_factory else {}
+        r = simulate(trace, StaticPolicy(n), calibration, **kwargs, **extra)
         return r.slo_attainment >= slo_target and (
             not every_minute or r.worst_minute_attainment >= slo_target
         )

@@ -34,6 +34,9 @@ WAITING_METRICS = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
 RUNNING_METRICS = ("kvpilot_num_requests_running", "vllm:num_requests_running")
 # Finished requests (a counter, one series per finish reason; summed).
 COMPLETED_METRICS = ("kvpilot_request_success_total", "vllm:request_success_total")
+# Token counters: the token mix the SLO planner sizes for (spec.autoscaling.slo).
+PROMPT_TOKEN_METRICS = ("kvpilot_prompt_tokens_total", "vllm:prompt_tokens_total")
+GENERATION_TOKEN_METRICS = ("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
 
 DEFAULT_KV_QUERY = (
     'max by (pod) (kvpilot_kv_cache_usage_ratio{namespace="{namespace}",model_name="{model}"}'
@@ -108,6 +111,7 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     Raises MetricsParseError when the page is not Prometheus text format.
     """
     wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS) | set(COMPLETED_METRICS)
+    wanted |= set(PROMPT_TOKEN_METRICS) | set(GENERATION_TOKEN_METRICS)
     values: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -122,6 +126,8 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
         return None
     running = _series(values, RUNNING_METRICS, model) or [0.0]
     completed = _series(values, COMPLETED_METRICS, model)
+    prompt_tokens = _series(values, PROMPT_TOKEN_METRICS, model)
+    generation_tokens = _series(values, GENERATION_TOKEN_METRICS, model)
     return ReplicaSample(
         pod=pod,
         # A ratio: several series (one per engine, say) are averaged; counts are summed.
@@ -129,6 +135,8 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
         num_waiting=max(0, round(sum(waiting))),
         num_running=max(0, round(sum(running))),
         completed_total=None if completed is None else max(0.0, sum(completed)),
+        prompt_tokens_total=None if prompt_tokens is None else max(0.0, sum(prompt_tokens)),
+        generation_tokens_total=None if generation_tokens is None else max(0.0, sum(generation_tokens)),
     )
 
 

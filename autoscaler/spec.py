@@ -6,9 +6,13 @@ mode) are the autoscaler's own defaults, settable from the command line and the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
+
+from kvpilot.autoscaler.calibration import Calibration
+from kvpilot.autoscaler.slo import DEFAULT_TPOT_S, DEFAULT_TTFT_PREFILL_FACTOR, DEFAULT_TTFT_S, Slo
 
 MetricsSourceName = Literal["pods", "prometheus"]
 
@@ -74,6 +78,60 @@ class Behavior:
             raise ValueError("arrival_headroom must be > 0 and arrival_max_growth >= 1")
 
 
+@functools.lru_cache(maxsize=4096)
+def _capacity(cal: Calibration, slo: Slo, prompt: float, output: float, utilization: float) -> float:
+    from kvpilot.autoscaler.slo import replica_capacity
+
+    return replica_capacity(cal, slo, prompt, output, utilization)
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """spec.autoscaling.slo: size the fleet for the observed arrival rate and token mix at what one
+    replica serves within the SLO (slo.replica_capacity on the replica model `calibration`)."""
+
+    calibration: Calibration
+    calibration_name: str = ""
+    ttft_s: float = DEFAULT_TTFT_S
+    tpot_s: float = DEFAULT_TPOT_S
+    ttft_prefill_factor: float = DEFAULT_TTFT_PREFILL_FACTOR
+    # Steps are held to tpot_s x utilization: the rest absorbs bursts between syncs.
+    utilization: float = 0.85
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.utilization <= 1.0:
+            raise ValueError("slo utilization must be in (0, 1]")
+        Slo(self.ttft_s, self.tpot_s, self.ttft_prefill_factor)  # validates the targets
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(self.ttft_s, self.tpot_s, self.ttft_prefill_factor)
+
+    def capacity(self, mean_prompt: float, mean_output: float) -> float:
+        """Requests/s one replica serves at this token mix within the SLO (memoized on the mix,
+        rounded to 2 significant figures)."""
+
+        def r2(x: float) -> float:
+            return float(f"{max(1.0, x):.2g}")
+
+        return _capacity(self.calibration, self.slo, r2(mean_prompt), r2(mean_output), self.utilization)
+
+    @classmethod
+    def from_spec(cls, block: Mapping[str, Any]) -> SloTargets:
+        """spec.autoscaling.slo: {calibration: GPU/MODEL[/DTYPE][/tpN], ttftSeconds, tpotSeconds,
+        ttftPrefillFactor}. An unknown calibration name raises ValueError listing the known ones."""
+        from kvpilot.autoscaler.replica_model import calibration_by_name
+
+        name = str(block.get("calibration", ""))
+        return cls(
+            calibration=calibration_by_name(name),
+            calibration_name=name,
+            ttft_s=float(block.get("ttftSeconds", DEFAULT_TTFT_S)),
+            tpot_s=float(block.get("tpotSeconds", DEFAULT_TPOT_S)),
+            ttft_prefill_factor=float(block.get("ttftPrefillFactor", DEFAULT_TTFT_PREFILL_FACTOR)),
+        )
+
+
 @dataclass(frozen=True)
 class ScalingTargets:
     """Everything the pure policy needs to know about what the user asked for."""
@@ -88,6 +146,10 @@ class ScalingTargets:
     # Batch slots per replica (the runtime's max_num_seqs), when known: running / max_num_seqs counts
     # as utilization alongside KV use, so a replica whose batch is full is not read as idle.
     max_num_seqs: int | None = None
+    # SLO planner (spec.autoscaling.slo): replicas for the forecast arrival rate at the replica's
+    # capacity within the SLO, in place of the completion-rate service estimate; the KV and queue
+    # rules stay as a floor.
+    slo: SloTargets | None = None
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -124,6 +186,7 @@ class ScalingTargets:
     ) -> ScalingTargets:
         """Build from the CR's `spec.autoscaling` (camelCase keys, CRD defaults applied here too)."""
         min_r = int(autoscaling.get("minReplicas", 1))
+        slo_block = autoscaling.get("slo")
         return cls(
             min_replicas=min_r,
             max_replicas=int(autoscaling.get("maxReplicas", max(1, min_r))),
@@ -133,6 +196,7 @@ class ScalingTargets:
             scale_down_stabilization_s=float(autoscaling.get("scaleDownStabilizationSeconds", 300)),
             behavior=behavior or Behavior(),
             max_num_seqs=max_num_seqs,
+            slo=SloTargets.from_spec(slo_block) if slo_block else None,
         )
 
     def with_overrides(self, **changes: Any) -> ScalingTargets:

@@ -6,7 +6,8 @@ status.autoscaler (written by field manager kvpilot-autoscaler with a merge patc
   history: [{time, replicas}]            recommendations inside the longest stabilization window
   scaleEvents: [{time, fromReplicas, toReplicas}]   scale changes inside the longest rate-limit period
   lastScaleTime
-  arrivals: {time, pods: [{pod, completed, inFlight}], rates: [{time, rate}], serviceRate}
+  arrivals: {time, pods: [{pod, completed, inFlight, promptTokens?, generationTokens?}],
+             rates: [{time, rate}], serviceRate, tokenMix?: {prompt, output}}
                                          the arrival-rate estimate's counters and trend (policy.ArrivalState)
 Times are RFC 3339 UTC strings (arrivals' with milliseconds: rates are counter differences over them). Everything here is pure: dicts in, dataclasses out, and back.
 """
@@ -81,7 +82,11 @@ def arrivals_from_status(block: Any) -> ArrivalState:
         done = None if completed is None else _number(completed)
         if in_flight is None or in_flight < 0 or (completed is not None and done is None):
             continue
-        pods.append(PodCounter(item["pod"], done, in_flight))
+        tokens = [
+            _number(item.get(k)) if item.get(k) is not None else None
+            for k in ("promptTokens", "generationTokens")
+        ]
+        pods.append(PodCounter(item["pod"], done, in_flight, tokens[0], tokens[1]))
     rates: list[RateSample] = []
     for item in block.get("rates") or []:
         if not isinstance(item, Mapping):
@@ -91,24 +96,41 @@ def arrivals_from_status(block: Any) -> ArrivalState:
             rates.append(RateSample(t, r))
     rates.sort(key=lambda r: r.time)
     service = _number(block.get("serviceRate"))
+    mix_block = block.get("tokenMix")
+    token_mix = None
+    if isinstance(mix_block, Mapping):
+        mp, mo = _number(mix_block.get("prompt")), _number(mix_block.get("output"))
+        token_mix = (mp, mo) if mp is not None and mo is not None else None
     return ArrivalState(
         time=parse_time(block.get("time")),
         counters=tuple(pods),
         rates=tuple(rates),
         service_rate=service if service else None,
+        token_mix=token_mix,
     )
 
 
 def arrivals_to_status(state: ArrivalState) -> dict[str, Any]:
     block: dict[str, Any] = {
-        "pods": [{"pod": c.pod, "completed": c.completed, "inFlight": c.in_flight} for c in state.counters],
+        "pods": [_counter_to_status(c) for c in state.counters],
         "rates": [{"time": format_time_ms(r.time), "rate": round(r.rate, 4)} for r in state.rates],
     }
     if state.time is not None:
         block["time"] = format_time_ms(state.time)
     if state.service_rate is not None:
         block["serviceRate"] = round(state.service_rate, 4)
+    if state.token_mix is not None:
+        block["tokenMix"] = {"prompt": round(state.token_mix[0], 1), "output": round(state.token_mix[1], 1)}
     return block
+
+
+def _counter_to_status(c: PodCounter) -> dict[str, Any]:
+    out: dict[str, Any] = {"pod": c.pod, "completed": c.completed, "inFlight": c.in_flight}
+    if c.prompt_tokens is not None:
+        out["promptTokens"] = c.prompt_tokens
+    if c.generation_tokens is not None:
+        out["generationTokens"] = c.generation_tokens
+    return out
 
 
 def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:

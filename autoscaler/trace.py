@@ -1,12 +1,25 @@
-"""Arrival traces: CSV with a header `t_seconds,prompt_tokens,output_tokens`, one row per request."""
+"""Arrival traces, one request per row/line:
+
+- CSV with a header `t_seconds,prompt_tokens,output_tokens`;
+- Mooncake FAST'25 JSONL (`.jsonl`): `timestamp` (ms), `input_length`, `output_length` and, optionally,
+  `hash_ids`: ids of the prompt's 512-token blocks (two requests sharing a leading run of ids share
+  that prefix), which feed the simulated replicas' prefix cache.
+
+`scale_trace` stretches a trace in time (`--time-scale`) or thickens it (`--rate-scale`: the same
+duration with R x the requests); `load_per_minute` reports what a trace asks of a fleet.
+Bad input raises TraceError naming the file and line.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 HEADER = ("t_seconds", "prompt_tokens", "output_tokens")
 
@@ -16,6 +29,11 @@ class TraceRequest:
     t: float
     prompt_tokens: int
     output_tokens: int
+    hash_ids: tuple[int, ...] = ()  # prompt block ids (HASH_BLOCK_TOKENS each), () when unknown
+
+
+HASH_BLOCK_TOKENS = 512  # Mooncake's hash_ids block size
+JSONL_FIELDS = ("timestamp", "input_length", "output_length")
 
 
 class TraceError(ValueError):
@@ -63,13 +81,114 @@ def parse_trace(text: str, name: str = "<trace>") -> list[TraceRequest]:
     return out
 
 
+def _positive_int(value: Any, field: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(f"{where}: {field} must be an integer, got {json.dumps(value)}")
+    if value < 1:
+        raise TraceError(f"{where}: {field} must be >= 1, got {value}")
+    return value
+
+
+def parse_jsonl(text: str, name: str = "<trace>") -> list[TraceRequest]:
+    """Mooncake-format JSONL: one object per line with timestamp (ms), input_length, output_length
+    and optional hash_ids. Blank lines are skipped."""
+    out: list[TraceRequest] = []
+    last_ms = 0.0
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{name}:{line_no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not a JSON object: {exc.msg}") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        missing = [f for f in JSONL_FIELDS if f not in obj]
+        if missing:
+            raise TraceError(
+                f"{where}: missing field(s) {', '.join(missing)} (need {', '.join(JSONL_FIELDS)})"
+            )
+        ts = obj["timestamp"]
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+            raise TraceError(f"{where}: timestamp must be a finite number of ms >= 0, got {json.dumps(ts)}")
+        if ts < last_ms:
+            raise TraceError(
+                f"{where}: timestamp {ts} goes back in time (previous line {last_ms}); sort the file"
+            )
+        prompt = _positive_int(obj["input_length"], "input_length", where)
+        output = _positive_int(obj["output_length"], "output_length", where)
+        hashes = obj.get("hash_ids", [])
+        if not isinstance(hashes, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in hashes):
+            raise TraceError(f"{where}: hash_ids must be a list of integers")
+        if len(hashes) > -(-prompt // HASH_BLOCK_TOKENS):
+            raise TraceError(
+                f"{where}: {len(hashes)} hash_ids for {prompt} input tokens "
+                f"(at most one per {HASH_BLOCK_TOKENS}-token block)"
+            )
+        out.append(TraceRequest(ts / 1000.0, prompt, output, tuple(hashes)))
+        last_ms = float(ts)
+    if not out:
+        raise TraceError(f"{name}: no requests")
+    return out
+
+
 def load_trace(path: str | Path) -> list[TraceRequest]:
+    """A .jsonl file is read as Mooncake JSONL, anything else as CSV."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise TraceError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise TraceError(f"{p}: not a text file") from None
+    if p.suffix.lower() == ".jsonl":
+        return parse_jsonl(text, str(p))
     return parse_trace(text, str(p))
+
+
+def scale_trace(
+    requests: Sequence[TraceRequest], time_scale: float = 1.0, rate_scale: float = 1.0
+) -> list[TraceRequest]:
+    """time_scale stretches the trace (2: the same requests over twice the time, half the rate).
+    rate_scale keeps the timeline and multiplies the request count: request i appears
+    floor((i+1)R) - floor(iR) times (R < 1 thins the trace evenly, R > 1 repeats requests), and a
+    copy's hash_ids are shifted into a range of their own, so copies are other users' prompts and do
+    not share a prefix cache with the original. Deterministic."""
+    if not time_scale > 0 or not rate_scale > 0:
+        raise ValueError("time_scale and rate_scale must be > 0")
+    out: list[TraceRequest] = []
+    for i, r in enumerate(requests):
+        copies = math.floor((i + 1) * rate_scale + 1e-9) - math.floor(i * rate_scale + 1e-9)
+        for c in range(copies):
+            hashes = r.hash_ids if c == 0 else tuple(h + c * (1 << 40) for h in r.hash_ids)
+            out.append(replace(r, t=r.t * time_scale, hash_ids=hashes))
+    if not out:
+        raise ValueError(f"rate_scale {rate_scale:g} leaves no request of {len(requests)}")
+    return out
+
+
+def load_per_minute(requests: Sequence[TraceRequest]) -> list[dict[str, float]]:
+    """Per minute of the trace: requests/s, prompt tokens/s, output tokens/s."""
+    minutes: dict[int, list[int]] = {}
+    for r in requests:
+        m = minutes.setdefault(int(r.t // 60.0), [0, 0, 0])
+        m[0] += 1
+        m[1] += r.prompt_tokens
+        m[2] += r.output_tokens
+    last = int(requests[-1].t // 60.0) if requests else -1
+    out = []
+    for i in range(last + 1):
+        n, p, o = minutes.get(i, [0, 0, 0])
+        out.append(
+            {
+                "minute": i,
+                "requests_per_s": round(n / 60.0, 3),
+                "prompt_tokens_per_s": round(p / 60.0, 1),
+                "output_tokens_per_s": round(o / 60.0, 1),
+            }
+        )
+    return out
 
 
 def format_trace(requests: Iterable[TraceRequest]) -> str:

@@ -132,6 +132,33 @@ class PrometheusSource(_Model):
     queue_query: str | None = Field(None, max_length=4096, description="PromQL for waiting requests.")
 
 
+class SloPlanner(_Model):
+    """Size the fleet for the arrival rate and token mix at what one replica serves within the SLO."""
+
+    calibration: str = Field(
+        min_length=3,
+        max_length=128,
+        description=(
+            "The replica's performance model, GPU/MODEL[/DTYPE][/tpN], e.g. h100/llama-3.1-8b or "
+            "h100/llama-3.1-70b/fp8/tp2 (`kvpilot autoscaler simulate --list-calibrations` lists them)."
+        ),
+        json_schema_extra=_validations(
+            _rule(
+                "self.matches('^[A-Za-z0-9.-]+/[A-Za-z0-9.-]+(/[A-Za-z0-9]+){0,2}$')",
+                "spec.autoscaling.slo.calibration must be GPU/MODEL[/DTYPE][/tpN], e.g. h100/llama-3.1-8b",
+            )
+        ),
+    )
+    ttft_seconds: float = Field(2.0, gt=0.0, le=3600.0, description="Time-to-first-token target (base).")
+    tpot_seconds: float = Field(0.05, gt=0.0, le=60.0, description="Time-per-output-token target.")
+    ttft_prefill_factor: float = Field(
+        2.0,
+        ge=0.0,
+        le=100.0,
+        description="The TTFT target grows by this many times the prompt's prefill time on an idle replica.",
+    )
+
+
 class Autoscaling(_Model):
     """KV-cache and queue-aware autoscaling; when set, the autoscaler owns spec.replicas."""
 
@@ -172,6 +199,11 @@ class Autoscaling(_Model):
         "pods", description="pods: scrape each pod's /metrics; prometheus: query the Prometheus HTTP API."
     )
     prometheus: PrometheusSource | None = None
+    slo: SloPlanner | None = Field(
+        None,
+        description="SLO planner: also size for the forecast arrival rate at the replica's capacity "
+        "within these targets (docs/autoscaler.md); the KV and queue targets stay as a floor.",
+    )
 
 
 class Resources(_Model):

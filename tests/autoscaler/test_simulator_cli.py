@@ -200,3 +200,95 @@ def test_cli_behavior_flags_reach_the_policy():
         parser.parse_args(["simulate", "--trace", "t.csv", "--arrival-lead", "-1"])
     with pytest.raises(SystemExit):
         parser.parse_args(["simulate", "--trace", "t.csv", "--scale-down-rule", "1,2"])
+
+
+def _mooncake_lines(n: int) -> str:
+    return "".join(
+        json.dumps(
+            {
+                "timestamp": i * 200,
+                "input_length": 1024 + 512 * (i % 3),
+                "output_length": 20,
+                "hash_ids": list(range(2 + i % 3)),
+            }
+        )
+        + "\n"
+        for i in range(n)
+    )
+
+
+def test_cli_contract_on_a_jsonl_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    trace = tmp_path / "m.jsonl"
+    trace.write_text(_mooncake_lines(300))
+    keys = {
+        "slo_attainment", "replica_hours", "scale_events", "peak_replicas", "ttft_p50_s", "ttft_p99_s",
+        "tpot_p50_s", "prefix_hit_rate", "settings",
+    }  # fmt: skip
+    base = ["autoscaler", "simulate", "--trace", str(trace), "--calibration", "l4/smollm2-135m"]
+    base += ["--startup-s", "12", "--slo-ttft", "1.5", "--slo-tpot", "0.04", "--min-replicas", "1"]
+    base += ["--max-replicas", "4", "--warmup", "0"]
+    for extra in (
+        ["--policy", "kvpilot", "--router", "least-loaded"],
+        ["--policy", "static"],
+        ["--policy", "moving-average", "--rate-scale", "2"],
+    ):
+        assert main([*base, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert keys <= set(out)
+        assert out["slo_tpot_s"] == 0.04 and out["slo_ttft_s"] == 1.5
+        assert out["settings"]["calibration"]["startup_s"] == 12
+        assert out["settings"]["calibration_name"] == "l4/smollm2-135m"
+        assert out["prefix_hit_rate"] > 0.0  # repeated hash_ids hit the cache
+        assert out["load_per_minute"][0]["requests_per_s"] == pytest.approx(
+            5.0 * out["settings"]["rate_scale"], rel=0.01
+        )
+    # --policy static without --replicas: the smallest fleet meeting the target.
+    assert main([*base, "--policy", "static"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    n = static["settings"]["policy"]["replicas"]
+    assert static["slo_attainment"] >= 0.99 or n == 4
+    if n > 1:
+        assert main([*base, "--policy", "static", "--replicas", str(n - 1)]) == 0
+        assert json.loads(capsys.readouterr().out)["slo_attainment"] < 0.99
+
+
+def test_cli_startup_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    trace = tmp_path / "m.jsonl"
+    trace.write_text(_mooncake_lines(200))
+    argv = [
+        "autoscaler",
+        "simulate",
+        "--trace",
+        str(trace),
+        "--calibration",
+        "l4/smollm2-135m",
+        "--warmup",
+        "0",
+    ]
+    assert main([*argv, "--startup-sweep"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["startup_s"] for r in out["startup_sweep"]] == [0.0, 10.0, 30.0, 60.0, 120.0]
+    assert main([*argv, "--startup-sweep", "--startup-s", "5"]) == 2
+    assert "--startup-sweep" in capsys.readouterr().err
+
+
+def test_cli_calibration_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exc:
+        main(["autoscaler", "simulate", "--list-calibrations"])
+    assert exc.value.code == 0
+    names = [c["name"] for c in json.loads(capsys.readouterr().out)]
+    assert "h100/llama-3.1-8b" in names and "h200/mixtral-8x7b" in names
+    trace = tmp_path / "m.jsonl"
+    trace.write_text(_mooncake_lines(5))
+    assert main(["autoscaler", "simulate", "--trace", str(trace), "--calibration", "tpu/llama-3.1-8b"]) == 2
+    err = capsys.readouterr().err
+    assert "--calibration: unknown GPU 'tpu'" in err and "h100, h200, a100, l40s, l4" in err
+
+
+def test_cli_bad_jsonl_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"timestamp": 5, "input_length": 10, "output_length": 2}\n{"timestamp": 1, "input_length": 10, "output_length": 2}\n'
+    )
+    assert main(["autoscaler", "simulate", "--trace", str(trace)]) == 2
+    assert f"--trace: {trace}:2: timestamp 1 goes back in time" in capsys.readouterr().err

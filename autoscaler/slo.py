@@ -1,0 +1,137 @@
+"""Service-level objectives, as the serving anchors (Dynamo's planner, Mooncake, DistServe) define them,
+and what one replica can serve while meeting them. Pure functions over a Calibration.
+
+A request meets the SLO when
+    TTFT <= ttft_target(prompt) = ttft_s + ttft_prefill_factor x solo_prefill_s(prompt)
+    TPOT <= tpot_s          (time per output token after the first: (finish - first token) / (out - 1))
+and a rejected request misses. Attainment = the share of requests that meet both.
+
+Why the TTFT target grows with the prompt: a 40k-token prompt takes ~1.6 s to prefill on an idle
+H100 for an 8B model, so a fixed 2 s target would judge the fleet on work no fleet size can speed up
+(one replica prefills one prompt; adding replicas does not shorten it). The target adds the prompt's
+own prefill time on an idle replica (the floor), times a factor (default 2, leaving the same room for
+queueing and batching as for the computation itself) to the base target; for the short prompts of
+chat traffic the base dominates. Set the factor to 0 for a fixed target. Mooncake and DistServe
+scale their SLOs on the same single-request baseline.
+
+`replica_capacity` is the throughput planner's number (Dynamo's idea): the request rate one replica
+sustains for a given token mix with its mean step (what a decoding sequence sees, prefill chunks
+included) within the TPOT target and a prompt's prefill plus its queueing within the TTFT target,
+from the step-time model (see _fits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvpilot.autoscaler.calibration import Calibration
+
+DEFAULT_TTFT_S = 2.0
+DEFAULT_TPOT_S = 0.05
+DEFAULT_TTFT_PREFILL_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = DEFAULT_TTFT_S
+    tpot_s: float = DEFAULT_TPOT_S
+    ttft_prefill_factor: float = DEFAULT_TTFT_PREFILL_FACTOR
+
+    def __post_init__(self) -> None:
+        if not self.ttft_s > 0 or not self.tpot_s > 0 or self.ttft_prefill_factor < 0:
+            raise ValueError("SLO: ttft_s and tpot_s must be > 0, ttft_prefill_factor >= 0")
+
+    def ttft_target(self, prompt_tokens: int, cal: Calibration) -> float:
+        if self.ttft_prefill_factor == 0:
+            return self.ttft_s
+        return self.ttft_s + self.ttft_prefill_factor * solo_prefill_s(cal, prompt_tokens)
+
+
+def solo_prefill_s(cal: Calibration, prompt_tokens: int) -> float:
+    """Time to the first token of this prompt on an idle replica: chunked prefill, chunk by chunk."""
+    t, done = 0.0, 0
+    while done < prompt_tokens:
+        n = min(cal.max_num_batched_tokens, prompt_tokens - done)
+        t += cal.step_seconds(0, n, done + n, n * (done + (n + 1) / 2.0))
+        done += n
+    return t
+
+
+P99_WAIT_FACTOR = 4.6  # ln(100): the 99th percentile of an exponential-tailed wait over its mean
+# Squared coefficient of variation of prefill times: prompt lengths vary about as much as an
+# exponential's (1); the Mooncake and chat traces' prompts do (a 40k prompt behind a 2k one).
+PREFILL_CV2 = 1.0
+
+
+def _fits(cal: Calibration, slo: Slo, rate: float, prompt: float, output: float, limit: float) -> bool:
+    """Whether one replica serves `rate` requests/s of this mix within the SLO.
+
+    The engine runs prefill steps (a chunk of C = min(max_num_batched_tokens, prompt) prompt tokens,
+    the decoding batch riding along) and decode-only steps. Per second: n_p = rate x prompt / C
+    prefill steps of s_p seconds, and the rest of the second in decode steps of s_d, so a decoding
+    sequence sees a mean step (its TPOT) of 1 / (n_p + n_d). The batch follows Little's law,
+    B = rate x output x mean step (a fixed point, iterated). Holds when the mean step is within
+    `limit`, the batch and KV pool hold B, and the prefill queue (M/G/1 at utilization
+    rho = n_p x s_p, Pollaczek-Khinchine mean wait rho x S x (1 + cv^2) / (2 (1 - rho)) with
+    cv^2 = PREFILL_CV2, its 99th percentile taken as P99_WAIT_FACTOR x the mean) leaves the
+    prompt's TTFT within its target."""
+    ctx = prompt + output / 2.0
+    chunk = min(float(cal.max_num_batched_tokens), prompt)
+    n_p = rate * prompt / chunk
+    batch = 0.0
+    mean_step = limit
+    for _ in range(40):
+        s_p = cal.step_seconds(batch, chunk, batch * ctx + prompt / 2.0, chunk * prompt / 2.0)
+        s_d = cal.step_seconds(max(batch, 1.0), 0, max(batch, 1.0) * ctx, max(batch, 1.0) * ctx)
+        rho = n_p * s_p
+        if rho >= 1.0:
+            return False
+        n_d = (1.0 - rho) / s_d
+        new = 1.0 / (n_p + n_d)
+        batch = rate * output * new
+        if abs(new - mean_step) <= 1e-9:
+            break
+        mean_step = new
+    if mean_step > limit or batch > cal.max_num_seqs or batch * (prompt + output) > cal.kv_capacity_tokens:
+        return False
+    service = prompt / chunk * s_p  # the prompt's own prefill, at this load
+    wait_p99 = P99_WAIT_FACTOR * rho * service * (1.0 + PREFILL_CV2) / (2.0 * (1.0 - rho))
+    return wait_p99 + service <= slo.ttft_target(int(prompt), cal)
+
+
+def replica_capacity(
+    cal: Calibration, slo: Slo, mean_prompt: float, mean_output: float, utilization: float = 0.85
+) -> float:
+    """Requests/s one replica serves at this token mix with steps within slo.tpot_s x utilization
+    (the rest is headroom for bursts within a sync interval). 0 when even one request misses."""
+    prompt = max(1.0, mean_prompt)
+    output = max(1.0, mean_output)
+    limit = slo.tpot_s * utilization
+    if solo_prefill_s(cal, int(prompt)) > slo.ttft_target(int(prompt), cal):
+        return 0.0
+
+    def ok(rate: float) -> bool:
+        return _fits(cal, slo, rate, prompt, output, limit)
+
+    lo, hi = 0.0, 1.0
+    if not ok(1e-6):
+        return 0.0
+    while ok(hi) and hi < 1e6:
+        lo, hi = hi, hi * 2.0
+    for _ in range(40):
+        mid = (lo + hi) / 2.0
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def replicas_needed(rate: float, capacity: float) -> int:
+    """ceil(rate / capacity), 0 for no traffic; a capacity of 0 needs as many as there are (inf)."""
+    if rate <= 0:
+        return 0
+    if capacity <= 0:
+        return 1 << 30
+    return math.ceil(rate / capacity - 1e-9)
