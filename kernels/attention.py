@@ -295,10 +295,40 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def select_backend(device: torch.device, kv_quantized: bool = False) -> AttentionBackend:
+def flash_pages(block_size: int) -> bool:
+    """Whether flash-attn's paged kernel reads a pool of this block size in place."""
+    return block_size % FLASH_PAGE_MULTIPLE == 0
+
+
+def cuda_backend_name(kv_quantized: bool, block_size: int, have_flash: bool, have_triton: bool) -> str:
+    """Pure: which CUDA backend runs a pool. flash-attn where it pages the pool in place (16-bit pools,
+    blocks of a multiple of 256); the Triton kernel for quantized pools and other block sizes (no
+    per-step packing copy); flash-attn's packed path, then the torch reference, only when Triton is
+    missing."""
+    if have_flash and not kv_quantized and flash_pages(block_size):
+        return "flash-attn"
+    if have_triton:
+        return "triton"
+    if have_flash and not kv_quantized:
+        return "flash-attn"
+    return "torch"
+
+
+def select_backend(
+    device: torch.device, kv_quantized: bool = False, block_size: int = 16
+) -> AttentionBackend:
     """The one place that chooses how attention runs."""
-    if device.type == "cuda" and not kv_quantized and flash_attn_available():
-        return FlashAttentionBackend()
+    if device.type == "cuda":
+        from kvpilot.kernels import triton_attention
+
+        name = cuda_backend_name(
+            kv_quantized, block_size, flash_attn_available(), triton_attention.available()
+        )
+        if name == "flash-attn":
+            return FlashAttentionBackend()
+        if name == "triton":
+            return triton_attention.TritonPagedAttentionBackend()
+        return TorchReferenceBackend()
     if device.type == "cpu":
         from kvpilot.kernels import cpu_attention
 

@@ -49,17 +49,15 @@ def _next_pow2(n: int) -> int:
 def tile_shape(group: int, max_query_len: int) -> tuple[int, int, int]:
     """(BLOCK_Q query tokens, G_PAD heads per token, BLOCK_M rows) for a GQA group of `group` heads."""
     g_pad = _next_pow2(group)
-    if max_query_len == 1:
-        block_q = max(1, MIN_ROWS // g_pad)  # decode: the group's heads fill the rows
-    else:
-        block_q = max(1, 64 // g_pad)
+    # decode: the group's heads fill a 16-row tile; prefill: 64 rows of (token, head)
+    block_q = max(1, (MIN_ROWS if max_query_len == 1 else 64) // g_pad)
     return block_q, g_pad, max(MIN_ROWS, block_q * g_pad)
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _store_kv_kernel(
+    def _store_kv_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: arguments are typed by the JIT
         src_ptr,
         dst_ptr,
         slot_ptr,
@@ -83,7 +81,7 @@ if HAVE_TRITON:
                 tl.store(dst_ptr + blk * stride_dst_b + off * stride_dst_t + i, x, mask=m)
 
     @triton.jit
-    def _paged_attention_kernel(
+    def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         out_ptr,
         q_ptr,
         k_ptr,
@@ -115,7 +113,8 @@ if HAVE_TRITON:
         head_dim,
         QUANT: tl.constexpr,
         FP8: tl.constexpr,
-        IEEE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         G_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -138,7 +137,10 @@ if HAVE_TRITON:
             d = tl.arange(0, BLOCK_D)
             d_ok = d < head_dim
             q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-            q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            # tensor-core dots in the model's dtype; float32 models get exact ("ieee") float32 dots
+            q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
             qpos = seq_len - q_len + tok  # absolute position of each query row
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -169,11 +171,9 @@ if HAVE_TRITON:
                     v_s = tl.load(vs_ptr + s_off, mask=k_ok, other=0.0).to(tl.float32)
                     k = k * k_s[:, None]
                     v = v * v_s[:, None]
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = s * scale
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,10 +181,7 @@ if HAVE_TRITON:
                 p = tl.exp(s - m_safe[:, None])
                 alpha = tl.exp(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p, v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             o = acc / l_safe[:, None]
@@ -270,7 +267,9 @@ def paged_attention(
         dim,
         QUANT=quantized,
         FP8=cache.k.dtype == torch.float8_e4m3fn,
-        IEEE=q.dtype == torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton 3.x's interpreter (CPU tensors) computes bfloat16 dots wrongly; float32 there
+        DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         BLOCK_Q=block_q,
         G_PAD=g_pad,
         BLOCK_M=block_m,

@@ -108,6 +108,31 @@ def resolve_device(cfg: EngineConfig) -> torch.device:
     return torch.device("cpu")
 
 
+DEFAULT_BLOCK_SIZE = 16
+
+
+def resolve_block_size(cfg: EngineConfig, device: torch.device, have_flash_attn: bool) -> int:
+    """`--block-size` when set; else 256 on CUDA with flash-attn (its paged kernel reads pages of a
+    multiple of 256, anything smaller goes to the Triton kernel), else 16."""
+    from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE
+
+    if cfg.block_size is not None:
+        return cfg.block_size
+    if device.type == "cuda" and have_flash_attn and cfg.kv_cache_dtype == "auto":
+        return FLASH_PAGE_MULTIPLE
+    return DEFAULT_BLOCK_SIZE
+
+
+def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
+    """A copy of cfg with the block size decided (see resolve_block_size)."""
+    from kvpilot.kernels.attention import flash_attn_available
+
+    if cfg.block_size is not None:
+        return cfg
+    have_flash = device.type == "cuda" and flash_attn_available()
+    return cfg.model_copy(update={"block_size": resolve_block_size(cfg, device, have_flash)})
+
+
 def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) -> int:
     """Bytes for the KV pool: `--kv-cache-memory` when set; on a GPU (device_memory = (free, total)
     after the weights are loaded) the `--gpu-memory-utilization` share of the card minus what is in
@@ -148,7 +173,9 @@ class LLMEngine:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.geometry.block_size, cfg.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, _Tracked] = {}
@@ -168,6 +195,7 @@ class LLMEngine:
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
         from kvpilot.runtime.loader import load_model, resolve_dtype
 
+        cfg = with_block_size(cfg, resolve_device(cfg))
         if cfg.tensor_parallel_size > 1:
             from kvpilot.runtime.tp_runner import start_tensor_parallel
 
@@ -191,6 +219,8 @@ class LLMEngine:
             raise ValueError(
                 "from_loaded() takes a whole model; use from_config() for --tensor-parallel-size > 1"
             )
+        cfg = with_block_size(cfg, loaded.device)
+        assert cfg.block_size is not None
         kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
         geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
         num_blocks = cls._num_blocks(cfg, geo, loaded.device)

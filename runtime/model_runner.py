@@ -172,7 +172,9 @@ class ModelRunner:
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.device = device
-        self.backend = backend or select_backend(device, quant.is_quantized(geometry.dtype))
+        self.backend = backend or select_backend(
+            device, quant.is_quantized(geometry.dtype), geometry.block_size
+        )
         tiled = bool(getattr(self.backend, "tiled_kv", False))
         self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, tiled)
         log.info(

@@ -143,7 +143,9 @@ def check_step(
         assert same_bytes(a.reshape(-1, hkv, d)[written], b.reshape(-1, hkv, d)[written])
     if ref_cache.k_scale is not None:
         assert tri_cache.k_scale is not None
-        assert same_bytes(ref_cache.k_scale.reshape(-1, hkv)[written], tri_cache.k_scale.reshape(-1, hkv)[written])
+        assert same_bytes(
+            ref_cache.k_scale.reshape(-1, hkv)[written], tri_cache.k_scale.reshape(-1, hkv)[written]
+        )
 
 
 # a mixed batch: decodes over long and short contexts, a prefill chunk after a cached prefix, a
@@ -169,9 +171,7 @@ HEADS = [
 
 @pytest.mark.parametrize(("dtype", "kv_dtype"), KV_CASES)
 @pytest.mark.parametrize(("hq", "hkv"), HEADS)
-def test_mixed_batch_matches_reference(
-    hq: int, hkv: int, dtype: torch.dtype, kv_dtype: torch.dtype
-) -> None:
+def test_mixed_batch_matches_reference(hq: int, hkv: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     check_step(hq, hkv, 64, 16, dtype, kv_dtype, CTX, NEW)
 
 
@@ -204,7 +204,11 @@ def test_padding_rows_write_nothing(kv_dtype: torch.dtype) -> None:
     rows = cache.k.reshape(-1, hkv, d)
     others = [i for i in range(12) if i != 5]
     assert same_bytes(rows[others], before.k.reshape(-1, hkv, d)[others])
-    want = k[0] if kv_dtype == torch.float32 else quant.dequantize(*quant.quantize(k[:1], kv_dtype), torch.float32)[0]
+    want = (
+        k[0]
+        if kv_dtype == torch.float32
+        else quant.dequantize(*quant.quantize(k[:1], kv_dtype), torch.float32)[0]
+    )
     got = rows[5].float()
     if cache.k_scale is not None:
         got = got * cache.k_scale.reshape(-1, hkv)[5].float()[:, None]

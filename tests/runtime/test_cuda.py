@@ -13,8 +13,15 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE, cuda_backend_name
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import CPU_DEFAULT_KV_BYTES, LLMEngine, kv_budget_bytes
+from kvpilot.runtime.engine import (
+    CPU_DEFAULT_KV_BYTES,
+    DEFAULT_BLOCK_SIZE,
+    LLMEngine,
+    kv_budget_bytes,
+    resolve_block_size,
+)
 from kvpilot.runtime.sampling_params import SamplingParams
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
@@ -163,3 +170,29 @@ def test_bfloat16_on_cuda_serves_a_batch_to_completion(make_cuda_engine: Callabl
     seqs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert [len(s.output_token_ids) for s in seqs] == [32] * len(prompts)
     assert engine.block_manager.usage == 0.0
+
+
+# -- CPU: which CUDA attention backend and block size --------------------------------------------
+
+
+def test_block_size_is_256_on_cuda_with_flash_attn_else_16() -> None:
+    cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
+    assert resolve_block_size(EngineConfig(), cuda_dev, have_flash_attn=True) == FLASH_PAGE_MULTIPLE
+    assert resolve_block_size(EngineConfig(), cuda_dev, have_flash_attn=False) == DEFAULT_BLOCK_SIZE
+    assert resolve_block_size(EngineConfig(), cpu_dev, have_flash_attn=True) == DEFAULT_BLOCK_SIZE
+    # quantized pools are read by the Triton kernel, which pages any size: no need for big blocks
+    assert resolve_block_size(EngineConfig(kv_cache_dtype="int8"), cuda_dev, True) == DEFAULT_BLOCK_SIZE
+    # an explicit --block-size always wins
+    assert resolve_block_size(EngineConfig(block_size=32), cuda_dev, True) == 32
+
+
+def test_cuda_backend_choice() -> None:
+    # flash-attn only where it pages the pool in place
+    assert cuda_backend_name(False, 256, have_flash=True, have_triton=True) == "flash-attn"
+    assert cuda_backend_name(False, 16, have_flash=True, have_triton=True) == "triton"
+    assert cuda_backend_name(True, 256, have_flash=True, have_triton=True) == "triton"
+    assert cuda_backend_name(False, 256, have_flash=False, have_triton=True) == "triton"
+    # without Triton: flash-attn's packed path for 16-bit pools, the reference otherwise
+    assert cuda_backend_name(False, 16, have_flash=True, have_triton=False) == "flash-attn"
+    assert cuda_backend_name(True, 16, have_flash=True, have_triton=False) == "torch"
+    assert cuda_backend_name(False, 16, have_flash=False, have_triton=False) == "torch"
