@@ -134,9 +134,11 @@ def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
 
 
 def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) -> int:
-    """Bytes for the KV pool: `--kv-cache-memory` when set; on a GPU (device_memory = (free, total)
-    after the weights are loaded) the `--gpu-memory-utilization` share of the card minus what is in
-    use and a reserve for the largest step's activations; on a CPU a fixed default."""
+    """Bytes for the KV pool without a warm-up (tensor-parallel ranks; see
+    model_runner.kv_budget_from_profile for the measured rule one GPU uses): `--kv-cache-memory` when
+    set; on a GPU (device_memory = (free, total) after the weights are loaded) the
+    `--gpu-memory-utilization` share of the card minus what is in use and a conservative reserve for
+    the largest step's activations; on a CPU a fixed default."""
     if cfg.kv_cache_memory is not None:
         return cfg.kv_cache_memory
     if device_memory is None:
@@ -223,18 +225,27 @@ class LLMEngine:
         assert cfg.block_size is not None
         kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
         geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
-        num_blocks = cls._num_blocks(cfg, geo, loaded.device)
+        if loaded.device.type == "cuda" and cfg.kv_cache_memory is None:
+            num_blocks = cls._num_blocks_measured(cfg, geo, loaded)
+        else:
+            num_blocks = cls._num_blocks(cfg, geo, loaded.device)
         runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
         return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)
 
+    @classmethod
+    def _num_blocks_measured(cls, cfg: EngineConfig, geo: KVGeometry, loaded: LoadedModel) -> int:
+        """One GPU: a warm-up forward at the largest step, its measured peak, and the pool from what is
+        left under --gpu-memory-utilization."""
+        from kvpilot.runtime.model_runner import kv_budget_from_profile, profile_memory
+
+        tokens = cfg.max_num_batched_tokens
+        profile = profile_memory(loaded.model, geo, loaded.device, tokens, cfg.max_num_seqs)
+        return cls._blocks_or_refuse(kv_budget_from_profile(profile, cfg.gpu_memory_utilization), geo)
+
     @staticmethod
-    def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
-        mem = (
-            torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
-        )
-        budget = kv_budget_bytes(cfg, mem)
+    def _blocks_or_refuse(budget: int, geo: KVGeometry) -> int:
         n = geo.num_blocks_for(budget)
         if n < 1:
             raise ValueError(
@@ -242,6 +253,13 @@ class LLMEngine:
                 "raise --kv-cache-memory or --gpu-memory-utilization"
             )
         return n
+
+    @staticmethod
+    def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
+        mem = (
+            torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
+        )
+        return LLMEngine._blocks_or_refuse(kv_budget_bytes(cfg, mem), geo)
 
     # -- requests ------------------------------------------------------------------------------
     @property

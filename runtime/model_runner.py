@@ -97,6 +97,107 @@ def allocate_kv_cache(
     return layers
 
 
+def warmup_batch(
+    num_tokens: int, num_seqs: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, int]:
+    """Pure: the largest step the scheduler can send, as a synthetic prefill of `num_tokens` tokens
+    spread over min(num_seqs, num_tokens) sequences, each in its own consecutive blocks.
+    Returns (input_ids, positions, meta, sample_rows, blocks needed)."""
+    seqs = max(1, min(num_seqs, num_tokens))
+    lens = [num_tokens // seqs + (1 if i < num_tokens % seqs else 0) for i in range(seqs)]
+    nblocks = [(n + block_size - 1) // block_size for n in lens]
+    width = max(nblocks)
+    tables, slots, positions, qsl = [], [], [], [0]
+    first = 0
+    for n, nb in zip(lens, nblocks, strict=True):
+        table = list(range(first, first + nb))
+        tables.append(table + [0] * (width - nb))
+        slots.extend(first * block_size + p for p in range(n))
+        positions.extend(range(n))
+        qsl.append(qsl[-1] + n)
+        first += nb
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        query_lens_cpu=lens,
+        seq_lens_cpu=list(lens),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    sample_rows = torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=device)
+    return ids, pos, meta, sample_rows, first
+
+
+@torch.inference_mode()
+def warmup_forward(
+    model: CausalLM,
+    geometry: KVGeometry,
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    backend: AttentionBackend,
+) -> int:
+    """Run the largest step once (all layers, attention, logits of every sequence) on a throw-away KV
+    pool just big enough for it; returns that pool's size in bytes (the caller subtracts it from the
+    measured peak: the real pool is sized separately)."""
+    ids, pos, meta, rows, nblocks = warmup_batch(num_tokens, num_seqs, geometry.block_size, device)
+    caches = allocate_kv_cache(geometry, nblocks, device, bool(getattr(backend, "tiled_kv", False)))
+    hidden = model(ids, pos, caches, meta, backend)
+    model.compute_logits(hidden.index_select(0, rows)).float()
+    return nblocks * geometry.bytes_per_block
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a warm-up measured on a GPU (bytes)."""
+
+    total: int  # device memory
+    used: int  # in use after the warm-up, allocator cache emptied: weights, CUDA context, other processes
+    activation_peak: int  # the largest step's transient tensors beyond the weights
+
+
+def kv_budget_from_profile(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
+    """Pure: the KV pool is what is left of the `--gpu-memory-utilization` share of the device after
+    what is in use and the largest step's activations (the vLLM / nano-vllm rule)."""
+    return int(profile.total * gpu_memory_utilization) - profile.used - profile.activation_peak
+
+
+def profile_memory(
+    model: CausalLM,
+    geometry: KVGeometry,
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    backend: AttentionBackend | None = None,
+) -> MemoryProfile:
+    """CUDA only: warm up at the largest step and measure its peak (torch.cuda.max_memory_allocated)."""
+    backend = backend or select_backend(device, quant.is_quantized(geometry.dtype), geometry.block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    pool_bytes = warmup_forward(model, geometry, device, num_tokens, num_seqs, backend)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    profile = MemoryProfile(
+        total=total, used=total - free, activation_peak=max(0, peak - before - pool_bytes)
+    )
+    log.info(
+        "memory profile: %.2f GiB in use after warm-up, %.2f GiB peak activations (%d tokens, %d seqs)",
+        profile.used / 2**30,
+        profile.activation_peak / 2**30,
+        num_tokens,
+        num_seqs,
+    )
+    return profile
+
+
 @dataclass
 class PreparedBatch:
     input_ids: torch.Tensor

@@ -22,6 +22,13 @@ from kvpilot.runtime.engine import (
     kv_budget_bytes,
     resolve_block_size,
 )
+from kvpilot.runtime.model_runner import (
+    MemoryProfile,
+    kv_budget_from_profile,
+    kv_geometry,
+    warmup_batch,
+    warmup_forward,
+)
 from kvpilot.runtime.sampling_params import SamplingParams
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
@@ -62,6 +69,39 @@ def test_kv_budget_on_a_gpu_is_the_utilization_share_minus_use_and_step_reserve(
 def test_kv_budget_can_come_out_negative_and_the_engine_says_which_flag_to_raise() -> None:
     cfg = EngineConfig(gpu_memory_utilization=0.1)
     assert kv_budget_bytes(cfg, (2 * GIB, 80 * GIB)) < 0
+
+
+# -- CPU: the measured KV budget (warm-up at the largest step, peak, what is left) ---------------
+
+
+def test_kv_budget_from_a_profile_is_the_share_minus_use_and_measured_peak() -> None:
+    p = MemoryProfile(total=141 * GIB, used=17 * GIB, activation_peak=3 * GIB)
+    assert kv_budget_from_profile(p, 0.9) == int(0.9 * 141 * GIB) - 17 * GIB - 3 * GIB
+    # a bigger measured peak or more memory in use leaves exactly that much less
+    bigger = MemoryProfile(total=141 * GIB, used=17 * GIB, activation_peak=5 * GIB)
+    assert kv_budget_from_profile(p, 0.9) - kv_budget_from_profile(bigger, 0.9) == 2 * GIB
+    assert kv_budget_from_profile(MemoryProfile(80 * GIB, 70 * GIB, GIB), 0.5) < 0
+
+
+@pytest.mark.parametrize(("tokens", "seqs", "bs"), [(2048, 256, 16), (100, 7, 16), (5, 64, 4), (300, 1, 256)])
+def test_warmup_batch_is_the_largest_step_in_disjoint_blocks(tokens: int, seqs: int, bs: int) -> None:
+    ids, pos, meta, rows, nblocks = warmup_batch(tokens, seqs, bs, torch.device("cpu"))
+    n = min(seqs, tokens)
+    assert ids.shape == pos.shape == meta.slot_mapping.shape == (tokens,)
+    assert meta.num_seqs == n and rows.shape == (n,)  # every sequence's logits, as a full decode step
+    assert max(meta.query_lens_cpu) - min(meta.query_lens_cpu) <= 1
+    assert meta.slot_mapping.unique().numel() == tokens  # no two tokens share a slot
+    assert int(meta.slot_mapping.max()) < nblocks * bs
+    assert meta.seq_lens_cpu == meta.query_lens_cpu  # a prefill from position 0
+    assert rows.tolist() == [q - 1 for q in meta.query_start_loc.tolist()[1:]]
+
+
+def test_warmup_forward_runs_the_real_model_at_the_largest_step(smollm2_fp32: Any) -> None:
+    from kvpilot.kernels.attention import TorchReferenceBackend
+
+    geo = kv_geometry(smollm2_fp32.arch, 16, torch.float32)
+    pool = warmup_forward(smollm2_fp32.model, geo, torch.device("cpu"), 96, 12, TorchReferenceBackend())
+    assert pool == 12 * geo.bytes_per_block  # 12 sequences of 8 tokens: one block each
 
 
 # -- CUDA --------------------------------------------------------------------------------------
