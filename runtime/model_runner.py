@@ -107,7 +107,10 @@ def warmup_batch(
     lens = [num_tokens // seqs + (1 if i < num_tokens % seqs else 0) for i in range(seqs)]
     nblocks = [(n + block_size - 1) // block_size for n in lens]
     width = max(nblocks)
-    tables, slots, positions, qsl = [], [], [], [0]
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    qsl = [0]
     first = 0
     for n, nb in zip(lens, nblocks, strict=True):
         table = list(range(first, first + nb))
