@@ -232,8 +232,14 @@ class FlashAttentionBackend:
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        from kvpilot.kernels import triton_attention
+
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
+        # writes through the Triton store (skips slot -1 in the kernel, no host sync) where available;
+        # then a paged decode step can be captured in a CUDA graph
+        self._write = triton_attention.store_kv if triton_attention.available() else write_kv
+        self.graph_safe = triton_attention.available()
 
     def forward(
         self,
@@ -246,7 +252,7 @@ class FlashAttentionBackend:
     ) -> torch.Tensor:
         if cache.k_scale is not None:  # quantized pools go through the reference read path
             return TorchReferenceBackend().forward(q, k, v, cache, meta, scale)
-        write_kv(k, v, cache, meta.slot_mapping)
+        self._write(k, v, cache, meta.slot_mapping)
         if cache.block_size % FLASH_PAGE_MULTIPLE != 0:
             kk, vv, cu_k = packed_kv(cache, meta)
             return self._varlen(

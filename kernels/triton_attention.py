@@ -283,6 +283,7 @@ class TritonPagedAttentionBackend:
     """Triton paged attention on CUDA (and on the CPU under TRITON_INTERPRET=1, for tests)."""
 
     name = "triton"
+    graph_safe = True  # reads lengths from tensors only: a decode step can be captured in a CUDA graph
 
     def forward(
         self,

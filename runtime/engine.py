@@ -133,6 +133,15 @@ def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
     return cfg.model_copy(update={"block_size": resolve_block_size(cfg, device, have_flash)})
 
 
+def cuda_graph_sizes(cfg: EngineConfig, device: torch.device) -> list[int] | None:
+    """Decode batch sizes to capture CUDA graphs for: none with --enforce-eager or off CUDA."""
+    from kvpilot.runtime.cuda_graphs import graph_batch_sizes
+
+    if cfg.enforce_eager or device.type != "cuda":
+        return None
+    return graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+
+
 def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) -> int:
     """Bytes for the KV pool without a warm-up (tensor-parallel ranks; see
     model_runner.kv_budget_from_profile for the measured rule one GPU uses): `--kv-cache-memory` when
@@ -229,7 +238,14 @@ class LLMEngine:
             num_blocks = cls._num_blocks_measured(cfg, geo, loaded)
         else:
             num_blocks = cls._num_blocks(cfg, geo, loaded.device)
-        runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
+        runner = ModelRunner(
+            loaded.model,
+            geo,
+            num_blocks,
+            loaded.device,
+            cuda_graph_sizes=cuda_graph_sizes(cfg, loaded.device),
+            max_model_len=loaded.max_model_len,
+        )
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
         return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)

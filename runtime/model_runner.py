@@ -15,6 +15,7 @@ import torch
 
 from kvpilot.kernels import quant
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
+from kvpilot.runtime.cuda_graphs import DecodeGraphRunner
 from kvpilot.runtime.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,11 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         backend: AttentionBackend | None = None,
+        cuda_graph_sizes: list[int] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`cuda_graph_sizes`: capture decode CUDA graphs for these batch sizes (None: eager, as with
+        --enforce-eager); needs a CUDA device, a capture-safe backend and `max_model_len`."""
         self.model = model
         self.geometry = geometry
         self.num_blocks = num_blocks
@@ -289,6 +294,24 @@ class ModelRunner:
             geometry.dtype,
             self.backend.name,
         )
+        self.graphs: DecodeGraphRunner | None = None
+        if cuda_graph_sizes:
+            if device.type != "cuda" or max_model_len is None:
+                raise ValueError("CUDA graphs need a CUDA device and max_model_len")
+            if not getattr(self.backend, "graph_safe", False):
+                log.warning(
+                    "attention backend %s is not CUDA-graph safe: decode runs eagerly", self.backend.name
+                )
+            else:
+                max_blocks = -(-max_model_len // geometry.block_size)
+                self.graphs = DecodeGraphRunner(
+                    model, self.kv_caches, self.backend, cuda_graph_sizes, max_blocks, device
+                )
+
+    def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(batch.meta):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
 
     def close(self) -> None:
         """Release what the runner holds besides memory: nothing here; the tensor-parallel runner
@@ -298,13 +321,13 @@ class ModelRunner:
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        return self._run_model(batch)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns float32 logits [num_sampled, vocab] and the sequences they belong to."""
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        hidden = self._run_model(batch)
         if not batch.sampled:
             return torch.empty(0, 0), []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

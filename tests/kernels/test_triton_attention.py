@@ -16,6 +16,10 @@ import torch
 from kvpilot.kernels import quant, triton_attention
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 
+# on a GPU these run on CUDA tensors (scripts/gpu_check.sh selects them with -m gpu); on the CPU under
+# the interpreter, in the default run
+pytestmark = pytest.mark.gpu
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}

@@ -8,7 +8,7 @@ tests in tests/kernels/test_flash_attention.py. On a GPU: `pytest tests/runtime/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -106,9 +106,15 @@ def test_warmup_forward_runs_the_real_model_at_the_largest_step(smollm2_fp32: An
 
 # -- CUDA --------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU siblings: see module doc)"
-)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cuda(fn: F) -> F:
+    """A test that needs a CUDA GPU: marked `gpu` (scripts/gpu_check.sh runs `pytest -m gpu`)."""
+    skip = pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU siblings: see module doc)"
+    )
+    return pytest.mark.gpu(skip(fn))
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +242,26 @@ def test_cuda_backend_choice() -> None:
     assert cuda_backend_name(False, 16, have_flash=True, have_triton=False) == "flash-attn"
     assert cuda_backend_name(True, 16, have_flash=True, have_triton=False) == "torch"
     assert cuda_backend_name(False, 16, have_flash=False, have_triton=False) == "torch"
+
+
+@cuda
+def test_cuda_graphs_match_eager_decode(make_cuda_engine: Callable[..., LLMEngine]) -> None:
+    """Decode through captured graphs (the default) gives the tokens --enforce-eager gives."""
+    graphs = make_cuda_engine(dtype="float32", kv_cache_memory=GIB, max_num_seqs=8)
+    eager = make_cuda_engine(dtype="float32", kv_cache_memory=GIB, max_num_seqs=8, enforce_eager=True)
+    assert graphs.runner.graphs is not None and eager.runner.graphs is None
+    assert graphs.runner.graphs.sizes == [1, 2, 4, 8]
+    prompts = [graphs.tokenizer.encode(t) for t in TEXTS[:3]]  # 3 rows: padded to the bucket of 4
+    want = [s.output_token_ids for s in eager.generate(prompts, greedy())]
+    got = [s.output_token_ids for s in graphs.generate(prompts, greedy())]
+    assert got == want
+
+
+@cuda
+def test_triton_backend_is_chosen_for_quantized_pools_on_cuda(
+    make_cuda_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = make_cuda_engine(dtype="bfloat16", kv_cache_memory=GIB, kv_cache_dtype="int8")
+    assert engine.runner.backend.name == "triton"
+    out = engine.generate([engine.tokenizer.encode(TEXTS[0])], greedy())
+    assert len(out[0].output_token_ids) > 0
