@@ -265,3 +265,19 @@ def test_triton_backend_is_chosen_for_quantized_pools_on_cuda(
     assert engine.runner.backend.name == "triton"
     out = engine.generate([engine.tokenizer.encode(TEXTS[0])], greedy())
     assert len(out[0].output_token_ids) > 0
+
+
+@cuda
+def test_measured_profile_on_cuda_sees_the_weights_and_a_step_peak(smollm2_gguf_path: Any) -> None:
+    from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.model_runner import profile_memory
+
+    loaded = load_model(EngineConfig(model=str(smollm2_gguf_path)), torch.device("cuda"), torch.bfloat16)
+    geo = kv_geometry(loaded.arch, 16, torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    small = profile_memory(loaded.model, geo, loaded.device, 64, 4)
+    big = profile_memory(loaded.model, geo, loaded.device, 2048, 64)
+    assert small.used >= weights and small.total == torch.cuda.mem_get_info()[1]
+    assert 0 < small.activation_peak < big.activation_peak  # a bigger step needs more
+    del loaded
+    torch.cuda.empty_cache()
