@@ -13,7 +13,8 @@ One program handles one sequence, one KV head and a tile of BLOCK_Q query tokens
 are (token, query head of the group) pairs, so a GQA group reads each K/V tile once and decode (one
 token) still fills the tile with the group's heads. Keys are walked BLOCK_N positions at a time through
 the block table, so any block size works; the causal limit is each query's absolute position
-(seq_len - query_len + j). Online softmax in float32.
+(seq_len - query_len + j). Online softmax in float32. Decode steps over long contexts split the
+context across programs (SPLIT_KEYS keys each) and combine the partial softmax results after.
 
 Writes go through `store_kv`, which skips slot -1 inside the kernel (no host sync: CUDA-graph safe).
 """
@@ -83,6 +84,9 @@ if HAVE_TRITON:
     @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         out_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        part_acc_ptr,
         q_ptr,
         k_ptr,
         v_ptr,
@@ -111,6 +115,9 @@ if HAVE_TRITON:
         block_size,
         group,
         head_dim,
+        num_heads,
+        split_keys,
+        SPLIT: tl.constexpr,
         QUANT: tl.constexpr,
         FP8: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -123,7 +130,9 @@ if HAVE_TRITON:
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
-        tile = tl.program_id(2)
+        # axis 2: query tiles; for a split decode (one query token) the context split instead
+        tile = 0 if SPLIT else tl.program_id(2)
+        split = tl.program_id(2) if SPLIT else 0
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -148,9 +157,11 @@ if HAVE_TRITON:
             # the last key any row of this tile may see
             last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
             kv_end = seq_len - q_len + last_tok + 1
-            for n0 in range(0, kv_end, BLOCK_N):
+            kv_lo = split * split_keys
+            kv_hi = tl.minimum(kv_end, kv_lo + split_keys)
+            for n0 in range(kv_lo, kv_hi, BLOCK_N):
                 kpos = n0 + tl.arange(0, BLOCK_N)
-                k_ok = kpos < kv_end
+                k_ok = kpos < kv_hi
                 blk = tl.load(bt_ptr + seq * stride_bt + kpos // block_size, mask=k_ok, other=0)
                 blk = blk.to(tl.int64)
                 off = kpos % block_size
@@ -183,10 +194,20 @@ if HAVE_TRITON:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            o = acc / l_safe[:, None]
-            o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            if SPLIT:  # unnormalized partials of this part of the context; combined by _combine_splits
+                num_splits = tl.num_programs(2)
+                row = ((q_start + tok) * num_heads + head) * num_splits + split
+                tl.store(part_m_ptr + row, m_i, mask=row_ok)
+                tl.store(part_l_ptr + row, l_i, mask=row_ok)
+                a_off = row[:, None] * head_dim + d[None, :]
+                tl.store(part_acc_ptr + a_off, acc, mask=row_ok[:, None] & d_ok[None, :])
+            else:
+                l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+                o = acc / l_safe[:, None]
+                o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+                tl.store(
+                    out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+                )
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -221,11 +242,41 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping
     _store_rows(vq, cache.v, slot_mapping)
 
 
-def paged_attention(
-    q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float
+# Decode steps over contexts longer than this many keys are split across programs (flash-decoding):
+# each part of the context gets its own program per (sequence, KV head), partial softmax results are
+# combined after. Without it a batch-1 decode runs only one program per KV head.
+SPLIT_KEYS = 512
+
+
+def num_splits(meta: AttentionMetadata, split_keys: int) -> int:
+    """Pure: how many parts a decode step's context is split into (1: no split; prefill never)."""
+    if meta.max_query_len != 1:
+        return 1
+    return max(1, -(-meta.max_seq_len // split_keys))
+
+
+def _combine_splits(
+    m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """q [T, Hq, D] over the cached context (already written) -> [T, Hq, D]. Reads only tensors and
-    meta.max_query_len, so a decode step can be captured in a CUDA graph."""
+    """Partials m (running max), denom (softmax denominator) [T, Hq, S] and acc [T, Hq, S, D]
+    (unnormalized) -> [T, Hq, D]. Parts past a sequence's end hold m = -inf, denom = 0."""
+    top = m.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(m - top)  # exp(-inf) = 0 for empty parts
+    total = (w * denom).sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((w.unsqueeze(-1) * acc).sum(-2) / total).to(dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: KVCacheLayer,
+    meta: AttentionMetadata,
+    scale: float,
+    split_keys: int = SPLIT_KEYS,
+) -> torch.Tensor:
+    """q [T, Hq, D] over the cached context (already written) -> [T, Hq, D]. Reads tensors, plus
+    meta.max_query_len and (decode) meta.max_seq_len for the number of context splits: a CUDA graph
+    captures a decode step with max_seq_len at its upper bound (parts past a sequence's end exit)."""
     t, hq, dim = q.shape
     _, bs, hkv, _ = cache.k.shape
     if hq % hkv != 0:
@@ -242,9 +293,22 @@ def paged_attention(
     assert ks is not None and vs is not None
     s_strides = (ks.stride(0), ks.stride(1), ks.stride(2)) if quantized else (0, 0, 0)
     bt = meta.block_tables
-    grid = (bt.shape[0], hkv, triton.cdiv(meta.max_query_len, block_q))
+    splits = num_splits(meta, split_keys)
+    if splits > 1:
+        if split_keys % BLOCK_N != 0:
+            raise ValueError(f"split_keys ({split_keys}) must be a multiple of {BLOCK_N}")
+        part_m = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(t, hq, splits, dim, dtype=torch.float32, device=q.device)
+        grid = (bt.shape[0], hkv, splits)
+    else:
+        part_m = part_l = part_acc = out  # unused
+        grid = (bt.shape[0], hkv, triton.cdiv(meta.max_query_len, block_q))
     _paged_attention_kernel[grid](
         out,
+        part_m,
+        part_l,
+        part_acc,
         q,
         k,
         v,
@@ -265,6 +329,9 @@ def paged_attention(
         bs,
         group,
         dim,
+        hq,
+        split_keys,
+        SPLIT=splits > 1,
         QUANT=quantized,
         FP8=cache.k.dtype == torch.float8_e4m3fn,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -276,6 +343,8 @@ def paged_attention(
         BLOCK_N=BLOCK_N,
         BLOCK_D=_next_pow2(dim),
     )
+    if splits > 1:
+        return _combine_splits(part_m, part_l, part_acc, q.dtype)
     return out
 
 

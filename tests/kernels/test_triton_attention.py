@@ -112,6 +112,7 @@ def check_step(
     ctx: list[int],
     new: list[int],
     seed: int = 0,
+    split_keys: int = triton_attention.SPLIT_KEYS,
 ) -> None:
     """Cache `ctx` tokens per sequence, then one step of `new` tokens each: the Triton backend's
     output and the pool it leaves equal the reference backend's."""
@@ -136,7 +137,8 @@ def check_step(
     k = torch.randn(t, hkv, d, device=DEVICE).to(dtype)
     v = torch.randn(t, hkv, d, device=DEVICE).to(dtype)
     want = ref.forward(q, k, v, ref_cache, meta, scale)
-    got = triton_attention.TritonPagedAttentionBackend().forward(q, k, v, tri_cache, meta, scale)
+    triton_attention.store_kv(k, v, tri_cache, meta.slot_mapping)
+    got = triton_attention.paged_attention(q, tri_cache, meta, scale, split_keys)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     tol = TOL[dtype]
@@ -217,6 +219,23 @@ def test_padding_rows_write_nothing(kv_dtype: torch.dtype) -> None:
     if cache.k_scale is not None:
         got = got * cache.k_scale.reshape(-1, hkv)[5].float()[:, None]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [KV_CASES[0], KV_CASES[1], KV_CASES[3], KV_CASES[6]])
+def test_split_context_decode_matches_reference(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """Decode with the context split in parts of 64 keys (flash-decoding): a context of many parts,
+    one ending mid-part, one shorter than a part (its other parts are empty), one of exactly two parts."""
+    check_step(8, 2, 64, 16, dtype, kv_dtype, [300, 70, 3, 127], [1, 1, 1, 1], split_keys=64)
+
+
+def test_long_decode_takes_the_split_path_by_default() -> None:
+    ctx = triton_attention.SPLIT_KEYS + 90
+    meta = metadata([[0] * 1], [0], [1], 16)
+    meta.max_seq_len = ctx
+    assert triton_attention.num_splits(meta, triton_attention.SPLIT_KEYS) == 2
+    meta.max_query_len = 2  # prefill steps never split
+    assert triton_attention.num_splits(meta, triton_attention.SPLIT_KEYS) == 1
+    check_step(4, 1, 64, 32, torch.float32, torch.float32, [ctx, 5], [1, 1])
 
 
 def test_tile_shape_packs_the_gqa_group_into_rows() -> None:
