@@ -157,8 +157,12 @@ if HAVE_TRITON:
             # the last key any row of this tile may see
             last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
             kv_end = seq_len - q_len + last_tok + 1
-            kv_lo = split * split_keys
-            kv_hi = tl.minimum(kv_end, kv_lo + split_keys)
+            if SPLIT:
+                kv_lo = split * split_keys
+                kv_hi = tl.minimum(kv_end, kv_lo + split_keys)
+            else:
+                kv_lo = 0
+                kv_hi = kv_end
             for n0 in range(kv_lo, kv_hi, BLOCK_N):
                 kpos = n0 + tl.arange(0, BLOCK_N)
                 k_ok = kpos < kv_hi
@@ -246,13 +250,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, slot_mapping
 # each part of the context gets its own program per (sequence, KV head), partial softmax results are
 # combined after. Without it a batch-1 decode runs only one program per KV head.
 SPLIT_KEYS = 512
+MAX_SPLITS = 32
+# enough programs to fill a big GPU several times over (an H200 has 132 SMs): batches that already
+# launch this many (sequence, KV head) programs are not split
+TARGET_PROGRAMS = 1024
 
 
-def num_splits(meta: AttentionMetadata, split_keys: int) -> int:
-    """Pure: how many parts a decode step's context is split into (1: no split; prefill never)."""
-    if meta.max_query_len != 1:
-        return 1
-    return max(1, -(-meta.max_seq_len // split_keys))
+def split_plan(meta: AttentionMetadata, num_kv_heads: int, split_keys: int = SPLIT_KEYS) -> tuple[int, int]:
+    """Pure: (parts, keys per part) a decode step's context is split into; (1, 0) for no split (prefill,
+    short contexts, batches that fill the GPU already). Parts hold at least `split_keys` keys, are a
+    multiple of BLOCK_N, and are at most MAX_SPLITS (bounding the partials' memory)."""
+    if meta.max_query_len != 1 or meta.max_seq_len <= split_keys:
+        return 1, 0
+    programs = meta.block_tables.shape[0] * num_kv_heads
+    parts = min(-(-meta.max_seq_len // split_keys), MAX_SPLITS, max(1, TARGET_PROGRAMS // programs))
+    if parts <= 1:
+        return 1, 0
+    keys = -(-meta.max_seq_len // parts)
+    keys = -(-keys // BLOCK_N) * BLOCK_N
+    return -(-meta.max_seq_len // keys), keys
 
 
 def _combine_splits(
@@ -293,10 +309,8 @@ def paged_attention(
     assert ks is not None and vs is not None
     s_strides = (ks.stride(0), ks.stride(1), ks.stride(2)) if quantized else (0, 0, 0)
     bt = meta.block_tables
-    splits = num_splits(meta, split_keys)
+    splits, keys_per_split = split_plan(meta, hkv, split_keys)
     if splits > 1:
-        if split_keys % BLOCK_N != 0:
-            raise ValueError(f"split_keys ({split_keys}) must be a multiple of {BLOCK_N}")
         part_m = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(t, hq, splits, dim, dtype=torch.float32, device=q.device)
@@ -330,7 +344,7 @@ def paged_attention(
         group,
         dim,
         hq,
-        split_keys,
+        keys_per_split,
         SPLIT=splits > 1,
         QUANT=quantized,
         FP8=cache.k.dtype == torch.float8_e4m3fn,

@@ -228,13 +228,33 @@ def test_split_context_decode_matches_reference(dtype: torch.dtype, kv_dtype: to
     check_step(8, 2, 64, 16, dtype, kv_dtype, [300, 70, 3, 127], [1, 1, 1, 1], split_keys=64)
 
 
+def test_split_plan() -> None:
+    plan = triton_attention.split_plan
+
+    def meta(batch: int, max_seq_len: int, max_query_len: int = 1) -> AttentionMetadata:
+        m = metadata([[0]] * batch, [0] * batch, [1] * batch, 16)
+        m.max_seq_len, m.max_query_len = max_seq_len, max_query_len
+        return m
+
+    assert plan(meta(1, 512), 8) == (1, 0)  # one part's worth: no split
+    assert plan(meta(1, 602), 8) == (2, 320)  # parts of equal size, multiples of BLOCK_N
+    assert plan(meta(1, 8192), 8) == (16, 512)
+    assert plan(meta(1, 131072), 8) == (32, 4096)  # at most MAX_SPLITS parts: bounded partials
+    assert plan(meta(64, 8192), 8) == (2, 4096)  # 512 programs already: split only to reach 1024
+    assert plan(meta(128, 8192), 8) == (1, 0)  # the batch fills the GPU
+    assert plan(meta(1, 8192, max_query_len=2), 8) == (1, 0)  # prefill never splits
+    for batch, length in [(1, 700), (3, 5000), (2, 100000)]:
+        parts, keys = plan(meta(batch, length), 2)
+        assert parts * keys >= length > (parts - 1) * keys and keys % triton_attention.BLOCK_N == 0
+
+
+def test_prefill_over_a_long_context_is_never_cut_short() -> None:
+    # a chunk after 600 cached tokens, and a whole 530-token prompt: longer than a split part
+    check_step(4, 2, 64, 64, torch.float32, torch.float32, [600, 0], [5, 530])
+
+
 def test_long_decode_takes_the_split_path_by_default() -> None:
     ctx = triton_attention.SPLIT_KEYS + 90
-    meta = metadata([[0] * 1], [0], [1], 16)
-    meta.max_seq_len = ctx
-    assert triton_attention.num_splits(meta, triton_attention.SPLIT_KEYS) == 2
-    meta.max_query_len = 2  # prefill steps never split
-    assert triton_attention.num_splits(meta, triton_attention.SPLIT_KEYS) == 1
     check_step(4, 1, 64, 32, torch.float32, torch.float32, [ctx, 5], [1, 1])
 
 
