@@ -306,30 +306,37 @@ def flash_pages(block_size: int) -> bool:
     return block_size % FLASH_PAGE_MULTIPLE == 0
 
 
-def cuda_backend_name(kv_quantized: bool, block_size: int, have_flash: bool, have_triton: bool) -> str:
-    """Pure: which CUDA backend runs a pool. flash-attn where it pages the pool in place (16-bit pools,
-    blocks of a multiple of 256); the Triton kernel for quantized pools and other block sizes (no
-    per-step packing copy); flash-attn's packed path, then the torch reference, only when Triton is
-    missing."""
-    if have_flash and not kv_quantized and flash_pages(block_size):
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn 2 computes in these only
+
+
+def cuda_backend_name(kv_dtype: torch.dtype, block_size: int, have_flash: bool, have_triton: bool) -> str:
+    """Pure: which CUDA backend runs a pool of `kv_dtype` (its storage dtype). flash-attn where it pages
+    the pool in place (float16/bfloat16 pools, blocks of a multiple of 256); the Triton kernel for
+    everything else: int8/fp8 and float32 pools, other block sizes (no per-step packing copy);
+    flash-attn's packed path, then the torch reference, only when Triton is missing."""
+    flash_reads = have_flash and kv_dtype in FLASH_DTYPES
+    if flash_reads and flash_pages(block_size):
         return "flash-attn"
     if have_triton:
         return "triton"
-    if have_flash and not kv_quantized:
+    if flash_reads:
         return "flash-attn"
     return "torch"
 
 
 def select_backend(
-    device: torch.device, kv_quantized: bool = False, block_size: int = 16
+    device: torch.device,
+    kv_quantized: bool = False,
+    block_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """The one place that chooses how attention runs."""
+    """The one place that chooses how attention runs (`kv_dtype`: the pool's storage dtype; on CUDA it
+    decides whether flash-attn can read it)."""
     if device.type == "cuda":
         from kvpilot.kernels import triton_attention
 
-        name = cuda_backend_name(
-            kv_quantized, block_size, flash_attn_available(), triton_attention.available()
-        )
+        dtype = kv_dtype if kv_dtype is not None else (torch.int8 if kv_quantized else torch.float16)
+        name = cuda_backend_name(dtype, block_size, flash_attn_available(), triton_attention.available())
         if name == "flash-attn":
             return FlashAttentionBackend()
         if name == "triton":

@@ -111,14 +111,18 @@ def resolve_device(cfg: EngineConfig) -> torch.device:
 DEFAULT_BLOCK_SIZE = 16
 
 
-def resolve_block_size(cfg: EngineConfig, device: torch.device, have_flash_attn: bool) -> int:
-    """`--block-size` when set; else 256 on CUDA with flash-attn (its paged kernel reads pages of a
-    multiple of 256, anything smaller goes to the Triton kernel), else 16."""
-    from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE
+def resolve_block_size(
+    cfg: EngineConfig, device: torch.device, have_flash_attn: bool, model_dtype: torch.dtype
+) -> int:
+    """`--block-size` when set; else 256 on CUDA with flash-attn when flash-attn will read the pool (a
+    float16/bfloat16 model with a 16-bit KV cache: its paged kernel reads pages of a multiple of 256),
+    else 16 (the Triton kernel pages any size)."""
+    from kvpilot.kernels.attention import FLASH_DTYPES, FLASH_PAGE_MULTIPLE
 
     if cfg.block_size is not None:
         return cfg.block_size
-    if device.type == "cuda" and have_flash_attn and cfg.kv_cache_dtype == "auto":
+    flash_reads = have_flash_attn and cfg.kv_cache_dtype == "auto" and model_dtype in FLASH_DTYPES
+    if device.type == "cuda" and flash_reads:
         return FLASH_PAGE_MULTIPLE
     return DEFAULT_BLOCK_SIZE
 
@@ -126,11 +130,13 @@ def resolve_block_size(cfg: EngineConfig, device: torch.device, have_flash_attn:
 def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
     """A copy of cfg with the block size decided (see resolve_block_size)."""
     from kvpilot.kernels.attention import flash_attn_available
+    from kvpilot.runtime.loader import resolve_dtype
 
     if cfg.block_size is not None:
         return cfg
     have_flash = device.type == "cuda" and flash_attn_available()
-    return cfg.model_copy(update={"block_size": resolve_block_size(cfg, device, have_flash)})
+    size = resolve_block_size(cfg, device, have_flash, resolve_dtype(cfg.dtype, device))
+    return cfg.model_copy(update={"block_size": size})
 
 
 def cuda_graph_sizes(cfg: EngineConfig, device: torch.device) -> list[int] | None:

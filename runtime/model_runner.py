@@ -179,7 +179,9 @@ def profile_memory(
     backend: AttentionBackend | None = None,
 ) -> MemoryProfile:
     """CUDA only: warm up at the largest step and measure its peak (torch.cuda.max_memory_allocated)."""
-    backend = backend or select_backend(device, quant.is_quantized(geometry.dtype), geometry.block_size)
+    backend = backend or select_backend(
+        device, quant.is_quantized(geometry.dtype), geometry.block_size, geometry.dtype
+    )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -282,7 +284,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.backend = backend or select_backend(
-            device, quant.is_quantized(geometry.dtype), geometry.block_size
+            device, quant.is_quantized(geometry.dtype), geometry.block_size, geometry.dtype
         )
         tiled = bool(getattr(self.backend, "tiled_kv", False))
         self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, tiled)

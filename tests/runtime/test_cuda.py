@@ -223,25 +223,32 @@ def test_bfloat16_on_cuda_serves_a_batch_to_completion(make_cuda_engine: Callabl
 
 def test_block_size_is_256_on_cuda_with_flash_attn_else_16() -> None:
     cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
-    assert resolve_block_size(EngineConfig(), cuda_dev, have_flash_attn=True) == FLASH_PAGE_MULTIPLE
-    assert resolve_block_size(EngineConfig(), cuda_dev, have_flash_attn=False) == DEFAULT_BLOCK_SIZE
-    assert resolve_block_size(EngineConfig(), cpu_dev, have_flash_attn=True) == DEFAULT_BLOCK_SIZE
-    # quantized pools are read by the Triton kernel, which pages any size: no need for big blocks
-    assert resolve_block_size(EngineConfig(kv_cache_dtype="int8"), cuda_dev, True) == DEFAULT_BLOCK_SIZE
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert resolve_block_size(EngineConfig(), cuda_dev, True, bf16) == FLASH_PAGE_MULTIPLE
+    assert resolve_block_size(EngineConfig(), cuda_dev, True, torch.float16) == FLASH_PAGE_MULTIPLE
+    assert resolve_block_size(EngineConfig(), cuda_dev, False, bf16) == DEFAULT_BLOCK_SIZE
+    assert resolve_block_size(EngineConfig(), cpu_dev, True, bf16) == DEFAULT_BLOCK_SIZE
+    # pools flash-attn cannot read (int8/fp8, float32) go to the Triton kernel, which pages any size
+    assert resolve_block_size(EngineConfig(kv_cache_dtype="int8"), cuda_dev, True, bf16) == DEFAULT_BLOCK_SIZE
+    assert resolve_block_size(EngineConfig(), cuda_dev, True, fp32) == DEFAULT_BLOCK_SIZE
     # an explicit --block-size always wins
-    assert resolve_block_size(EngineConfig(block_size=32), cuda_dev, True) == 32
+    assert resolve_block_size(EngineConfig(block_size=32), cuda_dev, True, bf16) == 32
 
 
 def test_cuda_backend_choice() -> None:
-    # flash-attn only where it pages the pool in place
-    assert cuda_backend_name(False, 256, have_flash=True, have_triton=True) == "flash-attn"
-    assert cuda_backend_name(False, 16, have_flash=True, have_triton=True) == "triton"
-    assert cuda_backend_name(True, 256, have_flash=True, have_triton=True) == "triton"
-    assert cuda_backend_name(False, 256, have_flash=False, have_triton=True) == "triton"
+    bf16, fp16, i8, fp8, fp32 = torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn, torch.float32
+    # flash-attn only where it pages the pool in place, and only 16-bit pools
+    assert cuda_backend_name(bf16, 256, have_flash=True, have_triton=True) == "flash-attn"
+    assert cuda_backend_name(fp16, 512, have_flash=True, have_triton=True) == "flash-attn"
+    assert cuda_backend_name(bf16, 16, have_flash=True, have_triton=True) == "triton"
+    for dt in (i8, fp8, fp32):
+        assert cuda_backend_name(dt, 256, have_flash=True, have_triton=True) == "triton"
+    assert cuda_backend_name(bf16, 256, have_flash=False, have_triton=True) == "triton"
     # without Triton: flash-attn's packed path for 16-bit pools, the reference otherwise
-    assert cuda_backend_name(False, 16, have_flash=True, have_triton=False) == "flash-attn"
-    assert cuda_backend_name(True, 16, have_flash=True, have_triton=False) == "torch"
-    assert cuda_backend_name(False, 16, have_flash=False, have_triton=False) == "torch"
+    assert cuda_backend_name(bf16, 16, have_flash=True, have_triton=False) == "flash-attn"
+    assert cuda_backend_name(i8, 16, have_flash=True, have_triton=False) == "torch"
+    assert cuda_backend_name(fp32, 256, have_flash=True, have_triton=False) == "torch"
+    assert cuda_backend_name(bf16, 16, have_flash=False, have_triton=False) == "torch"
 
 
 @cuda
