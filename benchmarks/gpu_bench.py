@@ -261,6 +261,8 @@ def compare_backends(loaded: LoadedModel, args: argparse.Namespace, batch: int) 
 
     block_sizes = [16] + ([256] if loaded.device.type == "cuda" and flash_attn_available() else [])
     rows = []
+    # batch x (prompt + output) tokens at 128 KiB a token (8B shapes), in whole 256-token blocks: 8 GiB
+    pool = args.kv_cache_memory or (8 * 2**30 if loaded.device.type == "cuda" else 2**26)
     for bs in block_sizes:
         for eager in (False, True):
             engine = engine_for(
@@ -268,7 +270,7 @@ def compare_backends(loaded: LoadedModel, args: argparse.Namespace, batch: int) 
                 batch,
                 block_size=bs,
                 enforce_eager=eager,
-                kv_cache_memory=args.kv_cache_memory or 2**30,
+                kv_cache_memory=pool,
             )
             decode_rate(engine, 1, 8, 2)
             r = decode_rate(engine, batch, args.prompt_len, args.decode_tokens)
