@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             assert base_ppl is not None and base_cont is not None
             entry["perplexity_change_pct"] = round(100 * (ppl / base_ppl - 1), 3)
             geo16 = dataclasses.replace(engine.runner.geometry, dtype=torch.bfloat16)
-            tokens16 = geo16.num_blocks_for(args.kv_cache_memory) * cfg.block_size
+            tokens16 = geo16.num_blocks_for(args.kv_cache_memory) * geo16.block_size
             entry["capacity_vs_16bit"] = round(capacity / tokens16, 3)
             entry.update({k: round(v, 4) for k, v in agreement(base_cont, cont).items()})
         results[kind] = entry

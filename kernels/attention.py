@@ -232,8 +232,14 @@ class FlashAttentionBackend:
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        from kvpilot.kernels import triton_attention
+
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
+        # writes through the Triton store (skips slot -1 in the kernel, no host sync) where available;
+        # then a paged decode step can be captured in a CUDA graph
+        self._write = triton_attention.store_kv if triton_attention.available() else write_kv
+        self.graph_safe = triton_attention.available()
 
     def forward(
         self,
@@ -246,7 +252,7 @@ class FlashAttentionBackend:
     ) -> torch.Tensor:
         if cache.k_scale is not None:  # quantized pools go through the reference read path
             return TorchReferenceBackend().forward(q, k, v, cache, meta, scale)
-        write_kv(k, v, cache, meta.slot_mapping)
+        self._write(k, v, cache, meta.slot_mapping)
         if cache.block_size % FLASH_PAGE_MULTIPLE != 0:
             kk, vv, cu_k = packed_kv(cache, meta)
             return self._varlen(
@@ -295,10 +301,47 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def select_backend(device: torch.device, kv_quantized: bool = False) -> AttentionBackend:
-    """The one place that chooses how attention runs."""
-    if device.type == "cuda" and not kv_quantized and flash_attn_available():
-        return FlashAttentionBackend()
+def flash_pages(block_size: int) -> bool:
+    """Whether flash-attn's paged kernel reads a pool of this block size in place."""
+    return block_size % FLASH_PAGE_MULTIPLE == 0
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn 2 computes in these only
+
+
+def cuda_backend_name(kv_dtype: torch.dtype, block_size: int, have_flash: bool, have_triton: bool) -> str:
+    """Pure: which CUDA backend runs a pool of `kv_dtype` (its storage dtype). flash-attn where it pages
+    the pool in place (float16/bfloat16 pools, blocks of a multiple of 256); the Triton kernel for
+    everything else: int8/fp8 and float32 pools, other block sizes (no per-step packing copy);
+    flash-attn's packed path, then the torch reference, only when Triton is missing."""
+    flash_reads = have_flash and kv_dtype in FLASH_DTYPES
+    if flash_reads and flash_pages(block_size):
+        return "flash-attn"
+    if have_triton:
+        return "triton"
+    if flash_reads:
+        return "flash-attn"
+    return "torch"
+
+
+def select_backend(
+    device: torch.device,
+    kv_quantized: bool = False,
+    block_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """The one place that chooses how attention runs (`kv_dtype`: the pool's storage dtype; on CUDA it
+    decides whether flash-attn can read it)."""
+    if device.type == "cuda":
+        from kvpilot.kernels import triton_attention
+
+        dtype = kv_dtype if kv_dtype is not None else (torch.int8 if kv_quantized else torch.float16)
+        name = cuda_backend_name(dtype, block_size, flash_attn_available(), triton_attention.available())
+        if name == "flash-attn":
+            return FlashAttentionBackend()
+        if name == "triton":
+            return triton_attention.TritonPagedAttentionBackend()
+        return TorchReferenceBackend()
     if device.type == "cpu":
         from kvpilot.kernels import cpu_attention
 

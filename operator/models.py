@@ -267,7 +267,13 @@ class RuntimeSettings(_Model):
     max_model_len: int | None = Field(
         None, ge=16, le=1 << 20, description="Context length; model's own by default."
     )
-    block_size: Literal[8, 16, 32, 64, 128] | None = Field(None, description="Tokens per KV-cache block.")
+    block_size: Literal[8, 16, 32, 64, 128, 256] | None = Field(
+        None,
+        description=(
+            "Tokens per KV-cache block. Unset: the runtime picks (256 on GPUs with flash-attn, whose "
+            "paged kernel needs it; 16 otherwise)."
+        ),
+    )
     kv_cache_dtype: Literal["auto", "fp8", "int8"] | None = Field(None, description="KV-cache storage dtype.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks across shared prefixes.")
     tensor_parallel_size: int | None = Field(

@@ -100,7 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--max-num-seqs", type=_positive_int, default=s, help="sequences per batch")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=s, help="token budget per step")
-    e.add_argument("--block-size", type=_positive_int, default=s, help="tokens per KV block")
+    e.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=s,
+        help="tokens per KV block (default: 256 on CUDA with flash-attn, else 16)",
+    )
     e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default=s)
     e.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=s, metavar="BYTES", help="KV pool size, e.g. 2GiB"
@@ -116,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=s)
     e.add_argument("--threads", type=_positive_int, default=s, help="torch threads on CPU")
     e.add_argument("--seed", type=int, default=s)
-    e.add_argument("--enforce-eager", action="store_true", default=s, help="disable CUDA graphs")
+    e.add_argument(
+        "--enforce-eager", action="store_true", default=s, help="no CUDA graphs: decode steps run eagerly"
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -39,7 +39,13 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16, description="defaults to the model's context length")
     max_num_seqs: int = Field(64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(2048, ge=16)
-    block_size: int = Field(16, ge=1, le=256)
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="tokens per KV block; default: 256 on CUDA with flash-attn installed (its paged kernel "
+        "reads pages of a multiple of 256), else 16 (see runtime.engine.resolve_block_size)",
+    )
     kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1, le=64)

@@ -108,10 +108,52 @@ def resolve_device(cfg: EngineConfig) -> torch.device:
     return torch.device("cpu")
 
 
+DEFAULT_BLOCK_SIZE = 16
+
+
+def resolve_block_size(
+    cfg: EngineConfig, device: torch.device, have_flash_attn: bool, model_dtype: torch.dtype
+) -> int:
+    """`--block-size` when set; else 256 on CUDA with flash-attn when flash-attn will read the pool (a
+    float16/bfloat16 model with a 16-bit KV cache: its paged kernel reads pages of a multiple of 256),
+    else 16 (the Triton kernel pages any size)."""
+    from kvpilot.kernels.attention import FLASH_DTYPES, FLASH_PAGE_MULTIPLE
+
+    if cfg.block_size is not None:
+        return cfg.block_size
+    flash_reads = have_flash_attn and cfg.kv_cache_dtype == "auto" and model_dtype in FLASH_DTYPES
+    if device.type == "cuda" and flash_reads:
+        return FLASH_PAGE_MULTIPLE
+    return DEFAULT_BLOCK_SIZE
+
+
+def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
+    """A copy of cfg with the block size decided (see resolve_block_size)."""
+    from kvpilot.kernels.attention import flash_attn_available
+    from kvpilot.runtime.loader import resolve_dtype
+
+    if cfg.block_size is not None:
+        return cfg
+    have_flash = device.type == "cuda" and flash_attn_available()
+    size = resolve_block_size(cfg, device, have_flash, resolve_dtype(cfg.dtype, device))
+    return cfg.model_copy(update={"block_size": size})
+
+
+def cuda_graph_sizes(cfg: EngineConfig, device: torch.device) -> list[int] | None:
+    """Decode batch sizes to capture CUDA graphs for: none with --enforce-eager or off CUDA."""
+    from kvpilot.runtime.cuda_graphs import graph_batch_sizes
+
+    if cfg.enforce_eager or device.type != "cuda":
+        return None
+    return graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+
+
 def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) -> int:
-    """Bytes for the KV pool: `--kv-cache-memory` when set; on a GPU (device_memory = (free, total)
-    after the weights are loaded) the `--gpu-memory-utilization` share of the card minus what is in
-    use and a reserve for the largest step's activations; on a CPU a fixed default."""
+    """Bytes for the KV pool without a warm-up (tensor-parallel ranks; see
+    model_runner.kv_budget_from_profile for the measured rule one GPU uses): `--kv-cache-memory` when
+    set; on a GPU (device_memory = (free, total) after the weights are loaded) the
+    `--gpu-memory-utilization` share of the card minus what is in use and a conservative reserve for
+    the largest step's activations; on a CPU a fixed default."""
     if cfg.kv_cache_memory is not None:
         return cfg.kv_cache_memory
     if device_memory is None:
@@ -148,7 +190,9 @@ class LLMEngine:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.geometry.block_size, cfg.enable_prefix_caching
+        )
         if self.kv_capacity_tokens < max_model_len:
             log.warning(
                 "the KV pool holds %d tokens, fewer than --max-model-len %d: no request can be longer "
@@ -177,6 +221,7 @@ class LLMEngine:
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
         from kvpilot.runtime.loader import load_model, resolve_dtype
 
+        cfg = with_block_size(cfg, resolve_device(cfg))
         if cfg.tensor_parallel_size > 1:
             from kvpilot.runtime.tp_runner import start_tensor_parallel
 
@@ -201,10 +246,22 @@ class LLMEngine:
             raise ValueError(
                 "from_loaded() takes a whole model; use from_config() for --tensor-parallel-size > 1"
             )
+        cfg = with_block_size(cfg, loaded.device)
+        assert cfg.block_size is not None
         kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
         geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
-        num_blocks = cls._num_blocks(cfg, geo, loaded.device)
-        runner = ModelRunner(loaded.model, geo, num_blocks, loaded.device)
+        if loaded.device.type == "cuda" and cfg.kv_cache_memory is None:
+            num_blocks = cls._num_blocks_measured(cfg, geo, loaded)
+        else:
+            num_blocks = cls._num_blocks(cfg, geo, loaded.device)
+        runner = ModelRunner(
+            loaded.model,
+            geo,
+            num_blocks,
+            loaded.device,
+            cuda_graph_sizes=cuda_graph_sizes(cfg, loaded.device),
+            max_model_len=loaded.max_model_len,
+        )
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
         # this cfg's --max-model-len, which may differ from the one the model was loaded with
@@ -215,12 +272,18 @@ class LLMEngine:
         )
         return cls(runner, loaded.tokenizer, cfg, name, max_model_len, eos)
 
+    @classmethod
+    def _num_blocks_measured(cls, cfg: EngineConfig, geo: KVGeometry, loaded: LoadedModel) -> int:
+        """One GPU: a warm-up forward at the largest step, its measured peak, and the pool from what is
+        left under --gpu-memory-utilization."""
+        from kvpilot.runtime.model_runner import kv_budget_from_profile, profile_memory
+
+        tokens = cfg.max_num_batched_tokens
+        profile = profile_memory(loaded.model, geo, loaded.device, tokens, cfg.max_num_seqs)
+        return cls._blocks_or_refuse(kv_budget_from_profile(profile, cfg.gpu_memory_utilization), geo)
+
     @staticmethod
-    def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
-        mem = (
-            torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
-        )
-        budget = kv_budget_bytes(cfg, mem)
+    def _blocks_or_refuse(budget: int, geo: KVGeometry) -> int:
         n = geo.num_blocks_for(budget)
         if n < 1:
             flag = "--kv-cache-memory" if cfg.kv_cache_memory is not None else "--gpu-memory-utilization"
@@ -229,6 +292,13 @@ class LLMEngine:
                 f"bytes (--block-size {cfg.block_size}); raise {flag}"
             )
         return n
+
+    @staticmethod
+    def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
+        mem = (
+            torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
+        )
+        return LLMEngine._blocks_or_refuse(kv_budget_bytes(cfg, mem), geo)
 
     # -- requests ------------------------------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ import torch
 
 from kvpilot.kernels import quant
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
+from kvpilot.runtime.cuda_graphs import DecodeGraphRunner
 from kvpilot.runtime.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,112 @@ def allocate_kv_cache(
     return layers
 
 
+def warmup_batch(
+    num_tokens: int, num_seqs: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, int]:
+    """Pure: the largest step the scheduler can send, as a synthetic prefill of `num_tokens` tokens
+    spread over min(num_seqs, num_tokens) sequences, each in its own consecutive blocks.
+    Returns (input_ids, positions, meta, sample_rows, blocks needed)."""
+    seqs = max(1, min(num_seqs, num_tokens))
+    lens = [num_tokens // seqs + (1 if i < num_tokens % seqs else 0) for i in range(seqs)]
+    nblocks = [(n + block_size - 1) // block_size for n in lens]
+    width = max(nblocks)
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    qsl = [0]
+    first = 0
+    for n, nb in zip(lens, nblocks, strict=True):
+        table = list(range(first, first + nb))
+        tables.append(table + [0] * (width - nb))
+        slots.extend(first * block_size + p for p in range(n))
+        positions.extend(range(n))
+        qsl.append(qsl[-1] + n)
+        first += nb
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        query_lens_cpu=lens,
+        seq_lens_cpu=list(lens),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    sample_rows = torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=device)
+    return ids, pos, meta, sample_rows, first
+
+
+@torch.inference_mode()
+def warmup_forward(
+    model: CausalLM,
+    geometry: KVGeometry,
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    backend: AttentionBackend,
+) -> int:
+    """Run the largest step once (all layers, attention, logits of every sequence) on a throw-away KV
+    pool just big enough for it; returns that pool's size in bytes (the caller subtracts it from the
+    measured peak: the real pool is sized separately)."""
+    ids, pos, meta, rows, nblocks = warmup_batch(num_tokens, num_seqs, geometry.block_size, device)
+    caches = allocate_kv_cache(geometry, nblocks, device, bool(getattr(backend, "tiled_kv", False)))
+    hidden = model(ids, pos, caches, meta, backend)
+    model.compute_logits(hidden.index_select(0, rows)).float()
+    return nblocks * geometry.bytes_per_block
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a warm-up measured on a GPU (bytes)."""
+
+    total: int  # device memory
+    used: int  # in use after the warm-up, allocator cache emptied: weights, CUDA context, other processes
+    activation_peak: int  # the largest step's transient tensors beyond the weights
+
+
+def kv_budget_from_profile(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
+    """Pure: the KV pool is what is left of the `--gpu-memory-utilization` share of the device after
+    what is in use and the largest step's activations (the vLLM / nano-vllm rule)."""
+    return int(profile.total * gpu_memory_utilization) - profile.used - profile.activation_peak
+
+
+def profile_memory(
+    model: CausalLM,
+    geometry: KVGeometry,
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    backend: AttentionBackend | None = None,
+) -> MemoryProfile:
+    """CUDA only: warm up at the largest step and measure its peak (torch.cuda.max_memory_allocated)."""
+    backend = backend or select_backend(
+        device, quant.is_quantized(geometry.dtype), geometry.block_size, geometry.dtype
+    )
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    pool_bytes = warmup_forward(model, geometry, device, num_tokens, num_seqs, backend)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    profile = MemoryProfile(
+        total=total, used=total - free, activation_peak=max(0, peak - before - pool_bytes)
+    )
+    log.info(
+        "memory profile: %.2f GiB in use after warm-up, %.2f GiB peak activations (%d tokens, %d seqs)",
+        profile.used / 2**30,
+        profile.activation_peak / 2**30,
+        num_tokens,
+        num_seqs,
+    )
+    return profile
+
+
 @dataclass
 class PreparedBatch:
     input_ids: torch.Tensor
@@ -167,12 +274,18 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         backend: AttentionBackend | None = None,
+        cuda_graph_sizes: list[int] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`cuda_graph_sizes`: capture decode CUDA graphs for these batch sizes (None: eager, as with
+        --enforce-eager); needs a CUDA device, a capture-safe backend and `max_model_len`."""
         self.model = model
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.device = device
-        self.backend = backend or select_backend(device, quant.is_quantized(geometry.dtype))
+        self.backend = backend or select_backend(
+            device, quant.is_quantized(geometry.dtype), geometry.block_size, geometry.dtype
+        )
         tiled = bool(getattr(self.backend, "tiled_kv", False))
         self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, tiled)
         log.info(
@@ -183,6 +296,24 @@ class ModelRunner:
             geometry.dtype,
             self.backend.name,
         )
+        self.graphs: DecodeGraphRunner | None = None
+        if cuda_graph_sizes:
+            if device.type != "cuda" or max_model_len is None:
+                raise ValueError("CUDA graphs need a CUDA device and max_model_len")
+            if not getattr(self.backend, "graph_safe", False):
+                log.warning(
+                    "attention backend %s is not CUDA-graph safe: decode runs eagerly", self.backend.name
+                )
+            else:
+                max_blocks = -(-max_model_len // geometry.block_size)
+                self.graphs = DecodeGraphRunner(
+                    model, self.kv_caches, self.backend, cuda_graph_sizes, max_blocks, device
+                )
+
+    def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(batch.meta):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
 
     def close(self) -> None:
         """Release what the runner holds besides memory: nothing here; the tensor-parallel runner
@@ -192,13 +323,13 @@ class ModelRunner:
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        return self._run_model(batch)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns float32 logits [num_sampled, vocab] and the sequences they belong to."""
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        hidden = self._run_model(batch)
         if not batch.sampled:
             return torch.empty(0, 0), []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

