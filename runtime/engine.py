@@ -280,10 +280,10 @@ class LLMEngine:
 
         tokens = cfg.max_num_batched_tokens
         profile = profile_memory(loaded.model, geo, loaded.device, tokens, cfg.max_num_seqs)
-        return cls._blocks_or_refuse(kv_budget_from_profile(profile, cfg.gpu_memory_utilization), geo)
+        return cls._blocks_or_refuse(kv_budget_from_profile(profile, cfg.gpu_memory_utilization), geo, cfg)
 
     @staticmethod
-    def _blocks_or_refuse(budget: int, geo: KVGeometry) -> int:
+    def _blocks_or_refuse(budget: int, geo: KVGeometry, cfg: EngineConfig) -> int:
         n = geo.num_blocks_for(budget)
         if n < 1:
             flag = "--kv-cache-memory" if cfg.kv_cache_memory is not None else "--gpu-memory-utilization"
@@ -298,7 +298,7 @@ class LLMEngine:
         mem = (
             torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
         )
-        return LLMEngine._blocks_or_refuse(kv_budget_bytes(cfg, mem), geo)
+        return LLMEngine._blocks_or_refuse(kv_budget_bytes(cfg, mem), geo, cfg)
 
     # -- requests ------------------------------------------------------------------------------
     @property
