@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import re
 import sys
 from collections.abc import Iterator
@@ -26,11 +27,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvpilot.kernels import isa
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
 from kvpilot.runtime.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+
+log = logging.getLogger(__name__)
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (distribution, file inside it)
@@ -316,12 +320,9 @@ def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tenso
 
 
 def cpu_supports_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX-BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX-BF16) at the kernels' ISA level
+    (kernels/isa.py; KVPILOT_CPU_ISA=avx2 on an AVX-512 machine behaves as an AVX2-only CPU)."""
+    return isa.native_bf16()
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -346,7 +347,15 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.
     dev = resolve_device(device)
     if dev.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    native = cpu_supports_bf16()
+    chosen = torch.bfloat16 if native else torch.float32
+    log.info(
+        "dtype auto -> %s (CPU kernels at ISA %s, %s native bf16)",
+        str(chosen).removeprefix("torch."),
+        isa.selected(),
+        "with" if native else "without",
+    )
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------
