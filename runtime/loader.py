@@ -412,6 +412,26 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     return requested
 
 
+_LINEAR_GGUF = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def quantization_method(requested: str | None, path: Path) -> str | None:
+    """The weight quantization to apply: int8/int4 as asked; `auto` follows a GGUF file's own
+    storage type of its linear weights (Q8_0 -> int8, Q4_0/Q4_1/Q4_K -> int4), else none."""
+    if requested != "auto":
+        return requested
+    if not path.is_file():
+        log.info("--quantization auto: %s is not a quantized GGUF file, weights stay unquantized", path)
+        return None
+    from kvpilot.runtime.quantization import auto_method
+
+    with GGUFFile(path) as f:
+        types = {i.type_name for n, i in f.tensors.items() if n.split(".")[-2] in _LINEAR_GGUF}
+    method = auto_method(types)
+    log.info("--quantization auto: linear weights stored as %s -> %s", sorted(types), method or "none")
+    return method
+
+
 def load_model(
     cfg: EngineConfig, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
 ) -> LoadedModel:
@@ -422,6 +442,11 @@ def load_model(
     loader = load_gguf if path.is_file() else load_hf_dir
     model, tokenizer, arch = loader(path, dev, torch_dtype)
     model.eval()
+    method = quantization_method(cfg.quantization, path)
+    if method is not None:
+        from kvpilot.runtime.quantization import quantize_model
+
+        quantize_model(model, method, cfg.quantization_group_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
