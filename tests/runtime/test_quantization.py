@@ -117,3 +117,27 @@ def test_config_schema_takes_and_checks_the_settings() -> None:
         EngineConfig.model_validate({"quantization": "fp4"})
     with pytest.raises(ValueError, match="quantization_group_size"):
         EngineConfig.model_validate({"quantization": "int4", "quantization_group_size": 48})
+
+
+def test_serve_flags_and_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from kvpilot.runtime import cli
+
+    def args(argv: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        return parser.parse_args(argv)
+
+    assert cli.build_config(args([])).quantization is None
+    path = tmp_path / "serve.yaml"
+    path.write_text("quantization: int8\nquantization_group_size: 128\n")
+    cfg = cli.build_config(args(["--config", str(path)]))
+    assert (cfg.quantization, cfg.quantization_group_size) == ("int8", 128)
+    cfg = cli.build_config(
+        args(["--config", str(path), "--quantization", "int4", "--quantization-group-size", "64"])
+    )
+    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 64)
+    with pytest.raises(SystemExit):
+        args(["--quantization", "gptq"])
+    assert "--quantization" in capsys.readouterr().err
