@@ -10,7 +10,10 @@ tokens, no cached prefix), times one layer's attention call of:
     kernels reach for the same math, a practical bound for the paged versions.
 Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second.
 
-    python benchmarks/attention_micro.py [--dtype bfloat16] [--threads 2]
+    python benchmarks/attention_micro.py [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
+
+--isa builds and uses the kernel for one ISA level (kernels/isa.py; the same as KVPILOT_CPU_ISA), so
+the AVX2 path can be timed on an AVX-512 machine; --kernel-only skips the torch comparisons.
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ def figures(ms: float, pairs: int, kv_bytes: int) -> dict[str, float]:
     }
 
 
-def run_case(name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtype) -> dict[str, Any]:
+def run_case(
+    name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtype, kernel_only: bool = False
+) -> dict[str, Any]:
     from kvpilot.kernels import cpu_attention
     from kvpilot.kernels.attention import TorchReferenceBackend
 
@@ -113,6 +118,8 @@ def run_case(name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtyp
                 pairs,
                 kv_bytes,
             )
+        if kernel_only:
+            return out
         q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=False)
         ref = TorchReferenceBackend()
         fn = ref._decode if meta.decode_only else ref._varlen
@@ -143,9 +150,15 @@ def run_case(name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtyp
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", choices=["avx512", "avx2", "generic"], help="force the kernel's ISA level")
+    p.add_argument("--kernel-only", action="store_true", help="time only the C kernel's two paths")
     args = p.parse_args()
+    if args.isa:
+        os.environ["KVPILOT_CPU_ISA"] = args.isa
+    from kvpilot.kernels import isa
+
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     cases = [
@@ -157,9 +170,10 @@ def main() -> int:
     doc = {
         "dtype": args.dtype,
         "threads": args.threads,
+        "isa": isa.selected(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
-        "results": [run_case(name, ql, sl, dtype) for name, ql, sl in cases],
+        "results": [run_case(name, ql, sl, dtype, args.kernel_only) for name, ql, sl in cases],
     }
     print(json.dumps(doc, indent=2))
     return 0

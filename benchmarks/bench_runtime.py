@@ -347,6 +347,7 @@ def kvpilot_config(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:
         "max_num_batched_tokens": args.kvpilot_max_batched_tokens,
         "kv_cache_memory": int(args.kvpilot_kv_gib * 2**30),
         "enable_prefix_caching": True,
+        "quantization": args.kvpilot_quantization,
     }
 
 
@@ -640,6 +641,7 @@ def kvpilot_server(args: argparse.Namespace, gguf_path: Path) -> Server:
         str(cfg["max_num_batched_tokens"]),
         "--kv-cache-memory",
         str(cfg["kv_cache_memory"]),
+        *(["--quantization", cfg["quantization"]] if cfg["quantization"] else []),
         "--max-model-len",
         "2048",
         "--log-level",
@@ -938,6 +940,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--single-prompt", type=int, default=128)
     p.add_argument("--single-output", type=int, default=256)
     p.add_argument("--kvpilot-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--kvpilot-quantization", default=None, choices=["int8", "int4", "auto"], help="--quantization"
+    )
     p.add_argument("--kvpilot-max-num-seqs", type=int, default=128)
     p.add_argument("--kvpilot-max-batched-tokens", type=int, default=2048)
     p.add_argument("--kvpilot-kv-gib", type=float, default=2.0)

@@ -1,9 +1,11 @@
 """The CPU paged-attention kernel (kernels/csrc/paged_attention_cpu.c), built on first use.
 
 It reads K/V in place through the block tables instead of gathering them into a copy, which is what
-dominates the torch reference path on CPUs. The shared library is compiled once per source, compiler
-and CPU into ~/.cache/kvpilot/kernels (or $KVPILOT_KERNEL_CACHE) and loaded with ctypes; when no C
-compiler is available the runtime falls back to the torch reference path.
+dominates the torch reference path on CPUs. The shared library is compiled once per source, compiler,
+ISA level (kernels/isa.py: avx512, avx2 or generic, chosen from the CPU's features or forced with
+KVPILOT_CPU_ISA) and CPU into ~/.cache/kvpilot/kernels (or $KVPILOT_KERNEL_CACHE) and loaded with
+ctypes; when no C compiler is available the runtime falls back to the torch reference path. The
+vectorized path (head_dim 64, block 16, K transposed) exists at the avx512 and avx2 levels.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild
+from kvpilot.kernels import cbuild, isa
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 KernelBuildError = cbuild.KernelBuildError
 _DTYPES = {
     torch.float32: 0,
@@ -33,14 +35,18 @@ _DTYPES = {
 }
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernel (once per source, flags and CPU) and return the shared library's path."""
-    return cbuild.build(SOURCE, CFLAGS, compiler)
+def build(compiler: str | None = None, level: str | None = None) -> Path:
+    """Compile the kernel for an ISA level (default: isa.selected()) and return the library's path."""
+    return cbuild.build(SOURCE, [*CFLAGS, *isa.flags_for(level or isa.selected())], compiler)
+
+
+def _library(level: str | None = None) -> ctypes.CDLL:
+    return _library_at(level or isa.selected())
 
 
 @cache
-def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+def _library_at(level: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(level=level)))
     fn = lib.kvpilot_paged_attention
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [p, i, p, p, p, i, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
@@ -48,14 +54,20 @@ def _library() -> ctypes.CDLL:
     probe = lib.kvpilot_fast_path
     probe.argtypes = [i, i, i, i, i, i]
     probe.restype = ctypes.c_int
+    lib.kvpilot_isa.restype = ctypes.c_char_p
     return lib
 
 
-def available() -> bool:
+def built_isa(level: str | None = None) -> str:
+    """The ISA level the library was compiled for, as the C code sees it (tests check the flags)."""
+    return str(_library(level).kvpilot_isa().decode())
+
+
+def available(level: str | None = None) -> bool:
     if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
         return False
     try:
-        _library()
+        _library(level)
     except (KernelBuildError, OSError) as exc:
         log.warning("CPU paged-attention kernel unavailable, using the torch reference path: %s", exc)
         return False
@@ -106,11 +118,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def fast_path(num_q_heads: int, cache: KVCacheLayer) -> bool:
-    """Whether this build takes the vectorized (AVX-512) path for these heads and this cache."""
+def fast_path(num_q_heads: int, cache: KVCacheLayer, level: str | None = None) -> bool:
+    """Whether the build for `level` takes the vectorized (AVX-512 or AVX2) path for these heads and cache."""
     _, block_size, num_kv_heads, head_dim = cache.k.shape
     return bool(
-        _library().kvpilot_fast_path(
+        _library(level).kvpilot_fast_path(
             num_q_heads,
             int(num_kv_heads),
             int(head_dim),
@@ -122,11 +134,18 @@ def fast_path(num_q_heads: int, cache: KVCacheLayer) -> bool:
 
 
 def paged_attention(
-    q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float, *, generic: bool = False
+    q: torch.Tensor,
+    cache: KVCacheLayer,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    generic: bool = False,
+    level: str | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the cached context (the new tokens' K/V already written).
 
-    `generic` forces the portable loop even where the vectorized path applies (tests compare both).
+    `generic` forces the portable loop even where the vectorized path applies (tests compare both);
+    `level` picks the ISA build (default: isa.selected()).
     """
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"unsupported query dtype {q.dtype}")
@@ -136,7 +155,7 @@ def paged_attention(
     qsl = meta.query_start_loc.contiguous()
     lens = meta.seq_lens.contiguous()
     _, block_size, num_kv_heads, head_dim = cache.k.shape
-    rc = _library().kvpilot_paged_attention(
+    rc = _library(level).kvpilot_paged_attention(
         q.data_ptr(),
         _DTYPES[q.dtype],
         out.data_ptr(),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild
+from kvpilot.kernels import cbuild, isa
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,6 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 # no -ffast-math, no FMA contraction: the rounding must follow torch's op by op
 CFLAGS = [
     "-O3",
-    "-march=native",
     "-fno-fast-math",
     "-ffp-contract=off",
     "-fopenmp",
@@ -36,23 +35,33 @@ CFLAGS = [
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _library(level: str | None = None) -> ctypes.CDLL:
+    return _library_at(level or isa.selected())
+
+
 @cache
-def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cbuild.build(SOURCE, CFLAGS)))
+def _library_at(level: str) -> ctypes.CDLL:
+    """The build for one ISA level (kernels/isa.py); the C code is auto-vectorized for it."""
+    lib = ctypes.CDLL(str(cbuild.build(SOURCE, [*CFLAGS, *isa.flags_for(level)])))
     p, i, f, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.kvpilot_rms_norm.argtypes = [p, p, p, p, p, i, long, i, f, i]
     lib.kvpilot_rms_norm.restype = i
     lib.kvpilot_rotary.argtypes = [p, p, long, long, p, p, i, long, i, i, i, i, long, i]
     lib.kvpilot_rotary.restype = i
+    lib.kvpilot_isa.restype = ctypes.c_char_p
     return lib
 
 
+def built_isa(level: str | None = None) -> str:
+    return str(_library(level).kvpilot_isa().decode())
+
+
 @cache
-def available() -> bool:
+def available(level: str | None = None) -> bool:
     if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
         return False
     try:
-        _library()
+        _library(level)
     except (cbuild.KernelBuildError, OSError) as exc:
         log.warning("fused CPU ops unavailable, using torch ops: %s", exc)
         return False
@@ -71,13 +80,18 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    level: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * norm(s), s) with s = x + residual (or x): RMSNorm.forward's contract, in one call."""
     hidden = x.shape[-1]
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else x
-    rc = _library().kvpilot_rms_norm(
+    rc = _library(level).kvpilot_rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         None if residual is None else total.data_ptr(),
@@ -110,12 +124,18 @@ def rotary_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def rotary_(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    *,
+    level: str | None = None,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (rotate-half on the first rotary_dim dims)."""
     pos = positions.to(torch.int64).contiguous()
     table = cos_sin_cache.to(torch.float32).contiguous()
-    rc = _library().kvpilot_rotary(
+    rc = _library(level).kvpilot_rotary(
         q.data_ptr(),
         k.data_ptr(),
         q.stride(0),

@@ -111,6 +111,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=parse_bytes, default=s, metavar="BYTES", help="KV pool size, e.g. 2GiB"
     )
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=s)
+    e.add_argument(
+        "--quantization",
+        choices=["int8", "int4", "auto"],
+        default=s,
+        help="weight-only quantization of the linear layers (auto: the GGUF file's own Q8_0/Q4_x)",
+    )
+    e.add_argument(
+        "--quantization-group-size", type=int, choices=[32, 64, 128], default=s, help="int4 group size"
+    )
     e.add_argument("--tensor-parallel-size", type=_positive_int, default=s)
     e.add_argument(
         "--enable-expert-parallel",

@@ -16,6 +16,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "int8"]
+Quantization = Literal["int8", "int4", "auto"]
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,14 @@ class EngineConfig(BaseModel):
     )
     kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
+    quantization: Quantization | None = Field(
+        None,
+        description="weight-only quantization of every linear layer: int8 (per output channel), int4 "
+        "(group-wise), auto (the checkpoint's own: a Q8_0/Q4_x GGUF); default: none",
+    )
+    quantization_group_size: Literal[32, 64, 128] = Field(
+        32, description="int4 weights per scale and min (along the input dimension)"
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     enable_expert_parallel: bool = Field(
         False,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import re
 import sys
 from collections.abc import Iterator
@@ -26,11 +27,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvpilot.kernels import isa
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
 from kvpilot.runtime.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+
+log = logging.getLogger(__name__)
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (distribution, file inside it)
@@ -408,12 +412,9 @@ def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tenso
 
 
 def cpu_supports_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX-BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX-BF16) at the kernels' ISA level
+    (kernels/isa.py; KVPILOT_CPU_ISA=avx2 on an AVX-512 machine behaves as an AVX2-only CPU)."""
+    return isa.native_bf16()
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -438,7 +439,15 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.
     dev = resolve_device(device)
     if dev.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    native = cpu_supports_bf16()
+    chosen = torch.bfloat16 if native else torch.float32
+    log.info(
+        "dtype auto -> %s (CPU kernels at ISA %s, %s native bf16)",
+        str(chosen).removeprefix("torch."),
+        isa.selected(),
+        "with" if native else "without",
+    )
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,6 +504,26 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     return requested
 
 
+_LINEAR_GGUF = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def quantization_method(requested: str | None, path: Path) -> str | None:
+    """The weight quantization to apply: int8/int4 as asked; `auto` follows a GGUF file's own
+    storage type of its linear weights (Q8_0 -> int8, Q4_0/Q4_1/Q4_K -> int4), else none."""
+    if requested != "auto":
+        return requested
+    if not path.is_file():
+        log.info("--quantization auto: %s is not a quantized GGUF file, weights stay unquantized", path)
+        return None
+    from kvpilot.runtime.quantization import auto_method
+
+    with GGUFFile(path) as f:
+        types = {i.type_name for n, i in f.tensors.items() if n.split(".")[-2] in _LINEAR_GGUF}
+    method = auto_method(types)
+    log.info("--quantization auto: linear weights stored as %s -> %s", sorted(types), method or "none")
+    return method
+
+
 def load_model(
     cfg: EngineConfig, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
 ) -> LoadedModel:
@@ -509,6 +538,11 @@ def load_model(
             f"--enable-expert-parallel needs a Mixture-of-Experts model; {arch.architecture} is dense"
         )
     model.eval()
+    method = quantization_method(cfg.quantization, path)
+    if method is not None:
+        from kvpilot.runtime.quantization import quantize_model
+
+        quantize_model(model, method, cfg.quantization_group_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

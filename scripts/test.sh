@@ -14,6 +14,20 @@ bash scripts/mypy.sh
 echo "== unit tests (CPU)"
 python -m pytest tests -q -p no:cacheprovider
 
+# On an AVX-512 machine the run above uses the AVX-512 kernels; the users' AVX2-only CPUs (AMD EPYC
+# and laptops) take other code paths in our C kernels (kernels/isa.py) and in torch. Run the
+# kernel-sensitive tests again as such a CPU: our kernels forced to avx2, torch's ATen and oneDNN
+# capped at AVX2 (tests/kernels already covers each of our levels side by side).
+if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; then
+  echo "== kernel-sensitive tests as an AVX2-only CPU (KVPILOT_CPU_ISA=avx2)"
+  KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_isa.py tests/kernels/test_cpu_ops.py \
+    "tests/runtime/test_model_parity.py::test_varlen_batch_matches_separate_runs" \
+    "tests/runtime/test_model_parity.py::test_chunked_prefill_with_mixed_decode" \
+    "tests/runtime/test_loader.py::test_resolve_dtype" \
+    "tests/runtime/test_quantization.py::test_int8_and_int4_models_stay_close_to_the_16_bit_one"
+fi
+
 if [ "${KVPILOT_SKIP_E2E:-0}" != "1" ] && [ -d e2e ] && ls e2e/test_*.py >/dev/null 2>&1; then
   echo "== e2e (local Kubernetes control plane)"
   python -m pytest e2e -q -p no:cacheprovider

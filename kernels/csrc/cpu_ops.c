@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "isa.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 

@@ -15,8 +15,10 @@
  *
  * One work item is (token, kv head): the G = Hq / Hkv query heads of a group share every K/V row
  * they load. Softmax is computed online, one block of keys at a time. Parallel with OpenMP (the
- * process's libgomp, the one torch already loaded). With AVX-512 and the common shape (head_dim 64,
- * block size 16, K transposed) an item takes the vectorized fast path below unless allow_fast is 0.
+ * process's libgomp, the one torch already loaded). With the common shape (head_dim 64, block size
+ * 16, K transposed) an item takes a vectorized fast path unless allow_fast is 0: the AVX-512 one in a
+ * build for that level, the AVX2+FMA+F16C one in a build for avx2 (isa.h; kernels/isa.py picks the
+ * build from the CPU's features). The generic build has only the portable loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,6 +26,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "isa.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3, DT_FP8 = 4 };
 
@@ -115,7 +118,7 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVPILOT_ISA_AVX512)
 /*
  * AVX-512 fast path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8,
  * K/V in float32, bfloat16, float16 or int8. A block's 16 keys fill one 512-bit register, so its
@@ -125,6 +128,7 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
  */
 #include <immintrin.h>
 
+#define KVPILOT_FAST 1
 #define FD 64
 #define FBS 16
 #define MAX_FG 8
@@ -303,6 +307,157 @@ static inline __attribute__((always_inline)) void fast_item(
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * FD + c * 16, _mm512_mul_ps(acc[g][c], inv));
     }
 }
+#elif defined(KVPILOT_ISA_AVX2)
+/*
+ * AVX2+FMA+F16C fast path, the same shape and dtypes as the AVX-512 one: a block's 16 keys are two
+ * 256-bit registers, so its scores are 2 x 64 broadcast-FMAs per query head. P.V runs one 8-float
+ * column chunk of the output at a time across the block's rows (G accumulators in registers, the
+ * running output in a small L1-resident array), because a whole 64-float V row per query head would
+ * need more than AVX2's 16 registers. bf16 K/V are widened to float32 (no bf16 dot product here).
+ */
+#include <immintrin.h>
+
+#define KVPILOT_FAST 1
+#define FD 64
+#define FBS 16
+#define MAX_FG 8
+#define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
+
+static inline __attribute__((always_inline)) __m256 ld8(const void *base, int dt, size_t off) {
+    switch (dt) {
+        case DT_F32: return _mm256_loadu_ps((const float *)base + off);
+        case DT_BF16:
+            return _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
+        case DT_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)));
+        default: /* DT_I8 */
+            return _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + off))));
+    }
+}
+
+/* exp(x) for x <= 0 (the AVX-512 path's polynomial; 2^k built in the exponent bits, k >= -126) */
+static inline __attribute__((always_inline)) __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* One (token, kv head) item: qf [G][64] already scaled; writes the normalized output to o [G][64]. */
+static inline __attribute__((always_inline)) void fast_item(
+    const int G, const int dt, const float *qf, float *o, const void *k_cache, const void *v_cache,
+    const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *table, int ctx, int Hkv, int h,
+    int vhm) {
+    float acc[MAX_FG][FD] __attribute__((aligned(32)));
+    float m[MAX_FG], l[MAX_FG], corr[MAX_FG];
+    float pb[MAX_FG][FBS] __attribute__((aligned(32)));
+    for (int g = 0; g < G; g++) {
+        for (int d = 0; d < FD; d++) acc[g][d] = 0.0f;
+        m[g] = NEG_BIG;
+        l[g] = 0.0f;
+    }
+    const __m256 lane_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lane_hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    const int nblocks = (ctx + FBS - 1) / FBS;
+    for (int i = 0; i < nblocks; i++) {
+        const size_t blk = (size_t)table[i];
+        const int n = (i + 1) * FBS <= ctx ? FBS : ctx - i * FBS;
+        if (i + 1 < nblocks) { /* the next block is elsewhere in the pool: start fetching it */
+            const size_t nb = (size_t)table[i + 1], tile_bytes = (size_t)FD * FBS * elem_size(dt);
+            const char *nk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
+            for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
+            if (vhm) {
+                const char *nv = (const char *)v_cache + (nb * Hkv + h) * tile_bytes;
+                for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nv + c, _MM_HINT_T0);
+            }
+        }
+        __m256 s0[MAX_FG], s1[MAX_FG];
+        for (int g = 0; g < G; g++) s0[g] = s1[g] = _mm256_setzero_ps();
+        const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
+        for (int d = 0; d < FD; d++) {
+            const __m256 k0 = ld8(k_cache, dt, tile + (size_t)d * FBS);
+            const __m256 k1 = ld8(k_cache, dt, tile + (size_t)d * FBS + 8);
+            for (int g = 0; g < G; g++) {
+                const __m256 qd = _mm256_set1_ps(qf[g * FD + d]);
+                s0[g] = _mm256_fmadd_ps(qd, k0, s0[g]);
+                s1[g] = _mm256_fmadd_ps(qd, k1, s1[g]);
+            }
+        }
+        float vs[FBS];
+        if (dt == DT_I8) {
+            float ks[FBS];
+            for (int r = 0; r < FBS; r++) {
+                ks[r] = r < n ? f16_to_f32(k_scale[(blk * FBS + r) * Hkv + h]) : 0.0f;
+                vs[r] = r < n ? f16_to_f32(v_scale[(blk * FBS + r) * Hkv + h]) : 0.0f;
+            }
+            const __m256 ks0 = _mm256_loadu_ps(ks), ks1 = _mm256_loadu_ps(ks + 8);
+            for (int g = 0; g < G; g++) {
+                s0[g] = _mm256_mul_ps(s0[g], ks0);
+                s1[g] = _mm256_mul_ps(s1[g], ks1);
+            }
+        }
+        const __m256 nv = _mm256_set1_ps((float)n);
+        const __m256 live0 = _mm256_cmp_ps(lane_lo, nv, _CMP_LT_OQ);
+        const __m256 live1 = _mm256_cmp_ps(lane_hi, nv, _CMP_LT_OQ);
+        const __m256 neg = _mm256_set1_ps(NEG_BIG);
+        for (int g = 0; g < G; g++) {
+            const __m256 a = _mm256_blendv_ps(neg, s0[g], live0), b = _mm256_blendv_ps(neg, s1[g], live1);
+            const float bmax = hmax8(_mm256_max_ps(a, b));
+            const float m_new = bmax > m[g] ? bmax : m[g];
+            corr[g] = m[g] == NEG_BIG ? 0.0f : expf(m[g] - m_new);
+            const __m256 mv = _mm256_set1_ps(m_new);
+            const __m256 p0 = _mm256_and_ps(live0, exp256(_mm256_sub_ps(a, mv)));
+            const __m256 p1 = _mm256_and_ps(live1, exp256(_mm256_sub_ps(b, mv)));
+            l[g] = l[g] * corr[g] + hsum8(_mm256_add_ps(p0, p1));
+            m[g] = m_new;
+            _mm256_store_ps(pb[g], p0);
+            _mm256_store_ps(pb[g] + 8, p1);
+        }
+        for (int c = 0; c < FD; c += 8) {
+            __m256 a[MAX_FG];
+            for (int g = 0; g < G; g++) a[g] = _mm256_mul_ps(_mm256_load_ps(acc[g] + c), _mm256_set1_ps(corr[g]));
+            for (int r = 0; r < n; r++) {
+                const size_t off = (vhm ? (blk * Hkv + h) * FBS + r : (blk * FBS + r) * Hkv + h) * (size_t)FD;
+                __m256 v = ld8(v_cache, dt, off + (size_t)c);
+                if (dt == DT_I8) v = _mm256_mul_ps(v, _mm256_set1_ps(vs[r]));
+                for (int g = 0; g < G; g++) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(pb[g][r]), v, a[g]);
+            }
+            for (int g = 0; g < G; g++) _mm256_store_ps(acc[g] + c, a[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int c = 0; c < FD; c += 8) _mm256_storeu_ps(o + g * FD + c, _mm256_mul_ps(_mm256_load_ps(acc[g] + c), inv));
+    }
+}
+#endif
+
+#if defined(KVPILOT_FAST)
 
 #define FAST_DT(G, dt) \
     fast_item(G, dt, qf, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h, vhm)
@@ -380,7 +535,7 @@ int kvpilot_paged_attention(
         const int32_t *table = block_tables + (size_t)b * max_blocks;
 
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];
-#if defined(__AVX512F__)
+#if defined(KVPILOT_FAST)
         if (fast) {
             float qs[MAX_FG * FD], o[MAX_FG * FD];
             for (int g = 0; g < G; g++) {

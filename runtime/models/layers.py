@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.kernels import cpu_ops
+from kvpilot.kernels import cpu_ops, qlinear
+from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.parallel import divide, get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 WeightLoader = Callable[..., None]
@@ -184,6 +185,16 @@ class RotaryEmbedding(nn.Module):
 # Linear layers
 
 
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | None, qweight: QuantizedWeight | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """F.linear, or the weight-only quantized matmul once the layer's weight has been quantized."""
+    if qweight is not None:
+        return qlinear.matmul(x, qweight, bias)
+    assert weight is not None
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along its output rows; each rank holds output_size / tp rows."""
 
@@ -199,6 +210,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.weight = _new_param(self.output_size_per_rank, input_size)
         set_weight_loader(self.weight, self.weight_loader)
+        self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = _new_param(self.output_size_per_rank)
@@ -209,7 +221,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = _linear(x, self.weight, self.qweight, self.bias)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -287,6 +299,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide(input_size, self.tp_size)
         self.weight = _new_param(output_size, self.input_size_per_rank)
         set_weight_loader(self.weight, self.weight_loader)
+        self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
         self.bias: nn.Parameter | None = None
         if bias:  # replicated: added once, after the reduction
             self.bias = _new_param(output_size)
@@ -298,8 +311,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight))
+            return _linear(x, self.weight, self.qweight, self.bias)
+        y = tp_all_reduce(_linear(x, self.weight, self.qweight, None))
         return y + self.bias if self.bias is not None else y
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_attention, quant, triton_attention
+from kvpilot.kernels import cpu_attention, isa, quant, triton_attention
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 
 HQ, HKV, D, BS = 6, 2, 16, 4
@@ -170,28 +170,33 @@ def test_padding_slots_are_not_written() -> None:
     assert cache.k.view(-1, HKV, D).sum() == HKV * D
 
 
-# The vectorized path needs K transposed and a 16/32-bit or int8 cache; every other combination has
-# only the portable loop, so it is not generated for the fast path (not skipped: it cannot apply).
+# Every ISA level this CPU runs (kernels/isa.py) is built and tested. The vectorized path (AVX-512 or
+# AVX2, by level) needs K transposed and a 16/32-bit or int8 cache; every other combination has only
+# the portable loop, so it is not generated for the fast path (not skipped: it cannot apply), and the
+# generic build has no fast path at all.
 KERNEL_CASES = [
-    pytest.param(dtype, layout, generic, id=f"{str(dtype).removeprefix('torch.')}-{layout}-{path}")
+    pytest.param(
+        dtype, layout, generic, level, id=f"{str(dtype).removeprefix('torch.')}-{layout}-{path}-{level}"
+    )
+    for level in isa.runnable()
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
     for layout in ("rows", "k-transposed", "tiled")
     for generic, path in ((False, "fast-path"), (True, "generic-loop"))
-    if generic or (layout != "rows" and dtype != torch.float8_e4m3fn)
+    if generic or (layout != "rows" and dtype != torch.float8_e4m3fn and level != "generic")
 ]
 
 
-@pytest.mark.parametrize(("dtype", "layout", "generic"), KERNEL_CASES)
+@pytest.mark.parametrize(("dtype", "layout", "generic", "level"), KERNEL_CASES)
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)], ids=["gqa3", "mqa8", "mha"])
 def test_cpu_kernel_matches_reference_on_a_mixed_batch(
-    dtype: torch.dtype, layout: str, generic: bool, heads: tuple[int, int]
+    dtype: torch.dtype, layout: str, generic: bool, level: str, heads: tuple[int, int]
 ) -> None:
     """Decodes and prefill chunks in one step, realistic head sizes, every cache dtype, both kernel paths.
 
     Unused slots of the sequences' last blocks hold NaN (stale data of a reused block can be
     anything): the kernel must mask them, never multiply them in.
     """
-    if not cpu_attention.available():
+    if not cpu_attention.available(level):
         pytest.skip("no C compiler for the CPU kernel")
     torch.manual_seed(1)
     (hq, hkv), d, bs = heads, 64, 16
@@ -252,10 +257,12 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
         max_seq_len=max(lens),
     )
     write_kv(kn, vn, cache, meta.slot_mapping)
-    fast = cpu_attention.fast_path(hq, cache)
-    if not generic and not fast:
-        pytest.skip("this CPU has no AVX-512: the kernel was built without its vectorized path")
-    got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, generic=generic)
+    assert cpu_attention.built_isa(level) == level
+    # the vectorized path exists at every level but generic, for every case generated for it
+    assert cpu_attention.fast_path(hq, cache, level) == (
+        level != "generic" and layout != "rows" and dtype != torch.float8_e4m3fn
+    )
+    got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, generic=generic, level=level)
     # the reference reads the very cache the kernel read (same quantized values), NaN slots zeroed:
     # it multiplies whole gathered blocks by masked probabilities, and 0 * NaN is NaN
     if dtype.itemsize > 1:

@@ -32,8 +32,9 @@ def ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 x 576 crosses the kernel's threading threshold
 def test_rms_norm_matches_the_torch_code(
-    dtype: torch.dtype, with_residual: bool, tokens: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, with_residual: bool, tokens: int, monkeypatch: pytest.MonkeyPatch, cpu_isa: str
 ) -> None:
+    assert cpu_ops.built_isa() == cpu_isa  # the build for this level is the one in use
     torch.manual_seed(0)
     norm = RMSNorm(576, eps=1e-5)
     norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
@@ -54,8 +55,9 @@ def test_rms_norm_matches_the_torch_code(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
 def test_rotary_is_bitwise_the_torch_code_on_fused_qkv_views(
-    dtype: torch.dtype, rotary_dim: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, rotary_dim: int, monkeypatch: pytest.MonkeyPatch, cpu_isa: str
 ) -> None:
+    assert cpu_ops.built_isa() == cpu_isa
     torch.manual_seed(1)
     hq, hk, d, t = 9, 3, 64, 37
     rope = RotaryEmbedding(head_dim=d, max_position=4096, base=10000.0, rotary_dim=rotary_dim)

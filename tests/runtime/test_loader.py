@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvpilot.kernels import isa
 from kvpilot.kernels.attention import TorchReferenceBackend
 from kvpilot.runtime import loader
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
@@ -275,9 +276,14 @@ def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_dtype("fp64", "cpu")
 
 
-def test_cpu_bf16_detection_reads_cpuinfo() -> None:
+def test_cpu_bf16_detection_reads_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    assert loader.cpu_supports_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    monkeypatch.setattr(isa, "selected", lambda: isa.runnable()[0])  # the CPU's best level
+    assert loader.cpu_supports_bf16() == native
+    # at a forced lower level the CPU is treated as the AVX2-only or portable CPU it emulates
+    monkeypatch.setattr(isa, "selected", lambda: "avx2")
+    assert loader.cpu_supports_bf16() is False
 
 
 def _arch(**overrides: Any) -> ModelArchConfig:

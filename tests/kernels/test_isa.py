@@ -1,0 +1,48 @@
+"""ISA level selection (kernels/isa.py): from the CPU's features, overridable, refused when impossible."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.kernels import cpu_attention, cpu_ops, isa
+
+AVX512_CPU = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx2", "fma", "f16c", "avx512_bf16"}
+EPYC_AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
+
+
+def test_levels_follow_the_features() -> None:
+    assert isa.supported(AVX512_CPU) == ["avx512", "avx2", "generic"]
+    assert isa.supported(EPYC_AVX2) == ["avx2", "generic"]
+    assert isa.supported({"avx2", "fma"}) == ["generic"]  # no F16C: the avx2 build would not run
+    assert isa.supported(AVX512_CPU, x86=False) == ["generic"]
+    assert isa.choose(AVX512_CPU, None) == "avx512"
+    assert isa.choose(EPYC_AVX2, None) == "avx2"
+
+
+def test_override_is_validated_and_names_the_variable() -> None:
+    assert isa.choose(AVX512_CPU, "avx2") == "avx2"
+    assert isa.choose(EPYC_AVX2, "generic") == "generic"
+    with pytest.raises(ValueError, match="KVPILOT_CPU_ISA=avx512 needs CPU features"):
+        isa.choose(EPYC_AVX2, "avx512")
+    with pytest.raises(ValueError, match="KVPILOT_CPU_ISA='sse9' is not one of"):
+        isa.choose(AVX512_CPU, "sse9")
+
+
+def test_flags_are_explicit_per_level() -> None:
+    assert isa.compile_flags("avx512", AVX512_CPU)[:1] == ["-march=x86-64-v4"]
+    assert "-mavx512bf16" in isa.compile_flags("avx512", AVX512_CPU)
+    assert "-mavx512bf16" not in isa.compile_flags("avx512", AVX512_CPU - {"avx512_bf16"})
+    assert isa.compile_flags("avx2", AVX512_CPU)[:1] == ["-march=x86-64-v3"]
+    assert isa.compile_flags("generic", AVX512_CPU)[:1] == ["-march=x86-64"]
+    for level in isa.LEVELS:
+        assert not any("native" in f for f in isa.compile_flags(level, AVX512_CPU))
+
+
+def test_every_runnable_level_builds_what_it_names() -> None:
+    """Each extension's build for each level this CPU runs reports that level from its own macros."""
+    if not cpu_attention.available() or not cpu_ops.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    assert isa.selected() in isa.runnable()
+    for level in isa.runnable():
+        assert cpu_attention.built_isa(level) == level
+        assert cpu_ops.built_isa(level) == level
