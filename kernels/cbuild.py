@@ -21,6 +21,21 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 
 
+# -ffast-math's optimizations, flag by flag, without -ffast-math (or -funsafe-math-optimizations)
+# itself: given either at link time, GCC links crtfastmath.o into the shared library, and its
+# constructor turns on flush-to-zero and denormals-are-zero for the whole process (torch and every
+# other library in it) the moment the library is loaded (tests/kernels/test_cbuild.py).
+FAST_MATH = [
+    "-fno-math-errno",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-ffinite-math-only",
+    "-fcx-limited-range",
+]
+
+
 class KernelBuildError(RuntimeError):
     pass
 

@@ -24,7 +24,7 @@ from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
-CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 KernelBuildError = cbuild.KernelBuildError
 _DTYPES = {
     torch.float32: 0,

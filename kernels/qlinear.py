@@ -33,7 +33,7 @@ from kvpilot.kernels import cbuild, isa
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul_cpu.c"
-CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
 SMALL_M = 16  # rows up to which the C kernel beats dequantize + torch matmul (see docs/runtime.md)
