@@ -346,7 +346,7 @@ INVALID = [
             "resources": {"gpus": 3},
             "runtime": {"tensorParallelSize": 2},
         },
-        "spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize",
+        "spec.resources.gpus must equal spec.runtime.tensorParallelSize",
     ),
     (
         {"model": {"source": "builtin://smollm2-135m-instruct"}, "resources": {"cpu": "lots"}},

@@ -153,6 +153,8 @@ def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = No
         "port": HTTP_PORT,
         "device": "cuda" if im.spec.resources.gpus > 0 else "cpu",
         **rt,
+        # Unset tensorParallelSize shards over every GPU the pod gets (the CRD refuses a mismatch).
+        "tensor_parallel_size": im.spec.effective_tensor_parallel_size(),
     }
     if shutdown is not None:
         values["shutdown_timeout"] = float(shutdown)
@@ -256,8 +258,7 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
     elif scheme == "hf":
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR})
-    tp = im.spec.runtime.tensor_parallel_size or 1
-    if tp > 1:
+    if im.spec.effective_tensor_parallel_size() > 1:
         # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})

@@ -29,7 +29,14 @@ from kvpilot.operator.builders import (
     selector_string,
 )
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, InferenceModelSpec, OOMAdaptation
+from kvpilot.operator.models import (
+    API_VERSION,
+    KIND,
+    InferenceModel,
+    InferenceModelSpec,
+    OOMAdaptation,
+    name_problems,
+)
 from kvpilot.operator.podstate import all_problems, format_time
 from kvpilot.operator.status import (
     EventSpec,
@@ -189,6 +196,9 @@ class Reconciler:
         live_status: dict[str, Any] = body.get("status") or {}
 
         spec, invalid = spec_problem(body.get("spec") or {})
+        bad_name = name_problems(name)  # stored before the CRD refused such names
+        if bad_name:
+            spec, invalid = None, "; ".join(bad_name)
         if spec is None:
             outcome.invalid = invalid
             desired = invalid_status(
@@ -220,6 +230,7 @@ class Reconciler:
             settings = dataclasses.replace(settings, service_monitor=self._sm_available)
         deployment: dict[str, Any] | None = None
         apply_errors: list[str] = []
+        refused: set[str] = set()
         for child in render_children(im, settings, decision.overrides):
             ref = f"{child['kind']}/{child['metadata']['name']}"
             try:
@@ -228,6 +239,7 @@ class Reconciler:
                 if e.status not in (400, 422):
                     raise  # transient: the work queue retries with backoff
                 apply_errors.append(f"{ref} was rejected: {api_message(e)}")
+                refused.add(child["kind"])
                 continue
             (outcome.applied if result.applied else outcome.skipped).append(ref)
             metrics.APPLIES.labels(child["kind"], "applied" if result.applied else "skipped").inc()
@@ -243,6 +255,7 @@ class Reconciler:
             oom=decision.state,
             oom_note=oom_note(spec, decision),
             apply_error="; ".join(apply_errors) or None,
+            refused=frozenset(refused),
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:

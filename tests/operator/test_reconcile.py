@@ -167,7 +167,7 @@ def test_invalid_spec_reports_and_renders_nothing(fake_kube: FakeKube) -> None:
     degraded = next(c for c in body(fake_kube)["status"]["conditions"] if c["type"] == "Degraded")
     assert (
         degraded["reason"] == "InvalidSpec"
-        and "multiple of spec.runtime.tensorParallelSize" in degraded["message"]
+        and "must equal spec.runtime.tensorParallelSize" in degraded["message"]
     )
     assert [(e["type"], e["reason"]) for e in fake_kube.events] == [("Warning", "InvalidSpec")]
     assert not rec.reconcile(body(fake_kube)).wrote
@@ -277,3 +277,44 @@ def test_a_rejected_child_is_reported_not_retried_forever(fake_kube: FakeKube) -
     assert degraded["reason"] == "ApplyFailed"
     assert degraded["message"].startswith("Deployment/llama was rejected: Deployment.apps")
     assert ("Warning", "ApplyFailed") in [(e["type"], e["reason"]) for e in kube.events]
+
+
+def test_a_refused_service_leaves_no_endpoint_and_ready_false(fake_kube: FakeKube) -> None:
+    """The `dotted.name` case: Deployment and pods fine, the Service refused by the API server."""
+    from kubernetes.client.exceptions import ApiException
+
+    class RejectingService(FakeKube):
+        def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]:
+            if obj["kind"] == "Service":
+                err = ApiException(status=422, reason="Unprocessable Entity")
+                err.body = '{"message": "Service \\"llama\\" is invalid: metadata.name: a DNS-1035 label"}'
+                raise err
+            live = super().apply(obj, field_manager)
+            if obj["kind"] == "Deployment":  # every replica ready
+                live["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+            return live
+
+    kube = RejectingService()
+    rec, _ = setup(kube)
+    rec.reconcile(body(kube))
+    status = body(kube)["status"]
+    assert "endpoint" not in status
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    assert conditions["Ready"] == ("False", "ApplyFailed")
+    assert conditions["Degraded"] == ("True", "ApplyFailed")
+
+
+def test_an_overlong_name_stored_before_the_rule_is_reported(fake_kube: FakeKube) -> None:
+    name = "m" * 64
+    fake_kube.put(make_body(name=name))
+    rec = Reconciler(fake_kube, OperatorSettings(image="img"), clock=Clock())
+    live = fake_kube.get(API_VERSION, KIND, "ml", name)
+    assert live is not None
+    out = rec.reconcile(live)
+    assert out.applied == [] and out.invalid and "at most 63 characters" in out.invalid
+    after = fake_kube.get(API_VERSION, KIND, "ml", name)
+    assert after is not None
+    degraded = next(c for c in after["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and degraded["message"].startswith("metadata.name must be")
+    assert "endpoint" not in after["status"]
+    assert [(e["type"], e["reason"]) for e in fake_kube.events] == [("Warning", "InvalidSpec")]
