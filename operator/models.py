@@ -133,8 +133,17 @@ class PrometheusSource(_Model):
             )
         ),
     )
-    kv_query: str | None = Field(None, max_length=4096, description="PromQL for KV-cache usage (0..1).")
-    queue_query: str | None = Field(None, max_length=4096, description="PromQL for waiting requests.")
+    kv_query: str | None = Field(
+        None,
+        max_length=4096,
+        description=(
+            "PromQL for KV-cache usage (0..1) by pod; {namespace}, {model} (served name) and {pods} "
+            "(a regex of the Ready pods' names) are filled in."
+        ),
+    )
+    queue_query: str | None = Field(
+        None, max_length=4096, description="PromQL for waiting requests by pod (same placeholders)."
+    )
 
 
 class Autoscaling(_Model):

@@ -25,7 +25,8 @@ EXAMPLES = [
     ("path", "doc"), EXAMPLES, ids=[f"{p.name}:{d['metadata']['name']}" for p, d in EXAMPLES]
 )
 def test_serve_accepts_the_rendered_config(path: Path, doc: dict[str, Any], tmp_path: Path) -> None:
-    runtime_cli = pytest.importorskip("kvpilot.runtime.cli")
+    from kvpilot.runtime import cli as runtime_cli
+
     im = InferenceModel.model_validate(
         {**doc, "metadata": {**doc["metadata"], "namespace": "ns", "uid": "u"}}
     )
