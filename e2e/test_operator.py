@@ -466,17 +466,38 @@ def test_two_replicas_elect_one_leader(
         second.stop()
 
 
-def test_pod_oom_degrades_and_adapts_the_config(operator: OperatorProcess, kubectl: Kubectl) -> None:
-    """kwok runs no container, so the OOM kill is written into the pod's status by hand, as a kubelet would."""
-    kubectl.apply(model("oomy", replicas=1, resources={"gpus": 1}, oomPolicy={"adapt": True}))
+CUDA_OOM = {"reason": "Error", "exitCode": 1, "message": "torch.OutOfMemoryError: CUDA out of memory."}
+MEMORY_LIMIT_OOM = {"reason": "OOMKilled", "exitCode": 137}
+
+
+@pytest.mark.parametrize(
+    ("terminated", "changes"),
+    [
+        (
+            CUDA_OOM,
+            {
+                "gpuMemoryUtilization": "0.9 -> 0.85",
+                "maxNumSeqs": "64 -> 32",
+                "maxNumBatchedTokens": "2048 -> 1024",
+            },
+        ),
+        (MEMORY_LIMIT_OOM, {"memory": "16Gi -> 24Gi"}),
+    ],
+    ids=["cuda-oom", "memory-limit"],
+)
+def test_pod_oom_degrades_and_adapts_what_matches_the_cause(
+    operator: OperatorProcess, kubectl: Kubectl, terminated: dict[str, Any], changes: dict[str, str]
+) -> None:
+    """kwok runs no container, so the OOM is written into the pod's status by hand, as a kubelet would."""
+    kubectl.apply(
+        model("oomy", replicas=1, resources={"gpus": 1, "memory": "16Gi"}, oomPolicy={"adapt": True})
+    )
     wait_condition(kubectl, "oomy", "Ready")
     pod = kubectl.json("get", "pods", "-l", "kvpilot.dev/model=oomy")["items"][0]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     statuses = pod["status"]["containerStatuses"]
     statuses[0]["restartCount"] = 1
-    statuses[0]["lastState"] = {
-        "terminated": {"reason": "OOMKilled", "exitCode": 137, "startedAt": now, "finishedAt": now}
-    }
+    statuses[0]["lastState"] = {"terminated": {**terminated, "startedAt": now, "finishedAt": now}}
     kubectl(
         "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=merge",
         "-p", json.dumps({"status": {"containerStatuses": statuses}}),
@@ -487,19 +508,21 @@ def test_pod_oom_degrades_and_adapts_the_config(operator: OperatorProcess, kubec
         what="status.oomAdaptation",
     )
     assert adaptation["count"] == 1
-    assert adaptation["changes"] == {
-        "gpuMemoryUtilization": "0.9 -> 0.85",
-        "maxNumSeqs": "64 -> 32",
-        "maxNumBatchedTokens": "2048 -> 1024",
-    }
+    assert adaptation["changes"] == changes
     config = yaml.safe_load((get(kubectl, "configmap", "oomy-config") or {})["data"]["config.yaml"])
-    assert config["gpu_memory_utilization"] == 0.85 and config["max_num_seqs"] == 32
+    container = (get(kubectl, "deployment", "oomy") or {})["spec"]["template"]["spec"]["containers"][0]
+    if terminated is CUDA_OOM:
+        assert config["gpu_memory_utilization"] == 0.85 and config["max_num_seqs"] == 32
+        assert container["resources"]["limits"]["memory"] == "16Gi"
+    else:  # host memory: the GPU settings stay, the limit goes up
+        assert config["gpu_memory_utilization"] == 0.9 and config["max_num_seqs"] == 64
+        assert container["resources"]["limits"]["memory"] == "24Gi"
     for reason in ("OOMKilled", "OOMAdapted"):  # Degraded turned True; the config was adapted
         events = kubectl.json(
             "get", "events", "--field-selector", f"involvedObject.name=oomy,reason={reason}"
         )
         assert [e["type"] for e in events["items"]] == ["Warning"], reason
-    # The adapted config rolls the pods; the new pod has no OOM, so Degraded clears again.
+    # The adapted Deployment rolls the pods; the new pod has no OOM, so Degraded clears again.
     wait_condition(kubectl, "oomy", "Degraded", "False", timeout=60)
     assert (get(kubectl, "im", "oomy") or {})["status"]["oomAdaptation"]["count"] == 1
 

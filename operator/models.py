@@ -256,11 +256,28 @@ class RuntimeSettings(_Model):
 class OOMPolicy(_Model):
     """What the operator does when a replica runs out of memory."""
 
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _rule(
+                "!has(self.maxMemory) || self.maxMemory.matches('" + QUANTITY_PATTERN + "')",
+                "spec.oomPolicy.maxMemory must be a Kubernetes quantity such as '64Gi'",
+            ),
+            _rule(
+                "self.minKvCacheMemory.matches('" + QUANTITY_PATTERN + "')",
+                "spec.oomPolicy.minKvCacheMemory must be a Kubernetes quantity such as '128Mi'",
+            ),
+        )
+    )
+
     adapt: bool = Field(
         False,
         description=(
-            "Lower gpuMemoryUtilization (0.05 a step) and halve maxNumSeqs and maxNumBatchedTokens "
-            "after an out-of-memory kill, down to the minimums below."
+            "Adapt the setting that matches the cause after an out-of-memory kill, within the bounds "
+            "below. GPU out-of-memory (the runtime exits on it): lower gpuMemoryUtilization (0.05 a "
+            "step) and halve maxNumSeqs and maxNumBatchedTokens. The container's memory limit "
+            "(OOMKilled): on CPU pods halve the KV-cache pool and the batch limits (they live in host "
+            "memory); on GPU pods, or once those are at their floors, raise resources.memory by half, "
+            "up to maxMemory."
         ),
     )
     min_gpu_memory_utilization: float = Field(
@@ -269,6 +286,19 @@ class OOMPolicy(_Model):
     min_max_num_seqs: int = Field(4, ge=1, le=4096, description="Floor for maxNumSeqs.")
     min_max_num_batched_tokens: int = Field(
         256, ge=16, le=1 << 20, description="Floor for maxNumBatchedTokens."
+    )
+    min_kv_cache_memory: str = Field(
+        "128Mi",
+        max_length=32,
+        description="Floor for the KV-cache pool of a CPU pod (a Kubernetes quantity).",
+    )
+    max_memory: str | None = Field(
+        None,
+        max_length=32,
+        description=(
+            "Ceiling for resources.memory when an OOMKilled pod raises it (a Kubernetes quantity); "
+            "default twice resources.memory. Without resources.memory nothing is raised."
+        ),
     )
 
 
@@ -459,11 +489,14 @@ class AutoscalerStatus(_Model):
 
 
 class OOMOverrides(_Model):
-    """The adapted runtime settings currently in force (they cap spec.runtime)."""
+    """The adapted settings currently in force: the runtime's cap spec.runtime, memory floors
+    spec.resources.memory."""
 
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | None = Field(None, description="KV-cache pool in bytes (CPU pods).")
+    memory: str | None = Field(None, description="resources.memory request and limit (raised).")
 
 
 class OOMAdaptation(_Model):

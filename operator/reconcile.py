@@ -98,11 +98,12 @@ def oom_note(spec: InferenceModelSpec, decision: oom.OOMDecision) -> str:
     state = decision.state
     if not spec.oom_policy.adapt:
         return (
-            "set spec.oomPolicy.adapt: true to let the operator lower gpuMemoryUtilization, maxNumSeqs and "
-            "maxNumBatchedTokens, or give each replica more memory"
+            "set spec.oomPolicy.adapt: true to let the operator adapt the setting that matches the cause "
+            "(GPU settings after a CUDA OOM, memory or the KV pool after an OOMKilled), or give each "
+            "replica more memory"
         )
     if state is not None and state.count:
-        return f"runtime config adapted {state.count} time(s); last step: " + ", ".join(
+        return f"adapted {state.count} time(s); last step: " + ", ".join(
             f"{k} {v}" for k, v in (state.changes or {}).items()
         )
     return "waiting for an OOM of the current config to adapt"
@@ -216,7 +217,8 @@ class Reconciler:
         pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
         problems = all_problems(pods, now)
 
-        chash = config_hash(render_config_yaml(im, oom.current_overrides(spec, state)))
+        current = oom.current_overrides(spec, state)
+        chash = config_hash(render_config_yaml(im, current), current)
         decision = oom.decide(spec, state, problems, chash)
         extra_events: list[EventSpec] = []
         if decision.adapted:
