@@ -466,6 +466,60 @@ def test_two_replicas_elect_one_leader(
         second.stop()
 
 
+def _set_container_ready(kubectl: Kubectl, pod: dict[str, Any], ready: bool) -> None:
+    """Write what a kubelet writes when the readiness probe fails (or passes again)."""
+    status = "True" if ready else "False"
+    kubectl(
+        "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
+        "-p", json.dumps({"status": {
+            "conditions": [
+                {**c, "status": status} if c["type"] in ("Ready", "ContainersReady") else c
+                for c in pod["status"]["conditions"]
+            ],
+            "containerStatuses": [{**cs, "ready": ready} for cs in pod["status"]["containerStatuses"]],
+        }}),
+    )  # fmt: skip
+
+
+def test_losing_readiness_posts_one_warning_and_regaining_it_one_normal(
+    operator: OperatorProcess, kubectl: Kubectl
+) -> None:
+    kubectl.apply(model("blinky", replicas=1, resources={"gpus": 1}))
+    wait_condition(kubectl, "blinky", "Ready")
+    pod = kubectl.json("get", "pods", "-l", "kvpilot.dev/model=blinky")["items"][0]
+
+    def events(reason: str) -> list[str]:
+        items = kubectl.json(
+            "get", "events", "--field-selector", f"involvedObject.name=blinky,reason={reason}"
+        )
+        return [e["type"] for e in items["items"] for _ in range(int(e.get("count") or 1))]
+
+    _set_container_ready(kubectl, pod, False)  # the only replica fails its readiness probe
+    lost = wait_condition(kubectl, "blinky", "Ready", "False")
+    assert lost["reason"] == "NoReplicaReady"
+    wait_until(lambda: events("NotReady"), timeout=30, what="a NotReady event")
+    assert events("NotReady") == ["Warning"]
+
+    # The probe passes again; kwok's pod-ready-again stage makes the pod Ready.
+    _set_container_ready(kubectl, kubectl.json("get", "pod", pod["metadata"]["name"]), True)
+    wait_condition(kubectl, "blinky", "Ready")
+    wait_until(lambda: len(events("Ready")) == 2, timeout=30, what="the second Ready event")
+    assert events("NotReady") == ["Warning"]  # once per transition, never repeated
+    assert events("Ready") == ["Normal", "Normal"]
+
+
+def test_overlong_and_dotted_names_are_refused_with_why(crds: None, kubectl: Kubectl) -> None:
+    for name, why in [
+        ("m" * 64, "metadata.name must be at most 63 characters"),
+        ("dotted.name", "metadata.name must not contain '.'"),
+    ]:
+        result = kubectl.run(
+            "apply", "-f", "-", input_text=yaml.safe_dump(model(name, replicas=0)), check=False
+        )
+        assert result.returncode != 0 and why in result.stderr, result.stderr
+        assert not kubectl.exists("inferencemodel", name)
+
+
 CUDA_OOM = {"reason": "Error", "exitCode": 1, "message": "torch.OutOfMemoryError: CUDA out of memory."}
 MEMORY_LIMIT_OOM = {"reason": "OOMKilled", "exitCode": 137}
 
