@@ -153,6 +153,9 @@ def effective_runtime(runtime: RuntimeSettings, overrides: OOMOverrides | None) 
 
 def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = None) -> EngineConfig:
     """The runtime's EngineConfig for this model (validated by the runtime's own schema)."""
+    if overrides is not None and overrides.kv_cache_memory is not None and im.spec.resources.gpus > 0:
+        # Made for a CPU pod's host memory; a GPU pod sizes its pool from gpuMemoryUtilization.
+        overrides = overrides.model_copy(update={"kv_cache_memory": None})
     rt = effective_runtime(im.spec.runtime, overrides)
     shutdown = rt.pop("shutdown_timeout_seconds", None)
     values: dict[str, Any] = {

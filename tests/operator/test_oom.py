@@ -268,6 +268,11 @@ def test_the_kv_override_reaches_the_runtime_config() -> None:
     )
     assert render_engine_config(im).kv_cache_memory is None
     assert render_engine_config(im, OOMOverrides(kv_cache_memory=512 * 2**20)).kv_cache_memory == 512 * 2**20
+    # The same overrides after the model moved to a GPU: its pool comes from gpuMemoryUtilization.
+    gpu = InferenceModel.model_validate(
+        {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=GPU_POD).dump()}
+    )
+    assert render_engine_config(gpu, OOMOverrides(kv_cache_memory=512 * 2**20)).kv_cache_memory is None
 
 
 def test_the_new_policy_field_at_its_default_keeps_recorded_hashes() -> None:
