@@ -467,17 +467,19 @@ def test_two_replicas_elect_one_leader(
 
 
 def _set_container_ready(kubectl: Kubectl, pod: dict[str, Any], ready: bool) -> None:
-    """Write what a kubelet writes when the readiness probe fails (or passes again)."""
-    status = "True" if ready else "False"
+    """What a kubelet writes when the readiness probe fails: the container and the pod not ready. When
+    it passes again only the container is written; kwok's pod-ready-again stage makes the pod Ready."""
+    status: dict[str, Any] = {
+        "containerStatuses": [{**cs, "ready": ready} for cs in pod["status"]["containerStatuses"]]
+    }
+    if not ready:
+        status["conditions"] = [
+            {**c, "status": "False"} if c["type"] in ("Ready", "ContainersReady") else c
+            for c in pod["status"]["conditions"]
+        ]
     kubectl(
         "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
-        "-p", json.dumps({"status": {
-            "conditions": [
-                {**c, "status": status} if c["type"] in ("Ready", "ContainersReady") else c
-                for c in pod["status"]["conditions"]
-            ],
-            "containerStatuses": [{**cs, "ready": ready} for cs in pod["status"]["containerStatuses"]],
-        }}),
+        "-p", json.dumps({"status": status}),
     )  # fmt: skip
 
 
