@@ -256,19 +256,6 @@ class RuntimeSettings(_Model):
 class OOMPolicy(_Model):
     """What the operator does when a replica runs out of memory."""
 
-    model_config = ConfigDict(
-        json_schema_extra=_validations(
-            _rule(
-                "!has(self.maxMemory) || self.maxMemory.matches('" + QUANTITY_PATTERN + "')",
-                "spec.oomPolicy.maxMemory must be a Kubernetes quantity such as '64Gi'",
-            ),
-            _rule(
-                "self.minKvCacheMemory.matches('" + QUANTITY_PATTERN + "')",
-                "spec.oomPolicy.minKvCacheMemory must be a Kubernetes quantity such as '128Mi'",
-            ),
-        )
-    )
-
     adapt: bool = Field(
         False,
         description=(
@@ -291,6 +278,12 @@ class OOMPolicy(_Model):
         "128Mi",
         max_length=32,
         description="Floor for the KV-cache pool of a CPU pod (a Kubernetes quantity).",
+        json_schema_extra=_validations(
+            _rule(
+                f"self.matches('{QUANTITY_PATTERN}')",
+                "spec.oomPolicy.minKvCacheMemory must be a Kubernetes quantity such as '128Mi'",
+            )
+        ),
     )
     max_memory: str | None = Field(
         None,
@@ -298,6 +291,12 @@ class OOMPolicy(_Model):
         description=(
             "Ceiling for resources.memory when an OOMKilled pod raises it (a Kubernetes quantity); "
             "default twice resources.memory. Without resources.memory nothing is raised."
+        ),
+        json_schema_extra=_validations(
+            _rule(
+                f"self.matches('{QUANTITY_PATTERN}')",
+                "spec.oomPolicy.maxMemory must be a Kubernetes quantity such as '64Gi'",
+            )
         ),
     )
 

@@ -47,6 +47,7 @@ VALID = [
     {"model": BUILTIN, "resources": {"gpus": 0}, "runtime": {"tensorParallelSize": 2}},
     {"model": BUILTIN, "resources": {"gpuType": "h100"}},
     {"model": BUILTIN, "resources": {"gpus": 4}},  # tensorParallelSize unset: shards over all 4
+    {"model": BUILTIN, "oomPolicy": {"adapt": True, "maxMemory": "48Gi", "minKvCacheMemory": "256Mi"}},
 ]
 
 INVALID = [
@@ -95,6 +96,10 @@ INVALID = [
         "spec.resources.memory must be a Kubernetes quantity",
     ),
     ({"model": BUILTIN, "resources": {"gpuType": "-h100"}}, "should match"),
+    (
+        {"model": BUILTIN, "oomPolicy": {"maxMemory": "48GB"}},
+        "spec.oomPolicy.maxMemory must be a Kubernetes quantity",
+    ),
 ]
 
 
