@@ -628,6 +628,10 @@ def _start(settings: Settings, component: Component, binary: Path, deadline: flo
             _kill_hard(stray)
         _pid_file(settings, component.name).unlink(missing_ok=True)
     port = int(component.health_url.rsplit(":", 1)[1].split("/")[0])
+    if pid is not None:  # the killed process's listening socket can outlive it by a moment
+        until = time.monotonic() + 10
+        while _port_in_use(port) and time.monotonic() < until:
+            time.sleep(0.2)
     if _port_in_use(port):
         raise SystemExit(
             f"{component.name}: port {HOST}:{port} is taken by another process; "
