@@ -96,6 +96,32 @@ def wait_for(check: Any, timeout: float, what: str, poll: float = 0.02) -> float
     raise TimeoutError(what)
 
 
+def one_handover(
+    coord: client.CoordinationV1Api, namespace: str, replicas: dict[str, Replica]
+) -> tuple[str, dict[str, float]]:
+    """SIGTERM the current leader; (its identity, the times from the signal)."""
+    wait_for(lambda: holder(coord, namespace) in replicas, 60, "a leader")
+    leader_id = holder(coord, namespace)
+    assert leader_id is not None
+    standby_id = next(n for n in replicas if n != leader_id)
+    standby, leader = replicas[standby_id], replicas[leader_id]
+    wait_for(lambda: standby.leader_gauge() == 0 and standby.proc.poll() is None, 60, "standby up")
+    time.sleep(1.0)  # the standby is in its retry loop, as in a steady state
+    t0 = time.monotonic()
+    leader.proc.send_signal(signal.SIGTERM)
+    released = wait_for(lambda: holder(coord, namespace) != leader_id, 60, "release")
+    acquired = wait_for(lambda: holder(coord, namespace) == standby_id, 60, "standby acquires")
+    leading = wait_for(lambda: standby.leader_gauge() == 1, 60, "standby leads", poll=0.05)
+    leader.proc.wait(30)
+    exited = time.monotonic()
+    return leader_id, {
+        "released_s": round(released - t0, 3),
+        "old_leader_exited_s": round(exited - t0, 3),
+        "standby_holds_lease_s": round(acquired - t0, 3),
+        "standby_leading_s": round(leading - t0, 3),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kubeconfig", required=True)
@@ -118,29 +144,8 @@ def main() -> int:
     runs: list[dict[str, float]] = []
     try:
         for _ in range(args.runs):
-            wait_for(lambda: holder(coord, namespace) in replicas, 60, "a leader")
-            leader_id = holder(coord, namespace)
-            assert leader_id is not None
-            standby_id = next(n for n in replicas if n != leader_id)
-            standby = replicas[standby_id]
-            wait_for(lambda: standby.leader_gauge() == 0 and standby.proc.poll() is None, 60, "standby up")
-            time.sleep(1.0)  # the standby is in its retry loop, as in a steady state
-            leader = replicas[leader_id]
-            t0 = time.monotonic()
-            leader.proc.send_signal(signal.SIGTERM)
-            released = wait_for(lambda: holder(coord, namespace) != leader_id, 60, "release")
-            acquired = wait_for(lambda: holder(coord, namespace) == standby_id, 60, "standby acquires")
-            leading = wait_for(lambda: standby.leader_gauge() == 1, 60, "standby leads", poll=0.05)
-            leader.proc.wait(30)
-            exited = time.monotonic()
-            runs.append(
-                {
-                    "released_s": round(released - t0, 3),
-                    "old_leader_exited_s": round(exited - t0, 3),
-                    "standby_holds_lease_s": round(acquired - t0, 3),
-                    "standby_leading_s": round(leading - t0, 3),
-                }
-            )
+            leader_id, run = one_handover(coord, namespace, replicas)
+            runs.append(run)
             replicas[leader_id] = Replica(args.kubeconfig, namespace, leader_id, log_dir)  # next standby
     finally:
         for r in replicas.values():
