@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,25 +39,28 @@ COMPLETED_METRICS = ("kvpilot_request_success_total", "vllm:request_success_tota
 PROMPT_TOKEN_METRICS = ("kvpilot_prompt_tokens_total", "vllm:prompt_tokens_total")
 GENERATION_TOKEN_METRICS = ("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
 
+# Series are selected by namespace and the model's Ready pods ({pods}: a regex of their names), not by
+# model_name: vLLM labels model_name with whatever --model / --served-model-name it was given (often
+# the Hugging Face path), which need not be the InferenceModel's served name. The pods are the model's
+# own (the controller lists them by the kvpilot.dev/model label), so their series are the model's.
+_SELECT = '{namespace="{namespace}",pod=~"{pods}"}'
 DEFAULT_KV_QUERY = (
-    'max by (pod) (kvpilot_kv_cache_usage_ratio{namespace="{namespace}",model_name="{model}"}'
-    ' or vllm:kv_cache_usage_perc{namespace="{namespace}",model_name="{model}"}'
-    ' or vllm:gpu_cache_usage_perc{namespace="{namespace}",model_name="{model}"})'
+    f"max by (pod) (kvpilot_kv_cache_usage_ratio{_SELECT}"
+    f" or vllm:kv_cache_usage_perc{_SELECT}"
+    f" or vllm:gpu_cache_usage_perc{_SELECT})"
 )
 DEFAULT_QUEUE_QUERY = (
-    'sum by (pod) (kvpilot_num_requests_waiting{namespace="{namespace}",model_name="{model}"}'
-    ' or vllm:num_requests_waiting{namespace="{namespace}",model_name="{model}"})'
+    f"sum by (pod) (kvpilot_num_requests_waiting{_SELECT} or vllm:num_requests_waiting{_SELECT})"
 )
 DEFAULT_RUNNING_QUERY = (
-    'sum by (pod) (kvpilot_num_requests_running{namespace="{namespace}",model_name="{model}"}'
-    ' or vllm:num_requests_running{namespace="{namespace}",model_name="{model}"})'
+    f"sum by (pod) (kvpilot_num_requests_running{_SELECT} or vllm:num_requests_running{_SELECT})"
 )
 
 # Completions per second over the last minute (the arrival-rate signal; see policy.measure_arrivals).
 # Not in the CRD: a failed or empty answer only leaves the arrival rate out.
 DEFAULT_COMPLETIONS_QUERY = (
-    'sum by (pod) (rate(kvpilot_request_success_total{namespace="{namespace}",model_name="{model}"}[1m])'
-    ' or rate(vllm:request_success_total{namespace="{namespace}",model_name="{model}"}[1m]))'
+    f"sum by (pod) (rate(kvpilot_request_success_total{_SELECT}[1m])"
+    f" or rate(vllm:request_success_total{_SELECT}[1m]))"
 )
 
 
@@ -204,13 +208,26 @@ class PodScrapeSource:
         self._session = None
 
 
-def render_query(template: str, namespace: str, model: str) -> str:
-    """Fill {namespace} and {model} in a PromQL template (plain replacement: PromQL uses braces too)."""
+_RE2_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
+
+
+def pods_regex(pods: Iterable[str]) -> str:
+    """An RE2 alternation matching exactly these pod names (for `pod=~"{pods}"`)."""
+    return "|".join(_RE2_SPECIAL.sub(r"\\\1", p) for p in sorted(set(pods)))
+
+
+def render_query(template: str, namespace: str, model: str, pods: Iterable[str] = ()) -> str:
+    """Fill {namespace}, {model} and {pods} in a PromQL template (plain replacement: PromQL uses braces
+    too). {pods} is a regex of the model's Ready pod names."""
 
     def esc(v: str) -> str:
         return v.replace("\\", "\\\\").replace('"', '\\"')
 
-    return template.replace("{namespace}", esc(namespace)).replace("{model}", esc(model))
+    return (
+        template.replace("{namespace}", esc(namespace))
+        .replace("{model}", esc(model))
+        .replace("{pods}", esc(pods_regex(pods)))
+    )
 
 
 class PrometheusQueryError(RuntimeError):
@@ -286,12 +303,16 @@ class PrometheusSource:
                 raise PrometheusQueryError(f"HTTP {resp.status}")
             return parse_query_response(body, self.pod_label)
 
-    async def _optional_query(self, model: ModelRef, template: str | None) -> dict[str, float]:
+    async def _optional_query(
+        self, model: ModelRef, template: str | None, pods: Sequence[PodTarget]
+    ) -> dict[str, float]:
         """A query whose failure only leaves its signal out (logged), never the whole snapshot."""
         if not template:
             return {}
         try:
-            return await self.query(render_query(template, model.namespace, model.served_name))
+            return await self.query(
+                render_query(template, model.namespace, model.served_name, (p.name for p in pods))
+            )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.info(
                 "%s/%s: optional Prometheus query failed (%s); left out",
@@ -305,11 +326,14 @@ class PrometheusSource:
         queries = [self.kv_query, self.queue_query]
         if self.running_query:
             queries.append(self.running_query)
-        rendered = [render_query(q, model.namespace, model.served_name) for q in queries]
+        if not pods:
+            return MetricsSnapshot(ready_replicas=0)  # `pod=~""` would match series without a pod label
+        names = [p.name for p in pods]
+        rendered = [render_query(q, model.namespace, model.served_name, names) for q in queries]
         try:
             results, completions = await asyncio.gather(
                 asyncio.gather(*(self.query(q) for q in rendered)),
-                self._optional_query(model, self.completions_query),
+                self._optional_query(model, self.completions_query, pods),
             )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.warning(

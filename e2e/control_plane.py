@@ -580,6 +580,32 @@ def _wait(what: str, check: Callable[[], bool], deadline: float, failed: Callabl
         time.sleep(0.5)
 
 
+# How long `up` gives a live component to answer its health check before it counts as hung (a process
+# that is still starting answers well within this; one that hangs after SIGTERM never does).
+UNHEALTHY_GRACE_S = 20.0
+
+
+def _healthy_within(component: Component, grace_s: float) -> bool:
+    until = time.monotonic() + grace_s
+    while True:
+        if _health(component) is not None:
+            return True
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.5)
+
+
+def _kill_hard(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL a component's process group (and the process) and wait until it is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    until = time.monotonic() + timeout_s
+    while not _is_zombie(pid) and time.monotonic() < until:
+        time.sleep(0.1)
+
+
 def _start(settings: Settings, component: Component, binary: Path, deadline: float) -> None:
     pid = running_pid(settings, component.name)
     if pid is None:  # running but its pid file is gone: adopt it rather than start a second one
@@ -589,9 +615,23 @@ def _start(settings: Settings, component: Component, binary: Path, deadline: flo
             settings.run.mkdir(parents=True, exist_ok=True)
             _pid_file(settings, component.name).write_text(f"{pid}\n")
     if pid is not None:
-        print(f"{component.name}: already running (pid {pid})")
-        return
+        # A live pid is not a working component: one can hang after SIGTERM (alive, port closed) or
+        # wedge. Only a healthy one is kept; a hung one is killed hard and replaced.
+        if _healthy_within(component, min(UNHEALTHY_GRACE_S, max(0.0, deadline - time.monotonic()))):
+            print(f"{component.name}: already running (pid {pid})")
+            return
+        print(
+            f"{component.name}: pid {pid} is alive but not healthy ({component.health_url}) for "
+            f"{UNHEALTHY_GRACE_S:.0f} s: killing it (SIGKILL) and starting a new one"
+        )
+        for stray in {pid, *(p for p, name in _stray_pids(settings) if name == component.name)}:
+            _kill_hard(stray)
+        _pid_file(settings, component.name).unlink(missing_ok=True)
     port = int(component.health_url.rsplit(":", 1)[1].split("/")[0])
+    if pid is not None:  # the killed process's listening socket can outlive it by a moment
+        until = time.monotonic() + 10
+        while _port_in_use(port) and time.monotonic() < until:
+            time.sleep(0.2)
     if _port_in_use(port):
         raise SystemExit(
             f"{component.name}: port {HOST}:{port} is taken by another process; "

@@ -36,6 +36,7 @@ import yaml
 from e2e.harness import Cluster, Kubectl, free_port, wait_until
 from e2e.localpods import LocalKubelet, openai_load
 from e2e.processes import OperatorProcess, stop_process
+from tests.needs import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "inferencemodels.kvpilot.dev"
@@ -45,10 +46,6 @@ RUNTIME_FLAGS = ("--device", "cpu", "--kv-cache-memory", "64MiB", "--threads", "
 TARGET_QUEUE = 4
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
-
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)"
-)
 
 
 # -- fixtures and helpers ----------------------------------------------------------------------
@@ -279,10 +276,10 @@ def sustained_overload_start(prom: Prometheus, namespace: str, before: float) ->
 # -- the scaling test --------------------------------------------------------------------------
 
 
-@needs_prometheus
 def test_prometheus_driven_scale_up_and_down_with_real_runtimes(
     cluster: Cluster, crds: None, namespace: str, kubectl: Kubectl, api_client: Any, tmp_path: Path
 ) -> None:
+    require_tool("prometheus", "apt-get install prometheus")
     figures: dict[str, Any] = {}
     targets = tmp_path / "targets.json"
     operator = OperatorProcess(cluster, namespace, tmp_path, "--no-leader-elect").start()

@@ -97,6 +97,51 @@ def test_gpu_deployment_becomes_running_and_ready(kubectl: Kubectl) -> None:
         assert any(v["name"].startswith("kube-api-access-") for v in pod["spec"]["volumes"])
 
 
+def test_a_pod_the_node_controller_marked_not_ready_becomes_ready_again(kubectl: Kubectl) -> None:
+    """After an API-server outage longer than the node monitor grace period, kube-controller-manager
+    finds the nodes' leases stale and marks their pods not Ready, changing only the pod's Ready
+    condition (MarkPodsNotReady). kwok's own pod-ready stage selects only Pending pods, so these stayed
+    unready forever; e2e/kwok/stages.yaml's pod-ready-again stage makes them Ready again. The
+    controller's write is made here directly, so the shared cluster needs no outage."""
+    kubectl.apply(gpu_deployment("survivor", replicas=1, gpus=1))
+    kubectl("rollout", "status", "deployment/survivor", "--timeout=90s")
+    pod = pods(kubectl, "survivor")[0]
+    name = pod["metadata"]["name"]
+    conditions = [
+        {**c, "status": "False"} if c["type"] == "Ready" else c for c in pod["status"]["conditions"]
+    ]
+    kubectl(
+        "patch", "pod", name, "--subresource=status", "--type=strategic",
+        "-p", json.dumps({"status": {"conditions": conditions}}),
+    )  # fmt: skip
+    wait_until(
+        lambda: condition(kubectl.json("get", "pod", name), "Ready")["status"] == "True",
+        timeout=30,
+        what="kwok to make the pod Ready again",
+    )
+    # Same pod, not a replacement: nothing had to be deleted.
+    assert [p["metadata"]["name"] for p in pods(kubectl, "survivor")] == [name]
+
+
+def test_a_container_that_is_not_ready_keeps_its_pod_unready(kubectl: Kubectl) -> None:
+    """The stage above must not undo a failed readiness probe: a container marked not ready stays so."""
+    kubectl.apply(gpu_deployment("probed", replicas=1, gpus=1))
+    kubectl("rollout", "status", "deployment/probed", "--timeout=90s")
+    pod = pods(kubectl, "probed")[0]
+    name = pod["metadata"]["name"]
+    statuses = [{**cs, "ready": False} for cs in pod["status"]["containerStatuses"]]
+    conditions = [
+        {**c, "status": "False"} if c["type"] in ("Ready", "ContainersReady") else c
+        for c in pod["status"]["conditions"]
+    ]
+    kubectl(
+        "patch", "pod", name, "--subresource=status", "--type=strategic",
+        "-p", json.dumps({"status": {"conditions": conditions, "containerStatuses": statuses}}),
+    )  # fmt: skip
+    time.sleep(3)  # kwok reacts within milliseconds when a stage matches
+    assert condition(kubectl.json("get", "pod", name), "Ready")["status"] == "False"
+
+
 def test_pod_asking_for_too_many_gpus_is_unschedulable(kubectl: Kubectl) -> None:
     kubectl.apply(
         {

@@ -29,7 +29,7 @@ import yaml
 from e2e.harness import Cluster, Kubectl, free_port, wait_until
 from e2e.processes import stop_process
 from tests.charts.lua_health import health
-from tests.charts.tools import CHART, find_helm
+from tests.charts.tools import CHART, helm
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "inferencemodels.kvpilot.dev"
@@ -40,10 +40,7 @@ CAPTURE_DIR = os.environ.get("KVPILOT_CAPTURE_ARGOCD_TESTDATA")
 
 @pytest.fixture(scope="module")
 def helm_bin() -> str:
-    path = find_helm()
-    if path is None:
-        pytest.skip("helm 3 not found: run `bash scripts/tools.sh` (./dev test does)")
-    return path
+    return helm()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import yaml
 
 from e2e.harness import Cluster, Kubectl, wait_until
 from e2e.processes import OperatorProcess
+from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "inferencemodels.kvpilot.dev"
@@ -346,7 +347,7 @@ INVALID = [
             "resources": {"gpus": 3},
             "runtime": {"tensorParallelSize": 2},
         },
-        "spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize",
+        "spec.resources.gpus must equal spec.runtime.tensorParallelSize",
     ),
     (
         {"model": {"source": "builtin://smollm2-135m-instruct"}, "resources": {"cpu": "lots"}},
@@ -465,17 +466,94 @@ def test_two_replicas_elect_one_leader(
         second.stop()
 
 
-def test_pod_oom_degrades_and_adapts_the_config(operator: OperatorProcess, kubectl: Kubectl) -> None:
-    """kwok runs no container, so the OOM kill is written into the pod's status by hand, as a kubelet would."""
-    kubectl.apply(model("oomy", replicas=1, resources={"gpus": 1}, oomPolicy={"adapt": True}))
+def _set_container_ready(kubectl: Kubectl, pod: dict[str, Any], ready: bool) -> None:
+    """What a kubelet writes when the readiness probe fails: the container and the pod not ready. When
+    it passes again only the container is written; kwok's pod-ready-again stage makes the pod Ready."""
+    status: dict[str, Any] = {
+        "containerStatuses": [{**cs, "ready": ready} for cs in pod["status"]["containerStatuses"]]
+    }
+    if not ready:
+        status["conditions"] = [
+            {**c, "status": "False"} if c["type"] in ("Ready", "ContainersReady") else c
+            for c in pod["status"]["conditions"]
+        ]
+    kubectl(
+        "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+
+
+def test_losing_readiness_posts_one_warning_and_regaining_it_one_normal(
+    operator: OperatorProcess, kubectl: Kubectl
+) -> None:
+    kubectl.apply(model("blinky", replicas=1, resources={"gpus": 1}))
+    wait_condition(kubectl, "blinky", "Ready")
+    pod = kubectl.json("get", "pods", "-l", "kvpilot.dev/model=blinky")["items"][0]
+
+    def events(reason: str) -> list[str]:
+        items = kubectl.json(
+            "get", "events", "--field-selector", f"involvedObject.name=blinky,reason={reason}"
+        )
+        return [e["type"] for e in items["items"] for _ in range(int(e.get("count") or 1))]
+
+    _set_container_ready(kubectl, pod, False)  # the only replica fails its readiness probe
+    lost = wait_condition(kubectl, "blinky", "Ready", "False")
+    assert lost["reason"] == "NoReplicaReady"
+    wait_until(lambda: events("NotReady"), timeout=30, what="a NotReady event")
+    assert events("NotReady") == ["Warning"]
+
+    # The probe passes again; kwok's pod-ready-again stage makes the pod Ready.
+    _set_container_ready(kubectl, kubectl.json("get", "pod", pod["metadata"]["name"]), True)
+    wait_condition(kubectl, "blinky", "Ready")
+    wait_until(lambda: len(events("Ready")) == 2, timeout=30, what="the second Ready event")
+    assert events("NotReady") == ["Warning"]  # once per transition, never repeated
+    assert events("Ready") == ["Normal", "Normal"]
+
+
+def test_overlong_and_dotted_names_are_refused_with_why(crds: None, kubectl: Kubectl) -> None:
+    for name, why in [
+        ("m" * 64, "metadata.name must be at most 63 characters"),
+        ("dotted.name", "metadata.name must not contain '.'"),
+    ]:
+        result = kubectl.run(
+            "apply", "-f", "-", input_text=yaml.safe_dump(model(name, replicas=0)), check=False
+        )
+        assert result.returncode != 0 and why in result.stderr, result.stderr
+        assert not kubectl.exists("inferencemodel", name)
+
+
+CUDA_OOM = {"reason": "Error", "exitCode": 1, "message": "torch.OutOfMemoryError: CUDA out of memory."}
+MEMORY_LIMIT_OOM = {"reason": "OOMKilled", "exitCode": 137}
+
+
+@pytest.mark.parametrize(
+    ("terminated", "changes"),
+    [
+        (
+            CUDA_OOM,
+            {
+                "gpuMemoryUtilization": "0.9 -> 0.85",
+                "maxNumSeqs": "64 -> 32",
+                "maxNumBatchedTokens": "2048 -> 1024",
+            },
+        ),
+        (MEMORY_LIMIT_OOM, {"memory": "16Gi -> 24Gi"}),
+    ],
+    ids=["cuda-oom", "memory-limit"],
+)
+def test_pod_oom_degrades_and_adapts_what_matches_the_cause(
+    operator: OperatorProcess, kubectl: Kubectl, terminated: dict[str, Any], changes: dict[str, str]
+) -> None:
+    """kwok runs no container, so the OOM is written into the pod's status by hand, as a kubelet would."""
+    kubectl.apply(
+        model("oomy", replicas=1, resources={"gpus": 1, "memory": "16Gi"}, oomPolicy={"adapt": True})
+    )
     wait_condition(kubectl, "oomy", "Ready")
     pod = kubectl.json("get", "pods", "-l", "kvpilot.dev/model=oomy")["items"][0]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     statuses = pod["status"]["containerStatuses"]
     statuses[0]["restartCount"] = 1
-    statuses[0]["lastState"] = {
-        "terminated": {"reason": "OOMKilled", "exitCode": 137, "startedAt": now, "finishedAt": now}
-    }
+    statuses[0]["lastState"] = {"terminated": {**terminated, "startedAt": now, "finishedAt": now}}
     kubectl(
         "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=merge",
         "-p", json.dumps({"status": {"containerStatuses": statuses}}),
@@ -486,19 +564,21 @@ def test_pod_oom_degrades_and_adapts_the_config(operator: OperatorProcess, kubec
         what="status.oomAdaptation",
     )
     assert adaptation["count"] == 1
-    assert adaptation["changes"] == {
-        "gpuMemoryUtilization": "0.9 -> 0.85",
-        "maxNumSeqs": "64 -> 32",
-        "maxNumBatchedTokens": "2048 -> 1024",
-    }
+    assert adaptation["changes"] == changes
     config = yaml.safe_load((get(kubectl, "configmap", "oomy-config") or {})["data"]["config.yaml"])
-    assert config["gpu_memory_utilization"] == 0.85 and config["max_num_seqs"] == 32
+    container = (get(kubectl, "deployment", "oomy") or {})["spec"]["template"]["spec"]["containers"][0]
+    if terminated is CUDA_OOM:
+        assert config["gpu_memory_utilization"] == 0.85 and config["max_num_seqs"] == 32
+        assert container["resources"]["limits"]["memory"] == "16Gi"
+    else:  # host memory: the GPU settings stay, the limit goes up
+        assert config["gpu_memory_utilization"] == 0.9 and config["max_num_seqs"] == 64
+        assert container["resources"]["limits"]["memory"] == "24Gi"
     for reason in ("OOMKilled", "OOMAdapted"):  # Degraded turned True; the config was adapted
         events = kubectl.json(
             "get", "events", "--field-selector", f"involvedObject.name=oomy,reason={reason}"
         )
         assert [e["type"] for e in events["items"]] == ["Warning"], reason
-    # The adapted config rolls the pods; the new pod has no OOM, so Degraded clears again.
+    # The adapted Deployment rolls the pods; the new pod has no OOM, so Degraded clears again.
     wait_condition(kubectl, "oomy", "Degraded", "False", timeout=60)
     assert (get(kubectl, "im", "oomy") or {})["status"]["oomAdaptation"]["count"] == 1
 
@@ -536,7 +616,8 @@ def test_service_monitor_only_when_its_crd_exists(
     crd = "crd/servicemonitors.monitoring.coreos.com"
     installed_here = not cluster.kubectl.exists(crd)
     if not installed_here:
-        pytest.skip("a ServiceMonitor CRD is already installed; not touching it")
+        # A shared cluster may have one; a fresh cluster (CI) never does, so there it is a leak.
+        missing("a cluster without the ServiceMonitor CRD", "it is already installed; not touching it")
     op = OperatorProcess(cluster, kubectl.namespace or "", tmp_path, "--no-leader-elect").start()
     try:
         kubectl.apply(model("plain", replicas=0))

@@ -13,7 +13,15 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, OOMOverrides, RuntimeSettings
+from kvpilot.operator.models import (
+    API_VERSION,
+    KIND,
+    InferenceModel,
+    InferenceModelSpec,
+    OOMOverrides,
+    RuntimeSettings,
+)
+from kvpilot.operator.quantity import parse_bytes
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 
 FIELD_MANAGER = "kvpilot-operator"
@@ -135,17 +143,21 @@ def model_path(source: str) -> str:
 
 
 def effective_runtime(runtime: RuntimeSettings, overrides: OOMOverrides | None) -> dict[str, Any]:
-    """spec.runtime (snake_case, set fields only) capped by the OOM adaptation overrides."""
+    """spec.runtime (snake_case, set fields only) capped by the OOM adaptation overrides (all but
+    `memory`, which is the pod's, not the runtime's)."""
     rt = runtime.model_dump(exclude_none=True)
     if overrides is not None:
-        for key, value in overrides.model_dump(exclude_none=True).items():
+        for key, value in overrides.model_dump(exclude_none=True, exclude={"memory"}).items():
             default = EngineConfig.model_fields[key].default
-            rt[key] = min(rt.get(key, default), value)
+            rt[key] = value if rt.get(key, default) is None else min(rt.get(key, default), value)
     return rt
 
 
 def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = None) -> EngineConfig:
     """The runtime's EngineConfig for this model (validated by the runtime's own schema)."""
+    if overrides is not None and overrides.kv_cache_memory is not None and im.spec.resources.gpus > 0:
+        # Made for a CPU pod's host memory; a GPU pod sizes its pool from gpuMemoryUtilization.
+        overrides = overrides.model_copy(update={"kv_cache_memory": None})
     rt = effective_runtime(im.spec.runtime, overrides)
     shutdown = rt.pop("shutdown_timeout_seconds", None)
     values: dict[str, Any] = {
@@ -155,6 +167,8 @@ def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = No
         "port": HTTP_PORT,
         "device": "cuda" if im.spec.resources.gpus > 0 else "cpu",
         **rt,
+        # Unset tensorParallelSize shards over every GPU the pod gets (the CRD refuses a mismatch).
+        "tensor_parallel_size": im.spec.effective_tensor_parallel_size(),
     }
     if shutdown is not None:
         values["shutdown_timeout"] = float(shutdown)
@@ -165,13 +179,21 @@ def render_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = None
     return render_engine_config(im, overrides).to_yaml()
 
 
-def config_hash(config_yaml: str) -> str:
-    return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+def config_hash(config_yaml: str, overrides: OOMOverrides | None = None) -> str:
+    """What the pods of one config share (their config-hash annotation): the runtime's config file, and
+    the memory an OOM adaptation gave them (left out when there is none, so such hashes never moved)."""
+    memory = overrides.memory if overrides is not None else None
+    text = config_yaml if memory is None else f"{config_yaml}\n# resources.memory: {memory}\n"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------
-# children
-# ---------------------------------------------------------------------------------------------
+def effective_memory(spec: InferenceModelSpec, overrides: OOMOverrides | None) -> str | None:
+    """spec.resources.memory, raised to the OOM adaptation's value when that is larger."""
+    spec_memory = spec.resources.memory
+    raised = overrides.memory if overrides is not None else None
+    if raised is None or (spec_memory is not None and parse_bytes(spec_memory) >= parse_bytes(raised)):
+        return spec_memory
+    return raised
 
 
 def render_config_map(im: InferenceModel, settings: OperatorSettings, config_yaml: str) -> dict[str, Any]:
@@ -220,15 +242,16 @@ def _is_hf(im: InferenceModel) -> bool:
     return im.spec.model.source.startswith("hf://")
 
 
-def _resources(im: InferenceModel) -> dict[str, Any]:
+def _resources(im: InferenceModel, overrides: OOMOverrides | None) -> dict[str, Any]:
     r = im.spec.resources
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
+    memory = effective_memory(im.spec, overrides)
     if r.cpu:
         requests["cpu"] = r.cpu
-    if r.memory:
-        requests["memory"] = r.memory
-        limits["memory"] = r.memory
+    if memory:
+        requests["memory"] = memory
+        limits["memory"] = memory
     if r.gpus > 0:
         requests[GPU_RESOURCE] = str(r.gpus)
         limits[GPU_RESOURCE] = str(r.gpus)
@@ -258,8 +281,7 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
     elif scheme == "hf":
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR})
-    tp = im.spec.runtime.tensor_parallel_size or 1
-    if tp > 1:
+    if im.spec.effective_tensor_parallel_size() > 1:
         # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -314,7 +336,9 @@ def _fetch_init_container(im: InferenceModel, image: str, pull_policy: str) -> d
     }
 
 
-def render_deployment(im: InferenceModel, settings: OperatorSettings, config_yaml: str) -> dict[str, Any]:
+def render_deployment(
+    im: InferenceModel, settings: OperatorSettings, config_yaml: str, overrides: OOMOverrides | None = None
+) -> dict[str, Any]:
     spec = im.spec
     image = spec.image or settings.image
     pull_policy = spec.image_pull_policy or settings.image_pull_policy
@@ -328,7 +352,7 @@ def render_deployment(im: InferenceModel, settings: OperatorSettings, config_yam
         "command": ["kvpilot", "serve", "--config", CONFIG_PATH, *(spec.extra_args or [])],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _env(im),
-        "resources": _resources(im),
+        "resources": _resources(im, overrides),
         "volumeMounts": mounts,
         "startupProbe": _http_probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURE_THRESHOLD),
         "readinessProbe": _http_probe("/ready", 5, 3),
@@ -390,7 +414,7 @@ def render_deployment(im: InferenceModel, settings: OperatorSettings, config_yam
                 "metadata": {
                     "labels": labels,
                     "annotations": {
-                        CONFIG_HASH_ANNOTATION: config_hash(config_yaml),
+                        CONFIG_HASH_ANNOTATION: config_hash(config_yaml, overrides),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(HTTP_PORT),
                         "prometheus.io/path": "/metrics",
@@ -443,7 +467,7 @@ def render_children(
     config_yaml = render_config_yaml(im, overrides)
     children = [
         render_config_map(im, settings, config_yaml),
-        render_deployment(im, settings, config_yaml),
+        render_deployment(im, settings, config_yaml, overrides),
         render_service(im, settings),
         render_pdb(im, settings),
     ]

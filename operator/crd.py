@@ -119,6 +119,7 @@ def openapi_schema() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
+        **m.ROOT_RULES,
     }
 
 

@@ -44,6 +44,11 @@ SOURCE_HELP = (
 # Kubernetes resource quantity (https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/)
 QUANTITY_PATTERN = r"^[0-9]+([.][0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+TP_HELP = (
+    "spec.resources.gpus must equal spec.runtime.tensorParallelSize (the runtime uses exactly "
+    "tensorParallelSize GPUs, so extra GPUs would sit idle): set gpus to tensorParallelSize, or leave "
+    "tensorParallelSize unset to shard over all of resources.gpus"
+)
 
 
 def _rule(rule: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -128,8 +133,17 @@ class PrometheusSource(_Model):
             )
         ),
     )
-    kv_query: str | None = Field(None, max_length=4096, description="PromQL for KV-cache usage (0..1).")
-    queue_query: str | None = Field(None, max_length=4096, description="PromQL for waiting requests.")
+    kv_query: str | None = Field(
+        None,
+        max_length=4096,
+        description=(
+            "PromQL for KV-cache usage (0..1) by pod; {namespace}, {model} (served name) and {pods} "
+            "(a regex of the Ready pods' names) are filled in."
+        ),
+    )
+    queue_query: str | None = Field(
+        None, max_length=4096, description="PromQL for waiting requests by pod (same placeholders)."
+    )
 
 
 class SloPlanner(_Model):
@@ -277,7 +291,13 @@ class RuntimeSettings(_Model):
     kv_cache_dtype: Literal["auto", "fp8", "int8"] | None = Field(None, description="KV-cache storage dtype.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks across shared prefixes.")
     tensor_parallel_size: int | None = Field(
-        None, ge=1, le=16, description="GPUs one model copy is sharded over."
+        None,
+        ge=1,
+        le=16,
+        description=(
+            "GPUs one model copy is sharded over; must equal resources.gpus on GPU pods. "
+            "Default: resources.gpus (1 on CPU)."
+        ),
     )
     enable_expert_parallel: bool | None = Field(
         None,
@@ -303,8 +323,12 @@ class OOMPolicy(_Model):
     adapt: bool = Field(
         False,
         description=(
-            "Lower gpuMemoryUtilization (0.05 a step) and halve maxNumSeqs and maxNumBatchedTokens "
-            "after an out-of-memory kill, down to the minimums below."
+            "Adapt the setting that matches the cause after an out-of-memory kill, within the bounds "
+            "below. GPU out-of-memory (the runtime exits on it): lower gpuMemoryUtilization (0.05 a "
+            "step) and halve maxNumSeqs and maxNumBatchedTokens. The container's memory limit "
+            "(OOMKilled): on CPU pods halve the KV-cache pool and the batch limits (they live in host "
+            "memory); on GPU pods, or once those are at their floors, raise resources.memory by half, "
+            "up to maxMemory."
         ),
     )
     min_gpu_memory_utilization: float = Field(
@@ -313,6 +337,31 @@ class OOMPolicy(_Model):
     min_max_num_seqs: int = Field(4, ge=1, le=4096, description="Floor for maxNumSeqs.")
     min_max_num_batched_tokens: int = Field(
         256, ge=16, le=1 << 20, description="Floor for maxNumBatchedTokens."
+    )
+    min_kv_cache_memory: str = Field(
+        "128Mi",
+        max_length=32,
+        description="Floor for the KV-cache pool of a CPU pod (a Kubernetes quantity).",
+        json_schema_extra=_validations(
+            _rule(
+                f"self.matches('{QUANTITY_PATTERN}')",
+                "spec.oomPolicy.minKvCacheMemory must be a Kubernetes quantity such as '128Mi'",
+            )
+        ),
+    )
+    max_memory: str | None = Field(
+        None,
+        max_length=32,
+        description=(
+            "Ceiling for resources.memory when an OOMKilled pod raises it (a Kubernetes quantity); "
+            "default twice resources.memory. Without resources.memory nothing is raised."
+        ),
+        json_schema_extra=_validations(
+            _rule(
+                f"self.matches('{QUANTITY_PATTERN}')",
+                "spec.oomPolicy.maxMemory must be a Kubernetes quantity such as '64Gi'",
+            )
+        ),
     )
 
 
@@ -354,11 +403,37 @@ _SPEC_RULES = _validations(
     _rule(
         "!has(self.runtime) || !has(self.runtime.tensorParallelSize) || !has(self.resources)"
         " || !has(self.resources.gpus) || self.resources.gpus == 0"
-        " || self.resources.gpus % self.runtime.tensorParallelSize == 0",
-        "spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize (one model copy "
-        "spans tensorParallelSize GPUs): set gpus to tensorParallelSize or a multiple of it",
+        " || self.resources.gpus == self.runtime.tensorParallelSize",
+        TP_HELP,
     ),
 )
+
+# metadata.name becomes the kvpilot.dev/model label value (at most 63 characters) and the Service name
+# (a DNS-1035 label: no dots). The API server only checks that it is a DNS subdomain, so without these
+# rules such a model would be stored and then every reconcile would fail.
+MAX_NAME_LENGTH = 63
+NAME_LENGTH_HELP = (
+    "metadata.name must be at most 63 characters: it becomes the kvpilot.dev/model label value and "
+    "the Service name; choose a shorter name"
+)
+NAME_DOT_HELP = (
+    "metadata.name must not contain '.': it becomes the Service name, which must be a DNS-1035 label "
+    "(lowercase letters, digits and '-'); use '-' instead"
+)
+ROOT_RULES = _validations(
+    _rule(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}", NAME_LENGTH_HELP),
+    _rule("!self.metadata.name.contains('.')", NAME_DOT_HELP),
+)
+
+
+def name_problems(name: str) -> list[str]:
+    """The root CEL rules on metadata.name, in Python (for objects stored before a CRD upgrade)."""
+    problems = []
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(NAME_LENGTH_HELP)
+    if "." in name:
+        problems.append(NAME_DOT_HELP)
+    return problems
 
 
 class InferenceModelSpec(_Model):
@@ -400,6 +475,10 @@ class InferenceModelSpec(_Model):
     def effective_gpus(self) -> int:
         return self.resources.gpus
 
+    def effective_tensor_parallel_size(self) -> int:
+        """GPUs one model copy is sharded over: spec.runtime's, else all of resources.gpus (1 on CPU)."""
+        return self.runtime.tensor_parallel_size or max(1, self.resources.gpus)
+
     def check(self) -> list[str]:
         """The CEL rules, in Python: messages for every rule this spec breaks (create rules excluded)."""
         problems: list[str] = []
@@ -414,8 +493,8 @@ class InferenceModelSpec(_Model):
             if a.metrics_source == "prometheus" and a.prometheus is None:
                 problems.append("spec.autoscaling.prometheus is required when metricsSource is prometheus")
         tp = self.runtime.tensor_parallel_size
-        if tp and self.resources.gpus and self.resources.gpus % tp:
-            problems.append("spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize")
+        if tp and self.resources.gpus and self.resources.gpus != tp:
+            problems.append(TP_HELP)
         return problems
 
 
@@ -474,11 +553,14 @@ class AutoscalerStatus(_Model):
 
 
 class OOMOverrides(_Model):
-    """The adapted runtime settings currently in force (they cap spec.runtime)."""
+    """The adapted settings currently in force: the runtime's cap spec.runtime, memory floors
+    spec.resources.memory."""
 
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | None = Field(None, description="KV-cache pool in bytes (CPU pods).")
+    memory: str | None = Field(None, description="resources.memory request and limit (raised).")
 
 
 class OOMAdaptation(_Model):

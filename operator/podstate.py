@@ -35,6 +35,7 @@ class PodProblem:
     message: str
     config_hash: str | None = None
     finished_at: datetime | None = None  # for OOM kills: when the container died
+    oom_kind: str | None = None  # for OOM kills: "memory" (the container's limit) or "gpu" (CUDA OOM)
 
     @property
     def is_oom(self) -> bool:
@@ -88,6 +89,7 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
                     _oom_message(name, cname, oom_now, terminated),
                     chash,
                     parse_time(terminated.get("finishedAt")) or now,
+                    oom_now,
                 )
             )
         elif oom_last and last:
@@ -95,7 +97,14 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
             crashlooping = waiting.get("reason") == "CrashLoopBackOff"
             if crashlooping or now - finished <= OOM_RECENT:
                 problems.append(
-                    PodProblem(name, "OOMKilled", _oom_message(name, cname, oom_last, last), chash, finished)
+                    PodProblem(
+                        name,
+                        "OOMKilled",
+                        _oom_message(name, cname, oom_last, last),
+                        chash,
+                        finished,
+                        oom_last,
+                    )
                 )
         reason = waiting.get("reason")
         if reason == "CrashLoopBackOff" and not (oom_now or oom_last):

@@ -29,7 +29,14 @@ from kvpilot.operator.builders import (
     selector_string,
 )
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.models import API_VERSION, KIND, InferenceModel, InferenceModelSpec, OOMAdaptation
+from kvpilot.operator.models import (
+    API_VERSION,
+    KIND,
+    InferenceModel,
+    InferenceModelSpec,
+    OOMAdaptation,
+    name_problems,
+)
 from kvpilot.operator.podstate import all_problems, format_time
 from kvpilot.operator.status import (
     EventSpec,
@@ -91,11 +98,12 @@ def oom_note(spec: InferenceModelSpec, decision: oom.OOMDecision) -> str:
     state = decision.state
     if not spec.oom_policy.adapt:
         return (
-            "set spec.oomPolicy.adapt: true to let the operator lower gpuMemoryUtilization, maxNumSeqs and "
-            "maxNumBatchedTokens, or give each replica more memory"
+            "set spec.oomPolicy.adapt: true to let the operator adapt the setting that matches the cause "
+            "(GPU settings after a CUDA OOM, memory or the KV pool after an OOMKilled), or give each "
+            "replica more memory"
         )
     if state is not None and state.count:
-        return f"runtime config adapted {state.count} time(s); last step: " + ", ".join(
+        return f"adapted {state.count} time(s); last step: " + ", ".join(
             f"{k} {v}" for k, v in (state.changes or {}).items()
         )
     return "waiting for an OOM of the current config to adapt"
@@ -189,6 +197,9 @@ class Reconciler:
         live_status: dict[str, Any] = body.get("status") or {}
 
         spec, invalid = spec_problem(body.get("spec") or {})
+        bad_name = name_problems(name)  # stored before the CRD refused such names
+        if bad_name:
+            spec, invalid = None, "; ".join(bad_name)
         if spec is None:
             outcome.invalid = invalid
             desired = invalid_status(
@@ -206,7 +217,8 @@ class Reconciler:
         pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
         problems = all_problems(pods, now)
 
-        chash = config_hash(render_config_yaml(im, oom.current_overrides(spec, state)))
+        current = oom.current_overrides(spec, state)
+        chash = config_hash(render_config_yaml(im, current), current)
         decision = oom.decide(spec, state, problems, chash)
         extra_events: list[EventSpec] = []
         if decision.adapted:
@@ -220,6 +232,7 @@ class Reconciler:
             settings = dataclasses.replace(settings, service_monitor=self._sm_available)
         deployment: dict[str, Any] | None = None
         apply_errors: list[str] = []
+        refused: set[str] = set()
         for child in render_children(im, settings, decision.overrides):
             ref = f"{child['kind']}/{child['metadata']['name']}"
             try:
@@ -228,6 +241,7 @@ class Reconciler:
                 if e.status not in (400, 422):
                     raise  # transient: the work queue retries with backoff
                 apply_errors.append(f"{ref} was rejected: {api_message(e)}")
+                refused.add(child["kind"])
                 continue
             (outcome.applied if result.applied else outcome.skipped).append(ref)
             metrics.APPLIES.labels(child["kind"], "applied" if result.applied else "skipped").inc()
@@ -244,6 +258,7 @@ class Reconciler:
             oom_note=oom_note(spec, decision),
             apply_error="; ".join(apply_errors) or None,
             router_endpoint=settings.router_endpoints.get(namespace),
+            refused=frozenset(refused),
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:

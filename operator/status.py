@@ -70,8 +70,13 @@ def compute_conditions(
     problems: list[PodProblem],
     oom_note: str | None = None,
     apply_error: str | None = None,
+    refused: frozenset[str] = frozenset(),
 ) -> list[Cond]:
-    """The four conditions, from the Deployment and the pods' problems (no timestamps)."""
+    """The four conditions, from the Deployment and the pods' problems (no timestamps).
+
+    `refused`: kinds of children the API server refused in this reconcile. A refused Service means
+    clients have no endpoint, so the model is not Ready whatever its pods say.
+    """
     want = desired_replicas(im)
     st = (deployment or {}).get("status", {})
     ready = int(st.get("readyReplicas") or 0)
@@ -84,8 +89,14 @@ def compute_conditions(
     deadline = progressing is not None and progressing.get("reason") == "ProgressDeadlineExceeded"
     counts = f"{ready}/{want} replicas ready"
 
-    # Ready: at least one replica serves.
-    if deployment is None:
+    # Ready: at least one replica serves, through the Service.
+    if "Service" in refused:
+        ready_c = Cond(
+            "Ready", False, "ApplyFailed", f"the Service was refused, so no endpoint serves ({counts})"
+        )
+    elif deployment is None and "Deployment" in refused:
+        ready_c = Cond("Ready", False, "ApplyFailed", "the Deployment was refused")
+    elif deployment is None:
         ready_c = Cond("Ready", False, "Creating", "the Deployment does not exist yet")
     elif want == 0:
         ready_c = Cond("Ready", False, "ScaledToZero", "replicas is 0: no replica serves; scale up to serve")
@@ -192,19 +203,26 @@ def compute_status(
     oom_note: str | None = None,
     apply_error: str | None = None,
     router_endpoint: str | None = None,
+    refused: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """The operator-owned status of `im` (camelCase keys, as written to the API)."""
+    """The operator-owned status of `im` (camelCase keys, as written to the API).
+
+    No `endpoint` when the Service was refused: it would name a Service that does not exist.
+    """
     st = (deployment or {}).get("status", {})
-    conds = compute_conditions(im, deployment, problems, oom_note=oom_note, apply_error=apply_error)
+    conds = compute_conditions(
+        im, deployment, problems, oom_note=oom_note, apply_error=apply_error, refused=refused
+    )
     status: dict[str, Any] = {
         "observedGeneration": im.generation,
         "replicas": int(st.get("replicas") or 0),
         "readyReplicas": int(st.get("readyReplicas") or 0),
         "updatedReplicas": int(st.get("updatedReplicas") or 0),
         "selector": selector_string(im.name),
-        "endpoint": endpoint(im.name, im.namespace),
         "conditions": merge_conditions(conds, (previous or {}).get("conditions"), now, im.generation),
     }
+    if "Service" not in refused:
+        status["endpoint"] = endpoint(im.name, im.namespace)
     if router_endpoint:
         status["routerEndpoint"] = router_endpoint
     if oom is not None:
@@ -246,6 +264,16 @@ def condition_events(previous: list[dict[str, Any]] | None, current: list[dict[s
             )
         elif c["type"] == "Ready" and c["status"] == "True" and old.get("status") != "True":
             events.append(EventSpec("Normal", "Ready", c["message"]))
+        elif c["type"] == "Ready" and old.get("status") == "True":
+            # The way down, once per transition (a later False -> False reason change posts nothing).
+            if c["reason"] == "ScaledToZero":
+                events.append(EventSpec("Normal", "ScaledToZero", c["message"]))
+            else:
+                events.append(
+                    EventSpec(
+                        "Warning", "NotReady", f"the model stopped serving ({c['reason']}): {c['message']}"
+                    )
+                )
     return events
 
 
@@ -258,8 +286,11 @@ def invalid_status(
     now: datetime,
     previous: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Status for a spec the operator cannot act on (replica counts are left as they were)."""
-    msg = f"spec is invalid: {message}"
+    """Status for a spec the operator cannot act on (replica counts are left as they were).
+
+    No children are rendered, so the endpoint is only kept where an earlier reconcile made one.
+    """
+    msg = message if message.startswith("metadata.") else f"spec is invalid: {message}"
     conds = [
         Cond("Ready", False, "InvalidSpec", msg),
         Cond("Progressing", False, "InvalidSpec", msg),
@@ -267,14 +298,12 @@ def invalid_status(
         Cond("ScalingLimited", False, "AsExpected"),
     ]
     prev = previous or {}
-    status: dict[str, Any] = {
-        k: prev[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation") if k in prev
-    }
+    kept = ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation", "endpoint")
+    status: dict[str, Any] = {k: prev[k] for k in kept if k in prev}
     status.update(
         {
             "observedGeneration": generation,
             "selector": selector_string(name),
-            "endpoint": endpoint(name, namespace),
             "conditions": merge_conditions(conds, prev.get("conditions"), now, generation),
         }
     )

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
+import yaml
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvpilot.autoscaler.sources import (
     DEFAULT_KV_QUERY,
+    DEFAULT_QUEUE_QUERY,
+    DEFAULT_RUNNING_QUERY,
     MetricsParseError,
     ModelRef,
     PodScrapeSource,
@@ -21,6 +26,7 @@ from kvpilot.autoscaler.sources import (
     parse_query_response,
     render_query,
 )
+from tests.charts.tools import promtool
 
 MODEL = ModelRef("ml", "llama", "llama")
 
@@ -160,10 +166,85 @@ async def test_pod_scrape_collect_counts_ready_and_reporting(pod_server):
 
 
 def test_render_query_fills_without_touching_promql_braces():
-    q = render_query(DEFAULT_KV_QUERY, "ml", 'we"ird')
-    assert 'namespace="ml"' in q
-    assert 'model_name="we\\"ird"' in q
-    assert "{namespace}" not in q and "max by (pod)" in q
+    q = render_query('x{namespace="{namespace}",model_name="{model}"}', "ml", 'we"ird')
+    assert q == 'x{namespace="ml",model_name="we\\"ird"}'
+    q = render_query(DEFAULT_KV_QUERY, "ml", "llama", ["llama-b", "llama-a", "llama.x"])
+    assert 'namespace="ml",pod=~"llama-a|llama-b|llama\\\\.x"' in q  # sorted; the dot escaped for RE2
+    assert "{namespace}" not in q and "{pods}" not in q and "max by (pod)" in q
+
+
+# Series as Prometheus holds them: a kvpilot pod labels model_name with the served name, a vLLM pod
+# with its Hugging Face path; another model's pod and the same pod name in another namespace must not
+# count.
+PROMETHEUS_SERIES = [
+    ('kvpilot_kv_cache_usage_ratio{namespace="ml",pod="llama-a",model_name="llama"}', 0.5),
+    ('kvpilot_num_requests_waiting{namespace="ml",pod="llama-a",model_name="llama"}', 2),
+    ('kvpilot_num_requests_running{namespace="ml",pod="llama-a",model_name="llama"}', 5),
+    (
+        'vllm:kv_cache_usage_perc{namespace="ml",pod="llama-b",model_name="meta-llama/Llama-3.1-8B-Instruct"}',
+        0.7,
+    ),
+    (
+        'vllm:num_requests_waiting{namespace="ml",pod="llama-b",model_name="meta-llama/Llama-3.1-8B-Instruct"}',
+        4,
+    ),
+    (
+        'vllm:num_requests_running{namespace="ml",pod="llama-b",model_name="meta-llama/Llama-3.1-8B-Instruct"}',
+        9,
+    ),
+    ('kvpilot_kv_cache_usage_ratio{namespace="ml",pod="other-a",model_name="other"}', 0.9),
+    ('kvpilot_num_requests_waiting{namespace="ml",pod="other-a",model_name="other"}', 7),
+    ('kvpilot_kv_cache_usage_ratio{namespace="prod",pod="llama-a",model_name="llama"}', 0.1),
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (DEFAULT_KV_QUERY, {"llama-a": 0.5, "llama-b": 0.7}),
+        (DEFAULT_QUEUE_QUERY, {"llama-a": 2, "llama-b": 4}),
+        (DEFAULT_RUNNING_QUERY, {"llama-a": 5, "llama-b": 9}),
+    ],
+    ids=["kv", "queue", "running"],
+)
+def test_default_queries_find_vllm_pods_labelled_with_the_hf_path(
+    template: str, expected: dict[str, float], tmp_path: Path
+) -> None:
+    """The default PromQL, evaluated by Prometheus' own engine (promtool test rules)."""
+    query = render_query(template, "ml", "llama", ["llama-a", "llama-b"])
+    case = {
+        "rule_files": [],
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": f"{v}x5"} for s, v in PROMETHEUS_SERIES],
+                "promql_expr_test": [
+                    {
+                        "expr": query,
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {"labels": f'{{pod="{pod}"}}', "value": value} for pod, value in expected.items()
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(case))
+    result = subprocess.run(
+        [promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"{query}\n{result.stdout}\n{result.stderr}"
+
+
+async def test_prometheus_source_asks_nothing_without_ready_pods(prometheus):
+    state, port = prometheus
+    src = PrometheusSource(f"http://127.0.0.1:{port}/")
+    try:
+        snap = await src.collect(MODEL, [])
+    finally:
+        await src.close()
+    assert snap.ready_replicas == 0 and snap.samples == () and state["queries"] == []
 
 
 def test_parse_query_response_shapes():
@@ -236,12 +317,10 @@ async def test_prometheus_source_groups_by_pod(prometheus):
         ("a", 0.9, 3, 12)
     ]
     queries = state["queries"]
-    assert any('kvpilot_kv_cache_usage_ratio{namespace="ml",model_name="llama"}' in q for q in queries)
+    assert any('kvpilot_kv_cache_usage_ratio{namespace="ml",pod=~"a|b"}' in q for q in queries)
     assert any("vllm:gpu_cache_usage_perc" in q for q in queries)
     assert snap.samples[0].completion_rate == 2.5
-    assert any(
-        'rate(kvpilot_request_success_total{namespace="ml",model_name="llama"}[1m])' in q for q in queries
-    )
+    assert any('rate(kvpilot_request_success_total{namespace="ml",pod=~"a|b"}[1m])' in q for q in queries)
 
 
 async def test_prometheus_completions_query_failing_only_leaves_the_rate_out(prometheus):

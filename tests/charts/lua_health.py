@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.charts.tools import ROOT
+from tests.needs import missing
 
 HEALTH_DIR = ROOT / "deploy" / "argocd" / "resource_customizations" / "kvpilot.dev" / "InferenceModel"
 HEALTH_LUA = HEALTH_DIR / "health.lua"
@@ -20,7 +19,7 @@ def _runtime() -> Any:
     try:
         from lupa import lua51  # Lua 5.1, like Argo CD's gopher-lua
     except ImportError:
-        pytest.skip("lupa with a Lua 5.1 runtime is not installed: run `bash scripts/tools.sh`")
+        missing("lupa with a Lua 5.1 runtime (Python module lupa)", "run `bash scripts/tools.sh`")
     lua = lua51.LuaRuntime(unpack_returned_tuples=True, register_eval=False)
     # Argo CD opens only base, table, string and math (plus its own safe os subset, unused here).
     lua.execute("os = nil; io = nil; debug = nil; package = nil; require = nil; dofile = nil; loadfile = nil")

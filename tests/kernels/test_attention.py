@@ -10,6 +10,7 @@ import torch
 
 from kvpilot.kernels import cpu_attention, isa, quant, triton_attention
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
+from tests.needs import missing
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
@@ -26,7 +27,7 @@ if triton_attention.available() and os.environ.get("TRITON_INTERPRET") == "1":
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> AttentionBackend:
     if request.param == "cpu-paged" and not cpu_attention.available():
-        pytest.skip("no C compiler for the CPU kernel")
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
     return BACKENDS[request.param]()
 
 
@@ -197,7 +198,7 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
     anything): the kernel must mask them, never multiply them in.
     """
     if not cpu_attention.available(level):
-        pytest.skip("no C compiler for the CPU kernel")
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
     torch.manual_seed(1)
     (hq, hkv), d, bs = heads, 64, 16
     ctx = [40, 1, 77, 16, 130]  # tokens already cached

@@ -9,8 +9,10 @@ import torch
 
 from kvpilot.kernels import cpu_ops
 from kvpilot.runtime.models.layers import RMSNorm, RotaryEmbedding
+from tests.needs import missing
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the fused CPU ops")
+if not cpu_ops.available():
+    missing("a C compiler for the fused CPU ops", "install gcc or clang")
 
 
 def torch_reference(

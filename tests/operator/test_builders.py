@@ -283,3 +283,11 @@ def test_service_and_pdb() -> None:
 
 def test_builders_are_deterministic() -> None:
     assert render_children(im(), SETTINGS) == render_children(im(), SETTINGS)
+
+
+def test_unset_tensor_parallel_size_uses_every_gpu() -> None:
+    cfg = yaml.safe_load(children(im(resources={"gpus": 4}))["ConfigMap"]["data"]["config.yaml"])
+    assert cfg["tensor_parallel_size"] == 4
+    assert any(v["name"] == "dshm" for v in pod_spec(im(resources={"gpus": 4}))["volumes"])
+    cpu = yaml.safe_load(children(im(resources={"gpus": 0}))["ConfigMap"]["data"]["config.yaml"])
+    assert cpu["tensor_parallel_size"] == 1

@@ -8,10 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-pytest.importorskip("celpy")
-
 from kvpilot.operator.crd import build_crd
-from kvpilot.operator.models import InferenceModelSpec
+from kvpilot.operator.models import InferenceModelSpec, name_problems
 from tests.operator.celcheck import apply_defaults, violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +46,8 @@ VALID = [
     },
     {"model": BUILTIN, "resources": {"gpus": 0}, "runtime": {"tensorParallelSize": 2}},
     {"model": BUILTIN, "resources": {"gpuType": "h100"}},
+    {"model": BUILTIN, "resources": {"gpus": 4}},  # tensorParallelSize unset: shards over all 4
+    {"model": BUILTIN, "oomPolicy": {"adapt": True, "maxMemory": "48Gi", "minKvCacheMemory": "256Mi"}},
 ]
 
 INVALID = [
@@ -83,7 +83,12 @@ INVALID = [
     ),
     (
         {"model": BUILTIN, "resources": {"gpus": 3}, "runtime": {"tensorParallelSize": 2}},
-        "spec.resources.gpus must be a multiple of spec.runtime.tensorParallelSize",
+        "spec.resources.gpus must equal spec.runtime.tensorParallelSize",
+    ),
+    (
+        # A multiple is still a mismatch: the runtime would use 2 of the 4 GPUs.
+        {"model": BUILTIN, "resources": {"gpus": 4}, "runtime": {"tensorParallelSize": 2}},
+        "spec.resources.gpus must equal spec.runtime.tensorParallelSize",
     ),
     ({"model": BUILTIN, "resources": {"cpu": "two"}}, "spec.resources.cpu must be a Kubernetes quantity"),
     (
@@ -91,6 +96,10 @@ INVALID = [
         "spec.resources.memory must be a Kubernetes quantity",
     ),
     ({"model": BUILTIN, "resources": {"gpuType": "-h100"}}, "should match"),
+    (
+        {"model": BUILTIN, "oomPolicy": {"maxMemory": "48GB"}},
+        "spec.oomPolicy.maxMemory must be a Kubernetes quantity",
+    ),
 ]
 
 
@@ -106,17 +115,19 @@ def test_invalid_specs_get_their_message(spec: dict[str, Any], message: str) -> 
     assert len(problems) == 1 and message in problems[0], problems
 
 
+API_SERVER_ONLY = ("created", "match", "Kubernetes quantity", "http:// or https://")
+
+
 @pytest.mark.parametrize(
-    ("spec", "message"), [c for c in INVALID if "created" not in c[1] and "match" not in c[1]]
+    ("spec", "message"), [c for c in INVALID if not any(k in c[1] for k in API_SERVER_ONLY)]
 )
 def test_operator_mirror_agrees_with_cel(spec: dict[str, Any], message: str) -> None:
-    """The operator's own check() rejects what CEL rejects (quantities and URLs are left to CEL)."""
+    """The operator's own check() rejects what CEL rejects (create-only rules, patterns, quantities
+    and URLs are left to the API server)."""
     try:
         problems = InferenceModelSpec.model_validate(spec).check()
     except ValueError:
         return
-    if "Kubernetes quantity" in message or "http:// or https://" in message:
-        pytest.skip("checked by the API server only")
     assert problems, message
 
 
@@ -148,3 +159,33 @@ def test_examples_are_valid(path: Path) -> None:
         if doc and doc.get("kind") == "InferenceModel":
             assert check(doc["spec"]) == [], path
             assert InferenceModelSpec.model_validate(doc["spec"]).check() == []
+
+
+def check_object(name: str) -> list[str]:
+    """The root rules (metadata.name) on a whole InferenceModel."""
+    obj = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel", "metadata": {"name": name}}
+    obj["spec"] = apply_defaults(SPEC_SCHEMA, {"model": BUILTIN})
+    return violations({k: v for k, v in SCHEMA.items() if k != "properties"}, obj, None, "")
+
+
+@pytest.mark.parametrize("name", ["llama", "a" * 63, "llama-3-8b-instruct"])
+def test_usable_names_pass(name: str) -> None:
+    assert check_object(name) == []
+    assert name_problems(name) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("a" * 64, "metadata.name must be at most 63 characters: it becomes the kvpilot.dev/model label"),
+        ("dotted.name", "metadata.name must not contain '.': it becomes the Service name"),
+    ],
+)
+def test_unusable_names_are_refused_with_why(name: str, message: str) -> None:
+    problems = check_object(name)
+    assert len(problems) == 1 and problems[0].startswith(message), problems
+    assert name_problems(name) == problems  # the operator's mirror says the same
+
+
+def test_long_dotted_name_gets_both_messages() -> None:
+    assert len(check_object("a." * 40)) == 2

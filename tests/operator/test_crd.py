@@ -123,7 +123,7 @@ def test_every_rule_has_an_actionable_message() -> None:
     assert len(rules) >= 9
     for path, rule in rules:
         message = rule["message"]
-        assert message.startswith("spec."), (path, message)  # names the field
+        assert message.startswith(("spec.", "metadata.name ")), (path, message)  # names the field
         assert ":" in message or " must " in message, (path, message)  # says what to do
 
 

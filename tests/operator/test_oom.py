@@ -13,20 +13,28 @@ from kvpilot.operator.podstate import PodProblem
 
 T1 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 T2 = datetime(2026, 1, 1, 12, 5, tzinfo=UTC)
+T3 = datetime(2026, 1, 1, 12, 10, tzinfo=UTC)
 
 
-def spec(adapt: bool = True, **runtime: Any) -> InferenceModelSpec:
+def spec(
+    adapt: bool = True,
+    resources: dict[str, Any] | None = None,
+    policy: dict[str, Any] | None = None,
+    **runtime: Any,
+) -> InferenceModelSpec:
     return InferenceModelSpec.model_validate(
         {
             "model": {"source": "builtin://smollm2-135m-instruct"},
             "runtime": runtime,
-            "oomPolicy": {"adapt": adapt},
+            "resources": resources or {},
+            "oomPolicy": {"adapt": adapt, **(policy or {})},
         }
     )
 
 
-def killed(at: datetime = T1, chash: str = "h1", pod: str = "p-1") -> PodProblem:
-    return PodProblem(pod, "OOMKilled", f"pod {pod} was OOMKilled", chash, at)
+def killed(at: datetime = T1, chash: str = "h1", pod: str = "p-1", kind: str = "gpu") -> PodProblem:
+    """kind "gpu": the runtime exited on a CUDA OOM; "memory": the kernel's OOMKilled at the limit."""
+    return PodProblem(pod, "OOMKilled", f"pod {pod} ran out of memory", chash, at, kind)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +131,9 @@ def test_exhausted_at_the_minimums() -> None:
     d = oom.decide(s, None, [killed()], "h1")
     assert d.exhausted and d.adapted == {}
     assert d.state is not None and d.state.last_time == T1 and d.state.count == 0
-    assert "minimums already reached" in oom.describe(d)
+    assert "GPU out-of-memory, and gpuMemoryUtilization, maxNumSeqs and maxNumBatchedTokens are at" in (
+        oom.describe(d)
+    )
     assert oom.decide(s, d.state, [killed()], "h1").exhausted is False  # told once
 
 
@@ -147,3 +157,155 @@ def test_state_round_trips_through_status_json() -> None:
     assert d.state is not None
     assert OOMAdaptation.model_validate(d.state.dump()) == d.state
     assert d.state.dump()["lastTime"] == "2026-01-01T12:00:00Z"
+
+
+# -- the cause decides the knob ------------------------------------------------------------------
+
+GPU_POD = {"gpus": 1, "memory": "16Gi"}
+CPU_POD = {"gpus": 0, "memory": "4Gi"}
+
+
+def test_memory_limit_kill_on_a_gpu_pod_raises_memory_not_gpu_settings() -> None:
+    d = oom.decide(spec(resources=GPU_POD), None, [killed(kind="memory")], "h1")
+    assert d.adapted == {"memory": "16Gi -> 24Gi"}
+    assert d.overrides == OOMOverrides(memory="24Gi")
+    # The next kill of the new pods raises again, up to the ceiling (twice spec.resources.memory).
+    second = oom.decide(spec(resources=GPU_POD), d.state, [killed(T2, "h2", kind="memory")], "h2")
+    assert second.adapted == {"memory": "24Gi -> 32Gi"}
+    third = oom.decide(spec(resources=GPU_POD), second.state, [killed(T3, "h3", kind="memory")], "h3")
+    assert third.exhausted and third.adapted == {}
+    assert "memory is at its ceiling" in oom.describe(third) and "spec.oomPolicy.maxMemory" in third.why
+
+
+def test_memory_ceiling_comes_from_the_policy() -> None:
+    s = spec(resources=GPU_POD, policy={"maxMemory": "20Gi"})
+    d = oom.decide(s, None, [killed(kind="memory")], "h1")
+    assert d.adapted == {"memory": "16Gi -> 20Gi"}
+
+
+def test_memory_limit_kill_without_a_memory_spec_says_to_set_one() -> None:
+    d = oom.decide(spec(resources={"gpus": 1}), None, [killed(kind="memory")], "h1")
+    assert d.exhausted and d.adapted == {}
+    assert "set spec.resources.memory" in oom.describe(d)
+
+
+def test_memory_limit_kill_on_a_cpu_pod_shrinks_what_lives_in_host_memory() -> None:
+    d = oom.decide(spec(resources=CPU_POD), None, [killed(kind="memory")], "h1")
+    assert d.adapted == {
+        "kvCacheMemory": "1Gi -> 512Mi",  # the runtime's CPU default pool, halved
+        "maxNumSeqs": "64 -> 32",
+        "maxNumBatchedTokens": "2048 -> 1024",
+    }
+    assert d.overrides == OOMOverrides(
+        kv_cache_memory=512 * 2**20, max_num_seqs=32, max_num_batched_tokens=1024
+    )
+    assert "gpuMemoryUtilization" not in d.adapted  # not read on a CPU pod
+
+
+def test_cpu_pod_at_its_floors_raises_memory_instead() -> None:
+    s = spec(
+        resources=CPU_POD,
+        policy={"minKvCacheMemory": "1Gi", "minMaxNumSeqs": 64, "minMaxNumBatchedTokens": 2048},
+    )
+    d = oom.decide(s, None, [killed(kind="memory")], "h1")
+    assert d.adapted == {"memory": "4Gi -> 6Gi"}
+
+
+def test_a_cuda_oom_message_on_a_cpu_pod_is_a_host_memory_problem() -> None:
+    d = oom.decide(spec(resources=CPU_POD), None, [killed(kind="gpu")], "h1")
+    assert "kvCacheMemory" in d.adapted and "gpuMemoryUtilization" not in d.adapted
+
+
+def test_both_causes_at_once_adapt_both_sides() -> None:
+    d = oom.decide(
+        spec(resources=GPU_POD), None, [killed(kind="gpu"), killed(pod="p-2", kind="memory")], "h1"
+    )
+    assert d.adapted == {
+        "gpuMemoryUtilization": "0.9 -> 0.85",
+        "maxNumSeqs": "64 -> 32",
+        "maxNumBatchedTokens": "2048 -> 1024",
+        "memory": "16Gi -> 24Gi",
+    }
+
+
+def test_the_memory_override_renders_into_the_deployment_and_the_pod_hash() -> None:
+    from kvpilot.operator.builders import OperatorSettings, config_hash, render_children, render_config_yaml
+    from kvpilot.operator.models import InferenceModel
+
+    im = InferenceModel.model_validate(
+        {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=GPU_POD).dump()}
+    )
+    plain = {c["kind"]: c for c in render_children(im, OperatorSettings())}
+    raised = {c["kind"]: c for c in render_children(im, OperatorSettings(), OOMOverrides(memory="24Gi"))}
+    resources = raised["Deployment"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["memory"] == resources["requests"]["memory"] == "24Gi"
+    template = raised["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert template["kvpilot.dev/config-hash"] == config_hash(
+        render_config_yaml(im), OOMOverrides(memory="24Gi")
+    )
+    assert template != plain["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert raised["ConfigMap"] == plain["ConfigMap"]  # the runtime's config did not change
+    # A spec that already asks for more than the override keeps its own value.
+    bigger = InferenceModel.model_validate(
+        {
+            "metadata": {"name": "m", "namespace": "ns"},
+            "spec": spec(resources={"gpus": 1, "memory": "64Gi"}).dump(),
+        }
+    )
+    kept = {c["kind"]: c for c in render_children(bigger, OperatorSettings(), OOMOverrides(memory="24Gi"))}
+    assert (
+        kept["Deployment"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+        == "64Gi"
+    )
+
+
+def test_the_kv_override_reaches_the_runtime_config() -> None:
+    from kvpilot.operator.builders import render_engine_config
+    from kvpilot.operator.models import InferenceModel
+
+    im = InferenceModel.model_validate(
+        {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=CPU_POD).dump()}
+    )
+    assert render_engine_config(im).kv_cache_memory is None
+    assert render_engine_config(im, OOMOverrides(kv_cache_memory=512 * 2**20)).kv_cache_memory == 512 * 2**20
+    # The same overrides after the model moved to a GPU: its pool comes from gpuMemoryUtilization.
+    gpu = InferenceModel.model_validate(
+        {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=GPU_POD).dump()}
+    )
+    assert render_engine_config(gpu, OOMOverrides(kv_cache_memory=512 * 2**20)).kv_cache_memory is None
+
+
+def test_the_new_policy_field_at_its_default_keeps_recorded_hashes() -> None:
+    """Statuses written before minKvCacheMemory existed keep their overrides across the upgrade."""
+    before = {
+        "adapt": True,
+        "minGpuMemoryUtilization": 0.5,
+        "minMaxNumSeqs": 4,
+        "minMaxNumBatchedTokens": 256,
+    }
+    assert oom.runtime_hash(spec()) == oom.stable_hash({"runtime": {}, "oomPolicy": before})
+    assert oom.runtime_hash(spec(policy={"minKvCacheMemory": "256Mi"})) != oom.runtime_hash(spec())
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16Gi", 16 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1.5Gi", 3 * 2**29),
+        ("2G", 2 * 10**9),
+        ("100", 100),
+        ("1500m", 2),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    from kvpilot.operator.quantity import parse_bytes
+
+    assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_refuses_what_is_not_a_quantity() -> None:
+    from kvpilot.operator.quantity import parse_bytes
+
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        parse_bytes("16GB")

@@ -167,7 +167,7 @@ def test_invalid_spec_reports_and_renders_nothing(fake_kube: FakeKube) -> None:
     degraded = next(c for c in body(fake_kube)["status"]["conditions"] if c["type"] == "Degraded")
     assert (
         degraded["reason"] == "InvalidSpec"
-        and "multiple of spec.runtime.tensorParallelSize" in degraded["message"]
+        and "must equal spec.runtime.tensorParallelSize" in degraded["message"]
     )
     assert [(e["type"], e["reason"]) for e in fake_kube.events] == [("Warning", "InvalidSpec")]
     assert not rec.reconcile(body(fake_kube)).wrote
@@ -216,9 +216,7 @@ def test_unschedulable_sets_scaling_limited_and_one_event(fake_kube: FakeKube) -
     assert [e["reason"] for e in fake_kube.events] == ["Unschedulable"]
 
 
-def test_oom_adapts_config_once_and_records_it(fake_kube: FakeKube) -> None:
-    rec, _ = setup(fake_kube, oomPolicy={"adapt": True})
-    rec.reconcile(body(fake_kube))
+def _oom_pod(fake_kube: FakeKube, terminated: dict[str, Any]) -> None:
     chash = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["metadata"]["annotations"][
         CONFIG_HASH_ANNOTATION
     ]
@@ -229,15 +227,18 @@ def test_oom_adapts_config_once_and_records_it(fake_kube: FakeKube) -> None:
             {
                 "name": "kvpilot",
                 "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                "lastState": {
-                    "terminated": {
-                        "reason": "OOMKilled",
-                        "exitCode": 137,
-                        "finishedAt": "2026-01-01T11:59:00Z",
-                    }
-                },
+                "lastState": {"terminated": {**terminated, "finishedAt": "2026-01-01T11:59:00Z"}},
             }
         ],
+    )
+
+
+def test_gpu_oom_adapts_the_runtime_config_once_and_records_it(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube, resources={"gpus": 1, "memory": "16Gi"}, oomPolicy={"adapt": True})
+    rec.reconcile(body(fake_kube))
+    _oom_pod(
+        fake_kube,
+        {"reason": "Error", "exitCode": 1, "message": "torch.OutOfMemoryError: CUDA out of memory. Tried to"},
     )
     out = rec.reconcile(body(fake_kube))
     assert out.applied == ["ConfigMap/llama-config", "Deployment/llama"]
@@ -245,17 +246,42 @@ def test_oom_adapts_config_once_and_records_it(fake_kube: FakeKube) -> None:
     assert status["oomAdaptation"]["count"] == 1
     assert status["oomAdaptation"]["changes"]["maxNumSeqs"] == "64 -> 32"
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
-    assert degraded["reason"] == "OOMKilled" and "adapted runtime config" in degraded["message"]
+    assert (
+        degraded["reason"] == "OOMKilled"
+        and "adapted: gpuMemoryUtilization 0.9 -> 0.85" in degraded["message"]
+    )
     cfg = yaml.safe_load(child(fake_kube, "v1", "ConfigMap", "llama-config")["data"]["config.yaml"])
     assert (cfg["gpu_memory_utilization"], cfg["max_num_seqs"], cfg["max_num_batched_tokens"]) == (
         0.85,
         32,
         1024,
     )
+    limits = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "resources"
+    ]
+    assert limits["limits"]["memory"] == "16Gi"  # host memory was not the problem
     assert "OOMAdapted" in [e["reason"] for e in fake_kube.events]
     # The pod still shows the old OOM; that is not a new one.
     again = rec.reconcile(body(fake_kube))
     assert again.applied == [] and body(fake_kube)["status"]["oomAdaptation"]["count"] == 1
+
+
+def test_memory_limit_oom_raises_memory_and_leaves_the_gpu_settings(fake_kube: FakeKube) -> None:
+    rec, _ = setup(fake_kube, resources={"gpus": 1, "memory": "16Gi"}, oomPolicy={"adapt": True})
+    rec.reconcile(body(fake_kube))
+    config_before = child(fake_kube, "v1", "ConfigMap", "llama-config")["data"]["config.yaml"]
+    _oom_pod(fake_kube, {"reason": "OOMKilled", "exitCode": 137})
+    out = rec.reconcile(body(fake_kube))
+    assert out.applied == ["Deployment/llama"]  # the runtime's config is unchanged
+    assert child(fake_kube, "v1", "ConfigMap", "llama-config")["data"]["config.yaml"] == config_before
+    container = child(fake_kube, "apps/v1", "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert (
+        container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"] == "24Gi"
+    )
+    status = body(fake_kube)["status"]
+    assert status["oomAdaptation"]["changes"] == {"memory": "16Gi -> 24Gi"}
+    assert status["oomAdaptation"]["overrides"] == {"memory": "24Gi"}
+    assert not rec.reconcile(body(fake_kube)).applied  # the old pod's OOM is not a new one
 
 
 def test_a_rejected_child_is_reported_not_retried_forever(fake_kube: FakeKube) -> None:
@@ -296,3 +322,44 @@ def test_router_endpoint_in_status_only_for_the_routed_namespace(fake_kube: Fake
     # the router goes away: the field is removed, not left stale
     Reconciler(fake_kube, OperatorSettings(image="img"), clock=Clock()).reconcile(body(fake_kube))
     assert "routerEndpoint" not in body(fake_kube)["status"]
+
+
+def test_a_refused_service_leaves_no_endpoint_and_ready_false(fake_kube: FakeKube) -> None:
+    """The `dotted.name` case: Deployment and pods fine, the Service refused by the API server."""
+    from kubernetes.client.exceptions import ApiException
+
+    class RejectingService(FakeKube):
+        def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]:
+            if obj["kind"] == "Service":
+                err = ApiException(status=422, reason="Unprocessable Entity")
+                err.body = '{"message": "Service \\"llama\\" is invalid: metadata.name: a DNS-1035 label"}'
+                raise err
+            live = super().apply(obj, field_manager)
+            if obj["kind"] == "Deployment":  # every replica ready
+                live["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+            return live
+
+    kube = RejectingService()
+    rec, _ = setup(kube)
+    rec.reconcile(body(kube))
+    status = body(kube)["status"]
+    assert "endpoint" not in status
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    assert conditions["Ready"] == ("False", "ApplyFailed")
+    assert conditions["Degraded"] == ("True", "ApplyFailed")
+
+
+def test_an_overlong_name_stored_before_the_rule_is_reported(fake_kube: FakeKube) -> None:
+    name = "m" * 64
+    fake_kube.put(make_body(name=name))
+    rec = Reconciler(fake_kube, OperatorSettings(image="img"), clock=Clock())
+    live = fake_kube.get(API_VERSION, KIND, "ml", name)
+    assert live is not None
+    out = rec.reconcile(live)
+    assert out.applied == [] and out.invalid and "at most 63 characters" in out.invalid
+    after = fake_kube.get(API_VERSION, KIND, "ml", name)
+    assert after is not None
+    degraded = next(c for c in after["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and degraded["message"].startswith("metadata.name must be")
+    assert "endpoint" not in after["status"]
+    assert [(e["type"], e["reason"]) for e in fake_kube.events] == [("Warning", "InvalidSpec")]

@@ -25,7 +25,8 @@ EXAMPLES = [
     ("path", "doc"), EXAMPLES, ids=[f"{p.name}:{d['metadata']['name']}" for p, d in EXAMPLES]
 )
 def test_serve_accepts_the_rendered_config(path: Path, doc: dict[str, Any], tmp_path: Path) -> None:
-    runtime_cli = pytest.importorskip("kvpilot.runtime.cli")
+    from kvpilot.runtime import cli as runtime_cli
+
     im = InferenceModel.model_validate(
         {**doc, "metadata": {**doc["metadata"], "namespace": "ns", "uid": "u"}}
     )
@@ -45,3 +46,11 @@ def test_serve_accepts_the_rendered_config(path: Path, doc: dict[str, Any], tmp_
         else:
             snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
             assert getattr(cfg, snake) == value, key
+
+
+def test_the_operator_knows_the_runtimes_cpu_kv_pool_default() -> None:
+    """oom.py halves the CPU KV pool from the runtime's default without importing torch."""
+    from kvpilot.operator import oom
+    from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES
+
+    assert oom.CPU_DEFAULT_KV_BYTES == CPU_DEFAULT_KV_BYTES

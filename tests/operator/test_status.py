@@ -307,3 +307,61 @@ def test_invalid_status_keeps_counts() -> None:
         "InvalidSpec",
         "spec is invalid: bad",
     )
+
+
+def _ready(st: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in st["conditions"] if c["type"] == "Ready")
+
+
+def test_losing_readiness_posts_one_warning() -> None:
+    serving = compute_status(im(), deployment(2, 2), [], now=NOW)
+    lost = compute_status(im(), deployment(2, 0), [], now=NOW, previous=serving)
+    events = condition_events(serving["conditions"], lost["conditions"])
+    assert [(e.type, e.reason) for e in events] == [("Warning", "NotReady")]
+    assert events[0].message.startswith("the model stopped serving (NoReplicaReady): 0/1 replicas ready")
+    # Still down, for another reason: no second Warning for the same way down.
+    refused = compute_status(
+        im(), deployment(2, 0), [], now=NOW, previous=lost, refused=frozenset({"Service"})
+    )
+    assert "NotReady" not in [e.reason for e in condition_events(lost["conditions"], refused["conditions"])]
+    # Back up: the Normal Ready event, as before.
+    back = compute_status(im(), deployment(2, 1), [], now=NOW, previous=lost)
+    assert [(e.type, e.reason) for e in condition_events(lost["conditions"], back["conditions"])] == [
+        ("Normal", "Ready")
+    ]
+
+
+def test_scaling_to_zero_is_announced_as_normal() -> None:
+    serving = compute_status(im(), deployment(1, 1), [], now=NOW)
+    zero = compute_status(im(replicas=0), deployment(0, 0), [], now=NOW, previous=serving)
+    assert [(e.type, e.reason) for e in condition_events(serving["conditions"], zero["conditions"])] == [
+        ("Normal", "ScaledToZero")
+    ]
+
+
+def test_a_refused_service_means_no_endpoint_and_not_ready() -> None:
+    st = compute_status(
+        im(),
+        deployment(1, 1),
+        [],
+        now=NOW,
+        apply_error="Service/llama was rejected: bad name",
+        refused=frozenset({"Service"}),
+    )
+    assert "endpoint" not in st
+    ready = _ready(st)
+    assert (ready["status"], ready["reason"]) == ("False", "ApplyFailed")
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
+    # Only a refused Service takes the endpoint away; a refused PodDisruptionBudget does not.
+    other = compute_status(
+        im(), deployment(1, 1), [], now=NOW, apply_error="x", refused=frozenset({"PodDisruptionBudget"})
+    )
+    assert other["endpoint"] == "http://llama.ml.svc:8000/v1" and _ready(other)["status"] == "True"
+
+
+def test_invalid_status_keeps_only_an_endpoint_that_was_made() -> None:
+    st = invalid_status("llama", "ml", 1, "bad", now=NOW, previous=None)
+    assert "endpoint" not in st
+    before = {"endpoint": "http://llama.ml.svc:8000/v1"}
+    assert invalid_status("llama", "ml", 2, "bad", now=NOW, previous=before)["endpoint"] == before["endpoint"]

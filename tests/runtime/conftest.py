@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from tests.needs import require_module
+
 if TYPE_CHECKING:
     from kvpilot.runtime.engine import LLMEngine
     from kvpilot.runtime.loader import LoadedModel
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf_path: Path) -> Any:
     """transformers' own model from the same GGUF file, float32, eval mode."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers", "pip install -e .[test]")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
     )
