@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from kvpilot.autoscaler.trace import (
     parse_jsonl,
     scale_trace,
 )
+from tests.needs import missing
 
 H100 = calibration_by_name("h100/llama-3.1-8b", startup_s=10.0)
 REPO = Path(__file__).resolve().parents[2]
@@ -191,8 +191,7 @@ def test_mooncake_synthetic_trace_replays():
         None,
     )
     if path is None:
-        assert os.environ.get("CI") != "true", f"mooncake_synthetic.jsonl not found in {candidates}"
-        pytest.skip("shared traces not present on this machine")
+        missing(f"the shared Mooncake trace (mooncake_synthetic.jsonl in {candidates})")
     trace = load_trace(path)[:600]
     res = simulate(trace, StaticPolicy(4), H100, warmup_s=0, router=LeastLoaded())
     assert res.requests == 600 and 0.0 < res.prefix_hit_rate < 1.0

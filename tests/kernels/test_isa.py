@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.kernels import cpu_attention, cpu_ops, isa
+from tests.needs import missing
 
 AVX512_CPU = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx2", "fma", "f16c", "avx512_bf16"}
 EPYC_AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
@@ -41,7 +42,7 @@ def test_flags_are_explicit_per_level() -> None:
 def test_every_runnable_level_builds_what_it_names() -> None:
     """Each extension's build for each level this CPU runs reports that level from its own macros."""
     if not cpu_attention.available() or not cpu_ops.available():
-        pytest.skip("no C compiler for the CPU kernels")
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
     assert isa.selected() in isa.runnable()
     for level in isa.runnable():
         assert cpu_attention.built_isa(level) == level

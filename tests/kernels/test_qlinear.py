@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.kernels import isa, qlinear
+from tests.needs import missing
 
 
 def weight(n: int = 96, k: int = 256) -> torch.Tensor:
@@ -68,7 +69,7 @@ def test_kernel_matches_the_dequantized_matmul(
     method: str, group: int, level: str, dtype: torch.dtype, rows: int
 ) -> None:
     if not qlinear.available(level):
-        pytest.skip("no C compiler for the CPU kernels")
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
     assert qlinear.built_isa(level) == level
     w = weight(96, 384)
     qw = qlinear.quantize(w, method, group or 32)

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvpilot.kernels import triton_attention
+from tests.needs import missing
 
-pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
+if not triton_attention.available():
+    missing("triton (it comes with torch on Linux x86-64)")
 
 
 @pytest.mark.slow
