@@ -32,6 +32,17 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_ids: set[i
     return Reference(tokens, [x[0].float() for x in out.logits])
 
 
+def greedy_deficits(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
+    """How far below HF's best logit each of `tokens` is, with HF reading prompt + tokens (teacher
+    forcing): 0.0 where a token is HF's own greedy choice in that context."""
+    if not tokens:
+        return []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    return (logits.max(dim=1).values - chosen).tolist()
+
+
 def assert_matches_reference(ours: list[int], ref: Reference, label: str = "") -> None:
     """Identical token for token, except that the sequences may part at a proven near-tie.
 

@@ -10,9 +10,19 @@ import torch
 
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.sampling_params import SamplingParams
-from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
+from tests.runtime.greedy_reference import (
+    Reference,
+    assert_matches_reference,
+    greedy_deficits,
+    hf_greedy,
+)
 
 MAX_NEW = 16
+# How far below the float32 model's best logit a greedy token may be when the KV cache is int8/fp8:
+# the quantization's own noise. Measured on these prompts, AVX-512 and emulated AVX2 builds alike: at
+# most 0.32 (fp8), in the unconstrained and the preempted runs. A wrong block, stale scale or
+# position after recompute costs whole logits.
+QUANTIZED_DEFICIT = 1.0
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -175,9 +185,18 @@ def test_eviction_under_pressure_with_shared_prefixes_keeps_outputs(
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_quantized_cache_under_preemption_matches_its_unconstrained_run(
-    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], kv_dtype: str
+def test_quantized_cache_under_preemption_stays_greedy(
+    make_engine: Callable[..., LLMEngine], prompts: list[list[int]], kv_dtype: str, hf_smollm2: Any
 ) -> None:
+    """A preempted request is recomputed from its tokens. With a quantized pool the recomputed K/V
+    need not round to the codes decode wrote: a recomputing prefill runs its matmuls at another batch
+    shape than the decode steps did, BLAS kernels sum in shape-dependent orders (differently on
+    AVX-512 and AVX2 builds), and a last-bit difference at a rounding boundary flips a code, which
+    moves the logits by far more than float noise. So the preempted run may part from the
+    unconstrained one; what must hold is that every token it emits is a greedy choice up to the
+    quantization's own noise: with HF's float32 model reading the output back (teacher forcing),
+    each token's logit is within QUANTIZED_DEFICIT of the best one, as the unconstrained run's are.
+    Stale scales, misplaced blocks or wrong positions after recompute break this by whole logits."""
     roomy = make_engine(kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
     want = [s.output_token_ids for s in roomy.generate(prompts, greedy())]
     assert all(len(w) > 0 for w in want)
@@ -190,6 +209,12 @@ def test_quantized_cache_under_preemption_matches_its_unconstrained_run(
     )
     assert tight.runner.geometry.dtype != torch.float32
     got = [s.output_token_ids for s in tight.generate(prompts, greedy())]
-    # recomputation after preemption writes the same quantized values, so the outputs are identical
-    assert got == want
     assert tight.stats().num_preemptions > 0
+    assert tight.block_manager.usage == 0.0
+    for i, (p, w, g) in enumerate(zip(prompts, want, got, strict=True)):
+        assert len(g) == len(w) or (g and g[-1] in tight.eos_token_ids), f"prompt {i}: length {len(g)}"
+        for label, tokens in (("unconstrained", w), ("preempted", g)):
+            worst = max(greedy_deficits(hf_smollm2, p, tokens))
+            assert worst < QUANTIZED_DEFICIT, (
+                f"prompt {i}, {label} run: a token {worst:.2f} below HF's best logit"
+            )
