@@ -148,9 +148,8 @@ def _draft_proposer(
     assert cfg.speculative_model is not None  # EngineConfig checks it
     if draft is None:
         try:
-            draft = load_model(
-                EngineConfig(model=cfg.speculative_model, dtype=cfg.dtype), target.device, target.dtype
-            )
+            draft_cfg = EngineConfig.model_validate({"model": cfg.speculative_model, "dtype": cfg.dtype})
+            draft = load_model(draft_cfg, target.device, target.dtype)
         except (OSError, ValueError) as exc:
             raise ValueError(f"--speculative-model {cfg.speculative_model}: {exc}") from exc
     check_draft_compatible(target, draft, target.max_model_len)

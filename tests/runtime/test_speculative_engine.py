@@ -156,11 +156,12 @@ def test_ngram_under_kv_pressure_preempts_and_matches(
     plain_outputs: list[list[int]],
 ) -> None:
     # three copies of a quoting prompt in a pool where two fit at admission but not once both have
-    # grown by a block (16 new tokens always cross one block boundary): proposals are dropped and
-    # then a sequence is preempted and recomputed
+    # grown by a block: proposals are dropped and then a sequence is preempted and recomputed
     probe = make_engine()
     bm = probe.block_manager
-    grown = bm.blocks_needed(len(prompts[3]) + MAX_NEW)
+    # the last token computed is at position len + MAX_NEW - 2
+    grown = bm.blocks_needed(len(prompts[3]) + MAX_NEW - 1)
+    assert grown > bm.blocks_needed(len(prompts[3]))
     engine = make_engine(
         kv_cache_memory=(2 * grown - 1) * probe.runner.geometry.bytes_per_block,
         enable_prefix_caching=False,
