@@ -176,6 +176,18 @@ class BlockManager:
             block.block_hash = h
             self.cached[h] = block.block_id
 
+    def trim(self, seq: Sequence) -> int:
+        """Release the tail blocks beyond what the sequence's tokens need (the slots of rejected
+        speculative tokens). Such blocks were never full of committed tokens, so never cached.
+        Returns how many blocks were released."""
+        keep = self.blocks_needed(seq.num_tokens)
+        extra = seq.block_table[keep:]
+        for block_id in reversed(extra):
+            assert self.blocks[block_id].block_hash is None, "a speculative block was cached"
+            self._unref(block_id)
+        del seq.block_table[keep:]
+        return len(extra)
+
     def free_seq(self, seq: Sequence) -> None:
         """Release a finished or preempted sequence's blocks; tail blocks become the first to evict."""
         for block_id in reversed(seq.block_table):

@@ -133,6 +133,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--enforce-eager", action="store_true", default=s, help="no CUDA graphs: decode steps run eagerly"
     )
+    sp = parser.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-method", choices=["ngram", "draft"], default=s)
+    sp.add_argument(
+        "--num-speculative-tokens", type=int, default=s, metavar="K", help="tokens proposed per step, 1..16"
+    )
+    sp.add_argument("--speculative-model", default=s, metavar="PATH", help="draft model for 'draft'")
+    sp.add_argument("--prompt-lookup-min", type=int, default=s, help="ngram: shortest match (default 1)")
+    sp.add_argument("--prompt-lookup-max", type=int, default=s, help="ngram: longest match (default 4)")
+    sp.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=s,
+        help="adapt the proposal length to acceptance and batch load (default on)",
+    )
+    sp.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=_positive_int,
+        default=s,
+        help="no speculation while this many sequences run",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

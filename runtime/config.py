@@ -16,6 +16,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "int8"]
+SpeculativeMethod = Literal["ngram", "draft"]
+MAX_SPECULATIVE_TOKENS = 16
 Quantization = Literal["int8", "int4", "auto"]
 
 
@@ -75,11 +77,51 @@ class EngineConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
     enforce_eager: bool = Field(False, description="disable CUDA graphs")
     seed: int = 0
+    # speculative decoding (docs/runtime.md, "Speculative decoding")
+    speculative_method: SpeculativeMethod | None = Field(
+        None, description="ngram (prompt lookup) or draft (a smaller model, --speculative-model)"
+    )
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=MAX_SPECULATIVE_TOKENS, description="tokens proposed per step (at most)"
+    )
+    speculative_model: str | None = Field(
+        None, description="the draft model (builtin name, .gguf, directory)"
+    )
+    prompt_lookup_min: int = Field(1, ge=1, le=64, description="ngram: shortest n-gram to match")
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="ngram: longest n-gram to match")
+    speculative_adaptive: bool = Field(
+        True, description="propose fewer tokens (or none) when acceptance or the batch load says so"
+    )
+    speculative_disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no speculation while this many sequences or more are running"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.max_model_len is not None and self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be at least 16")
+        method = self.speculative_method
+        if method is None:
+            if self.num_speculative_tokens is not None:
+                raise ValueError("--num-speculative-tokens needs --speculative-method (ngram or draft)")
+            if self.speculative_model is not None:
+                raise ValueError("--speculative-model needs --speculative-method draft")
+            return self
+        if self.num_speculative_tokens is None:
+            raise ValueError(
+                f"--speculative-method {method} needs --num-speculative-tokens (1..{MAX_SPECULATIVE_TOKENS})"
+            )
+        if method == "draft" and self.speculative_model is None:
+            raise ValueError("--speculative-method draft needs --speculative-model PATH")
+        if method == "ngram" and self.speculative_model is not None:
+            raise ValueError("--speculative-model is only used with --speculative-method draft")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"--prompt-lookup-min ({self.prompt_lookup_min}) is above --prompt-lookup-max "
+                f"({self.prompt_lookup_max})"
+            )
+        if method == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-method draft does not run with --tensor-parallel-size > 1")
         return self
 
     @property

@@ -24,10 +24,12 @@ from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, TokenLogprob
+from kvpilot.runtime.speculative import Speculator, make_speculator
 
 if TYPE_CHECKING:
+    from kvpilot.runtime.draft_proposer import DraftProposer
     from kvpilot.runtime.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,19 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    # speculative decoding (None while it is off, so the metrics are absent rather than zero)
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
+    spec_num_emitted_tokens: int | None = None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if self.spec_num_draft_tokens is None or self.spec_num_accepted_tokens is None:
+            return None
+        return (
+            self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+        )
 
 
 @dataclass
@@ -165,6 +180,24 @@ def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) ->
     return int(total * cfg.gpu_memory_utilization) - used - reserve
 
 
+def _draft_proposer(
+    cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int
+) -> DraftProposer:
+    """Load (unless given) and check the draft model; its KV pool mirrors the target's blocks."""
+    from kvpilot.runtime.draft_proposer import DraftProposer, check_draft_compatible
+    from kvpilot.runtime.loader import load_model
+
+    assert cfg.speculative_model is not None  # EngineConfig checks it
+    if draft is None:
+        try:
+            draft_cfg = EngineConfig.model_validate({"model": cfg.speculative_model, "dtype": cfg.dtype})
+            draft = load_model(draft_cfg, target.device, target.dtype)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--speculative-model {cfg.speculative_model}: {exc}") from exc
+    check_draft_compatible(target, draft, target.max_model_len)
+    return DraftProposer(draft, target, num_blocks, cfg.block_size)
+
+
 def is_oom_error(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
@@ -182,6 +215,7 @@ class LLMEngine:
         model_name: str,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        speculator: Speculator | None = None,
     ) -> None:
 
         self.cfg = cfg
@@ -204,6 +238,7 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.speculator = speculator
         self.requests: dict[str, _Tracked] = {}
         self.oom_policy = OOMPolicy()
         self.token_budget = cfg.max_num_batched_tokens
@@ -229,7 +264,8 @@ class LLMEngine:
             loaded = runner.loaded
             name = cfg.served_model_name or loaded.model_name
             eos = frozenset(loaded.tokenizer.eos_token_ids)
-            return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos)
+            spec = make_speculator(cfg, loaded.max_model_len, runner.device.type)
+            return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos, spec)
         device = resolve_device(cfg)
         if device.type == "cpu":
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
@@ -237,8 +273,11 @@ class LLMEngine:
         return cls.from_loaded(load_model(cfg, device, resolve_dtype(cfg.dtype, device)), cfg)
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, cfg: EngineConfig) -> LLMEngine:
-        """An engine around an already-loaded, unsharded model (tests share one model between engines)."""
+    def from_loaded(
+        cls, loaded: LoadedModel, cfg: EngineConfig, draft: LoadedModel | None = None
+    ) -> LLMEngine:
+        """An engine around an already-loaded, unsharded model (tests share one model between engines).
+        `draft`: the loaded --speculative-model (loaded here from cfg when not given)."""
         from kvpilot.kernels import quant
         from kvpilot.runtime.loader import resolve_max_model_len
 
@@ -270,7 +309,11 @@ class LLMEngine:
             if cfg.max_model_len is None
             else resolve_max_model_len(cfg.max_model_len, loaded.arch)
         )
-        return cls(runner, loaded.tokenizer, cfg, name, max_model_len, eos)
+        proposer = None
+        if cfg.speculative_method == "draft":
+            proposer = _draft_proposer(cfg, loaded, draft, num_blocks)
+        spec = make_speculator(cfg, max_model_len, loaded.device.type, proposer)
+        return cls(runner, loaded.tokenizer, cfg, name, max_model_len, eos, spec)
 
     @classmethod
     def _num_blocks_measured(cls, cfg: EngineConfig, geo: KVGeometry, loaded: LoadedModel) -> int:
@@ -350,16 +393,22 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule(self.token_budget)
         if sched.empty:
             return []
         try:
+            if spec is not None and spec.draft is not None:
+                spec.draft.propose([s for s in sched.scheduled if s.num_spec_tokens])
             if self.before_execute is not None:
                 self.before_execute(sched)
             logits, sampled = self.runner.execute(sched.scheduled)
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
+            self._drop_speculation(sched)
             return self._recover_from_oom(sched)
         self._consecutive_ooms = 0
         self._steps_since_oom += 1
@@ -379,18 +428,78 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if sampled:
             seqs = [s.seq for s in sampled]
-            result = self.sampler.sample(logits, [SamplingRow.from_sequence(q) for q in seqs])
+            new_tokens = self._sample(logits, sampled)
             now = time.monotonic()
-            for seq, token_id, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
-                seq.append_token(token_id, lp)
-                self.generation_tokens += 1
+            for s, (token_ids, lps, accepted) in zip(sampled, new_tokens, strict=True):
+                seq = s.seq
+                # K/V of the accepted proposals was computed this step; the rest of the proposals'
+                # slots are released below (or with the sequence if it finishes)
+                seq.num_computed_tokens += accepted
+                finished = False
+                for token_id, lp in zip(token_ids, lps, strict=True):
+                    seq.append_token(token_id, lp)
+                    self.generation_tokens += 1
+                    if seq.check_stop():
+                        finished = True
+                        break
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 seq.last_token_time = now
-                if seq.check_stop():
+                if finished:
                     self.scheduler.finish(seq)
+                elif s.num_spec_tokens:
+                    self._commit_speculation(seq)
                 outputs.append(self._output(self.requests[seq.seq_id]))
+            for seq in seqs:
+                seq.spec_token_ids = []
+                seq.spec_draft_probs = None
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[ScheduledSeq]
+    ) -> list[tuple[list[int], list[TokenLogprob | None], int]]:
+        """Per sampled sequence: the tokens to append, their logprobs, and how many of them are
+        accepted proposals. Sequences without proposals go through the sampler together."""
+        starts: list[int] = []
+        row = 0
+        for s in sampled:
+            starts.append(row)
+            row += 1 + s.num_spec_tokens
+        if row == len(sampled):  # no speculation this step
+            seqs = [s.seq for s in sampled]
+            result = self.sampler.sample(logits, [SamplingRow.from_sequence(q) for q in seqs])
+            return [([t], [lp], 0) for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
+        out: list[tuple[list[int], list[TokenLogprob | None], int]] = [([], [], 0)] * len(sampled)
+        plain = [i for i, s in enumerate(sampled) if not s.num_spec_tokens]
+        if plain:
+            rows = torch.tensor([starts[i] for i in plain], device=logits.device)
+            result = self.sampler.sample(
+                logits.index_select(0, rows), [SamplingRow.from_sequence(sampled[i].seq) for i in plain]
+            )
+            for i, t, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
+                out[i] = ([t], [lp], 0)
+        assert self.speculator is not None
+        for i, s in enumerate(sampled):
+            if s.num_spec_tokens:
+                v = self.speculator.verify(logits[starts[i] : starts[i] + 1 + s.num_spec_tokens], s.seq)
+                out[i] = (v.token_ids, v.logprobs, v.num_accepted)
+        return out
+
+    def _commit_speculation(self, seq: Sequence) -> None:
+        """After verification: release the slots past the sequence's tokens and publish blocks the
+        accepted tokens completed; the draft model's cache keeps only what is still valid."""
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
+        seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
+
+    def _drop_speculation(self, sched: SchedulerOutput) -> None:
+        """A failed step: forget its proposals and their slots (nothing was committed)."""
+        for s in sched.scheduled:
+            if s.num_spec_tokens:
+                s.seq.spec_token_ids = []
+                s.seq.spec_draft_probs = None
+                self.block_manager.trim(s.seq)
+                s.seq.draft_num_computed = min(s.seq.draft_num_computed, s.seq.num_computed_tokens)
 
     def _recover_from_oom(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Out of device memory mid-step: free caches, shrink the step, push big requests back."""
@@ -459,7 +568,19 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return {
+            "spec_num_drafts": st.num_drafts,
+            "spec_num_draft_tokens": st.num_draft_tokens,
+            "spec_num_accepted_tokens": st.num_accepted_tokens,
+            "spec_num_emitted_tokens": st.num_emitted_tokens,
+        }
 
     def close(self) -> None:
         """Release the model runner (stops tensor-parallel worker processes)."""

@@ -90,6 +90,12 @@ ENGINE_GAUGES = (
     ("kvpilot_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
     ("kvpilot_num_requests_running", "Requests (sequences) in the running batch.", "num_running"),
     ("kvpilot_num_requests_waiting", "Requests (sequences) waiting to be scheduled.", "num_waiting"),
+    (
+        "kvpilot_spec_decode_draft_acceptance_rate",
+        "Accepted over proposed speculative tokens since start (rate() of the two counters gives "
+        "a windowed view).",
+        "spec_acceptance_rate",
+    ),
 )
 ENGINE_COUNTERS = (
     ("kvpilot_num_preemptions_total", "Sequences preempted for lack of KV blocks.", "num_preemptions"),
@@ -100,6 +106,27 @@ ENGINE_COUNTERS = (
     ),
     ("kvpilot_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("kvpilot_oom_recoveries_total", "Out-of-memory conditions recovered from.", "oom_recoveries"),
+    # speculative decoding (absent while it is off)
+    (
+        "kvpilot_spec_decode_num_drafts_total",
+        "Verifications of speculative proposals (one per sequence and step that proposed).",
+        "spec_num_drafts",
+    ),
+    (
+        "kvpilot_spec_decode_num_draft_tokens_total",
+        "Speculative tokens proposed.",
+        "spec_num_draft_tokens",
+    ),
+    (
+        "kvpilot_spec_decode_num_accepted_tokens_total",
+        "Speculative tokens accepted by verification.",
+        "spec_num_accepted_tokens",
+    ),
+    (
+        "kvpilot_spec_decode_num_emitted_tokens_total",
+        "Tokens verification steps produced (accepted proposals plus the target model's own token).",
+        "spec_num_emitted_tokens",
+    ),
 )
 
 StatsSource = Callable[[], Any]

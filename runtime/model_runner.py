@@ -2,7 +2,8 @@
 
 Flat batch layout (one row per new token across all scheduled sequences):
 input ids, positions, slot mapping; per sequence: query start offsets, context lengths and the
-block table. Only the last token of a sequence that reaches its end this step is turned into logits.
+block table. Only the last token of a sequence that reaches its end this step is turned into logits
+(plus one row per speculative token of a sequence whose proposals are verified in this step).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class PreparedBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are needed
-    sampled: list[ScheduledSeq]
+    sampled: list[ScheduledSeq]  # a sequence with K speculative tokens owns K + 1 consecutive rows
 
 
 def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> PreparedBatch:
@@ -227,6 +228,8 @@ def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.
         seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
         end = start + n
         input_ids.extend(seq.token_ids[start:end])
+        if s.num_spec_tokens:  # the proposals follow the sequence's own tokens
+            input_ids.extend(seq.spec_token_ids[: s.num_spec_tokens])
         positions.extend(range(start, end))
         table = seq.block_table
         for pos in range(start, end):
@@ -235,7 +238,8 @@ def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.
         seq_lens.append(end)
         max_blocks = max(max_blocks, len(table))
         if s.samples:
-            sample_rows.append(len(input_ids) - 1)
+            # one row per proposal plus the bonus row: rows i..K score the proposal after row i
+            sample_rows.extend(range(len(input_ids) - 1 - s.num_spec_tokens, len(input_ids)))
             sampled.append(s)
     tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
     qsl = [0]
@@ -327,7 +331,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step; returns float32 logits [num_sampled, vocab] and the sequences they belong to."""
+        """Run one step; returns float32 logits [rows, vocab] and the sequences they belong to (one row
+        each, 1 + num_spec_tokens for a sequence with speculative tokens)."""
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
         hidden = self._run_model(batch)
         if not batch.sampled:

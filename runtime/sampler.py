@@ -95,21 +95,7 @@ class Sampler:
 
     # ------------------------------------------------------------------------------------------
     def _sample_general(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        pen_rows = [i for i, r in enumerate(rows) if r.has_penalties]
-        if pen_rows or any(r.min_tokens_active for r in rows):
-            logits = logits.clone()  # the caller's tensor stays untouched
-        if pen_rows:
-            sub = apply_penalties(logits[pen_rows], [rows[i] for i in pen_rows])
-            logits[pen_rows] = sub
-        for i, r in enumerate(rows):
-            if r.min_tokens_active:
-                banned = set(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    banned |= set(r.eos_token_ids)
-                banned_ids = [t for t in banned if 0 <= t < logits.shape[1]]
-                if banned_ids:
-                    logits[i, banned_ids] = float("-inf")
-
+        logits = adjusted_logits(logits, rows)
         sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy_idx = [i for i, r in enumerate(rows) if r.greedy]
         random_idx = [i for i, r in enumerate(rows) if not r.greedy]
@@ -122,6 +108,16 @@ class Sampler:
             probs = processed_probs(logits[random_idx], random_rows)
             sampled[random_idx] = sample_from_probs(probs, random_rows)
         return sampled
+
+    @staticmethod
+    def logprobs_of(
+        logits: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]
+    ) -> list[TokenLogprob | None]:
+        """Raw-distribution logprobs of given tokens, one per row (speculative verification)."""
+        if not any(r.params.logprobs is not None for r in rows):
+            return [None] * len(rows)
+        chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        return Sampler._gather_logprobs(Sampler._logprobs(logits.float(), rows), chosen, token_ids, rows)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -152,6 +148,25 @@ class Sampler:
 
 # ----------------------------------------------------------------------------------------------
 # The processing steps, exposed for tests and for anyone who needs the processed distribution.
+
+
+def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Penalties, then min_tokens masking, on [R, V] logits (a new tensor when anything changes)."""
+    pen_rows = [i for i, r in enumerate(rows) if r.has_penalties]
+    if pen_rows or any(r.min_tokens_active for r in rows):
+        logits = logits.clone()  # the caller's tensor stays untouched
+    if pen_rows:
+        sub = apply_penalties(logits[pen_rows], [rows[i] for i in pen_rows])
+        logits[pen_rows] = sub
+    for i, r in enumerate(rows):
+        if r.min_tokens_active:
+            banned = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                banned |= set(r.eos_token_ids)
+            banned_ids = [t for t in banned if 0 <= t < logits.shape[1]]
+            if banned_ids:
+                logits[i, banned_ids] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

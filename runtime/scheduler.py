@@ -21,6 +21,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
     samples: bool = False  # the chunk reaches the end of the sequence, so the step samples a token
+    # speculative tokens (seq.spec_token_ids) computed after the sequence's own tokens; the step then
+    # returns logits for the last 1 + num_spec_tokens rows so that the proposals can be verified
+    num_spec_tokens: int = 0
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
@@ -72,6 +75,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
+        seq.spec_token_ids = []
+        seq.draft_num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -92,16 +97,24 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, "a running sequence always has a token to compute"
+            pending = seq.num_tokens - seq.num_computed_tokens
+            assert pending > 0, "a running sequence always has a token to compute"
+            if seq.spec_token_ids and pending + len(seq.spec_token_ids) > budget:
+                seq.spec_token_ids = []  # proposals only ever run whole, never cut by the budget
+            num_new = min(pending + len(seq.spec_token_ids), budget)
             while not self.bm.allocate(seq, num_new):
+                if seq.spec_token_ids:  # drop the proposals before preempting anyone for them
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq.of(seq, num_new))
+                num_spec = len(seq.spec_token_ids)
+                out.scheduled.append(ScheduledSeq(seq, num_new, num_spec > 0 or num_new == pending, num_spec))
                 budget -= num_new
                 i += 1
                 continue
@@ -147,5 +160,7 @@ class Scheduler:
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and publish completed blocks to the prefix cache."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            # speculative tokens are not committed here: the engine adds the accepted ones after
+            # verification (and releases the slots of the rejected ones)
+            s.seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             self.bm.cache_full_blocks(s.seq)

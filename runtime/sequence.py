@@ -60,6 +60,15 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        # Speculative decoding (runtime/speculative.py): this step's proposed tokens, which follow
+        # token_ids but are not part of the sequence until verified; the draft model's probability
+        # rows for them (draft proposals under sampling); and the request's running tallies.
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None
+        self.spec_num_proposed = 0
+        self.spec_num_accepted = 0
+        self.spec_num_rejected = 0  # verification steps that ended at a rejected proposal
+        self.draft_num_computed = 0  # tokens whose K/V the draft model holds (draft method only)
 
     # -- views ---------------------------------------------------------------------------------
     @property

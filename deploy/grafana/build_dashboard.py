@@ -431,6 +431,36 @@ def build() -> dict[str, Any]:
         12,
         8,
     )
+    g.add(
+        timeseries(
+            "Speculative decoding",
+            "Share of proposed tokens accepted (windowed, and since start), and tokens per verification "
+            "step (accepted proposals plus the target's own token). Empty while it is off.",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_spec_decode_num_accepted_tokens_total{{{SEL}}}"
+                    "[$__rate_interval])) / "
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_spec_decode_num_draft_tokens_total{{{SEL}}}"
+                    "[$__rate_interval]))",
+                    "acceptance {{model_name}}",
+                ),
+                target(
+                    f"max by ({BY_MODEL}) (kvpilot_spec_decode_draft_acceptance_rate{{{SEL}}})",
+                    "acceptance since start {{model_name}}",
+                    "B",
+                ),
+                target(
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_spec_decode_num_emitted_tokens_total{{{SEL}}}"
+                    "[$__rate_interval])) / "
+                    f"sum by ({BY_MODEL}) (rate(kvpilot_spec_decode_num_drafts_total{{{SEL}}}[$__rate_interval]))",
+                    "tokens per step {{model_name}}",
+                    "C",
+                ),
+            ],
+        ),
+        12,
+        8,
+    )
 
     g.row("Preemptions and OOM")
     g.add(

@@ -127,3 +127,41 @@ def test_separate_registries() -> None:
     a, b = ServerMetrics("a"), ServerMetrics("b")
     a.generation_tokens.inc(5)
     assert 'kvpilot_generation_tokens_total{model_name="b"} 0.0' in b.render().decode()
+
+
+def test_speculative_decoding_metrics_present_only_when_it_is_on() -> None:
+    from kvpilot.runtime.engine import EngineStats
+
+    base = dict(
+        model_name="m",
+        kv_cache_usage=0.0,
+        num_running=1,
+        num_waiting=0,
+        num_blocks=10,
+        block_size=16,
+        num_preemptions=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        oom_recoveries=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+        num_steps=0,
+    )
+    m = ServerMetrics("m")
+    off = EngineStats(**base)  # type: ignore[arg-type]
+    m.attach_engine(lambda: off)
+    assert "kvpilot_spec_decode" not in m.render().decode()
+    on = EngineStats(
+        **base,  # type: ignore[arg-type]
+        spec_num_drafts=10,
+        spec_num_draft_tokens=40,
+        spec_num_accepted_tokens=30,
+        spec_num_emitted_tokens=40,
+    )
+    m.attach_engine(lambda: on)
+    text = m.render().decode()
+    assert 'kvpilot_spec_decode_num_drafts_total{model_name="m"} 10.0' in text
+    assert 'kvpilot_spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
+    assert 'kvpilot_spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in text
+    assert 'kvpilot_spec_decode_num_emitted_tokens_total{model_name="m"} 40.0' in text
+    assert 'kvpilot_spec_decode_draft_acceptance_rate{model_name="m"} 0.75' in text

@@ -103,3 +103,46 @@ def test_requests_sharing_a_prefix_wait_for_it_instead_of_recomputing() -> None:
     # step 2: b reuses a's three full blocks and computes only its last token
     assert ("b", 1) in run_step(s)
     assert b.num_cached_tokens == 12
+
+
+def test_speculative_tokens_get_slots_and_are_dropped_before_anyone_is_preempted() -> None:
+    # 5 blocks of 4 tokens; a decoding sequence with 7 tokens (6 computed) holds 2 blocks
+    bm = BlockManager(5, 4, False)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a = seq("a", 6, 20)
+    s.add(a)
+    run_step(s)  # prefill 6, sample 1 -> 7 tokens, 6 computed
+    a.spec_token_ids = [1, 1, 1]
+    out = s.schedule()
+    (item,) = out.scheduled
+    assert (item.num_new_tokens, item.num_spec_tokens, item.samples) == (4, 3, True)
+    assert len(a.block_table) == 3  # positions 6..9 need a third block
+    s.on_step_done(out)
+    assert a.num_computed_tokens == 7  # only the sequence's own token is committed
+    # the engine appends what verification accepted, then trims the proposals' slots
+    a.append_token(1)
+    a.spec_token_ids = []
+    assert bm.trim(a) == 1 and len(a.block_table) == 2
+    # a second sequence takes all but one block; proposals that no longer fit are dropped
+    s.add(seq("b", 7, 20))
+    run_step(s)
+    assert bm.num_free_blocks == 1 and a.num_tokens == 9
+    a.spec_token_ids = [1, 1, 1, 1, 1]  # positions 8..13 would need two more blocks
+    out = s.schedule()
+    assert not out.preempted and a.spec_token_ids == []
+    assert next((x.seq.seq_id, x.num_spec_tokens) for x in out.scheduled) == ("a", 0)
+    bm.check_invariants()
+
+
+def test_proposals_that_exceed_the_budget_are_dropped_whole() -> None:
+    s = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=4)
+    a = seq("a", 3, 20)
+    s.add(a)
+    run_step(s)
+    a.spec_token_ids = [1, 2, 3, 4]  # 1 + 4 tokens > the budget of 4
+    out = s.schedule()
+    assert [(x.num_new_tokens, x.num_spec_tokens) for x in out.scheduled] == [(1, 0)]
+    a.spec_token_ids = [1, 2, 3]
+    out2 = Scheduler(BlockManager(64, 4, False), 8, 4)
+    out2.running.append(a)
+    assert [(x.num_new_tokens, x.num_spec_tokens) for x in out2.schedule().scheduled] == [(4, 3)]
