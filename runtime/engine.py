@@ -195,6 +195,7 @@ def _draft_proposer(
         except (OSError, ValueError) as exc:
             raise ValueError(f"--speculative-model {cfg.speculative_model}: {exc}") from exc
     check_draft_compatible(target, draft, target.max_model_len)
+    assert cfg.block_size is not None  # with_block_size() ran before the pool was sized
     return DraftProposer(draft, target, num_blocks, cfg.block_size)
 
 
