@@ -62,6 +62,16 @@ def design_metrics() -> frozenset[str]:
     return frozenset(names)
 
 
+# Runtime metrics of optional features, beyond DESIGN.md's contract list: documented with their
+# feature in docs/runtime.md, absent while the feature is off. Dashboards may read them.
+FEATURE_METRIC_PREFIXES = ("kvpilot_spec_decode_",)
+
+
+def feature_metrics() -> frozenset[str]:
+    """The runtime's exposed metrics that belong to an optional feature (FEATURE_METRIC_PREFIXES)."""
+    return frozenset(n for n in runtime_metrics() if n.startswith(FEATURE_METRIC_PREFIXES))
+
+
 @cache
 def runtime_metrics() -> frozenset[str]:
     """Sample names the runtime really exposes (runtime/metrics.py, with every engine value present)."""
