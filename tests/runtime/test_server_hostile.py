@@ -105,8 +105,12 @@ def test_deep_json_and_huge_integers_are_400(live: LiveServer, caplog: pytest.Lo
     ]:
         status, _, body = http(live.url, "POST", path, raw)
         err = json.loads(body)["error"]
-        assert status == 400 and err["param"] == param, err
-        if raw.startswith(b'{"prompt": "x", "user"') or b'"messages": [], "user"' in raw:
+        deep_case = raw.startswith(b'{"prompt": "x", "user"') or b'"messages": [], "user"' in raw
+        # json.loads stops at Python's recursion limit (which libraries such as torch raise) before
+        # our depth walk does, or not: the walk names the top-level field, the parser cannot
+        expected = (None, "user") if deep_case else (param,)
+        assert status == 400 and err["param"] in expected, err
+        if deep_case:
             assert "deeper than" in err["message"]
     assert tracebacks(caplog) == []
 
