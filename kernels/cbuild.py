@@ -7,6 +7,7 @@ C compiler those modules report themselves unavailable and the runtime uses its 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -14,8 +15,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from kvpilot.kernels import isa
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -77,3 +80,48 @@ def build(source: Path, flags: Sequence[str], compiler: str | None = None) -> Pa
             os.replace(tmp_out, target)  # atomic: concurrent builders never see a half-written file
     log.info("built %s: %s", source.name, target)
     return target
+
+
+class Extension:
+    """One C extension: built per ISA level (kernels/isa.py) on first use, loaded with ctypes, its
+    functions declared by `declare`. `available()` is False, with one warning saying what runs
+    instead (`fallback`), when it cannot be built or KVPILOT_DISABLE_CPU_KERNEL=1."""
+
+    def __init__(
+        self, source: Path, cflags: Sequence[str], declare: Callable[[ctypes.CDLL], None], fallback: str
+    ) -> None:
+        self.source, self.cflags, self.declare, self.fallback = source, list(cflags), declare, fallback
+        self._libraries: dict[str, ctypes.CDLL] = {}
+        self._failed: dict[str, str] = {}  # level -> why it cannot be built (tried once)
+        self._lock = threading.Lock()
+
+    def build(self, level: str | None = None, compiler: str | None = None) -> Path:
+        return build(self.source, [*self.cflags, *isa.flags_for(level or isa.selected())], compiler)
+
+    def library(self, level: str | None = None) -> ctypes.CDLL:
+        level = level or isa.selected()
+        with self._lock:
+            if level not in self._libraries:
+                lib = ctypes.CDLL(str(self.build(level)))
+                lib.kvpilot_isa.restype = ctypes.c_char_p
+                self.declare(lib)
+                self._libraries[level] = lib
+            return self._libraries[level]
+
+    def built_isa(self, level: str | None = None) -> str:
+        """The ISA level the library was compiled for, as the C code sees it (tests check the flags)."""
+        return str(self.library(level).kvpilot_isa().decode())
+
+    def available(self, level: str | None = None) -> bool:
+        if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
+            return False
+        level = level or isa.selected()
+        if level in self._failed:
+            return False
+        try:
+            self.library(level)
+        except (KernelBuildError, OSError) as exc:
+            self._failed[level] = str(exc)
+            log.warning("%s unavailable, %s: %s", self.source.name, self.fallback, exc)
+            return False
+        return True

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild, isa
+from kvpilot.kernels import cbuild
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
 
 log = logging.getLogger(__name__)
@@ -35,18 +33,7 @@ _DTYPES = {
 }
 
 
-def build(compiler: str | None = None, level: str | None = None) -> Path:
-    """Compile the kernel for an ISA level (default: isa.selected()) and return the library's path."""
-    return cbuild.build(SOURCE, [*CFLAGS, *isa.flags_for(level or isa.selected())], compiler)
-
-
-def _library(level: str | None = None) -> ctypes.CDLL:
-    return _library_at(level or isa.selected())
-
-
-@cache
-def _library_at(level: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build(level=level)))
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvpilot_paged_attention
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [p, i, p, p, p, i, i, i, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
@@ -54,24 +41,17 @@ def _library_at(level: str) -> ctypes.CDLL:
     probe = lib.kvpilot_fast_path
     probe.argtypes = [i, i, i, i, i, i]
     probe.restype = ctypes.c_int
-    lib.kvpilot_isa.restype = ctypes.c_char_p
-    return lib
 
 
-def built_isa(level: str | None = None) -> str:
-    """The ISA level the library was compiled for, as the C code sees it (tests check the flags)."""
-    return str(_library(level).kvpilot_isa().decode())
+EXTENSION = cbuild.Extension(SOURCE, CFLAGS, _declare, "using the torch reference path")
+_library = EXTENSION.library
+built_isa = EXTENSION.built_isa
+available = EXTENSION.available
 
 
-def available(level: str | None = None) -> bool:
-    if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
-        return False
-    try:
-        _library(level)
-    except (KernelBuildError, OSError) as exc:
-        log.warning("CPU paged-attention kernel unavailable, using the torch reference path: %s", exc)
-        return False
-    return True
+def build(compiler: str | None = None, level: str | None = None) -> Path:
+    """Compile the kernel for an ISA level (default: isa.selected()) and return the library's path."""
+    return EXTENSION.build(level, compiler)
 
 
 def k_transposed(k: torch.Tensor) -> bool:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild, isa
+from kvpilot.kernels import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -35,37 +33,19 @@ CFLAGS = [
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _library(level: str | None = None) -> ctypes.CDLL:
-    return _library_at(level or isa.selected())
-
-
-@cache
-def _library_at(level: str) -> ctypes.CDLL:
-    """The build for one ISA level (kernels/isa.py); the C code is auto-vectorized for it."""
-    lib = ctypes.CDLL(str(cbuild.build(SOURCE, [*CFLAGS, *isa.flags_for(level)])))
+def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.kvpilot_rms_norm.argtypes = [p, p, p, p, p, i, long, i, f, i]
     lib.kvpilot_rms_norm.restype = i
     lib.kvpilot_rotary.argtypes = [p, p, long, long, p, p, i, long, i, i, i, i, long, i]
     lib.kvpilot_rotary.restype = i
-    lib.kvpilot_isa.restype = ctypes.c_char_p
-    return lib
 
 
-def built_isa(level: str | None = None) -> str:
-    return str(_library(level).kvpilot_isa().decode())
-
-
-@cache
-def available(level: str | None = None) -> bool:
-    if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
-        return False
-    try:
-        _library(level)
-    except (cbuild.KernelBuildError, OSError) as exc:
-        log.warning("fused CPU ops unavailable, using torch ops: %s", exc)
-        return False
-    return True
+# one build per ISA level (kernels/isa.py); the C code is auto-vectorized for it
+EXTENSION = cbuild.Extension(SOURCE, CFLAGS, _declare, "using torch ops")
+_library = EXTENSION.library
+built_isa = EXTENSION.built_isa
+available = EXTENSION.available
 
 
 def supports(*tensors: torch.Tensor) -> bool:

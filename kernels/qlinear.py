@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, isa
+from kvpilot.kernels import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -132,34 +130,16 @@ def quantize(w: torch.Tensor, method: str, group: int) -> QuantizedWeight:
     return quantize_int8(w) if method == "int8" else quantize_int4(w, group)
 
 
-def _library(level: str | None = None) -> ctypes.CDLL:
-    return _library_at(level or isa.selected())
-
-
-@cache
-def _library_at(level: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cbuild.build(SOURCE, [*CFLAGS, *isa.flags_for(level)])))
+def _declare(lib: ctypes.CDLL) -> None:
     p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.kvpilot_qmatmul.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
     lib.kvpilot_qmatmul.restype = i
-    lib.kvpilot_isa.restype = ctypes.c_char_p
-    return lib
 
 
-def built_isa(level: str | None = None) -> str:
-    return str(_library(level).kvpilot_isa().decode())
-
-
-@cache
-def available(level: str | None = None) -> bool:
-    if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
-        return False
-    try:
-        _library(level)
-    except (cbuild.KernelBuildError, OSError) as exc:
-        log.warning("quantized CPU matmul unavailable, dequantizing for torch matmuls: %s", exc)
-        return False
-    return True
+EXTENSION = cbuild.Extension(SOURCE, CFLAGS, _declare, "dequantizing for torch matmuls")
+_library = EXTENSION.library
+built_isa = EXTENSION.built_isa
+available = EXTENSION.available
 
 
 def kernel_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
