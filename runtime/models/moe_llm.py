@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from kvpilot.runtime.models.arch_config import ModelArchConfig
 from kvpilot.runtime.models.base import CausalLM
 from kvpilot.runtime.models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
@@ -98,19 +97,9 @@ class MoEAttention(LlamaAttention):
         elif cfg.qk_norm is not None:
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {cfg.qk_norm!r}")
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: KVCacheLayer,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        if self.q_norm is None and self.clip_qkv is None:
-            return super().forward(positions, hidden, kv_cache, meta, backend)
-        t, d = hidden.shape[0], self.head_dim
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Llama's projection, then OLMoE's whole-projection norm, its clipping, or Qwen3's per-head norm."""
+        q, k, v = super().project_qkv(hidden)
         if self.qk_norm == "full":
             assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
@@ -119,14 +108,10 @@ class MoEAttention(LlamaAttention):
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         if self.qk_norm == "head":
             assert isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm)
-            q = self.q_norm(q.reshape(t * self.num_heads, d))[0]
-            k = self.k_norm(k.reshape(t * self.num_kv_heads, d))[0]
-        q = q.reshape(t, self.num_heads, d)
-        k = k.reshape(t, self.num_kv_heads, d)
-        v = v.reshape(t, self.num_kv_heads, d)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta, backend)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+            t, d = hidden.shape[0], self.head_dim
+            q = self.q_norm(q.reshape(t * self.num_heads, d))[0].reshape(t, -1)
+            k = self.k_norm(k.reshape(t * self.num_kv_heads, d))[0].reshape(t, -1)
+        return q, k, v
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
