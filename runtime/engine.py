@@ -27,6 +27,7 @@ from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, TokenLogprob
 from kvpilot.runtime.speculative import Speculator, make_speculator
+from kvpilot.runtime.structured_output import GrammarCompiler
 
 if TYPE_CHECKING:
     from kvpilot.runtime.draft_proposer import DraftProposer
@@ -241,6 +242,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.speculator = speculator
         self.requests: dict[str, _Tracked] = {}
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.oom_policy = OOMPolicy()
         self.token_budget = cfg.max_num_batched_tokens
         self.oom_recoveries = 0
@@ -349,10 +352,21 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first guided request (the tokenizer's vocabulary takes about a second)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer)
+            return self._grammar_compiler
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (a 400 for the client) for requests that can never run."""
+        """Raise ValueError (a 400 for the client) for requests that can never run; a guided
+        request's grammar is compiled here (cached), so a bad one raises GuidedSpecError."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.guided is not None:
+            self.grammar_compiler.compile(params.guided)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -379,6 +393,8 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time)
+        if params.guided is not None:
+            seq.grammar = self.grammar_compiler.new_state(params.guided)
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
 
@@ -440,6 +456,12 @@ class LLMEngine:
                 for token_id, lp in zip(token_ids, lps, strict=True):
                     seq.append_token(token_id, lp)
                     self.generation_tokens += 1
+                    if seq.grammar is not None and not seq.grammar.accept(token_id):
+                        # the mask allowed only tokens the grammar accepts: a bug, not the client's
+                        log.error("request %s: token %d violates its grammar", seq.seq_id, token_id)
+                        seq.finish_reason, seq.stop_reason = "abort", None
+                        finished = True
+                        break
                     if seq.check_stop():
                         finished = True
                         break

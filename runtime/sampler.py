@@ -19,6 +19,7 @@ import torch
 
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sequence import TokenLogprob
+from kvpilot.runtime.structured_output import GrammarState, apply_bitmask, new_bitmask
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 SAMPLING_EPS = 1e-5
@@ -33,6 +34,7 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None  # set when params.seed is set
     eos_token_ids: Collection[int] = field(default_factory=frozenset)
+    grammar: GrammarState | None = None  # structured output: the row's allowed tokens come from it
 
     @classmethod
     def from_sequence(cls, seq: Any) -> SamplingRow:
@@ -43,6 +45,7 @@ class SamplingRow:
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
             eos_token_ids=seq.eos_token_ids,
+            grammar=seq.grammar,
         )
 
     @property
@@ -80,6 +83,7 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in rows]
         logprobs_out = self._logprobs(logits, rows) if any(want_logprobs) else None
+        logits = masked_by_grammar(logits, rows)
 
         if all(r.greedy and not r.has_penalties and not r.min_tokens_active for r in rows):
             # Hot path: plain greedy decoding, one kernel.
@@ -167,6 +171,22 @@ def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
             if banned_ids:
                 logits[i, banned_ids] = float("-inf")
     return logits
+
+
+def masked_by_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Structured output: disallowed tokens of guided rows set to -inf, all rows in one bitmask
+    (a new tensor when any row is guided; logprobs stay those of the raw distribution)."""
+    guided = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not guided:
+        return logits
+    bitmask = new_bitmask(len(rows), logits.shape[1])
+    for i in guided:
+        grammar = rows[i].grammar
+        assert grammar is not None
+        grammar.fill(bitmask, i)
+    out = logits.clone()
+    apply_bitmask(out, bitmask, guided)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.runtime.structured_output import GuidedSpec
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    guided: GuidedSpec | None = None  # structured output: the grammar the output must follow
 
     @property
     def greedy(self) -> bool:
@@ -56,3 +59,6 @@ class SamplingParams:
             raise ValueError("seed must be between -2**63 and 2**64 - 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.guided is not None and self.min_tokens > 0:
+            # min_tokens bans EOS where the grammar may allow nothing else
+            raise ValueError("min_tokens cannot be combined with guided decoding (structured output)")

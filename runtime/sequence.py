@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +60,9 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
+        # structured output: the matcher of params.guided, advanced with each committed output token
+        # (preemption recomputes the KV of tokens already committed, so it never moves the matcher)
+        self.grammar: GrammarState | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -115,6 +122,10 @@ class Sequence:
             if last in p.stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", last
                 return True
+        if self.grammar is not None and self.grammar.is_terminated:
+            # the grammar accepted its stop token: nothing may follow, even with ignore_eos
+            self.finish_reason, self.stop_reason = "stop", None
+            return True
         if n_out >= p.max_tokens:
             self.finish_reason = "length"
             return True

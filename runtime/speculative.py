@@ -31,6 +31,7 @@ from kvpilot.runtime.spec_policy import (
     acceptance_estimate,
     choose_num_spec_tokens,
 )
+from kvpilot.runtime.structured_output import apply_bitmask, new_bitmask
 
 if TYPE_CHECKING:
     from kvpilot.runtime.config import EngineConfig
@@ -131,7 +132,16 @@ class Speculator:
             else base
             for i in range(k + 1)
         ]
-        adj = adjusted_logits(logits, rows)
+        if seq.grammar is not None:
+            # structured output: each position's mask along the proposals (the matcher is rolled
+            # back after the walk); a proposal the grammar refuses gets probability 0 and is rejected
+            bitmask = new_bitmask(k + 1, logits.shape[1])
+            seq.grammar.probe(proposal, bitmask, 0)
+            guided = logits.float().clone()
+            apply_bitmask(guided, bitmask)
+            adj = adjusted_logits(guided, rows)
+        else:
+            adj = adjusted_logits(logits, rows)
         if base.greedy:
             tokens = greedy_verify(adj.argmax(dim=-1).tolist(), proposal)
         else:

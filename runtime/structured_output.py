@@ -1,0 +1,247 @@
+"""Structured output: grammars that constrain what a sequence may generate, on xgrammar.
+
+Three parts, one job each:
+- `GuidedSpec`: what a request asked for (a JSON schema, any JSON object, a regex, a choice among
+  strings, an EBNF grammar), as plain data carried in `SamplingParams`. `check_spec()` parses it
+  without a tokenizer, so the API layer can refuse a bad schema/regex/grammar with a 400 that names
+  the field and the problem before anything is queued.
+- `GrammarCompiler`: one per engine (one tokenizer); compiles a spec into xgrammar's token-level
+  automaton once and caches it by spec, so the n choices of a request and repeated requests with
+  the same schema share the compiled grammar.
+- `GrammarState`: one per sequence (one per choice): the matcher that advances with each committed
+  token. The sampler asks every guided row of the batch for its allowed-token bits into one
+  [rows, vocab/32] int32 bitmask and applies it to the logits at once (`apply_bitmask`).
+
+Why xgrammar: measured per-token mask cost on the SmolLM2 tokenizer (benchmarks/grammar_engines.py,
+docs/runtime.md) was ~5 us against ~35-60 us for llguidance and ~240 us for outlines-core, it ships
+CPU wheels for Python 3.11, and its matcher rolls back tokens, which speculative decoding needs.
+
+EOS is one of the grammar's stop tokens: the mask allows it only where the grammar accepts, and a
+matcher that accepted it is terminated (the sequence stops even with ignore_eos).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar
+
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+# Compact JSON: small models that may emit arbitrary whitespace tend to emit a lot of it.
+_SEPARATORS = (", ", ": ")
+_CACHE_SIZE = 256
+_ERR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+class GuidedSpecError(ValueError):
+    """A guided-decoding request that cannot be compiled; `param` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"'{param}': {message}")
+        self.param = param
+        self.problem = message
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """A structured-output constraint. `source` is the schema (JSON text), regex, grammar (EBNF), or
+    the JSON list of choices; `param` is the request field it came from (for error messages)."""
+
+    kind: GuidedKind
+    source: str = ""
+    param: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str) -> GuidedSpec:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GuidedSpecError(param, f"the schema is not valid JSON: {e.msg}") from None
+        if not isinstance(schema, dict | bool):
+            raise GuidedSpecError(param, "a JSON schema must be an object")
+        return cls("json_schema", json.dumps(schema), param)  # key order is the output order
+
+    @classmethod
+    def choice(cls, choices: Sequence[str], param: str) -> GuidedSpec:
+        return cls("choice", json.dumps(list(choices)), param)
+
+    def cache_key(self) -> tuple[str, str]:
+        return (self.kind, self.source)
+
+
+def _clean(exc: Exception) -> str:
+    """xgrammar's messages start with a timestamp and a C++ source location; keep the message."""
+    return _ERR_PREFIX.sub("", str(exc).strip()).strip()
+
+
+def _ebnf_literal(text: str) -> str:
+    # EBNF string literals take the same escapes as JSON strings (\" \\ \n \uXXXX)
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _choice_ebnf(source: str) -> str:
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(source))
+
+
+def _check_json_schema(spec: GuidedSpec) -> None:
+    import jsonschema
+
+    schema = json.loads(spec.source)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise GuidedSpecError(
+            spec.param, f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}"
+        ) from None
+
+
+def grammar_of(spec: GuidedSpec) -> xgrammar.Grammar:
+    """The tokenizer-independent grammar for `spec`; raises GuidedSpecError naming the field."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_schema":
+            _check_json_schema(spec)
+            return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, separators=_SEPARATORS)
+        if spec.kind == "json_object":
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, separators=_SEPARATORS
+            )
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.source)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf(_choice_ebnf(spec.source))
+        return xgr.Grammar.from_ebnf(spec.source)
+    except GuidedSpecError:
+        raise
+    except (RuntimeError, ValueError) as e:
+        what = {
+            "json_schema": "unsupported or invalid JSON schema",
+            "json_object": "JSON object grammar",
+            "regex": "invalid regular expression",
+            "choice": "invalid choice list",
+            "grammar": "invalid EBNF grammar",
+        }[spec.kind]
+        raise GuidedSpecError(spec.param, f"{what}: {_clean(e)}") from None
+
+
+def check_spec(spec: GuidedSpec) -> None:
+    """Raise GuidedSpecError when `spec` cannot be compiled (no tokenizer needed)."""
+    grammar_of(spec)
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer; thread-safe (the API thread checks, the engine compiles)."""
+
+    def __init__(self, token_bytes: Sequence[bytes], stop_token_ids: Sequence[int], vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo(
+            list(token_bytes), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> GrammarCompiler:
+        """From runtime/tokenizer.py's Tokenizer; `vocab_size`: the model's logit width when larger."""
+        n = tokenizer.vocab_size
+        return cls(
+            [tokenizer.token_bytes(i) for i in range(n)],
+            sorted(tokenizer.eos_token_ids),
+            max(n, vocab_size or 0),
+        )
+
+    def compile(self, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
+        key = spec.cache_key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compiler.compile_grammar(grammar_of(spec))
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_state(self, spec: GuidedSpec) -> GrammarState:
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+    @property
+    def cache_size(self) -> int:
+        return len(self._cache)
+
+
+class GrammarState:
+    """One sequence's matcher. `accept` advances it by a committed token; `fill` writes the allowed
+    next tokens into a bitmask row; `probe` writes the masks of several positions along proposed
+    tokens (speculative decoding) and leaves the matcher where it was."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        ok = bool(self.matcher.accept_token(token_id))
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def probe(self, proposal: Sequence[int], bitmask: torch.Tensor, first_row: int) -> int:
+        """Masks for position 0..len(proposal) into rows first_row..; a proposal the grammar refuses
+        ends the walk (its row masks it, so verification rejects it; later rows stay all-allowed).
+        Returns how many proposals the grammar accepted; the matcher is rolled back to where it was."""
+        walked = 0
+        for i in range(len(proposal) + 1):
+            if self.matcher.is_terminated():  # a proposed stop token ends the sequence there
+                break
+            self.fill(bitmask, first_row + i)
+            if i == len(proposal) or not self.matcher.accept_token(proposal[i]):
+                break
+            walked += 1
+        if walked:
+            self.matcher.rollback(walked)
+        return walked
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab/32)] int32, every token allowed (-1 is all bits set)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set disallowed tokens' logits to -inf in place, for the given rows (all by default) at once."""
+    import xgrammar as xgr
+
+    vocab = logits.shape[1]
+    width = bitmask.shape[1] * 32
+    if width < vocab:  # tokens past the grammar's vocabulary are never allowed
+        logits[rows if rows is not None else slice(None), width:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), vocab_size=min(vocab, width), indices=rows
+    )
