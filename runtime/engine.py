@@ -361,12 +361,10 @@ class LLMEngine:
             return self._grammar_compiler
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (a 400 for the client) for requests that can never run; a guided
-        request's grammar is compiled here (cached), so a bad one raises GuidedSpecError."""
+        """Raise ValueError (a 400 for the client) for requests that can never run. (A guided
+        request's grammar was checked by the API layer and is compiled in `add_request`.)"""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if params.guided is not None:
-            self.grammar_compiler.compile(params.guided)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -394,6 +392,7 @@ class LLMEngine:
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time)
         if params.guided is not None:
+            # compiled on the engine thread, once per distinct spec (cached); GuidedSpecError is a 400
             seq.grammar = self.grammar_compiler.new_state(params.guided)
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
@@ -698,6 +697,11 @@ class AsyncEngine:
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            # the grammar compiler's vocabulary table takes about a second: build it off both the
+            # event loop and the engine loop, before the first guided request needs it
+            threading.Thread(
+                target=lambda: self.engine.grammar_compiler, name="kvpilot-grammar-init", daemon=True
+            ).start()
             self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
             self._thread.start()
 

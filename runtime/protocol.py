@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError
+from kvpilot.runtime.structured_request import guided_spec
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 1024  # n * number of prompts in one request
@@ -173,13 +175,10 @@ class StreamOptions(_Strict):
 # neutral is refused with a 400 naming the field. Keep this the single list; docs/runtime.md mirrors it.
 REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     # name: (what it is, values that ask for nothing and are accepted)
-    "guided_json": ("guided decoding", (None,)),
-    "guided_regex": ("guided decoding", (None,)),
-    "guided_choice": ("guided decoding", (None,)),
-    "guided_grammar": ("guided decoding", (None,)),
-    "guided_whitespace_pattern": ("guided decoding", (None,)),
-    "guided_decoding_backend": ("guided decoding", (None,)),
-    "structured_outputs": ("structured outputs", (None,)),
+    # guided_json/regex/choice/grammar and response_format are implemented (runtime/structured_request.py)
+    "guided_whitespace_pattern": ("a guided-decoding whitespace pattern", (None,)),
+    "guided_decoding_backend": ("a guided-decoding backend other than xgrammar", (None, "xgrammar")),
+    "structured_outputs": ("vLLM's structured_outputs object (use guided_* or response_format)", (None,)),
     "logits_processors": ("custom logits processors", (None, [])),
     "lora_request": ("LoRA adapters", (None,)),
     "prompt_logprobs": ("prompt logprobs", (None,)),
@@ -246,6 +245,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     # prefix caching: requests with different salts never share cached blocks (vLLM's name)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # structured output (OpenAI's response_format; vLLM's guided_* extras), checked in guided_spec()
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _guided: GuidedSpec | None = PrivateAttr(None)  # set by validate_request()
 
     @field_validator("stop")
     @classmethod
@@ -292,6 +298,23 @@ class _SamplingFields(_Strict):
             )
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
             raise APIError("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+        self._guided = self.guided_spec()
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The structured-output constraint the request asks for (checked: a bad schema, regex or
+        grammar is a 400 naming the field and the problem)."""
+        try:
+            return guided_spec(
+                {
+                    "response_format": self.response_format,
+                    "guided_json": self.guided_json,
+                    "guided_regex": self.guided_regex,
+                    "guided_choice": self.guided_choice,
+                    "guided_grammar": self.guided_grammar,
+                }
+            )
+        except GuidedSpecError as e:
+            raise APIError(str(e), param=e.param) from None
 
     def to_sampling_params(
         self, prompt_len: int, max_model_len: int, kv_capacity: int | None = None
@@ -345,6 +368,7 @@ class _SamplingFields(_Strict):
             logprobs=self._logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            guided=self._guided,
         )
         try:
             params.validate()
@@ -459,16 +483,11 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(default_factory=list)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -489,12 +508,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise APIError(f"'{param}' is not supported by this server", param=param)
         if self.echo:
             raise APIError("'echo' is not supported for chat completions", param="echo")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(
-                f"'response_format' type '{self.response_format.type}' is not supported "
-                "(no guided decoding); use 'text' or leave it out",
-                param="response_format",
-            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")

@@ -579,7 +579,8 @@ class OpenAIServer:
             except EngineDeadError:
                 raise engine_dead_error() from None
             except ValueError as e:  # the engine rejected the request after queueing it
-                raise APIError(str(e), param="prompt") from None
+                # (a grammar the engine could not compile names its field: GuidedSpecError.param)
+                raise APIError(str(e), param=getattr(e, "param", "prompt")) from None
             c = by_index[index]
             if out is None:  # the stream ended without a finish reason: the engine dropped it
                 delta = _Delta(c, c.stream.finish(), [], True)

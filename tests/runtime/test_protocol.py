@@ -226,8 +226,6 @@ def test_unsupported_features_are_400_with_param() -> None:
     cases = [
         (body(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         (body(messages=msgs, tool_choice="auto"), "tool_choice"),
-        (body(messages=msgs, response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
-        (body(messages=msgs, response_format={"type": "json_object"}), "response_format"),
         (body(messages=msgs, logit_bias={"5": 1.0}), "logit_bias"),
         (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), None),
     ]
@@ -398,12 +396,8 @@ def test_extreme_seeds_in_range_are_accepted() -> None:
 # -- vLLM fields whose meaning is not implemented -------------------------------------------------
 
 MEANINGFUL = {  # a value that asks for something, per refused field
-    "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+",
-    "guided_choice": ["yes", "no"],
-    "guided_grammar": "root ::= 'a'",
     "guided_whitespace_pattern": " ",
-    "guided_decoding_backend": "xgrammar",
+    "guided_decoding_backend": "outlines",
     "structured_outputs": {"json": {"type": "object"}},
     "logits_processors": ["my.module:proc"],
     "lora_request": {"lora_name": "a", "lora_int_id": 1, "lora_path": "/x"},
@@ -481,3 +475,92 @@ def test_default_max_tokens_fits_the_kv_pool() -> None:
         .max_tokens
         == 500
     )
+
+
+# -- structured output fields (the engine side: tests/runtime/test_structured_output.py) ----------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            "json_schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json_schema",
+        ),
+        ({"guided_json": SCHEMA}, "json_schema"),
+        ({"guided_json": json.dumps(SCHEMA)}, "json_schema"),
+        ({"guided_regex": "[a-z]+"}, "regex"),
+        ({"guided_choice": ["yes", "no"]}, "choice"),
+        ({"guided_grammar": 'root ::= "a" | "b"'}, "grammar"),
+        ({"guided_decoding_backend": "xgrammar", "guided_regex": "x"}, "regex"),
+    ],
+)
+def test_structured_output_fields_become_the_guided_spec(fields: dict[str, Any], kind: str) -> None:
+    for raw in (body(prompt="x", **fields), body(messages=[{"role": "user", "content": "x"}], **fields)):
+        req = parse_chat_request(raw) if b"messages" in raw else parse_completion_request(raw)
+        params = req.to_sampling_params(2, 100)
+        assert params.guided is not None and params.guided.kind == kind
+        assert choice_params(params, 1).guided == params.guided  # each choice gets the same spec
+
+
+def test_text_response_format_constrains_nothing() -> None:
+    req = parse_chat_request(
+        body(messages=[{"role": "user", "content": "x"}], response_format={"type": "text"})
+    )
+    assert req.to_sampling_params(2, 100).guided is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "problem"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+            "required",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "'xml'"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "invalid JSON schema",
+        ),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": 5}}}},
+            "guided_json",
+            "properties/a/type",
+        ),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_regex": "a(b"}, "guided_regex", "parenthesis"),
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty"),
+        ({"guided_grammar": "root ::= nothing_defined"}, "guided_grammar", "not defined"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),
+    ],
+)
+def test_bad_structured_output_is_400_naming_field_and_problem(
+    fields: dict[str, Any], param: str, problem: str
+) -> None:
+    for raw in (body(prompt="x", **fields), body(messages=[{"role": "user", "content": "x"}], **fields)):
+        e = chat_error(raw) if b"messages" in raw else completion_error(raw)
+        assert e.status == 400 and e.param == param, e.message
+        assert problem in e.message, e.message
