@@ -727,11 +727,11 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate and enqueue; raises ValueError (bad request), QueueFullError, EngineDeadError."""
+        """Enqueue; raises QueueFullError or EngineDeadError. A request the engine can never run
+        (`LLMEngine.validate_request`) fails its stream with ValueError; the server checks the same
+        limits before it submits (api_request.py), so its clients get the 400 up front."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
-        params.validate()
-        self.engine.validate_request(prompt_token_ids, params)
         if self._num_queued >= self.max_queue_len:
             raise QueueFullError(f"{self._num_queued} requests are already waiting (max_queue_len)")
         loop = asyncio.get_running_loop()

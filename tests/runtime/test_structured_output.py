@@ -251,9 +251,3 @@ def test_schema_given_as_text_must_be_json() -> None:
         GuidedSpec.json_schema("{oops", "guided_json")
     with pytest.raises(GuidedSpecError, match="must be an object"):
         GuidedSpec.json_schema([1, 2], "guided_json")
-
-
-def test_min_tokens_with_a_grammar_is_refused() -> None:
-    params = SamplingParams(min_tokens=3, guided=GuidedSpec.choice(["a"], "guided_choice"))
-    with pytest.raises(ValueError, match="min_tokens"):
-        params.validate()
