@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -30,6 +30,15 @@ from kvpilot.runtime.api_errors import APIError
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError
 from kvpilot.runtime.structured_request import guided_spec
+from kvpilot.runtime.tool_calls import (
+    Tool,
+    ToolChoice,
+    ToolError,
+    guided_for_tools,
+    parse_tool_choice,
+    parse_tools,
+    render_chat,
+)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -448,10 +457,25 @@ class TextContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (the history of a tool-calling loop)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # role assistant
+    tool_call_id: str | None = None  # role tool: the call this message answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -487,6 +511,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM's: prepend the last message; not implemented, refused when true
+    _tools: list[Tool] = PrivateAttr(default_factory=list)  # set by validate_request()
+    _tool_choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
 
     @property
     def prompt_param(self) -> str:
@@ -496,16 +522,64 @@ class ChatCompletionRequest(_SamplingFields):
         super().validate_request()
         if not self.messages:
             raise APIError("'messages' must be a non-empty list", param="messages")
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
-            raise APIError(f"'{param}' (tool/function calling) is not supported by this server", param=param)
-        for param, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
-            if value not in (None, "none"):
-                raise APIError(f"'{param}' is not supported by this server", param=param)
+        # the legacy function-calling fields: use tools / tool_choice
+        if self.functions:
+            raise APIError(
+                "'functions' is not supported (deprecated by OpenAI); use 'tools'", param="functions"
+            )
+        if self.function_call not in (None, "none"):
+            raise APIError(
+                "'function_call' is not supported (deprecated by OpenAI); use 'tool_choice'",
+                param="function_call",
+            )
+        self._check_tools()
         if self.echo:
             raise APIError("'echo' is not supported for chat completions", param="echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+
+    def _check_tools(self) -> None:
+        """tools / tool_choice -> the tool-call settings; `required` or a named function constrain
+        the output with a grammar, which no other structured-output field may also do."""
+        try:
+            tools = parse_tools(self.tools) if self.tools is not None else []
+            choice = parse_tool_choice(self.tool_choice, tools)
+        except ToolError as e:
+            raise APIError(str(e), param=e.param) from None
+        if self.parallel_tool_calls is False:
+            choice = replace(choice, parallel=False)
+        self._tools, self._tool_choice = tools, choice
+        spec = guided_for_tools(tools, choice)
+        if spec is not None:
+            if self._guided is not None:
+                raise APIError(
+                    f"'tool_choice' {choice.mode!r} constrains the output, so it cannot be combined with "
+                    f"'{self._guided.param.split('.')[0]}'",
+                    param="tool_choice",
+                )
+            if self.min_tokens > 0:
+                raise APIError("'min_tokens' cannot be combined with structured output", param="min_tokens")
+            self._guided = spec
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(
+                    f"'messages[{i}].tool_call_id' is required for role 'tool'",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(
+                    f"'messages[{i}].tool_calls' is only allowed for role 'assistant'",
+                    param=f"messages[{i}].tool_calls",
+                )
+
+    @property
+    def tool_settings(self) -> tuple[list[Tool], ToolChoice]:
+        return self._tools, self._tool_choice
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the prompt or the output involve tools (tools given, or tool turns in history)."""
+        return bool(self._tools) or any(m.role == "tool" or m.tool_calls for m in self.messages)
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -521,6 +595,10 @@ class ChatCompletionRequest(_SamplingFields):
             msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls is not None:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
 
@@ -588,6 +666,9 @@ class GenerationRequest:
     include_usage: bool
     continuous_usage: bool
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+    # chat with tools: the output is parsed into tool calls (runtime/tool_calls.py)
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice | None = None
 
     @property
     def num_choices(self) -> int:
@@ -650,8 +731,14 @@ def prepare_chat(
     req.check_model(served_name)
     _check_admissible(req.n, limits)
     messages = req.template_messages()
+    tools, tool_choice = req.tool_settings
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        if req.uses_tools:  # the tools (and tool turns) through the template, or the fallback block
+            rendered = render_chat(tokenizer, messages, tools, tool_choice, req.add_generation_prompt)
+        else:
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
     except Exception as e:
         raise APIError(
             f"'messages' could not be formatted with the chat template: {e}", param="messages"
@@ -667,4 +754,6 @@ def prepare_chat(
         req.include_usage,
         req.continuous_usage,
         req.cache_salt,
+        tools,
+        tool_choice if tool_choice.mode != "none" else None,
     )

@@ -150,9 +150,14 @@ class ChatRenderer:
         return _body("chat.completion.chunk", request_id, model, created, choices, usage_)
 
     def choice(self, c: Choice, text: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if c.tools is not None:  # a request with tools: the calls, and no empty content beside them
+            message["tool_calls"] = [call.as_openai() for call in c.tool_calls]
+            if c.tool_calls and not text:
+                message["content"] = None
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": chat_logprobs(c.logprobs) if c.want_logprobs else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
@@ -182,7 +187,9 @@ class ChatRenderer:
     def delta_choice(self, d: Delta) -> dict[str, Any]:
         c = d.choice
         lps = chat_logprobs(d.logprobs) if c.want_logprobs and d.logprobs else None
-        delta = {"content": d.text} if d.text or not d.finished else {}
+        delta: dict[str, Any] = {"content": d.text} if d.text or not (d.finished or d.tool_calls) else {}
+        if d.tool_calls:
+            delta["tool_calls"] = d.tool_calls
         if d.finished:
             return self._chunk_choice(c.index, delta, lps, c.finish_reason, c.stop_reason)
         return self._chunk_choice(c.index, delta, lps, None)

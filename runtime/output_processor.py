@@ -28,6 +28,7 @@ from kvpilot.runtime.detokenizer import TextStream
 from kvpilot.runtime.engine import EngineDeadError, QueueFullError
 from kvpilot.runtime.metrics import ServerMetrics
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.tool_calls import ToolCall, ToolCallStreamer
 
 log = logging.getLogger("kvpilot.server")
 
@@ -97,6 +98,11 @@ class Choice:
     queue_time_seen: bool = False
     text_offset: int = 0  # where the next logprob token's text starts (completions' text_offset)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    tools: ToolCallStreamer | None = None  # chat with tools: splits the text into content and calls
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools is not None else []
 
     @property
     def want_logprobs(self) -> bool:
@@ -116,6 +122,7 @@ class Delta:
     logprobs: list[LogprobEntry]
     text_offset: int  # where the first logprob token's text starts
     finished: bool
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool_calls delta entries
 
 
 class OutputMerger:
@@ -241,6 +248,7 @@ class RequestState:
                         echo_text=prompt.echo_text,
                         cache_salt=gen.cache_salt,
                         text_offset=len(prompt.echo_text),
+                        tools=ToolCallStreamer(gen.tools, gen.tool_choice) if gen.tool_choice else None,
                     )
                 )
         self._streams: dict[int, AsyncIterator[Any]] = {}
@@ -339,7 +347,16 @@ class RequestState:
         offset = c.text_offset
         c.text_offset += sum(len(t.text) for t, _, _ in entries)
         c.logprobs.extend(entries)
-        return Delta(c, text, entries, offset, c.finished)
+        calls: list[dict[str, Any]] = []
+        if c.tools is not None:
+            part = c.tools.feed(text)
+            text, calls = part.content, part.tool_calls
+            if c.finished:
+                end = c.tools.finish()
+                text, calls = text + end.content, calls + end.tool_calls
+                if c.tools.calls and c.finish_reason == "stop":
+                    c.finish_reason = "tool_calls"
+        return Delta(c, text, entries, offset, c.finished, calls)
 
     def _finish(self, c: Choice, reason: str, stop_reason: int | str | None, engine_done: bool) -> None:
         c.finish_reason = reason

@@ -350,7 +350,7 @@ class OpenAIServer:
             try:
                 deltas: AsyncIterator[Delta] = state.deltas()
                 async for d in deltas:
-                    if d.text or d.finished or d.logprobs:
+                    if d.text or d.finished or d.logprobs or d.tool_calls:
                         await send(chunk([renderer.delta_choice(d)]))
             except APIError as e:
                 await send(e.to_dict())

@@ -61,6 +61,7 @@ class Tool:
 class ToolChoice:
     mode: ChoiceMode
     name: str | None = None  # the function, when mode == "named"
+    parallel: bool = True  # parallel_tool_calls: false allows one call per turn
 
 
 @dataclass
@@ -150,7 +151,10 @@ def guided_for_tools(tools: Sequence[Tool], choice: ToolChoice) -> GuidedSpec | 
             for t in tools
         ]
         items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return GuidedSpec.json_schema({"type": "array", "items": items, "minItems": 1}, "tool_choice")
+        array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        if not choice.parallel:
+            array["maxItems"] = 1
+        return GuidedSpec.json_schema(array, "tool_choice")
     return None
 
 
@@ -259,6 +263,8 @@ def parse_output(text: str, tools: Sequence[Tool], choice: ToolChoice) -> tuple[
         call = _auto_call(m.group(1), names)
         if call is None:
             continue
+        if calls and not choice.parallel:
+            break  # parallel_tool_calls false: the first call only; the rest stays text
         kept.append(text[pos : m.start()])
         pos = m.end()
         calls.append(call)

@@ -252,8 +252,8 @@ def test_token_ids_checked_against_vocab() -> None:
 def test_unsupported_features_are_400_with_param() -> None:
     msgs = [{"role": "user", "content": "x"}]
     cases = [
-        (body(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (body(messages=msgs, tool_choice="auto"), "tool_choice"),
+        (body(messages=msgs, functions=[{"name": "f"}]), "functions"),
+        (body(messages=msgs, function_call="auto"), "function_call"),
         (body(messages=msgs, logit_bias={"5": 1.0}), "logit_bias"),
         (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), None),
     ]
@@ -585,3 +585,37 @@ def test_bad_structured_output_is_400_naming_field_and_problem(
         e = chat_error(raw) if b"messages" in raw else completion_error(raw)
         assert e.status == 400 and e.param == param, e.message
         assert problem in e.message, e.message
+
+
+def test_tools_and_tool_choice_are_parsed_and_checked() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "x"}]
+    req = parse_chat_request(body(messages=msgs, tools=tools, tool_choice="required"))
+    ts, choice = req.tool_settings
+    assert [t.name for t in ts] == ["f"] and choice.mode == "required"
+    assert req.to_sampling_params(2, 100).guided is not None  # required is enforced by a grammar
+    auto = parse_chat_request(body(messages=msgs, tools=tools))
+    assert auto.tool_settings[1].mode == "auto" and auto.to_sampling_params(2, 100).guided is None
+    for raw, param in [
+        (body(messages=msgs, tool_choice="auto"), "tool_choice"),  # auto without tools
+        (
+            body(messages=msgs, tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}),
+            "tool_choice.function.name",
+        ),
+        (body(messages=msgs, tools=tools, tool_choice="required", guided_regex="a"), "tool_choice"),
+        (body(messages=msgs, tools=tools, tool_choice="required", min_tokens=1), "min_tokens"),
+        (body(messages=[*msgs, {"role": "tool", "content": "r"}]), "messages[1].tool_call_id"),
+        (
+            body(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            ),
+            "messages[0].tool_calls",
+        ),
+    ]:
+        assert chat_error(raw).param == param
