@@ -161,8 +161,11 @@ class GrammarCompiler:
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> GrammarCompiler:
         """From runtime/tokenizer.py's Tokenizer; `vocab_size`: the model's logit width when larger."""
         n = tokenizer.vocab_size
+        # special tokens (other than EOS, a stop token) get no bytes: xgrammar then never allows them,
+        # where their text ("<|im_start|>") would otherwise pass for string content
+        special = set(tokenizer.all_special_ids) - set(tokenizer.eos_token_ids)
         return cls(
-            [tokenizer.token_bytes(i) for i in range(n)],
+            [b"" if i in special else tokenizer.token_bytes(i) for i in range(n)],
             sorted(tokenizer.eos_token_ids),
             max(n, vocab_size or 0),
         )

@@ -19,7 +19,13 @@ import torch
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError, check_spec
+from kvpilot.runtime.structured_output import (
+    GuidedSpec,
+    GuidedSpecError,
+    apply_bitmask,
+    check_spec,
+    new_bitmask,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -251,3 +257,30 @@ def test_schema_given_as_text_must_be_json() -> None:
         GuidedSpec.json_schema("{oops", "guided_json")
     with pytest.raises(GuidedSpecError, match="must be an object"):
         GuidedSpec.json_schema([1, 2], "guided_json")
+
+
+def test_prefix_cache_hits_do_not_change_guided_output(make_engine: Callable[..., LLMEngine]) -> None:
+    """The grammar changes no KV: a request served from cached prompt blocks generates the same."""
+    engine = make_engine(enable_prefix_caching=True)
+    spec = GuidedSpec.json_schema(SCHEMAS["enum"], "guided_json")
+    prompt = chat_prompt(engine, "How do you feel today? " * 8)  # several full blocks to reuse
+    params = SamplingParams(max_tokens=40, temperature=0, guided=spec)
+    first = engine.generate([prompt], params)[0]
+    second = engine.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= engine.block_manager.block_size
+    assert second.output_token_ids == first.output_token_ids
+    jsonschema.validate(json.loads(engine.tokenizer.decode(second.output_token_ids)), SCHEMAS["enum"])
+
+
+def test_special_tokens_are_never_allowed_inside_the_grammar(engine: LLMEngine) -> None:
+    """'<|im_start|>' is text a JSON string could hold, but as a token it is never allowed."""
+    state = engine.grammar_compiler.new_state(GuidedSpec("regex", '"[^"]*"', "guided_regex"))
+    assert state.accept(engine.tokenizer.encode('"', add_special_tokens=False)[0])
+    bitmask = new_bitmask(1, engine.tokenizer.vocab_size)
+    state.fill(bitmask, 0)
+    logits = torch.zeros(1, engine.tokenizer.vocab_size)
+    apply_bitmask(logits, bitmask)
+    allowed = set(torch.nonzero(logits[0] == 0).flatten().tolist())
+    tok = engine.tokenizer
+    assert tok.encode("abc", add_special_tokens=False)[0] in allowed
+    assert not (set(tok.all_special_ids) - set(tok.eos_token_ids)) & allowed
