@@ -502,11 +502,11 @@ async def _serve(args: argparse.Namespace, api_client: Any) -> int:
 
     from kvpilot.autoscaler.controller import Controller, ControllerConfig
     from kvpilot.autoscaler.election import AlwaysLeader, LeaseElection, lease_election
-    from kvpilot.autoscaler.health import LoopHealth
     from kvpilot.autoscaler.kube import KubernetesApi
+    from kvpilot.autoscaler.liveness import LoopHealth
     from kvpilot.autoscaler.metrics import AutoscalerMetrics
-    from kvpilot.health import start_health_server
-    from kvpilot.operator.leader import default_identity
+    from kvpilot.kube.health import start_health_server
+    from kvpilot.kube.lease import default_identity
 
     identity = args.identity or default_identity()
     elector: Any = AlwaysLeader()

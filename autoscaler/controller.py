@@ -6,7 +6,7 @@ then (scale-down only) mark the least-loaded pods cheapest to delete, write spec
 scale subresource, record status.autoscaler and status.kvCacheUsage, and emit an Event.
 
 What the loop does is reported to `SyncObserver`s (the Prometheus metrics of
-kvpilot.autoscaler.metrics, the liveness state of kvpilot.autoscaler.health); the controller itself
+kvpilot.autoscaler.metrics, the liveness state of kvpilot.autoscaler.liveness); the controller itself
 keeps no counters.
 """
 

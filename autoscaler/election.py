@@ -1,6 +1,6 @@
 """Leader election: only one autoscaler acts, however many `kvpilot autoscaler run` replicas there are.
 
-The Lease mechanics are the operator's (`kvpilot.operator.leader.LeaderElector`: client-go semantics,
+The Lease mechanics are the operator's (`kvpilot.kube.lease.LeaderElector`: client-go semantics,
 resourceVersion-guarded writes, release on a clean stop). The controller only asks "am I the leader
 now?" before each sync and before writing each model, so it codes against the small `LeaderElector`
 Protocol below; `LeaseElection` campaigns in a background thread.
@@ -38,7 +38,7 @@ class AlwaysLeader:
 class LeaseElection:
     """Campaign for a Lease in a thread; `is_leader` while this process holds it.
 
-    `elector` is a kvpilot.operator.leader.LeaderElector: anything with `is_leader` and a blocking
+    `elector` is a kvpilot.kube.lease.LeaderElector: anything with `is_leader` and a blocking
     `campaign(stop, lost)` (older versions: `run(stop, lost)`) that returns when `stop` is set, after
     releasing the Lease, or when leadership is lost, after setting `lost`.
     """
@@ -89,7 +89,7 @@ def lease_election(
 
     Timings left as None take the elector's defaults (15 s lease, 10 s renew deadline, 5 s retry).
     """
-    from kvpilot.operator import leader
+    from kvpilot.kube import lease as leader
 
     elector = leader.LeaderElector(
         leader.KubeLeaseStore(api_client),

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator.models import (
+from kvpilot.api.models import (
     API_VERSION,
     KIND,
     InferenceModel,

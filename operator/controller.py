@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvpilot.api.models import API_VERSION, KIND
 from kvpilot.operator import metrics
-from kvpilot.operator.models import API_VERSION, KIND
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import kopf
 
+from kvpilot.api.models import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders import MANAGED_BY, MANAGED_BY_LABEL
 from kvpilot.operator.controller import Controller
-from kvpilot.operator.models import GROUP, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}

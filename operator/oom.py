@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.api.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
 from kvpilot.operator.builders import effective_memory, effective_runtime, stable_hash
-from kvpilot.operator.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
 from kvpilot.operator.podstate import PodProblem, format_time
 from kvpilot.operator.quantity import MIB, format_mebibytes, parse_bytes
 from kvpilot.runtime.config import EngineConfig

@@ -19,6 +19,15 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from kvpilot.api.models import (
+    API_VERSION,
+    KIND,
+    InferenceModel,
+    InferenceModelSpec,
+    OOMAdaptation,
+    name_problems,
+)
+from kvpilot.kube.client import Kube
 from kvpilot.operator import metrics, oom
 from kvpilot.operator.apply import apply_child
 from kvpilot.operator.builders import (
@@ -27,15 +36,6 @@ from kvpilot.operator.builders import (
     render_children,
     render_config_yaml,
     selector_string,
-)
-from kvpilot.operator.kube import Kube
-from kvpilot.operator.models import (
-    API_VERSION,
-    KIND,
-    InferenceModel,
-    InferenceModelSpec,
-    OOMAdaptation,
-    name_problems,
 )
 from kvpilot.operator.podstate import all_problems, format_time
 from kvpilot.operator.status import (

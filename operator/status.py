@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from kvpilot.api.models import InferenceModel, OOMAdaptation
 from kvpilot.operator.builders import desired_replicas, endpoint, selector_string
-from kvpilot.operator.models import InferenceModel, OOMAdaptation
 from kvpilot.operator.podstate import PodProblem, format_time
 
 OPERATOR_STATUS_KEYS = (

@@ -124,7 +124,7 @@ class KubeSource:
 
 def kube_source(namespace: str | None, kubeconfig: str | None = None) -> KubeSource:
     """A KubeSource on the operator's Kube adapter (in-cluster or kubeconfig)."""
-    from kvpilot.operator.kube import ApiKube, load_api_client
+    from kvpilot.kube.client import ApiKube, load_api_client
 
     if not namespace:
         raise ValueError("--namespace is required without --endpoints (which namespace's models to route)")

@@ -8,6 +8,6 @@ tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
 mkdir -p "$tree/kvpilot"
 for f in kvpilot/*.py kvpilot/py.typed; do ln -s "$root/$f" "$tree/kvpilot/$(basename "$f")"; done
-for part in runtime kernels operator autoscaler router; do ln -s "$root/$part" "$tree/kvpilot/$part"; done
+for part in api kube runtime kernels operator autoscaler router; do ln -s "$root/$part" "$tree/kvpilot/$part"; done
 cd "$tree"
 python -m mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p kvpilot

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.autoscaler.controller import Controller, ControllerConfig, SyncObserver
-from kvpilot.autoscaler.health import LoopHealth, loop_liveness, loop_readiness, stale_after
+from kvpilot.autoscaler.liveness import LoopHealth, loop_liveness, loop_readiness, stale_after
 from kvpilot.autoscaler.metrics import AutoscalerMetrics
 from kvpilot.autoscaler.samples import ReplicaSample
-from kvpilot.health import Probe, start_health_server
+from kvpilot.kube.health import Probe, start_health_server
 from tests.autoscaler.test_controller import T0, FakeKube, FakeSource, model, pod
 
 # -- the health decision (pure) ---------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_loop_health_follows_the_turns() -> None:
     assert health.liveness().ok and health.liveness().detail.endswith("(leader)")
 
 
-# -- the health server (kvpilot.health, shared with the operator) -----------------------------------------
+# -- the health server (kvpilot.kube.health, shared with the operator) -----------------------------------------
 
 
 def get(url: str, method: str = "GET") -> tuple[int, str]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator.crd import CRD_FILENAME, build_crd, render_crd_yaml
+from kvpilot.api.crd import CRD_FILENAME, build_crd, render_crd_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 

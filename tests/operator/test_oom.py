@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from kvpilot.api.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
 from kvpilot.operator import oom
-from kvpilot.operator.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
 from kvpilot.operator.podstate import PodProblem
 
 T1 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -229,8 +229,8 @@ def test_both_causes_at_once_adapt_both_sides() -> None:
 
 
 def test_the_memory_override_renders_into_the_deployment_and_the_pod_hash() -> None:
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import OperatorSettings, config_hash, render_children, render_config_yaml
-    from kvpilot.operator.models import InferenceModel
 
     im = InferenceModel.model_validate(
         {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=GPU_POD).dump()}
@@ -260,8 +260,8 @@ def test_the_memory_override_renders_into_the_deployment_and_the_pod_hash() -> N
 
 
 def test_the_kv_override_reaches_the_runtime_config() -> None:
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import render_engine_config
-    from kvpilot.operator.models import InferenceModel
 
     im = InferenceModel.model_validate(
         {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=CPU_POD).dump()}

@@ -1,6 +1,6 @@
 """Leader election on a coordination.k8s.io/v1 Lease, like client-go's leaderelection package.
 
-Shared by the operator and the autoscaler (`from kvpilot.operator.leader import LeaderElector`):
+Shared by the operator and the autoscaler (`from kvpilot.kube.lease import LeaderElector`):
 
     # blocking: run `lead` only while leading (the operator)
     elector = LeaderElector(api_client=api_client, namespace="kvpilot-system", name="kvpilot-operator")
@@ -108,7 +108,7 @@ class KubeLeaseStore:
     """LeaseStore over a kubernetes.client.ApiClient (plain JSON, MicroTime formatted exactly)."""
 
     def __init__(self, api_client: Any) -> None:
-        from kvpilot.operator.kube import ApiKube
+        from kvpilot.kube.client import ApiKube
 
         self.kube = ApiKube(api_client, timeout=RENEW_DEADLINE_S / 2)
 
