@@ -467,25 +467,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
 # -- run -----------------------------------------------------------------------------------------------
 
 
-def _load_kube(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig)
-    else:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-    return client.ApiClient()
-
-
 def _run_controller(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_source == "prometheus" and not args.prometheus_url:
         log.warning("--metrics-source prometheus without --prometheus-url: specs must give prometheus.url")
+    from kvpilot.kube.client import load_api_client
+
     try:
-        api_client = _load_kube(args.kubeconfig)
+        api_client = load_api_client(args.kubeconfig)
     except Exception as exc:
         where = (
             f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster config or ~/.kube/config"

@@ -16,7 +16,8 @@ from kvpilot.autoscaler.kube import DELETION_COST, FIELD_MANAGER, KubernetesApi
 from kvpilot.autoscaler.policy import History, Recommendation
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.sources import ModelRef, PodTarget
-from kvpilot.autoscaler.state import decision_to_status, format_time, history_from_status
+from kvpilot.autoscaler.state import decision_to_status, history_from_status
+from kvpilot.kube.times import format_time
 
 T0 = 1_700_000_000.0
 
@@ -241,6 +242,45 @@ def test_history_round_trips_through_status():
     assert back.last_queue == (T0, 45)
     # Garbage in status is skipped, never guessed.
     assert history_from_status({"history": [{"time": "yesterday", "replicas": 3}, "x"]}) == History()
+
+
+def _undeclared(value: Any, schema: Mapping[str, Any], path: str = "") -> list[str]:
+    """Keys of `value` that the structural schema does not declare (the API server would prune them)."""
+    if isinstance(value, list):
+        return [
+            p for i, v in enumerate(value) for p in _undeclared(v, schema.get("items", {}), f"{path}[{i}]")
+        ]
+    if not isinstance(value, dict):
+        return []
+    props = schema.get("properties", {})
+    return [f"{path}.{k}" for k in value if k not in props] + [
+        p for k, v in value.items() if k in props for p in _undeclared(v, props[k], f"{path}.{k}")
+    ]
+
+
+def test_what_the_autoscaler_writes_is_the_crd_status_schema():
+    """Every field of status.autoscaler that the controller writes is declared by the shared model's
+    CRD schema with a type that accepts it: nothing relies on preserve-unknown-fields any more."""
+    import jsonschema
+
+    from kvpilot.api.crd import build_crd
+    from kvpilot.autoscaler.policy import ArrivalState, PodCounter, RateSample, decide
+    from kvpilot.autoscaler.spec import ScalingTargets
+
+    snapshot = MetricsSnapshot(
+        3, tuple(ReplicaSample(f"p{i}", 0.99, 9, 9, completed_total=40.0 + i) for i in range(3))
+    )
+    arrivals = ArrivalState(
+        T0 - 15, (PodCounter("p0", 30.0, 4, 100.0, 50.0),), (RateSample(T0 - 15, 1.5),), 2.0
+    )
+    d = decide(3, snapshot, ScalingTargets(max_replicas=10), History(arrivals=arrivals), T0)
+    block = json.loads(json.dumps(decision_to_status(d, T0, None)))
+    block["decidedBy"], block["heldKind"] = "autoscaler-0_1", "stabilization"
+    assert block["scaleEvents"] and block["arrivals"]["pods"] and block["arrivals"]["rates"]
+    crd = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema = crd["properties"]["status"]["properties"]["autoscaler"]
+    assert _undeclared(block, schema) == []
+    jsonschema.Draft4Validator(schema).validate(block)
 
 
 # -- the real kubernetes client against a fake API server -------------------------------------------------
