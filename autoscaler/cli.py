@@ -489,7 +489,7 @@ def _run_controller(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, api_client: Any) -> int:
     from prometheus_client import REGISTRY, start_http_server
 
-    from kvpilot.autoscaler.controller import Controller, ControllerConfig
+    from kvpilot.autoscaler.controller import ControllerConfig, ScalingController
     from kvpilot.autoscaler.election import AlwaysLeader, LeaseElection, lease_election
     from kvpilot.autoscaler.kube import KubernetesApi
     from kvpilot.autoscaler.liveness import LoopHealth
@@ -522,7 +522,9 @@ async def _serve(args: argparse.Namespace, api_client: Any) -> int:
             servers.append(start_health_server(args.health_port, health.checks()))
         if args.metrics_port:
             servers.append(start_http_server(args.metrics_port, registry=metrics.registry)[0])
-        controller = Controller(KubernetesApi(api_client), cfg, elector=elector, observers=[metrics, health])
+        controller = ScalingController(
+            KubernetesApi(api_client), cfg, elector=elector, observers=[metrics, health]
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

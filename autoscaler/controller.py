@@ -162,7 +162,7 @@ class SyncObserver:
         """spec.replicas was written through the scale subresource."""
 
 
-class Controller:
+class ScalingController:
     def __init__(
         self,
         api: KubeApi,

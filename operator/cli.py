@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.kube.lease import KubeLeaseStore, LeaderElector, default_identity, run_as_leader
     from kvpilot.operator import metrics
     from kvpilot.operator.builders import OperatorSettings
-    from kvpilot.operator.controller import Controller
+    from kvpilot.operator.controller import ReconcileController
     from kvpilot.operator.handlers import build_registry, configure_settings
     from kvpilot.operator.reconcile import Reconciler
 
@@ -168,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
     def lead(lead_stop: threading.Event) -> int:
         _Health.state["leading"] = True
         metrics.LEADER.set(1)
-        controller = Controller(reconcile_key, workers=args.workers, resync_seconds=args.resync_seconds)
+        controller = ReconcileController(
+            reconcile_key, workers=args.workers, resync_seconds=args.resync_seconds
+        )
         registry = build_registry(controller, login=make_login(api_client))
         kopf_settings = configure_settings(kopf.OperatorSettings())
 

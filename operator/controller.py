@@ -74,7 +74,7 @@ class WorkQueue:
         self._timers.clear()
 
 
-class Controller:
+class ReconcileController:
     """Keys in, reconciles out. `reconcile_key` is the blocking work for one key."""
 
     def __init__(

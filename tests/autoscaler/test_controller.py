@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvpilot.autoscaler.controller import Controller, ControllerConfig, deletion_costs, pod_is_ready
+from kvpilot.autoscaler.controller import ControllerConfig, ScalingController, deletion_costs, pod_is_ready
 from kvpilot.autoscaler.kube import DELETION_COST, FIELD_MANAGER, KubernetesApi
 from kvpilot.autoscaler.policy import History, Recommendation
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
@@ -88,8 +88,8 @@ def model(replicas: int | None = 3, **autoscaling: Any) -> dict[str, Any]:
     return {"metadata": {"name": "chat", "namespace": "ml", "uid": "u1"}, "spec": spec, "status": {}}
 
 
-def make(kube: FakeKube, source: FakeSource, now: list[float]) -> Controller:
-    return Controller(kube, ControllerConfig(namespace="ml"), clock=lambda: now[0], pod_source=source)
+def make(kube: FakeKube, source: FakeSource, now: list[float]) -> ScalingController:
+    return ScalingController(kube, ControllerConfig(namespace="ml"), clock=lambda: now[0], pod_source=source)
 
 
 def calls(kube: FakeKube, kind: str) -> list[Any]:
@@ -184,7 +184,7 @@ async def test_prometheus_source_is_chosen_from_the_spec():
 
     m = model(2, metricsSource="prometheus", prometheus={"url": "http://prom:9090", "kvQuery": "kv{}"})
     kube = FakeKube(m, [pod("a"), pod("b")])
-    ctl = Controller(kube, ControllerConfig(), clock=lambda: T0, prometheus_factory=factory)
+    ctl = ScalingController(kube, ControllerConfig(), clock=lambda: T0, prometheus_factory=factory)
     await ctl.sync_all()
     await ctl.sync_all()
     assert created == [("http://prom:9090", "kv{}", None)]
@@ -203,7 +203,9 @@ async def test_run_stops_and_respects_leadership():
         is_leader = False
 
     kube = FakeKube(model(2), [pod("a"), pod("b")])
-    ctl = Controller(kube, ControllerConfig(interval_s=0.01), pod_source=FakeSource(), elector=NotLeader())
+    ctl = ScalingController(
+        kube, ControllerConfig(interval_s=0.01), pod_source=FakeSource(), elector=NotLeader()
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     await asyncio.sleep(0.05)
@@ -421,7 +423,7 @@ async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     url = f"http://127.0.0.1:{port}"
     kube = FakeKube(model(0, minReplicas=0), [])
     now = [T0]
-    controller = Controller(
+    controller = ScalingController(
         kube,
         ControllerConfig(namespace="ml", router_urls=(url,)),
         clock=lambda: now[0],
@@ -472,7 +474,7 @@ async def test_a_growing_router_queue_syncs_before_the_interval():
     kube = FakeKube(model(0, minReplicas=0), [])
     # a 10-minute interval: only the router poll (every 0.05 s here) can explain a prompt scale-up
     config = ControllerConfig(namespace="ml", interval_s=600, router_urls=(url,), router_poll_s=0.05)
-    controller = Controller(kube, config, pod_source=FakeSource())
+    controller = ScalingController(kube, config, pod_source=FakeSource())
     stop = asyncio.Event()
     loop_task = asyncio.create_task(controller.run(stop))
     try:

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.autoscaler.controller import Controller, ControllerConfig, SyncObserver
+from kvpilot.autoscaler.controller import ControllerConfig, ScalingController, SyncObserver
 from kvpilot.autoscaler.liveness import LoopHealth, loop_liveness, loop_readiness, stale_after
 from kvpilot.autoscaler.metrics import AutoscalerMetrics
 from kvpilot.autoscaler.samples import ReplicaSample
@@ -136,9 +136,9 @@ CHAT = '{model="chat",namespace="ml"}'
 
 def controller(
     kube: FakeKube, src: FakeSource, now: list[float], metrics: AutoscalerMetrics, **kw: Any
-) -> Controller:
+) -> ScalingController:
     cfg = ControllerConfig(namespace="ml", interval_s=kw.pop("interval_s", 15.0))
-    return Controller(kube, cfg, clock=lambda: now[0], pod_source=src, observers=[metrics], **kw)
+    return ScalingController(kube, cfg, clock=lambda: now[0], pod_source=src, observers=[metrics], **kw)
 
 
 def saturated() -> tuple[FakeKube, FakeSource]:
@@ -291,7 +291,7 @@ async def test_run_reports_leadership_and_a_standby_drops_the_model_series() -> 
 async def test_a_standby_loop_keeps_the_liveness_probe_green() -> None:
     kube, src = saturated()
     health = LoopHealth(0.01)
-    ctl = Controller(
+    ctl = ScalingController(
         kube, ControllerConfig(interval_s=0.01), pod_source=src, elector=Switch(False), observers=[health]
     )
     stop = asyncio.Event()
@@ -309,7 +309,7 @@ async def test_a_broken_observer_never_stops_scaling() -> None:
             raise ValueError("bug in a hook")
 
     kube, src = saturated()
-    ctl = Controller(
+    ctl = ScalingController(
         kube, ControllerConfig(namespace="ml"), clock=lambda: T0, pod_source=src, observers=[Broken()]
     )
     results = await ctl.sync_all()
