@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -573,7 +574,11 @@ def _valid_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 T = TypeVar("T")
 Lenient = Annotated[T | None, WrapValidator(_none_if_invalid)]
 ValidItems = Annotated[list[T] | None, WrapValidator(_valid_items)]
-Int = Annotated[int, Field(strict=True)]
+def _whole_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number), Field(strict=True)]  # 3 or 3.0; not True, "3", 3.5
 Real = Annotated[float, Field(strict=True)]
 
 
@@ -585,7 +590,7 @@ def _non_negative(value: T) -> T:
 
 # Checked when read back, not in the schema: the API server must never refuse the autoscaler's
 # status patch over a value that reading back would merely skip.
-Count = Annotated[int, Field(strict=True), AfterValidator(_non_negative)]
+Count = Annotated[Int, AfterValidator(_non_negative)]
 Amount = Annotated[float, Field(strict=True, allow_inf_nan=False), AfterValidator(_non_negative)]
 
 

@@ -406,6 +406,30 @@ def test_arrival_state_round_trips_and_skips_garbage():
     assert arrivals_from_status("nope") == ArrivalState()
 
 
+def test_status_numbers_read_back_as_json_carries_them():
+    """A whole float is the integer it spells (JSON does not tell 3 from 3.0); a bool or a string is
+    not a number; each entry stands or falls alone."""
+    from kvpilot.autoscaler.policy import PodCounter, ScaleEvent
+    from kvpilot.autoscaler.state import arrivals_from_status
+
+    pods = [
+        {"pod": "a", "inFlight": 2.0, "completed": 7},
+        {"pod": "b", "inFlight": True},
+        {"pod": "c", "inFlight": "3"},
+        {"pod": "d", "inFlight": 2.5},
+    ]
+    assert arrivals_from_status({"pods": pods}).counters == (PodCounter("a", 7.0, 2),)
+    when = format_time(T0)
+    back = history_from_status(
+        {
+            "history": [{"time": when, "replicas": 3.0}, {"time": when, "replicas": False}],
+            "scaleEvents": [{"time": when, "fromReplicas": 2, "toReplicas": 4.0}, {"time": when}],
+        }
+    )
+    assert back.recommendations == (Recommendation(T0, 3),)
+    assert back.events == (ScaleEvent(T0, 2, 4),)
+
+
 async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     import aiohttp
 
