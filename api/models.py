@@ -574,6 +574,8 @@ def _valid_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 T = TypeVar("T")
 Lenient = Annotated[T | None, WrapValidator(_none_if_invalid)]
 ValidItems = Annotated[list[T] | None, WrapValidator(_valid_items)]
+
+
 def _whole_number(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
