@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e.harness import free_port
+from kvpilot.net import free_port
 
 log = logging.getLogger("e2e.localpods")
 

@@ -15,14 +15,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from kvpilot.api.models import API_VERSION, KIND, MODEL_LABEL
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.server import UpdateEndpoints
 
 log = logging.getLogger("kvpilot.router.kube")
 
-API_VERSION = "kvpilot.dev/v1alpha1"
-KIND = "InferenceModel"
-MODEL_LABEL = "kvpilot.dev/model"
 HTTP_PORT = 8000
 DEFAULT_CAPACITY = 64  # the runtime's default --max-num-seqs
 
@@ -123,8 +121,8 @@ class KubeSource:
 
 
 def kube_source(namespace: str | None, kubeconfig: str | None = None) -> KubeSource:
-    """A KubeSource on the operator's Kube adapter (in-cluster or kubeconfig)."""
-    from kvpilot.operator.kube import ApiKube, load_api_client
+    """A KubeSource on the shared Kube adapter (in-cluster or kubeconfig)."""
+    from kvpilot.kube.client import ApiKube, load_api_client
 
     if not namespace:
         raise ValueError("--namespace is required without --endpoints (which namespace's models to route)")
