@@ -110,6 +110,7 @@ class Router:
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._sent_status: dict[int, int] = {}  # id(request) -> status line a stream has sent
         self.app = web.Application(client_max_size=64 * 2**20)
         self.app.add_routes(
             [
@@ -283,7 +284,17 @@ class Router:
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
-        response = await self._route(request, pool, key, raw)
+        try:
+            response = await self._route(request, pool, key, raw)
+        except asyncio.CancelledError:
+            # The client left. A stream whose status line had gone out was answered: count it (a
+            # client that stops reading after `data: [DONE]` leaves before the pod's stream ends).
+            status = self._sent_status.get(id(request))
+            if status is not None:
+                self.metrics.requests.labels(model, str(status)).inc()
+            raise
+        finally:
+            self._sent_status.pop(id(request), None)
         self.metrics.requests.labels(model, str(response.status)).inc()
         return response
 
@@ -381,6 +392,7 @@ class Router:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
         await out.prepare(request)
+        self._sent_status[id(request)] = upstream.status
         try:
             async for chunk in upstream.content.iter_any():
                 await out.write(chunk)

@@ -174,6 +174,8 @@ async def test_client_disconnect_cancels_the_upstream_request(pods: list[FakePod
         await until(lambda: pods[0].cancelled == 1)
         await until(lambda: lr.router.pools[MODEL].in_flight == 0)
         assert pods[0].finished == 0
+        # its 200 status line had gone out: the answer is counted although the handler was cancelled
+        await until(lambda: metric(lr, "kvpilot_router_requests_total", model_name=MODEL, code="200") == 1)
 
 
 async def test_central_queue_holds_fifo_and_hands_over_on_release(pods: list[FakePod]) -> None:
