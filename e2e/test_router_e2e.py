@@ -124,7 +124,8 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
             scrape_interval_s=1,
         )
     )
-    router.add_source(LocalPodSource(kube_source(namespace, str(cluster.kubeconfig)), kubelet))
+    discovery = kube_source(namespace, str(cluster.kubeconfig))  # watches the pods and InferenceModels
+    router.add_source(LocalPodSource(discovery, kubelet))
     rt = RouterThread(router)
     operator = OperatorProcess(
         cluster,
@@ -225,6 +226,8 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
             "queued_before_new_pod_ready_served_by_it": len(backlog),
             "new_pod_ready_after_burst_start_s": round(pod2.ready_at - min(r.sent for r in burst), 1),
         }
+        # the API server's watches delivered the changes: the source lists on events, not every second
+        assert discovery.watching and discovery.watch_events > 0
         assert kubelet.errors == []
     finally:
         watch.stop()
