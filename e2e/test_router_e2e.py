@@ -142,7 +142,7 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
         "solo",
         "--metrics-source", "prometheus",
         "--prometheus-url", prom.url,
-        "--router-url", "",  # set below, once the router has its port
+        "--router-url", rt.url,
         "--interval", "15",
         "--no-leader-elect",
     )  # fmt: skip
@@ -152,7 +152,6 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
         kubelet.start()
         kubectl.apply(zero_scaled_model(prom.url))
         rt.start()
-        autoscaler.args[autoscaler.args.index("--router-url") + 1] = rt.url
         autoscaler.start()
         watch.start()
         wait_until(lambda: MODEL in router.pools, timeout=30, what="the router to list the model")

@@ -144,18 +144,27 @@ class KubeSource:
 
     def _watch_loop(self, watch: Watch, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
         """One watch, in its own thread: every event wakes the lister; an error switches the source
-        to polling (and wakes it: what changed during the outage is listed now) until it reconnects."""
-        while not self._stopping.is_set():
+        to polling (and wakes it: what changed during the outage is listed now) until it reconnects.
+        Returns when the source stops (at the next event or watch timeout)."""
+
+        def woken() -> bool:
             try:
-                self._watch_failing.discard(
-                    watch.name
-                )  # a watch that connects blocks; one that cannot, raises
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the event loop closed: the router stopped
+                return False
+            return not self._stopping.is_set()
+
+        while not self._stopping.is_set():
+            # optimistic: a watch that connects blocks until an event; one that cannot raises at once
+            self._watch_failing.discard(watch.name)
+            try:
                 for _ in watch.events(self.watch_timeout_s):
                     self.watch_events += 1
-                    loop.call_soon_threadsafe(wake.set)
-                    if self._stopping.is_set():
+                    if not woken():
                         return
             except Exception as e:
+                if self._stopping.is_set():
+                    return
                 if watch.name not in self._watch_failing:
                     log.warning(
                         "watching %s in %s failed (%s); listing every %gs",
@@ -165,8 +174,8 @@ class KubeSource:
                         self.interval_s,
                     )
                 self._watch_failing.add(watch.name)
-                with contextlib.suppress(RuntimeError):  # the loop closed: the router is stopping
-                    loop.call_soon_threadsafe(wake.set)
+                if not woken():
+                    return
                 self._stopping.wait(self.interval_s)
 
     async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None:
