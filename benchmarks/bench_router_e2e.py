@@ -13,8 +13,10 @@ scenario scales, `kvpilot autoscaler run` (reading the router's queue with --rou
 
 wake: a model at minReplicas 0; one streamed request through the router. Time to first token split
   into decision (request sent -> spec.replicas 0 -> 1), scheduling (-> the pod Running and its process
-  started: operator, Deployment, scheduler, kwok, local kubelet), runtime start and model load
-  (process start -> /ready) and the rest (the router sees the pod Ready, forwards, prefill).
+  started: operator, Deployment, scheduler, kwok, local kubelet), runtime start (process start -> its
+  "loading model" log line: Python imports, the HTTP server), model load (-> "model loaded; ready"),
+  the readiness probe (-> /ready answered 200, polled every 0.5 s) and the rest (the router sees the
+  pod Ready, forwards, prefill).
 burst: minReplicas 1, maxReplicas 2, maxNumSeqs 4, closed-loop clients for --seconds; once through the
   router (central queue: a pod takes requests up to maxNumSeqs, the rest wait in the router), once
   straight to the pods round-robin at send time (a Service: each request queues on the pod it hit).
@@ -200,6 +202,25 @@ class Replicas:
         self._thread.join(timeout=5)
 
 
+def runtime_phases(log_path: Path) -> tuple[float, float] | None:
+    """(time the runtime logged "loading model", time it logged "model loaded; ready"), from its log's
+    timestamps (local time, ms); None when either line is missing."""
+    marks: dict[str, float] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        for key, text in (
+            ("loading", "kvpilot.serve: loading model"),
+            ("loaded", "kvpilot.serve: model loaded"),
+        ):
+            if text in line and key not in marks:
+                stamp = line[:23]  # 2026-12-01 18:25:14,370
+                with contextlib.suppress(ValueError):
+                    t = time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:23]) / 1000
+                    marks[key] = t
+    if "loading" in marks and "loaded" in marks:
+        return marks["loading"], marks["loaded"]
+    return None
+
+
 async def one(url: str, max_tokens: int) -> RequestRecord:
     import aiohttp
 
@@ -236,6 +257,13 @@ def wake(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
                     ready_to_first_token_s=round(rec.first_token - p.ready_at, 2),
                     total_s=round((rec.done or rec.first_token) - rec.sent, 2),
                 )
+                phases = runtime_phases(p.log_path)
+                if phases is not None:  # the process's own split: start (imports, server), load, probe
+                    run.update(
+                        runtime_start_s=round(phases[0] - p.started_at, 2),
+                        model_load_s=round(phases[1] - phases[0], 2),
+                        readiness_probe_s=round(p.ready_at - phases[1], 2),
+                    )
             runs.append(run)
     return {"max_tokens": args.max_tokens, "runs": runs}
 
