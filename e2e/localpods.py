@@ -167,6 +167,12 @@ class LocalKubelet:
         with self._lock:
             return sorted(p.url for p in self.pods.values() if p.ready_at is not None and not p.terminating)
 
+    def ready_urls(self) -> dict[str, str]:
+        """{pod name: base URL} of the Ready processes of pods that still exist (pod networking for a
+        router that discovers pods by name through the API server)."""
+        with self._lock:
+            return {p.name: p.url for p in self.pods.values() if p.ready_at is not None and not p.terminating}
+
     def live(self) -> list[LocalPod]:
         with self._lock:
             return [p for p in self.pods.values() if p.exit_code is None]
