@@ -5,7 +5,7 @@ kvpilot autoscaler run [--kubeconfig F] [--namespace NS | --all-namespaces] [--i
                        [--health-port 8081] [--metrics-port 8080]
 kvpilot autoscaler simulate --trace FILE(.csv|.jsonl) --policy kvpilot|static|moving-average
                        [--calibration NAME|FILE] [--startup-s S] [--slo-ttft S] [--slo-tpot S]
-                       [--min-replicas N] [--max-replicas N] [--router round-robin|least-loaded]
+                       [--min-replicas N] [--max-replicas N] [--router round-robin|least-loaded|router:POLICY]
                        [--time-scale F] [--rate-scale R] [--startup-sweep] ...   (prints one JSON object)
 kvpilot autoscaler simulate --list-calibrations
 """
@@ -23,6 +23,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from kvpilot.autoscaler.sim_routing import ROUTER_POLICY_NAMES
 from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets, SloTargets
 from kvpilot.autoscaler.trace import TraceError, load_per_minute, load_trace, scale_trace
 
@@ -194,9 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--router",
-        choices=("round-robin", "least-loaded"),
+        choices=("round-robin", "least-loaded", *ROUTER_POLICY_NAMES),
         default="round-robin",
-        help="request-to-replica assignment (least-loaded holds requests in a central queue)",
+        help="request-to-replica assignment: round-robin (a plain Service), least-loaded (holds requests "
+        "in a central queue), or router:<policy>, the fleet router's own policy code",
     )
     sim.add_argument(
         "--time-scale", type=_positive_float("--time-scale"), default=1.0, help="stretch the trace's time"
