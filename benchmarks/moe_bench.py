@@ -10,6 +10,10 @@ Prints one JSON document: the machine, the configuration, and
   best of `--rounds` rounds run alternately (kvpilot, HF, kvpilot, ...) so that load from other
   work on a shared machine hits both; HF runs with each experts implementation it offers here
   (`eager` loop, `grouped_mm`) and the faster one is the baseline; the ratio kvpilot / HF.
+* `roofline`: the decode step's floor on this machine: bytes of weights one step must read (the
+  experts a batch of B sequences is expected to touch, E * (1 - (1 - k / E)^B) per layer, plus
+  attention, router and LM head; at the expert storage of each engine), over the copy bandwidth
+  measured here (read + write of a 512 MiB tensor, best of 5), and what a >= 3x ratio would need.
 * `moe_layer`: milliseconds of one MoE block at T tokens: kvpilot's grouped path (`moe_grouped`),
   a `torch._grouped_mm` variant of it, and transformers' experts forward.
 
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import cpu_probe, machine_info
+from gpu_bench import copy_bandwidth
 from workload import best_seconds
 
 OLMOE_1B_7B = dict(
@@ -207,6 +212,105 @@ def moe_layer_times(hf: Any, engine: Any, tokens: list[int], seconds: float) -> 
     return out
 
 
+def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Pure: how many distinct experts B sequences touch in one decode step, each choosing k of E
+    (uniform routing: a random-weight router is close to it)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def decode_step_bytes(
+    model: dict[str, Any],
+    layers: int,
+    batch: int,
+    context: int,
+    expert_bytes_per_weight: float,
+    dense_bytes_per_weight: float = 2.0,
+) -> dict[str, float]:
+    """Pure: bytes one decode step of `batch` sequences at `context` tokens reads, by part. Experts
+    at `expert_bytes_per_weight` (2 bf16, ~1.03 int8 per channel, ~0.56 int4 group 32 with float16
+    scale and min), attention and router at `dense_bytes_per_weight`, LM head and KV cache in bf16."""
+    h, inter, e, k = (
+        model["hidden_size"],
+        model["intermediate_size"],
+        model["num_experts"],
+        model["num_experts_per_tok"],
+    )
+    active = expected_active_experts(e, k, batch)
+    kv_width = h * model["num_key_value_heads"] // model["num_attention_heads"]
+    parts = {
+        "experts": layers * active * 3 * h * inter * expert_bytes_per_weight,
+        "attention": layers * (2 * h * h + 2 * h * kv_width) * dense_bytes_per_weight,
+        "router": layers * e * h * 2.0,
+        "lm_head": model["vocab_size"] * h * 2.0,
+        "kv_cache": layers * batch * context * 2 * kv_width * 2.0,
+    }
+    return parts | {"total": sum(parts.values()), "active_experts_per_layer": active}
+
+
+def step_flop(model: dict[str, Any], layers: int, tokens: int) -> float:
+    """Pure: matmul FLOP of one forward over `tokens` tokens (each through its k experts, attention
+    projections and the LM head; attention scores left out: small at these contexts)."""
+    h, inter, k = model["hidden_size"], model["intermediate_size"], model["num_experts_per_tok"]
+    kv_width = h * model["num_key_value_heads"] // model["num_attention_heads"]
+    per_token = layers * (k * 3 * h * inter + 2 * h * h + 2 * h * kv_width + model["num_experts"] * h)
+    return 2.0 * tokens * (per_token + model["vocab_size"] * h)
+
+
+def bf16_matmul_rate(rows: int, seconds: float = 1.0) -> float:
+    """FLOP/s of a bf16 [rows x 2048] @ [2048 x 2048] F.linear right now (the attention shape at the
+    batch; the experts' matmuls of ~4 rows each do worse)."""
+    x = torch.randn(rows, 2048).to(torch.bfloat16)
+    w = torch.randn(2048, 2048).to(torch.bfloat16)
+    return 2.0 * rows * 2048 * 2048 / best_seconds(partial(F.linear, x, w), seconds, 5)
+
+
+def roofline(
+    args: argparse.Namespace, bandwidth: float, hf_tok_s: float, quant_bytes: float | None
+) -> dict[str, Any]:
+    """The decode floor at bf16 experts (and at the quantized storage when --quantization is given)
+    against what transformers reached: how far 3x is from what bandwidth allows."""
+    context = args.prompt_len + args.new_tokens // 2  # mean context over the decode steps
+    out: dict[str, Any] = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "mean_context": context}
+    storages = {"bf16": 2.0} | ({args.quantization: quant_bytes} if quant_bytes else {})
+    for label, per_weight in storages.items():
+        dense = 2.0 if label == "bf16" else per_weight
+        parts = decode_step_bytes(OLMOE_1B_7B, args.layers, args.batch, context, per_weight, dense)
+        step_s = parts["total"] / bandwidth
+        ceiling = args.batch / step_s
+        out[f"experts_{label}"] = {
+            "bytes_per_step_mb": {
+                k: round(v / 1e6, 1) for k, v in parts.items() if k != "active_experts_per_layer"
+            },
+            "active_experts_per_layer": round(parts["active_experts_per_layer"], 1),
+            "floor_ms_per_step": round(1e3 * step_s, 1),
+            "ceiling_decode_tok_s": round(ceiling, 1),
+        }
+    bf16 = out["experts_bf16"]
+    rate = bf16_matmul_rate(args.batch)
+    decode_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch)
+    prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len)
+    out["compute"] = {
+        "bf16_matmul_gflop_s": round(rate / 1e9, 1),
+        "decode_step_gflop": round(decode_flop / 1e9, 1),
+        "decode_floor_ms_per_step": round(1e3 * decode_flop / rate, 1),
+        "prefill_gflop": round(prefill_flop / 1e9, 1),
+        "prefill_floor_s": round(prefill_flop / rate, 2),
+        # the whole generate: one prefill (compute bound) + new_tokens - 1 decode steps, each at the
+        # larger of its byte and FLOP floors
+        "generate_floor_s": round(
+            prefill_flop / rate
+            + (args.new_tokens - 1) * max(decode_flop / rate, bf16["floor_ms_per_step"] / 1e3),
+            2,
+        ),
+    }
+    # transformers' generate rate (prefill included: a lower bound on its decode rate)
+    out["hf_tok_s_fraction_of_bf16_ceiling"] = round(hf_tok_s / bf16["ceiling_decode_tok_s"], 3)
+    out["max_ratio_vs_hf_at_bf16"] = round(bf16["ceiling_decode_tok_s"] / hf_tok_s, 2)
+    need = 3 * hf_tok_s  # tok/s a 3x needs -> bytes per step the step may read at the measured bandwidth
+    out["bytes_per_step_for_3x_mb"] = round(args.batch / need * bandwidth / 1e6, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -268,6 +372,11 @@ def main() -> None:
         "first_token_agreement_vs_hf": agree(tokens["kvpilot"], tokens[hf_best]),
         "cpu_probe_gflops": probes,
     }
+    hf_tok_s = useful / best[hf_best]
+    quant_bytes = None
+    record["roofline"] = roofline(
+        args, copy_bandwidth(torch.device("cpu"), 512 * 2**20), hf_tok_s, quant_bytes
+    )
     if args.layer_tokens:
         record["moe_layer"] = moe_layer_times(
             hf, engine, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
