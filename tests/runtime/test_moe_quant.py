@@ -7,11 +7,14 @@
   experts quantized and the 16/32-bit stacks freed; logits through prefill + paged decode equal to a
   float32 model holding the dequantized weights; the deficit against the unquantized model measured
   as the dense path's tests measure it (max |logit diff| / max |logit|), int8's greedy first token kept.
+- Under tensor parallelism (each rank quantizes its half of every expert) and expert parallelism
+  (whole experts per rank): the same greedy tokens and logits as tp=1 with int8 experts.
 - A width that cannot take the int4 group is refused naming the flag, before anything changes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +23,14 @@ import torch
 
 from kvpilot.kernels import qlinear
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models.moe import FusedMoE, dequantize_experts, moe_grouped, moe_reference, route
 from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_model
+from kvpilot.runtime.tp_runner import TPModelRunner
 from tests.runtime.test_model_parity import PagedKV, rel_diff
 from tests.runtime.test_moe import FAMILIES, TINY_VOCAB, make_tiny_moe_dir
+from tests.runtime.test_tensor_parallel import engine_config, run, start, tiny_prompts  # noqa: F401
 
 METHODS = [("int8", 0), ("int4", 32)]
 
@@ -184,3 +190,35 @@ def test_an_expert_width_that_cannot_take_the_group_is_refused(tiny_dirs: dict[s
         ValueError, match=r"--quantization int4: layer .*shared_expert.down_proj: in_features 48"
     ):
         quantize_model(qwen.model, "int4", 32)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_quantized_experts_under_tensor_and_expert_parallelism(
+    tiny_dirs: dict[str, Path],
+    ep: bool,
+    start: Callable[..., LLMEngine],  # noqa: F811
+) -> None:
+    """Each rank quantizes what it holds: whole experts (EP) or half of each expert's width (tp). The
+    row-parallel linears (o_proj; tp: the experts' w2) then have per-channel scales over half of the
+    columns, so the logits are close to tp=1's (within int8's own error), not equal."""
+    settings = {"block_size": 8, "max_num_batched_tokens": 32, "quantization": "int8"}
+    one = start(engine_config(str(tiny_dirs["mixtral"]), 1, **settings))
+    assert one.runner.model.model.layers[0].mlp.experts.q13 is not None
+    ref = run(one, tiny_prompts(), max_tokens=8)
+    one.runner.close()
+    two = start(engine_config(str(tiny_dirs["mixtral"]), 2, enable_expert_parallel=ep, **settings))
+    assert isinstance(two.runner, TPModelRunner)
+    experts = two.runner.shard.model.layers[0].mlp.experts
+    assert experts.q13 is not None and experts.w13 is None
+    ours = run(two, tiny_prompts(), max_tokens=8)
+    two.runner.close()
+    worst = 0.0
+    for a, b in zip(ours, ref, strict=True):
+        assert a.tokens[0] == b.tokens[0]
+        same = next(
+            (j for j, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)) if x != y), len(a.tokens)
+        )
+        for mine, theirs in zip(a.logits[: same + 1], b.logits[: same + 1], strict=True):
+            worst = max(worst, float((mine - theirs).abs().max() / theirs.abs().max()))
+    assert 0 < worst < 0.03
+    print(f"\nint8 experts, tp=2{' EP' if ep else ''}: worst logit difference vs tp=1 {worst:.2g}")
