@@ -8,17 +8,22 @@ prompts and the same number of new tokens; greedy, EOS ignored.
 Prints one JSON document: the machine, the configuration, and
 * `generate`: output tokens/s of each engine for the whole batch (prefill + decode, wall clock),
   best of `--rounds` rounds run alternately (kvpilot, HF, kvpilot, ...) so that load from other
-  work on a shared machine hits both; HF runs with each experts implementation it offers here
-  (`eager` loop, `grouped_mm`) and the faster one is the baseline; the ratio kvpilot / HF.
+  work on a shared machine hits both; one kvpilot engine per `--quantization` storage (none, int8,
+  int4: experts and linear layers quantized as the runtime's flag does; transformers stays in
+  --dtype, so those ratios compare different precisions), with `quantization_quality` saying what
+  the quantization cost in log-probability; `--split`: decode tok/s apart from the prefill. HF
+  runs with each experts implementation it offers here (`eager` loop, `grouped_mm`) and the faster
+  one is the baseline; the ratio kvpilot / HF.
 * `roofline`: the decode step's floor on this machine: bytes of weights one step must read (the
   experts a batch of B sequences is expected to touch, E * (1 - (1 - k / E)^B) per layer, plus
   attention, router and LM head; at the expert storage of each engine), over the copy bandwidth
   measured here (read + write of a 512 MiB tensor, best of 5), and what a >= 3x ratio would need.
-* `moe_layer`: milliseconds of one MoE block at T tokens: kvpilot's grouped path (`moe_grouped`),
-  a `torch._grouped_mm` variant of it, and transformers' experts forward.
+* `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
+  (`moe_grouped`, quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
 
 Usage:
     python benchmarks/moe_bench.py                        # 2 layers, batch 32
+    python benchmarks/moe_bench.py --layers 1 --quantization none,int8,int4 --split   # quantized experts
     python benchmarks/moe_bench.py --layers 1 --batch 8 --new-tokens 8 --rounds 1   # smoke run
 """
 
@@ -160,16 +165,18 @@ def run_hf(hf: Any, prompts: list[list[int]], new: int) -> tuple[float, list[lis
     return dt, out[:, ids.shape[1] :].tolist()
 
 
-def moe_layer_times(hf: Any, engine: Any, tokens: list[int], seconds: float) -> dict[str, Any]:
-    """ms per MoE block forward (router excluded: same for all) at T tokens, first layer's weights."""
-    from kvpilot.runtime.models.moe import moe_grouped, route
+def moe_layer_times(hf: Any, engines: dict[str, Any], tokens: list[int], seconds: float) -> dict[str, Any]:
+    """ms per MoE block forward (router excluded: same for all) at T tokens, first layer's weights:
+    each kvpilot engine's experts (`FusedMoE.forward`: `moe_grouped`, quantized or not), a
+    `torch._grouped_mm` variant of the unquantized one, and transformers' experts forward."""
+    from kvpilot.runtime.models.moe import route
 
-    block = engine.runner.model.model.layers[0].mlp
-    experts = block.experts
-    w13t = experts.w13.transpose(1, 2).contiguous()
-    w2t = experts.w2.transpose(1, 2).contiguous()
+    blocks = {name: e.runner.model.model.layers[0].mlp for name, e in engines.items()}
     hf_experts = hf.model.layers[0].mlp.experts
-    k = block.top_k
+    router = hf.model.layers[0].mlp.gate
+    k = hf.config.num_experts_per_tok
+    w13t = hf_experts.gate_up_proj.transpose(1, 2).contiguous()  # [E, H, 2I]
+    w2t = hf_experts.down_proj.transpose(1, 2).contiguous()  # [E, I, H]
 
     def grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, flat = x.shape[0], ids.reshape(-1)
@@ -185,17 +192,15 @@ def moe_layer_times(hf: Any, engine: Any, tokens: list[int], seconds: float) -> 
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
     for t in tokens:
-        x = (torch.randn(t, experts.w13.shape[2], generator=g) * 0.5).to(experts.w13.dtype)
-        weights, ids = route(block.gate(x), k, block.renormalize)
-        ref = moe_grouped(x, experts.w13, experts.w2, weights, ids)
-        row: dict[str, Any] = {
-            "kvpilot_grouped_ms": round(
-                1e3
-                * best_seconds(partial(moe_grouped, x, experts.w13, experts.w2, weights, ids), seconds, 3),
-                1,
-            ),
-        }
+        x = (torch.randn(t, w13t.shape[1], generator=g) * 0.5).to(w13t.dtype)
+        weights, ids = route(F.linear(x, router.weight), k, hf.config.norm_topk_prob)
+        row: dict[str, Any] = {}
+        for name, block in blocks.items():
+            fn = partial(block.experts, x, weights, ids)
+            row[f"{name}_ms"] = round(1e3 * best_seconds(fn, seconds, 3), 1)
         try:
+            with torch.inference_mode():
+                ref = hf_experts(x, ids, weights.to(x.dtype))
             torch.testing.assert_close(grouped_mm(x, weights, ids), ref, rtol=2e-2, atol=2e-2)
             row["torch_grouped_mm_ms"] = round(
                 1e3 * best_seconds(partial(grouped_mm, x, weights, ids), seconds, 3), 1
@@ -265,13 +270,13 @@ def bf16_matmul_rate(rows: int, seconds: float = 1.0) -> float:
 
 
 def roofline(
-    args: argparse.Namespace, bandwidth: float, hf_tok_s: float, quant_bytes: float | None
+    args: argparse.Namespace, bandwidth: float, hf_tok_s: float, quant_bytes: dict[str, float]
 ) -> dict[str, Any]:
     """The decode floor at bf16 experts (and at the quantized storage when --quantization is given)
     against what transformers reached: how far 3x is from what bandwidth allows."""
     context = args.prompt_len + args.new_tokens // 2  # mean context over the decode steps
     out: dict[str, Any] = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "mean_context": context}
-    storages = {"bf16": 2.0} | ({args.quantization: quant_bytes} if quant_bytes else {})
+    storages = {"bf16": 2.0} | quant_bytes
     for label, per_weight in storages.items():
         dense = 2.0 if label == "bf16" else per_weight
         parts = decode_step_bytes(OLMOE_1B_7B, args.layers, args.batch, context, per_weight, dense)
@@ -311,6 +316,39 @@ def roofline(
     return out
 
 
+BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0 + 2 / 1024}  # int8: a float16 scale per row of >= 1024
+
+
+def bytes_per_weight(method: str, group: int) -> float:
+    """Pure: stored bytes per expert weight (int4: half a byte + a float16 scale and min per group)."""
+    return 0.5 + 4 / group if method == "int4" else BYTES_PER_WEIGHT[method]
+
+
+def quantize_engine(engine: Any, method: str, group: int, sequences: list[list[int]]) -> dict[str, Any]:
+    """Quantize the engine's model in place (experts and the linear layers, as --quantization does)
+    and measure what it costs: the log-probability the model gives `sequences` before and after."""
+    from kvpilot.runtime.quantization import quantize_model
+
+    before = [engine.score(s) for s in sequences]
+    report = quantize_model(engine.runner.model, method, group)
+    after = [engine.score(s) for s in sequences]
+    nll_b = -float(torch.cat(before).mean())
+    nll_a = -float(torch.cat(after).mean())
+    return {
+        "weights_mb": {
+            "before": round(report.bytes_before / 1e6, 1),
+            "after": round(report.bytes_after / 1e6, 1),
+        },
+        "expert_layers": report.expert_layers,
+        "nll_per_token_bf16": round(nll_b, 4),
+        "nll_per_token_quantized": round(nll_a, 4),
+        "perplexity_ratio": round(float(torch.exp(torch.tensor(nll_a - nll_b))), 4),
+        "max_abs_logprob_diff": round(
+            max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True)), 4
+        ),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -319,6 +357,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="comma list of kvpilot weight storages to run, one engine each: none (the dtype), int8 "
+        "(per channel), int4 (--quantization-group-size); experts and linear layers, as the runtime's "
+        "--quantization; transformers always runs in --dtype",
+    )
+    ap.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128], default=32)
+    ap.add_argument(
+        "--split", action="store_true", help="also time a 1-token generate per engine: decode tok/s apart"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-gib", type=float, default=0.5)
@@ -328,32 +377,58 @@ def main() -> None:
     ap.add_argument("--layer-seconds", type=float, default=1.5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("none", "int8", "int4")]
+    if bad or not methods:
+        ap.error(f"--quantization: expected a comma list of none, int8, int4; got {args.quantization!r}")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
     record: dict[str, Any] = {"machine": machine_info(), "config": vars(args) | {"model": OLMOE_1B_7B}}
     t0 = time.perf_counter()
     hf = build_hf(args.layers, dtype, args.seed)
-    engine = build_kvpilot(hf, dtype, args)
-    record["build_s"] = round(time.perf_counter() - t0, 1)
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(3, OLMOE_1B_7B["vocab_size"], (args.batch, args.prompt_len), generator=g).tolist()
     useful = args.batch * args.new_tokens
+    # what quantization costs, measured on two of the prompts continued by transformers' greedy tokens
+    _, hf_cont = run_hf(hf, prompts[:2], args.new_tokens)
+    scored = [p + c for p, c in zip(prompts[:2], hf_cont, strict=True)]
+    engines: dict[str, Any] = {}
+    quality: dict[str, Any] = {}
+    for m in methods:
+        name = "kvpilot" if m == "none" else f"kvpilot_{m}"
+        engines[name] = build_kvpilot(hf, dtype, args)
+        if m != "none":
+            quality[name] = quantize_engine(engines[name], m, args.quantization_group_size, scored)
+    record["build_s"] = round(time.perf_counter() - t0, 1)
+    if quality:
+        record["quantization_quality"] = quality | {
+            "note": "log-probabilities of 2 prompts + transformers' greedy continuation, the engine "
+            f"before (--dtype {args.dtype}) and after quantizing; random weights: near-uniform "
+            "next-token distributions, so the deficit is small in absolute terms"
+        }
 
     # warm-up (one short request each)
-    run_kvpilot(engine, prompts[:2], 2)
+    for engine in engines.values():
+        run_kvpilot(engine, prompts[:2], 2)
     run_hf(hf, prompts[:2], 2)
-    times: dict[str, list[float]] = {"kvpilot": [], "hf_eager": [], "hf_grouped_mm": []}
+    names = [*engines, "hf_eager", "hf_grouped_mm"]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    prefill: dict[str, list[float]] = {k: [] for k in names}
     tokens: dict[str, list[list[int]]] = {}
     probes: list[float] = []
     for _ in range(args.rounds):
         probes.append(cpu_probe())
-        dt, tokens["kvpilot"] = run_kvpilot(engine, prompts, args.new_tokens)
-        times["kvpilot"].append(dt)
-        for impl in ("eager", "grouped_mm"):
-            hf.set_experts_implementation(impl)
-            dt, tokens[f"hf_{impl}"] = run_hf(hf, prompts, args.new_tokens)
-            times[f"hf_{impl}"].append(dt)
+        for name in names:
+            if name.startswith("hf_"):
+                hf.set_experts_implementation(name.removeprefix("hf_"))
+                fn = partial(run_hf, hf, prompts)
+            else:
+                fn = partial(run_kvpilot, engines[name], prompts)
+            if args.split:
+                prefill[name].append(fn(1)[0])
+            dt, tokens[name] = fn(args.new_tokens)
+            times[name].append(dt)
     best = {k: min(v) for k, v in times.items()}
     hf_best = min(("hf_eager", "hf_grouped_mm"), key=lambda k: best[k])
 
@@ -365,21 +440,26 @@ def main() -> None:
         "wall_s": {k: [round(x, 2) for x in v] for k, v in times.items()},
         "output_tok_per_s": {k: round(useful / v, 1) for k, v in best.items()},
         "hf_baseline": hf_best,
-        "kvpilot_vs_hf": round(best[hf_best] / best["kvpilot"], 2),
+        "vs_hf": {k: round(best[hf_best] / best[k], 2) for k in engines},
         "goal": ">= 3x at batch 32",
         # bf16 random weights: near-tied logits can pick different tokens; the first token of each
         # sequence comes from the same prompt in both engines
-        "first_token_agreement_vs_hf": agree(tokens["kvpilot"], tokens[hf_best]),
+        "first_token_agreement_vs_hf": {k: agree(tokens[k], tokens[hf_best]) for k in engines},
         "cpu_probe_gflops": probes,
     }
+    if args.split:
+        # decode alone: (whole generate - a 1-token generate) over the new_tokens - 1 later steps;
+        # best of each over the rounds
+        decode = {k: args.batch * (args.new_tokens - 1) / max(best[k] - min(prefill[k]), 1e-9) for k in names}
+        record["generate"]["prefill_s"] = {k: [round(x, 2) for x in v] for k, v in prefill.items()}
+        record["generate"]["decode_tok_per_s"] = {k: round(v, 1) for k, v in decode.items()}
+        record["generate"]["decode_vs_hf"] = {k: round(decode[k] / decode[hf_best], 2) for k in engines}
     hf_tok_s = useful / best[hf_best]
-    quant_bytes = None
-    record["roofline"] = roofline(
-        args, copy_bandwidth(torch.device("cpu"), 512 * 2**20), hf_tok_s, quant_bytes
-    )
+    quant = {m: bytes_per_weight(m, args.quantization_group_size) for m in methods if m != "none"}
+    record["roofline"] = roofline(args, copy_bandwidth(torch.device("cpu"), 512 * 2**20), hf_tok_s, quant)
     if args.layer_tokens:
         record["moe_layer"] = moe_layer_times(
-            hf, engine, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
+            hf, engines, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
         )
     record["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(record, indent=2))
