@@ -18,6 +18,9 @@ Prints one JSON document: the machine, the configuration, and
   experts a batch of B sequences is expected to touch, E * (1 - (1 - k / E)^B) per layer, plus
   attention, router and LM head; at the expert storage of each engine), over the copy bandwidth
   measured here (read + write of a 512 MiB tensor, best of 5), and what a >= 3x ratio would need.
+* `--backend-layer` (alone): one Mixtral-shaped MoE layer on each backend the device has
+  (`grouped` loop, torch `grouped_mm`, the Triton grouped GEMM), checked against the reference,
+  ms per call and expert-weight GB/s (scripts/gpu_check.sh).
 * `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
   (`moe_grouped`, quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
 
@@ -25,6 +28,8 @@ Usage:
     python benchmarks/moe_bench.py                        # 2 layers, batch 32
     python benchmarks/moe_bench.py --layers 1 --quantization none,int8,int4 --split   # quantized experts
     python benchmarks/moe_bench.py --layers 1 --batch 8 --new-tokens 8 --rounds 1   # smoke run
+    python benchmarks/moe_bench.py --backend-layer --device cuda --out moe_backends.json   # GPU
+    TRITON_INTERPRET=1 python benchmarks/moe_bench.py --backend-layer --tiny   # its CPU smoke run
 """
 
 from __future__ import annotations
@@ -316,6 +321,64 @@ def roofline(
     return out
 
 
+MIXTRAL_LAYER = dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)
+TINY_LAYER = dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=96)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def backend_layer_times(
+    device: torch.device, dtype: torch.dtype, shape: dict[str, int], tokens: list[int], repeats: int
+) -> dict[str, Any]:
+    """One MoE layer (`FusedMoE`, random weights) on each backend that runs on `device`: checked
+    against `moe_reference` (max error relative to its largest output), then ms per call (best of
+    `repeats`, synchronized) and the GB/s of expert weights that implies (the experts a batch
+    touches, each read once). `grouped_mm` needs bfloat16 on CUDA; `triton` a GPU, or the
+    interpreter (TRITON_INTERPRET=1) on the CPU."""
+    from kvpilot.kernels import triton_moe
+    from kvpilot.runtime.models.moe import FusedMoE, moe_reference, route
+
+    e, k, h, inter = shape["num_experts"], shape["top_k"], shape["hidden_size"], shape["intermediate_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.device(device):  # the empty parameters straight on the device
+        layer = FusedMoE(e, h, inter)
+    layer.w13.data = (torch.randn(e, 2 * inter, h, generator=g, device=device) / h**0.5).to(dtype)
+    layer.w2.data = (torch.randn(e, h, inter, generator=g, device=device) / inter**0.5).to(dtype)
+    backends = ["grouped"]
+    if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        backends.append("grouped_mm")
+    if triton_moe.available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        backends.append("triton")
+    out: dict[str, Any] = {"shape": shape, "dtype": str(dtype), "backends": backends}
+    for t in tokens:
+        x = torch.randn(t, h, generator=g, device=device).to(dtype)
+        weights, ids = route(torch.randn(t, e, generator=g, device=device), k, renormalize=True)
+        ref = moe_reference(x.float(), layer.w13.float(), layer.w2.float(), weights, ids)
+        active = int(torch.unique(ids).numel())
+        expert_bytes = active * 3 * h * inter * layer.w13.element_size()
+        row: dict[str, Any] = {"active_experts": active}
+        for name in backends:
+            layer.backend = name
+            got = layer(x, weights, ids).float()
+            best = float("inf")
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                layer(x, weights, ids)
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+            row[name] = {
+                "max_rel_err": round(float((got - ref).abs().max() / ref.abs().max()), 5),
+                "ms": round(1e3 * best, 3),
+                "expert_gb_s": round(expert_bytes / best / 1e9, 1),
+            }
+        out[f"T={t}"] = row
+    return out
+
+
 BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0 + 2 / 1024}  # int8: a float16 scale per row of >= 1024
 
 
@@ -376,7 +439,36 @@ def main() -> None:
     )
     ap.add_argument("--layer-seconds", type=float, default=1.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--backend-layer",
+        action="store_true",
+        help="only time one MoE layer on each backend (Mixtral's layer shape; --tiny: a toy one) "
+        "on --device, checked against the reference; scripts/gpu_check.sh runs it on CUDA",
+    )
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="for --backend-layer")
+    ap.add_argument("--tiny", action="store_true", help="for --backend-layer: a toy layer shape")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args()
+    if args.backend_layer:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device")
+        torch.set_num_threads(args.threads)
+        shape = TINY_LAYER if args.tiny else MIXTRAL_LAYER
+        result = {"machine": machine_info()} | backend_layer_times(
+            device,
+            getattr(torch, args.dtype),
+            shape,
+            [1, 32] if args.tiny else [1, 32, 128, 512],
+            1 if args.tiny else 20,
+        )
+        if device.type == "cuda":
+            result["gpu"] = torch.cuda.get_device_name(device)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
+        return
     methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
     bad = [m for m in methods if m not in ("none", "int8", "int4")]
     if bad or not methods:

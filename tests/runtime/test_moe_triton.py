@@ -7,12 +7,17 @@ the same tests run on CUDA tensors. Shapes stay tiny so the interpreter is quick
   one token up to more than a tile of rows per expert, an expert that gets no token;
 - expert parallelism: each "rank's" partial over its experts, summing to the whole;
 - a tiny random-weight OLMoE with every MoE layer on the Triton path against transformers;
-- `moe_backend_name`, the choice the layer makes per input.
+- `moe_backend_name`, the choice the layer makes per input;
+- benchmarks/moe_bench.py --backend-layer (what scripts/gpu_check.sh runs on CUDA), on a toy layer.
 Triton missing: skipped locally, a failure under CI (tests/needs.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +145,24 @@ def test_backend_choice() -> None:
     layer.quantize("int8", 0)
     with pytest.raises(ValueError, match="quantized experts run on the 'grouped' backend"):
         layer.backend_for(torch.zeros(1, 32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; gpu_check.sh runs the real one")
+def test_backend_layer_benchmark_smoke_run(tmp_path: Path) -> None:
+    out = tmp_path / "moe_backends.json"
+    root = Path(__file__).resolve().parents[2]
+    args = ["--backend-layer", "--tiny", "--threads", "1", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "moe_bench.py"), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["backends"] == ["grouped", "triton"]  # CPU: no grouped_mm (it needs CUDA)
+    for t in ("T=1", "T=32"):
+        for name in result["backends"]:
+            cell = result[t][name]
+            assert cell["max_rel_err"] < 3e-2 and cell["ms"] > 0, (t, name, cell)
