@@ -17,7 +17,9 @@ Prints one JSON document: the machine, the configuration, and
 * `roofline`: the decode step's floor on this machine: bytes of weights one step must read (the
   experts a batch of B sequences is expected to touch, E * (1 - (1 - k / E)^B) per layer, plus
   attention, router and LM head; at the expert storage of each engine), over the copy bandwidth
-  measured here (read + write of a 512 MiB tensor, best of 5), and what a >= 3x ratio would need.
+  measured here (read + write of a 512 MiB tensor, best of 5), and what a >= 3x ratio would need;
+  `compute`: the step's FLOPs over a bf16 matmul rate probed once (an estimate, not a floor: the
+  probe's small shape under-reads what the engines get, see docs/benchmarks.md).
 * `--backend-layer` (alone): one Mixtral-shaped MoE layer on each backend the device has
   (`grouped` loop, torch `grouped_mm`, the Triton grouped GEMM), checked against the reference,
   ms per call and expert-weight GB/s (scripts/gpu_check.sh).
