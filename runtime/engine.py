@@ -53,17 +53,17 @@ class EngineDeadError(Exception):
 
 @dataclass
 class RequestMetrics:
+    """Engine-side timing the server turns into the queue-time metric (the rest it measures itself)."""
+
     arrival_time: float
     first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float | None
 
 
 @dataclass
 class CompletionOutput:
-    index: int
-    token_ids: list[int]  # all generated ids so far
-    new_token_ids: list[int]  # ids produced since the previous RequestOutput
+    """What one request (one sequence: one choice) produced since its previous RequestOutput."""
+
+    new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None  # for the new tokens only
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
@@ -73,7 +73,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    output: CompletionOutput
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
@@ -371,7 +371,6 @@ class LLMEngine:
                         break
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                seq.last_token_time = now
                 if finished:
                     self.scheduler.finish(seq)
                 elif s.num_spec_tokens:
@@ -468,15 +467,10 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(out_ids), new, lps, seq.finish_reason, seq.stop_reason)],
+            output=CompletionOutput(new, lps, seq.finish_reason, seq.stop_reason),
             finished=finished,
             num_cached_tokens=seq.num_cached_tokens,
-            metrics=RequestMetrics(
-                seq.arrival_time,
-                seq.first_scheduled_time,
-                seq.first_token_time,
-                time.monotonic() if finished else None,
-            ),
+            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time),
         )
 
     def stats(self) -> EngineStats:
@@ -735,13 +729,9 @@ class AsyncEngine:
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    ca, cb = a.outputs[0], b.outputs[0]
+    ca, cb = a.output, b.output
     lps = None
     if ca.logprobs is not None or cb.logprobs is not None:
         lps = (ca.logprobs or []) + (cb.logprobs or [])
-    merged = CompletionOutput(
-        ca.index, cb.token_ids, ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason
-    )
-    return RequestOutput(
-        b.request_id, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics
-    )
+    merged = CompletionOutput(ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason)
+    return RequestOutput(b.request_id, b.prompt_token_ids, merged, b.finished, b.num_cached_tokens, b.metrics)
