@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runtime import cpu_probe, machine_info
 from gpu_bench import copy_bandwidth
+from runtime_harness import cpu_probe, machine_info
 from workload import best_seconds
 
 OLMOE_1B_7B = dict(
