@@ -8,14 +8,30 @@ prompts and the same number of new tokens; greedy, EOS ignored.
 Prints one JSON document: the machine, the configuration, and
 * `generate`: output tokens/s of each engine for the whole batch (prefill + decode, wall clock),
   best of `--rounds` rounds run alternately (kvpilot, HF, kvpilot, ...) so that load from other
-  work on a shared machine hits both; HF runs with each experts implementation it offers here
-  (`eager` loop, `grouped_mm`) and the faster one is the baseline; the ratio kvpilot / HF.
-* `moe_layer`: milliseconds of one MoE block at T tokens: kvpilot's grouped path (`moe_grouped`),
-  a `torch._grouped_mm` variant of it, and transformers' experts forward.
+  work on a shared machine hits both; one kvpilot engine per `--quantization` storage (none, int8,
+  int4: experts and linear layers quantized as the runtime's flag does; transformers stays in
+  --dtype, so those ratios compare different precisions), with `quantization_quality` saying what
+  the quantization cost in log-probability; `--split`: decode tok/s apart from the prefill. HF
+  runs with each experts implementation it offers here (`eager` loop, `grouped_mm`) and the faster
+  one is the baseline; the ratio kvpilot / HF.
+* `roofline`: the decode step's floor on this machine: bytes of weights one step must read (the
+  experts a batch of B sequences is expected to touch, E * (1 - (1 - k / E)^B) per layer, plus
+  attention, router and LM head; at the expert storage of each engine), over the copy bandwidth
+  measured here (read + write of a 512 MiB tensor, best of 5), and what a >= 3x ratio would need;
+  `compute`: the step's FLOPs over a bf16 matmul rate probed once (an estimate, not a floor: the
+  probe's small shape under-reads what the engines get, see docs/benchmarks.md).
+* `--backend-layer` (alone): one Mixtral-shaped MoE layer on each backend the device has
+  (`grouped` loop, torch `grouped_mm`, the Triton grouped GEMM), checked against the reference,
+  ms per call and expert-weight GB/s (scripts/gpu_check.sh).
+* `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
+  (`moe_grouped`, quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
 
 Usage:
     python benchmarks/moe_bench.py                        # 2 layers, batch 32
+    python benchmarks/moe_bench.py --layers 1 --quantization none,int8,int4 --split   # quantized experts
     python benchmarks/moe_bench.py --layers 1 --batch 8 --new-tokens 8 --rounds 1   # smoke run
+    python benchmarks/moe_bench.py --backend-layer --device cuda --out moe_backends.json   # GPU
+    TRITON_INTERPRET=1 python benchmarks/moe_bench.py --backend-layer --tiny   # its CPU smoke run
 """
 
 from __future__ import annotations
@@ -38,7 +54,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runtime import cpu_probe, machine_info
+from gpu_bench import copy_bandwidth
+from runtime_harness import cpu_probe, machine_info
 from workload import best_seconds
 
 OLMOE_1B_7B = dict(
@@ -155,16 +172,18 @@ def run_hf(hf: Any, prompts: list[list[int]], new: int) -> tuple[float, list[lis
     return dt, out[:, ids.shape[1] :].tolist()
 
 
-def moe_layer_times(hf: Any, engine: Any, tokens: list[int], seconds: float) -> dict[str, Any]:
-    """ms per MoE block forward (router excluded: same for all) at T tokens, first layer's weights."""
-    from kvpilot.runtime.models.moe import moe_grouped, route
+def moe_layer_times(hf: Any, engines: dict[str, Any], tokens: list[int], seconds: float) -> dict[str, Any]:
+    """ms per MoE block forward (router excluded: same for all) at T tokens, first layer's weights:
+    each kvpilot engine's experts (`FusedMoE.forward`: `moe_grouped`, quantized or not), a
+    `torch._grouped_mm` variant of the unquantized one, and transformers' experts forward."""
+    from kvpilot.runtime.models.moe import route
 
-    block = engine.runner.model.model.layers[0].mlp
-    experts = block.experts
-    w13t = experts.w13.transpose(1, 2).contiguous()
-    w2t = experts.w2.transpose(1, 2).contiguous()
+    blocks = {name: e.runner.model.model.layers[0].mlp for name, e in engines.items()}
     hf_experts = hf.model.layers[0].mlp.experts
-    k = block.top_k
+    router = hf.model.layers[0].mlp.gate
+    k = hf.config.num_experts_per_tok
+    w13t = hf_experts.gate_up_proj.transpose(1, 2).contiguous()  # [E, H, 2I]
+    w2t = hf_experts.down_proj.transpose(1, 2).contiguous()  # [E, I, H]
 
     def grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, flat = x.shape[0], ids.reshape(-1)
@@ -180,17 +199,15 @@ def moe_layer_times(hf: Any, engine: Any, tokens: list[int], seconds: float) -> 
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
     for t in tokens:
-        x = (torch.randn(t, experts.w13.shape[2], generator=g) * 0.5).to(experts.w13.dtype)
-        weights, ids = route(block.gate(x), k, block.renormalize)
-        ref = moe_grouped(x, experts.w13, experts.w2, weights, ids)
-        row: dict[str, Any] = {
-            "kvpilot_grouped_ms": round(
-                1e3
-                * best_seconds(partial(moe_grouped, x, experts.w13, experts.w2, weights, ids), seconds, 3),
-                1,
-            ),
-        }
+        x = (torch.randn(t, w13t.shape[1], generator=g) * 0.5).to(w13t.dtype)
+        weights, ids = route(F.linear(x, router.weight), k, hf.config.norm_topk_prob)
+        row: dict[str, Any] = {}
+        for name, block in blocks.items():
+            fn = partial(block.experts, x, weights, ids)
+            row[f"{name}_ms"] = round(1e3 * best_seconds(fn, seconds, 3), 1)
         try:
+            with torch.inference_mode():
+                ref = hf_experts(x, ids, weights.to(x.dtype))
             torch.testing.assert_close(grouped_mm(x, weights, ids), ref, rtol=2e-2, atol=2e-2)
             row["torch_grouped_mm_ms"] = round(
                 1e3 * best_seconds(partial(grouped_mm, x, weights, ids), seconds, 3), 1
@@ -207,6 +224,196 @@ def moe_layer_times(hf: Any, engine: Any, tokens: list[int], seconds: float) -> 
     return out
 
 
+def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Pure: how many distinct experts B sequences touch in one decode step, each choosing k of E
+    (uniform routing: a random-weight router is close to it)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def decode_step_bytes(
+    model: dict[str, Any],
+    layers: int,
+    batch: int,
+    context: int,
+    expert_bytes_per_weight: float,
+    dense_bytes_per_weight: float = 2.0,
+) -> dict[str, float]:
+    """Pure: bytes one decode step of `batch` sequences at `context` tokens reads, by part. Experts
+    at `expert_bytes_per_weight` (2 bf16, ~1.03 int8 per channel, ~0.56 int4 group 32 with float16
+    scale and min), attention and router at `dense_bytes_per_weight`, LM head and KV cache in bf16."""
+    h, inter, e, k = (
+        model["hidden_size"],
+        model["intermediate_size"],
+        model["num_experts"],
+        model["num_experts_per_tok"],
+    )
+    active = expected_active_experts(e, k, batch)
+    kv_width = h * model["num_key_value_heads"] // model["num_attention_heads"]
+    parts = {
+        "experts": layers * active * 3 * h * inter * expert_bytes_per_weight,
+        "attention": layers * (2 * h * h + 2 * h * kv_width) * dense_bytes_per_weight,
+        "router": layers * e * h * 2.0,
+        "lm_head": model["vocab_size"] * h * 2.0,
+        "kv_cache": layers * batch * context * 2 * kv_width * 2.0,
+    }
+    return parts | {"total": sum(parts.values()), "active_experts_per_layer": active}
+
+
+def step_flop(model: dict[str, Any], layers: int, tokens: int) -> float:
+    """Pure: matmul FLOP of one forward over `tokens` tokens (each through its k experts, attention
+    projections and the LM head; attention scores left out: small at these contexts)."""
+    h, inter, k = model["hidden_size"], model["intermediate_size"], model["num_experts_per_tok"]
+    kv_width = h * model["num_key_value_heads"] // model["num_attention_heads"]
+    per_token = layers * (k * 3 * h * inter + 2 * h * h + 2 * h * kv_width + model["num_experts"] * h)
+    return 2.0 * tokens * (per_token + model["vocab_size"] * h)
+
+
+def bf16_matmul_rate(rows: int, seconds: float = 1.0) -> float:
+    """FLOP/s of a bf16 [rows x 2048] @ [2048 x 2048] F.linear right now (the attention shape at the
+    batch; the experts' matmuls of ~4 rows each do worse)."""
+    x = torch.randn(rows, 2048).to(torch.bfloat16)
+    w = torch.randn(2048, 2048).to(torch.bfloat16)
+    return 2.0 * rows * 2048 * 2048 / best_seconds(partial(F.linear, x, w), seconds, 5)
+
+
+def roofline(
+    args: argparse.Namespace, bandwidth: float, hf_tok_s: float, quant_bytes: dict[str, float]
+) -> dict[str, Any]:
+    """The decode floor at bf16 experts (and at the quantized storage when --quantization is given)
+    against what transformers reached: how far 3x is from what bandwidth allows."""
+    context = args.prompt_len + args.new_tokens // 2  # mean context over the decode steps
+    out: dict[str, Any] = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "mean_context": context}
+    storages = {"bf16": 2.0} | quant_bytes
+    for label, per_weight in storages.items():
+        dense = 2.0 if label == "bf16" else per_weight
+        parts = decode_step_bytes(OLMOE_1B_7B, args.layers, args.batch, context, per_weight, dense)
+        step_s = parts["total"] / bandwidth
+        ceiling = args.batch / step_s
+        out[f"experts_{label}"] = {
+            "bytes_per_step_mb": {
+                k: round(v / 1e6, 1) for k, v in parts.items() if k != "active_experts_per_layer"
+            },
+            "active_experts_per_layer": round(parts["active_experts_per_layer"], 1),
+            "floor_ms_per_step": round(1e3 * step_s, 1),
+            "ceiling_decode_tok_s": round(ceiling, 1),
+        }
+    bf16 = out["experts_bf16"]
+    rate = bf16_matmul_rate(args.batch)
+    decode_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch)
+    prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len)
+    out["compute"] = {
+        "bf16_matmul_gflop_s": round(rate / 1e9, 1),
+        "decode_step_gflop": round(decode_flop / 1e9, 1),
+        "decode_floor_ms_per_step": round(1e3 * decode_flop / rate, 1),
+        "prefill_gflop": round(prefill_flop / 1e9, 1),
+        "prefill_floor_s": round(prefill_flop / rate, 2),
+        # the whole generate: one prefill (compute bound) + new_tokens - 1 decode steps, each at the
+        # larger of its byte and FLOP floors
+        "generate_floor_s": round(
+            prefill_flop / rate
+            + (args.new_tokens - 1) * max(decode_flop / rate, bf16["floor_ms_per_step"] / 1e3),
+            2,
+        ),
+    }
+    # transformers' generate rate (prefill included: a lower bound on its decode rate)
+    out["hf_tok_s_fraction_of_bf16_ceiling"] = round(hf_tok_s / bf16["ceiling_decode_tok_s"], 3)
+    out["max_ratio_vs_hf_at_bf16"] = round(bf16["ceiling_decode_tok_s"] / hf_tok_s, 2)
+    need = 3 * hf_tok_s  # tok/s a 3x needs -> bytes per step the step may read at the measured bandwidth
+    out["bytes_per_step_for_3x_mb"] = round(args.batch / need * bandwidth / 1e6, 1)
+    return out
+
+
+MIXTRAL_LAYER = dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)
+TINY_LAYER = dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=96)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def backend_layer_times(
+    device: torch.device, dtype: torch.dtype, shape: dict[str, int], tokens: list[int], repeats: int
+) -> dict[str, Any]:
+    """One MoE layer (`FusedMoE`, random weights) on each backend that runs on `device`: checked
+    against `moe_reference` (max error relative to its largest output), then ms per call (best of
+    `repeats`, synchronized) and the GB/s of expert weights that implies (the experts a batch
+    touches, each read once). `grouped_mm` needs bfloat16 on CUDA; `triton` a GPU, or the
+    interpreter (TRITON_INTERPRET=1) on the CPU."""
+    from kvpilot.kernels import triton_moe
+    from kvpilot.runtime.models.moe import FusedMoE, moe_reference, route
+
+    e, k, h, inter = shape["num_experts"], shape["top_k"], shape["hidden_size"], shape["intermediate_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.device(device):  # the empty parameters straight on the device
+        layer = FusedMoE(e, h, inter)
+    layer.w13.data = (torch.randn(e, 2 * inter, h, generator=g, device=device) / h**0.5).to(dtype)
+    layer.w2.data = (torch.randn(e, h, inter, generator=g, device=device) / inter**0.5).to(dtype)
+    backends = ["grouped"]
+    if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        backends.append("grouped_mm")
+    if triton_moe.available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        backends.append("triton")
+    out: dict[str, Any] = {"shape": shape, "dtype": str(dtype), "backends": backends}
+    for t in tokens:
+        x = torch.randn(t, h, generator=g, device=device).to(dtype)
+        weights, ids = route(torch.randn(t, e, generator=g, device=device), k, renormalize=True)
+        ref = moe_reference(x.float(), layer.w13.float(), layer.w2.float(), weights, ids)
+        active = int(torch.unique(ids).numel())
+        expert_bytes = active * 3 * h * inter * layer.w13.element_size()
+        row: dict[str, Any] = {"active_experts": active}
+        for name in backends:
+            layer.backend = name
+            got = layer(x, weights, ids).float()
+            best = float("inf")
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                layer(x, weights, ids)
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+            row[name] = {
+                "max_rel_err": round(float((got - ref).abs().max() / ref.abs().max()), 5),
+                "ms": round(1e3 * best, 3),
+                "expert_gb_s": round(expert_bytes / best / 1e9, 1),
+            }
+        out[f"T={t}"] = row
+    return out
+
+
+BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0 + 2 / 1024}  # int8: a float16 scale per row of >= 1024
+
+
+def bytes_per_weight(method: str, group: int) -> float:
+    """Pure: stored bytes per expert weight (int4: half a byte + a float16 scale and min per group)."""
+    return 0.5 + 4 / group if method == "int4" else BYTES_PER_WEIGHT[method]
+
+
+def quantize_engine(engine: Any, method: str, group: int, sequences: list[list[int]]) -> dict[str, Any]:
+    """Quantize the engine's model in place (experts and the linear layers, as --quantization does)
+    and measure what it costs: the log-probability the model gives `sequences` before and after."""
+    from kvpilot.runtime.quantization import quantize_model
+
+    before = [engine.score(s) for s in sequences]
+    report = quantize_model(engine.runner.model, method, group)
+    after = [engine.score(s) for s in sequences]
+    nll_b = -float(torch.cat(before).mean())
+    nll_a = -float(torch.cat(after).mean())
+    return {
+        "weights_mb": {
+            "before": round(report.bytes_before / 1e6, 1),
+            "after": round(report.bytes_after / 1e6, 1),
+        },
+        "expert_layers": report.expert_layers,
+        "nll_per_token_bf16": round(nll_b, 4),
+        "nll_per_token_quantized": round(nll_a, 4),
+        "perplexity_ratio": round(float(torch.exp(torch.tensor(nll_a - nll_b))), 4),
+        "max_abs_logprob_diff": round(
+            max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True)), 4
+        ),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -215,6 +422,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="comma list of kvpilot weight storages to run, one engine each: none (the dtype), int8 "
+        "(per channel), int4 (--quantization-group-size); experts and linear layers, as the runtime's "
+        "--quantization; transformers always runs in --dtype",
+    )
+    ap.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128], default=32)
+    ap.add_argument(
+        "--split", action="store_true", help="also time a 1-token generate per engine: decode tok/s apart"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-gib", type=float, default=0.5)
@@ -223,33 +441,88 @@ def main() -> None:
     )
     ap.add_argument("--layer-seconds", type=float, default=1.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--backend-layer",
+        action="store_true",
+        help="only time one MoE layer on each backend (Mixtral's layer shape; --tiny: a toy one) "
+        "on --device, checked against the reference; scripts/gpu_check.sh runs it on CUDA",
+    )
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="for --backend-layer")
+    ap.add_argument("--tiny", action="store_true", help="for --backend-layer: a toy layer shape")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args()
+    if args.backend_layer:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device")
+        torch.set_num_threads(args.threads)
+        shape = TINY_LAYER if args.tiny else MIXTRAL_LAYER
+        result = {"machine": machine_info()} | backend_layer_times(
+            device,
+            getattr(torch, args.dtype),
+            shape,
+            [1, 32] if args.tiny else [1, 32, 128, 512],
+            1 if args.tiny else 20,
+        )
+        if device.type == "cuda":
+            result["gpu"] = torch.cuda.get_device_name(device)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
+        return
+    methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("none", "int8", "int4")]
+    if bad or not methods:
+        ap.error(f"--quantization: expected a comma list of none, int8, int4; got {args.quantization!r}")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
     record: dict[str, Any] = {"machine": machine_info(), "config": vars(args) | {"model": OLMOE_1B_7B}}
     t0 = time.perf_counter()
     hf = build_hf(args.layers, dtype, args.seed)
-    engine = build_kvpilot(hf, dtype, args)
-    record["build_s"] = round(time.perf_counter() - t0, 1)
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(3, OLMOE_1B_7B["vocab_size"], (args.batch, args.prompt_len), generator=g).tolist()
     useful = args.batch * args.new_tokens
+    # what quantization costs, measured on two of the prompts continued by transformers' greedy tokens
+    _, hf_cont = run_hf(hf, prompts[:2], args.new_tokens)
+    scored = [p + c for p, c in zip(prompts[:2], hf_cont, strict=True)]
+    engines: dict[str, Any] = {}
+    quality: dict[str, Any] = {}
+    for m in methods:
+        name = "kvpilot" if m == "none" else f"kvpilot_{m}"
+        engines[name] = build_kvpilot(hf, dtype, args)
+        if m != "none":
+            quality[name] = quantize_engine(engines[name], m, args.quantization_group_size, scored)
+    record["build_s"] = round(time.perf_counter() - t0, 1)
+    if quality:
+        record["quantization_quality"] = quality | {
+            "note": "log-probabilities of 2 prompts + transformers' greedy continuation, the engine "
+            f"before (--dtype {args.dtype}) and after quantizing; random weights: near-uniform "
+            "next-token distributions, so the deficit is small in absolute terms"
+        }
 
     # warm-up (one short request each)
-    run_kvpilot(engine, prompts[:2], 2)
+    for engine in engines.values():
+        run_kvpilot(engine, prompts[:2], 2)
     run_hf(hf, prompts[:2], 2)
-    times: dict[str, list[float]] = {"kvpilot": [], "hf_eager": [], "hf_grouped_mm": []}
+    names = [*engines, "hf_eager", "hf_grouped_mm"]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    prefill: dict[str, list[float]] = {k: [] for k in names}
     tokens: dict[str, list[list[int]]] = {}
     probes: list[float] = []
     for _ in range(args.rounds):
         probes.append(cpu_probe())
-        dt, tokens["kvpilot"] = run_kvpilot(engine, prompts, args.new_tokens)
-        times["kvpilot"].append(dt)
-        for impl in ("eager", "grouped_mm"):
-            hf.set_experts_implementation(impl)
-            dt, tokens[f"hf_{impl}"] = run_hf(hf, prompts, args.new_tokens)
-            times[f"hf_{impl}"].append(dt)
+        for name in names:
+            if name.startswith("hf_"):
+                hf.set_experts_implementation(name.removeprefix("hf_"))
+                fn = partial(run_hf, hf, prompts)
+            else:
+                fn = partial(run_kvpilot, engines[name], prompts)
+            if args.split:
+                prefill[name].append(fn(1)[0])
+            dt, tokens[name] = fn(args.new_tokens)
+            times[name].append(dt)
     best = {k: min(v) for k, v in times.items()}
     hf_best = min(("hf_eager", "hf_grouped_mm"), key=lambda k: best[k])
 
@@ -261,16 +534,26 @@ def main() -> None:
         "wall_s": {k: [round(x, 2) for x in v] for k, v in times.items()},
         "output_tok_per_s": {k: round(useful / v, 1) for k, v in best.items()},
         "hf_baseline": hf_best,
-        "kvpilot_vs_hf": round(best[hf_best] / best["kvpilot"], 2),
+        "vs_hf": {k: round(best[hf_best] / best[k], 2) for k in engines},
         "goal": ">= 3x at batch 32",
         # bf16 random weights: near-tied logits can pick different tokens; the first token of each
         # sequence comes from the same prompt in both engines
-        "first_token_agreement_vs_hf": agree(tokens["kvpilot"], tokens[hf_best]),
+        "first_token_agreement_vs_hf": {k: agree(tokens[k], tokens[hf_best]) for k in engines},
         "cpu_probe_gflops": probes,
     }
+    if args.split:
+        # decode alone: (whole generate - a 1-token generate) over the new_tokens - 1 later steps;
+        # best of each over the rounds
+        decode = {k: args.batch * (args.new_tokens - 1) / max(best[k] - min(prefill[k]), 1e-9) for k in names}
+        record["generate"]["prefill_s"] = {k: [round(x, 2) for x in v] for k, v in prefill.items()}
+        record["generate"]["decode_tok_per_s"] = {k: round(v, 1) for k, v in decode.items()}
+        record["generate"]["decode_vs_hf"] = {k: round(decode[k] / decode[hf_best], 2) for k in engines}
+    hf_tok_s = useful / best[hf_best]
+    quant = {m: bytes_per_weight(m, args.quantization_group_size) for m in methods if m != "none"}
+    record["roofline"] = roofline(args, copy_bandwidth(torch.device("cpu"), 512 * 2**20), hf_tok_s, quant)
     if args.layer_tokens:
         record["moe_layer"] = moe_layer_times(
-            hf, engine, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
+            hf, engines, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
         )
     record["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(record, indent=2))

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import workload as wl
-from bench_runtime import machine_info
+from runtime_harness import machine_info
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine import LLMEngine

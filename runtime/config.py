@@ -47,7 +47,7 @@ class EngineConfig(BaseModel):
         ge=1,
         le=256,
         description="tokens per KV block; default: 256 on CUDA with flash-attn installed (its paged kernel "
-        "reads pages of a multiple of 256), else 16 (see runtime.engine.resolve_block_size)",
+        "reads pages of a multiple of 256), else 16 (see runtime.engine_plan.resolve_block_size)",
     )
     kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True

@@ -20,14 +20,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.config import ConfigError, EngineConfig
-from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine_plan import (
+    blocks_for_budget,
+    cuda_graph_sizes,
+    pool_blocks,
+    with_block_size,
+)
+from kvpilot.runtime.model_runner import KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, TokenLogprob
 from kvpilot.runtime.speculative import Speculator, make_speculator
 from kvpilot.runtime.structured_output import GrammarCompiler
+from kvpilot.runtime.tp_runner import start_tensor_parallel
 
 if TYPE_CHECKING:
     from kvpilot.runtime.draft_proposer import DraftProposer
@@ -46,17 +53,17 @@ class EngineDeadError(Exception):
 
 @dataclass
 class RequestMetrics:
+    """Engine-side timing the server turns into the queue-time metric (the rest it measures itself)."""
+
     arrival_time: float
     first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float | None
 
 
 @dataclass
 class CompletionOutput:
-    index: int
-    token_ids: list[int]  # all generated ids so far
-    new_token_ids: list[int]  # ids produced since the previous RequestOutput
+    """What one request (one sequence: one choice) produced since its previous RequestOutput."""
+
+    new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None  # for the new tokens only
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
@@ -66,7 +73,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    output: CompletionOutput
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
@@ -116,63 +123,6 @@ class OOMPolicy:
     min_token_budget: int = 64
     recover_after_steps: int = 64  # successful steps before the budget grows back
     max_consecutive: int = 8
-
-
-DEFAULT_BLOCK_SIZE = 16
-
-
-def resolve_block_size(
-    cfg: EngineConfig, device: torch.device, have_flash_attn: bool, model_dtype: torch.dtype
-) -> int:
-    """`--block-size` when set; else 256 on CUDA with flash-attn when flash-attn will read the pool (a
-    float16/bfloat16 model with a 16-bit KV cache: its paged kernel reads pages of a multiple of 256),
-    else 16 (the Triton kernel pages any size)."""
-    from kvpilot.kernels.attention import FLASH_DTYPES, FLASH_PAGE_MULTIPLE
-
-    if cfg.block_size is not None:
-        return cfg.block_size
-    flash_reads = have_flash_attn and cfg.kv_cache_dtype == "auto" and model_dtype in FLASH_DTYPES
-    if device.type == "cuda" and flash_reads:
-        return FLASH_PAGE_MULTIPLE
-    return DEFAULT_BLOCK_SIZE
-
-
-def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
-    """A copy of cfg with the block size decided (see resolve_block_size)."""
-    from kvpilot.kernels.attention import flash_attn_available
-    from kvpilot.runtime.loader import resolve_dtype
-
-    if cfg.block_size is not None:
-        return cfg
-    have_flash = device.type == "cuda" and flash_attn_available()
-    size = resolve_block_size(cfg, device, have_flash, resolve_dtype(cfg.dtype, device))
-    return cfg.model_copy(update={"block_size": size})
-
-
-def cuda_graph_sizes(cfg: EngineConfig, device: torch.device) -> list[int] | None:
-    """Decode batch sizes to capture CUDA graphs for: none with --enforce-eager or off CUDA."""
-    from kvpilot.runtime.cuda_graphs import graph_batch_sizes
-
-    if cfg.enforce_eager or device.type != "cuda":
-        return None
-    return graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-
-
-def kv_budget_bytes(cfg: EngineConfig, device_memory: tuple[int, int] | None) -> int:
-    """Bytes for the KV pool without a warm-up (tensor-parallel ranks; see
-    model_runner.kv_budget_from_profile for the measured rule one GPU uses): `--kv-cache-memory` when
-    set; on a GPU (device_memory = (free, total) after the weights are loaded) the
-    `--gpu-memory-utilization` share of the card minus what is in use and a conservative reserve for
-    the largest step's activations; on a CPU a fixed default."""
-    if cfg.kv_cache_memory is not None:
-        return cfg.kv_cache_memory
-    if device_memory is None:
-        return CPU_DEFAULT_KV_BYTES
-    free, total = device_memory
-    used = total - free
-    # leave room for activations of the largest step: a rough, conservative reserve
-    reserve = 512 * 2**20 + cfg.max_num_batched_tokens * 256 * 1024
-    return int(total * cfg.gpu_memory_utilization) - used - reserve
 
 
 def _draft_proposer(
@@ -256,8 +206,6 @@ class LLMEngine:
 
         cfg = with_block_size(cfg, resolve_device(cfg.device))
         if cfg.tensor_parallel_size > 1:
-            from kvpilot.runtime.tp_runner import start_tensor_parallel
-
             runner = start_tensor_parallel(cfg)  # checks the size, spawns ranks 1.., loads rank 0's shard
             loaded = runner.loaded
             name = cfg.served_model_name or loaded.model_name
@@ -290,7 +238,7 @@ class LLMEngine:
         if loaded.device.type == "cuda" and cfg.kv_cache_memory is None:
             num_blocks = cls._num_blocks_measured(cfg, geo, loaded)
         else:
-            num_blocks = cls._num_blocks(cfg, geo, loaded.device)
+            num_blocks = pool_blocks(cfg, geo, loaded.device)
         runner = ModelRunner(
             loaded.model,
             geo,
@@ -313,33 +261,16 @@ class LLMEngine:
         spec = make_speculator(cfg, max_model_len, loaded.device.type, proposer)
         return cls(runner, loaded.tokenizer, cfg, name, max_model_len, eos, spec)
 
-    @classmethod
-    def _num_blocks_measured(cls, cfg: EngineConfig, geo: KVGeometry, loaded: LoadedModel) -> int:
+    @staticmethod
+    def _num_blocks_measured(cfg: EngineConfig, geo: KVGeometry, loaded: LoadedModel) -> int:
         """One GPU: a warm-up forward at the largest step, its measured peak, and the pool from what is
         left under --gpu-memory-utilization."""
         from kvpilot.runtime.model_runner import kv_budget_from_profile, profile_memory
 
         tokens = cfg.max_num_batched_tokens
         profile = profile_memory(loaded.model, geo, loaded.device, tokens, cfg.max_num_seqs)
-        return cls._blocks_or_refuse(kv_budget_from_profile(profile, cfg.gpu_memory_utilization), geo, cfg)
-
-    @staticmethod
-    def _blocks_or_refuse(budget: int, geo: KVGeometry, cfg: EngineConfig) -> int:
-        n = geo.num_blocks_for(budget)
-        if n < 1:
-            flag = "--kv-cache-memory" if cfg.kv_cache_memory is not None else "--gpu-memory-utilization"
-            raise ConfigError(
-                f"{flag}: the KV cache budget ({budget} bytes) holds no block of {geo.bytes_per_block} "
-                f"bytes (--block-size {cfg.block_size}); raise {flag}"
-            )
-        return n
-
-    @staticmethod
-    def _num_blocks(cfg: EngineConfig, geo: KVGeometry, device: torch.device) -> int:
-        mem = (
-            torch.cuda.mem_get_info(device) if device.type == "cuda" and cfg.kv_cache_memory is None else None
-        )
-        return LLMEngine._blocks_or_refuse(kv_budget_bytes(cfg, mem), geo, cfg)
+        budget = kv_budget_from_profile(profile, cfg.gpu_memory_utilization)
+        return blocks_for_budget(budget, geo, cfg, loaded.device.type)
 
     # -- requests ------------------------------------------------------------------------------
     @property
@@ -460,7 +391,6 @@ class LLMEngine:
                         break
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                seq.last_token_time = now
                 if finished:
                     self.scheduler.finish(seq)
                 elif s.num_spec_tokens:
@@ -557,15 +487,10 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(out_ids), new, lps, seq.finish_reason, seq.stop_reason)],
+            output=CompletionOutput(new, lps, seq.finish_reason, seq.stop_reason),
             finished=finished,
             num_cached_tokens=seq.num_cached_tokens,
-            metrics=RequestMetrics(
-                seq.arrival_time,
-                seq.first_scheduled_time,
-                seq.first_token_time,
-                time.monotonic() if finished else None,
-            ),
+            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time),
         )
 
     def stats(self) -> EngineStats:
@@ -829,13 +754,9 @@ class AsyncEngine:
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    ca, cb = a.outputs[0], b.outputs[0]
+    ca, cb = a.output, b.output
     lps = None
     if ca.logprobs is not None or cb.logprobs is not None:
         lps = (ca.logprobs or []) + (cb.logprobs or [])
-    merged = CompletionOutput(
-        ca.index, cb.token_ids, ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason
-    )
-    return RequestOutput(
-        b.request_id, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics
-    )
+    merged = CompletionOutput(ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason)
+    return RequestOutput(b.request_id, b.prompt_token_ids, merged, b.finished, b.num_cached_tokens, b.metrics)

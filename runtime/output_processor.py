@@ -319,7 +319,7 @@ class RequestState:
     def _process(self, c: Choice, out: Any) -> Delta:
         """One engine output of one choice -> its delta (the per-request hook point)."""
         metrics = self.processor.metrics
-        co = out.outputs[0]
+        co = out.output
         new: list[int] = list(co.new_token_ids)
         now = time.monotonic()
         m = out.metrics

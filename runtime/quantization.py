@@ -3,6 +3,8 @@
 Every linear layer (the fused QKV, output, gate/up and down projections of each decoder layer) gets
 its weight replaced by a kernels/qlinear.QuantizedWeight: int8 with one scale per output channel,
 or int4 with a scale and min per group of `quantization_group_size` (32, 64 or 128) input weights.
+The experts of a Mixture-of-Experts layer (runtime/models/moe.FusedMoE) are quantized the same way,
+one QuantizedWeight per expert for each of its two stacked weights (`FusedMoE.quantize`).
 The embedding and the LM head (tied to the embedding in the small models) stay in the model dtype.
 `auto` takes the checkpoint's own quantization: a GGUF file whose linear weights are stored as Q8_0
 becomes int8 (group 32) and one with Q4_0/Q4_1 becomes int4 (group 32) — the same values, requantized
@@ -22,6 +24,7 @@ from torch import nn
 
 from kvpilot.kernels import qlinear
 from kvpilot.runtime.models.layers import ColumnParallelLinear, RowParallelLinear
+from kvpilot.runtime.models.moe import FusedMoE
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,18 @@ class QuantizationReport:
     layers: int
     bytes_before: int
     bytes_after: int
+    expert_layers: int = 0  # Mixture-of-Experts layers whose experts were quantized
 
 
 def linear_layers(model: nn.Module) -> Iterator[tuple[str, ColumnParallelLinear | RowParallelLinear]]:
     for name, mod in model.named_modules():
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            yield name, mod
+
+
+def expert_layers(model: nn.Module) -> Iterator[tuple[str, FusedMoE]]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, FusedMoE):
             yield name, mod
 
 
@@ -53,6 +63,13 @@ def check(model: nn.Module, method: str, group_size: int) -> None:
             flag = "--quantization-group-size" if "group size must" in reason else "--quantization"
             raise ValueError(
                 f"{flag} {method if flag == '--quantization' else group_size}: layer {name}: {reason}"
+            )
+    for name, experts in expert_layers(model):
+        reason = experts.quantization_problem(method, group_size)
+        if reason:
+            flag = "--quantization-group-size" if "group size must" in reason else "--quantization"
+            raise ValueError(
+                f"{flag} {method if flag == '--quantization' else group_size}: experts {name}: {reason}"
             )
 
 
@@ -69,10 +86,15 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> Quant
         mod.qweight = qw
         mod.weight = None  # type: ignore[assignment]  # the 16-bit copy is freed
         count += 1
-    report = QuantizationReport(method, group_size if method == "int4" else 0, count, before, after)
+    moe = 0
+    for _, experts in expert_layers(model):
+        b, a = experts.quantize(method, group_size)
+        before, after, moe = before + b, after + a, moe + 1
+    report = QuantizationReport(method, group_size if method == "int4" else 0, count, before, after, moe)
     log.info(
-        "quantized %d linear layers to %s%s: %.1f MiB -> %.1f MiB",
+        "quantized %d linear layers and %d expert layers to %s%s: %.1f MiB -> %.1f MiB",
         count,
+        moe,
         method,
         f" (group {group_size})" if method == "int4" else " (per channel)",
         before / 2**20,

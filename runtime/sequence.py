@@ -65,8 +65,7 @@ class Sequence:
         self.grammar: GrammarState | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self.first_token_time: float | None = None  # the benchmarks' time to first token
         # Speculative decoding (runtime/speculative.py): this step's proposed tokens, which follow
         # token_ids but are not part of the sequence until verified; the draft model's probability
         # rows for them (draft proposals under sampling); and the request's running tallies.
@@ -97,10 +96,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.params.max_tokens
 
     # -- updates -------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:

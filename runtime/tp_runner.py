@@ -24,8 +24,8 @@ import torch.distributed as dist
 from kvpilot.kernels.attention import AttentionMetadata
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.distributed import GroupSpec, TensorParallelError, Workers, join_group, leave_group
+from kvpilot.runtime.engine_plan import RankPlan, plan_ranks, with_block_size
 from kvpilot.runtime.model_runner import (
-    CPU_DEFAULT_KV_BYTES,
     KVGeometry,
     ModelRunner,
     PreparedBatch,
@@ -107,30 +107,21 @@ def bind_rank_device(device: torch.device, rank: int) -> torch.device:
     return bound
 
 
-def load_shard(
-    cfg: EngineConfig, device: torch.device, dtype: torch.dtype, world_size: int
-) -> tuple[LoadedModel, KVGeometry, int]:
-    """Load this rank's shard; return it, its KV geometry and how many KV blocks fit on its device.
-
-    `--kv-cache-memory` and `--gpu-memory-utilization` are per rank (per GPU), as in vLLM; on the
-    CPU the ranks share the host, so the default 1 GiB budget is split between them.
-    """
+def load_shard(plan: RankPlan, device: torch.device) -> tuple[LoadedModel, KVGeometry, int]:
+    """Load this rank's shard; return it, its KV geometry and how many KV blocks fit on its device."""
     from kvpilot.kernels import quant
-    from kvpilot.runtime.engine import LLMEngine, with_block_size
     from kvpilot.runtime.loader import load_model
     from kvpilot.runtime.parallel import set_expert_parallel
 
+    cfg = plan.cfg
+    assert cfg.block_size is not None  # plan_ranks() checks it
     set_expert_parallel(cfg.enable_expert_parallel)  # MoE layers read it as they are built
-    cfg = with_block_size(cfg, device)  # rank 0 decided it already; the same rule gives the same size
-    assert cfg.block_size is not None
-    loaded = load_model(cfg, device, dtype)  # layers read this rank's place in the group as they are built
-    geometry = kv_geometry(
-        loaded.arch, cfg.block_size, quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype), world_size
-    )
-    budget = cfg
-    if device.type == "cpu" and cfg.kv_cache_memory is None:
-        budget = cfg.model_copy(update={"kv_cache_memory": CPU_DEFAULT_KV_BYTES // world_size})
-    return loaded, geometry, LLMEngine._num_blocks(budget, geometry, device)
+    loaded = load_model(
+        cfg, device, plan.dtype
+    )  # layers read this rank's place in the group as they are built
+    kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
+    geometry = kv_geometry(loaded.arch, cfg.block_size, kv_dtype, plan.world_size)
+    return loaded, geometry, plan.pool_blocks(geometry, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,20 +280,20 @@ def start_tensor_parallel(cfg: EngineConfig) -> TPModelRunner:
         raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized: one tensor-parallel engine per process")
-    dtype = resolve_dtype(cfg.dtype, device)
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // tp)
+    plan = plan_ranks(
+        with_block_size(cfg, device), device.type, resolve_dtype(cfg.dtype, device), os.cpu_count() or 1
+    )
     spec = GroupSpec.local(tp, device)
-    args = (spec, cfg, device.type, dtype, threads)
     # one progress bar while loading (rank 0's) is enough
-    workers = Workers.spawn(spec, worker_main, lambda rank: args, env={"TQDM_DISABLE": "1"})
+    workers = Workers.spawn(spec, worker_main, lambda rank: (spec, plan), env={"TQDM_DISABLE": "1"})
     try:
         workers.gather("joining")
         if device.type == "cpu":
-            torch.set_num_threads(threads)
+            torch.set_num_threads(plan.threads)
         torch.manual_seed(cfg.seed)
         device = bind_rank_device(device, 0)
         join_group(spec, 0)
-        loaded, geometry, fits = load_shard(cfg, device, dtype, tp)
+        loaded, geometry, fits = load_shard(plan, device)
         num_blocks = min([fits, *workers.gather("loaded")])
         workers.send("kv_blocks", num_blocks)
         runner = TPModelRunner(loaded, geometry, num_blocks, workers)

@@ -23,29 +23,19 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.distributed import GroupSpec
+    from kvpilot.runtime.engine_plan import RankPlan
     from kvpilot.runtime.model_runner import ModelRunner
 
 
-def worker_main(
-    rank: int,
-    conn: Connection,
-    spec: GroupSpec,
-    cfg: EngineConfig,
-    device_type: str,
-    dtype: torch.dtype,
-    threads: int,
-) -> None:
-    """Process entry point of rank `rank` (>= 1)."""
+def worker_main(rank: int, conn: Connection, spec: GroupSpec, plan: RankPlan) -> None:
+    """Process entry point of rank `rank` (>= 1); `plan` is everything it needs, decided by rank 0."""
     # Ctrl-C reaches the whole process group; rank 0 decides when workers stop (a drain needs them).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from kvpilot.runtime.distributed import encode, leave_group
 
     try:
-        runner = _start(rank, conn, spec, cfg, device_type, dtype, threads)
+        runner = _start(rank, conn, spec, plan)
         _serve(conn, runner)
     except (EOFError, BrokenPipeError):
         pass  # rank 0 is gone: nothing to report to, just exit
@@ -57,27 +47,19 @@ def worker_main(
     leave_group()
 
 
-def _start(
-    rank: int,
-    conn: Connection,
-    spec: GroupSpec,
-    cfg: EngineConfig,
-    device_type: str,
-    dtype: torch.dtype,
-    threads: int,
-) -> ModelRunner:
+def _start(rank: int, conn: Connection, spec: GroupSpec, plan: RankPlan) -> ModelRunner:
     import torch
 
     from kvpilot.runtime.distributed import decode, encode, join_group
     from kvpilot.runtime.model_runner import ModelRunner
     from kvpilot.runtime.tp_runner import bind_rank_device, load_shard
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
-    device = bind_rank_device(torch.device(device_type), rank)
+    torch.set_num_threads(plan.threads)
+    torch.manual_seed(plan.cfg.seed)
+    device = bind_rank_device(torch.device(plan.device_type), rank)
     conn.send_bytes(encode("joining"))  # imports worked: rank 0 may now wait in the rendezvous
     join_group(spec, rank)
-    loaded, geometry, fits = load_shard(cfg, device, dtype, spec.world_size)
+    loaded, geometry, fits = load_shard(plan, device)
     conn.send_bytes(encode("loaded", fits))
     kind, num_blocks = decode(conn.recv_bytes())
     if kind != "kv_blocks":

@@ -14,6 +14,18 @@ Expert computation, two implementations of one contract
 - `moe_grouped_mm`: the same with the loop replaced by two `F.grouped_mm` calls whose group offsets
   stay on the device (no host synchronization: CUDA-graph safe); used for bf16 on CUDA. It runs on
   the CPU too, where the tests hold it to the reference.
+- `moe_triton`: the same with kernels/triton_moe.py's grouped GEMM (every dtype; offsets from a
+  device-side search, no host synchronization); used on CUDA where grouped_mm does not apply.
+  Tested on the CPU under Triton's interpreter (tests/runtime/test_moe_triton.py).
+`moe_backend_name` is the one place that chooses among them (as kernels/attention.select_backend
+does for attention).
+
+Quantized experts (`--quantization int8|int4`, `FusedMoE.quantize`): each expert's w13 and w2 become
+a kernels/qlinear.QuantizedWeight (int8 per output channel, or int4 with a scale and min per group
+of K), so the stacked [E, N, K] tensors turn into one QuantizedWeight per expert. `moe_grouped` takes
+either form; with quantized experts each active expert's two matmuls are `qlinear.matmul` on its
+rows: the C kernel reading the quantized bytes for up to qlinear.SMALL_M rows (a decode step's few
+rows per expert), dequantize + torch matmul above that (prefill).
 
 Parallelism (`FusedMoE`): under tensor parallelism each expert's intermediate width I is split across
 ranks like the dense MLP (w13 by rows, w2 by columns) and the per-rank partial sums are all-reduced;
@@ -24,12 +36,15 @@ every token with the replicated router, so no token moves between ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels import qlinear
+from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.models.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
 from kvpilot.runtime.parallel import (
     divide,
@@ -41,6 +56,22 @@ from kvpilot.runtime.parallel import (
 
 # Checkpoint piece of one expert -> (fused parameter, row block within it): gate and up share w13.
 EXPERT_PIECES = ("w1", "w3", "w2")  # gate, up, down (Mixtral's names; Qwen/OLMoE map onto them)
+
+
+# One layer's experts: stacked [E, N, K] (each expert's nn.Linear weight), or one QuantizedWeight each
+ExpertWeights = torch.Tensor | Sequence[QuantizedWeight]
+
+
+def _expert_mm(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
+    """x [R, K] @ expert e's weight^T -> [R, N]."""
+    if isinstance(w, torch.Tensor):
+        return torch.mm(x, w[e].t())
+    return qlinear.matmul(x, w[e])
+
+
+def dequantize_experts(w: Sequence[QuantizedWeight], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The stacked [E, N, K] tensor equal to quantized experts (the reference they are tested against)."""
+    return torch.stack([q.dequantize(dtype) for q in w])
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,15 +111,16 @@ def moe_reference(
 
 def moe_grouped(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
     weights: torch.Tensor,
     ids: torch.Tensor,
     expert_offset: int = 0,
 ) -> torch.Tensor:
-    """`moe_reference`'s result with each held expert run once, on exactly the tokens routed to it."""
+    """`moe_reference`'s result with each held expert run once, on exactly the tokens routed to it
+    (stacked or quantized experts)."""
     t, k = ids.shape
-    num_local = w13.shape[0]
+    num_local = len(w13)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignment rows grouped by expert, token order kept
     counts = torch.bincount(flat, minlength=expert_offset + num_local)
@@ -106,9 +138,12 @@ def moe_grouped(
             continue
         rows = slice(start, start + n)
         start += n
-        gate_up = torch.mm(xs[rows], w13[e].t())
+        gate_up = _expert_mm(xs[rows], w13, e)
         act = F.silu(gate_up[:, : gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2 :]
-        torch.mm(act, w2[e].t(), out=partial[rows])
+        if isinstance(w2, torch.Tensor):
+            torch.mm(act, w2[e].t(), out=partial[rows])
+        else:
+            partial[rows] = qlinear.matmul(act, w2[e])
     held_all = mine.numel() == t * k
     unsorted = x.new_empty(t * k, x.shape[1]) if held_all else x.new_zeros(t * k, x.shape[1])
     unsorted[mine] = partial  # back to (token, k) order
@@ -145,6 +180,69 @@ def moe_grouped_mm(
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
 
 
+def moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """`moe_grouped_mm` with kernels/triton_moe.py's grouped GEMM (any float dtype). The group
+    offsets come from a search over the sorted expert ids, on the device: no host synchronization.
+    Assignments to experts held elsewhere sort past the last group and contribute zero."""
+    from kvpilot.kernels import triton_moe
+
+    t, k = ids.shape
+    num_local = w13.shape[0]
+    local = ids.reshape(-1) - expert_offset
+    held = (local >= 0) & (local < num_local)
+    local = torch.where(held, local, num_local)
+    order = torch.argsort(local, stable=True)
+    bounds = torch.arange(num_local + 1, device=ids.device, dtype=local.dtype)
+    offsets = torch.searchsorted(local[order], bounds)  # [E + 1]: first row of each expert, then the end
+    xs = x.index_select(0, order // k)
+    gate_up = triton_moe.grouped_expert_gemm(xs, w13, offsets)
+    inter = gate_up.shape[1] // 2
+    partial = triton_moe.grouped_expert_gemm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2, offsets)
+    partial = torch.where(held[order].unsqueeze(-1), partial, 0.0)  # rows past the last group: unwritten
+    unsorted = torch.empty_like(partial)
+    unsorted[order] = partial
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
+
+
+MOE_BACKENDS = ("grouped", "grouped_mm", "triton")
+
+
+def moe_backend_name(
+    device_type: str, dtype: torch.dtype, quantized: bool, have_triton: bool, grouped_mm_ok: bool
+) -> str:
+    """Pure: how a layer's experts run. On CUDA torch's `grouped_mm` (CUTLASS) where it applies
+    (bfloat16, SM >= 80), the Triton grouped GEMM for the other dtypes (float16, float32) or older
+    GPUs; both keep the offsets on the device (CUDA graphs). Quantized experts and the CPU: one
+    matmul pair per active expert (`moe_grouped`; qlinear's kernel for quantized experts), as is
+    CUDA without Triton outside grouped_mm's case. scripts/gpu_check.sh times grouped_mm against
+    Triton on the Mixtral-shaped model, so the bfloat16 default can follow the measurement."""
+    if quantized or device_type != "cuda":
+        return "grouped"
+    if dtype == torch.bfloat16 and grouped_mm_ok:
+        return "grouped_mm"
+    return "triton" if have_triton else "grouped"
+
+
+def _grouped_mm_ok(device: torch.device) -> bool:
+    return hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _triton_available() -> bool:
+    from kvpilot.kernels import triton_moe
+
+    return triton_moe.available()
+
+
+_BACKEND_FNS = {"grouped": moe_grouped, "grouped_mm": moe_grouped_mm, "triton": moe_triton}
+
+
 def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -158,6 +256,7 @@ class FusedMoE(nn.Module):
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_world_size()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.expert_parallel = expert_parallel_enabled() and self.tp_size > 1
         if self.expert_parallel:
             self.num_local_experts = divide(num_experts, self.tp_size)
@@ -172,6 +271,11 @@ class FusedMoE(nn.Module):
         self.w2 = _new_param(self.num_local_experts, hidden_size, i)
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # set by `quantize` (runtime/quantization.py), which frees w13 and w2
+        self.q13: list[QuantizedWeight] | None = None
+        self.q2: list[QuantizedWeight] | None = None
+        # None: chosen per input by `moe_backend_name`; one of MOE_BACKENDS to force it (tests, benchmarks)
+        self.backend: str | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         expert, piece = shard_id
@@ -193,11 +297,55 @@ class FusedMoE(nn.Module):
             )
         dst.copy_(src)
 
+    def quantization_problem(self, method: str, group_size: int) -> str | None:
+        """Why these experts cannot take `method` (None when they can): both matmuls' input widths
+        (hidden for w13, this rank's intermediate for w2) must fit the int4 group."""
+        if self.q13 is not None:
+            return "already quantized"
+        return qlinear.check_shape(method, self.hidden_size, group_size) or qlinear.check_shape(
+            method, self.intermediate_per_rank, group_size
+        )
+
+    def quantize(self, method: str, group_size: int) -> tuple[int, int]:
+        """Each held expert's w13 and w2 -> QuantizedWeight (int8 per output channel, int4 per group
+        of `group_size`); the 16/32-bit stacks are freed. Returns (bytes before, bytes after)."""
+        reason = self.quantization_problem(method, group_size)
+        if reason:
+            raise ValueError(f"--quantization {method}: experts: {reason}")
+        w13, w2 = self.w13.data, self.w2.data
+        self.q13 = [qlinear.quantize(w13[e], method, group_size) for e in range(self.num_local_experts)]
+        self.q2 = [qlinear.quantize(w2[e], method, group_size) for e in range(self.num_local_experts)]
+        before = (w13.numel() + w2.numel()) * w13.element_size()
+        after = sum(q.nbytes for q in self.q13 + self.q2)
+        self.w13 = None  # type: ignore[assignment]
+        self.w2 = None  # type: ignore[assignment]
+        return before, after
+
+    def backend_for(self, x: torch.Tensor) -> str:
+        """The backend this input runs on (`self.backend` when set, else `moe_backend_name`)."""
+        if self.backend is not None:
+            if self.backend not in MOE_BACKENDS:
+                raise ValueError(f"MoE backend must be one of {MOE_BACKENDS}, got {self.backend!r}")
+            if self.q13 is not None and self.backend != "grouped":
+                raise ValueError(f"quantized experts run on the 'grouped' backend, not {self.backend!r}")
+            return self.backend
+        cuda = x.device.type == "cuda"
+        return moe_backend_name(
+            x.device.type,
+            x.dtype,
+            self.q13 is not None,
+            cuda and _triton_available(),
+            cuda and _grouped_mm_ok(x.device),
+        )
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum (the caller all-reduces). On CUDA the grouped GEMM path, which
-        never synchronizes with the host (CUDA graphs); elsewhere one matmul pair per active expert."""
-        fn = moe_grouped_mm if x.is_cuda and x.dtype == torch.bfloat16 else moe_grouped
-        return fn(x, self.w13, self.w2, weights, ids, self.expert_offset)
+        """This rank's partial sum (the caller all-reduces), on `backend_for(x)`: on CUDA a grouped
+        GEMM that never synchronizes with the host (CUDA graphs); elsewhere one matmul pair per
+        active expert (quantized experts: qlinear's kernel on each expert's rows)."""
+        name = self.backend_for(x)
+        if self.q13 is not None and self.q2 is not None:
+            return moe_grouped(x, self.q13, self.q2, weights, ids, self.expert_offset)
+        return _BACKEND_FNS[name](x, self.w13, self.w2, weights, ids, self.expert_offset)
 
 
 class ReplicatedLinear(nn.Module):

@@ -171,7 +171,7 @@ class FakeEngine:
             while True:
                 await asyncio.sleep(self.delay)
                 if aborted.is_set():
-                    yield self._out(request_id, prompt, generated, [], None, "abort", None)
+                    yield self._out(request_id, prompt, [], None, "abort", None)
                     return
                 tok = next(stream)
                 generated.append(tok)
@@ -184,7 +184,7 @@ class FakeEngine:
                 if params.logprobs is not None:
                     top = [(tok, -0.5), (0, -1.5), (1, -2.5)][: params.logprobs]
                     lp = [TokenLogprob(tok, -0.5, top)]
-                yield self._out(request_id, prompt, generated, [tok], lp, finish, stop_reason)
+                yield self._out(request_id, prompt, [tok], lp, finish, stop_reason)
                 if finish:
                     self.finished.append(request_id)
                     return
@@ -195,16 +195,16 @@ class FakeEngine:
     def _out(
         rid: str,
         prompt: list[int],
-        generated: list[int],
         new: list[int],
         lp: list[TokenLogprob] | None,
         finish: str | None,
         stop_reason: int | str | None,
     ) -> RequestOutput:
-        out = CompletionOutput(0, list(generated), new, lp, finish, stop_reason)
+        out = CompletionOutput(new, lp, finish, stop_reason)
         now = time.monotonic()
-        metrics = RequestMetrics(now - 0.002, now - 0.001, now, now if finish else None)
-        return RequestOutput(rid, prompt, [out], finish is not None, 0, metrics)
+        return RequestOutput(
+            rid, prompt, out, finish is not None, 0, RequestMetrics(now - 0.002, now - 0.001)
+        )
 
 
 class LiveServer:

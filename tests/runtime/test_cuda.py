@@ -15,14 +15,10 @@ import torch
 
 from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE, cuda_backend_name
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import (
-    CPU_DEFAULT_KV_BYTES,
-    DEFAULT_BLOCK_SIZE,
-    LLMEngine,
-    kv_budget_bytes,
-    resolve_block_size,
-)
+from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine_plan import DEFAULT_BLOCK_SIZE, kv_budget_bytes, resolve_block_size
 from kvpilot.runtime.model_runner import (
+    CPU_DEFAULT_KV_BYTES,
     MemoryProfile,
     kv_budget_from_profile,
     kv_geometry,

@@ -18,7 +18,7 @@ from kvpilot.kernels import triton_attention
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.cuda_graphs import PAD_SLOT, DecodeGraphRunner, bucket_for, graph_batch_sizes
-from kvpilot.runtime.engine import cuda_graph_sizes
+from kvpilot.runtime.engine_plan import cuda_graph_sizes
 from kvpilot.runtime.model_runner import ModelRunner, allocate_kv_cache, kv_geometry
 
 BS = 16

@@ -134,7 +134,7 @@ def test_abort_frees_blocks_at_once(make_engine: Callable[..., LLMEngine], promp
         engine.step()
     held = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
     out = engine.abort("a")
-    assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    assert out is not None and out.finished and out.output.finish_reason == "abort"
     assert engine.block_manager.num_blocks - engine.block_manager.num_free_blocks < held
     engine.abort("b")
     assert engine.block_manager.usage == 0.0 and not engine.has_unfinished()

@@ -76,7 +76,7 @@ def test_every_request_finishes_with_exact_length_under_pressure(
     s = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget)
     seqs = [seq(f"r{i}", p, o, base=(i % 3) * 100) for i, (p, o) in enumerate(lens)]
     for x in seqs:
-        assert bm.can_ever_fit(x.max_total_tokens)  # 42 tokens <= 11 blocks * 4
+        assert bm.can_ever_fit(x.num_prompt_tokens + x.params.max_tokens)  # 42 tokens <= 11 blocks * 4
         s.add(x)
     for _ in range(10_000):
         if not s.has_unfinished():
