@@ -264,7 +264,10 @@ class LLMEngine:
         self.loras: dict[str, LoRARequest] = {}  # loaded adapters by served name
         self.lora_ranks: dict[str, int] = {}
         for lora_name, lora_path in cfg.lora_modules.items():
-            self.add_lora(lora_name, lora_path)
+            try:
+                self.add_lora(lora_name, lora_path)
+            except LoRAError as exc:
+                raise ConfigError(f"--lora-modules {lora_name}={lora_path}: {exc}") from None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod

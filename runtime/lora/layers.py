@@ -38,6 +38,9 @@ class LoRABatch:
 
     slots: torch.Tensor  # [G] slot of each group
     rank: int  # the largest rank among the groups' adapters: buffers are sliced to it
+    # the groups' slots are first..first+G-1: the buffers are read in place, at their full rank
+    # (zero padding costs a few flops; gathering the slots would copy every adapter's weights)
+    first_slot: int | None = None
     # even groups: one padded [G, M] gather (pad rows repeat a real row and are masked out)
     gather: torch.Tensor | None = None  # [G * M]
     mask: torch.Tensor | None = None  # [G * M, 1]
@@ -65,6 +68,7 @@ def build_lora_batch(
         return None
     slots = sorted(groups)
     rank = max(slot_ranks[s] for s in slots)
+    first = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
     slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
     lens = [len(groups[s]) for s in slots]
     longest, total = max(lens), sum(lens)
@@ -79,6 +83,7 @@ def build_lora_batch(
         return LoRABatch(
             slot_tensor,
             rank,
+            first,
             gather=torch.tensor(gather, dtype=torch.int64, device=device),
             mask=torch.tensor(mask, dtype=dtype, device=device).unsqueeze(-1),
             group_len=longest,
@@ -90,7 +95,7 @@ def build_lora_batch(
             per_group.append(slice(rows[0], rows[-1] + 1))
         else:
             per_group.append(torch.tensor(rows, dtype=torch.int64, device=device))
-    return LoRABatch(slot_tensor, rank, rows=per_group)
+    return LoRABatch(slot_tensor, rank, first, rows=per_group)
 
 
 @dataclass(frozen=True)
@@ -153,11 +158,16 @@ class LoRALinear:
         batch = self.ctx.batch
         if batch is None:
             return y
-        r = batch.rank
         g = batch.slots.numel()
         n = self.A.shape[1]
-        a = self.A.index_select(0, batch.slots)[:, :, :r].reshape(g, n * r, -1)  # [G, n r, in]
-        b = self.B.index_select(0, batch.slots)[..., :r].reshape(g, -1, n * r)  # [G, out, n r]
+        if batch.first_slot is not None:  # views, no copy
+            r = self.A.shape[2]
+            a = self.A.narrow(0, batch.first_slot, g).reshape(g, n * r, -1)  # [G, n r, in]
+            b = self.B.narrow(0, batch.first_slot, g).reshape(g, -1, n * r)  # [G, out, n r]
+        else:
+            r = batch.rank
+            a = self.A.index_select(0, batch.slots)[:, :, :r].reshape(g, n * r, -1)
+            b = self.B.index_select(0, batch.slots)[..., :r].reshape(g, -1, n * r)
         if batch.gather is not None:
             assert batch.mask is not None
             xg = x.index_select(0, batch.gather).view(g, batch.group_len, -1)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from kvpilot.runtime.block_manager import hash_block
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.lora.adapter import LoRAError, parse_lora_modules
 from kvpilot.runtime.lora.layers import build_lora_batch
@@ -349,7 +349,7 @@ def test_bad_adapter_is_refused_and_serving_goes_on(
 
 def test_bad_adapter_at_start_names_it(workdir: Path, tmp_path: Path) -> None:
     bad = adapter_variant(workdir, tmp_path, "rank")
-    with pytest.raises(LoRAError, match=r"'big'.*rank 32 is over the limit of 16 \(raise --max-lora-rank\)"):
+    with pytest.raises(ConfigError, match=r"--lora-modules big=.*'big'.*rank 32 is over the limit of 16"):
         LLMEngine.from_config(engine_config(workdir, lora_modules={"big": str(bad)}))
 
 
@@ -388,12 +388,15 @@ def test_lora_batch_grouping() -> None:
     even = build_lora_batch([0, -1, 1, 0, 1], [4, 8], torch.device("cpu"), torch.float32)
     assert even is not None and even.gather is not None and even.mask is not None
     assert even.slots.tolist() == [0, 1] and even.rank == 8 and even.group_len == 2
+    assert even.first_slot == 0  # consecutive slots: the buffers are read in place
     assert even.gather.tolist() == [0, 3, 2, 4] and even.mask.squeeze(1).tolist() == [1, 1, 1, 1]
     # a long prefill chunk beside two decodes: per-group rows, the chunk as a slice
     uneven = build_lora_batch([1] * 20 + [-1, 0, 2, 1], [4, 8, 4], torch.device("cpu"), torch.float32)
     assert uneven is not None and uneven.gather is None
     assert uneven.rows[0] == slice(21, 22) and uneven.rows[2] == slice(22, 23)
     assert isinstance(uneven.rows[1], torch.Tensor) and uneven.rows[1].tolist() == [*range(20), 23]
+    gap = build_lora_batch([0, 2], [4, 0, 8], torch.device("cpu"), torch.float32)
+    assert gap is not None and gap.first_slot is None and gap.rank == 8
     assert build_lora_batch([-1, -1], [4], torch.device("cpu"), torch.float32) is None
 
 
