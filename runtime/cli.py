@@ -167,7 +167,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="adapters to load at start; a request's `model` picks one by NAME",
     )
-    lo.add_argument("--max-loras", type=_positive_int, default=s, help="adapters resident at once (default 4)")
+    lo.add_argument(
+        "--max-loras", type=_positive_int, default=s, help="adapters resident at once (default 4)"
+    )
     lo.add_argument(
         "--max-lora-rank", type=_positive_int, default=s, help="largest adapter rank accepted (default 16)"
     )

@@ -341,23 +341,32 @@ class ModelRunner:
         self.lora.remove(name)
 
     def lora_plan(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[tuple[int, str | None]], list[int] | None]:
-        """Rank 0: the slot loads this step needs and every token's slot (-1: the base model);
-        (no loads, None) when no scheduled sequence uses an adapter."""
+        self, scheduled: list[ScheduledSeq], reorder: bool = True
+    ) -> tuple[list[ScheduledSeq], list[tuple[int, str | None]], list[int] | None]:
+        """Rank 0: the step's sequences (with `reorder`: base-model ones first, then by slot, so each
+        adapter's rows are consecutive), the slot loads it needs and every token's slot (-1: the base
+        model); (scheduled, no loads, None) when no sequence uses an adapter."""
         if self.lora_slots is None or all(s.seq.lora is None for s in scheduled):
-            return [], None
+            return scheduled, [], None
         names = [s.seq.lora.name for s in scheduled if s.seq.lora is not None]
         slot_of, loads = self.lora_slots.plan(names)
+
+        def slot(s: ScheduledSeq) -> int:
+            return slot_of[s.seq.lora.name] if s.seq.lora is not None else -1
+
+        if reorder:
+            scheduled = sorted(scheduled, key=slot)  # stable
         token_slots: list[int] = []
         for s in scheduled:
-            slot = slot_of[s.seq.lora.name] if s.seq.lora is not None else -1
-            token_slots.extend([slot] * s.num_new_tokens)
-        return loads, token_slots
+            token_slots.extend([slot(s)] * s.num_new_tokens)
+        return scheduled, loads, token_slots
 
-    def _apply_lora(self, scheduled: list[ScheduledSeq]) -> None:
-        if self.lora is not None:
-            self.lora.apply(*self.lora_plan(scheduled))
+    def _apply_lora(self, scheduled: list[ScheduledSeq], reorder: bool) -> list[ScheduledSeq]:
+        if self.lora is None:
+            return scheduled
+        scheduled, loads, token_slots = self.lora_plan(scheduled, reorder)
+        self.lora.apply(loads, token_slots)
+        return scheduled
 
     def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch.meta):
@@ -371,16 +380,16 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""
+        scheduled = self._apply_lora(scheduled, reorder=False)  # rows come back in the caller's order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        self._apply_lora(scheduled)
         return self._run_model(batch)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns float32 logits [rows, vocab] and the sequences they belong to (one row
         each, 1 + num_spec_tokens for a sequence with speculative tokens)."""
+        scheduled = self._apply_lora(scheduled, reorder=True)  # `sampled` says the order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        self._apply_lora(scheduled)
         hidden = self._run_model(batch)
         if not batch.sampled:
             return torch.empty(0, 0), []

@@ -266,9 +266,12 @@ class TPModelRunner(ModelRunner):
             self.workers.send("lora_remove", name)
             self.workers.gather("lora_removed")
 
-    def _inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[ScheduledSeq]]:
+    def _inputs(
+        self, scheduled: list[ScheduledSeq], reorder: bool = True
+    ) -> tuple[StepInputs, list[ScheduledSeq]]:
+        scheduled, loads, token_slots = self.lora_plan(scheduled, reorder)
         batch = prepare_batch(scheduled, self.geometry.block_size, torch.device("cpu"))
-        return StepInputs.from_batch(batch, self.lora_plan(scheduled)), batch.sampled
+        return StepInputs.from_batch(batch, (loads, token_slots)), batch.sampled
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lora is not None:
@@ -278,7 +281,7 @@ class TPModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        inputs, _ = self._inputs(scheduled)
+        inputs, _ = self._inputs(scheduled, reorder=False)
         with self.workers.step():
             self.workers.send("hidden", inputs)
             hidden, _ = self._forward(inputs)

@@ -1,12 +1,16 @@
 """Batched multi-adapter LoRA compute: every sequence in a step uses its own adapter.
 
 Each targeted linear layer keeps its adapters in stacked, zero-padded slot buffers, this rank's
-shard only: A [slots, subs, max_rank, in] and B [slots, out, subs, max_rank] (with the scaling folded
-into B). A fused linear (q/k/v, gate/up) has one sub-block per piece, so B is block-diagonal over
-the pieces. A step's tokens are grouped by slot once (`LoRABatch`); every layer then adds
-`((x_g A_g^T) B_g^T)` to its base output for each group, with two batched matmuls when the groups are
-even (decode) or one pair per group when they are not (a long prefill chunk beside decodes).
-Tokens of base-model sequences are in no group and are never touched.
+shard only, stored transposed so that both matmuls read contiguous operands: A^T [slots, in, pieces,
+max_rank] and B^T [slots, pieces, max_rank, out] (with the scaling folded into B). A fused linear
+(q/k/v, gate/up) has one piece per checkpoint module, so B is block-diagonal over the pieces. A
+step's tokens are grouped by slot once (`LoRABatch`); every layer then adds `(x_g A_g^T) B_g^T` to
+its base output for each group, with two batched matmuls when the groups are even (decode) or one
+pair per group when they are not (a long prefill chunk beside decodes). Tokens of base-model
+sequences are in no group and their rows get nothing added.
+
+On the CPU the buffers and the low-rank matmuls are float32 whatever the model dtype: torch's CPU
+batched matmul has no fast bf16 path on CPUs without AMX, and these matmuls are small.
 
 Tensor parallelism shards A and B like the base linear: column-parallel layers keep A whole and
 this rank's rows of B (the same rows its weight loader keeps); row-parallel layers keep this rank's
@@ -41,9 +45,14 @@ class LoRABatch:
     # the groups' slots are first..first+G-1: the buffers are read in place, at their full rank
     # (zero padding costs a few flops; gathering the slots would copy every adapter's weights)
     first_slot: int | None = None
-    # even groups: one padded [G, M] gather (pad rows repeat a real row and are masked out)
-    gather: torch.Tensor | None = None  # [G * M]
-    mask: torch.Tensor | None = None  # [G * M, 1]
+    # the runner puts base-model rows first and each adapter's rows together: when every group has
+    # the same length M and the groups follow each other from row `dense_start` in slot order, the
+    # rows are a [G, M] view and need no gather (decode steps)
+    dense_start: int | None = None
+    # even groups: one padded [G, M] gather (pad rows repeat a real row; their results are dropped)
+    gather: torch.Tensor | None = None  # [G * M] token rows
+    inverse: torch.Tensor | None = None  # [T] each token's row in the padded layout
+    token_mask: torch.Tensor | None = None  # [T, 1] 0 for base-model tokens; None when there are none
     group_len: int = 0  # M
     # uneven groups: the rows of each group (a slice when they are consecutive)
     rows: list[slice | torch.Tensor] = field(default_factory=list)
@@ -72,20 +81,31 @@ def build_lora_batch(
     slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
     lens = [len(groups[s]) for s in slots]
     longest, total = max(lens), sum(lens)
+    start = len(token_slots) - total
+    if all(
+        groups[s] == list(range(start + i * longest, start + (i + 1) * longest)) for i, s in enumerate(slots)
+    ):
+        return LoRABatch(slot_tensor, rank, first, dense_start=start, group_len=longest)
     if len(slots) * longest <= MAX_PADDING_RATIO * total:
         gather: list[int] = []
-        mask: list[float] = []
+        inverse = [0] * len(token_slots)
         for s in slots:
             rows = groups[s]
-            pad = longest - len(rows)
-            gather.extend(rows + [rows[0]] * pad)
-            mask.extend([1.0] * len(rows) + [0.0] * pad)
+            for row in rows:
+                inverse[row] = len(gather)
+                gather.append(row)
+            gather.extend([rows[0]] * (longest - len(rows)))
+        token_mask = None
+        if total < len(token_slots):
+            keep = [0.0 if slot < 0 else 1.0 for slot in token_slots]
+            token_mask = torch.tensor(keep, dtype=dtype, device=device).unsqueeze(-1)
         return LoRABatch(
             slot_tensor,
             rank,
             first,
             gather=torch.tensor(gather, dtype=torch.int64, device=device),
-            mask=torch.tensor(mask, dtype=dtype, device=device).unsqueeze(-1),
+            inverse=torch.tensor(inverse, dtype=torch.int64, device=device),
+            token_mask=token_mask,
             group_len=longest,
         )
     per_group: list[slice | torch.Tensor] = []
@@ -128,30 +148,29 @@ class LoRALinear:
         self.subs = subs
         self.ctx = ctx
         n = len(subs)
-        self.A = torch.zeros(num_slots, n, max_rank, in_size, dtype=dtype, device=device)
-        self.B = torch.zeros(num_slots, out_size, n, max_rank, dtype=dtype, device=device)
+        self.At = torch.zeros(num_slots, in_size, n, max_rank, dtype=dtype, device=device)
+        self.Bt = torch.zeros(num_slots, n, max_rank, out_size, dtype=dtype, device=device)
 
     @property
     def num_bytes(self) -> int:
-        return self.A.numel() * self.A.element_size() + self.B.numel() * self.B.element_size()
+        return self.At.numel() * self.At.element_size() + self.Bt.numel() * self.Bt.element_size()
 
     def set_slot(
         self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float
     ) -> None:
         """Fill `slot` from full (unsharded) host (A, B) per module; modules left out stay zero."""
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        self.clear_slot(slot)
         for module, (a, b) in pieces.items():
             sub = self.subs[module]
             r = a.shape[0]
-            a_local = a.narrow(1, sub.in_offset, sub.in_size)
-            b_local = b.narrow(0, sub.src_offset, sub.out_size) * scaling
-            self.A[slot, sub.index, :r].copy_(a_local)
-            self.B[slot, sub.out_offset : sub.out_offset + sub.out_size, sub.index, :r].copy_(b_local)
+            a_local = a.narrow(1, sub.in_offset, sub.in_size)  # [r, in]
+            b_local = b.narrow(0, sub.src_offset, sub.out_size) * scaling  # [out piece, r]
+            self.At[slot, :, sub.index, :r].copy_(a_local.t())
+            self.Bt[slot, sub.index, :r, sub.out_offset : sub.out_offset + sub.out_size].copy_(b_local.t())
 
     def clear_slot(self, slot: int) -> None:
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        self.At[slot].zero_()
+        self.Bt[slot].zero_()
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output for x) plus each token's adapter update; y is updated in place."""
@@ -159,26 +178,37 @@ class LoRALinear:
         if batch is None:
             return y
         g = batch.slots.numel()
-        n = self.A.shape[1]
+        in_size, n, max_rank = self.At.shape[1:]
+        out_size = self.Bt.shape[-1]
         if batch.first_slot is not None:  # views, no copy
-            r = self.A.shape[2]
-            a = self.A.narrow(0, batch.first_slot, g).reshape(g, n * r, -1)  # [G, n r, in]
-            b = self.B.narrow(0, batch.first_slot, g).reshape(g, -1, n * r)  # [G, out, n r]
+            r = max_rank
+            a = self.At.narrow(0, batch.first_slot, g).reshape(g, in_size, n * r)  # [G, in, n r]
+            b = self.Bt.narrow(0, batch.first_slot, g).reshape(g, n * r, out_size)  # [G, n r, out]
         else:
             r = batch.rank
-            a = self.A.index_select(0, batch.slots)[:, :, :r].reshape(g, n * r, -1)
-            b = self.B.index_select(0, batch.slots)[..., :r].reshape(g, -1, n * r)
+            a = self.At.index_select(0, batch.slots)[..., :r].reshape(g, in_size, n * r)
+            b = self.Bt.index_select(0, batch.slots)[:, :, :r].reshape(g, n * r, out_size)
+        cdt = a.dtype
+        if batch.dense_start is not None:
+            rows = slice(batch.dense_start, None)
+            xg = x[rows].to(cdt).view(g, batch.group_len, in_size)
+            y[rows] += torch.bmm(torch.bmm(xg, a), b).view(-1, out_size).to(y.dtype)
+            return y
         if batch.gather is not None:
-            assert batch.mask is not None
-            xg = x.index_select(0, batch.gather).view(g, batch.group_len, -1)
-            delta = torch.bmm(torch.bmm(xg, a.transpose(1, 2)), b.transpose(1, 2))
-            y.index_add_(0, batch.gather, delta.view(g * batch.group_len, -1) * batch.mask)
+            assert batch.inverse is not None
+            xg = x.index_select(0, batch.gather).to(cdt).view(g, batch.group_len, in_size)
+            delta = torch.bmm(torch.bmm(xg, a), b).view(g * batch.group_len, out_size)
+            delta = delta.index_select(0, batch.inverse)  # back to token order, [T, out]
+            if batch.token_mask is not None:
+                delta = delta * batch.token_mask
+            y += delta.to(y.dtype)
             return y
         for i, rows in enumerate(batch.rows):
             if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a[i].t()) @ b[i].t()
+                y[rows] += ((x[rows].to(cdt) @ a[i]) @ b[i]).to(y.dtype)
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a[i].t()) @ b[i].t())
+                d = (x.index_select(0, rows).to(cdt) @ a[i]) @ b[i]
+                y.index_add_(0, rows, d.to(y.dtype))
         return y
 
 
@@ -223,7 +253,9 @@ def attach(
     device: torch.device,
     dtype: torch.dtype,
 ) -> LoRALinear:
-    """Give `base` its LoRA slot buffers (in the model's activation dtype)."""
+    """Give `base` its LoRA slot buffers (in the model's dtype; float32 on the CPU)."""
+    if device.type == "cpu":
+        dtype = torch.float32
     subs = lora_subs(base, module)
     in_size = next(iter(subs.values())).in_size
     out_size = sum(s.out_size for s in subs.values())

@@ -127,7 +127,8 @@ class LoRAState:
         if not token_slots:
             self.ctx.batch = None
             return
-        self.ctx.batch = build_lora_batch(token_slots, self.slot_ranks, self.device, self.dtype)
+        dtype = torch.float32 if self.device.type == "cpu" else self.dtype  # the buffers' (layers.attach)
+        self.ctx.batch = build_lora_batch(token_slots, self.slot_ranks, self.device, dtype)
 
 
 class SlotTable:

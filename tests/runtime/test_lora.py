@@ -386,10 +386,17 @@ def test_slot_table_evicts_least_recently_used() -> None:
 def test_lora_batch_grouping() -> None:
     # decode-like: even groups -> one padded gather; base tokens (-1) are in no group
     even = build_lora_batch([0, -1, 1, 0, 1], [4, 8], torch.device("cpu"), torch.float32)
-    assert even is not None and even.gather is not None and even.mask is not None
+    assert even is not None and even.gather is not None and even.inverse is not None
     assert even.slots.tolist() == [0, 1] and even.rank == 8 and even.group_len == 2
     assert even.first_slot == 0  # consecutive slots: the buffers are read in place
-    assert even.gather.tolist() == [0, 3, 2, 4] and even.mask.squeeze(1).tolist() == [1, 1, 1, 1]
+    assert even.gather.tolist() == [0, 3, 2, 4] and even.inverse.tolist() == [0, 0, 2, 1, 3]
+    assert even.token_mask is not None and even.token_mask.squeeze(1).tolist() == [1, 0, 1, 1, 1]
+    # base rows first, then equal groups in slot order: a view, no gather
+    dense = build_lora_batch([-1, 0, 0, 1, 1], [4, 4], torch.device("cpu"), torch.float32)
+    assert dense is not None and dense.dense_start == 1 and dense.group_len == 2 and dense.gather is None
+    padded = build_lora_batch([0, 0, 0, 1], [4, 4], torch.device("cpu"), torch.float32)
+    assert padded is not None and padded.gather is not None and padded.token_mask is None
+    assert padded.gather.tolist() == [0, 1, 2, 3, 3, 3] and padded.group_len == 3
     # a long prefill chunk beside two decodes: per-group rows, the chunk as a slice
     uneven = build_lora_batch([1] * 20 + [-1, 0, 2, 1], [4, 8, 4], torch.device("cpu"), torch.float32)
     assert uneven is not None and uneven.gather is None
@@ -417,3 +424,47 @@ def test_base_only_step_leaves_the_model_untouched(
     engine.generate([prompts()[0]], SamplingParams(max_tokens=2))
     assert isinstance(engine.runner, ModelRunner) and engine.runner.lora is not None
     assert engine.runner.lora.ctx.batch is None
+
+
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [-1, 0, 0, 1, 1, 3, 3],  # dense: base rows first, equal groups in slot order
+        [0, -1, 1, 0, 1],  # padded gather, consecutive slots read in place
+        [0, 2, 0, -1, 2],  # padded gather, slots 0 and 2: gathered, rank sliced
+        [3] * 12 + [0, -1, 2],  # per-group rows (a slice and single rows), gathered slots
+        [2, 0, 1] + [2] * 12,  # per-group rows with an index tensor, slots read in place
+    ],
+)
+def test_every_grouping_adds_each_tokens_own_update(token_slots: list[int]) -> None:
+    """All code paths of LoRALinear.add_delta against the per-token definition y + s x A^T B^T."""
+    from kvpilot.runtime.lora.layers import LoRAContext, LoRALinear, SubTarget
+
+    g = torch.Generator().manual_seed(3)
+    fan_in, fan_out, ranks, scaling = 12, 10, [2, 4, 3, 4], 0.5
+    ctx = LoRAContext()
+    layer = LoRALinear(
+        {"q_proj": SubTarget(0, 0, fan_out, 0, 0, fan_in)},
+        fan_in,
+        fan_out,
+        4,
+        4,
+        ctx,
+        torch.device("cpu"),
+        torch.float32,
+    )
+    weights = []
+    for slot, r in enumerate(ranks):
+        a, b = torch.randn(r, fan_in, generator=g), torch.randn(fan_out, r, generator=g)
+        layer.set_slot(slot, {"q_proj": (a, b)}, scaling)
+        weights.append((a, b))
+    x = torch.randn(len(token_slots), fan_in, generator=g)
+    base = torch.randn(len(token_slots), fan_out, generator=g)
+    ctx.batch = build_lora_batch(token_slots, ranks, torch.device("cpu"), torch.float32)
+    got = layer.add_delta(x, base.clone())
+    want = base.clone()
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            a, b = weights[slot]
+            want[t] += scaling * (x[t] @ a.t() @ b.t())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
