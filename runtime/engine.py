@@ -790,13 +790,12 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate and enqueue; raises ValueError (bad request), QueueFullError, EngineDeadError.
-        `lora`: the adapter to run with (None: the base model)."""
+        """Enqueue; raises QueueFullError or EngineDeadError. A request the engine can never run
+        (`LLMEngine.validate_request`, an adapter that is not loaded) fails its stream with
+        ValueError; the server checks the same limits before it submits (api_request.py), so its
+        clients get the 400 up front. `lora`: the adapter to run with (None: the base model)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
-        params.validate()
-        self.engine.validate_request(prompt_token_ids, params)
-        self.engine.lora_request(lora)
         if self._num_queued >= self.max_queue_len:
             raise QueueFullError(f"{self._num_queued} requests are already waiting (max_queue_len)")
         loop = asyncio.get_running_loop()

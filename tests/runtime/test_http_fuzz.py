@@ -23,7 +23,7 @@ from fake_engine import LiveServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.protocol import REFUSED_FIELDS
+from kvpilot.runtime.api_request import REFUSED_FIELDS
 
 pytestmark = pytest.mark.timeout(300)
 

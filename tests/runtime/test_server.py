@@ -107,7 +107,7 @@ def test_completion_sync(live: LiveServer, engine: FakeEngine) -> None:
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_len, 12)
     assert out.usage.total_tokens == prompt_len + 12
     _, ids, params = engine.added[0]
-    assert ids == engine.tokenizer.encode("Say hi") and params.max_tokens == 12 and params.n == 1
+    assert ids == engine.tokenizer.encode("Say hi") and params.max_tokens == 12
 
 
 def test_completion_default_max_tokens_fills_context(live: LiveServer, engine: FakeEngine) -> None:

@@ -4,18 +4,19 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
-from kvpilot.runtime.protocol import (
+from kvpilot.runtime.api_errors import APIError
+from kvpilot.runtime.api_request import (
     MAX_JSON_DEPTH,
     REFUSED_FIELDS,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     check_token_ids,
-    choice_params,
     parse_chat_request,
     parse_completion_request,
 )
+from kvpilot.runtime.output_processor import choice_params
 
 
 def body(**kw: Any) -> bytes:
@@ -134,8 +135,10 @@ def test_max_tokens_defaults_to_remaining_context() -> None:
 
 def test_negative_and_zero_max_tokens() -> None:
     for v in (0, -5):
-        e = params_error(parse_completion_request(body(prompt="hi", max_tokens=v)), 10, 100)
+        e = completion_error(body(prompt="hi", max_tokens=v))
         assert e.status == 400 and e.param == "max_tokens" and str(v) in e.message
+        e = chat_error(body(messages=[{"role": "user", "content": "x"}], max_completion_tokens=v))
+        assert e.status == 400 and e.param == "max_completion_tokens" and str(v) in e.message
 
 
 def test_prompt_plus_max_tokens_over_context_states_both_numbers() -> None:
@@ -166,7 +169,7 @@ def test_chat_max_completion_tokens_wins_and_is_named() -> None:
     assert params_error(req, 10, 100).param == "max_completion_tokens"
 
 
-# -- value ranges (SamplingParams.validate, reported with the parameter name) ---------------------
+# -- value ranges (pydantic constraints, reported with the parameter name) ----------------------
 
 
 @pytest.mark.parametrize(
@@ -183,13 +186,38 @@ def test_chat_max_completion_tokens_wins_and_is_named() -> None:
     ],
 )
 def test_out_of_range_values(field: str, value: float) -> None:
-    e = params_error(parse_completion_request(body(prompt="hi", **{field: value})), 5, 100)
-    assert e.status == 400 and e.param == field and e.message.startswith(f"'{field}'")
+    e = completion_error(body(prompt="hi", **{field: value}))
+    assert e.status == 400 and e.param == field and e.message.startswith(f"'{field}' must be")
+    assert e.message.endswith(f"got {value!r}")
+    e = chat_error(body(messages=[{"role": "user", "content": "x"}], **{field: value}))
+    assert e.status == 400 and e.param == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 0.0),
+        ("temperature", 100.0),
+        ("top_p", 1.0),
+        ("top_k", -1),
+        ("min_p", 1.0),
+        ("presence_penalty", -2.0),
+        ("frequency_penalty", 2.0),
+        ("repetition_penalty", 10.0),
+    ],
+)
+def test_range_bounds_are_accepted(field: str, value: float) -> None:
+    params = parse_completion_request(body(prompt="hi", **{field: value})).to_sampling_params(5, 100)
+    assert getattr(params, field) == value
 
 
 def test_min_tokens_over_max_tokens() -> None:
     e = params_error(parse_completion_request(body(prompt="hi", max_tokens=5, min_tokens=6)), 5, 100)
-    assert e.param == "min_tokens"
+    assert e.param == "min_tokens" and "6" in e.message and "5" in e.message
+    # against the default max_tokens too: what fits after the prompt
+    e = params_error(parse_completion_request(body(prompt="hi", min_tokens=96)), 5, 100)
+    assert e.param == "min_tokens" and "95" in e.message
+    assert completion_error(body(prompt="hi", min_tokens=-1)).param == "min_tokens"
 
 
 def test_n_and_logprobs_ranges() -> None:
@@ -311,12 +339,13 @@ def test_conversion_to_sampling_params() -> None:
         )
     )
     p = req.to_sampling_params(3, 100)
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.n) == (7, 0.0, 0.5, 4, 0.1, 3)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (7, 0.0, 0.5, 4, 0.1)
     assert p.stop == ["END"] and p.stop_token_ids == [9] and p.seed == 11 and p.logprobs == 2
     assert p.ignore_eos and p.min_tokens == 2 and not p.skip_special_tokens and p.include_stop_str_in_output
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
     c = choice_params(p, 2)
-    assert c.n == 1 and c.seed == 13 and p.seed == 11
+    assert c.seed == 13 and p.seed == 11 and c.max_tokens == p.max_tokens
+    assert choice_params(parse_completion_request(body(prompt="x")).to_sampling_params(1, 10), 2).seed is None
 
 
 def test_chat_logprobs_conversion() -> None:
@@ -329,7 +358,7 @@ def test_chat_logprobs_conversion() -> None:
 
 def test_defaults() -> None:
     p = parse_completion_request(body(prompt="x")).to_sampling_params(1, 10)
-    assert (p.temperature, p.top_p, p.top_k, p.n, p.seed, p.stop) == (1.0, 1.0, 0, 1, None, [])
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (1.0, 1.0, 0, None, [])
 
 
 # -- hostile bodies: every one a 400 naming what is wrong, never an exception ------------------------
@@ -373,14 +402,6 @@ def test_logit_bias_values_refuse_nan() -> None:
     assert completion_error(b'{"prompt": "x", "logit_bias": {"5": NaN}}').param.startswith("logit_bias")
 
 
-def test_sampling_params_validate_refuses_nan() -> None:
-    from kvpilot.runtime.sampling_params import SamplingParams
-
-    for field in FLOAT_FIELDS:
-        with pytest.raises(ValueError, match=field):
-            SamplingParams(**{field: float("nan")}).validate()
-
-
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
 def test_seed_out_of_range_names_seed(seed: int) -> None:
     e = completion_error(body(prompt="x", seed=seed))
@@ -392,7 +413,7 @@ def test_extreme_seeds_in_range_are_accepted() -> None:
         req = parse_completion_request(body(prompt="x", seed=seed, n=3))
         params = req.to_sampling_params(2, 100)
         for i in range(3):
-            choice_params(params, i).validate()
+            torch.Generator().manual_seed(choice_params(params, i).seed)  # in the generator's range
 
 
 # -- vLLM fields whose meaning is not implemented -------------------------------------------------
@@ -474,10 +495,9 @@ def test_default_max_tokens_fits_the_kv_pool() -> None:
     with pytest.raises(APIError) as info:
         req.to_sampling_params(64, 1000, kv_capacity=64)
     assert info.value.param == "prompt" and "64" in info.value.message
-    # an explicit max_tokens is the client's choice: the engine refuses it if it can never fit
-    assert (
-        parse_completion_request(body(prompt="x", max_tokens=500))
-        .to_sampling_params(10, 1000, kv_capacity=64)
-        .max_tokens
-        == 500
-    )
+    # an explicit max_tokens that can never fit in the pool is refused here, naming it
+    req = parse_completion_request(body(prompt="x", max_tokens=500))
+    with pytest.raises(APIError) as info:
+        req.to_sampling_params(10, 1000, kv_capacity=64)
+    assert info.value.param == "max_tokens" and "510" in info.value.message and "64" in info.value.message
+    assert req.to_sampling_params(10, 1000, kv_capacity=510).max_tokens == 500

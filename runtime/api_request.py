@@ -1,54 +1,39 @@
-"""The OpenAI-compatible API surface: request models, validation, conversion to `SamplingParams`,
-and the response/chunk bodies.
+"""The request side of the OpenAI-compatible API: body parsing, request models, validation, and the
+conversion of a request into what the engine runs (`prepare_completion` / `prepare_chat`).
 
-Requests are pydantic models in strict mode (a string where a number belongs is an error, not a
-coercion). Every rejection is an `APIError` whose message names the parameter, so a client can act
-on it. Responses are built as plain dicts by small functions: the streaming path builds one per
-token, and dicts keep the exact OpenAI shapes (explicit nulls included) without a model round trip.
+Validation lives here and only here, in three steps that each name the parameter they refuse:
+1. the pydantic models: types (strict mode: a string where a number belongs is an error, not a
+   coercion) and value ranges as field constraints;
+2. `validate_request()`: combinations and features this server does not implement;
+3. `to_sampling_params()`: what depends on the prompt and the server (context length, KV pool).
+
+Seams for new request features:
+- a request field that changes how tokens are chosen becomes a field of `SamplingParams` (one per
+  sequence, what the engine sees) in `_SamplingFields.to_sampling_params`;
+- a field that changes how output is turned into a response (tool calls, say) travels on
+  `GenerationRequest` to the output processor and the renderers;
+- `REFUSED_FIELDS` lists the vLLM fields whose meaning is not implemented; implementing one means
+  deleting its entry and adding the field to a model below.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvpilot.runtime.api_errors import APIError
 from kvpilot.runtime.sampling_params import SamplingParams
 
+MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_CHOICES = 1024  # n * number of prompts in one request
 MAX_JSON_DEPTH = 64  # the deepest legitimate body (chat content parts) nests 4 levels
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch's generator seeds; seed + choice index stays in range
-# Logprobs can be -inf in float32; JSON has no infinity, so clamp like vLLM does.
-MIN_LOGPROB = -9999.0
-
-
-class APIError(Exception):
-    """An error the client sees as an OpenAI error body."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class ChatTokenizer(Protocol):
@@ -120,6 +105,7 @@ def _top(path: str) -> str | None:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
 def _loc_to_param(loc: Sequence[int | str]) -> str:
@@ -145,6 +131,9 @@ def validation_error_to_api(e: ValidationError) -> APIError:
         return APIError(f"'{param}' is a required parameter", param=param)
     if err["type"] == "extra_forbidden":
         return APIError(f"unrecognized parameter '{param}'", param=param)
+    if err["type"] in _RANGE_ERRORS:  # "Input should be greater than 0" -> "'top_p' must be greater than 0"
+        bound = msg.removeprefix("Input should be ")
+        return APIError(f"'{param}' must be {bound}, got {err['input']!r}", param=param)
     return APIError(f"invalid value for '{param}': {msg}", param=param)
 
 
@@ -220,27 +209,28 @@ def check_refused_fields(data: dict[str, Any]) -> None:
 
 
 class _SamplingFields(_Strict):
-    """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI plus vLLM extras)."""
+    """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI plus vLLM extras).
+    Ranges are field constraints; `validate_request` checks what spans fields."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1 disables top-k
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -262,6 +252,11 @@ class _SamplingFields(_Strict):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous
 
+    @property
+    def prompt_param(self) -> str:
+        """The parameter that carries the prompt, named in errors about its length."""
+        return "prompt"
+
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
@@ -277,11 +272,10 @@ class _SamplingFields(_Strict):
                 code="model_not_found",
             )
 
-    def _check_common(self) -> None:
+    def validate_request(self) -> None:
+        """Checks that span fields, and features that are refused; subclasses add their own."""
         if self.logit_bias:
             raise APIError("'logit_bias' is not supported", param="logit_bias")
-        if not 1 <= self.n <= 128:
-            raise APIError(f"'n' must be between 1 and 128, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         so = self.stream_options
@@ -296,19 +290,21 @@ class _SamplingFields(_Strict):
     def to_sampling_params(
         self, prompt_len: int, max_model_len: int, kv_capacity: int | None = None
     ) -> SamplingParams:
-        """Validate against the prompt's length and build the engine's parameters (n is kept).
-        `kv_capacity`: the tokens the whole KV pool holds, when that is less than max_model_len."""
+        """Check the request against the prompt's length and build the engine's per-sequence
+        parameters. `kv_capacity`: the tokens the whole KV pool holds (the longest sequence that can
+        ever run), when known. Every request field that changes how the engine picks tokens is
+        mapped here."""
         max_tokens, mt_param = self._requested_max_tokens()
-        prompt_param = "messages" if isinstance(self, ChatCompletionRequest) else "prompt"
+        prompt_param = self.prompt_param
         if prompt_len >= max_model_len:
             raise APIError(
                 f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                 f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
                 param=prompt_param,
             )
+        fits = max_model_len if kv_capacity is None else min(max_model_len, kv_capacity)
         if max_tokens is None:
             # vLLM's default: whatever fits, here in the context and in the KV pool
-            fits = max_model_len if kv_capacity is None else min(max_model_len, kv_capacity)
             if prompt_len >= fits:
                 raise APIError(
                     f"the prompt has {prompt_len} tokens, but this server's KV cache holds at most {fits} "
@@ -317,8 +313,6 @@ class _SamplingFields(_Strict):
                     param=prompt_param,
                 )
             max_tokens = fits - prompt_len
-        elif max_tokens < 1:
-            raise APIError(f"'{mt_param}' must be at least 1, got {max_tokens}", param=mt_param)
         elif prompt_len + max_tokens > max_model_len:
             raise APIError(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -326,9 +320,21 @@ class _SamplingFields(_Strict):
                 f"completion). Please reduce the prompt or '{mt_param}'.",
                 param=mt_param,
             )
+        elif prompt_len + max_tokens > fits:
+            raise APIError(
+                f"the request needs {prompt_len + max_tokens} tokens of KV cache ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion), but this server's KV cache holds at most {fits} tokens "
+                f"for one request. Please reduce the prompt or '{mt_param}'.",
+                param=mt_param,
+            )
+        if self.min_tokens > max_tokens:
+            raise APIError(
+                f"'min_tokens' ({self.min_tokens}) must not exceed the completion's maximum of {max_tokens} "
+                f"tokens ('{mt_param}' or what fits after the prompt)",
+                param="min_tokens",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        params = SamplingParams(
-            n=self.n,
+        return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -346,39 +352,22 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
-        try:
-            params.validate()
-        except ValueError as e:
-            msg = str(e)
-            param = msg.split()[0]
-            if param == "max_tokens":
-                param = mt_param
-            elif param == "logprobs" and isinstance(self, ChatCompletionRequest):
-                param = "top_logprobs"
-            raise APIError(
-                f"'{param}' {msg[len(param) + 1 :]}" if msg.startswith(param) else msg, param=param
-            ) from None
-        return params
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked in token_prompts()
-    logprobs: int | None = None
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked in prompt_list()
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
     def validate_request(self) -> None:
-        self._check_common()
+        super().validate_request()
         self.prompt_list()
         if self.suffix:
             raise APIError("'suffix' is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("'best_of' is not supported (use 'n')", param="best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", param="logprobs"
-            )
         if self.echo and self.logprobs is not None:
             raise APIError(
                 "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo"
@@ -465,9 +454,9 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -477,8 +466,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM's: prepend the last message; not implemented, refused when true
 
+    @property
+    def prompt_param(self) -> str:
+        return "messages"
+
     def validate_request(self) -> None:
-        self._check_common()
+        super().validate_request()
         if not self.messages:
             raise APIError("'messages' must be a non-empty list", param="messages")
         if self.tools or self.functions:
@@ -495,14 +488,8 @@ class ChatCompletionRequest(_SamplingFields):
                 "(no guided decoding); use 'text' or leave it out",
                 param="response_format",
             )
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(
-                    f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
-                    param="top_logprobs",
-                )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -550,154 +537,118 @@ def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> N
         raise APIError(f"'{param}' contains token id {bad[0]} outside the vocabulary", param=param)
 
 
-def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """Each of the n choices is its own engine request: n=1, and seed+choice so they differ."""
-    seed = None if params.seed is None else params.seed + choice
-    return replace(params, n=1, seed=seed)
-
-
 # ----------------------------------------------------------------------------------------------
-# Responses
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def clamp_logprob(lp: float) -> float:
-    return lp if lp >= MIN_LOGPROB else MIN_LOGPROB
-
-
-def completion_body(
-    request_id: str,
-    model: str,
-    created: int,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, int] | None,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
-def completion_choice(
-    index: int,
-    text: str,
-    logprobs: dict[str, Any] | None,
-    finish_reason: str | None,
-    stop_reason: int | str | None = None,
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
-
-
-def chat_body(
-    request_id: str,
-    model: str,
-    created: int,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, int] | None,
-    chunk: bool = False,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chunk else "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
-def chat_choice(
-    index: int,
-    text: str,
-    logprobs: dict[str, Any] | None,
-    finish_reason: str | None,
-    stop_reason: int | str | None = None,
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
+# Preparation: a parsed request, tokenized and checked against the server, as the engine runs it
 
 
 @dataclass(frozen=True)
-class TokenText:
-    """How a token appears in logprobs: its text and its exact bytes."""
+class ServingLimits:
+    """What a request is checked against, from the engine."""
 
-    text: str
-    bytes: list[int]
-
-
-LogprobEntry = tuple[TokenText, float, list[tuple[TokenText, float]]]  # (token, logprob, top alternatives)
-
-
-def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int) -> dict[str, Any]:
-    """The legacy completions format; `text_offset` is where the first token's text starts."""
-    offsets = []
-    for tok, _, _ in entries:
-        offsets.append(text_offset)
-        text_offset += len(tok.text)
-    return {
-        "tokens": [tok.text for tok, _, _ in entries],
-        "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{t.text: v for t, v in top} for _, _, top in entries],
-        "text_offset": offsets,
-    }
+    max_model_len: int
+    kv_capacity_tokens: int  # the whole KV pool: the longest sequence that can ever run
+    max_queue_len: int  # a request with more choices than this could never be admitted
+    vocab_size: int | None
 
 
-def chat_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": tok.text,
-                "logprob": lp,
-                "bytes": tok.bytes,
-                "top_logprobs": [{"token": t.text, "logprob": v, "bytes": t.bytes} for t, v in top],
-            }
-            for tok, lp, top in entries
-        ],
-        "refusal": None,
-    }
+@dataclass
+class PromptInput:
+    """One prompt of a request; it becomes `n` choices, each its own engine sequence."""
+
+    token_ids: list[int]
+    params: SamplingParams  # per prompt: the default max_tokens depends on its length
+    echo_text: str = ""  # completions with echo: the prompt, put in front of each choice's text
 
 
-def chat_chunk_choice(
-    index: int,
-    delta: dict[str, Any],
-    logprobs: dict[str, Any] | None,
-    finish_reason: str | None,
-    stop_reason: int | str | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": index,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    return choice
+@dataclass
+class GenerationRequest:
+    """A validated, tokenized request: what the output processor runs and the renderers answer."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    prompts: list[PromptInput]
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.prompts)
+
+
+def _check_admissible(num_choices: int, limits: ServingLimits) -> None:
+    """Each choice waits in the engine's queue; more than --max-queue-len can never be admitted
+    (a 429 would be retried forever), so that is the client's error."""
+    if num_choices > limits.max_queue_len:
+        raise APIError(
+            f"the request asks for {num_choices} choices (n x prompts), more than this server's "
+            f"--max-queue-len of {limits.max_queue_len}; lower 'n' or split the request",
+            param="n",
+        )
+
+
+def _params(req: _SamplingFields, prompt_len: int, limits: ServingLimits) -> SamplingParams:
+    params = req.to_sampling_params(prompt_len, limits.max_model_len, limits.kv_capacity_tokens)
+    check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    return params
+
+
+def prepare_completion(
+    body: bytes, tokenizer: ChatTokenizer, limits: ServingLimits, served_name: str
+) -> GenerationRequest:
+    req = parse_completion_request(body)
+    req.check_model(served_name)
+    prompts = req.prompt_list()
+    _check_admissible(len(prompts) * req.n, limits)
+    inputs: list[PromptInput] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+            if not ids:
+                raise APIError("'prompt' encodes to zero tokens", param="prompt")
+        else:
+            ids = prompt
+            check_token_ids(ids, limits.vocab_size, "prompt")
+        echo = ""
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False)
+        inputs.append(PromptInput(ids, _params(req, len(ids), limits), echo))
+    return GenerationRequest(
+        "completion",
+        f"cmpl-{uuid.uuid4().hex}",
+        inputs,
+        req.n,
+        req.stream,
+        req.include_usage,
+        req.continuous_usage,
+        req.cache_salt,
+    )
+
+
+def prepare_chat(
+    body: bytes, tokenizer: ChatTokenizer, limits: ServingLimits, served_name: str
+) -> GenerationRequest:
+    req = parse_chat_request(body)
+    req.check_model(served_name)
+    _check_admissible(req.n, limits)
+    messages = req.template_messages()
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:
+        raise APIError(
+            f"'messages' could not be formatted with the chat template: {e}", param="messages"
+        ) from None
+    # The template already has the special tokens (BOS) it wants.
+    ids = list(tokenizer.encode(rendered, add_special_tokens=False))
+    return GenerationRequest(
+        "chat",
+        f"chatcmpl-{uuid.uuid4().hex}",
+        [PromptInput(ids, _params(req, len(ids), limits))],
+        req.n,
+        req.stream,
+        req.include_usage,
+        req.continuous_usage,
+        req.cache_salt,
+    )
