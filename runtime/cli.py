@@ -254,7 +254,10 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
     from kvpilot.runtime.server import OpenAIServer, ServerSettings
 
     settings = ServerSettings(
-        model_name=cfg.model_name, api_key=api_key, shutdown_timeout=cfg.shutdown_timeout
+        model_name=cfg.model_name,
+        api_key=api_key,
+        shutdown_timeout=cfg.shutdown_timeout,
+        lora_runtime_updates=cfg.enable_lora_runtime_updates,
     )
     server = OpenAIServer(settings)
 

@@ -22,7 +22,7 @@ import torch
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.lora.adapter import LoRAError
-from kvpilot.runtime.lora.request import LoRARequest, new_request
+from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest, new_request
 from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -262,7 +262,7 @@ class LLMEngine:
         # Test hook: called with the scheduled batch right before the model runs (fault injection).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
         self.loras: dict[str, LoRARequest] = {}  # loaded adapters by served name
-        self.lora_ranks: dict[str, int] = {}
+        self.adapters: dict[str, LoadedAdapter] = {}
         for lora_name, lora_path in cfg.lora_modules.items():
             try:
                 self.add_lora(lora_name, lora_path)
@@ -405,7 +405,7 @@ class LLMEngine:
             self._check_unused(name, "replaced")
         rank = self.runner.add_lora(name, path)
         self.loras[name] = new_request(name)
-        self.lora_ranks[name] = rank
+        self.adapters[name] = LoadedAdapter(name, path, rank)
         log.info("LoRA adapter %r loaded from %s (rank %d)", name, path, rank)
         return self.loras[name]
 
@@ -416,7 +416,7 @@ class LLMEngine:
         self._check_unused(name, "unloaded")
         self.runner.remove_lora(name)
         del self.loras[name]
-        del self.lora_ranks[name]
+        del self.adapters[name]
         log.info("LoRA adapter %r unloaded", name)
 
     def _check_unused(self, name: str, what: str) -> None:
@@ -835,9 +835,9 @@ class AsyncEngine:
 
     # -- LoRA adapters -------------------------------------------------------------------------
     @property
-    def loras(self) -> dict[str, int]:
-        """Loaded adapters: name -> rank."""
-        return dict(self.engine.lora_ranks)
+    def loras(self) -> list[LoadedAdapter]:
+        """The loaded adapters, in load order."""
+        return list(self.engine.adapters.values())
 
     @property
     def lora_enabled(self) -> bool:

@@ -24,3 +24,12 @@ class LoRARequest:
 def new_request(name: str) -> LoRARequest:
     """A fresh identity for an adapter that was just loaded under `name`."""
     return LoRARequest(name, next(_adapter_ids))
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """What `/v1/models` says about a loaded adapter."""
+
+    name: str
+    path: str
+    rank: int
