@@ -5,7 +5,7 @@ kvpilot autoscaler run [--kubeconfig F] [--namespace NS | --all-namespaces] [--i
                        [--health-port 8081] [--metrics-port 8080]
 kvpilot autoscaler simulate --trace FILE(.csv|.jsonl) --policy kvpilot|static|moving-average
                        [--calibration NAME|FILE] [--startup-s S] [--slo-ttft S] [--slo-tpot S]
-                       [--min-replicas N] [--max-replicas N] [--router round-robin|least-loaded]
+                       [--min-replicas N] [--max-replicas N] [--router round-robin|least-loaded|router:POLICY]
                        [--time-scale F] [--rate-scale R] [--startup-sweep] ...   (prints one JSON object)
 kvpilot autoscaler simulate --list-calibrations
 """
@@ -23,6 +23,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from kvpilot.autoscaler.sim_routing import ROUTER_POLICY_NAMES
 from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets, SloTargets
 from kvpilot.autoscaler.trace import TraceError, load_per_minute, load_trace, scale_trace
 
@@ -194,9 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--router",
-        choices=("round-robin", "least-loaded"),
+        choices=("round-robin", "least-loaded", *ROUTER_POLICY_NAMES),
         default="round-robin",
-        help="request-to-replica assignment (least-loaded holds requests in a central queue)",
+        help="request-to-replica assignment: round-robin (a plain Service), least-loaded (holds requests "
+        "in a central queue), or router:<policy>, the fleet router's own policy code",
     )
     sim.add_argument(
         "--time-scale", type=_positive_float("--time-scale"), default=1.0, help="stretch the trace's time"
@@ -467,25 +469,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
 # -- run -----------------------------------------------------------------------------------------------
 
 
-def _load_kube(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig)
-    else:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-    return client.ApiClient()
-
-
 def _run_controller(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_source == "prometheus" and not args.prometheus_url:
         log.warning("--metrics-source prometheus without --prometheus-url: specs must give prometheus.url")
+    from kvpilot.kube.client import load_api_client
+
     try:
-        api_client = _load_kube(args.kubeconfig)
+        api_client = load_api_client(args.kubeconfig)
     except Exception as exc:
         where = (
             f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster config or ~/.kube/config"
@@ -500,13 +491,13 @@ def _run_controller(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, api_client: Any) -> int:
     from prometheus_client import REGISTRY, start_http_server
 
-    from kvpilot.autoscaler.controller import Controller, ControllerConfig
+    from kvpilot.autoscaler.controller import ControllerConfig, ScalingController
     from kvpilot.autoscaler.election import AlwaysLeader, LeaseElection, lease_election
-    from kvpilot.autoscaler.health import LoopHealth
     from kvpilot.autoscaler.kube import KubernetesApi
+    from kvpilot.autoscaler.liveness import LoopHealth
     from kvpilot.autoscaler.metrics import AutoscalerMetrics
-    from kvpilot.health import start_health_server
-    from kvpilot.operator.leader import default_identity
+    from kvpilot.kube.health import start_health_server
+    from kvpilot.kube.lease import default_identity
 
     identity = args.identity or default_identity()
     elector: Any = AlwaysLeader()
@@ -533,7 +524,9 @@ async def _serve(args: argparse.Namespace, api_client: Any) -> int:
             servers.append(start_health_server(args.health_port, health.checks()))
         if args.metrics_port:
             servers.append(start_http_server(args.metrics_port, registry=metrics.registry)[0])
-        controller = Controller(KubernetesApi(api_client), cfg, elector=elector, observers=[metrics, health])
+        controller = ScalingController(
+            KubernetesApi(api_client), cfg, elector=elector, observers=[metrics, health]
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

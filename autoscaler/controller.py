@@ -6,7 +6,7 @@ then (scale-down only) mark the least-loaded pods cheapest to delete, write spec
 scale subresource, record status.autoscaler and status.kvCacheUsage, and emit an Event.
 
 What the loop does is reported to `SyncObserver`s (the Prometheus metrics of
-kvpilot.autoscaler.metrics, the liveness state of kvpilot.autoscaler.health); the controller itself
+kvpilot.autoscaler.metrics, the liveness state of kvpilot.autoscaler.liveness); the controller itself
 keeps no counters.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpilot.api.models import MODEL_LABEL
 from kvpilot.autoscaler.election import AlwaysLeader, is_leader
 from kvpilot.autoscaler.kube import DELETION_COST, KubeApi, Obj
 from kvpilot.autoscaler.policy import Decision, decide
@@ -37,7 +38,6 @@ from kvpilot.autoscaler.state import decision_to_status, history_from_status, kv
 
 log = logging.getLogger(__name__)
 
-MODEL_LABEL = "kvpilot.dev/model"
 RUNTIME_PORT = 8000
 DEFAULT_MAX_NUM_SEQS = 64  # kvpilot.runtime.config.EngineConfig.max_num_seqs
 # A ready pod that did not report is never cheap to delete: it is not known to be idle.
@@ -162,7 +162,7 @@ class SyncObserver:
         """spec.replicas was written through the scale subresource."""
 
 
-class Controller:
+class ScalingController:
     def __init__(
         self,
         api: KubeApi,

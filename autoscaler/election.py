@@ -1,6 +1,6 @@
 """Leader election: only one autoscaler acts, however many `kvpilot autoscaler run` replicas there are.
 
-The Lease mechanics are the operator's (`kvpilot.operator.leader.LeaderElector`: client-go semantics,
+The Lease mechanics are the shared platform layer's (`kvpilot.kube.lease.LeaderElector`: client-go semantics,
 resourceVersion-guarded writes, release on a clean stop). The controller only asks "am I the leader
 now?" before each sync and before writing each model, so it codes against the small `LeaderElector`
 Protocol below; `LeaseElection` campaigns in a background thread.
@@ -38,7 +38,7 @@ class AlwaysLeader:
 class LeaseElection:
     """Campaign for a Lease in a thread; `is_leader` while this process holds it.
 
-    `elector` is a kvpilot.operator.leader.LeaderElector: anything with `is_leader` and a blocking
+    `elector` is a kvpilot.kube.lease.LeaderElector: anything with `is_leader` and a blocking
     `campaign(stop, lost)` (older versions: `run(stop, lost)`) that returns when `stop` is set, after
     releasing the Lease, or when leadership is lost, after setting `lost`.
     """
@@ -89,16 +89,16 @@ def lease_election(
 
     Timings left as None take the elector's defaults (15 s lease, 10 s renew deadline, 5 s retry).
     """
-    from kvpilot.operator import leader
+    from kvpilot.kube import lease
 
-    elector = leader.LeaderElector(
-        leader.KubeLeaseStore(api_client),
+    elector = lease.LeaderElector(
+        lease.KubeLeaseStore(api_client),
         namespace=namespace,
         name=lease_name,
         identity=identity,
-        lease_duration=leader.LEASE_DURATION_S if lease_duration is None else lease_duration,
-        renew_deadline=leader.RENEW_DEADLINE_S if renew_deadline is None else renew_deadline,
-        retry_period=leader.RETRY_PERIOD_S if retry_period is None else retry_period,
+        lease_duration=lease.LEASE_DURATION_S if lease_duration is None else lease_duration,
+        renew_deadline=lease.RENEW_DEADLINE_S if renew_deadline is None else renew_deadline,
+        retry_period=lease.RETRY_PERIOD_S if retry_period is None else retry_period,
     )
     return LeaseElection(elector)
 

@@ -21,8 +21,11 @@ given the request and one view per Ready, non-draining replica (load, free KV, t
 hit there), returning the index into `replicas` to send it to, or None to hold it in the fleet's
 central FIFO queue. Queued requests are offered again, oldest first, whenever a replica finishes a
 step or becomes Ready, until the router holds the oldest. Routers have a `name`. Two are here:
-`RoundRobin` (today's behaviour: per-replica queues, never holds) and `LeastLoaded` (the replica with
+`RoundRobin` (a plain Service: per-replica queues, never holds) and `LeastLoaded` (the replica with
 the fewest requests in flight among those with a free batch slot and KV for the prompt, else hold).
+`ROUTERS` also has the fleet router's policies as `router:<policy>` (round-robin, least-loaded,
+prefix-affinity, kv-aware): `kvpilot.router.policy`, the code `kvpilot router` runs, through the one
+adapter in sim_routing.py, shown what the router would know of each pod.
 
 The fleet: a replica that is scaled up becomes Ready after calibration.startup_s; scale-down removes
 starting replicas first, then drains the least-loaded Ready ones (no new requests, in-flight ones
@@ -40,14 +43,17 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.sim_routing import PREFIX, PolicyRouter
 from kvpilot.autoscaler.slo import Slo
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
+from kvpilot.router.policy import POLICIES
 
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 
@@ -132,7 +138,13 @@ class LeastLoaded:
         return best
 
 
-ROUTERS = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
+# Router factories by name: the two built in here, and the fleet router's own policies
+# (`router:<policy>`, kvpilot.router.policy through sim_routing.PolicyRouter).
+ROUTERS: dict[str, Callable[[], Router]] = {
+    "round-robin": RoundRobin,
+    "least-loaded": LeastLoaded,
+    **{PREFIX + p: partial(PolicyRouter, p) for p in POLICIES},
+}
 
 
 @dataclass(eq=False)

@@ -25,11 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.api.models import DEFAULT_TPOT_S, DEFAULT_TTFT_PREFILL_FACTOR, DEFAULT_TTFT_S
 from kvpilot.autoscaler.calibration import Calibration
-
-DEFAULT_TTFT_S = 2.0
-DEFAULT_TPOT_S = 0.05
-DEFAULT_TTFT_PREFILL_FACTOR = 2.0
 
 
 @dataclass(frozen=True)

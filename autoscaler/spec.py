@@ -1,6 +1,7 @@
 """Scaling targets: the InferenceModel's `spec.autoscaling` block plus the policy's tuning knobs.
 
-The spec fields come from the CRD (docs/crd-contract.md); the knobs (tolerance, rate limits, burst
+The spec fields and their defaults come from the shared InferenceModel API (`kvpilot.api.models`,
+docs/crd-contract.md); the knobs (tolerance, rate limits, burst
 mode) are the autoscaler's own defaults, settable from the command line and the simulator.
 """
 
@@ -11,8 +12,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from kvpilot.api.models import (
+    DEFAULT_MIN_REPLICAS,
+    DEFAULT_SCALE_DOWN_STABILIZATION_S,
+    DEFAULT_SCALE_UP_STABILIZATION_S,
+    DEFAULT_TARGET_KV_CACHE_UTILIZATION,
+    DEFAULT_TARGET_QUEUE_DEPTH,
+    DEFAULT_TPOT_S,
+    DEFAULT_TTFT_PREFILL_FACTOR,
+    DEFAULT_TTFT_S,
+)
 from kvpilot.autoscaler.calibration import Calibration
-from kvpilot.autoscaler.slo import DEFAULT_TPOT_S, DEFAULT_TTFT_PREFILL_FACTOR, DEFAULT_TTFT_S, Slo
+from kvpilot.autoscaler.slo import Slo
 
 MetricsSourceName = Literal["pods", "prometheus"]
 
@@ -136,12 +147,12 @@ class SloTargets:
 class ScalingTargets:
     """Everything the pure policy needs to know about what the user asked for."""
 
-    min_replicas: int = 1
+    min_replicas: int = DEFAULT_MIN_REPLICAS
     max_replicas: int = 1
-    target_kv_cache_utilization: float = 0.7
-    target_queue_depth: float = 4.0
-    scale_up_stabilization_s: float = 0.0
-    scale_down_stabilization_s: float = 300.0
+    target_kv_cache_utilization: float = DEFAULT_TARGET_KV_CACHE_UTILIZATION
+    target_queue_depth: float = DEFAULT_TARGET_QUEUE_DEPTH
+    scale_up_stabilization_s: float = float(DEFAULT_SCALE_UP_STABILIZATION_S)
+    scale_down_stabilization_s: float = float(DEFAULT_SCALE_DOWN_STABILIZATION_S)
     behavior: Behavior = Behavior()
     # Batch slots per replica (the runtime's max_num_seqs), when known: running / max_num_seqs counts
     # as utilization alongside KV use, so a replica whose batch is full is not read as idle.
@@ -185,15 +196,21 @@ class ScalingTargets:
         max_num_seqs: int | None = None,
     ) -> ScalingTargets:
         """Build from the CR's `spec.autoscaling` (camelCase keys, CRD defaults applied here too)."""
-        min_r = int(autoscaling.get("minReplicas", 1))
+        min_r = int(autoscaling.get("minReplicas", DEFAULT_MIN_REPLICAS))
         slo_block = autoscaling.get("slo")
         return cls(
             min_replicas=min_r,
             max_replicas=int(autoscaling.get("maxReplicas", max(1, min_r))),
-            target_kv_cache_utilization=float(autoscaling.get("targetKVCacheUtilization", 0.7)),
-            target_queue_depth=float(autoscaling.get("targetQueueDepth", 4.0)),
-            scale_up_stabilization_s=float(autoscaling.get("scaleUpStabilizationSeconds", 0)),
-            scale_down_stabilization_s=float(autoscaling.get("scaleDownStabilizationSeconds", 300)),
+            target_kv_cache_utilization=float(
+                autoscaling.get("targetKVCacheUtilization", DEFAULT_TARGET_KV_CACHE_UTILIZATION)
+            ),
+            target_queue_depth=float(autoscaling.get("targetQueueDepth", DEFAULT_TARGET_QUEUE_DEPTH)),
+            scale_up_stabilization_s=float(
+                autoscaling.get("scaleUpStabilizationSeconds", DEFAULT_SCALE_UP_STABILIZATION_S)
+            ),
+            scale_down_stabilization_s=float(
+                autoscaling.get("scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_STABILIZATION_S)
+            ),
             behavior=behavior or Behavior(),
             max_num_seqs=max_num_seqs,
             slo=SloTargets.from_spec(slo_block) if slo_block else None,

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from kvpilot.net import free_port
 
 MODEL = "smollm2-135m-instruct"
 
@@ -55,12 +56,6 @@ def cpu_info() -> dict[str, Any]:
         # a shared machine: every hop's wake-up waits behind this many runnable processes
         "load_average_1m": round(os.getloadavg()[0], 1),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:

@@ -33,7 +33,6 @@ import itertools
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvpilot.net import free_port
 
 # OpenMP threads that spin while they wait for work are a disaster on a shared 2-core machine: a
 # barrier waits for a descheduled sibling every op (HF decode step 3.2 s active vs 0.12 s passive at
@@ -514,12 +515,6 @@ def hf_pick_dtype(
 
 # ---------------------------------------------------------------------------------------------
 # HTTP servers (llama-server, kvpilot serve) and the OpenAI client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:

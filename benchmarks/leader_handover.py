@@ -14,7 +14,6 @@ import json
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,14 +25,10 @@ from typing import Any
 
 from kubernetes import client, config
 
+from kvpilot.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 LEASE = "kvpilot-operator"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_model() -> str:

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,10 @@ from typing import Any
 
 from kubernetes import client, config, watch
 
+from kvpilot.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "inferencemodels"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,13 +25,6 @@ CLUSTER = E2E_DIR / "cluster"
 E2E_NODE_LABEL = "kvpilot.dev/e2e-node"
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ClusterUnavailable(Exception):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e.harness import free_port
+from kvpilot.net import free_port
 
 log = logging.getLogger("e2e.localpods")
 
@@ -166,6 +166,12 @@ class LocalKubelet:
         """Base URLs a Service would route to now: Ready processes of pods that still exist."""
         with self._lock:
             return sorted(p.url for p in self.pods.values() if p.ready_at is not None and not p.terminating)
+
+    def ready_urls(self) -> dict[str, str]:
+        """{pod name: base URL} of the Ready processes of pods that still exist (pod networking for a
+        router that discovers pods by name through the API server)."""
+        with self._lock:
+            return {p.name: p.url for p in self.pods.values() if p.ready_at is not None and not p.terminating}
 
     def live(self) -> list[LocalPod]:
         with self._lock:

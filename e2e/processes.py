@@ -8,7 +8,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from e2e.harness import Cluster, free_port, wait_until
+from e2e.harness import Cluster, wait_until
+from kvpilot.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

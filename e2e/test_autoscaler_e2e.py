@@ -33,9 +33,10 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness import Cluster, Kubectl, free_port, wait_until
+from e2e.harness import Cluster, Kubectl, wait_until
 from e2e.localpods import LocalKubelet, openai_load
 from e2e.processes import OperatorProcess, stop_process
+from kvpilot.net import free_port
 from tests.needs import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from e2e import control_plane as cp
-from e2e.harness import free_port
+from kvpilot.net import free_port
 
 NAME = "kvpilot-fake-component"
 started: list[int] = []  # every stand-in a test started, killed afterwards

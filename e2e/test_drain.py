@@ -22,7 +22,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from e2e.harness import free_port, wait_until
+from e2e.harness import wait_until
+from kvpilot.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_FLIGHT = 32

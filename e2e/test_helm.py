@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness import Cluster, Kubectl, free_port, wait_until
+from e2e.harness import Cluster, Kubectl, wait_until
 from e2e.processes import stop_process
+from kvpilot.net import free_port
 from tests.charts.lua_health import health
 from tests.charts.tools import CHART, helm
 

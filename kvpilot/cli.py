@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpilot.runtime.cli", "serve a model with the OpenAI-compatible API"),
     "bench": ("kvpilot.runtime.bench_cli", "offline throughput benchmark of the runtime"),
     "operator": ("kvpilot.operator.cli", "run the InferenceModel operator"),
-    "crds": ("kvpilot.operator.crds_cli", "print or write the generated CRD YAML"),
+    "crds": ("kvpilot.api.crds_cli", "print or write the generated CRD YAML"),
     "autoscaler": ("kvpilot.autoscaler.cli", "run the autoscaler, or simulate a policy on a trace"),
     "router": ("kvpilot.router.cli", "route OpenAI requests to the pods of many models (one endpoint)"),
 }

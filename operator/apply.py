@@ -14,8 +14,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.kube.client import Kube
 from kvpilot.operator.builders import APPLIED_HASH_ANNOTATION, FIELD_MANAGER, stable_hash
-from kvpilot.operator.kube import Kube
 
 
 def stamp(desired: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,11 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator.models import (
+from kvpilot.api.models import (
     API_VERSION,
+    GPU_TYPE_LABEL,
     KIND,
+    MODEL_LABEL,
     InferenceModel,
     InferenceModelSpec,
     OOMOverrides,
@@ -31,8 +33,6 @@ CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE}"
 MODELS_DIR = "/models"
 HTTP_PORT = 8000
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_TYPE_LABEL = "kvpilot.dev/gpu-type"
-MODEL_LABEL = "kvpilot.dev/model"
 CONFIG_HASH_ANNOTATION = "kvpilot.dev/config-hash"
 APPLIED_HASH_ANNOTATION = "kvpilot.dev/applied-hash"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvpilot import __version__
-from kvpilot.health import Probe
-from kvpilot.health import start_health_server as serve_health
+from kvpilot.kube.health import Probe
+from kvpilot.kube.health import start_health_server as serve_health
 
 log = logging.getLogger("kvpilot.operator")
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -122,13 +122,13 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
+    from kvpilot.api.models import API_VERSION, KIND
+    from kvpilot.kube.client import ApiKube, load_api_client
+    from kvpilot.kube.lease import KubeLeaseStore, LeaderElector, default_identity, run_as_leader
     from kvpilot.operator import metrics
     from kvpilot.operator.builders import OperatorSettings
-    from kvpilot.operator.controller import Controller
+    from kvpilot.operator.controller import ReconcileController
     from kvpilot.operator.handlers import build_registry, configure_settings
-    from kvpilot.operator.kube import ApiKube, load_api_client
-    from kvpilot.operator.leader import KubeLeaseStore, LeaderElector, default_identity, run_as_leader
-    from kvpilot.operator.models import API_VERSION, KIND
     from kvpilot.operator.reconcile import Reconciler
 
     router_endpoints = parse_router_endpoints(args.router_endpoint)  # a bad flag fails before anything starts
@@ -168,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
     def lead(lead_stop: threading.Event) -> int:
         _Health.state["leading"] = True
         metrics.LEADER.set(1)
-        controller = Controller(reconcile_key, workers=args.workers, resync_seconds=args.resync_seconds)
+        controller = ReconcileController(
+            reconcile_key, workers=args.workers, resync_seconds=args.resync_seconds
+        )
         registry = build_registry(controller, login=make_login(api_client))
         kopf_settings = configure_settings(kopf.OperatorSettings())
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvpilot.api.models import API_VERSION, KIND, MODEL_LABEL
 from kvpilot.operator import metrics
-from kvpilot.operator.models import API_VERSION, KIND
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class WorkQueue:
         self._timers.clear()
 
 
-class Controller:
+class ReconcileController:
     """Keys in, reconciles out. `reconcile_key` is the blocking work for one key."""
 
     def __init__(
@@ -116,7 +116,7 @@ class Controller:
             if ref.get("kind") == KIND and ref.get("apiVersion") == API_VERSION:
                 self.enqueue((namespace, ref["name"]))
                 return
-        model = (md.get("labels") or {}).get("kvpilot.dev/model")
+        model = (md.get("labels") or {}).get(MODEL_LABEL)
         if model:
             self.enqueue((namespace, model))
 

@@ -1,10 +1,10 @@
-"""kopf wiring, kept thin: watch events only enqueue keys for the `Controller`.
+"""kopf wiring, kept thin: watch events only enqueue keys for the `ReconcileController`.
 
 All handlers are `on.event` (stateless), so kopf never writes to our objects: no finalizers, no
 last-handled-configuration annotations, no progress in status. Reconcile triggers:
 - the InferenceModel itself: created, changed, or listed when the operator (re)starts;
 - a Deployment or pod we manage changed (mapped back to its InferenceModel);
-- the Controller's periodic resync, as a safety net.
+- the ReconcileController's periodic resync, as a safety net.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import Any
 
 import kopf
 
+from kvpilot.api.models import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders import MANAGED_BY, MANAGED_BY_LABEL
-from kvpilot.operator.controller import Controller
-from kvpilot.operator.models import GROUP, PLURAL, VERSION
+from kvpilot.operator.controller import ReconcileController
 
 log = logging.getLogger(__name__)
 MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
 
 
-def build_registry(controller: Controller, login: Any = None) -> kopf.OperatorRegistry:
+def build_registry(controller: ReconcileController, login: Any = None) -> kopf.OperatorRegistry:
     """A kopf registry whose handlers feed `controller`. `login` is an optional kopf login handler."""
     registry = kopf.OperatorRegistry()
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.api.models import InferenceModelSpec, OOMAdaptation, OOMAdaptationPolicy, OOMOverrides
+from kvpilot.kube.times import format_time
 from kvpilot.operator.builders import effective_memory, effective_runtime, stable_hash
-from kvpilot.operator.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
-from kvpilot.operator.podstate import PodProblem, format_time
+from kvpilot.operator.podstate import PodProblem
 from kvpilot.operator.quantity import MIB, format_mebibytes, parse_bytes
 from kvpilot.runtime.config import EngineConfig
 
@@ -60,7 +61,7 @@ def current_overrides(spec: InferenceModelSpec, state: OOMAdaptation | None) -> 
 
 
 def step_down(
-    values: dict[str, float | int], policy: OOMPolicy
+    values: dict[str, float | int], policy: OOMAdaptationPolicy
 ) -> dict[str, tuple[float | int, float | int]]:
     """One adaptation step: field -> (old, new) for each field that can still go down."""
     out: dict[str, tuple[float | int, float | int]] = {}
@@ -79,7 +80,7 @@ def step_down(
     return out
 
 
-def host_step_down(values: dict[str, float | int], policy: OOMPolicy) -> dict[str, tuple[int, int]]:
+def host_step_down(values: dict[str, float | int], policy: OOMAdaptationPolicy) -> dict[str, tuple[int, int]]:
     """One step for a CPU pod that hit its memory limit: halve the KV pool and the batch limits."""
     out: dict[str, tuple[int, int]] = {}
     for key, floor in (
@@ -94,7 +95,7 @@ def host_step_down(values: dict[str, float | int], policy: OOMPolicy) -> dict[st
     return out
 
 
-def memory_ceiling(spec_memory: str | None, policy: OOMPolicy) -> int | None:
+def memory_ceiling(spec_memory: str | None, policy: OOMAdaptationPolicy) -> int | None:
     """The most memory an adaptation may give a pod (bytes), or None when it may not raise it."""
     if spec_memory is None:
         return None  # no limit of ours: the kill came from elsewhere (node pressure, a LimitRange)

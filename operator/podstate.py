@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from kvpilot.kube.times import parse_time
 from kvpilot.operator.builders import CONFIG_HASH_ANNOTATION
 
 # A container's lastState keeps an old OOM kill for as long as the pod lives; only a recent one
@@ -14,16 +15,6 @@ OOM_RECENT = timedelta(minutes=10)
 GPU_OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda error: out of memory")
 PULL_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
 CONFIG_REASONS = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
-
-
-def parse_time(value: str | None) -> datetime | None:
-    if not value:
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def format_time(value: datetime) -> str:
-    return value.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,16 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from kvpilot.api.models import (
+    API_VERSION,
+    KIND,
+    InferenceModel,
+    InferenceModelSpec,
+    OOMAdaptation,
+    name_problems,
+)
+from kvpilot.kube.client import Kube
+from kvpilot.kube.events import event_manifest
 from kvpilot.operator import metrics, oom
 from kvpilot.operator.apply import apply_child
 from kvpilot.operator.builders import (
@@ -28,16 +38,7 @@ from kvpilot.operator.builders import (
     render_config_yaml,
     selector_string,
 )
-from kvpilot.operator.kube import Kube
-from kvpilot.operator.models import (
-    API_VERSION,
-    KIND,
-    InferenceModel,
-    InferenceModelSpec,
-    OOMAdaptation,
-    name_problems,
-)
-from kvpilot.operator.podstate import all_problems, format_time
+from kvpilot.operator.podstate import all_problems
 from kvpilot.operator.status import (
     EventSpec,
     compute_status,
@@ -143,28 +144,16 @@ class Reconciler:
 
     def post_event(self, body: dict[str, Any], event: EventSpec) -> None:
         md = body["metadata"]
-        now = format_time(self.clock())
-        obj = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{md['name']}.", "namespace": md["namespace"]},
-            "involvedObject": {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": md["name"],
-                "namespace": md["namespace"],
-                "uid": md.get("uid"),
-            },
-            "type": event.type,
-            "reason": event.reason,
-            "message": event.message[:1024],
-            "source": {"component": "kvpilot-operator"},
-            "reportingComponent": "kvpilot.dev/operator",
-            "reportingInstance": self.identity[:128],
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        obj = event_manifest(
+            body,
+            reason=event.reason,
+            message=event.message,
+            event_type=event.type,
+            component="kvpilot-operator",
+            reporting_component="kvpilot.dev/operator",
+            reporting_instance=self.identity,
+            now=self.clock(),
+        )
         try:
             self.kube.create(obj)
             metrics.EVENTS.labels(event.type, event.reason).inc()

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from kvpilot.api.models import InferenceModel, OOMAdaptation
+from kvpilot.kube.times import format_time
 from kvpilot.operator.builders import desired_replicas, endpoint, selector_string
-from kvpilot.operator.models import InferenceModel, OOMAdaptation
-from kvpilot.operator.podstate import PodProblem, format_time
+from kvpilot.operator.podstate import PodProblem
 
 OPERATOR_STATUS_KEYS = (
     "observedGeneration",

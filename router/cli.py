@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--session-header", default="X-Session-ID", help="header that keys prefix affinity")
     parser.add_argument(
+        "--priority-header",
+        default="X-Kvpilot-Priority",
+        help="header naming a request's class in the central queue: high, normal (default) or low",
+    )
+    parser.add_argument(
         "--scrape-interval", type=float, default=2.0, help="seconds between pod /metrics scrapes; 0 disables"
     )
     parser.add_argument(
@@ -101,6 +106,7 @@ def build_router(args: argparse.Namespace) -> Router:
         max_retries=args.max_retries,
         fallbacks=fallbacks,
         session_header=args.session_header,
+        priority_header=args.priority_header,
         scrape_interval_s=args.scrape_interval,
     )
     router = Router(settings)

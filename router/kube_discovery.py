@@ -2,27 +2,31 @@
 
 `model_endpoints()` is the pure part: InferenceModels + pods -> {served name: (endpoints, policy,
 fallback model)}.
-`KubeSource` lists both every `interval_s` through the Kube adapter (a list, not a watch: the adapter
-has no watch yet, and a 1 s list of one namespace is cheap) and tells the router what changed. A
-failed list keeps every endpoint already known: an API-server hiccup never empties a model.
+`KubeSource` lists both through the Kube adapter and tells the router what changed. With watches
+(`Watch`: the namespace's pods and InferenceModels; `ApiWatch` on the API server's watch) it lists again
+as soon as either changes, and every `resync_s` in any case; while a watch fails (API server down, a
+410 Gone, a dropped connection) it lists every `interval_s` until the watch is back. Without watches
+it lists every `interval_s`. The state always comes from a full list, so a missed or repeated event
+cannot leave a stale endpoint behind, and a failed list keeps every endpoint already known: an
+API-server hiccup never empties a model.
 The adapter sits behind the `Kube`-like `Lister` protocol so it can move to a shared layer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from kvpilot.api.models import API_VERSION, KIND, MODEL_LABEL, PLURAL
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.server import UpdateEndpoints
 
 log = logging.getLogger("kvpilot.router.kube")
 
-API_VERSION = "kvpilot.dev/v1alpha1"
-KIND = "InferenceModel"
-MODEL_LABEL = "kvpilot.dev/model"
 HTTP_PORT = 8000
 DEFAULT_CAPACITY = 64  # the runtime's default --max-num-seqs
 
@@ -85,12 +89,38 @@ def model_endpoints(
     return table
 
 
+class Watch(Protocol):
+    """Change notifications for one kind in the namespace."""
+
+    name: str
+
+    def events(self, timeout_s: float) -> Iterator[str]:
+        """Block and yield each event's type (ADDED, MODIFIED, DELETED, BOOKMARK) until timeout_s
+        has passed, then return (the caller watches again); raise on any API or connection error."""
+        ...
+
+
 class KubeSource:
-    def __init__(self, kube: Lister, namespace: str, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        kube: Lister,
+        namespace: str,
+        interval_s: float = 1.0,
+        watches: Sequence[Watch] = (),
+        resync_s: float = 30.0,
+        watch_timeout_s: float = 60.0,
+    ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.interval_s = interval_s
+        self.watches = tuple(watches)
+        self.resync_s = resync_s
+        self.watch_timeout_s = watch_timeout_s
         self.known: ModelTable = {}
+        self.lists = 0  # lists done (tests and logs)
+        self.watch_events = 0
+        self._watch_failing: set[str] = set()
+        self._stopping = threading.Event()
 
     def _list(self) -> ModelTable:
         models = self.kube.list(API_VERSION, KIND, self.namespace)
@@ -105,27 +135,134 @@ class KubeSource:
             update(model, None)  # the InferenceModel was deleted
         self.known = table
 
+    @property
+    def watching(self) -> bool:
+        """Every watch is connected: changes come as events, lists only every resync_s."""
+        return bool(self.watches) and not self._watch_failing
+
+    def _watch_loop(self, watch: Watch, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
+        """One watch, in its own thread: every event wakes the lister; an error switches the source
+        to polling (and wakes it: what changed during the outage is listed now) until it reconnects.
+        Returns when the source stops (at the next event or watch timeout)."""
+
+        def woken() -> bool:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the event loop closed: the router stopped
+                return False
+            return not self._stopping.is_set()
+
+        while not self._stopping.is_set():
+            # optimistic: a watch that connects blocks until an event; one that cannot raises at once
+            self._watch_failing.discard(watch.name)
+            try:
+                for _ in watch.events(self.watch_timeout_s):
+                    self.watch_events += 1
+                    if not woken():
+                        return
+            except Exception as e:
+                if self._stopping.is_set():
+                    return
+                if watch.name not in self._watch_failing:
+                    log.warning(
+                        "watching %s in %s failed (%s); listing every %gs",
+                        watch.name,
+                        self.namespace,
+                        e,
+                        self.interval_s,
+                    )
+                self._watch_failing.add(watch.name)
+                if not woken():
+                    return
+                self._stopping.wait(self.interval_s)
+
     async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None:
         first = True
-        while True:
-            try:
-                table = await asyncio.to_thread(self._list)
-            except Exception as e:  # the adapter already retried; keep what is known and try again
-                log.warning(
-                    "listing %s failed (%s); keeping %d models' endpoints", self.namespace, e, len(self.known)
-                )
-            else:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        self._stopping.clear()
+        threads = [
+            threading.Thread(
+                target=self._watch_loop, args=(w, loop, wake), name=f"watch-{w.name}", daemon=True
+            )
+            for w in self.watches
+        ]
+        for t in threads:
+            t.start()
+        try:
+            while True:
+                wake.clear()  # before the list: an event during it brings another list
+                try:
+                    table = await asyncio.to_thread(self._list)
+                    self.lists += 1
+                except Exception as e:  # the adapter already retried; keep what is known and try again
+                    log.warning(
+                        "listing %s failed (%s); keeping %d models' endpoints",
+                        self.namespace,
+                        e,
+                        len(self.known),
+                    )
+                    await asyncio.sleep(self.interval_s)
+                    continue
                 self.apply(table, update)
                 if first:
                     synced()
                     first = False
-            await asyncio.sleep(self.interval_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), self.resync_s if self.watching else self.interval_s)
+        finally:
+            self._stopping.set()
 
 
-def kube_source(namespace: str | None, kubeconfig: str | None = None) -> KubeSource:
-    """A KubeSource on the operator's Kube adapter (in-cluster or kubeconfig)."""
-    from kvpilot.operator.kube import ApiKube, load_api_client
+class ApiWatch:
+    """The API server's watch on the namespace's pods of InferenceModels, or its InferenceModels."""
+
+    def __init__(self, api_client: Any, namespace: str, kind: str) -> None:
+        from kubernetes import client
+
+        if kind not in ("Pod", KIND):
+            raise ValueError(f"cannot watch {kind!r}")
+        self.api_client = api_client
+        self.namespace = namespace
+        self.name = kind
+        if kind == "Pod":
+            core = client.CoreV1Api(api_client)
+            self._list: Callable[..., Any] = core.list_namespaced_pod
+            self._args: tuple[Any, ...] = (namespace,)
+            self._kwargs: dict[str, Any] = {"label_selector": MODEL_LABEL}
+        else:
+            group, version = API_VERSION.split("/")
+            self._list = client.CustomObjectsApi(api_client).list_namespaced_custom_object
+            self._args = (group, version, namespace, PLURAL)
+            self._kwargs = {}
+
+    def events(self, timeout_s: float) -> Iterator[str]:
+        from kubernetes import watch
+
+        w = watch.Watch()
+        try:
+            for event in w.stream(
+                self._list,
+                *self._args,
+                timeout_seconds=max(1, int(timeout_s)),
+                _request_timeout=timeout_s + 10,
+                deserialize=False,  # only the event's type is used
+                **self._kwargs,
+            ):
+                if event.get("type") == "ERROR":  # e.g. 410 Gone: the resource version is too old
+                    raise RuntimeError(f"watch error: {event.get('raw_object') or event.get('object')}")
+                yield str(event.get("type"))
+        finally:
+            w.stop()
+
+
+def kube_source(namespace: str | None, kubeconfig: str | None = None, watch: bool = True) -> KubeSource:
+    """A KubeSource on the shared Kube adapter (in-cluster or kubeconfig), watching the namespace's
+    pods and InferenceModels unless watch=False (then it lists every second)."""
+    from kvpilot.kube.client import ApiKube, load_api_client
 
     if not namespace:
         raise ValueError("--namespace is required without --endpoints (which namespace's models to route)")
-    return KubeSource(ApiKube(load_api_client(kubeconfig)), namespace)
+    api_client = load_api_client(kubeconfig)
+    watches = [ApiWatch(api_client, namespace, "Pod"), ApiWatch(api_client, namespace, KIND)] if watch else []
+    return KubeSource(ApiKube(api_client), namespace, watches=watches)

@@ -1,5 +1,10 @@
 """A model's pods, what the router has in flight on each, and the model's central FIFO queue.
 
+Priority classes (`PRIORITIES`, from a request header): the queue is ordered by class, FIFO within a
+class, so a `high` request waits only behind earlier `high` ones; a request goes straight to a pod
+only when nothing of its class or a higher one is queued. Lower classes wait longer (up to their
+deadline, then 429); nothing is preempted on a pod.
+
 No I/O: the server asks `acquire()` for a pod (waiting in the queue when no pod has room, or when the
 model has no Ready pod yet: scale from zero), sends the request, then `release()`s it. Every release,
 pod change and periodic `pump()` hands the head of the queue to the first pod with room, so a replica
@@ -66,11 +71,26 @@ class QueueSettings:
     unhealthy_s: float = 10.0  # a pod that refused or dropped a connection is passed over this long
 
 
+PRIORITIES = ("high", "normal", "low")  # served in this order from the central queue
+DEFAULT_PRIORITY = "normal"
+
+
+def priority_class(value: str | None) -> int:
+    """The queue class of a priority header value (None: normal); ValueError for anything else."""
+    if value is None or not value.strip():
+        return PRIORITIES.index(DEFAULT_PRIORITY)
+    name = value.strip().lower()
+    if name not in PRIORITIES:
+        raise ValueError(f"must be one of {', '.join(PRIORITIES)}, got {value!r}")
+    return PRIORITIES.index(name)
+
+
 @dataclass
 class _Waiter:
     key: RouteKey
     exclude: frozenset[str]
     future: asyncio.Future[Pod]
+    priority: int = 1  # index into PRIORITIES: lower is served first
     since: float = field(default_factory=time.monotonic)
 
 
@@ -142,12 +162,13 @@ class ModelPool:
         self.policy.dispatched(pod.name, key)
         return pod
 
-    async def acquire(self, key: RouteKey, exclude: frozenset[str] = frozenset()) -> Pod:
-        """A pod with a slot reserved for this request, waiting FIFO behind earlier requests.
+    async def acquire(self, key: RouteKey, exclude: frozenset[str] = frozenset(), priority: int = 1) -> Pod:
+        """A pod with a slot reserved for this request, waiting behind earlier requests of its
+        priority class and every request of a higher class (`priority`: index into PRIORITIES).
 
         Raises Overloaded when the queue is full or the wait passes its deadline.
         """
-        if not self._queue:
+        if not self._queue or self._queue[0].priority > priority:  # nobody queued ahead of it
             pod = self.try_acquire(key, exclude)
             if pod is not None:
                 return pod
@@ -159,8 +180,11 @@ class ModelPool:
             )
         cold = not self.routable(exclude)
         timeout = s.cold_start_timeout_s if cold else s.queue_timeout_s
-        waiter = _Waiter(key, exclude, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(key, exclude, asyncio.get_running_loop().create_future(), priority)
+        at = len(self._queue)
+        while at > 0 and self._queue[at - 1].priority > priority:  # behind its class, ahead of lower ones
+            at -= 1
+        self._queue.insert(at, waiter)
         self._changed()
         try:
             await asyncio.wait({waiter.future}, timeout=timeout)

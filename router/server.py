@@ -28,12 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.router.keys import BLOCK_CHARS, request_key
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, RouteKey, make_policy
-from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings
+from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
 
 log = logging.getLogger("kvpilot.router")
 
 RETRY_AFTER_S = 1
 SESSION_HEADER = "X-Session-ID"
+PRIORITY_HEADER = "X-Kvpilot-Priority"  # high | normal | low: the request's class in the central queue
 POD_HEADER = "X-Kvpilot-Pod"
 FALLBACK_HEADER = "X-Kvpilot-Fallback"  # set when another model served the request (overload spill-over)
 # Only what the pod needs from the client's request; hop-by-hop headers stay here.
@@ -86,6 +87,7 @@ class RouterSettings:
     # model -> model that takes its requests instead of a 429 (static mode; spec.routing.fallbackModel)
     fallbacks: dict[str, str] = field(default_factory=dict)
     session_header: str = SESSION_HEADER
+    priority_header: str = PRIORITY_HEADER
     block_chars: int = BLOCK_CHARS
     scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
     connect_timeout_s: float = 5.0
@@ -110,6 +112,7 @@ class Router:
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._sent_status: dict[int, int] = {}  # id(request) -> status line a stream has sent
         self.app = web.Application(client_max_size=64 * 2**20)
         self.app.add_routes(
             [
@@ -280,21 +283,35 @@ class Router:
                 code="model_not_found",
                 param="model",
             )
+        try:
+            priority = priority_class(request.headers.get(self.settings.priority_header))
+        except ValueError as e:
+            return error_response(400, f"header {self.settings.priority_header}: {e}")
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
-        response = await self._route(request, pool, key, raw)
+        try:
+            response = await self._route(request, pool, key, raw, priority)
+        except asyncio.CancelledError:
+            # The client left. A stream whose status line had gone out was answered: count it (a
+            # client that stops reading after `data: [DONE]` leaves before the pod's stream ends).
+            status = self._sent_status.get(id(request))
+            if status is not None:
+                self.metrics.requests.labels(model, str(status)).inc()
+            raise
+        finally:
+            self._sent_status.pop(id(request), None)
         self.metrics.requests.labels(model, str(response.status)).inc()
         return response
 
     async def _route(
-        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes
+        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes, priority: int
     ) -> web.StreamResponse:
         tried: set[str] = set()
         started = time.monotonic()
         while True:
             try:
-                pod = await pool.acquire(key, frozenset(tried))
+                pod = await pool.acquire(key, frozenset(tried), priority)
             except Overloaded as e:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
                 spilled = await self._spill(request, pool, key, raw)
@@ -381,6 +398,7 @@ class Router:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
         await out.prepare(request)
+        self._sent_status[id(request)] = upstream.status
         try:
             async for chunk in upstream.content.iter_any():
                 await out.write(chunk)

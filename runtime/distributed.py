@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import pickle
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from kvpilot.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +61,6 @@ class GroupSpec:
         timeout = float(os.environ.get("KVPILOT_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         backend = "nccl" if device.type == "cuda" else "gloo"
         return cls(world_size, backend, f"tcp://127.0.0.1:{free_port()}", timeout)
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (rank 0 binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def join_group(spec: GroupSpec, rank: int) -> None:

@@ -119,12 +119,6 @@ class OOMPolicy:
     max_consecutive: int = 8
 
 
-def resolve_device(cfg: EngineConfig) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -272,9 +266,9 @@ class LLMEngine:
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        from kvpilot.runtime.loader import load_model, resolve_dtype
+        from kvpilot.runtime.loader import load_model, resolve_device, resolve_dtype
 
-        cfg = with_block_size(cfg, resolve_device(cfg))
+        cfg = with_block_size(cfg, resolve_device(cfg.device))
         if cfg.tensor_parallel_size > 1:
             from kvpilot.runtime.tp_runner import start_tensor_parallel
 
@@ -286,7 +280,7 @@ class LLMEngine:
             eos = frozenset(loaded.tokenizer.eos_token_ids)
             spec = make_speculator(cfg, loaded.max_model_len, runner.device.type)
             return cls(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos, spec)
-        device = resolve_device(cfg)
+        device = resolve_device(cfg.device)
         if device.type == "cpu":
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
         torch.manual_seed(cfg.seed)

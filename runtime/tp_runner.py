@@ -306,13 +306,12 @@ class TPModelRunner(ModelRunner):
 def start_tensor_parallel(cfg: EngineConfig) -> TPModelRunner:
     """Check the size, spawn ranks 1..N-1, load rank 0's shard here and size the KV pools (the
     smallest count any rank fits). The runner's `loaded` has the tokenizer and limits."""
-    from kvpilot.runtime.engine import resolve_device
-    from kvpilot.runtime.loader import resolve_dtype, resolve_model_path
+    from kvpilot.runtime.loader import resolve_device, resolve_dtype, resolve_model_path
     from kvpilot.runtime.tp_worker import worker_main
 
     tp = cfg.tensor_parallel_size
     check_tensor_parallel(read_arch(resolve_model_path(cfg.model)), tp, cfg.enable_expert_parallel)
-    device = resolve_device(cfg)
+    device = resolve_device(cfg.device)
     if device.type == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
     if dist.is_initialized():

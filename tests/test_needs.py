@@ -63,7 +63,7 @@ def test_no_test_skips_for_a_missing_tool_on_its_own() -> None:
 
 
 def test_a_module_level_miss_fails_collection_under_ci(tmp_path: Path) -> None:
-    """The module-level use (tests/operator/celcheck.py) errors the run under CI, never passes it."""
+    """The module-level use (tests/api/celcheck.py) errors the run under CI, never passes it."""
     test = tmp_path / "test_mod.py"
     test.write_text(
         "from tests.needs import require_module\n"

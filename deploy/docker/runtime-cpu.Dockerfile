@@ -23,6 +23,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY deploy/docker/constraints.txt deploy/docker/constraints.txt
 COPY kvpilot/ kvpilot/
+COPY api/ api/
+COPY kube/ kube/
 COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/

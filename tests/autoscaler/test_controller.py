@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvpilot.autoscaler.controller import Controller, ControllerConfig, deletion_costs, pod_is_ready
+from kvpilot.autoscaler.controller import ControllerConfig, ScalingController, deletion_costs, pod_is_ready
 from kvpilot.autoscaler.kube import DELETION_COST, FIELD_MANAGER, KubernetesApi
 from kvpilot.autoscaler.policy import History, Recommendation
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.sources import ModelRef, PodTarget
-from kvpilot.autoscaler.state import decision_to_status, format_time, history_from_status
+from kvpilot.autoscaler.state import decision_to_status, history_from_status
+from kvpilot.kube.times import format_time
 
 T0 = 1_700_000_000.0
 
@@ -87,8 +88,8 @@ def model(replicas: int | None = 3, **autoscaling: Any) -> dict[str, Any]:
     return {"metadata": {"name": "chat", "namespace": "ml", "uid": "u1"}, "spec": spec, "status": {}}
 
 
-def make(kube: FakeKube, source: FakeSource, now: list[float]) -> Controller:
-    return Controller(kube, ControllerConfig(namespace="ml"), clock=lambda: now[0], pod_source=source)
+def make(kube: FakeKube, source: FakeSource, now: list[float]) -> ScalingController:
+    return ScalingController(kube, ControllerConfig(namespace="ml"), clock=lambda: now[0], pod_source=source)
 
 
 def calls(kube: FakeKube, kind: str) -> list[Any]:
@@ -183,7 +184,7 @@ async def test_prometheus_source_is_chosen_from_the_spec():
 
     m = model(2, metricsSource="prometheus", prometheus={"url": "http://prom:9090", "kvQuery": "kv{}"})
     kube = FakeKube(m, [pod("a"), pod("b")])
-    ctl = Controller(kube, ControllerConfig(), clock=lambda: T0, prometheus_factory=factory)
+    ctl = ScalingController(kube, ControllerConfig(), clock=lambda: T0, prometheus_factory=factory)
     await ctl.sync_all()
     await ctl.sync_all()
     assert created == [("http://prom:9090", "kv{}", None)]
@@ -202,7 +203,9 @@ async def test_run_stops_and_respects_leadership():
         is_leader = False
 
     kube = FakeKube(model(2), [pod("a"), pod("b")])
-    ctl = Controller(kube, ControllerConfig(interval_s=0.01), pod_source=FakeSource(), elector=NotLeader())
+    ctl = ScalingController(
+        kube, ControllerConfig(interval_s=0.01), pod_source=FakeSource(), elector=NotLeader()
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     await asyncio.sleep(0.05)
@@ -241,6 +244,45 @@ def test_history_round_trips_through_status():
     assert back.last_queue == (T0, 45)
     # Garbage in status is skipped, never guessed.
     assert history_from_status({"history": [{"time": "yesterday", "replicas": 3}, "x"]}) == History()
+
+
+def _undeclared(value: Any, schema: Mapping[str, Any], path: str = "") -> list[str]:
+    """Keys of `value` that the structural schema does not declare (the API server would prune them)."""
+    if isinstance(value, list):
+        return [
+            p for i, v in enumerate(value) for p in _undeclared(v, schema.get("items", {}), f"{path}[{i}]")
+        ]
+    if not isinstance(value, dict):
+        return []
+    props = schema.get("properties", {})
+    return [f"{path}.{k}" for k in value if k not in props] + [
+        p for k, v in value.items() if k in props for p in _undeclared(v, props[k], f"{path}.{k}")
+    ]
+
+
+def test_what_the_autoscaler_writes_is_the_crd_status_schema():
+    """Every field of status.autoscaler that the controller writes is declared by the shared model's
+    CRD schema with a type that accepts it: nothing relies on preserve-unknown-fields any more."""
+    import jsonschema
+
+    from kvpilot.api.crd import build_crd
+    from kvpilot.autoscaler.policy import ArrivalState, PodCounter, RateSample, decide
+    from kvpilot.autoscaler.spec import ScalingTargets
+
+    snapshot = MetricsSnapshot(
+        3, tuple(ReplicaSample(f"p{i}", 0.99, 9, 9, completed_total=40.0 + i) for i in range(3))
+    )
+    arrivals = ArrivalState(
+        T0 - 15, (PodCounter("p0", 30.0, 4, 100.0, 50.0),), (RateSample(T0 - 15, 1.5),), 2.0
+    )
+    d = decide(3, snapshot, ScalingTargets(max_replicas=10), History(arrivals=arrivals), T0)
+    block = json.loads(json.dumps(decision_to_status(d, T0, None)))
+    block["decidedBy"], block["heldKind"] = "autoscaler-0_1", "stabilization"
+    assert block["scaleEvents"] and block["arrivals"]["pods"] and block["arrivals"]["rates"]
+    crd = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema = crd["properties"]["status"]["properties"]["autoscaler"]
+    assert _undeclared(block, schema) == []
+    jsonschema.Draft4Validator(schema).validate(block)
 
 
 # -- the real kubernetes client against a fake API server -------------------------------------------------
@@ -364,6 +406,30 @@ def test_arrival_state_round_trips_and_skips_garbage():
     assert arrivals_from_status("nope") == ArrivalState()
 
 
+def test_status_numbers_read_back_as_json_carries_them():
+    """A whole float is the integer it spells (JSON does not tell 3 from 3.0); a bool or a string is
+    not a number; each entry stands or falls alone."""
+    from kvpilot.autoscaler.policy import PodCounter, ScaleEvent
+    from kvpilot.autoscaler.state import arrivals_from_status
+
+    pods = [
+        {"pod": "a", "inFlight": 2.0, "completed": 7},
+        {"pod": "b", "inFlight": True},
+        {"pod": "c", "inFlight": "3"},
+        {"pod": "d", "inFlight": 2.5},
+    ]
+    assert arrivals_from_status({"pods": pods}).counters == (PodCounter("a", 7.0, 2),)
+    when = format_time(T0)
+    back = history_from_status(
+        {
+            "history": [{"time": when, "replicas": 3.0}, {"time": when, "replicas": False}],
+            "scaleEvents": [{"time": when, "fromReplicas": 2, "toReplicas": 4.0}, {"time": when}],
+        }
+    )
+    assert back.recommendations == (Recommendation(T0, 3),)
+    assert back.events == (ScaleEvent(T0, 2, 4),)
+
+
 async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     import aiohttp
 
@@ -381,7 +447,7 @@ async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     url = f"http://127.0.0.1:{port}"
     kube = FakeKube(model(0, minReplicas=0), [])
     now = [T0]
-    controller = Controller(
+    controller = ScalingController(
         kube,
         ControllerConfig(namespace="ml", router_urls=(url,)),
         clock=lambda: now[0],
@@ -432,7 +498,7 @@ async def test_a_growing_router_queue_syncs_before_the_interval():
     kube = FakeKube(model(0, minReplicas=0), [])
     # a 10-minute interval: only the router poll (every 0.05 s here) can explain a prompt scale-up
     config = ControllerConfig(namespace="ml", interval_s=600, router_urls=(url,), router_poll_s=0.05)
-    controller = Controller(kube, config, pod_source=FakeSource())
+    controller = ScalingController(kube, config, pod_source=FakeSource())
     stop = asyncio.Event()
     loop_task = asyncio.create_task(controller.run(stop))
     try:

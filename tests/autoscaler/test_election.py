@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvpilot.autoscaler.election import AlwaysLeader, LeaseElection, is_leader
-from kvpilot.operator.leader import Conflict, LeaderElector, LeaseRecord
+from kvpilot.kube.lease import Conflict, LeaderElector, LeaseRecord
 
 
 class MemoryLeaseStore:

@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.autoscaler.controller import Controller, ControllerConfig, SyncObserver
-from kvpilot.autoscaler.health import LoopHealth, loop_liveness, loop_readiness, stale_after
+from kvpilot.autoscaler.controller import ControllerConfig, ScalingController, SyncObserver
+from kvpilot.autoscaler.liveness import LoopHealth, loop_liveness, loop_readiness, stale_after
 from kvpilot.autoscaler.metrics import AutoscalerMetrics
 from kvpilot.autoscaler.samples import ReplicaSample
-from kvpilot.health import Probe, start_health_server
+from kvpilot.kube.health import Probe, start_health_server
 from tests.autoscaler.test_controller import T0, FakeKube, FakeSource, model, pod
 
 # -- the health decision (pure) ---------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_loop_health_follows_the_turns() -> None:
     assert health.liveness().ok and health.liveness().detail.endswith("(leader)")
 
 
-# -- the health server (kvpilot.health, shared with the operator) -----------------------------------------
+# -- the health server (kvpilot.kube.health, shared with the operator) -----------------------------------------
 
 
 def get(url: str, method: str = "GET") -> tuple[int, str]:
@@ -136,9 +136,9 @@ CHAT = '{model="chat",namespace="ml"}'
 
 def controller(
     kube: FakeKube, src: FakeSource, now: list[float], metrics: AutoscalerMetrics, **kw: Any
-) -> Controller:
+) -> ScalingController:
     cfg = ControllerConfig(namespace="ml", interval_s=kw.pop("interval_s", 15.0))
-    return Controller(kube, cfg, clock=lambda: now[0], pod_source=src, observers=[metrics], **kw)
+    return ScalingController(kube, cfg, clock=lambda: now[0], pod_source=src, observers=[metrics], **kw)
 
 
 def saturated() -> tuple[FakeKube, FakeSource]:
@@ -291,7 +291,7 @@ async def test_run_reports_leadership_and_a_standby_drops_the_model_series() -> 
 async def test_a_standby_loop_keeps_the_liveness_probe_green() -> None:
     kube, src = saturated()
     health = LoopHealth(0.01)
-    ctl = Controller(
+    ctl = ScalingController(
         kube, ControllerConfig(interval_s=0.01), pod_source=src, elector=Switch(False), observers=[health]
     )
     stop = asyncio.Event()
@@ -309,7 +309,7 @@ async def test_a_broken_observer_never_stops_scaling() -> None:
             raise ValueError("bug in a hook")
 
     kube, src = saturated()
-    ctl = Controller(
+    ctl = ScalingController(
         kube, ControllerConfig(namespace="ml"), clock=lambda: T0, pod_source=src, observers=[Broken()]
     )
     results = await ctl.sync_all()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator.models import InferenceModel
+from kvpilot.api.models import InferenceModel
 from kvpilot.operator.podstate import PodProblem
 from kvpilot.operator.status import compute_status, invalid_status
 from tests.charts.lua_health import HEALTH_DIR, health

@@ -302,8 +302,8 @@ def test_chart_pods_are_hardened() -> None:
 
 def test_operator_rendered_model_pods_are_hardened() -> None:
     """The pods the operator creates for a model meet the same bar as the chart's (operator/builders.py)."""
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import OperatorSettings, render_children
-    from kvpilot.operator.models import InferenceModel
 
     for example in ("smollm2-cpu.yaml", "llama-8b-gpu.yaml", "autoscaled.yaml"):
         body = yaml.safe_load((ROOT / "examples" / example).read_text())
@@ -325,8 +325,8 @@ def test_operator_rendered_model_pods_are_hardened() -> None:
 
 def test_api_key_from_a_secret_reaches_the_runtime() -> None:
     """spec.env with a secretKeyRef for KVPILOT_API_KEY ends up in the pod (runtime/config.py reads it)."""
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import OperatorSettings, render_config_yaml, render_deployment
-    from kvpilot.operator.models import InferenceModel
     from kvpilot.runtime.config import EngineConfig
 
     body = {

@@ -177,8 +177,8 @@ def test_images_point_at_what_the_operator_renders() -> None:
 def test_runtime_images_run_the_operator_s_init_container() -> None:
     """The operator's fetch-model init container runs `python -c ...` in the runtime image: the
     virtualenv's python must be first on PATH."""
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import OperatorSettings, render_config_yaml, render_deployment
-    from kvpilot.operator.models import InferenceModel
 
     body = {
         "apiVersion": "kvpilot.dev/v1alpha1",

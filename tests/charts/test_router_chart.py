@@ -63,13 +63,13 @@ def test_router_services_pdb_and_service_monitor() -> None:
     assert not [o for o in router_objects(single.objects) if o["kind"] == "PodDisruptionBudget"]
 
 
-def test_router_rbac_lists_models_and_pods_in_its_namespace_only() -> None:
+def test_router_rbac_lists_and_watches_models_and_pods_in_its_namespace_only() -> None:
     r = template("router.enabled=true", "router.namespace=ml")
     role = r.one("Role", "-router")
     assert role["metadata"]["namespace"] == "ml"
     assert role["rules"] == [
-        {"apiGroups": ["kvpilot.dev"], "resources": ["inferencemodels"], "verbs": ["list"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": ["kvpilot.dev"], "resources": ["inferencemodels"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     ]
     binding = r.one("RoleBinding", "-router")
     assert binding["subjects"] == [

@@ -6,7 +6,7 @@ import copy
 import itertools
 from typing import Any
 
-from kvpilot.operator.models import API_VERSION, KIND
+from kvpilot.api.models import API_VERSION, KIND
 
 
 def make_body(name: str = "llama", namespace: str = "ml", **spec: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.api.models import InferenceModel, OOMOverrides
 from kvpilot.operator.builders import (
     APPLIED_HASH_ANNOTATION,
     CONFIG_HASH_ANNOTATION,
@@ -19,7 +20,6 @@ from kvpilot.operator.builders import (
     render_deployment,
     termination_grace_seconds,
 )
-from kvpilot.operator.models import InferenceModel, OOMOverrides
 from kvpilot.runtime.config import EngineConfig
 from tests.operator.fakes import make_body
 

@@ -7,7 +7,7 @@ import argparse
 import kopf
 
 from kvpilot.operator.cli import DEFAULT_IMAGE, add_arguments, make_login
-from kvpilot.operator.controller import Controller
+from kvpilot.operator.controller import ReconcileController
 from kvpilot.operator.handlers import build_registry, configure_settings
 
 
@@ -35,7 +35,7 @@ def test_flags() -> None:
 
 
 def test_registry_has_stateless_event_handlers_only() -> None:
-    ctrl = Controller(lambda key: None)
+    ctrl = ReconcileController(lambda key: None)
     registry = build_registry(ctrl, login=lambda **_: None)
     selectors = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
     assert selectors == {("kvpilot.dev", "inferencemodels"), ("apps", "deployments"), ("", "pods")}
@@ -65,7 +65,7 @@ def test_login_reuses_the_client_configuration() -> None:
 async def test_status_only_updates_do_not_enqueue() -> None:
     keys: list[tuple[str, str]] = []
 
-    class Recorder(Controller):
+    class Recorder(ReconcileController):
         def enqueue(self, key: tuple[str, str]) -> None:
             keys.append(key)
 

@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from kvpilot.operator.controller import Controller, WorkQueue
+from kvpilot.operator.controller import ReconcileController, WorkQueue
 
 
 async def test_queue_dedupes_and_requeues_keys_added_while_processing() -> None:
@@ -47,7 +47,7 @@ async def test_controller_reconciles_each_key_once_per_burst_and_never_concurren
             active.discard(key)
             calls.append(key)
 
-    ctrl = Controller(reconcile, workers=4, resync_seconds=3600)
+    ctrl = ReconcileController(reconcile, workers=4, resync_seconds=3600)
     for _ in range(20):  # a burst of pod events for two models
         ctrl.enqueue(("ns", "a"))
         ctrl.enqueue(("ns", "b"))
@@ -81,7 +81,7 @@ async def test_failures_are_retried_with_backoff() -> None:
         if len(attempts) < 3:
             raise RuntimeError("conflict")
 
-    ctrl = Controller(reconcile, workers=1, resync_seconds=3600)
+    ctrl = ReconcileController(reconcile, workers=1, resync_seconds=3600)
     ctrl.enqueue(("ns", "a"))
     stop = asyncio.Event()
     task = asyncio.create_task(ctrl.run(stop))
@@ -96,7 +96,7 @@ async def test_failures_are_retried_with_backoff() -> None:
 
 async def test_resync_and_forget() -> None:
     calls: list[tuple[str, str]] = []
-    ctrl = Controller(calls.append, workers=1, resync_seconds=0.1)
+    ctrl = ReconcileController(calls.append, workers=1, resync_seconds=0.1)
     ctrl.enqueue(("ns", "a"))
     ctrl.enqueue(("ns", "gone"))
     ctrl.forget(("ns", "gone"))

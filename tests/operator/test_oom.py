@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from kvpilot.api.models import InferenceModelSpec, OOMAdaptation, OOMAdaptationPolicy, OOMOverrides
 from kvpilot.operator import oom
-from kvpilot.operator.models import InferenceModelSpec, OOMAdaptation, OOMOverrides, OOMPolicy
 from kvpilot.operator.podstate import PodProblem
 
 T1 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -42,7 +42,7 @@ def killed(at: datetime = T1, chash: str = "h1", pod: str = "p-1", kind: str = "
     [
         (
             {"gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048},
-            OOMPolicy(),
+            OOMAdaptationPolicy(),
             {
                 "gpu_memory_utilization": (0.9, 0.85),
                 "max_num_seqs": (64, 32),
@@ -51,27 +51,33 @@ def killed(at: datetime = T1, chash: str = "h1", pod: str = "p-1", kind: str = "
         ),
         (
             {"gpu_memory_utilization": 0.52, "max_num_seqs": 5, "max_num_batched_tokens": 300},
-            OOMPolicy(),
+            OOMAdaptationPolicy(),
             {
                 "gpu_memory_utilization": (0.52, 0.5),
                 "max_num_seqs": (5, 4),
                 "max_num_batched_tokens": (300, 256),
             },
         ),
-        ({"gpu_memory_utilization": 0.5, "max_num_seqs": 4, "max_num_batched_tokens": 256}, OOMPolicy(), {}),
+        (
+            {"gpu_memory_utilization": 0.5, "max_num_seqs": 4, "max_num_batched_tokens": 256},
+            OOMAdaptationPolicy(),
+            {},
+        ),
         (
             {"gpu_memory_utilization": 0.4, "max_num_seqs": 2, "max_num_batched_tokens": 100},
-            OOMPolicy(),
+            OOMAdaptationPolicy(),
             {},  # already below the floors: never raised
         ),
         (
             {"gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048},
-            OOMPolicy(min_gpu_memory_utilization=0.9, min_max_num_seqs=64, min_max_num_batched_tokens=1500),
+            OOMAdaptationPolicy(
+                min_gpu_memory_utilization=0.9, min_max_num_seqs=64, min_max_num_batched_tokens=1500
+            ),
             {"max_num_batched_tokens": (2048, 1500)},
         ),
     ],
 )
-def test_step_down(values: dict[str, Any], policy: OOMPolicy, expected: dict[str, Any]) -> None:
+def test_step_down(values: dict[str, Any], policy: OOMAdaptationPolicy, expected: dict[str, Any]) -> None:
     assert oom.step_down(values, policy) == expected
 
 
@@ -229,8 +235,8 @@ def test_both_causes_at_once_adapt_both_sides() -> None:
 
 
 def test_the_memory_override_renders_into_the_deployment_and_the_pod_hash() -> None:
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import OperatorSettings, config_hash, render_children, render_config_yaml
-    from kvpilot.operator.models import InferenceModel
 
     im = InferenceModel.model_validate(
         {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=GPU_POD).dump()}
@@ -260,8 +266,8 @@ def test_the_memory_override_renders_into_the_deployment_and_the_pod_hash() -> N
 
 
 def test_the_kv_override_reaches_the_runtime_config() -> None:
+    from kvpilot.api.models import InferenceModel
     from kvpilot.operator.builders import render_engine_config
-    from kvpilot.operator.models import InferenceModel
 
     im = InferenceModel.model_validate(
         {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec(resources=CPU_POD).dump()}

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.api.models import API_VERSION, KIND
 from kvpilot.operator.apply import is_subset, needs_apply, stamp
 from kvpilot.operator.builders import APPLIED_HASH_ANNOTATION, CONFIG_HASH_ANNOTATION, OperatorSettings
-from kvpilot.operator.models import API_VERSION, KIND
 from kvpilot.operator.reconcile import Reconciler
 from tests.operator.fakes import FakeKube, make_body
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.api.models import InferenceModel
 from kvpilot.cli import build_parser
 from kvpilot.operator.builders import CONFIG_PATH, OperatorSettings, render_children
-from kvpilot.operator.models import InferenceModel
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [

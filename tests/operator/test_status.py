@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator.models import InferenceModel
+from kvpilot.api.models import InferenceModel
 from kvpilot.operator.podstate import all_problems, pod_problems
 from kvpilot.operator.status import (
     compute_conditions,

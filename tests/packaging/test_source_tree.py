@@ -47,3 +47,21 @@ def test_kvpilot_operator_is_still_the_operator_package() -> None:
 
     assert kvpilot.operator.__name__ == "kvpilot.operator"
     assert not hasattr(kvpilot.operator, "itemgetter")
+
+
+def test_kvpilot_links_every_part_for_static_tools() -> None:
+    """kvpilot/<part> links to each top-level part that pyproject maps to kvpilot.<part>, so mypy (and
+    any tool that does not run the editable install's finder) sees the package as it is installed."""
+    import tomllib
+
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    parts = {
+        name.split(".", 1)[1]: folder for name, folder in package_dir.items() if name.startswith("kvpilot.")
+    }
+    assert parts, package_dir
+    for part, folder in parts.items():
+        link = ROOT / "kvpilot" / part
+        assert link.is_symlink(), f"kvpilot/{part} should be a link to ../{folder}"
+        assert link.readlink() == Path("..") / folder, (part, link.readlink())
+    links = {p.name for p in (ROOT / "kvpilot").iterdir() if p.is_symlink()}
+    assert links == set(parts), f"links without a package-dir entry: {sorted(links - set(parts))}"

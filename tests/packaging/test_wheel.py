@@ -51,7 +51,7 @@ def run_in(target: Path, code: str) -> str:
 
 def test_parts_import_from_the_wheel(installed_wheel: Path) -> None:
     code = (
-        "import kvpilot, kvpilot.runtime.config, kvpilot.operator.models, kvpilot.autoscaler.policy, kvpilot.router.policy, "
+        "import kvpilot, kvpilot.runtime.config, kvpilot.api.models, kvpilot.autoscaler.policy, kvpilot.router.policy, "
         "kvpilot.kernels.quant, kvpilot.runtime.models.llama, kvpilot.kernels.cpu_attention as c;"
         "print(kvpilot.__file__); print(c.SOURCE.exists())"
     )

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import queue
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -114,6 +117,84 @@ async def test_source_feeds_the_router_and_keeps_endpoints_when_listing_fails() 
         assert router.pools["llama"].policy.name == "least-loaded"
         del objects[0]  # the InferenceModel is deleted: the model leaves the router
         await until(lambda: "llama" not in router.pools)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+class QueueWatch:
+    """A watch over events put in memory; `fail` makes it raise at once (API server down)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.Queue[str] = queue.Queue()
+        self.fail = False
+        self.calls = 0
+
+    def events(self, timeout_s: float) -> Iterator[str]:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("apiserver unreachable")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.fail:
+            try:
+                yield self.queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+        if self.fail:
+            raise ConnectionError("watch connection reset")
+
+
+async def until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("not in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_watch_events_bring_a_list_at_once_and_errors_fall_back_to_polling() -> None:
+    objects = [im("llama"), pod("llama-a", "llama")]
+    lister = Lister(objects)
+    pods, models = QueueWatch("Pod"), QueueWatch("InferenceModel")
+    router = Router(RouterSettings(scrape_interval_s=0))
+    # resync and poll far apart: within the test only a watch event (or a watch error) brings a list
+    source = KubeSource(
+        lister, "ml", interval_s=0.05, watches=[pods, models], resync_s=3600, watch_timeout_s=0.5
+    )
+    task = asyncio.create_task(source.run(router.update, router.mark_synced))
+    try:
+        await until(lambda: router.synced and "llama" in router.pools)
+        await asyncio.sleep(0.2)
+        assert source.watching and source.lists == 1  # nothing changed, nothing listed
+        objects.append(pod("llama-b", "llama", "10.0.0.2"))
+        await asyncio.sleep(0.2)
+        assert len(router.pools["llama"].pods) == 1  # not seen without an event
+        pods.queue.put("ADDED")
+        await until(lambda: len(router.pools["llama"].pods) == 2)
+        objects.append(im("qwen"))
+        models.queue.put("ADDED")
+        await until(lambda: "qwen" in router.pools)
+
+        # The watch breaks and the API server is down: the known endpoints stay, the source polls.
+        lister.fail = True
+        pods.fail = True
+        await until(lambda: not source.watching)
+        lists = source.lists
+        await asyncio.sleep(0.3)
+        assert sorted(router.pools["llama"].pods) == ["llama-a", "llama-b"] and source.lists == lists
+        # The API server is back, the watch not yet: polling sees changes without any event.
+        lister.fail = False
+        del objects[2]  # llama-b is gone
+        await until(lambda: list(router.pools["llama"].pods) == ["llama-a"])
+        assert source.lists > lists
+        pods.fail = False  # reconnects: events again, no more polling
+        await until(lambda: source.watching)
+        await asyncio.sleep(0.2)
+        settled = source.lists
+        await asyncio.sleep(0.3)
+        assert source.lists == settled
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvpilot.net import free_port
 from kvpilot.router.discovery import StaticSource, parse_endpoints
 from kvpilot.router.server import POD_HEADER, Router, RouterSettings
 from tests.router.upstreams import LiveRouter, start_router
@@ -24,12 +24,6 @@ from tests.router.upstreams import LiveRouter, start_router
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_pod(port: int, log: Path) -> subprocess.Popen[bytes]:

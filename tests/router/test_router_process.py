@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from kvpilot.net import free_port
 from tests.router.upstreams import FakePod
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def router_cmd(*args: str) -> list[str]:

@@ -13,8 +13,16 @@ import openai
 import pytest
 
 from kvpilot.router.discovery import StaticSource, parse_endpoints
+from kvpilot.router.policy import RouteKey
 from kvpilot.router.pool import Endpoint, QueueSettings
-from kvpilot.router.server import FALLBACK_HEADER, POD_HEADER, Router, RouterSettings, parse_load
+from kvpilot.router.server import (
+    FALLBACK_HEADER,
+    POD_HEADER,
+    PRIORITY_HEADER,
+    Router,
+    RouterSettings,
+    parse_load,
+)
 from tests.router.upstreams import FakePod, LiveRouter, closed_port_url, start_router
 
 MODEL = "m"
@@ -174,6 +182,8 @@ async def test_client_disconnect_cancels_the_upstream_request(pods: list[FakePod
         await until(lambda: pods[0].cancelled == 1)
         await until(lambda: lr.router.pools[MODEL].in_flight == 0)
         assert pods[0].finished == 0
+        # its 200 status line had gone out: the answer is counted although the handler was cancelled
+        await until(lambda: metric(lr, "kvpilot_router_requests_total", model_name=MODEL, code="200") == 1)
 
 
 async def test_central_queue_holds_fifo_and_hands_over_on_release(pods: list[FakePod]) -> None:
@@ -196,6 +206,61 @@ async def test_central_queue_holds_fifo_and_hands_over_on_release(pods: list[Fak
         assert order == ["q0", "q1", "q2"]
         assert metric(lr, "kvpilot_router_queue_depth", model_name=MODEL) == 0
         assert metric(lr, "kvpilot_router_queue_time_seconds_count", model_name=MODEL) == 5
+
+
+async def test_priority_header_orders_the_queue_by_class_then_fifo(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    async with live({MODEL: eps(pods[:1], capacity=1)}) as lr:
+        running = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "first"}))
+        await until(lambda: pods[0].active == 1)
+        queued = []
+        for i, prio in enumerate(["low", "normal", "", "HIGH", "high", "low"]):
+            headers = {PRIORITY_HEADER: prio} if prio else {}  # no header (or empty): normal
+            queued.append(
+                asyncio.create_task(
+                    post(lr, {"model": MODEL, "prompt": f"{prio or 'none'}-{i}"}, headers=headers)
+                )
+            )
+            await until(lambda i=i: lr.router.pools[MODEL].queue_depth == i + 1)
+        status, body, _ = await post(lr, {"model": MODEL, "prompt": "x"}, headers={PRIORITY_HEADER: "urgent"})
+        assert (
+            status == 400
+            and PRIORITY_HEADER in body["error"]["message"]
+            and "urgent" in body["error"]["message"]
+        )
+        gate.set()
+        results = await asyncio.gather(running, *queued)
+        assert all(status == 200 for status, _, _ in results)
+        # high before normal before low; within a class in arrival order
+        assert [b["prompt"] for b in pods[0].bodies[1:]] == [
+            "HIGH-3",
+            "high-4",
+            "normal-1",
+            "none-2",
+            "low-0",
+            "low-5",
+        ]
+
+
+async def test_a_higher_class_goes_straight_to_a_free_pod_past_lower_queued_ones(pods: list[FakePod]) -> None:
+    async with live({MODEL: eps(pods[:2], capacity=1)}) as lr:
+        pool = lr.router.pools[MODEL]
+        key = RouteKey()
+        busy = pool.try_acquire(key)
+        assert busy is not None
+        low = asyncio.create_task(pool.acquire(key, priority=2))
+        await until(lambda: pool.queue_depth == 0)  # the second pod had room: low went straight there
+        other = await low
+        assert {busy.name, other.name} == {"p0", "p1"}
+        waiting_low = asyncio.create_task(pool.acquire(key, priority=2))
+        await until(lambda: pool.queue_depth == 1)
+        waiting_high = asyncio.create_task(pool.acquire(key, priority=0))
+        await until(lambda: pool.queue_depth == 2)  # ahead of the low one, not past a full fleet
+        pool.release(busy, key)
+        assert (await waiting_high).name == busy.name and pool.queue_depth == 1
+        pool.release(other, key)
+        assert (await waiting_low).name == other.name and pool.queue_depth == 0
 
 
 async def test_overload_is_429_with_retry_after_never_5xx(pods: list[FakePod]) -> None:

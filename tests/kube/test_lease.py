@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from kvpilot.operator.leader import (
+from kvpilot.kube.lease import (
     Action,
     Conflict,
     LeaderElector,

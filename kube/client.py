@@ -1,9 +1,12 @@
-"""A thin, typed door to the Kubernetes API for the operator: get, list, server-side apply,
-merge-patch status, post events, ask whether an API group exists.
+"""The one door to the Kubernetes API for the operator, the autoscaler and the router: get, list,
+server-side apply, merge patches (status, scale, pod annotations), create (Events), ask whether an API
+group exists.
 
 It speaks plain dicts (the manifests the builders produce) over the official client's ApiClient, so
 there is no model conversion, and every call is retried with backoff on conflicts, throttling and
-transient server or network errors. `Kube` is a Protocol so tests can use an in-memory fake.
+transient server or network errors. It blocks: async callers run it in a thread
+(`asyncio.to_thread`). `Kube` is the Protocol of what the operator calls, so tests can use an
+in-memory fake.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from tenacity import (
     wait_random,
 )
 
+from kvpilot.api.models import API_VERSION, KIND, PLURAL
+
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {409, 429, 500, 502, 503, 504}
+MERGE_PATCH = "application/merge-patch+json"
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
         Kind("coordination.k8s.io/v1", "Lease", "leases"),
-        Kind("kvpilot.dev/v1alpha1", "InferenceModel", "inferencemodels"),
+        Kind(API_VERSION, KIND, PLURAL),
     ]
 }
 
@@ -173,20 +179,48 @@ class ApiKube:
         )
 
     @_retry
+    def merge_patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        *,
+        subresource: str | None = None,
+        field_manager: str | None = None,
+    ) -> dict[str, Any]:
+        """A JSON merge patch of the object (or of its `subresource`: status, scale)."""
+        path = kind_of(api_version, kind).path(namespace, name, subresource)
+        query = [("fieldManager", field_manager)] if field_manager else []
+        return self.request("PATCH", path, query=query, body=patch, content_type=MERGE_PATCH)
+
     def patch_status(
-        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        field_manager: str | None = None,
     ) -> dict[str, Any]:
         """Merge-patch `.status` (the patch is for the status object itself) via the status subresource."""
-        path = kind_of(api_version, kind).path(namespace, name, "status")
-        return self.request(
-            "PATCH", path, body={"status": patch}, content_type="application/merge-patch+json"
+        return self.merge_patch(
+            api_version,
+            kind,
+            namespace,
+            name,
+            {"status": patch},
+            subresource="status",
+            field_manager=field_manager,
         )
 
     @_retry
-    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def create(self, obj: dict[str, Any], field_manager: str | None = None) -> dict[str, Any]:
         md = obj["metadata"]
         path = kind_of(obj["apiVersion"], obj["kind"]).path(md.get("namespace"))
-        return self.request("POST", path, body=obj, content_type="application/json")
+        query = [("fieldManager", field_manager)] if field_manager else []
+        return self.request("POST", path, query=query, body=obj, content_type="application/json")
 
     def has_api(self, group_version: str) -> bool:
         try:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpilot.operator.crd import CRD_FILENAME, render_crd_yaml
+from kvpilot.api.crd import CRD_FILENAME, render_crd_yaml
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

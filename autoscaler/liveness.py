@@ -1,4 +1,4 @@
-"""Liveness and readiness of `kvpilot autoscaler run` (served on --health-port by kvpilot.health).
+"""Liveness and readiness of `kvpilot autoscaler run` (served on --health-port by kvpilot.kube.health).
 
 The control loop is alive while its turns keep finishing: a leader's after each sync, a standby's every
 interval (a standby is healthy: it waits for the Lease). `loop_liveness` and `loop_readiness` decide
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvpilot.autoscaler.controller import SyncObserver
-from kvpilot.health import Check, Probe
+from kvpilot.kube.health import Check, Probe
 
 # A turn may run long (many models, slow scrapes), so a loop is stale only after several intervals,
 # and never sooner than this.

@@ -16,9 +16,18 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 from pydantic.alias_generators import to_camel
 
 GROUP = "kvpilot.dev"
@@ -28,6 +37,21 @@ KIND = "InferenceModel"
 PLURAL = "inferencemodels"
 SINGULAR = "inferencemodel"
 SHORT_NAMES = ["im"]
+
+# Labels on the objects the operator creates, which the autoscaler and the router select by.
+MODEL_LABEL = f"{GROUP}/model"  # every pod of a model: kvpilot.dev/model=<metadata.name>
+GPU_TYPE_LABEL = f"{GROUP}/gpu-type"  # node label that spec.resources.gpuType selects
+
+# Defaults of spec.autoscaling (the CRD stores them; the autoscaler applies them to objects stored
+# without them) and of spec.autoscaling.slo.
+DEFAULT_MIN_REPLICAS = 1
+DEFAULT_TARGET_KV_CACHE_UTILIZATION = 0.7
+DEFAULT_TARGET_QUEUE_DEPTH = 4.0
+DEFAULT_SCALE_UP_STABILIZATION_S = 0
+DEFAULT_SCALE_DOWN_STABILIZATION_S = 300
+DEFAULT_TTFT_S = 2.0
+DEFAULT_TPOT_S = 0.05
+DEFAULT_TTFT_PREFILL_FACTOR = 2.0
 
 MAX_REPLICAS = 1000
 SOURCE_PATTERN = (
@@ -119,7 +143,7 @@ class ModelSource(_Model):
     )
 
 
-class PrometheusSource(_Model):
+class PrometheusSettings(_Model):
     """Where the autoscaler reads metrics when metricsSource is prometheus."""
 
     url: str = Field(
@@ -163,10 +187,12 @@ class SloPlanner(_Model):
             )
         ),
     )
-    ttft_seconds: float = Field(2.0, gt=0.0, le=3600.0, description="Time-to-first-token target (base).")
-    tpot_seconds: float = Field(0.05, gt=0.0, le=60.0, description="Time-per-output-token target.")
+    ttft_seconds: float = Field(
+        DEFAULT_TTFT_S, gt=0.0, le=3600.0, description="Time-to-first-token target (base)."
+    )
+    tpot_seconds: float = Field(DEFAULT_TPOT_S, gt=0.0, le=60.0, description="Time-per-output-token target.")
     ttft_prefill_factor: float = Field(
-        2.0,
+        DEFAULT_TTFT_PREFILL_FACTOR,
         ge=0.0,
         le=100.0,
         description="The TTFT target grows by this many times the prompt's prefill time on an idle replica.",
@@ -192,27 +218,35 @@ class Autoscaling(_Model):
     )
 
     min_replicas: int = Field(
-        1, ge=0, le=MAX_REPLICAS, description="Fewest replicas (0 allows scale to zero)."
+        DEFAULT_MIN_REPLICAS, ge=0, le=MAX_REPLICAS, description="Fewest replicas (0 allows scale to zero)."
     )
     max_replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Most replicas.")
     target_kv_cache_utilization: float = Field(
-        0.7,
+        DEFAULT_TARGET_KV_CACHE_UTILIZATION,
         gt=0.0,
         le=1.0,
         alias="targetKVCacheUtilization",
         description="Target mean KV-cache usage per replica (0..1].",
     )
-    target_queue_depth: float = Field(4.0, gt=0.0, description="Target waiting requests per replica.")
+    target_queue_depth: float = Field(
+        DEFAULT_TARGET_QUEUE_DEPTH, gt=0.0, description="Target waiting requests per replica."
+    )
     scale_up_stabilization_seconds: int = Field(
-        0, ge=0, le=3600, description="Window over which scale-up takes the lowest recommendation."
+        DEFAULT_SCALE_UP_STABILIZATION_S,
+        ge=0,
+        le=3600,
+        description="Window over which scale-up takes the lowest recommendation.",
     )
     scale_down_stabilization_seconds: int = Field(
-        300, ge=0, le=3600, description="Window over which scale-down takes the highest recommendation."
+        DEFAULT_SCALE_DOWN_STABILIZATION_S,
+        ge=0,
+        le=3600,
+        description="Window over which scale-down takes the highest recommendation.",
     )
     metrics_source: Literal["pods", "prometheus"] = Field(
         "pods", description="pods: scrape each pod's /metrics; prometheus: query the Prometheus HTTP API."
     )
-    prometheus: PrometheusSource | None = None
+    prometheus: PrometheusSettings | None = None
     slo: SloPlanner | None = Field(
         None,
         description="SLO planner: also size for the forecast arrival rate at the replica's capacity "
@@ -317,7 +351,7 @@ class RuntimeSettings(_Model):
     )
 
 
-class OOMPolicy(_Model):
+class OOMAdaptationPolicy(_Model):
     """What the operator does when a replica runs out of memory."""
 
     adapt: bool = Field(
@@ -456,8 +490,8 @@ class InferenceModelSpec(_Model):
         default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
     )
     routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
-    oom_policy: OOMPolicy = Field(
-        default_factory=lambda: OOMPolicy.model_validate({}), json_schema_extra={"default": {}}
+    oom_policy: OOMAdaptationPolicy = Field(
+        default_factory=lambda: OOMAdaptationPolicy.model_validate({}), json_schema_extra={"default": {}}
     )
     image: str | None = Field(
         None, max_length=512, description="Runtime image; the operator's --image by default."
@@ -516,30 +550,120 @@ class Condition(_Model):
     observed_generation: int | None = Field(None, ge=0)
 
 
+def _none_if_invalid(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        return None
+
+
+def _valid_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    if not isinstance(value, list):
+        return None
+    kept = []
+    for item in value:
+        try:
+            kept.append(handler([item])[0])
+        except ValidationError:
+            continue
+    return kept
+
+
+# status.autoscaler is the autoscaler's memory, read back on every sync: a value that does not parse
+# (an older writer, a hand edit) is dropped, never guessed, and never fails the rest of the status.
+T = TypeVar("T")
+Lenient = Annotated[T | None, WrapValidator(_none_if_invalid)]
+ValidItems = Annotated[list[T] | None, WrapValidator(_valid_items)]
+
+
+def _whole_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number), Field(strict=True)]  # 3 or 3.0; not True, "3", 3.5
+Real = Annotated[float, Field(strict=True)]
+
+
+def _non_negative(value: T) -> T:
+    if value < 0:  # type: ignore[operator]
+        raise ValueError("must be >= 0")
+    return value
+
+
+# Checked when read back, not in the schema: the API server must never refuse the autoscaler's
+# status patch over a value that reading back would merely skip.
+Count = Annotated[Int, AfterValidator(_non_negative)]
+Amount = Annotated[float, Field(strict=True, allow_inf_nan=False), AfterValidator(_non_negative)]
+
+
 class DecisionMetrics(_Model):
     """The metrics a scaling decision was based on."""
 
-    kv_cache_usage: float | None = Field(None, alias="kvCacheUsage")
-    queue_depth: float | None = None
-    ready_replicas: int | None = None
-    reporting: int | None = Field(None, description="Replicas whose metrics were read.")
+    kv_cache_usage: Lenient[Real] = Field(None, alias="kvCacheUsage")
+    queue_depth: Lenient[Real] = None
+    ready_replicas: Lenient[Int] = None
+    reporting: Lenient[Int] = Field(None, description="Replicas whose metrics were read.")
 
 
 class ScalingDecision(_Model):
     """The autoscaler's last decision."""
 
-    time: datetime | None = None
-    from_replicas: int | None = None
-    to_replicas: int | None = None
+    time: Lenient[datetime] = None
+    from_replicas: Lenient[Int] = None
+    to_replicas: Lenient[Int] = None
     reason: str | None = Field(None, max_length=1024)
-    metrics: DecisionMetrics | None = None
+    metrics: Lenient[DecisionMetrics] = None
 
 
 class HistoryEntry(_Model):
     """One past recommendation."""
 
     time: datetime
-    replicas: int
+    replicas: Count
+
+
+class ScaleEventEntry(_Model):
+    """One change of spec.replicas by the autoscaler (its rate limits count them)."""
+
+    time: datetime
+    from_replicas: Int
+    to_replicas: Int
+
+
+class PodCounters(_Model):
+    """One pod's counters at the previous sync, which the next one differences against."""
+
+    pod: Annotated[str, Field(strict=True)]
+    completed: Amount | None = Field(
+        None, description="Finished requests (a counter); absent: a rate was read."
+    )
+    in_flight: Count = Field(description="Waiting plus running requests.")
+    prompt_tokens: Amount | None = None
+    generation_tokens: Amount | None = None
+
+
+class RatePoint(_Model):
+    """The fleet's arrival rate (requests/s) at a sync."""
+
+    time: datetime
+    rate: Amount
+
+
+class TokenMix(_Model):
+    """Mean prompt and output tokens per request (smoothed)."""
+
+    prompt: Amount
+    output: Amount
+
+
+class ArrivalsStatus(_Model):
+    """The arrival-rate estimate's counters and trend (times with milliseconds)."""
+
+    time: Lenient[datetime] = None
+    pods: ValidItems[PodCounters] = None
+    rates: ValidItems[RatePoint] = None
+    service_rate: Lenient[Amount] = Field(None, description="Requests/s one replica sustains at the target.")
+    token_mix: Lenient[TokenMix] = None
 
 
 class AutoscalerStatus(_Model):
@@ -547,9 +671,18 @@ class AutoscalerStatus(_Model):
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 
-    last_decision: ScalingDecision | None = None
-    history: list[HistoryEntry] | None = Field(None, max_length=10000)
-    last_scale_time: datetime | None = None
+    last_decision: Lenient[ScalingDecision] = None
+    history: ValidItems[HistoryEntry] = Field(None, max_length=10000)
+    scale_events: ValidItems[ScaleEventEntry] = Field(
+        None, description="Replica changes inside the longest rate-limit period."
+    )
+    last_scale_time: Lenient[datetime] = None
+    arrivals: Lenient[ArrivalsStatus] = None
+    decided_by: str | None = Field(None, description="Identity of the autoscaler replica that decided.")
+    held_kind: str | None = Field(
+        None,
+        description="Why the last hold is noteworthy: no-metrics, not-reporting, scaling-limited, stabilization.",
+    )
 
 
 class OOMOverrides(_Model):

@@ -1,6 +1,6 @@
 """Leader election on a coordination.k8s.io/v1 Lease, like client-go's leaderelection package.
 
-Shared by the operator and the autoscaler (`from kvpilot.operator.leader import LeaderElector`):
+Shared by the operator and the autoscaler (`from kvpilot.kube.lease import LeaderElector`):
 
     # blocking: run `lead` only while leading (the operator)
     elector = LeaderElector(api_client=api_client, namespace="kvpilot-system", name="kvpilot-operator")
@@ -31,6 +31,9 @@ from typing import Any, Protocol
 
 from kubernetes.client.exceptions import ApiException
 
+from kvpilot.kube.client import ApiKube
+from kvpilot.kube.times import format_time, parse_time
+
 log = logging.getLogger(__name__)
 
 LEASE_DURATION_S = 15.0
@@ -42,16 +45,6 @@ def default_identity() -> str:
     """POD_NAME (downward API) or the hostname, plus the pid: unique per process."""
     host = os.environ.get("POD_NAME") or socket.gethostname()
     return f"{host}_{os.getpid()}"
-
-
-def _format_micro(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _parse_micro(value: str | None) -> datetime | None:
-    if not value:
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 @dataclass(frozen=True)
@@ -72,9 +65,9 @@ class LeaseRecord:
             "leaseTransitions": self.transitions,
         }
         if self.acquire_time:
-            spec["acquireTime"] = _format_micro(self.acquire_time)
+            spec["acquireTime"] = format_time(self.acquire_time, 6)
         if self.renew_time:
-            spec["renewTime"] = _format_micro(self.renew_time)
+            spec["renewTime"] = format_time(self.renew_time, 6)
         return spec
 
     @classmethod
@@ -83,8 +76,8 @@ class LeaseRecord:
         return cls(
             holder=spec.get("holderIdentity") or None,
             lease_duration_s=int(spec.get("leaseDurationSeconds") or LEASE_DURATION_S),
-            acquire_time=_parse_micro(spec.get("acquireTime")),
-            renew_time=_parse_micro(spec.get("renewTime")),
+            acquire_time=parse_time(spec.get("acquireTime")),
+            renew_time=parse_time(spec.get("renewTime")),
             transitions=int(spec.get("leaseTransitions") or 0),
             resource_version=(lease.get("metadata") or {}).get("resourceVersion"),
         )
@@ -108,8 +101,6 @@ class KubeLeaseStore:
     """LeaseStore over a kubernetes.client.ApiClient (plain JSON, MicroTime formatted exactly)."""
 
     def __init__(self, api_client: Any) -> None:
-        from kvpilot.operator.kube import ApiKube
-
         self.kube = ApiKube(api_client, timeout=RENEW_DEADLINE_S / 2)
 
     @staticmethod

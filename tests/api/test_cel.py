@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator.crd import build_crd
-from kvpilot.operator.models import InferenceModelSpec, name_problems
-from tests.operator.celcheck import apply_defaults, violations
+from kvpilot.api.crd import build_crd
+from kvpilot.api.models import InferenceModelSpec, name_problems
+from tests.api.celcheck import apply_defaults, violations
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

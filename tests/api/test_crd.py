@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator.crd import CRD_FILENAME, build_crd, render_crd_yaml
+from kvpilot.api.crd import CRD_FILENAME, build_crd, render_crd_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,7 +130,15 @@ def test_every_rule_has_an_actionable_message() -> None:
 def test_status_schema_keeps_autoscaler_fields_and_conditions_are_a_map() -> None:
     status = _schema()["properties"]["status"]["properties"]
     assert status["autoscaler"]["x-kubernetes-preserve-unknown-fields"] is True
-    assert set(status["autoscaler"]["properties"]) == {"lastDecision", "history", "lastScaleTime"}
+    assert set(status["autoscaler"]["properties"]) == {
+        "lastDecision",
+        "history",
+        "scaleEvents",
+        "lastScaleTime",
+        "arrivals",
+        "decidedBy",
+        "heldKind",
+    }
     assert status["conditions"]["x-kubernetes-list-type"] == "map"
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     for key in ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "kvCacheUsage"):

@@ -1,0 +1,7 @@
+"""kvpilot.api: the InferenceModel API (kvpilot.dev/v1alpha1) that the operator, the autoscaler and the
+router share.
+
+`models` holds the pydantic models of spec and the whole status, the group/version/kind/plural, the
+labels and the defaults; `crd` generates the CustomResourceDefinition from them (`kvpilot crds`).
+Nothing here talks to a cluster (that is `kvpilot.kube`), and no part imports another part for these.
+"""
