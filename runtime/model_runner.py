@@ -382,7 +382,11 @@ class ModelRunner:
         """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""
         scheduled = self._apply_lora(scheduled, reorder=False)  # rows come back in the caller's order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        return self._run_model(batch)
+        try:
+            return self._run_model(batch)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
@@ -390,7 +394,11 @@ class ModelRunner:
         each, 1 + num_spec_tokens for a sequence with speculative tokens)."""
         scheduled = self._apply_lora(scheduled, reorder=True)  # `sampled` says the order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        hidden = self._run_model(batch)
+        try:
+            hidden = self._run_model(batch)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
         if not batch.sampled:
             return torch.empty(0, 0), []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

@@ -274,10 +274,14 @@ class TPModelRunner(ModelRunner):
         return StepInputs.from_batch(batch, (loads, token_slots)), batch.sampled
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.lora is not None:
-            self.lora.apply(list(inputs.lora_loads), inputs.lora_token_slots)
         ids, positions, meta, sample_rows = inputs.to_device(self.device)
-        return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+        if self.lora is None:
+            return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+        self.lora.apply(list(inputs.lora_loads), inputs.lora_token_slots)
+        try:
+            return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+        finally:
+            self.lora.clear()
 
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:

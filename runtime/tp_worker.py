@@ -110,6 +110,8 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
                     runner.lora.apply(list(payload.lora_loads), payload.lora_token_slots)
                 ids, positions, meta, sample_rows = payload.to_device(runner.device)
                 hidden = model(ids, positions, runner.kv_caches, meta, runner.backend)
+                if runner.lora is not None:
+                    runner.lora.clear()  # the logits below do not go through a LoRA layer
                 if kind == "execute" and sample_rows.numel():
                     model.compute_logits(hidden.index_select(0, sample_rows))
             elif kind == "logits":

@@ -120,6 +120,10 @@ class LoRAState:
                 lin.clear_slot(slot)
         self.slot_ranks[slot], self.slot_names[slot] = adapter.rank, name
 
+    def clear(self) -> None:
+        """After a forward: no step's grouping may leak into another runner's use of the model."""
+        self.ctx.batch = None
+
     def apply(self, loads: list[tuple[int, str | None]], token_slots: list[int] | None) -> None:
         """Before a forward: bring the step's adapters into their slots, then group its tokens."""
         for slot, name in loads:

@@ -415,6 +415,23 @@ def test_parse_lora_modules() -> None:
         parse_lora_modules(["a=/x", "a=/y"])
 
 
+def test_a_runner_without_lora_on_the_same_model_is_the_base_model(
+    workdir: Path, start: Callable[[EngineConfig], LLMEngine]
+) -> None:
+    """Engines may share one loaded model (tests, benchmarks): an adapter step of one must not leak
+    into the next forward of another that serves no adapters."""
+    from kvpilot.runtime.loader import load_model
+
+    cfg = engine_config(workdir)
+    loaded = load_model(cfg, "cpu", torch.float32)
+    plain = LLMEngine.from_loaded(loaded, cfg.model_copy(update={"lora_modules": {}, "enable_lora": False}))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = plain.generate([prompts()[1]], params)[0].output_token_ids
+    with_lora = LLMEngine.from_loaded(loaded, cfg)  # attaches the slots to the shared model
+    with_lora.generate([prompts()[0]] * 4, params, loras=["chat", "sql", "math", "chat"])
+    assert plain.generate([prompts()[1]], params)[0].output_token_ids == before
+
+
 def test_base_only_step_leaves_the_model_untouched(
     workdir: Path, start: Callable[[EngineConfig], LLMEngine]
 ) -> None:
