@@ -585,10 +585,10 @@ class InferenceModelSpec(_Model):
         if tp and self.resources.gpus and self.resources.gpus != tp:
             problems.append(TP_HELP)
         names = [a.name for a in self.adapters or []]
-        for a in self.adapters or []:
-            if not re.match(ADAPTER_SOURCE_PATTERN, a.source):
+        for adapter in self.adapters or []:
+            if not re.match(ADAPTER_SOURCE_PATTERN, adapter.source):
                 problems.append(ADAPTER_SOURCE_HELP)
-            if not re.match(ADAPTER_NAME_PATTERN, a.name):
+            if not re.match(ADAPTER_NAME_PATTERN, adapter.name):
                 problems.append(ADAPTER_NAME_HELP)
         if len(set(names)) != len(names):
             problems.append(ADAPTERS_UNIQUE_HELP)

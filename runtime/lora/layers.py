@@ -190,9 +190,9 @@ class LoRALinear:
             b = self.Bt.index_select(0, batch.slots)[:, :, :r].reshape(g, n * r, out_size)
         cdt = a.dtype
         if batch.dense_start is not None:
-            rows = slice(batch.dense_start, None)
-            xg = x[rows].to(cdt).view(g, batch.group_len, in_size)
-            y[rows] += torch.bmm(torch.bmm(xg, a), b).view(-1, out_size).to(y.dtype)
+            start = batch.dense_start
+            xg = x[start:].to(cdt).view(g, batch.group_len, in_size)
+            y[start:] += torch.bmm(torch.bmm(xg, a), b).view(-1, out_size).to(y.dtype)
             return y
         if batch.gather is not None:
             assert batch.inverse is not None
