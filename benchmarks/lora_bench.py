@@ -70,7 +70,9 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(100, min(vocab, 20000), (length,), generator=g).tolist() for _ in range(n)]
 
 
-def throughput(engine: LLMEngine, batch: list[list[int]], loras: list[str | None], max_tokens: int) -> dict[str, Any]:
+def throughput(
+    engine: LLMEngine, batch: list[list[int]], loras: list[str | None], max_tokens: int
+) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.generate(batch[:2], SamplingParams(max_tokens=2), loras=loras[:2])  # warm-up (and slot loads)
     steps = engine.num_steps
