@@ -186,3 +186,21 @@ def test_runtime_updates_are_off_unless_enabled(live: LiveServer, workdir: Path)
     finally:
         live.server.settings.lora_runtime_updates = True
     assert complete(live, "sql")[0] == 200
+
+
+def test_serve_with_a_bad_adapter_exits_2_naming_the_flag(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from kvpilot.net import free_port
+    from kvpilot.runtime import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = [str(workdir / "base"), "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1"]
+    argv += ["--port", str(free_port()), "--kv-cache-memory", "4MiB", "--threads", "1"]
+    argv += ["--lora-modules", f"sql={workdir / 'sql'}", f"big={workdir / 'too-big'}"]
+    assert cli.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert f"--lora-modules big={workdir / 'too-big'}" in err and "rank 32 is over the limit of 16" in err
