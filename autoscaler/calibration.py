@@ -76,7 +76,12 @@ class Calibration:
 
     @property
     def roofline(self) -> bool:
-        return self.weight_read_s > 0 or self.compute_s_per_token > 0 or self.kv_read_s_per_token > 0
+        return (
+            self.weight_read_s > 0
+            or self.compute_s_per_token > 0
+            or self.kv_read_s_per_token > 0
+            or self.attn_s_per_token_pair > 0
+        )
 
     def step_seconds(
         self,

@@ -81,6 +81,9 @@ class ArrivalState:
     rates: tuple[RateSample, ...] = ()  # within Behavior.arrival_trend_window_s
     service_rate: float | None = None  # requests/s one replica sustains at the target (smoothed)
     token_mix: tuple[float, float] | None = None  # (prompt, output) tokens per request (smoothed)
+    # Finished requests behind token_mix (capped at TOKEN_MIX_WINDOW_REQUESTS); the planner waits for
+    # MIN_MIX_REQUESTS. Not written to the status: a mix read back from it counts as established.
+    mix_requests: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -237,10 +240,44 @@ def measure_arrivals(
     return total / dt, sum(known_done) / dt / len(known_done), counters
 
 
+# The token mix is a running mean over about this many finished requests: prompt lengths are
+# heavy-tailed (Mooncake: 15k mean, up to 120k), so one sync's few dozen requests give a mean that
+# swings by half, and the SLO planner's capacity (steeper still with the TPOT tail rule) with it.
+TOKEN_MIX_WINDOW_REQUESTS = 200.0
+# The planner sizes from the mix only once this many requests finished: the first ones to finish are
+# the short ones (a 15 s window after a cold start sees outputs of ~10 tokens where the mean is 150), and
+# sizing for them asked for 33 replicas where 5-10 serve Mooncake (docs/autoscaler.md).
+MIN_MIX_REQUESTS = TOKEN_MIX_WINDOW_REQUESTS
+
+
 def measure_token_mix(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float] | None:
     """(prompt, output) tokens per finished request since the last sync, from the replicas seen both
     times with completion and token counters; None when none finished a request (or a counter went
     down: a restart)."""
+    totals = token_totals(snapshot, previous)
+    if totals is None:
+        return None
+    done, prompt, output = totals
+    return prompt / done, output / done
+
+
+def smooth_token_mix(
+    previous: tuple[float, float] | None, totals: tuple[float, float, float]
+) -> tuple[float, float]:
+    """The running token mix after `totals` = (requests, prompt tokens, output tokens) finished: the new
+    requests weigh in as done / (done + TOKEN_MIX_WINDOW_REQUESTS), so the mix follows the last ~200
+    requests whatever the sync interval and load."""
+    done, prompt, output = totals
+    mix = (prompt / done, output / done)
+    if previous is None:
+        return mix
+    w = done / (done + TOKEN_MIX_WINDOW_REQUESTS)
+    return (w * mix[0] + (1.0 - w) * previous[0], w * mix[1] + (1.0 - w) * previous[1])
+
+
+def token_totals(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float, float] | None:
+    """(requests finished, their prompt tokens, their output tokens) since the last sync; see
+    measure_token_mix."""
     before = {c.pod: c for c in previous.counters}
     done = prompt = output = 0.0
     for s in snapshot.samples:
@@ -259,7 +296,7 @@ def measure_token_mix(snapshot: MetricsSnapshot, previous: ArrivalState) -> tupl
         done, prompt, output = done + d, prompt + p, output + g
     if done <= 0:
         return None
-    return prompt / done, output / done
+    return done, prompt, output
 
 
 def forecast_arrivals(rates: tuple[RateSample, ...], now: float, lead_s: float, max_growth: float) -> float:
@@ -343,19 +380,15 @@ def decide(
                     if service_rate is None
                     else SERVICE_RATE_SMOOTHING * estimate + (1.0 - SERVICE_RATE_SMOOTHING) * service_rate
                 )
-        token_mix = arrivals.token_mix
+        token_mix, mix_requests = arrivals.token_mix, arrivals.mix_requests
         if targets.slo is not None:
-            mix = measure_token_mix(snapshot, arrivals)
-            if mix is not None:
-                token_mix = (
-                    mix
-                    if token_mix is None
-                    else (
-                        SERVICE_RATE_SMOOTHING * mix[0] + (1.0 - SERVICE_RATE_SMOOTHING) * token_mix[0],
-                        SERVICE_RATE_SMOOTHING * mix[1] + (1.0 - SERVICE_RATE_SMOOTHING) * token_mix[1],
-                    )
-                )
-        arrivals = ArrivalState(now if counters else None, counters, rates, service_rate, token_mix)
+            totals = token_totals(snapshot, arrivals)
+            if totals is not None:
+                token_mix = smooth_token_mix(token_mix, totals)
+                mix_requests = min(TOKEN_MIX_WINDOW_REQUESTS, mix_requests + totals[0])
+        arrivals = ArrivalState(
+            now if counters else None, counters, rates, service_rate, token_mix, mix_requests
+        )
     if current == 0 and snapshot.router_queue:
         # Scale from zero: nothing runs, so nothing reports; the router holding requests is the signal.
         raw = 1
@@ -414,7 +447,12 @@ def decide(
             queue_rec = current
         raw = max(kv_rec, queue_rec)
         a_part = ""
-        if targets.slo is not None and forecast is not None and arrivals.token_mix is not None:
+        if (
+            targets.slo is not None
+            and forecast is not None
+            and arrivals.token_mix is not None
+            and arrivals.mix_requests >= MIN_MIX_REQUESTS
+        ):
             mix = arrivals.token_mix
             slo_capacity = targets.slo.capacity(*mix)
             cap = max(current, targets.max_replicas)

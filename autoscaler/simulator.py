@@ -443,6 +443,7 @@ class SimResult:
     # warmup: what "provisioned for the peak" is held to.
     worst_minute_attainment: float = 1.0
     throughput_tokens_s: float = 0.0  # output tokens of requests finished in the window, per second
+    last_finish_s: float = 0.0  # when the last measured request finished (a batch's makespan)
 
     @property
     def slo_ttft_s(self) -> float:
@@ -467,6 +468,7 @@ class SimResult:
             "tpot_p99_s": round(self.tpot_p99_s, 4),
             "prefix_hit_rate": round(self.prefix_hit_rate, 4),
             "throughput_tokens_s": round(self.throughput_tokens_s, 1),
+            "last_finish_s": round(self.last_finish_s, 3),
             "preemptions": self.preemptions,
             "peak_replicas": self.peak_replicas,
             "mean_replicas": round(self.mean_replicas, 2),
@@ -767,6 +769,7 @@ class FleetSimulator:
             tpot_p99_s=_percentile(tpots, 0.99),
             prefix_hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
             throughput_tokens_s=out_tokens / window,
+            last_finish_s=max((r.finish for r in measured if r.finish is not None), default=0.0),
             preemptions=sum(r.preemptions for r in self.replicas),
             peak_replicas=self._peak,
             mean_replicas=replica_seconds / window,

@@ -17,12 +17,16 @@ scale their SLOs on the same single-request baseline.
 `replica_capacity` is the throughput planner's number (Dynamo's idea): the request rate one replica
 sustains for a given token mix with its mean step (what a decoding sequence sees, prefill chunks
 included) within the TPOT target and a prompt's prefill plus its queueing within the TTFT target,
-from the step-time model (see _fits).
+from the step-time model (see _fits), and with the TPOT tail of short outputs within a budget (see
+tpot_tail_share): a request that generates a few tokens misses its TPOT target when one prefill burst
+lands among its few decode steps, however short the mean step.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpilot.api.models import DEFAULT_TPOT_S, DEFAULT_TTFT_PREFILL_FACTOR, DEFAULT_TTFT_S
@@ -61,7 +65,92 @@ P99_WAIT_FACTOR = 4.6  # ln(100): the 99th percentile of an exponential-tailed w
 PREFILL_CV2 = 1.0
 
 
-def _fits(cal: Calibration, slo: Slo, rate: float, prompt: float, output: float, limit: float) -> bool:
+# Output lengths: cumulative shares P(output <= tokens) at increasing token counts, ((tokens, share), ...).
+OutputCdf = tuple[tuple[int, float], ...]
+# Share of requests the TPOT tail may cost (half of a 99% goal's 1%; TTFT misses use the rest).
+DEFAULT_TPOT_TAIL_BUDGET = 0.005
+_TAIL_MAX_OUTPUT = 4096  # outputs longer than this are not looked at (their miss chance is ~0)
+
+
+def output_share_at_most(mean_output: float, cdf: OutputCdf | None) -> Callable[[int], float]:
+    """P(output <= o) as a function of o: from `cdf` (linear between its points, from (0, 0); past
+    its last point the share stays at its last value, so longer outputs are not counted), or, when
+    no distribution is known, geometric with the observed mean (the maximum-entropy guess from the
+    mean alone; it underestimates the short share of bimodal traffic: Mooncake's is 21% at <= 8
+    tokens against the geometric 5%)."""
+    if cdf is None:
+        p = 1.0 / max(1.0, mean_output)
+        return lambda o: 1.0 - (1.0 - p) ** o
+    points = ((0, 0.0), *cdf)
+    for (a, fa), (b, fb) in itertools.pairwise(points):
+        if not (b > a and 0.0 <= fa <= fb <= 1.0):
+            raise ValueError(f"output CDF must rise in tokens and share within [0, 1]: {cdf!r}")
+
+    def share(o: int) -> float:
+        for (a, fa), (b, fb) in itertools.pairwise(points):
+            if o <= b:
+                return fa + (fb - fa) * (o - a) / (b - a)
+        return points[-1][1]
+
+    return share
+
+
+def _poisson_at_least(k: int, mean: float) -> float:
+    """P(N >= k) for N ~ Poisson(mean)."""
+    if k <= 0:
+        return 1.0
+    term = math.exp(-mean)
+    below = term
+    for i in range(1, k):
+        term *= mean / i
+        below += term
+    return max(0.0, 1.0 - below)
+
+
+def tpot_tail_share(
+    prefill_step_share: float,
+    burst_steps: float,
+    prefill_step_s: float,
+    decode_step_s: float,
+    tpot_s: float,
+    share_at_most: Callable[[int], float],
+) -> float:
+    """Share of requests whose TPOT misses the target because prefill steps land among their decode
+    steps. A request with o output tokens waits o - 1 steps after its first token; it misses when k
+    of them are prefill steps with (k x prefill_step_s + (o - 1 - k) x decode_step_s) / (o - 1) >
+    tpot_s. Prefill steps come in bursts of `burst_steps` (a prompt's chunks, back to back), so the
+    bursts in a window of w steps are Poisson with mean w x prefill_step_share / burst_steps and k
+    prefill steps take ceil(k / burst_steps) bursts. Summed over the output-length distribution.
+    0 when a prefill step is within the target (then only the mean step matters)."""
+    if prefill_step_s <= tpot_s or prefill_step_share <= 0.0:
+        return 0.0
+    burst = max(1.0, burst_steps)
+    ratio = (tpot_s - decode_step_s) / (prefill_step_s - decode_step_s)
+    total, below = 0.0, share_at_most(1)
+    for o in range(2, _TAIL_MAX_OUTPUT + 1):
+        at = share_at_most(o)
+        p_o, below = at - below, at
+        w = o - 1
+        k = math.floor(w * ratio) + 1  # prefill steps in the window that make it miss
+        if k > w:
+            continue
+        miss = _poisson_at_least(math.ceil(k / burst - 1e-9), w * prefill_step_share / burst)
+        total += p_o * miss
+        if miss < 1e-7 and o > 64:
+            break
+    return total
+
+
+def _fits(
+    cal: Calibration,
+    slo: Slo,
+    rate: float,
+    prompt: float,
+    output: float,
+    limit: float,
+    tail_budget: float | None = None,
+    output_cdf: OutputCdf | None = None,
+) -> bool:
     """Whether one replica serves `rate` requests/s of this mix within the SLO.
 
     The engine runs prefill steps (a chunk of C = min(max_num_batched_tokens, prompt) prompt tokens,
@@ -72,7 +161,9 @@ def _fits(cal: Calibration, slo: Slo, rate: float, prompt: float, output: float,
     `limit`, the batch and KV pool hold B, and the prefill queue (M/G/1 at utilization
     rho = n_p x s_p, Pollaczek-Khinchine mean wait rho x S x (1 + cv^2) / (2 (1 - rho)) with
     cv^2 = PREFILL_CV2, its 99th percentile taken as P99_WAIT_FACTOR x the mean) leaves the
-    prompt's TTFT within its target."""
+    prompt's TTFT within its target. With `tail_budget`, the TPOT tail of short outputs
+    (tpot_tail_share, prefill steps being n_p / (n_p + n_d) of all steps, in bursts of prompt / C)
+    must also stay within that share of requests."""
     ctx = prompt + output / 2.0
     chunk = min(float(cal.max_num_batched_tokens), prompt)
     n_p = rate * prompt / chunk
@@ -94,14 +185,29 @@ def _fits(cal: Calibration, slo: Slo, rate: float, prompt: float, output: float,
         return False
     service = prompt / chunk * s_p  # the prompt's own prefill, at this load
     wait_p99 = P99_WAIT_FACTOR * rho * service * (1.0 + PREFILL_CV2) / (2.0 * (1.0 - rho))
-    return wait_p99 + service <= slo.ttft_target(int(prompt), cal)
+    if wait_p99 + service > slo.ttft_target(int(prompt), cal):
+        return False
+    if tail_budget is None:
+        return True
+    tail = tpot_tail_share(
+        n_p / (n_p + n_d), prompt / chunk, s_p, s_d, slo.tpot_s, output_share_at_most(output, output_cdf)
+    )
+    return tail <= tail_budget
 
 
 def replica_capacity(
-    cal: Calibration, slo: Slo, mean_prompt: float, mean_output: float, utilization: float = 0.85
+    cal: Calibration,
+    slo: Slo,
+    mean_prompt: float,
+    mean_output: float,
+    utilization: float = 0.85,
+    tail_budget: float | None = None,
+    output_cdf: OutputCdf | None = None,
 ) -> float:
     """Requests/s one replica serves at this token mix with steps within slo.tpot_s x utilization
-    (the rest is headroom for bursts within a sync interval). 0 when even one request misses."""
+    (the rest is headroom for bursts within a sync interval) and, with `tail_budget`, at most that
+    share of requests missing TPOT through prefill steps among their decode steps (output lengths
+    from `output_cdf`, or geometric with mean_output). 0 when even one request misses."""
     prompt = max(1.0, mean_prompt)
     output = max(1.0, mean_output)
     limit = slo.tpot_s * utilization
@@ -109,7 +215,7 @@ def replica_capacity(
         return 0.0
 
     def ok(rate: float) -> bool:
-        return _fits(cal, slo, rate, prompt, output, limit)
+        return _fits(cal, slo, rate, prompt, output, limit, tail_budget, output_cdf)
 
     lo, hi = 0.0, 1.0
     if not ok(1e-6):

@@ -62,6 +62,18 @@ DEFAULT_COMPLETIONS_QUERY = (
     f"sum by (pod) (rate(kvpilot_request_success_total{_SELECT}[1m])"
     f" or rate(vllm:request_success_total{_SELECT}[1m]))"
 )
+# The counters themselves (instant values, not rates): the SLO planner's token mix is the change in
+# prompt / generated tokens over the change in finished requests between two syncs, as from the pod
+# scrape (policy.measure_token_mix).
+DEFAULT_COMPLETED_TOTAL_QUERY = (
+    f"sum by (pod) (kvpilot_request_success_total{_SELECT} or vllm:request_success_total{_SELECT})"
+)
+DEFAULT_PROMPT_TOKENS_QUERY = (
+    f"sum by (pod) (kvpilot_prompt_tokens_total{_SELECT} or vllm:prompt_tokens_total{_SELECT})"
+)
+DEFAULT_GENERATION_TOKENS_QUERY = (
+    f"sum by (pod) (kvpilot_generation_tokens_total{_SELECT} or vllm:generation_tokens_total{_SELECT})"
+)
 
 
 @dataclass(frozen=True)
@@ -267,6 +279,7 @@ class PrometheusSource:
         queue_query: str | None = None,
         running_query: str | None = DEFAULT_RUNNING_QUERY,
         completions_query: str | None = DEFAULT_COMPLETIONS_QUERY,
+        token_counters: bool = True,
         timeout_s: float = 5.0,
         session: aiohttp.ClientSession | None = None,
         pod_label: str = "pod",
@@ -276,6 +289,13 @@ class PrometheusSource:
         self.queue_query = queue_query or DEFAULT_QUEUE_QUERY
         self.running_query = running_query
         self.completions_query = completions_query
+        # Completed-request and token counters for the SLO planner's token mix (optional queries: a
+        # runtime without them leaves the planner off, as with the pod scrape).
+        self.counter_queries: tuple[str, ...] = (
+            (DEFAULT_COMPLETED_TOTAL_QUERY, DEFAULT_PROMPT_TOKENS_QUERY, DEFAULT_GENERATION_TOKENS_QUERY)
+            if token_counters
+            else ()
+        )
         self.timeout_s = timeout_s
         self.pod_label = pod_label
         self._session = session
@@ -331,9 +351,10 @@ class PrometheusSource:
         names = [p.name for p in pods]
         rendered = [render_query(q, model.namespace, model.served_name, names) for q in queries]
         try:
-            results, completions = await asyncio.gather(
+            results, completions, counters = await asyncio.gather(
                 asyncio.gather(*(self.query(q) for q in rendered)),
                 self._optional_query(model, self.completions_query, pods),
+                asyncio.gather(*(self._optional_query(model, q, pods) for q in self.counter_queries)),
             )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.warning(
@@ -346,6 +367,7 @@ class PrometheusSource:
             return MetricsSnapshot(ready_replicas=len(pods))
         kv, waiting = results[0], results[1]
         running = results[2] if len(results) > 2 else {}
+        done, prompt, generated = counters if counters else ({}, {}, {})
         samples = []
         for p in pods:
             if p.name in kv and p.name in waiting:
@@ -356,6 +378,9 @@ class PrometheusSource:
                         num_waiting=max(0, round(waiting[p.name])),
                         num_running=max(0, round(running.get(p.name, 0.0))),
                         completion_rate=None if p.name not in completions else max(0.0, completions[p.name]),
+                        completed_total=done.get(p.name),
+                        prompt_tokens_total=prompt.get(p.name),
+                        generation_tokens_total=generated.get(p.name),
                     )
                 )
         return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples))

@@ -23,7 +23,7 @@ from kvpilot.api.models import (
     DEFAULT_TTFT_S,
 )
 from kvpilot.autoscaler.calibration import Calibration
-from kvpilot.autoscaler.slo import Slo
+from kvpilot.autoscaler.slo import OutputCdf, Slo
 
 MetricsSourceName = Literal["pods", "prometheus"]
 
@@ -90,10 +90,18 @@ class Behavior:
 
 
 @functools.lru_cache(maxsize=4096)
-def _capacity(cal: Calibration, slo: Slo, prompt: float, output: float, utilization: float) -> float:
+def _capacity(
+    cal: Calibration,
+    slo: Slo,
+    prompt: float,
+    output: float,
+    utilization: float,
+    tail_budget: float | None,
+    output_cdf: OutputCdf | None,
+) -> float:
     from kvpilot.autoscaler.slo import replica_capacity
 
-    return replica_capacity(cal, slo, prompt, output, utilization)
+    return replica_capacity(cal, slo, prompt, output, utilization, tail_budget, output_cdf)
 
 
 @dataclass(frozen=True)
@@ -108,10 +116,23 @@ class SloTargets:
     ttft_prefill_factor: float = DEFAULT_TTFT_PREFILL_FACTOR
     # Steps are held to tpot_s x utilization: the rest absorbs bursts between syncs.
     utilization: float = 0.85
+    # The share of requests the TPOT tail of short outputs may cost (slo.tpot_tail_share, e.g.
+    # slo.DEFAULT_TPOT_TAIL_BUDGET); None (default): the mean step only. Off by default: on the Mooncake
+    # trace it buys attainment for more replica-hours than a static fleet would (docs/autoscaler.md).
+    tpot_tail_budget: float | None = None
+    # The workload's output lengths, ((tokens, P(output <= tokens)), ...), when known (from logs or a
+    # trace); None: geometric with the observed mean output (slo.output_share_at_most).
+    output_cdf: OutputCdf | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.utilization <= 1.0:
             raise ValueError("slo utilization must be in (0, 1]")
+        if self.tpot_tail_budget is not None and not 0.0 < self.tpot_tail_budget < 1.0:
+            raise ValueError("slo tpot_tail_budget must be in (0, 1)")
+        if self.output_cdf is not None:
+            from kvpilot.autoscaler.slo import output_share_at_most
+
+            output_share_at_most(1.0, self.output_cdf)  # validates it
         Slo(self.ttft_s, self.tpot_s, self.ttft_prefill_factor)  # validates the targets
 
     @property
@@ -125,7 +146,15 @@ class SloTargets:
         def r2(x: float) -> float:
             return float(f"{max(1.0, x):.2g}")
 
-        return _capacity(self.calibration, self.slo, r2(mean_prompt), r2(mean_output), self.utilization)
+        return _capacity(
+            self.calibration,
+            self.slo,
+            r2(mean_prompt),
+            r2(mean_output),
+            self.utilization,
+            self.tpot_tail_budget,
+            self.output_cdf,
+        )
 
     @classmethod
     def from_spec(cls, block: Mapping[str, Any]) -> SloTargets:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpilot.api.models import ArrivalsStatus, AutoscalerStatus
 from kvpilot.autoscaler.policy import (
+    TOKEN_MIX_WINDOW_REQUESTS,
     ArrivalState,
     Decision,
     History,
@@ -60,6 +61,7 @@ def _arrivals(a: ArrivalsStatus) -> ArrivalState:
         rates=tuple(rates),
         service_rate=a.service_rate or None,
         token_mix=None if mix is None else (mix.prompt, mix.output),
+        mix_requests=0.0 if mix is None else TOKEN_MIX_WINDOW_REQUESTS,
     )
 
 

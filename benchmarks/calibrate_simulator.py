@@ -1,19 +1,27 @@
 """Measure the kvpilot runtime and fit the fleet simulator's replica model to it; then check the fit by
 replaying Poisson arrivals through the real engine and through the simulator.
 
-    python benchmarks/calibrate_simulator.py [--threads 1] [--max-num-seqs 32] [--kv-cache-memory 256MiB]
-        [--out benchmarks/calibration/smollm2-cpu.json] [--validate-seconds 90]
+    python benchmarks/calibrate_simulator.py [--model roofline|linear] [--threads 1] [--max-num-seqs 32]
+        [--kv-cache-memory 256MiB] [--out FILE] [--validate-seconds 90] [--validate-with serve|engine]
 
 1. Step times of the real engine (`LLMEngine.from_config(EngineConfig(...))`, SmolLM2 on CPU or --device cuda, prefix
    caching off, EOS ignored): decode-only steps at batch sizes 1..max_num_seqs (context 256; the
    largest batch is prefilled once and aborted down to each smaller size), prefill steps of 64..2048
    tokens, and steps mixing 8 decodes with a prefill. A least-squares fit (relative error) gives the
-   simulator's `step = step_overhead_s + decode_s_per_seq * decoding + prefill_s_per_token * prefill`.
+   simulator's step model:
+   - `--model roofline` (default; benchmarks/calibration/smollm2-cpu-roofline.json): the roofline's
+     terms with attention's quadratic one, `step = overhead + per_seq x decoding + per_token x prefill
+     + per_pair x attention (query, key) pairs` (a decoding sequence's pairs are its context, a
+     prefill chunk's n x (cached + (n + 1) / 2)); on a CPU one core does the reads and the FLOPs, so
+     the terms add (Calibration.attn_s_per_token_pair with no memory term: max(0, compute) = compute);
+   - `--model linear` (benchmarks/calibration/smollm2-cpu.json): without the pairs term.
 2. num_kv_blocks and block_size from the engine; startup_s = `kvpilot serve` start to /ready 200
    (median of 3; a real pod adds scheduling and image pull on top).
-3. Validation: open-loop Poisson arrivals at two rates through the real engine in real time, TTFT per
-   request; the same requests through the simulator (one replica, the fitted calibration); both
-   percentiles are printed side by side.
+3. Validation: open-loop Poisson arrivals at two rates in real time through a real `kvpilot serve`
+   (streaming /v1/completions with token-id prompts and ignore_eos, the same engine settings;
+   `--validate-with engine` replays through the in-process engine instead), TTFT per request and
+   output tokens/s over the replay; the same requests through the simulator (one replica, the fitted
+   calibration); TTFT percentiles, throughput and the simulator's error side by side.
 
 Writes the calibration JSON (kvpilot.autoscaler.calibration.Calibration fields) and prints one JSON
 document with every measurement, the fit's residuals and the machine (load average included: the
@@ -31,6 +39,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +53,10 @@ from kvpilot.autoscaler.simulator import simulate
 from kvpilot.autoscaler.trace import TraceRequest
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "calibration" / "smollm2-cpu.json"
+DEFAULT_OUT = {
+    "roofline": HERE / "calibration" / "smollm2-cpu-roofline.json",
+    "linear": HERE / "calibration" / "smollm2-cpu.json",
+}
 CONTEXT = 256  # decode points are taken at this context length (attention cost grows with it; the
 # simulator's step model has no context term, see the docs)
 
@@ -160,15 +172,27 @@ def measure_prefill(engine: Any, ids: Ids, tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def fit(points: list[tuple[int, int, float]]) -> tuple[tuple[float, float, float], list[float]]:
-    """Least squares of step time on (1, decoding, prefill tokens), relative residuals (weights 1/t)."""
-    a = np.array([[1.0, d, p] for d, p, _ in points])
+def attn_pairs(decoding: int, prefill: int, context: int) -> float:
+    """Attention (query, key) pairs of a step: each decoding sequence's context, and a fresh prefill
+    chunk's n (n + 1) / 2 (the step-time model's attn_pairs, as slo.py and the simulator count them)."""
+    return decoding * context + prefill * (prefill + 1) / 2.0
+
+
+def fit(points: list[tuple[int, int, float]], model: str) -> tuple[tuple[float, ...], list[float]]:
+    """Least squares of step time on (1, decoding, prefill tokens[, attention pairs]) with relative
+    residuals (weights 1/t): the coefficients (overhead, per seq, per token[, per pair]) and residuals."""
+    cols = (
+        (lambda d, p: [1.0, d, p, attn_pairs(d, p, CONTEXT)])
+        if model == "roofline"
+        else (lambda d, p: [1.0, d, p])
+    )
+    a = np.array([cols(d, p) for d, p, _ in points])
     t = np.array([s for _, _, s in points])
     w = 1.0 / t  # relative error: small steps matter as much as big ones
     coef, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     coef = np.maximum(coef, 0.0)
     pred = a @ coef
-    return (float(coef[0]), float(coef[1]), float(coef[2])), [float(x) for x in (pred - t) / t]
+    return tuple(float(c) for c in coef), [float(x) for x in (pred - t) / t]
 
 
 def measure_startup(args: argparse.Namespace, runs: int) -> list[float]:
@@ -203,6 +227,75 @@ def measure_startup(args: argparse.Namespace, runs: int) -> list[float]:
     return out
 
 
+def serve_argv(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--device", args.device, "--threads", str(args.threads),
+        "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching",
+        "--max-queue-len", "100000",
+    ]  # fmt: skip
+
+
+def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], int]:
+    """A real `kvpilot serve` with the measured engine's settings, once /ready answers 200."""
+    from kvpilot.net import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(serve_argv(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.2)
+        if proc.poll() is not None or time.monotonic() - t0 > 300:
+            proc.kill()
+            raise RuntimeError("kvpilot serve did not become ready in 300 s")
+
+
+def replay_http(port: int, ids: Ids, reqs: list[TraceRequest]) -> list[tuple[float, float]]:
+    """Open-loop, real time, through the server: each request is a streaming /v1/completions POST
+    (token-id prompt, max_tokens = its output, ignore_eos) sent at its arrival time from its own
+    thread; (TTFT, finish) per request, seconds from its arrival."""
+    import threading
+
+    prompts = [ids(r.prompt_tokens) for r in reqs]
+    results: list[tuple[float, float] | None] = [None] * len(reqs)
+    t0 = time.monotonic() + 0.5
+
+    def one(i: int) -> None:
+        r = reqs[i]
+        time.sleep(max(0.0, t0 + r.t - time.monotonic()))
+        arrival = time.monotonic()
+        body = json.dumps(
+            {"prompt": prompts[i], "max_tokens": r.output_tokens, "ignore_eos": True, "stream": True,
+             "temperature": 0.0}
+        ).encode()  # fmt: skip
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        first = None
+        with urllib.request.urlopen(req, timeout=3600) as resp:
+            for line in resp:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.monotonic() - arrival
+        if first is None:
+            raise RuntimeError(f"request {i}: no streamed token")
+        results[i] = (first, time.monotonic() - arrival)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(reqs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if any(x is None for x in results):
+        raise RuntimeError("a replayed request failed")
+    return [x for x in results if x is not None]
+
+
 def poisson_requests(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
     """Chat-like but short enough for one CPU replica: log-normal prompt (median 128) and output (48)."""
     rng = np.random.default_rng(seed)
@@ -216,8 +309,9 @@ def poisson_requests(rate: float, seconds: float, seed: int) -> list[TraceReques
         out.append(TraceRequest(round(t, 3), prompt, output))
 
 
-def replay(engine: Any, ids: Ids, reqs: list[TraceRequest]) -> list[float]:
-    """Open-loop, real time: each request is added at its arrival time; TTFT per request (s)."""
+def replay(engine: Any, ids: Ids, reqs: list[TraceRequest]) -> tuple[list[float], float]:
+    """Open-loop, real time: each request is added at its arrival time; TTFT per request (s) and the
+    makespan (first arrival to last finish, s)."""
     prompts = [ids(r.prompt_tokens) for r in reqs]
     t0 = time.monotonic()
     i = 0
@@ -233,9 +327,10 @@ def replay(engine: Any, ids: Ids, reqs: list[TraceRequest]) -> list[float]:
             engine.step()
         elif i < len(reqs):
             time.sleep(max(0.0, reqs[i].t - (time.monotonic() - t0)))
+    makespan = time.monotonic() - t0 - reqs[0].t
     ttft = [float(seq.first_token_time) - arrival for seq, arrival in started]
     _clear(engine)
-    return ttft
+    return ttft, makespan
 
 
 def pct(values: list[float], q: float) -> float:
@@ -258,7 +353,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("256MiB"))
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--model", choices=("roofline", "linear"), default="roofline")
+    parser.add_argument("--out", help="calibration file to write (default: by --model, see above)")
+    parser.add_argument("--validate-with", choices=("serve", "engine"), default="serve")
+    parser.add_argument("--rates", default="0.5,0.85", help="validation rates, fractions of capacity")
     parser.add_argument("--validate-seconds", type=float, default=90.0)
     parser.add_argument("--startup-runs", type=int, default=3)
     args = parser.parse_args()
@@ -280,7 +378,9 @@ def main() -> None:
     points += [(0, p, t) for p, t in prefill.items()]
     mixed = {f"8+{p}": t for p, t in measure_mixed(engine, ids, 8, [256, 1024], CONTEXT).items()}
     points += [(8, int(k.split("+")[1]), t) for k, t in mixed.items()]
-    (overhead, per_seq, per_token), residuals = fit(points)
+    coef, residuals = fit(points, args.model)
+    overhead, per_seq, per_token = coef[:3]
+    per_pair = coef[3] if args.model == "roofline" else 0.0
     num_blocks = int(engine.runner.num_blocks)
     block_size = int(engine.block_manager.block_size)
     load1 = os.getloadavg()
@@ -291,46 +391,78 @@ def main() -> None:
         step_overhead_s=round(overhead, 6),
         decode_s_per_seq=round(per_seq, 7),
         prefill_s_per_token=round(per_token, 8),
+        attn_s_per_token_pair=per_pair,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=num_blocks,
         startup_s=round(statistics.median(startup), 1),
         source=(
-            f"measured by benchmarks/calibrate_simulator.py: kvpilot runtime, SmolLM2-135M (builtin) on "
+            f"measured by benchmarks/calibrate_simulator.py ({args.model} model): kvpilot runtime, "
+            f"SmolLM2-135M (builtin) on "
             f"{args.device}, {args.threads} thread(s), {platform.processor() or platform.machine()}, "
             f"load average {load0[0]:.1f}, {time.strftime('%Y-%m-%d')}"
         ),
     )
 
     validation = []
+    # Requests/s one replica sustains at the replay's mix (128-token prompts, 48-token outputs), from
+    # the fitted model: a prompt's prefill plus its share of full-batch decode steps.
+    b = args.max_num_seqs
     capacity = 1.0 / (
-        cal.prefill_s_per_token * 128 + cal.step_seconds(args.max_num_seqs, 0) / args.max_num_seqs * 48
-    )
-    for frac in (0.5, 0.85):
-        rate = round(frac * capacity, 3)
-        reqs = poisson_requests(rate, args.validate_seconds, seed=int(frac * 100))
-        log(f"validation at {rate} req/s: {len(reqs)} requests over {args.validate_seconds:g} s")
-        real = replay(engine, ids, reqs)
-        sim = simulate(reqs, StaticPolicy(1), cal, slo_ttft_s=2.0, warmup_s=0.0, sync_interval_s=3600.0)
-        sim_ttft = sim.to_dict()
-        validation.append(
-            {
-                "rate_rps": rate,
-                "fraction_of_estimated_capacity": frac,
-                "requests": len(reqs),
-                "real_ttft_s": summary(real),
-                "simulated_ttft_s": {
-                    "p50": sim_ttft["ttft_p50_s"],
-                    "p95": sim_ttft["ttft_p95_s"],
-                    "p99": sim_ttft["ttft_p99_s"],
-                },
-                "real_slo_2s": round(sum(1 for x in real if x <= 2.0) / len(real), 4),
-                "simulated_slo_2s": sim_ttft["slo_attainment"],
-            }
-        )
+        cal.step_seconds(0, 128, 128, attn_pairs(0, 128, 0)) - cal.step_overhead_s
+        + cal.step_seconds(b, 0, b * 150, attn_pairs(b, 0, 150)) / b * 48
+    )  # fmt: skip
+    server = start_serve(args) if args.validate_with == "serve" else None
+    try:
+        for frac in (float(x) for x in args.rates.split(",")):
+            rate = round(frac * capacity, 3)
+            reqs = poisson_requests(rate, args.validate_seconds, seed=int(frac * 100))
+            log(f"validation at {rate} req/s: {len(reqs)} requests over {args.validate_seconds:g} s")
+            load = os.getloadavg()
+            if server is not None:
+                timed = replay_http(server[1], ids, reqs)
+                real = [ttft for ttft, _ in timed]
+                makespan = max(r.t + done for r, (_, done) in zip(reqs, timed, strict=True)) - reqs[0].t
+            else:
+                real, makespan = replay(engine, ids, reqs)
+            out_tokens = sum(r.output_tokens for r in reqs)
+            sim = simulate(
+                reqs, StaticPolicy(1), replace(cal, startup_s=0.0, max_queue_len=100_000),
+                slo_ttft_s=2.0, warmup_s=0.0, sync_interval_s=3600.0,
+            )  # fmt: skip
+            sim_d = sim.to_dict()
+            real_tput = out_tokens / makespan
+            sim_tput = out_tokens / (sim.last_finish_s - reqs[0].t)
+            real_p50 = pct(real, 0.5)
+            validation.append(
+                {
+                    "rate_rps": rate,
+                    "fraction_of_estimated_capacity": frac,
+                    "requests": len(reqs),
+                    "replayed_through": "kvpilot serve" if server is not None else "in-process engine",
+                    "load_average_1m_at_start": round(load[0], 2),
+                    "real_ttft_s": summary(real),
+                    "simulated_ttft_s": {
+                        "p50": sim_d["ttft_p50_s"],
+                        "p95": sim_d["ttft_p95_s"],
+                        "p99": sim_d["ttft_p99_s"],
+                    },
+                    "ttft_p50_error": round((sim_d["ttft_p50_s"] - real_p50) / real_p50, 3),
+                    "real_output_tokens_s": round(real_tput, 2),
+                    "simulated_output_tokens_s": round(sim_tput, 2),
+                    "throughput_error": round((sim_tput - real_tput) / real_tput, 3),
+                    "real_slo_2s": round(sum(1 for x in real if x <= 2.0) / len(real), 4),
+                    "simulated_slo_2s": sim_d["slo_attainment"],
+                }
+            )
+            log(f"validation: {validation[-1]}")
+    finally:
+        if server is not None:
+            server[0].terminate()
+            server[0].wait(60)
 
-    out_path = Path(args.out)
+    out_path = Path(args.out or DEFAULT_OUT[args.model])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
     print(

@@ -137,3 +137,18 @@ def test_replica_capacity_at_the_slo():
     assert replica_capacity(cal, Slo(tpot_s=0.005), 400, 150) == 0.0  # below one step's weight read
     assert replicas_needed(0.0, short) == 0
     assert replicas_needed(2.5 * short, short) == 3
+
+
+def test_a_cpu_fit_with_only_the_attention_term_prices_pairs_additively():
+    """benchmarks/calibrate_simulator.py --model roofline: overhead + per seq + per token + per pair,
+    no memory term, so the pairs add to the linear part (one CPU core does reads and FLOPs)."""
+    cal = Calibration(
+        step_overhead_s=0.05, decode_s_per_seq=0.004, prefill_s_per_token=0.002, attn_s_per_token_pair=1e-6
+    )
+    assert cal.roofline
+    assert cal.step_seconds(8, 0, 8 * 256, 8 * 256) == pytest.approx(0.05 + 8 * 0.004 + 8 * 256 * 1e-6)
+    n = 2048
+    quadratic = cal.step_seconds(0, n, n, n * (n + 1) / 2)
+    assert quadratic == pytest.approx(0.05 + n * 0.002 + n * (n + 1) / 2 * 1e-6)
+    linear = Calibration(step_overhead_s=0.05, decode_s_per_seq=0.004, prefill_s_per_token=0.002)
+    assert not linear.roofline and linear.step_seconds(0, n, n, n * (n + 1) / 2) < quadratic

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from kvpilot.autoscaler.policy import ArrivalState, History, PodCounter, decide, measure_token_mix
+from kvpilot.autoscaler.policy import (
+    MIN_MIX_REQUESTS,
+    TOKEN_MIX_WINDOW_REQUESTS,
+    ArrivalState,
+    History,
+    PodCounter,
+    decide,
+    measure_token_mix,
+    smooth_token_mix,
+)
 from kvpilot.autoscaler.replica_model import UnknownCalibration, calibration_by_name
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
-from kvpilot.autoscaler.slo import Slo, replica_capacity
+from kvpilot.autoscaler.slo import (
+    DEFAULT_TPOT_TAIL_BUDGET,
+    Slo,
+    output_share_at_most,
+    replica_capacity,
+    tpot_tail_share,
+)
 from kvpilot.autoscaler.spec import ScalingTargets, SloTargets
 from kvpilot.autoscaler.state import arrivals_from_status, arrivals_to_status
 
@@ -24,10 +41,18 @@ def sample(
 
 
 def previous(
-    pods: int, done: float = 1000.0, prompt: float = 1000.0 * 2000, output: float = 1000.0 * 200
+    pods: int,
+    done: float = 1000.0,
+    prompt: float = 1000.0 * 2000,
+    output: float = 1000.0 * 200,
+    mix: tuple[float, float] | None = None,
 ) -> History:
+    """The state after a sync; with `mix`, a token mix established over the last requests."""
     counters = tuple(PodCounter(f"p{i}", done, 20, prompt, output) for i in range(pods))
-    return History(arrivals=ArrivalState(time=NOW - 15.0, counters=counters))
+    established = TOKEN_MIX_WINDOW_REQUESTS if mix else 0.0
+    return History(
+        arrivals=ArrivalState(time=NOW - 15.0, counters=counters, token_mix=mix, mix_requests=established)
+    )
 
 
 def test_token_mix_from_counters():
@@ -72,7 +97,7 @@ def test_planner_scales_down_when_traffic_falls_but_kv_rule_is_a_floor():
     quiet = tuple(
         sample(f"p{i}", 1001, 2_000_000 + 2000, 200_000 + 200, kv=0.05, running=1) for i in range(8)
     )
-    d = decide(8, MetricsSnapshot(8, quiet), targets, previous(8), NOW)
+    d = decide(8, MetricsSnapshot(8, quiet), targets, previous(8, mix=(2000.0, 200.0)), NOW)
     assert d.slo_recommendation in (0, 1) and d.desired == 7  # the scale-down rate limit: -1 per 60 s
     # KV far above target: the reactive rule keeps the fleet (and asks for more).
     full = tuple(
@@ -112,3 +137,106 @@ def test_slo_spec_and_status_round_trip():
     )
     back = arrivals_from_status(arrivals_to_status(state))
     assert back.counters == state.counters and back.token_mix == state.token_mix
+
+
+# The TPOT tail rule: short outputs miss TPOT when a prefill burst lands among their few decode steps.
+H100_8B = "h100/llama-3.1-8b"
+# Mooncake-like output lengths: a fifth of the requests generate <= 8 tokens (the synthetic trace's CDF).
+SHORT_HEAVY = ((2, 0.06), (4, 0.13), (8, 0.21), (16, 0.31), (32, 0.40), (64, 0.49), (256, 0.76), (1024, 0.99))
+LONG_ONLY = ((512, 0.0), (1024, 1.0))  # every request generates 512-1024 tokens
+
+
+def test_output_share_from_a_cdf_or_the_mean():
+    share = output_share_at_most(149.0, SHORT_HEAVY)
+    assert share(0) == 0.0 and share(1) == pytest.approx(0.03)  # linear from (0, 0) to (2, 0.06)
+    assert share(8) == pytest.approx(0.21) and share(12) == pytest.approx(0.26)
+    assert share(5000) == pytest.approx(0.99)  # past the last point: held
+    geometric = output_share_at_most(149.0, None)
+    assert geometric(8) == pytest.approx(1.0 - (1.0 - 1.0 / 149.0) ** 8)
+    for bad in (((8, 0.5), (4, 0.6)), ((4, 0.5), (8, 0.4)), ((4, 1.5),)):
+        with pytest.raises(ValueError, match="output CDF"):
+            output_share_at_most(149.0, bad)
+
+
+def test_tpot_tail_share_grows_with_prefill_steps_and_short_outputs():
+    short = output_share_at_most(149.0, SHORT_HEAVY)
+    # A prefill step within the target never makes a request miss on its own.
+    assert tpot_tail_share(0.2, 2.0, 0.04, 0.01, 0.05, short) == 0.0
+    shares = [tpot_tail_share(q, 2.0, 0.3, 0.012, 0.05, short) for q in (0.001, 0.005, 0.02, 0.1)]
+    assert 0.0 < shares[0] < shares[1] < shares[2] < shares[3] < 1.0
+    # The same prefill steps hurt a short-heavy mix far more than one of long outputs only.
+    long = output_share_at_most(768.0, LONG_ONLY)
+    assert tpot_tail_share(0.02, 2.0, 0.3, 0.012, 0.05, long) < 1e-6 < shares[2]
+    # Longer prefill steps (or a tighter target) miss more requests.
+    assert tpot_tail_share(0.02, 2.0, 0.6, 0.012, 0.05, short) > shares[2]
+    assert tpot_tail_share(0.02, 2.0, 0.3, 0.012, 0.03, short) > shares[2]
+
+
+def test_capacity_within_the_tpot_tail_budget():
+    cal, slo = calibration_by_name(H100_8B), Slo(2.0, 0.05, 2.0)
+    mean_step_only = replica_capacity(cal, slo, 15_000, 149, 0.85)
+    geometric = replica_capacity(cal, slo, 15_000, 149, 0.85, DEFAULT_TPOT_TAIL_BUDGET)
+    short_heavy = replica_capacity(cal, slo, 15_000, 149, 0.85, DEFAULT_TPOT_TAIL_BUDGET, SHORT_HEAVY)
+    looser = replica_capacity(cal, slo, 15_000, 149, 0.85, 4 * DEFAULT_TPOT_TAIL_BUDGET, SHORT_HEAVY)
+    assert 0.0 < short_heavy < looser and short_heavy < geometric <= mean_step_only
+    # Short prompts (one small chunk, a prefill step within the TPOT target): the rule costs nothing.
+    assert replica_capacity(cal, slo, 600, 200, 0.85, DEFAULT_TPOT_TAIL_BUDGET, SHORT_HEAVY) == pytest.approx(
+        replica_capacity(cal, slo, 600, 200, 0.85)
+    )
+
+
+def test_planner_sizes_for_the_tpot_tail_of_short_outputs():
+    base = {"minReplicas": 1, "maxReplicas": 50, "slo": SLO}
+    mean_only = ScalingTargets.from_spec(base, max_num_seqs=256)
+    assert mean_only.slo is not None and mean_only.slo.tpot_tail_budget is None  # off by default
+    tail_on = replace(mean_only, slo=replace(mean_only.slo, tpot_tail_budget=DEFAULT_TPOT_TAIL_BUDGET))
+    assert tail_on.slo is not None
+    told = replace(tail_on, slo=replace(tail_on.slo, output_cdf=SHORT_HEAVY))
+    # 4 replicas each finished 15 requests in 15 s (4 req/s in all) of 15,000 + 149 tokens.
+    samples = tuple(
+        sample(f"p{i}", 1015, 2_000_000 + 15 * 15_000, 200_000 + 15 * 149, kv=0.3) for i in range(4)
+    )
+    snap = MetricsSnapshot(4, samples)
+    needs = {
+        name: decide(4, snap, t, previous(4, mix=(15_000.0, 149.0)), NOW).slo_recommendation
+        for name, t in (("mean", mean_only), ("geometric", tail_on), ("cdf", told))
+    }
+    assert None not in needs.values()
+    assert needs["mean"] <= needs["geometric"] < needs["cdf"]  # type: ignore[operator]
+    # decide() stays pure: the same inputs give the same decision.
+    before = previous(4, mix=(15_000.0, 149.0))
+    assert decide(4, snap, told, before, NOW) == decide(4, snap, told, before, NOW)
+    with pytest.raises(ValueError, match="tpot_tail_budget"):
+        replace(tail_on.slo, tpot_tail_budget=1.5)
+    with pytest.raises(ValueError, match="output CDF"):
+        replace(tail_on.slo, output_cdf=((8, 0.5), (4, 0.6)))
+
+
+def test_token_mix_is_a_running_mean_over_requests_not_syncs():
+    assert smooth_token_mix(None, (10.0, 150_000.0, 1_500.0)) == (15_000.0, 150.0)
+    # A sync with a few long prompts barely moves an established mix; thousands of them replace it.
+    few = smooth_token_mix((15_000.0, 150.0), (10.0, 10 * 60_000.0, 10 * 20.0))
+    many = smooth_token_mix((15_000.0, 150.0), (4_000.0, 4_000 * 60_000.0, 4_000 * 20.0))
+    w = 10.0 / (10.0 + TOKEN_MIX_WINDOW_REQUESTS)
+    assert few == pytest.approx((15_000 + w * 45_000, 150 - w * 130))
+    assert few[0] < 18_000 < 55_000 < many[0] < 60_000
+
+
+def test_planner_waits_for_enough_finished_requests():
+    """The first requests to finish after a cold start are the short ones: the planner does not size
+    from a mix until MIN_MIX_REQUESTS finished."""
+    assert MIN_MIX_REQUESTS > 40.0
+    targets = ScalingTargets.from_spec({"minReplicas": 1, "maxReplicas": 50, "slo": SLO}, max_num_seqs=256)
+    # 4 replicas finished 10 requests each (40 < MIN_MIX_REQUESTS) of 23,000 + 11 tokens.
+    few = tuple(sample(f"p{i}", 1010, 2_000_000 + 10 * 23_000, 200_000 + 10 * 11) for i in range(4))
+    d = decide(4, MetricsSnapshot(4, few), targets, previous(4), NOW)
+    assert d.slo_recommendation is None and d.token_mix == (23_000.0, 11.0)
+    assert d.history.arrivals.mix_requests == 40.0
+    # Next sync: 160 more (200 in all): now it sizes.
+    more = tuple(sample(f"p{i}", 1050, 2_230_000 + 40 * 2000, 200_110 + 40 * 200) for i in range(4))
+    d2 = decide(4, MetricsSnapshot(4, more), targets, d.history, NOW + 15.0)
+    assert d2.slo_recommendation is not None and d2.history.arrivals.mix_requests == 200.0
+    assert MIN_MIX_REQUESTS <= 200.0
+    # A mix read back from the status counts as established.
+    back = arrivals_from_status(arrivals_to_status(d2.history.arrivals))
+    assert back.mix_requests >= MIN_MIX_REQUESTS

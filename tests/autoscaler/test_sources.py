@@ -13,6 +13,7 @@ import yaml
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvpilot.autoscaler.policy import ArrivalState, PodCounter, measure_token_mix
 from kvpilot.autoscaler.sources import (
     DEFAULT_KV_QUERY,
     DEFAULT_QUEUE_QUERY,
@@ -281,6 +282,14 @@ async def prometheus() -> AsyncIterator[tuple[dict[str, object], int]]:
                 {"metric": {"pod": "b"}, "value": [0, "0.5"]},
                 {"metric": {"pod": "gone"}, "value": [0, "0.1"]},  # stale series of a deleted pod
             ]
+        elif "prompt_tokens_total" in q:
+            result = [{"metric": {"pod": "a"}, "value": [0, "300000"]}]
+        elif "generation_tokens_total" in q:
+            result = [{"metric": {"pod": "a"}, "value": [0, "30000"]}]
+        elif "request_success" in q and "rate(" not in q:
+            if state.get("fail_counters"):
+                return web.json_response({"status": "error", "error": "no such metric"}, status=400)
+            result = [{"metric": {"pod": "a"}, "value": [0, "150"]}]
         elif "request_success" in q:
             if state.get("fail_completions"):
                 return web.json_response({"status": "error", "error": "no such metric"}, status=400)
@@ -321,6 +330,40 @@ async def test_prometheus_source_groups_by_pod(prometheus):
     assert any("vllm:gpu_cache_usage_perc" in q for q in queries)
     assert snap.samples[0].completion_rate == 2.5
     assert any('rate(kvpilot_request_success_total{namespace="ml",pod=~"a|b"}[1m])' in q for q in queries)
+    # The counters for the SLO planner's token mix, as instant values.
+    a = snap.samples[0]
+    assert (a.completed_total, a.prompt_tokens_total, a.generation_tokens_total) == (150.0, 300000.0, 30000.0)
+    assert any('sum by (pod) (kvpilot_prompt_tokens_total{namespace="ml",pod=~"a|b"}' in q for q in queries)
+    assert any("vllm:generation_tokens_total" in q for q in queries)
+
+
+async def test_prometheus_token_counters_feed_the_planner_token_mix(prometheus):
+    """Two syncs through the Prometheus source give measure_token_mix the same inputs as the pod
+    scrape: tokens per finished request between them. A failing counter query leaves them out."""
+    state, port = prometheus
+    src = PrometheusSource(f"http://127.0.0.1:{port}/")
+    try:
+        first = await src.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+        state["fail_counters"] = True
+        degraded = await src.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+    finally:
+        await src.close()
+    s = first.samples[0]
+    before = ArrivalState(
+        counters=(PodCounter("a", 100.0, 0, 300000.0 - 50 * 2000, 30000.0 - 50 * 100),), time=0.0
+    )
+    assert measure_token_mix(first, before) == (2000.0, 100.0)
+    assert s.completion_rate == 2.5  # the arrival estimate still prefers the rate
+    assert degraded.samples[0].completed_total is None and degraded.samples[0].num_waiting == 3
+    assert measure_token_mix(degraded, before) is None
+    off = PrometheusSource(f"http://127.0.0.1:{port}/", token_counters=False)
+    try:
+        state["queries"] = []
+        plain = await off.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+    finally:
+        await off.close()
+    assert plain.samples[0].prompt_tokens_total is None
+    assert not any("tokens_total" in q for q in state["queries"])  # type: ignore[attr-defined]
 
 
 async def test_prometheus_completions_query_failing_only_leaves_the_rate_out(prometheus):
