@@ -270,6 +270,19 @@ def test_preemption_keeps_each_sequence_on_its_adapter(
     compare(ours, references, "preempted")
 
 
+def test_ngram_speculation_verifies_with_each_sequences_adapter(
+    workdir: Path, references: list[Reference], start: Callable[[EngineConfig], LLMEngine]
+) -> None:
+    cfg = engine_config(workdir, speculative_method="ngram", num_speculative_tokens=3)
+    engine = start(cfg.model_copy(update={"speculative_adaptive": False}))
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    seqs = engine.generate([ps[p] for _, p in BATCH], params, loras=[a for a, _ in BATCH])
+    assert engine.speculator is not None and engine.speculator.stats.num_draft_tokens > 0
+    for (adapter, _), seq, ref in zip(BATCH, seqs, references, strict=True):
+        assert_matches_reference(seq.output_token_ids, ref, f"ngram {adapter or 'base'}")
+
+
 def test_prefix_cache_is_per_adapter(workdir: Path, start: Callable[[EngineConfig], LLMEngine]) -> None:
     engine = start(engine_config(workdir))
     prompt = prompts()[2]  # 41 tokens: 5 full blocks
