@@ -49,10 +49,11 @@ def with_block_size(cfg: EngineConfig, device: torch.device) -> EngineConfig:
 
 
 def cuda_graph_sizes(cfg: EngineConfig, device: torch.device) -> list[int] | None:
-    """Decode batch sizes to capture CUDA graphs for: none with --enforce-eager or off CUDA."""
+    """Decode batch sizes to capture CUDA graphs for: none with --enforce-eager, off CUDA, or with LoRA
+    serving on (a step's adapter grouping is data-dependent, so LoRA decode runs eagerly)."""
     from kvpilot.runtime.cuda_graphs import graph_batch_sizes
 
-    if cfg.enforce_eager or device.type != "cuda":
+    if cfg.enforce_eager or device.type != "cuda" or cfg.enable_lora:
         return None
     return graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
 
