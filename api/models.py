@@ -143,6 +143,46 @@ class ModelSource(_Model):
     )
 
 
+ADAPTER_SOURCE_PATTERN = (
+    r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?"
+    r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|file:///.+)$"
+)
+ADAPTER_SOURCE_HELP = (
+    "spec.adapters[].source must be one of pvc://CLAIM/PATH (a PEFT adapter folder inside a "
+    "PersistentVolumeClaim), hf://ORG/NAME[@REVISION] or file:///ABSOLUTE/PATH (baked into the image)"
+)
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+ADAPTER_NAME_HELP = (
+    "spec.adapters[].name must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or "
+    "digit: clients send it as `model`"
+)
+MAX_ADAPTERS = 64
+ADAPTERS_UNIQUE_HELP = "spec.adapters[].name must be unique: two adapters cannot share a name"
+
+
+class LoRAAdapter(_Model):
+    """A PEFT LoRA adapter served next to the base model; clients select it with `model: <name>`."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        description="The model name clients send to use this adapter.",
+        json_schema_extra=_validations(_rule(f"self.matches('{ADAPTER_NAME_PATTERN}')", ADAPTER_NAME_HELP)),
+    )
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        description=(
+            "Where the adapter (adapter_config.json + adapter_model.safetensors) comes from: "
+            "pvc://CLAIM/PATH, hf://ORG/NAME[@REVISION] or file:///ABSOLUTE/PATH."
+        ),
+        json_schema_extra=_validations(
+            _rule(f"self.matches('{ADAPTER_SOURCE_PATTERN}')", ADAPTER_SOURCE_HELP)
+        ),
+    )
+
+
 class PrometheusSettings(_Model):
     """Where the autoscaler reads metrics when metricsSource is prometheus."""
 
@@ -349,6 +389,12 @@ class RuntimeSettings(_Model):
     shutdown_timeout_seconds: int | None = Field(
         None, ge=0, le=3600, description="Seconds in-flight requests get to finish after SIGTERM."
     )
+    max_loras: int | None = Field(
+        None, ge=1, le=256, description="LoRA adapters resident on the device at once (runtime default 4)."
+    )
+    max_lora_rank: int | None = Field(
+        None, ge=1, le=512, description="The largest LoRA adapter rank accepted (runtime default 16)."
+    )
 
 
 class OOMAdaptationPolicy(_Model):
@@ -490,6 +536,15 @@ class InferenceModelSpec(_Model):
         default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
     )
     routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
+    adapters: list[LoRAAdapter] | None = Field(
+        None,
+        max_length=MAX_ADAPTERS,
+        description="PEFT LoRA adapters every replica serves next to the base model (requests pick one "
+        "by name in `model`).",
+        json_schema_extra=_validations(
+            _rule("self.all(a, self.exists_one(b, b.name == a.name))", ADAPTERS_UNIQUE_HELP)
+        ),
+    )
     oom_policy: OOMAdaptationPolicy = Field(
         default_factory=lambda: OOMAdaptationPolicy.model_validate({}), json_schema_extra={"default": {}}
     )
@@ -529,6 +584,14 @@ class InferenceModelSpec(_Model):
         tp = self.runtime.tensor_parallel_size
         if tp and self.resources.gpus and self.resources.gpus != tp:
             problems.append(TP_HELP)
+        names = [a.name for a in self.adapters or []]
+        for adapter in self.adapters or []:
+            if not re.match(ADAPTER_SOURCE_PATTERN, adapter.source):
+                problems.append(ADAPTER_SOURCE_HELP)
+            if not re.match(ADAPTER_NAME_PATTERN, adapter.name):
+                problems.append(ADAPTER_NAME_HELP)
+        if len(set(names)) != len(names):
+            problems.append(ADAPTERS_UNIQUE_HELP)
         return problems
 
 

@@ -20,6 +20,7 @@ from kvpilot.api.models import (
     MODEL_LABEL,
     InferenceModel,
     InferenceModelSpec,
+    LoRAAdapter,
     OOMOverrides,
     RuntimeSettings,
 )
@@ -31,6 +32,7 @@ CONFIG_MOUNT_DIR = "/etc/kvpilot"
 CONFIG_FILE = "config.yaml"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE}"
 MODELS_DIR = "/models"
+ADAPTERS_DIR = "/adapters"  # LoRA adapters: /adapters/<name> (a PVC's mount or fetched from hf://)
 HTTP_PORT = 8000
 GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_HASH_ANNOTATION = "kvpilot.dev/config-hash"
@@ -142,6 +144,20 @@ def model_path(source: str) -> str:
     raise ValueError(f"unsupported model source {source!r}")
 
 
+def adapter_path(adapter: LoRAAdapter) -> str:
+    """Where the runtime finds a LoRA adapter's folder inside the pod, for each source scheme."""
+    scheme, _, rest = adapter.source.partition("://")
+    base = f"{ADAPTERS_DIR}/{adapter.name}"
+    if scheme == "pvc":
+        _claim, _, path = rest.partition("/")
+        return f"{base}/{path}".rstrip("/") if path else base
+    if scheme == "hf":
+        return base
+    if scheme == "file":
+        return rest
+    raise ValueError(f"unsupported adapter source {adapter.source!r}")
+
+
 def effective_runtime(runtime: RuntimeSettings, overrides: OOMOverrides | None) -> dict[str, Any]:
     """spec.runtime (snake_case, set fields only) capped by the OOM adaptation overrides (all but
     `memory`, which is the pod's, not the runtime's)."""
@@ -172,6 +188,8 @@ def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = No
     }
     if shutdown is not None:
         values["shutdown_timeout"] = float(shutdown)
+    if im.spec.adapters:
+        values["lora_modules"] = {a.name: adapter_path(a) for a in im.spec.adapters}
     return EngineConfig.model_validate(values)
 
 
@@ -281,6 +299,16 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
     elif scheme == "hf":
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR})
+    adapters = im.spec.adapters or []
+    for i, adapter in enumerate(adapters):
+        if adapter.source.startswith("pvc://"):
+            claim = adapter.source.removeprefix("pvc://").partition("/")[0]
+            volume = f"adapter-{i}"
+            volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+            mounts.append({"name": volume, "mountPath": f"{ADAPTERS_DIR}/{adapter.name}", "readOnly": True})
+    if any(a.source.startswith("hf://") for a in adapters):
+        volumes.append({"name": "adapters", "emptyDir": {}})
+        mounts.append({"name": "adapters", "mountPath": ADAPTERS_DIR})
     if im.spec.effective_tensor_parallel_size() > 1:
         # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -317,23 +345,46 @@ FETCH_SCRIPT = (
 )
 
 
-def _fetch_init_container(im: InferenceModel, image: str, pull_policy: str) -> dict[str, Any]:
-    """Download hf:// weights into the model volume before the runtime starts."""
-    source = im.spec.model.source.removeprefix("hf://")
-    repo, _, revision = source.partition("@")
+def _fetch_init_container(
+    im: InferenceModel,
+    image: str,
+    pull_policy: str,
+    source: str | None = None,
+    name: str = "fetch-model",
+    volume: tuple[str, str, str] | None = None,
+) -> dict[str, Any]:
+    """Download hf:// weights (the model's, or `source` into `dest` for an adapter) into their volume
+    before the runtime starts. `volume`: (volume name, mount path, destination)."""
+    source = source or im.spec.model.source
+    repo, _, revision = source.removeprefix("hf://").partition("@")
+    volume_name, mount, dest = volume or ("model", MODELS_DIR, model_path(im.spec.model.source))
     env = [e for e in _env(im) if e["name"] in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_TOKEN")]
     return {
-        "name": "fetch-model",
+        "name": name,
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": ["python", "-c", FETCH_SCRIPT, repo, model_path(im.spec.model.source), revision],
+        "command": ["python", "-c", FETCH_SCRIPT, repo, dest, revision],
         "env": env,
         "volumeMounts": [
-            {"name": "model", "mountPath": MODELS_DIR},
+            {"name": volume_name, "mountPath": mount},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         "securityContext": _container_security(),
     }
+
+
+def _init_containers(im: InferenceModel, image: str, pull_policy: str) -> list[dict[str, Any]]:
+    """One fetch per hf:// source: the model's, then each adapter's."""
+    out = []
+    if _is_hf(im):
+        out.append(_fetch_init_container(im, image, pull_policy))
+    for i, adapter in enumerate(im.spec.adapters or []):
+        if adapter.source.startswith("hf://"):
+            volume = ("adapters", ADAPTERS_DIR, adapter_path(adapter))
+            out.append(
+                _fetch_init_container(im, image, pull_policy, adapter.source, f"fetch-adapter-{i}", volume)
+            )
+    return out
 
 
 def render_deployment(
@@ -384,8 +435,9 @@ def render_deployment(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    if _is_hf(im):
-        pod_spec["initContainers"] = [_fetch_init_container(im, image, pull_policy)]
+    init_containers = _init_containers(im, image, pull_policy)
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if tolerations:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -170,7 +170,7 @@ REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "guided_decoding_backend": ("guided decoding", (None,)),
     "structured_outputs": ("structured outputs", (None,)),
     "logits_processors": ("custom logits processors", (None, [])),
-    "lora_request": ("LoRA adapters", (None,)),
+    "lora_request": ("a vLLM LoRARequest object; name the adapter in 'model' instead", (None,)),
     "prompt_logprobs": ("prompt logprobs", (None,)),
     "allowed_token_ids": ("allowed token ids", (None,)),
     "bad_words": ("bad words", (None, [])),
@@ -263,14 +263,19 @@ class _SamplingFields(_Strict):
     def _logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def check_model(self, served_name: str) -> None:
-        if self.model is not None and self.model != served_name:
-            raise APIError(
-                f"The model '{self.model}' does not exist; this server serves '{served_name}'.",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, served_name: str, adapters: Collection[str] = ()) -> str | None:
+        """The LoRA adapter the request names in `model` (None: the base model); 404 for others."""
+        if self.model is None or self.model == served_name:
+            return None
+        if self.model in adapters:
+            return self.model
+        also = f" and the LoRA adapters {sorted(adapters)}" if adapters else ""
+        raise APIError(
+            f"The model '{self.model}' does not exist; this server serves '{served_name}'{also}.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
 
     def validate_request(self) -> None:
         """Checks that span fields, and features that are refused; subclasses add their own."""
@@ -572,6 +577,7 @@ class GenerationRequest:
     include_usage: bool
     continuous_usage: bool
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+    lora: str | None = None  # the LoRA adapter named in `model` (None: the base model)
 
     @property
     def num_choices(self) -> int:
@@ -596,10 +602,14 @@ def _params(req: _SamplingFields, prompt_len: int, limits: ServingLimits) -> Sam
 
 
 def prepare_completion(
-    body: bytes, tokenizer: ChatTokenizer, limits: ServingLimits, served_name: str
+    body: bytes,
+    tokenizer: ChatTokenizer,
+    limits: ServingLimits,
+    served_name: str,
+    adapters: Collection[str] = (),
 ) -> GenerationRequest:
     req = parse_completion_request(body)
-    req.check_model(served_name)
+    lora = req.check_model(served_name, adapters)
     prompts = req.prompt_list()
     _check_admissible(len(prompts) * req.n, limits)
     inputs: list[PromptInput] = []
@@ -624,14 +634,19 @@ def prepare_completion(
         req.include_usage,
         req.continuous_usage,
         req.cache_salt,
+        lora,
     )
 
 
 def prepare_chat(
-    body: bytes, tokenizer: ChatTokenizer, limits: ServingLimits, served_name: str
+    body: bytes,
+    tokenizer: ChatTokenizer,
+    limits: ServingLimits,
+    served_name: str,
+    adapters: Collection[str] = (),
 ) -> GenerationRequest:
     req = parse_chat_request(body)
-    req.check_model(served_name)
+    lora = req.check_model(served_name, adapters)
     _check_admissible(req.n, limits)
     messages = req.template_messages()
     try:
@@ -651,4 +666,5 @@ def prepare_chat(
         req.include_usage,
         req.continuous_usage,
         req.cache_salt,
+        lora,
     )

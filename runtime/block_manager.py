@@ -1,7 +1,8 @@
 """The KV block pool: fixed-size blocks, ref counts, prefix caching by chained block hashes.
 
-Full blocks are identified by a hash chained from the parent block's hash, the block's token ids
-and an optional salt. A request reuses the longest cached chain. Blocks nobody references stay
+Full blocks are identified by a hash chained from the parent block's hash, the block's token ids,
+an optional salt and the sequence's LoRA adapter (if any). A request reuses the longest cached
+chain. Blocks nobody references stay
 cached (and reusable) in an LRU free list until the pool needs them; the free list is an
 OrderedDict, so taking a block out of the middle on a cache hit is O(1).
 
@@ -21,13 +22,18 @@ from kvpilot.runtime.sequence import Sequence
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None = None) -> BlockHash:
-    """A collision-resistant hash of (parent hash, tokens, salt)."""
+def hash_block(
+    parent: BlockHash | None, token_ids: list[int], salt: str | None = None, adapter: str | None = None
+) -> BlockHash:
+    """A collision-resistant hash of (parent hash, tokens, salt, LoRA adapter key): K/V computed with
+    one adapter is never served to a sequence running another (or the base model)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     if salt:
         h.update(b"salt:" + salt.encode())
+    if adapter:
+        h.update(b"lora:" + adapter.encode())
     return h.digest()
 
 
@@ -110,7 +116,9 @@ class BlockManager:
         while len(hashes) < n_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            adapter = seq.lora.key if seq.lora is not None else None
+            hashes.append(hash_block(parent, tokens, seq.cache_salt, adapter))
         return hashes[:n_full]
 
     def first_block_hash(self, seq: Sequence) -> BlockHash | None:

@@ -153,6 +153,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="no speculation while this many sequences run",
     )
+    lo = parser.add_argument_group("LoRA adapters")
+    lo.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=s,
+        help="serve PEFT LoRA adapters (implied by --lora-modules and --enable-lora-runtime-updates)",
+    )
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=s,
+        metavar="NAME=PATH",
+        help="adapters to load at start; a request's `model` picks one by NAME",
+    )
+    lo.add_argument(
+        "--max-loras", type=_positive_int, default=s, help="adapters resident at once (default 4)"
+    )
+    lo.add_argument(
+        "--max-lora-rank", type=_positive_int, default=s, help="largest adapter rank accepted (default 16)"
+    )
+    lo.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        default=s,
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with the API key)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -176,6 +202,10 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
             raise ValueError(f"--config {config_path}: expected a mapping of settings at the top level")
         data.update(loaded)
     flags = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    if "lora_modules" in flags:
+        from kvpilot.runtime.lora.adapter import parse_lora_modules
+
+        flags["lora_modules"] = parse_lora_modules(flags["lora_modules"])
     data.update(flags)
     try:
         return EngineConfig.model_validate(data)
@@ -224,7 +254,10 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
     from kvpilot.runtime.server import OpenAIServer, ServerSettings
 
     settings = ServerSettings(
-        model_name=cfg.model_name, api_key=api_key, shutdown_timeout=cfg.shutdown_timeout
+        model_name=cfg.model_name,
+        api_key=api_key,
+        shutdown_timeout=cfg.shutdown_timeout,
+        lora_runtime_updates=cfg.enable_lora_runtime_updates,
     )
     server = OpenAIServer(settings)
 

@@ -95,9 +95,23 @@ class EngineConfig(BaseModel):
     speculative_disable_by_batch_size: int | None = Field(
         None, ge=1, description="no speculation while this many sequences or more are running"
     )
+    # LoRA adapters (docs/runtime.md, "LoRA adapters")
+    enable_lora: bool = Field(
+        False, description="serve PEFT LoRA adapters (implied by lora_modules or runtime updates)"
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="adapters loaded at start: name -> PEFT adapter folder"
+    )
+    max_loras: int = Field(4, ge=1, le=256, description="adapters resident on the device at once")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank accepted")
+    enable_lora_runtime_updates: bool = Field(
+        False, description="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.lora_modules or self.enable_lora_runtime_updates:
+            self.enable_lora = True
         if self.max_model_len is not None and self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be at least 16")
         method = self.speculative_method

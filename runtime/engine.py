@@ -21,6 +21,8 @@ import torch
 
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import ConfigError, EngineConfig
+from kvpilot.runtime.lora.adapter import LoRAError
+from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest, new_request
 from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -154,6 +156,9 @@ def cuda_graph_sizes(cfg: EngineConfig, device: torch.device) -> list[int] | Non
 
     if cfg.enforce_eager or device.type != "cuda":
         return None
+    if cfg.enable_lora:  # a step's adapter grouping is data-dependent: LoRA serving runs eagerly
+        log.info("LoRA serving is enabled: decode runs without CUDA graphs")
+        return None
     return graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
 
 
@@ -231,7 +236,12 @@ class LLMEngine:
                 max_model_len,
                 self.kv_capacity_tokens,
             )
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.max_loras if runner.lora is not None else None,
+        )
         self.sampler = Sampler()
         self.speculator = speculator
         self.requests: dict[str, _Tracked] = {}
@@ -245,6 +255,13 @@ class LLMEngine:
         self.num_steps = 0
         # Test hook: called with the scheduled batch right before the model runs (fault injection).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
+        self.loras: dict[str, LoRARequest] = {}  # loaded adapters by served name
+        self.adapters: dict[str, LoadedAdapter] = {}
+        for lora_name, lora_path in cfg.lora_modules.items():
+            try:
+                self.add_lora(lora_name, lora_path)
+            except LoRAError as exc:
+                raise ConfigError(f"--lora-modules {lora_name}={lora_path}: {exc}") from None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -257,6 +274,8 @@ class LLMEngine:
 
             runner = start_tensor_parallel(cfg)  # checks the size, spawns ranks 1.., loads rank 0's shard
             loaded = runner.loaded
+            if loaded.lora is not None:
+                runner.enable_lora(loaded.lora)
             name = cfg.served_model_name or loaded.model_name
             eos = frozenset(loaded.tokenizer.eos_token_ids)
             spec = make_speculator(cfg, loaded.max_model_len, runner.device.type)
@@ -282,6 +301,10 @@ class LLMEngine:
             )
         cfg = with_block_size(cfg, loaded.device)
         assert cfg.block_size is not None
+        if cfg.enable_lora and loaded.lora is None:  # before the KV pool is sized: the slots take memory
+            from kvpilot.runtime.loader import attach_lora
+
+            attach_lora(loaded, cfg)
         kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
         geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
         if loaded.device.type == "cuda" and cfg.kv_cache_memory is None:
@@ -296,6 +319,9 @@ class LLMEngine:
             cuda_graph_sizes=cuda_graph_sizes(cfg, loaded.device),
             max_model_len=loaded.max_model_len,
         )
+        if cfg.enable_lora:
+            assert loaded.lora is not None
+            runner.enable_lora(loaded.lora)
         eos = frozenset(loaded.tokenizer.eos_token_ids)
         name = cfg.served_model_name or loaded.model_name
         # this cfg's --max-model-len, which may differ from the one the model was loaded with
@@ -361,6 +387,37 @@ class LLMEngine:
                 "lower max_tokens or shorten the prompt"
             )
 
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Load a PEFT adapter under `name` (replacing one of that name unless requests use it).
+        Raises LoRAError naming the adapter and the problem; nothing changes then."""
+        if self.runner.lora is None:
+            raise LoRAError(f"LoRA adapter {name!r}: LoRA serving is off (start with --enable-lora)")
+        if not name or name == self.model_name:
+            raise LoRAError(f"LoRA adapter {name!r}: the name must differ from the base model's")
+        if name in self.loras:
+            self._check_unused(name, "replaced")
+        rank = self.runner.add_lora(name, path)
+        self.loras[name] = new_request(name)
+        self.adapters[name] = LoadedAdapter(name, path, rank)
+        log.info("LoRA adapter %r loaded from %s (rank %d)", name, path, rank)
+        return self.loras[name]
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; raises LoRAError when it is unknown or requests still use it."""
+        if name not in self.loras:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        self._check_unused(name, "unloaded")
+        self.runner.remove_lora(name)
+        del self.loras[name]
+        del self.adapters[name]
+        log.info("LoRA adapter %r unloaded", name)
+
+    def _check_unused(self, name: str, what: str) -> None:
+        users = sum(1 for t in self.requests.values() if t.seq.lora is not None and t.seq.lora.name == name)
+        if users:
+            raise LoRAError(f"LoRA adapter {name!r} cannot be {what}: {users} unfinished requests use it")
+
     def add_request(
         self,
         request_id: str,
@@ -368,13 +425,26 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
+        """`lora`: the adapter to run with (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time)
+        lora_request = self.lora_request(lora)
+        seq = Sequence(
+            request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time, lora_request
+        )
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The loaded adapter called `name` (None: the base model); ValueError when none is."""
+        if name is None:
+            return None
+        if name not in self.loras:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        return self.loras[name]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         tracked = self.requests.get(request_id)
@@ -610,14 +680,19 @@ class LLMEngine:
         return torch.cat(out)
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        loras: list[str | None] | None = None,
     ) -> list[Sequence]:
-        """Run prompts to completion (tests and benchmarks); returns the finished sequences in order."""
+        """Run prompts to completion (tests and benchmarks); returns the finished sequences in order.
+        `loras`: each prompt's adapter (None: the base model)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        adapters = loras if loras is not None else [None] * len(prompts)
         ids = [f"offline-{self.num_steps}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         seqs: dict[str, Sequence] = {}
-        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, plist, adapters, strict=True):
+            self.add_request(rid, prompt, p, lora=lora)
             seqs[rid] = self.requests[rid].seq
         while self.has_unfinished():
             self.step()
@@ -632,6 +707,18 @@ class _Pending:
     cache_salt: str | None
     arrival_time: float
     queue: asyncio.Queue[RequestOutput | BaseException]
+    lora: str | None = None
+
+
+@dataclass
+class _LoRAOp:
+    """An adapter load or unload, run by the engine thread between steps (tensor-parallel workers
+    take their part of it through the same pipe as the steps)."""
+
+    name: str
+    path: str | None  # None: unload
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
 
 
 @dataclass
@@ -639,6 +726,7 @@ class _Inbox:
     lock: threading.Lock = field(default_factory=threading.Lock)
     new: list[_Pending] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    lora_ops: list[_LoRAOp] = field(default_factory=list)
 
 
 class AsyncEngine:
@@ -694,17 +782,19 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Enqueue; raises QueueFullError or EngineDeadError. A request the engine can never run
-        (`LLMEngine.validate_request`) fails its stream with ValueError; the server checks the same
-        limits before it submits (api_request.py), so its clients get the 400 up front."""
+        (`LLMEngine.validate_request`, an adapter that is not loaded) fails its stream with
+        ValueError; the server checks the same limits before it submits (api_request.py), so its
+        clients get the 400 up front. `lora`: the adapter to run with (None: the base model)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
         if self._num_queued >= self.max_queue_len:
             raise QueueFullError(f"{self._num_queued} requests are already waiting (max_queue_len)")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        pending = _Pending(request_id, prompt_token_ids, params, cache_salt, time.monotonic(), queue)
+        pending = _Pending(request_id, prompt_token_ids, params, cache_salt, time.monotonic(), queue, lora)
         self._queues[request_id] = (loop, queue)
         with self._inbox.lock:
             self._inbox.new.append(pending)
@@ -737,6 +827,48 @@ class AsyncEngine:
             if not finished:  # consumer went away (client disconnected, stop string hit)
                 self.abort_nowait(request_id)
 
+    # -- LoRA adapters -------------------------------------------------------------------------
+    @property
+    def loras(self) -> list[LoadedAdapter]:
+        """The loaded adapters, in load order."""
+        return list(self.engine.adapters.values())
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.runner.lora is not None
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load (or replace) an adapter between steps; raises LoRAError naming the problem."""
+        await self._lora_op(name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        await self._lora_op(name, None)
+
+    async def _lora_op(self, name: str, path: str | None) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        loop = asyncio.get_running_loop()
+        op = _LoRAOp(name, path, loop, loop.create_future())
+        with self._inbox.lock:
+            self._inbox.lora_ops.append(op)
+        self._wake.set()
+        await op.future
+
+    def _run_lora_ops(self, ops: list[_LoRAOp]) -> None:
+        for op in ops:
+            error: BaseException | None = None
+            try:
+                if op.path is None:
+                    self.engine.remove_lora(op.name)
+                else:
+                    self.engine.add_lora(op.name, op.path)
+            except LoRAError as exc:
+                error = exc
+            except Exception as exc:  # e.g. an unreadable file: still the adapter's problem, not ours
+                error = LoRAError(f"LoRA adapter {op.name!r}: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                op.loop.call_soon_threadsafe(_settle, op.future, error)
+
     def abort_nowait(self, request_id: str) -> None:
         with self._inbox.lock:
             self._inbox.aborts.append(request_id)
@@ -750,10 +882,12 @@ class AsyncEngine:
         with self._inbox.lock:
             new, self._inbox.new = self._inbox.new, []
             aborts, self._inbox.aborts = self._inbox.aborts, []
+            lora_ops, self._inbox.lora_ops = self._inbox.lora_ops, []
+        self._run_lora_ops(lora_ops)
         for p in new:
             try:
                 self.engine.add_request(
-                    p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time
+                    p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time, p.lora
                 )
             except ValueError as exc:
                 self._deliver(p.request_id, exc)
@@ -800,6 +934,15 @@ class AsyncEngine:
             self.dead = exc
             for rid in list(self._queues):
                 self._deliver(rid, EngineDeadError(f"the engine stopped: {exc}"))
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
 from kvpilot.runtime.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.lora.manager import LoRAState
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,24 @@ class LoadedModel:
     path: Path
     device: torch.device
     dtype: torch.dtype
+    lora: LoRAState | None = None  # LoRA slot buffers attached to the model (--enable-lora)
+
+
+def attach_lora(loaded: LoadedModel, cfg: EngineConfig) -> LoRAState:
+    """Give the model's linears `--max-loras` adapter slots of rank `--max-lora-rank` (this rank's shard)."""
+    from kvpilot.runtime.lora.manager import LoRAState
+
+    loaded.lora = LoRAState(
+        loaded.model, loaded.arch, cfg.max_loras, cfg.max_lora_rank, loaded.device, loaded.dtype
+    )
+    log.info(
+        "LoRA: %d slots of rank %d for %s (%.1f MiB)",
+        cfg.max_loras,
+        cfg.max_lora_rank,
+        ", ".join(loaded.lora.supported_targets),
+        loaded.lora.num_bytes / 2**20,
+    )
+    return loaded.lora
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +564,7 @@ def load_model(
         from kvpilot.runtime.quantization import quantize_model
 
         quantize_model(model, method, cfg.quantization_group_size)
-    return LoadedModel(
+    loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
         arch=arch,
@@ -553,3 +574,6 @@ def load_model(
         device=dev,
         dtype=torch_dtype,
     )
+    if cfg.enable_lora:
+        attach_lora(loaded, cfg)
+    return loaded

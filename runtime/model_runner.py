@@ -17,6 +17,7 @@ import torch
 from kvpilot.kernels import quant
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
 from kvpilot.runtime.cuda_graphs import DecodeGraphRunner
+from kvpilot.runtime.lora.manager import LoRAState, SlotTable
 from kvpilot.runtime.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -314,6 +315,59 @@ class ModelRunner:
                     model, self.kv_caches, self.backend, cuda_graph_sizes, max_blocks, device
                 )
 
+    # -- LoRA ----------------------------------------------------------------------------------
+    lora: LoRAState | None = None
+    lora_slots: SlotTable | None = None
+
+    def enable_lora(self, state: LoRAState) -> None:
+        """Serve adapters through `state` (attached to this runner's model before the KV pool was sized)."""
+        if self.graphs is not None:
+            raise ValueError("LoRA serving runs eagerly: build the runner without CUDA graphs")
+        self.lora = state
+        self.lora_slots = SlotTable(state.num_slots)
+
+    def add_lora(self, name: str, path: str) -> int:
+        """Load an adapter into host memory (replacing one of the same name); returns its rank.
+        Raises LoRAError (bad adapter) before anything changes."""
+        assert self.lora is not None and self.lora_slots is not None
+        adapter = self.lora.read(name, path)
+        self.lora_slots.drop(name)
+        self.lora.add(adapter)
+        return adapter.rank
+
+    def remove_lora(self, name: str) -> None:
+        assert self.lora is not None and self.lora_slots is not None
+        self.lora_slots.drop(name)
+        self.lora.remove(name)
+
+    def lora_plan(
+        self, scheduled: list[ScheduledSeq], reorder: bool = True
+    ) -> tuple[list[ScheduledSeq], list[tuple[int, str | None]], list[int] | None]:
+        """Rank 0: the step's sequences (with `reorder`: base-model ones first, then by slot, so each
+        adapter's rows are consecutive), the slot loads it needs and every token's slot (-1: the base
+        model); (scheduled, no loads, None) when no sequence uses an adapter."""
+        if self.lora_slots is None or all(s.seq.lora is None for s in scheduled):
+            return scheduled, [], None
+        names = [s.seq.lora.name for s in scheduled if s.seq.lora is not None]
+        slot_of, loads = self.lora_slots.plan(names)
+
+        def slot(s: ScheduledSeq) -> int:
+            return slot_of[s.seq.lora.name] if s.seq.lora is not None else -1
+
+        if reorder:
+            scheduled = sorted(scheduled, key=slot)  # stable
+        token_slots: list[int] = []
+        for s in scheduled:
+            token_slots.extend([slot(s)] * s.num_new_tokens)
+        return scheduled, loads, token_slots
+
+    def _apply_lora(self, scheduled: list[ScheduledSeq], reorder: bool) -> list[ScheduledSeq]:
+        if self.lora is None:
+            return scheduled
+        scheduled, loads, token_slots = self.lora_plan(scheduled, reorder)
+        self.lora.apply(loads, token_slots)
+        return scheduled
+
     def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
@@ -326,15 +380,25 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step and return the hidden state of every new token (scoring, prompt logprobs)."""
+        scheduled = self._apply_lora(scheduled, reorder=False)  # rows come back in the caller's order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        return self._run_model(batch)
+        try:
+            return self._run_model(batch)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns float32 logits [rows, vocab] and the sequences they belong to (one row
         each, 1 + num_spec_tokens for a sequence with speculative tokens)."""
+        scheduled = self._apply_lora(scheduled, reorder=True)  # `sampled` says the order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        hidden = self._run_model(batch)
+        try:
+            hidden = self._run_model(batch)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
         if not batch.sampled:
             return torch.empty(0, 0), []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

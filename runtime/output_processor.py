@@ -51,6 +51,7 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[Any]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -89,6 +90,7 @@ class Choice:
     stream: TextStream
     echo_text: str = ""
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     engine_done: bool = False  # the engine finished it (no abort needed)
@@ -240,6 +242,7 @@ class RequestState:
                         stream=TextStream(engine.tokenizer, params, prompt.token_ids),
                         echo_text=prompt.echo_text,
                         cache_salt=gen.cache_salt,
+                        lora=gen.lora,
                         text_offset=len(prompt.echo_text),
                     )
                 )
@@ -272,7 +275,12 @@ class RequestState:
 
     def _submit(self, c: Choice) -> AsyncIterator[Any]:
         try:
-            return self.engine.add_request(c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt)
+            adapter = (
+                {"lora": c.lora} if c.lora is not None else {}
+            )  # engines without LoRA take no such argument
+            return self.engine.add_request(
+                c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt, **adapter
+            )
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         except QueueFullError:

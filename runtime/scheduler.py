@@ -3,7 +3,9 @@
 Every step hands out a token budget: running sequences first (decodes and unfinished prefill
 chunks), then waiting ones, within `max_num_batched_tokens` and `max_num_seqs`. When blocks run out,
 the most recently admitted running sequence is preempted (its blocks freed, recomputed later) instead
-of failing anyone, and no new sequence is admitted in a step that preempted.
+of failing anyone, and no new sequence is admitted in a step that preempted. With LoRA serving,
+the running sequences use at most `max_loras` distinct adapters (the device slots): a waiting
+request for another adapter waits while others behind it may go ahead.
 """
 
 from __future__ import annotations
@@ -45,8 +47,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int | None = None,
+    ) -> None:
         self.bm = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -131,8 +140,17 @@ class Scheduler:
         # right now waits one step and then reuses it, instead of computing the same prefix again.
         inflight = {h for h in map(self.bm.first_block_hash, self._prefilling()) if h is not None}
         deferred: list[Sequence] = []
+        adapters = {s.lora.name for s in self.running if s.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if (
+                seq.lora is not None
+                and self.max_loras is not None
+                and seq.lora.name not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                deferred.append(self.waiting.popleft())  # every slot is taken by running adapters
+                continue
             first = self.bm.first_block_hash(seq) if not seq.block_table else None
             if first is not None and first in inflight and not self.bm.is_cached(first):
                 deferred.append(self.waiting.popleft())
@@ -151,6 +169,8 @@ class Scheduler:
             budget -= num_new
             if first is not None:
                 inflight.add(first)
+            if seq.lora is not None:
+                adapters.add(seq.lora.name)
         self.waiting.extendleft(reversed(deferred))
         return out
 

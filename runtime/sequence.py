@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.sampling_params import SamplingParams
 
 
@@ -37,8 +38,10 @@ class Sequence:
         eos_token_ids: frozenset[int] = frozenset(),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.seq_id = seq_id
+        self.lora = lora  # the adapter this sequence runs with (None: the base model)
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

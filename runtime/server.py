@@ -20,7 +20,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 
-Prepare = Callable[[bytes, Any, ServingLimits, str], GenerationRequest]
+Prepare = Callable[[bytes, Any, ServingLimits, str, Collection[str]], GenerationRequest]
 
 
 @dataclass
@@ -62,6 +62,12 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     shutdown_timeout: float = 30.0
+    lora_runtime_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+
+
+def adapter_names(engine: Engine | None) -> list[str]:
+    """The LoRA adapters an engine has loaded (engines without LoRA support have none)."""
+    return [a.name for a in getattr(engine, "loras", None) or []]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -162,6 +168,8 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready_handler)
         app.router.add_get("/metrics", self.metrics_handler)
@@ -248,7 +256,80 @@ class OpenAIServer:
         }
         if self.engine is not None:
             card["max_model_len"] = self.engine.max_model_len
-        return web.json_response({"object": "list", "data": [card]})
+        cards = [card]
+        for adapter in getattr(self.engine, "loras", None) or []:
+            cards.append(
+                {
+                    **card,
+                    "id": adapter.name,
+                    "root": adapter.path,
+                    "parent": self.settings.model_name,
+                    "lora_rank": adapter.rank,
+                }
+            )
+        return web.json_response({"object": "list", "data": cards})
+
+    # -- LoRA adapters at run time (vLLM's endpoints) --------------------------------------------
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        engine = self._lora_engine()
+        body = await self._lora_body(request, ("lora_name", "lora_path"))
+        name, path = body["lora_name"], body["lora_path"]
+        if name == self.settings.model_name:
+            raise APIError(f"'lora_name' {name!r} is the base model's name", param="lora_name")
+        try:
+            await engine.add_lora(name, path)
+        except ValueError as e:  # LoRAError: the message names the adapter and the problem
+            raise APIError(str(e), param="lora_path") from None
+        log.info("LoRA adapter %r loaded through the API", name)
+        return web.json_response({"object": "lora_adapter", "id": name, "root": path, "status": "loaded"})
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        engine = self._lora_engine()
+        name = (await self._lora_body(request, ("lora_name",)))["lora_name"]
+        if name not in adapter_names(engine):
+            raise APIError(
+                f"LoRA adapter {name!r} is not loaded", status=404, param="lora_name", code="model_not_found"
+            )
+        try:
+            await engine.remove_lora(name)
+        except ValueError as e:
+            raise APIError(str(e), param="lora_name") from None
+        log.info("LoRA adapter %r unloaded through the API", name)
+        return web.json_response({"object": "lora_adapter", "id": name, "status": "unloaded"})
+
+    def _lora_engine(self) -> Any:
+        if not self.settings.lora_runtime_updates:
+            raise APIError(
+                "loading and unloading LoRA adapters at run time is off on this server "
+                "(start it with --enable-lora-runtime-updates)",
+                status=404,
+                type="not_found_error",
+            )
+        engine = self._require_engine()
+        if not getattr(engine, "lora_enabled", False):
+            raise APIError(
+                "this server's engine does not serve LoRA adapters", status=404, type="not_found_error"
+            )
+        return engine
+
+    @staticmethod
+    async def _lora_body(request: web.Request, fields: tuple[str, ...]) -> dict[str, str]:
+        raw = await request.content.read(65_536 + 1)
+        if len(raw) > 65_536:
+            raise APIError("request body is larger than 65536 bytes", status=413, code="request_too_large")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError("the body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object")
+        out: dict[str, str] = {}
+        for field in fields:
+            value = body.get(field)
+            if not isinstance(value, str) or not value.strip() or len(value) > 4096:
+                raise APIError(f"'{field}' must be a non-empty string", param=field)
+            out[field] = value.strip()
+        return out
 
     # -- generation endpoints -------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -260,7 +341,8 @@ class OpenAIServer:
     async def _handle(self, request: web.Request, prepare: Prepare) -> web.StreamResponse:
         engine = self._require_engine()
         body = await self._read_body(request, engine)
-        args = (body, engine.tokenizer, serving_limits(engine), self.settings.model_name)
+        adapters = adapter_names(engine)
+        args = (body, engine.tokenizer, serving_limits(engine), self.settings.model_name, adapters)
         # large bodies are parsed, validated and tokenized in a worker thread so that the event
         # loop (and /health) keeps answering meanwhile
         gen = await asyncio.to_thread(prepare, *args) if len(body) > INLINE_BODY_BYTES else prepare(*args)
@@ -314,7 +396,7 @@ class OpenAIServer:
         renderer = RENDERERS[gen.kind]
         body = renderer.body(
             gen.request_id,
-            self.settings.model_name,
+            gen.lora or self.settings.model_name,
             now(),
             [renderer.choice(c, "".join(texts[c.index])) for c in state.choices],
             usage(state.prompt_tokens, state.completion_tokens),
@@ -329,7 +411,7 @@ class OpenAIServer:
         resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.request_id})
         await resp.prepare(request)
         created = now()
-        name = self.settings.model_name
+        name = gen.lora or self.settings.model_name
 
         def chunk(choices: list[dict[str, Any]], final: bool = False) -> dict[str, Any]:
             body = renderer.chunk(gen.request_id, name, created, choices, None)

@@ -153,10 +153,17 @@ class StepInputs:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    # LoRA: slot loads to do before the forward, and each token's slot (None: no adapter this step)
+    lora_loads: tuple[tuple[int, str | None], ...] = ()
+    lora_token_slots: list[int] | None = None
 
     @classmethod
-    def from_batch(cls, batch: PreparedBatch) -> StepInputs:
-        """From a batch prepared on the CPU."""
+    def from_batch(
+        cls,
+        batch: PreparedBatch,
+        lora: tuple[list[tuple[int, str | None]], list[int] | None] = ([], None),
+    ) -> StepInputs:
+        """From a batch prepared on the CPU (and rank 0's LoRA plan for it)."""
         meta = batch.meta
         return cls(
             input_ids=batch.input_ids.numpy(),
@@ -170,6 +177,8 @@ class StepInputs:
             seq_lens_list=list(meta.seq_lens_cpu),
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            lora_loads=tuple(lora[0]),
+            lora_token_slots=lora[1],
         )
 
     def to_device(
@@ -244,17 +253,39 @@ class TPModelRunner(ModelRunner):
     def close(self) -> None:
         self._finalizer()
 
-    def _inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[ScheduledSeq]]:
+    def add_lora(self, name: str, path: str) -> int:
+        rank = super().add_lora(name, path)  # rank 0 checks the adapter before the workers read it
+        with self.workers.step():
+            self.workers.send("lora_add", (name, path))
+            self.workers.gather("lora_added")
+        return rank
+
+    def remove_lora(self, name: str) -> None:
+        super().remove_lora(name)
+        with self.workers.step():
+            self.workers.send("lora_remove", name)
+            self.workers.gather("lora_removed")
+
+    def _inputs(
+        self, scheduled: list[ScheduledSeq], reorder: bool = True
+    ) -> tuple[StepInputs, list[ScheduledSeq]]:
+        scheduled, loads, token_slots = self.lora_plan(scheduled, reorder)
         batch = prepare_batch(scheduled, self.geometry.block_size, torch.device("cpu"))
-        return StepInputs.from_batch(batch), batch.sampled
+        return StepInputs.from_batch(batch, (loads, token_slots)), batch.sampled
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ids, positions, meta, sample_rows = inputs.to_device(self.device)
-        return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+        if self.lora is None:
+            return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+        self.lora.apply(list(inputs.lora_loads), inputs.lora_token_slots)
+        try:
+            return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+        finally:
+            self.lora.clear()
 
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        inputs, _ = self._inputs(scheduled)
+        inputs, _ = self._inputs(scheduled, reorder=False)
         with self.workers.step():
             self.workers.send("hidden", inputs)
             hidden, _ = self._forward(inputs)

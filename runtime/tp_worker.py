@@ -5,6 +5,8 @@ The worker waits for messages on its pipe from rank 0 (runtime/distributed.py):
   execute  StepInputs   forward, then the logits of the sampled rows (their all-gather is collective)
   hidden   StepInputs   forward only (rank 0's `hidden_states()`)
   logits   (shape, dtype) receive rank 0's hidden rows by broadcast, compute their logits
+  lora_add (name, path)   read an adapter into host memory (rank 0 checked it first); reply lora_added
+  lora_remove name        forget an adapter; reply lora_removed
   shutdown              leave the group and exit 0
 Anything that goes wrong is reported as ("error", traceback) before the worker exits 1, which also
 breaks the process group, so rank 0 fails its current collective at once instead of hanging.
@@ -83,6 +85,8 @@ def _start(
     if kind != "kv_blocks":
         raise RuntimeError(f"expected the KV pool size, got {kind!r}")
     runner = ModelRunner(loaded.model, geometry, int(num_blocks), device)
+    if loaded.lora is not None:
+        runner.enable_lora(loaded.lora)
     conn.send_bytes(encode("ready"))
     return runner
 
@@ -91,7 +95,7 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvpilot.runtime.distributed import decode
+    from kvpilot.runtime.distributed import decode, encode
     from kvpilot.runtime.tp_runner import StepInputs
 
     model: Any = runner.model
@@ -102,8 +106,12 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
                 return
             if kind in ("execute", "hidden"):
                 assert isinstance(payload, StepInputs)
+                if runner.lora is not None:
+                    runner.lora.apply(list(payload.lora_loads), payload.lora_token_slots)
                 ids, positions, meta, sample_rows = payload.to_device(runner.device)
                 hidden = model(ids, positions, runner.kv_caches, meta, runner.backend)
+                if runner.lora is not None:
+                    runner.lora.clear()  # the logits below do not go through a LoRA layer
                 if kind == "execute" and sample_rows.numel():
                     model.compute_logits(hidden.index_select(0, sample_rows))
             elif kind == "logits":
@@ -111,5 +119,12 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
                 hidden = torch.empty(shape, dtype=dtype, device=runner.device)
                 dist.broadcast(hidden, src=0)
                 model.compute_logits(hidden)
+            elif kind == "lora_add":
+                name, path = payload
+                runner.add_lora(name, path)
+                conn.send_bytes(encode("lora_added"))
+            elif kind == "lora_remove":
+                runner.remove_lora(payload)
+                conn.send_bytes(encode("lora_removed"))
             else:
                 raise RuntimeError(f"unknown message {kind!r} from rank 0")

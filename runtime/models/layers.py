@@ -208,6 +208,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_rank = divide(output_size, self.tp_size)
         self.gather_output = gather_output
+        self.lora: Any = None  # runtime/lora/layers.LoRALinear once LoRA serving attaches one
         self.weight = _new_param(self.output_size_per_rank, input_size)
         set_weight_loader(self.weight, self.weight_loader)
         self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
@@ -222,6 +223,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _linear(x, self.weight, self.qweight, self.bias)
+        if self.lora is not None:
+            y = self.lora.add_delta(x, y)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -297,6 +300,8 @@ class RowParallelLinear(nn.Module):
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_world_size()
         self.input_size_per_rank = divide(input_size, self.tp_size)
+        self.output_size = output_size
+        self.lora: Any = None  # runtime/lora/layers.LoRALinear once LoRA serving attaches one
         self.weight = _new_param(output_size, self.input_size_per_rank)
         set_weight_loader(self.weight, self.weight_loader)
         self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
@@ -311,8 +316,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _linear(x, self.weight, self.qweight, self.bias)
-        y = tp_all_reduce(_linear(x, self.weight, self.qweight, None))
+            y = _linear(x, self.weight, self.qweight, self.bias)
+            return y if self.lora is None else self.lora.add_delta(x, y)
+        y = _linear(x, self.weight, self.qweight, None)
+        if self.lora is not None:  # this rank's partial LoRA product joins the all-reduce
+            y = self.lora.add_delta(x, y)
+        y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

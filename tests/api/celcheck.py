@@ -84,4 +84,7 @@ def violations(schema: dict[str, Any], new: Any, old: Any | None = None, path: s
             if name in new:
                 old_child = old.get(name) if isinstance(old, dict) else None
                 out.extend(violations(child, new[name], old_child, f"{path}.{name}"))
+    elif isinstance(new, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(new):  # list items are checked as new (no transition rules on them)
+            out.extend(violations(schema["items"], item, None, f"{path}[{i}]"))
     return out

@@ -48,6 +48,15 @@ VALID = [
     {"model": BUILTIN, "resources": {"gpuType": "h100"}},
     {"model": BUILTIN, "resources": {"gpus": 4}},  # tensorParallelSize unset: shards over all 4
     {"model": BUILTIN, "oomPolicy": {"adapt": True, "maxMemory": "48Gi", "minKvCacheMemory": "256Mi"}},
+    {
+        "model": BUILTIN,
+        "adapters": [
+            {"name": "sql", "source": "pvc://adapters/sql-lora"},
+            {"name": "chat.v2", "source": "hf://org/chat-lora@v2"},
+            {"name": "Tone_1", "source": "file:///opt/adapters/tone"},
+        ],
+        "runtime": {"maxLoras": 2, "maxLoraRank": 64},
+    },
 ]
 
 INVALID = [
@@ -99,6 +108,21 @@ INVALID = [
     (
         {"model": BUILTIN, "oomPolicy": {"maxMemory": "48GB"}},
         "spec.oomPolicy.maxMemory must be a Kubernetes quantity",
+    ),
+    (
+        {"model": BUILTIN, "adapters": [{"name": "sql", "source": "builtin://sql"}]},
+        "spec.adapters[].source must be one of pvc://CLAIM/PATH",
+    ),
+    (
+        {"model": BUILTIN, "adapters": [{"name": "-sql", "source": "pvc://a/sql"}]},
+        "spec.adapters[].name must be 1-63 letters",
+    ),
+    (
+        {
+            "model": BUILTIN,
+            "adapters": [{"name": "sql", "source": "pvc://a/sql"}, {"name": "sql", "source": "pvc://a/sql2"}],
+        },
+        "spec.adapters[].name must be unique",
     ),
 ]
 

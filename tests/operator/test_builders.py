@@ -196,6 +196,43 @@ def test_hf_source_gets_cache_volume_token_and_fetch_init_container() -> None:
     compile(init["command"][2], "fetch", "exec")  # the script is valid Python
 
 
+def test_adapters_are_mounted_fetched_and_rendered_as_lora_modules() -> None:
+    model = im(
+        model={"source": "pvc://weights/llama"},
+        adapters=[
+            {"name": "sql", "source": "pvc://adapters/sql-lora"},
+            {"name": "chat", "source": "hf://org/chat-lora@v2"},
+            {"name": "tone", "source": "file:///opt/adapters/tone"},
+            {"name": "whole", "source": "pvc://whole"},
+        ],
+        runtime={"maxLoras": 2, "maxLoraRank": 32},
+    )
+    cfg = EngineConfig.model_validate(yaml.safe_load(render_config_yaml(model)))
+    assert cfg.lora_modules == {
+        "sql": "/adapters/sql/sql-lora",
+        "chat": "/adapters/chat",
+        "tone": "/opt/adapters/tone",
+        "whole": "/adapters/whole",
+    }
+    assert cfg.enable_lora and cfg.max_loras == 2 and cfg.max_lora_rank == 32
+    ps = pod_spec(model)
+    mounts = ps["containers"][0]["volumeMounts"]
+    assert {"name": "adapter-0", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} in ps[
+        "volumes"
+    ]
+    assert {"name": "adapter-0", "mountPath": "/adapters/sql", "readOnly": True} in mounts
+    assert {"name": "adapter-3", "mountPath": "/adapters/whole", "readOnly": True} in mounts
+    assert {"name": "adapters", "emptyDir": {}} in ps["volumes"]
+    assert {"name": "adapters", "mountPath": "/adapters"} in mounts
+    (fetch,) = ps["initContainers"]  # the model itself comes from a PVC
+    assert fetch["name"] == "fetch-adapter-1"
+    assert fetch["command"][3:] == ["org/chat-lora", "/adapters/chat", "v2"]
+    assert {"name": "adapters", "mountPath": "/adapters"} in fetch["volumeMounts"]
+    no_adapters = im(model={"source": "pvc://weights/llama"})
+    assert not yaml.safe_load(render_config_yaml(no_adapters))["lora_modules"]
+    assert not any(v["name"].startswith("adapter") for v in pod_spec(no_adapters)["volumes"])
+
+
 def test_prometheus_annotations_and_config_hash() -> None:
     model = im()
     ann = children(model)["Deployment"]["spec"]["template"]["metadata"]["annotations"]
