@@ -16,8 +16,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.router.keys import BLOCK_CHARS, request_key
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, RouteKey, make_policy
+from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
 
 log = logging.getLogger("kvpilot.router")
@@ -64,13 +64,15 @@ class UpdateEndpoints(Protocol):
         endpoints: list[Endpoint] | None,
         policy: str | None = None,
         fallback: str | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> None: ...
 
 
 class EndpointSource(Protocol):
     """Feeds the router the Ready pods of each model it serves (static list, Kubernetes watch...).
 
-    `run` calls `update(model, endpoints, policy)` whenever a model's pods (or its routing policy)
+    `run` calls `update(model, endpoints, policy, fallback, adapters)` whenever a model's pods (or its
+    routing policy, fallback model or LoRA adapter names)
     change (endpoints None: the model is gone), `synced()` once every model is known, and returns only when cancelled. An error while
     watching must not drop the endpoints already known: keep them until the source sees otherwise.
     """
@@ -86,6 +88,10 @@ class RouterSettings:
     max_retries: int = 2  # other pods tried after a refused/reset connection or a 503
     # model -> model that takes its requests instead of a 429 (static mode; spec.routing.fallbackModel)
     fallbacks: dict[str, str] = field(default_factory=dict)
+    # model -> its LoRA adapters' names (static mode; spec.adapters with Kubernetes)
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    adapter_eps: float = 0.25  # an adapter's holder keeps it while within ceil((1 + eps) x avg load)
+    adapter_slots: int = 4  # adapters remembered per pod (the runtime's --max-loras default)
     session_header: str = SESSION_HEADER
     priority_header: str = PRIORITY_HEADER
     block_chars: int = BLOCK_CHARS
@@ -105,10 +111,15 @@ class Router:
                 f"unknown routing policy {self.settings.policy!r}; choose one of {', '.join(POLICIES)}"
             )
         make_policy(self.settings.policy, **self.settings.policy_options)  # options are checked up front
+        AdapterAffinity(
+            make_policy(self.settings.policy), self.settings.adapter_eps, self.settings.adapter_slots
+        )
         self.metrics = metrics or RouterMetrics()
         self.pools: dict[str, ModelPool] = {}
         self._policy_of: dict[str, str] = {}
         self._fallback_of: dict[str, str] = {}
+        self._adapters_of: dict[str, tuple[str, ...]] = {}  # model -> its adapters, as declared
+        self.adapter_parent: dict[str, str] = {}  # adapter name -> the model that serves it
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -135,9 +146,11 @@ class Router:
         endpoints: list[Endpoint] | None,
         policy: str | None = None,
         fallback: str | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> None:
-        """Set a model's Ready pods, its routing policy (None = the router's default) and the model
-        that takes its requests instead of a 429 (None = the static --fallback, if any).
+        """Set a model's Ready pods, its routing policy (None = the router's default), the model
+        that takes its requests instead of a 429 (None = the static --fallback, if any) and the names
+        of its LoRA adapters (None = the static --adapters, if any).
 
         endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
         """
@@ -149,23 +162,53 @@ class Router:
             self._fallback_of[model] = chosen
         else:
             self._fallback_of.pop(model, None)
+        declared = tuple(self.settings.adapters.get(model, ()) if adapters is None else adapters)
         name = policy or self.settings.policy
         pool = self.pools.get(model)
+        is_new = pool is None
         if pool is None or self._policy_of.get(model) != name:
             options = self.settings.policy_options if name == self.settings.policy else {}
-            new = ModelPool(model, make_policy(name, **options), self.settings.queue, self._queue_changed)
+            chosen_policy = AdapterAffinity(
+                make_policy(name, **options), self.settings.adapter_eps, self.settings.adapter_slots
+            )
+            new = ModelPool(model, chosen_policy, self.settings.queue, self._queue_changed)
             if pool is not None:  # a policy change keeps the queue and the counters
                 new.pods, new._queue = pool.pods, pool._queue
             self.pools[model], self._policy_of[model] = new, name
             self.metrics.queue_depth.labels(model).set(new.queue_depth)
             pool = new
+        if is_new or self._adapters_of.get(model) != declared:  # a new model may shadow an adapter
+            self._adapters_of[model] = declared
+            self._index_adapters()
         pool.set_endpoints(endpoints)
         self.metrics.ready_pods.labels(model).set(len(pool.pods))
+
+    def _index_adapters(self) -> None:
+        """adapter -> parent model. A name that is also a model's stays the model's; an adapter two
+        models declare goes to the first model by name (both logged: the other cannot be reached)."""
+        parent: dict[str, str] = {}
+        for model in sorted(self._adapters_of):
+            for adapter in self._adapters_of[model]:
+                if adapter in self.pools:
+                    log.warning("adapter %r of %s has the name of a model; it is not routed", adapter, model)
+                elif adapter in parent and parent[adapter] != model:
+                    log.warning(
+                        "adapter %r is declared by %s and %s; routed to %s",
+                        adapter,
+                        parent[adapter],
+                        model,
+                        parent[adapter],
+                    )
+                else:
+                    parent[adapter] = model
+        self.adapter_parent = parent
 
     def remove_model(self, model: str) -> None:
         pool = self.pools.pop(model, None)
         self._policy_of.pop(model, None)
         self._fallback_of.pop(model, None)
+        self._adapters_of.pop(model, None)
+        self._index_adapters()  # its adapters leave; an adapter it shadowed may come back
         if pool is not None:
             pool.set_endpoints([])
             self.metrics.ready_pods.labels(model).set(0)
@@ -254,7 +297,13 @@ class Router:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"} for m in sorted(self.pools)]
+        data: list[dict[str, Any]] = []
+        for m in sorted(self.pools):
+            card = {"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"}
+            data.append(card)
+            for adapter in self._adapters_of.get(m, ()):
+                if self.adapter_parent.get(adapter) == m:
+                    data.append({**card, "id": adapter, "parent": m})
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -275,8 +324,14 @@ class Router:
         if not isinstance(model, str) or not model:
             return error_response(400, "'model' is required and must be a string", param="model")
         pool = self.pools.get(model)
+        adapter: str | None = None
+        if pool is None and model in self.adapter_parent:
+            adapter, pool = model, self.pools.get(self.adapter_parent[model])
         if pool is None:
             served = ", ".join(sorted(self.pools)) or "(none)"
+            adapters = ", ".join(f"{a} ({m})" for a, m in sorted(self.adapter_parent.items()))
+            if adapters:
+                served += f"; LoRA adapters: {adapters}"
             return error_response(
                 404,
                 f"model {model!r} is not served here; served models: {served}",
@@ -290,6 +345,9 @@ class Router:
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
+        if adapter is not None:
+            key = replace(key, adapter=adapter)
+            model = pool.model  # counted under the adapter's model
         try:
             response = await self._route(request, pool, key, raw, priority)
         except asyncio.CancelledError:
@@ -341,7 +399,8 @@ class Router:
         """Serve an overloaded model's request on its fallback model when a pod there has room now
         (no queueing there, no retries); None when there is no fallback or it has no room either."""
         name = self._fallback_of.get(pool.model)
-        target = self.pools.get(name) if name else None
+        # an adapter lives only on its own model's pods: the fallback model cannot serve it
+        target = self.pools.get(name) if name and key.adapter is None else None
         if target is None:
             return None
         pod = target.try_acquire(key)
