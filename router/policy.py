@@ -353,6 +353,12 @@ class AdapterAffinity:
         self._held.pop(pod, None)
         self.base.forget(pod)
 
+    def lacks(self, pod: str, adapter: str) -> None:
+        """`pod` answered that it does not serve `adapter` (a pod from before the adapter was added)."""
+        held = self._held.get(pod)
+        if held is not None:
+            held.pop(adapter, None)
+
 
 def route(policy: Policy, key: RouteKey, pods: Sequence[PodView]) -> int | None:
     """choose() and, when a pod is chosen, dispatched(): one call for a caller that sends at once

@@ -100,7 +100,13 @@ class RouterSettings:
 
 
 class _Retry(Exception):
-    """The pod could not take the request and nothing reached the client: try another pod."""
+    """The pod could not take the request and nothing reached the client: try another pod.
+
+    `answer`: what to send the client when no other pod can take it either (else a 502)."""
+
+    def __init__(self, message: str, answer: web.Response | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
 
 
 class Router:
@@ -381,10 +387,12 @@ class Router:
             if not tried:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
             try:
-                return await self._forward(request, pool, pod, raw)
+                return await self._forward(request, pool, pod, raw, adapter=key.adapter)
             except _Retry as e:
                 tried.add(pod.name)
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
+                    if e.answer is not None:
+                        return e.answer
                     return error_response(
                         502, f"no pod of model {pool.model!r} could take the request: {e}", "upstream_error"
                     )
@@ -417,7 +425,13 @@ class Router:
             target.release(pod, key)
 
     async def _forward(
-        self, request: web.Request, pool: ModelPool, pod: Pod, raw: bytes, fallback: str | None = None
+        self,
+        request: web.Request,
+        pool: ModelPool,
+        pod: Pod,
+        raw: bytes,
+        fallback: str | None = None,
+        adapter: str | None = None,
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
@@ -430,6 +444,19 @@ class Router:
             if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
                 pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
                 raise _Retry(f"{pod.name}: 503 {upstream.reason}")
+            if upstream.status == 404 and adapter is not None:
+                # a pod that does not serve the adapter yet (the pods roll after spec.adapters changed):
+                # another pod may; the pod stays healthy for every other request
+                if isinstance(pool.policy, AdapterAffinity):
+                    pool.policy.lacks(pod.name, adapter)
+                with contextlib.suppress(*UPSTREAM_ERRORS):
+                    data = await upstream.read()
+                    ctype = upstream.headers.get("Content-Type", "application/json")
+                    answer = web.Response(
+                        status=404, body=data, headers={"Content-Type": ctype, POD_HEADER: pod.name}
+                    )
+                    raise _Retry(f"{pod.name}: does not serve adapter {adapter!r} (404)", answer)
+                raise _Retry(f"{pod.name}: does not serve adapter {adapter!r} (404)")
             content_type = upstream.headers.get("Content-Type", "application/json")
             out_headers = {"Content-Type": content_type, POD_HEADER: pod.name}
             if fallback is not None:

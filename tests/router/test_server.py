@@ -492,3 +492,31 @@ async def test_an_adapter_named_like_a_model_stays_the_model() -> None:
     assert router.adapter_parent == {"sql": "a"}
     router.remove_model("b")
     assert router.adapter_parent == {"sql": "a", "b": "a"}
+
+
+async def test_a_pod_without_the_adapter_yet_is_passed_over_for_that_request(pods: list[FakePod]) -> None:
+    pods[0].serves = {MODEL}  # an old pod of a roll: the base model only
+    async with live({MODEL: eps(pods)}, adapters={MODEL: ("sql",)}) as lr:
+        status, answer, headers = await post(lr, {"model": "sql", "prompt": "q"})
+        holder = headers[POD_HEADER]
+        assert status == 200 and holder != "p0" and answer["model"] == "sql"
+        assert [b["model"] for b in pods[0].bodies] == ["sql"]  # asked first (round-robin), answered 404
+        assert metric(lr, "kvpilot_router_upstream_retries_total", model_name=MODEL) == 1
+        policy = lr.router.pools[MODEL].policy
+        assert isinstance(policy, AdapterAffinity)
+        assert not policy.holds("p0", "sql") and policy.holds(holder, "sql")
+        for _ in range(3):  # from then on straight to the pod that served it, no more 404 round trips
+            assert (await post(lr, {"model": "sql", "prompt": "again"}))[2][POD_HEADER] == holder
+        assert len(pods[0].bodies) == 1
+        status, _, headers = await post(lr, {"model": MODEL, "prompt": "base"})  # p0 stays healthy
+        assert status == 200
+        for p in pods:
+            p.serves = {MODEL}
+        status, body, _ = await post(lr, {"model": "sql", "prompt": "q2"})  # no pod has it: the pod's 404
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        # the base model's 404 is the pod's answer as before, never retried
+        pods[0].serves = set()
+        before = sum(len(p.bodies) for p in pods)
+        for _ in range(3):
+            await post(lr, {"model": MODEL, "prompt": "x"})
+        assert sum(len(p.bodies) for p in pods) == before + 3
