@@ -54,6 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="OTHER takes MODEL's requests instead of a 429 when it has room (repeatable; "
         "spec.routing.fallbackModel with Kubernetes)",
     )
+    parser.add_argument(
+        "--adapters",
+        action="append",
+        default=[],
+        metavar="MODEL=ADAPTER[,ADAPTER...]",
+        help="LoRA adapters MODEL's pods serve (their --lora-modules names; repeatable; static mode, "
+        "spec.adapters with Kubernetes): a request naming one goes to MODEL's pods",
+    )
+    parser.add_argument(
+        "--adapter-slots",
+        type=int,
+        default=4,
+        help="adapters a pod is taken to hold (the runtime's --max-loras): the last ones sent to it",
+    )
+    parser.add_argument(
+        "--adapter-affinity-eps",
+        type=float,
+        default=0.25,
+        help="an adapter sticks to the pods holding it while within (1+eps) x average load",
+    )
     parser.add_argument("--session-header", default="X-Session-ID", help="header that keys prefix affinity")
     parser.add_argument(
         "--priority-header",
@@ -75,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_router(args: argparse.Namespace) -> Router:
     """The router the flags describe; raises ValueError naming a bad flag."""
-    from kvpilot.router.discovery import StaticSource, parse_endpoints
+    from kvpilot.router.discovery import StaticSource, parse_adapters, parse_endpoints
 
     for flag, value in (("--pod-capacity", args.pod_capacity), ("--max-queue", args.max_queue)):
         if value < 1:
@@ -88,6 +108,14 @@ def build_router(args: argparse.Namespace) -> Router:
             raise ValueError(f"{flag} must be > 0, got {fvalue}")
     if args.max_retries < 0 or args.scrape_interval < 0 or args.prefix_affinity_eps < 0:
         raise ValueError("--max-retries, --scrape-interval and --prefix-affinity-eps must be >= 0")
+    if args.adapter_slots < 1:
+        raise ValueError(f"--adapter-slots must be >= 1, got {args.adapter_slots}")
+    if args.adapter_affinity_eps < 0:
+        raise ValueError(f"--adapter-affinity-eps must be >= 0, got {args.adapter_affinity_eps}")
+    if args.adapters and not args.endpoints:
+        raise ValueError("--adapters needs --endpoints (with Kubernetes the adapters are spec.adapters)")
+    endpoints = parse_endpoints(args.endpoints, args.pod_capacity) if args.endpoints else {}
+    adapters = parse_adapters(args.adapters, list(endpoints))
     options = {"eps": args.prefix_affinity_eps} if args.policy == "prefix-affinity" else {}
     fallbacks: dict[str, str] = {}
     for spec in args.fallback:
@@ -105,6 +133,9 @@ def build_router(args: argparse.Namespace) -> Router:
         ),
         max_retries=args.max_retries,
         fallbacks=fallbacks,
+        adapters=adapters,
+        adapter_eps=args.adapter_affinity_eps,
+        adapter_slots=args.adapter_slots,
         session_header=args.session_header,
         priority_header=args.priority_header,
         scrape_interval_s=args.scrape_interval,
@@ -113,7 +144,6 @@ def build_router(args: argparse.Namespace) -> Router:
     if args.endpoints:
         if args.namespace:
             raise ValueError("--endpoints and --namespace exclude each other")
-        endpoints = parse_endpoints(args.endpoints, args.pod_capacity)
         for model, other in fallbacks.items():
             for name in (model, other):
                 if name not in endpoints:

@@ -39,6 +39,32 @@ def parse_endpoints(specs: Sequence[str], capacity: int = 64) -> dict[str, list[
     return out
 
 
+def parse_adapters(specs: Sequence[str], models: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """`MODEL=ADAPTER[,ADAPTER...]` strings (repeatable) -> {model: adapter names}: the LoRA adapters
+    each model's pods serve (their `--lora-modules` names). Raises ValueError naming the bad value:
+    a model not in `models`, an adapter named like a model or declared twice."""
+    out: dict[str, tuple[str, ...]] = {}
+    owner: dict[str, str] = {}
+    for spec in specs:
+        model, sep, names = spec.partition("=")
+        model = model.strip()
+        adapters = [n.strip() for n in names.split(",")]
+        if not sep or not model or not all(adapters):
+            raise ValueError(f"--adapters {spec!r}: expected MODEL=ADAPTER[,ADAPTER...]")
+        if model not in models:
+            raise ValueError(f"--adapters {spec!r}: {model!r} is not a model of --endpoints")
+        for name in adapters:
+            if name in models:
+                raise ValueError(f"--adapters {spec!r}: {name!r} is a model's name, not an adapter's")
+            if name in owner:
+                raise ValueError(
+                    f"--adapters {spec!r}: adapter {name!r} is already declared for {owner[name]}"
+                )
+            owner[name] = model
+        out[model] = out.get(model, ()) + tuple(adapters)
+    return out
+
+
 class StaticSource:
     """A fixed list of pods per model (a single host, tests, benchmarks)."""
 

@@ -1,7 +1,7 @@
 """Kubernetes discovery: each InferenceModel's Ready pods in a namespace, and its routing policy.
 
 `model_endpoints()` is the pure part: InferenceModels + pods -> {served name: (endpoints, policy,
-fallback model)}.
+fallback model, LoRA adapter names)}.
 `KubeSource` lists both through the Kube adapter and tells the router what changed. With watches
 (`Watch`: the namespace's pods and InferenceModels; `ApiWatch` on the API server's watch) it lists again
 as soon as either changes, and every `resync_s` in any case; while a watch fails (API server down, a
@@ -30,7 +30,7 @@ log = logging.getLogger("kvpilot.router.kube")
 HTTP_PORT = 8000
 DEFAULT_CAPACITY = 64  # the runtime's default --max-num-seqs
 
-ModelTable = dict[str, tuple[list[Endpoint], str | None, str | None]]
+ModelTable = dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...]]]
 
 
 class Lister(Protocol):
@@ -61,7 +61,8 @@ def model_endpoints(
     pods: Sequence[Mapping[str, Any]],
     default_capacity: int = DEFAULT_CAPACITY,
 ) -> ModelTable:
-    """{served model name: (Ready pods as endpoints, spec.routing.policy, spec.routing.fallbackModel)}."""
+    """{served model name: (Ready pods as endpoints, spec.routing.policy, spec.routing.fallbackModel,
+    the names of spec.adapters in order)}."""
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for pod in pods:
         owner = (pod.get("metadata", {}).get("labels") or {}).get(MODEL_LABEL)
@@ -85,7 +86,8 @@ def model_endpoints(
             key=lambda e: e.name,
         )
         routing = spec.get("routing") or {}
-        table[served] = (endpoints, routing.get("policy"), routing.get("fallbackModel"))
+        adapters = tuple(str(a["name"]) for a in spec.get("adapters") or [] if a.get("name"))
+        table[served] = (endpoints, routing.get("policy"), routing.get("fallbackModel"), adapters)
     return table
 
 
@@ -128,9 +130,9 @@ class KubeSource:
         return model_endpoints(models, pods)
 
     def apply(self, table: ModelTable, update: UpdateEndpoints) -> None:
-        for model, (endpoints, policy, fallback) in table.items():
-            if self.known.get(model) != (endpoints, policy, fallback):
-                update(model, endpoints, policy, fallback)
+        for model, entry in table.items():
+            if self.known.get(model) != entry:
+                update(model, *entry)
         for model in self.known.keys() - table.keys():
             update(model, None)  # the InferenceModel was deleted
         self.known = table

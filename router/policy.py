@@ -25,6 +25,14 @@ Policies:
   of block hashes per pod, bounded like a pod's cache) and picks the lowest
   cost = prefill_weight x (prompt blocks not cached there) + (KV blocks its in-flight requests hold),
   like Dynamo's KV router (prefill blocks to compute + decode blocks in use).
+
+LoRA adapters (`AdapterAffinity`, wrapped around every model's policy by the router): a request whose
+key names an adapter goes to the least loaded pod that holds it (the router sent that adapter there
+among the pod's last `slots` adapters: what its device slots, `--max-loras`, most likely still hold)
+as long as that pod's load after taking it stays within the same bound as prefix-affinity's,
+ceil((1 + eps) x average load); when no holder is within the bound (or none has room) the model's
+own policy picks, and that pod becomes a holder too, so a hot adapter spreads only under load.
+Requests for the base model go to the model's policy unchanged.
 """
 
 from __future__ import annotations
@@ -52,12 +60,14 @@ class RouteKey:
 
     `blocks[i]` is the hash of the prompt's blocks 0..i (chained, so equal hashes mean equal
     prefixes); `session` is a client-given conversation id (a header) that overrides the prompt for
-    affinity; `size_blocks` is the request's KV footprint estimate (prompt blocks when not given).
+    affinity; `size_blocks` is the request's KV footprint estimate (prompt blocks when not given);
+    `adapter` the LoRA adapter of the model that the request names.
     """
 
     blocks: tuple[int, ...] = ()
     session: str | None = None
     size_blocks: int | None = None
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
 
     def affinity_hash(self, affinity_blocks: int) -> int:
         if self.session is not None:
@@ -283,6 +293,71 @@ class KvAware(_Base):
 
     def forget(self, pod: str) -> None:
         self._sent.pop(pod, None)
+
+
+def choose_adapter_holder(holders: Sequence[bool], pods: Sequence[PodView], eps: float) -> int | None:
+    """The pod for an adapter request among those that hold the adapter (`holders[i]`): the least
+    loaded per slot with room whose load after taking the request stays within load_bound(pods, eps);
+    None when no holder qualifies (the model's policy then picks among all pods). Ties: lower index."""
+    bound = load_bound(pods, eps)
+    best: tuple[float, int] | None = None
+    choice: int | None = None
+    for i, (p, held) in enumerate(zip(pods, holders, strict=True)):
+        if not held or not p.has_room or p.load + 1 > bound:
+            continue
+        score = (p.load / max(1, p.capacity), i)
+        if best is None or score < best:
+            best, choice = score, i
+    return choice
+
+
+class AdapterAffinity:
+    """A model's policy with LoRA adapter affinity in front (see the module docstring).
+
+    Which pod holds which adapter is the router's own record of what it sent where: per pod the last
+    `slots` distinct adapters (an LRU, like the runtime's device slots), forgotten with the pod.
+    """
+
+    def __init__(self, base: Policy, eps: float = 0.25, slots: int = 4) -> None:
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.base = base
+        self.name = base.name
+        self.eps = eps
+        self.slots = slots
+        self._held: dict[str, OrderedDict[str, None]] = {}
+
+    def holds(self, pod: str, adapter: str) -> bool:
+        return adapter in self._held.get(pod, ())
+
+    def choose(self, key: RouteKey, pods: Sequence[PodView]) -> int | None:
+        if key.adapter is not None and pods:
+            holders = [self.holds(p.name, key.adapter) for p in pods]
+            i = choose_adapter_holder(holders, pods, self.eps)
+            if i is not None:
+                return i
+        return self.base.choose(key, pods)
+
+    def dispatched(self, pod: str, key: RouteKey) -> None:
+        if key.adapter is not None:
+            held = self._held.setdefault(pod, OrderedDict())
+            held[key.adapter] = None
+            held.move_to_end(key.adapter)
+            while len(held) > self.slots:
+                held.popitem(last=False)
+        self.base.dispatched(pod, key)
+
+    def forget(self, pod: str) -> None:
+        self._held.pop(pod, None)
+        self.base.forget(pod)
+
+    def lacks(self, pod: str, adapter: str) -> None:
+        """`pod` answered that it does not serve `adapter` (a pod from before the adapter was added)."""
+        held = self._held.get(pod)
+        if held is not None:
+            held.pop(adapter, None)
 
 
 def route(policy: Policy, key: RouteKey, pods: Sequence[PodView]) -> int | None:

@@ -16,8 +16,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.router.keys import BLOCK_CHARS, request_key
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, RouteKey, make_policy
+from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
 
 log = logging.getLogger("kvpilot.router")
@@ -64,13 +64,15 @@ class UpdateEndpoints(Protocol):
         endpoints: list[Endpoint] | None,
         policy: str | None = None,
         fallback: str | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> None: ...
 
 
 class EndpointSource(Protocol):
     """Feeds the router the Ready pods of each model it serves (static list, Kubernetes watch...).
 
-    `run` calls `update(model, endpoints, policy)` whenever a model's pods (or its routing policy)
+    `run` calls `update(model, endpoints, policy, fallback, adapters)` whenever a model's pods (or its
+    routing policy, fallback model or LoRA adapter names)
     change (endpoints None: the model is gone), `synced()` once every model is known, and returns only when cancelled. An error while
     watching must not drop the endpoints already known: keep them until the source sees otherwise.
     """
@@ -86,6 +88,10 @@ class RouterSettings:
     max_retries: int = 2  # other pods tried after a refused/reset connection or a 503
     # model -> model that takes its requests instead of a 429 (static mode; spec.routing.fallbackModel)
     fallbacks: dict[str, str] = field(default_factory=dict)
+    # model -> its LoRA adapters' names (static mode; spec.adapters with Kubernetes)
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    adapter_eps: float = 0.25  # an adapter's holder keeps it while within ceil((1 + eps) x avg load)
+    adapter_slots: int = 4  # adapters remembered per pod (the runtime's --max-loras default)
     session_header: str = SESSION_HEADER
     priority_header: str = PRIORITY_HEADER
     block_chars: int = BLOCK_CHARS
@@ -94,7 +100,13 @@ class RouterSettings:
 
 
 class _Retry(Exception):
-    """The pod could not take the request and nothing reached the client: try another pod."""
+    """The pod could not take the request and nothing reached the client: try another pod.
+
+    `answer`: what to send the client when no other pod can take it either (else a 502)."""
+
+    def __init__(self, message: str, answer: web.Response | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
 
 
 class Router:
@@ -105,10 +117,15 @@ class Router:
                 f"unknown routing policy {self.settings.policy!r}; choose one of {', '.join(POLICIES)}"
             )
         make_policy(self.settings.policy, **self.settings.policy_options)  # options are checked up front
+        AdapterAffinity(
+            make_policy(self.settings.policy), self.settings.adapter_eps, self.settings.adapter_slots
+        )
         self.metrics = metrics or RouterMetrics()
         self.pools: dict[str, ModelPool] = {}
         self._policy_of: dict[str, str] = {}
         self._fallback_of: dict[str, str] = {}
+        self._adapters_of: dict[str, tuple[str, ...]] = {}  # model -> its adapters, as declared
+        self.adapter_parent: dict[str, str] = {}  # adapter name -> the model that serves it
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -135,9 +152,11 @@ class Router:
         endpoints: list[Endpoint] | None,
         policy: str | None = None,
         fallback: str | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> None:
-        """Set a model's Ready pods, its routing policy (None = the router's default) and the model
-        that takes its requests instead of a 429 (None = the static --fallback, if any).
+        """Set a model's Ready pods, its routing policy (None = the router's default), the model
+        that takes its requests instead of a 429 (None = the static --fallback, if any) and the names
+        of its LoRA adapters (None = the static --adapters, if any).
 
         endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
         """
@@ -149,23 +168,53 @@ class Router:
             self._fallback_of[model] = chosen
         else:
             self._fallback_of.pop(model, None)
+        declared = tuple(self.settings.adapters.get(model, ()) if adapters is None else adapters)
         name = policy or self.settings.policy
         pool = self.pools.get(model)
+        is_new = pool is None
         if pool is None or self._policy_of.get(model) != name:
             options = self.settings.policy_options if name == self.settings.policy else {}
-            new = ModelPool(model, make_policy(name, **options), self.settings.queue, self._queue_changed)
+            chosen_policy = AdapterAffinity(
+                make_policy(name, **options), self.settings.adapter_eps, self.settings.adapter_slots
+            )
+            new = ModelPool(model, chosen_policy, self.settings.queue, self._queue_changed)
             if pool is not None:  # a policy change keeps the queue and the counters
                 new.pods, new._queue = pool.pods, pool._queue
             self.pools[model], self._policy_of[model] = new, name
             self.metrics.queue_depth.labels(model).set(new.queue_depth)
             pool = new
+        if is_new or self._adapters_of.get(model) != declared:  # a new model may shadow an adapter
+            self._adapters_of[model] = declared
+            self._index_adapters()
         pool.set_endpoints(endpoints)
         self.metrics.ready_pods.labels(model).set(len(pool.pods))
+
+    def _index_adapters(self) -> None:
+        """adapter -> parent model. A name that is also a model's stays the model's; an adapter two
+        models declare goes to the first model by name (both logged: the other cannot be reached)."""
+        parent: dict[str, str] = {}
+        for model in sorted(self._adapters_of):
+            for adapter in self._adapters_of[model]:
+                if adapter in self.pools:
+                    log.warning("adapter %r of %s has the name of a model; it is not routed", adapter, model)
+                elif adapter in parent and parent[adapter] != model:
+                    log.warning(
+                        "adapter %r is declared by %s and %s; routed to %s",
+                        adapter,
+                        parent[adapter],
+                        model,
+                        parent[adapter],
+                    )
+                else:
+                    parent[adapter] = model
+        self.adapter_parent = parent
 
     def remove_model(self, model: str) -> None:
         pool = self.pools.pop(model, None)
         self._policy_of.pop(model, None)
         self._fallback_of.pop(model, None)
+        self._adapters_of.pop(model, None)
+        self._index_adapters()  # its adapters leave; an adapter it shadowed may come back
         if pool is not None:
             pool.set_endpoints([])
             self.metrics.ready_pods.labels(model).set(0)
@@ -254,7 +303,13 @@ class Router:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"} for m in sorted(self.pools)]
+        data: list[dict[str, Any]] = []
+        for m in sorted(self.pools):
+            card = {"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"}
+            data.append(card)
+            for adapter in self._adapters_of.get(m, ()):
+                if self.adapter_parent.get(adapter) == m:
+                    data.append({**card, "id": adapter, "parent": m})
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -275,8 +330,14 @@ class Router:
         if not isinstance(model, str) or not model:
             return error_response(400, "'model' is required and must be a string", param="model")
         pool = self.pools.get(model)
+        adapter: str | None = None
+        if pool is None and model in self.adapter_parent:
+            adapter, pool = model, self.pools.get(self.adapter_parent[model])
         if pool is None:
             served = ", ".join(sorted(self.pools)) or "(none)"
+            adapters = ", ".join(f"{a} ({m})" for a, m in sorted(self.adapter_parent.items()))
+            if adapters:
+                served += f"; LoRA adapters: {adapters}"
             return error_response(
                 404,
                 f"model {model!r} is not served here; served models: {served}",
@@ -290,6 +351,9 @@ class Router:
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
+        if adapter is not None:
+            key = replace(key, adapter=adapter)
+            model = pool.model  # counted under the adapter's model
         try:
             response = await self._route(request, pool, key, raw, priority)
         except asyncio.CancelledError:
@@ -323,10 +387,12 @@ class Router:
             if not tried:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
             try:
-                return await self._forward(request, pool, pod, raw)
+                return await self._forward(request, pool, pod, raw, adapter=key.adapter)
             except _Retry as e:
                 tried.add(pod.name)
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
+                    if e.answer is not None:
+                        return e.answer
                     return error_response(
                         502, f"no pod of model {pool.model!r} could take the request: {e}", "upstream_error"
                     )
@@ -341,7 +407,8 @@ class Router:
         """Serve an overloaded model's request on its fallback model when a pod there has room now
         (no queueing there, no retries); None when there is no fallback or it has no room either."""
         name = self._fallback_of.get(pool.model)
-        target = self.pools.get(name) if name else None
+        # an adapter lives only on its own model's pods: the fallback model cannot serve it
+        target = self.pools.get(name) if name and key.adapter is None else None
         if target is None:
             return None
         pod = target.try_acquire(key)
@@ -358,7 +425,13 @@ class Router:
             target.release(pod, key)
 
     async def _forward(
-        self, request: web.Request, pool: ModelPool, pod: Pod, raw: bytes, fallback: str | None = None
+        self,
+        request: web.Request,
+        pool: ModelPool,
+        pod: Pod,
+        raw: bytes,
+        fallback: str | None = None,
+        adapter: str | None = None,
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
@@ -371,6 +444,19 @@ class Router:
             if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
                 pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
                 raise _Retry(f"{pod.name}: 503 {upstream.reason}")
+            if upstream.status == 404 and adapter is not None:
+                # a pod that does not serve the adapter yet (the pods roll after spec.adapters changed):
+                # another pod may; the pod stays healthy for every other request
+                if isinstance(pool.policy, AdapterAffinity):
+                    pool.policy.lacks(pod.name, adapter)
+                with contextlib.suppress(*UPSTREAM_ERRORS):
+                    data = await upstream.read()
+                    ctype = upstream.headers.get("Content-Type", "application/json")
+                    answer = web.Response(
+                        status=404, body=data, headers={"Content-Type": ctype, POD_HEADER: pod.name}
+                    )
+                    raise _Retry(f"{pod.name}: does not serve adapter {adapter!r} (404)", answer)
+                raise _Retry(f"{pod.name}: does not serve adapter {adapter!r} (404)")
             content_type = upstream.headers.get("Content-Type", "application/json")
             out_headers = {"Content-Type": content_type, POD_HEADER: pod.name}
             if fallback is not None:

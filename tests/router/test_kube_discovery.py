@@ -79,8 +79,32 @@ def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
         [Endpoint("llama-a", "http://10.0.0.1:8000", 8), Endpoint("llama-b", "http://10.0.0.2:8000", 8)],
         "kv-aware",
         "qwen-chat",
+        (),
     )
-    assert table["qwen-chat"] == ([], None, None)  # scaled to zero: routable, requests wait for a pod
+    assert table["qwen-chat"] == ([], None, None, ())  # scaled to zero: routable, requests wait for a pod
+
+
+def test_adapters_come_from_spec_adapters_in_order() -> None:
+    m = im(
+        "llama", adapters=[{"name": "sql", "source": "pvc://a/sql"}, {"name": "chat", "source": "hf://o/c"}]
+    )
+    table = model_endpoints([m, im("qwen")], [pod("llama-a", "llama")])
+    assert table["llama"][3] == ("sql", "chat") and table["qwen"][3] == ()
+
+
+async def test_adapters_reach_the_router_and_follow_spec_changes() -> None:
+    m = im("llama", adapters=[{"name": "sql", "source": "pvc://a/sql"}])
+    lister = Lister([m, pod("llama-a", "llama")])
+    router = Router(RouterSettings(scrape_interval_s=0))
+    source = KubeSource(lister, "ml")
+    source.apply(source._list(), router.update)
+    assert router.adapter_parent == {"sql": "llama"}
+    m["spec"]["adapters"] = [{"name": "chat", "source": "pvc://a/chat"}]  # the adapter was replaced
+    source.apply(source._list(), router.update)
+    assert router.adapter_parent == {"chat": "llama"}
+    lister.objects.remove(m)  # the InferenceModel was deleted: its adapters leave with it
+    source.apply(source._list(), router.update)
+    assert router.adapter_parent == {} and "llama" not in router.pools
 
 
 def test_oom_adaptation_caps_capacity() -> None:

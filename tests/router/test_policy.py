@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from kvpilot.router.keys import prompt_text, request_key, text_blocks, token_blocks
 from kvpilot.router.policy import (
     POLICIES,
+    AdapterAffinity,
     KvAware,
     PodView,
     PrefixAffinity,
     RouteKey,
+    choose_adapter_holder,
     load_bound,
     make_policy,
     route,
@@ -218,3 +220,58 @@ def test_route_chooses_and_records_for_the_simulator() -> None:
     i = route(policy, key, pods)
     assert i is not None and policy.cached_blocks(pods[i].name, key) == len(key.blocks)
     assert route(policy, key, pods_of([8, 8, 8])) is None
+
+
+def test_adapter_holder_is_preferred_until_beyond_the_bound() -> None:
+    # pod-1 holds the adapter: it wins while its load after the request stays within the bound
+    pods = pods_of([0, 2, 0])
+    assert load_bound(pods, 0.25) == 2
+    assert choose_adapter_holder([False, True, False], pods, 0.25) is None  # 2 + 1 > 2: beyond
+    pods = pods_of([1, 1, 1])
+    assert load_bound(pods, 0.25) == 2 and choose_adapter_holder([False, True, False], pods, 0.25) == 1
+    # among holders the least loaded per slot; a holder without room never
+    assert choose_adapter_holder([True, True, False], pods_of([2, 1, 3]), 0.5) == 1
+    assert choose_adapter_holder([True, False], pods_of([4, 0], capacity=4), 10.0) is None
+
+
+def test_adapter_affinity_sticks_then_spreads_under_load_and_forgets_pods() -> None:
+    policy = AdapterAffinity(make_policy("round-robin"), eps=0.25, slots=2)
+    sql = RouteKey(adapter="sql")
+    loads = [0, 0, 0]
+    first = route(policy, sql, pods_of(loads))
+    assert first == 0 and policy.holds("pod-0", "sql")
+    # while its load stays within the bound, every sql request goes to the holder
+    for loads in ([1, 1, 1], [2, 1, 1]):  # 2 <= ceil(1.25 x 4 / 3) = 2, 3 <= ceil(1.25 x 5 / 3) = 3
+        assert route(policy, sql, pods_of(loads)) == 0
+    # beyond it (3 + 1 > ceil(1.25 x 6 / 3) = 3) the base policy picks, and that pod holds it too
+    spilled = route(policy, sql, pods_of([3, 1, 1]))
+    assert spilled in (1, 2) and policy.holds(f"pod-{spilled}", "sql")
+    # base-model requests ignore adapters: round-robin goes on
+    assert route(policy, RouteKey(), pods_of([0, 0, 0])) is not None
+    # a pod remembers its last `slots` adapters only
+    for name in ("a", "b"):
+        policy.dispatched("pod-0", RouteKey(adapter=name))
+    assert not policy.holds("pod-0", "sql") and policy.holds("pod-0", "a") and policy.holds("pod-0", "b")
+    policy.forget("pod-0")
+    assert not policy.holds("pod-0", "a")
+    with pytest.raises(ValueError, match="slots"):
+        AdapterAffinity(make_policy("round-robin"), slots=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=8), min_size=1, max_size=6),
+    st.lists(st.booleans(), min_size=6, max_size=6),
+    st.floats(min_value=0.0, max_value=2.0),
+)
+def test_adapter_holder_choice_respects_room_and_the_bound(
+    loads: list[int], held: list[bool], eps: float
+) -> None:
+    pods = pods_of(loads, capacity=8)
+    holders = held[: len(pods)]
+    i = choose_adapter_holder(holders, pods, eps)
+    ok = [j for j, p in enumerate(pods) if holders[j] and p.has_room and p.load + 1 <= load_bound(pods, eps)]
+    if i is None:
+        assert not ok
+    else:
+        assert i in ok and pods[i].load == min(pods[j].load for j in ok)

@@ -35,6 +35,8 @@ def router_cmd(*args: str) -> list[str]:
         ),
         ([], "--namespace is required without --endpoints"),
         (["--endpoints", "m=http://x", "--fallback", "m=small"], "'small' is not a model of --endpoints"),
+        (["--endpoints", "m=http://x", "--adapters", "n=sql"], "--adapters 'n=sql': 'n' is not a model"),
+        (["--namespace", "ml", "--adapters", "m=sql"], "--adapters needs --endpoints"),
         (
             ["--endpoints", "m=http://x", "--fallback", "m=m"],
             "expected MODEL=OTHER with two different models",

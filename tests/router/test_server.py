@@ -12,8 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from kvpilot.router.discovery import StaticSource, parse_endpoints
-from kvpilot.router.policy import RouteKey
+from kvpilot.router.discovery import StaticSource, parse_adapters, parse_endpoints
+from kvpilot.router.policy import AdapterAffinity, RouteKey
 from kvpilot.router.pool import Endpoint, QueueSettings
 from kvpilot.router.server import (
     FALLBACK_HEADER,
@@ -53,10 +53,15 @@ async def live(
     endpoints: dict[str, list[Endpoint]],
     policy: str = "round-robin",
     fallbacks: dict[str, str] | None = None,
+    adapters: dict[str, tuple[str, ...]] | None = None,
     **queue: Any,
 ) -> AsyncIterator[LiveRouter]:
     settings = RouterSettings(
-        policy=policy, queue=QueueSettings(**queue), scrape_interval_s=0, fallbacks=fallbacks or {}
+        policy=policy,
+        queue=QueueSettings(**queue),
+        scrape_interval_s=0,
+        fallbacks=fallbacks or {},
+        adapters=adapters or {},
     )
     router = Router(settings)
     router.add_source(StaticSource(endpoints))
@@ -403,3 +408,115 @@ async def test_overload_spills_to_the_fallback_model_instead_of_429(pods: list[F
         gate.set()
         pods[1].gate.set()
         assert [r[0] for r in await asyncio.gather(running, queued, spill)] == [200, 200, 200]
+
+
+async def test_adapter_requests_stick_to_the_pod_holding_the_adapter_until_beyond_the_bound(
+    pods: list[FakePod],
+) -> None:
+    async with live({MODEL: eps(pods), "other": []}, adapters={MODEL: ("sql", "chat")}) as lr:
+        async with aiohttp.ClientSession() as s, s.get(lr.url + "/v1/models") as r:
+            cards = (await r.json())["data"]
+        assert [(c["id"], c.get("parent")) for c in cards] == [
+            (MODEL, None),
+            ("sql", MODEL),
+            ("chat", MODEL),
+            ("other", None),
+        ]
+        served: dict[str, list[str]] = {"sql": [], "chat": []}
+        for i in range(6):  # one at a time: every pod idle, so round-robin alone would rotate p0 p1 p2
+            for adapter in ("sql", "chat"):
+                status, answer, headers = await post(lr, {"model": adapter, "prompt": f"q{i}"})
+                assert status == 200 and answer["model"] == adapter
+                served[adapter].append(headers[POD_HEADER])
+        assert served == {"sql": ["p0"] * 6, "chat": ["p1"] * 6}  # each adapter stays where it went first
+        assert [b["model"] for b in pods[0].bodies] == ["sql"] * 6  # forwarded as the client sent it
+        assert metric(lr, "kvpilot_router_requests_total", model_name=MODEL, code="200") == 12
+        # p0 busy with sql requests: the holder keeps them while its load is within
+        # ceil(1.25 x average); the next one goes elsewhere, and that pod holds sql from then on
+        gate = asyncio.Event()
+        pods[0].gate = gate
+        held = [asyncio.create_task(post(lr, {"model": "sql", "prompt": "slow"}))]
+        await until(lambda: pods[0].active == 1)
+        spill = await post(lr, {"model": "sql", "prompt": "spill"})  # 1 + 1 > ceil(1.25 x 2 / 3) = 1
+        assert spill[0] == 200 and spill[2][POD_HEADER] != "p0"
+        policy = lr.router.pools[MODEL].policy
+        assert isinstance(policy, AdapterAffinity) and policy.holds(spill[2][POD_HEADER], "sql")
+        gate.set()
+        assert (await held[0])[0] == 200 and pods[0].bodies[-1]["prompt"] == "slow"
+
+
+async def test_unknown_adapter_is_404_listing_models_and_adapters(pods: list[FakePod]) -> None:
+    async with live({MODEL: eps(pods)}, adapters={MODEL: ("sql",)}) as lr:
+        status, body, _ = await post(lr, {"model": "sqll", "prompt": "hi"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        assert "served models: m; LoRA adapters: sql (m)" in body["error"]["message"]
+        assert all(not p.bodies for p in pods)
+
+
+async def test_an_adapter_request_never_spills_to_the_fallback_model(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    endpoints = {MODEL: eps(pods[:1], capacity=1), "small": eps(pods[1:2], capacity=1)}
+    async with live(
+        endpoints, fallbacks={MODEL: "small"}, adapters={MODEL: ("sql",)}, max_queue=1, queue_timeout_s=5
+    ) as lr:
+        running = asyncio.create_task(post(lr, {"model": "sql", "prompt": "a"}))
+        await until(lambda: pods[0].active == 1)
+        queued = asyncio.create_task(post(lr, {"model": "sql", "prompt": "b"}))
+        await until(lambda: lr.router.pools[MODEL].queue_depth == 1)
+        status, body, _ = await post(lr, {"model": "sql", "prompt": "c"})  # small has no adapter sql
+        assert status == 429 and body["error"]["code"] == "queue_full" and not pods[1].bodies
+        gate.set()
+        assert [r[0] for r in await asyncio.gather(running, queued)] == [200, 200]
+
+
+def test_parse_adapters_refuses_unknown_models_and_clashes() -> None:
+    assert parse_adapters(["m=a,b", "m=c", "n=d"], ["m", "n"]) == {"m": ("a", "b", "c"), "n": ("d",)}
+    for bad, msg in [
+        ("m", "MODEL=ADAPTER"),
+        ("m=a,,b", "MODEL=ADAPTER"),
+        ("x=a", "'x' is not a model of --endpoints"),
+        ("m=n", "'n' is a model's name"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_adapters([bad], ["m", "n"])
+    with pytest.raises(ValueError, match="'a' is already declared for m"):
+        parse_adapters(["m=a", "n=a"], ["m", "n"])
+
+
+async def test_an_adapter_named_like_a_model_stays_the_model() -> None:
+    router = Router(RouterSettings(scrape_interval_s=0))
+    router.update("a", [], adapters=("sql", "b"))
+    assert router.adapter_parent == {"sql": "a", "b": "a"}
+    router.update("b", [])  # model b arrives: the name is b's from now on
+    assert router.adapter_parent == {"sql": "a"}
+    router.remove_model("b")
+    assert router.adapter_parent == {"sql": "a", "b": "a"}
+
+
+async def test_a_pod_without_the_adapter_yet_is_passed_over_for_that_request(pods: list[FakePod]) -> None:
+    pods[0].serves = {MODEL}  # an old pod of a roll: the base model only
+    async with live({MODEL: eps(pods)}, adapters={MODEL: ("sql",)}) as lr:
+        status, answer, headers = await post(lr, {"model": "sql", "prompt": "q"})
+        holder = headers[POD_HEADER]
+        assert status == 200 and holder != "p0" and answer["model"] == "sql"
+        assert [b["model"] for b in pods[0].bodies] == ["sql"]  # asked first (round-robin), answered 404
+        assert metric(lr, "kvpilot_router_upstream_retries_total", model_name=MODEL) == 1
+        policy = lr.router.pools[MODEL].policy
+        assert isinstance(policy, AdapterAffinity)
+        assert not policy.holds("p0", "sql") and policy.holds(holder, "sql")
+        for _ in range(3):  # from then on straight to the pod that served it, no more 404 round trips
+            assert (await post(lr, {"model": "sql", "prompt": "again"}))[2][POD_HEADER] == holder
+        assert len(pods[0].bodies) == 1
+        status, _, headers = await post(lr, {"model": MODEL, "prompt": "base"})  # p0 stays healthy
+        assert status == 200
+        for p in pods:
+            p.serves = {MODEL}
+        status, body, _ = await post(lr, {"model": "sql", "prompt": "q2"})  # no pod has it: the pod's 404
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        # the base model's 404 is the pod's answer as before, never retried
+        pods[0].serves = set()
+        before = sum(len(p.bodies) for p in pods)
+        for _ in range(3):
+            await post(lr, {"model": MODEL, "prompt": "x"})
+        assert sum(len(p.bodies) for p in pods) == before + 3

@@ -43,6 +43,7 @@ class FakePod:
     gate: asyncio.Event | None = None
     hold_after_first: asyncio.Event | None = None  # streams wait here after their first chunk
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    serves: set[str] | None = None  # the model names it answers (None: any); others get the runtime's 404
     active: int = 0
     cancelled: int = 0
     finished: int = 0
@@ -78,6 +79,9 @@ class FakePod:
         self.bodies.append(body)
         if self.mode == "503":
             return web.json_response({"error": {"message": "draining"}}, status=503)
+        if self.serves is not None and body.get("model") not in self.serves:
+            error = {"message": f"model {body.get('model')!r} not found", "code": "model_not_found"}
+            return web.json_response({"error": error}, status=404)
         chat = request.path.endswith("/chat/completions")
         make = chat_chunk if chat else completion_chunk
         self.active += 1
