@@ -28,6 +28,7 @@ from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models.moe import FusedMoE, dequantize_experts, moe_grouped, moe_reference, route
 from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_model
 from kvpilot.runtime.tp_runner import TPModelRunner
+from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV, rel_diff
 from tests.runtime.test_moe import FAMILIES, TINY_VOCAB, make_tiny_moe_dir
 from tests.runtime.test_tensor_parallel import engine_config, run, start, tiny_prompts  # noqa: F401
@@ -77,7 +78,7 @@ def test_few_rows_take_the_c_kernel() -> None:
     """A decode step's rows per expert (up to SMALL_M) go to qlinear's C kernel, which reads the
     quantized bytes; the test above then compared the kernel, not the dequantizing fallback."""
     if not qlinear.available():
-        pytest.skip("qlinear's C kernel did not build here (no C compiler)")
+        missing("qlinear's C kernel", "it did not build here: install a C compiler (cc)")
     _, w13, _, _, _ = _random_moe(1, 2, 1)
     assert qlinear.kernel_applies(torch.zeros(qlinear.SMALL_M, 64), qlinear.quantize(w13[0], "int8", 0))
 
