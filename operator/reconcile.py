@@ -35,7 +35,7 @@ from kvpilot.operator.builders import (
     OperatorSettings,
     config_hash,
     render_children,
-    render_config_yaml,
+    rollout_config_yaml,
     selector_string,
 )
 from kvpilot.operator.podstate import all_problems
@@ -207,7 +207,7 @@ class Reconciler:
         problems = all_problems(pods, now)
 
         current = oom.current_overrides(spec, state)
-        chash = config_hash(render_config_yaml(im, current), current)
+        chash = config_hash(rollout_config_yaml(im, current), current)
         decision = oom.decide(spec, state, problems, chash)
         extra_events: list[EventSpec] = []
         if decision.adapted:
