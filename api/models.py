@@ -605,7 +605,9 @@ ConditionType = Literal["Ready", "Progressing", "Degraded", "ScalingLimited"]
 class Condition(_Model):
     """A standard Kubernetes condition."""
 
-    type: str = Field(max_length=64, description="Ready, Progressing, Degraded or ScalingLimited.")
+    type: str = Field(
+        max_length=64, description="Ready, Progressing, Degraded, ScalingLimited or AdaptersLoaded."
+    )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=128, description="CamelCase reason.")
     message: str = Field("", max_length=4096, description="What happened, for a person.")
@@ -774,6 +776,16 @@ class OOMAdaptation(_Model):
     )
 
 
+class AdapterStatus(_Model):
+    """One spec.adapters entry as the Ready replicas serve it (the operator asks each pod's /v1/models)."""
+
+    name: str = Field(max_length=63)
+    loaded_replicas: int = Field(0, ge=0, description="Ready replicas that serve this adapter.")
+    missing_on: list[str] | None = Field(
+        None, max_length=16, description="Ready pods that do not serve it (yet); the first 16."
+    )
+
+
 class InferenceModelStatus(_Model):
     """Observed state of an InferenceModel."""
 
@@ -799,6 +811,12 @@ class InferenceModelStatus(_Model):
     )
     autoscaler: AutoscalerStatus | None = None
     oom_adaptation: OOMAdaptation | None = Field(None, alias="oomAdaptation")
+    adapters: list[AdapterStatus] | None = Field(
+        None,
+        max_length=MAX_ADAPTERS,
+        description="Each spec adapter and how many Ready replicas serve it (condition AdaptersLoaded says why not).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
 
 class InferenceModel(_Model):
