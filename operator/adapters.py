@@ -218,6 +218,12 @@ def sync_adapters(
             if pod_plan.pending:
                 out.pending[name] = list(pod_plan.pending)
             for action in pod_plan.actions:
+                if time.monotonic() > stop_at:
+                    out.failures.append(
+                        f"pod {name}: {action.op} adapter {action.name}: not done within {deadline_s:.0f}s; "
+                        "retried on the next reconcile"
+                    )
+                    continue
                 try:
                     if action.op == "load":
                         client.load(host, api_key, action.name, action.path)

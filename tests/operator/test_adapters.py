@@ -26,6 +26,7 @@ from kvpilot.operator.adapters import (
     live_loadable,
     parse_models,
     plan,
+    sync_adapters,
 )
 from kvpilot.operator.builders import (
     CONFIG_HASH_ANNOTATION,
@@ -109,6 +110,20 @@ def test_condition_names_the_pod_and_adapter_that_failed() -> None:
     assert (waiting.status, waiting.reason) == (False, "WaitingForRollout")
     ok = adapters_condition(AdapterSync(loaded={"p": {"x"}}))
     assert (ok.status, ok.reason) == (True, "AllLoaded")
+
+
+def test_an_unreachable_pod_is_a_failure_naming_it_not_an_exception() -> None:
+    model = InferenceModel.model_validate(make_body(adapters=[{"name": "f", "source": "file:///opt/f"}]))
+    pod = {
+        "metadata": {"name": "llama-0", "annotations": {CONFIG_HASH_ANNOTATION: "h"}},
+        "spec": {},
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    not_ready = {**pod, "metadata": {"name": "llama-1"}, "status": {"podIP": "127.0.0.2"}}
+    sync = sync_adapters(model, [pod, not_ready], HttpAdapterClient(port=free_port()), None, "h")
+    assert len(sync.failures) == 1
+    assert sync.failures[0].startswith("pod llama-0: list adapters: unreachable")
+    assert sync.loaded == {}  # neither pod counts as serving anything
 
 
 # -- whole reconciles against a real runtime ------------------------------------------------------
