@@ -126,6 +126,21 @@ def test_an_unreachable_pod_is_a_failure_naming_it_not_an_exception() -> None:
     assert sync.loaded == {}  # neither pod counts as serving anything
 
 
+def test_adapters_without_ready_pods_settle_and_a_second_reconcile_writes_nothing() -> None:
+    kube = FakeKube()
+    kube.put(make_body(adapters=[{"name": "f", "source": "file:///opt/f"}]))
+    reconciler = Reconciler(kube, OperatorSettings())
+    body = kube.get(API_VERSION, KIND, "ml", "llama")
+    assert body is not None
+    reconciler.reconcile(body)
+    body = kube.get(API_VERSION, KIND, "ml", "llama")
+    assert body is not None
+    assert body["status"]["adapters"] == [{"name": "f", "loadedReplicas": 0}]
+    cond = next(c for c in body["status"]["conditions"] if c["type"] == "AdaptersLoaded")
+    assert (cond["status"], cond["reason"]) == ("False", "NoReadyReplicas")
+    assert not reconciler.reconcile(body).wrote
+
+
 # -- whole reconciles against a real runtime ------------------------------------------------------
 
 
