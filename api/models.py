@@ -15,7 +15,7 @@ See docs/crd-contract.md for the contract shared with the autoscaler.
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -24,6 +24,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -605,7 +606,9 @@ ConditionType = Literal["Ready", "Progressing", "Degraded", "ScalingLimited"]
 class Condition(_Model):
     """A standard Kubernetes condition."""
 
-    type: str = Field(max_length=64, description="Ready, Progressing, Degraded or ScalingLimited.")
+    type: str = Field(
+        max_length=64, description="Ready, Progressing, Degraded, ScalingLimited or AdaptersLoaded."
+    )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=128, description="CamelCase reason.")
     message: str = Field("", max_length=4096, description="What happened, for a person.")
@@ -659,11 +662,33 @@ Count = Annotated[Int, AfterValidator(_non_negative)]
 Amount = Annotated[float, Field(strict=True, allow_inf_nan=False), AfterValidator(_non_negative)]
 
 
+def _rfc3339(digits: int) -> PlainSerializer:
+    """How status.autoscaler's times are written: RFC 3339 UTC with `digits` (0 or 3) fractional digits,
+    the format of kube/times.format_time (spelled out here: the API layer imports no other layer)."""
+
+    def write(t: datetime) -> str:
+        when = t.astimezone(UTC) if t.tzinfo is not None else t
+        if digits == 0:
+            return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+        return when.strftime("%Y-%m-%dT%H:%M:%S.%f")[: 20 + digits] + "Z"
+
+    return PlainSerializer(write, return_type=str, when_used="json")
+
+
+Time = Annotated[datetime, _rfc3339(0)]  # as Kubernetes writes Time
+MilliTime = Annotated[datetime, _rfc3339(3)]  # the arrival counters' times: rates are differences over them
+
+
+def _whole_as_int(value: float) -> float | int:
+    return int(value) if value.is_integer() else value
+
+
 class DecisionMetrics(_Model):
     """The metrics a scaling decision was based on."""
 
     kv_cache_usage: Lenient[Real] = Field(None, alias="kvCacheUsage")
-    queue_depth: Lenient[Real] = None
+    # a count, written as a whole number (the policy keeps it a float)
+    queue_depth: Lenient[Annotated[Real, PlainSerializer(_whole_as_int, when_used="json")]] = None
     ready_replicas: Lenient[Int] = None
     reporting: Lenient[Int] = Field(None, description="Replicas whose metrics were read.")
 
@@ -671,7 +696,7 @@ class DecisionMetrics(_Model):
 class ScalingDecision(_Model):
     """The autoscaler's last decision."""
 
-    time: Lenient[datetime] = None
+    time: Lenient[Time] = None
     from_replicas: Lenient[Int] = None
     to_replicas: Lenient[Int] = None
     reason: str | None = Field(None, max_length=1024)
@@ -681,14 +706,14 @@ class ScalingDecision(_Model):
 class HistoryEntry(_Model):
     """One past recommendation."""
 
-    time: datetime
+    time: Time
     replicas: Count
 
 
 class ScaleEventEntry(_Model):
     """One change of spec.replicas by the autoscaler (its rate limits count them)."""
 
-    time: datetime
+    time: Time
     from_replicas: Int
     to_replicas: Int
 
@@ -708,7 +733,7 @@ class PodCounters(_Model):
 class RatePoint(_Model):
     """The fleet's arrival rate (requests/s) at a sync."""
 
-    time: datetime
+    time: MilliTime
     rate: Amount
 
 
@@ -722,7 +747,7 @@ class TokenMix(_Model):
 class ArrivalsStatus(_Model):
     """The arrival-rate estimate's counters and trend (times with milliseconds)."""
 
-    time: Lenient[datetime] = None
+    time: Lenient[MilliTime] = None
     pods: ValidItems[PodCounters] = None
     rates: ValidItems[RatePoint] = None
     service_rate: Lenient[Amount] = Field(None, description="Requests/s one replica sustains at the target.")
@@ -739,7 +764,7 @@ class AutoscalerStatus(_Model):
     scale_events: ValidItems[ScaleEventEntry] = Field(
         None, description="Replica changes inside the longest rate-limit period."
     )
-    last_scale_time: Lenient[datetime] = None
+    last_scale_time: Lenient[Time] = None
     arrivals: Lenient[ArrivalsStatus] = None
     decided_by: str | None = Field(None, description="Identity of the autoscaler replica that decided.")
     held_kind: str | None = Field(
@@ -774,6 +799,16 @@ class OOMAdaptation(_Model):
     )
 
 
+class AdapterStatus(_Model):
+    """One spec.adapters entry as the Ready replicas serve it (the operator asks each pod's /v1/models)."""
+
+    name: str = Field(max_length=63)
+    loaded_replicas: int = Field(0, ge=0, description="Ready replicas that serve this adapter.")
+    missing_on: list[str] | None = Field(
+        None, max_length=16, description="Ready pods that do not serve it (yet); the first 16."
+    )
+
+
 class InferenceModelStatus(_Model):
     """Observed state of an InferenceModel."""
 
@@ -799,6 +834,12 @@ class InferenceModelStatus(_Model):
     )
     autoscaler: AutoscalerStatus | None = None
     oom_adaptation: OOMAdaptation | None = Field(None, alias="oomAdaptation")
+    adapters: list[AdapterStatus] | None = Field(
+        None,
+        max_length=MAX_ADAPTERS,
+        description="Each spec adapter and how many Ready replicas serve it (condition AdaptersLoaded says why not).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
 
 class InferenceModel(_Model):

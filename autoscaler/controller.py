@@ -264,14 +264,10 @@ class ScalingController:
             self._notify("scaled", ns, name, current, decision.desired)
             event_reason = "ScaledUp" if decision.desired > current else "ScaledDown"
             log.info("%s/%s: %d -> %d: %s", ns, name, current, decision.desired, decision.reason)
-        block = decision_to_status(decision, now, previous)
-        if self.config.identity:
-            block["decidedBy"] = self.config.identity
         kind = hold_kind(decision)
-        if kind:
-            block["heldKind"] = kind
-            if previous.get("heldKind") != kind:
-                event_reason = "ScalingHeld"
+        if kind and previous.get("heldKind") != kind:
+            event_reason = "ScalingHeld"
+        block = decision_to_status(decision, now, previous, self.config.identity or None, kind or None)
         await self.api.patch_status(
             ns, name, {"autoscaler": block, "kvCacheUsage": kv_cache_usage_text(decision.avg_kv_cache_usage)}
         )

@@ -12,16 +12,28 @@ status.autoscaler (written by field manager kvpilot-autoscaler with a merge patc
 Times are RFC 3339 UTC strings (arrivals' with milliseconds: rates are counter differences over them).
 The block's schema is the shared model `kvpilot.api.models.AutoscalerStatus`; reading it back is one
 parse of that model (which drops, never guesses, what does not parse), then a translation into the
-policy's dataclasses. Everything here is pure: dicts in, dataclasses out, and back.
+policy's dataclasses; writing it builds the same model and dumps it by alias (absent values left out,
+except lastDecision.metrics.kvCacheUsage, written as null so the merge patch clears a stale one).
+Everything here is pure: dicts in, dataclasses out, and back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from kvpilot.api.models import ArrivalsStatus, AutoscalerStatus
+from kvpilot.api.models import (
+    ArrivalsStatus,
+    AutoscalerStatus,
+    DecisionMetrics,
+    HistoryEntry,
+    PodCounters,
+    RatePoint,
+    ScaleEventEntry,
+    ScalingDecision,
+    TokenMix,
+)
 from kvpilot.autoscaler.policy import (
     TOKEN_MIX_WINDOW_REQUESTS,
     ArrivalState,
@@ -32,7 +44,6 @@ from kvpilot.autoscaler.policy import (
     Recommendation,
     ScaleEvent,
 )
-from kvpilot.kube.times import format_time
 
 MAX_REASON = 1024  # the CRD's maxLength for lastDecision.reason
 
@@ -66,28 +77,35 @@ def _arrivals(a: ArrivalsStatus) -> ArrivalState:
 
 
 def arrivals_to_status(state: ArrivalState) -> dict[str, Any]:
-    block: dict[str, Any] = {
-        "pods": [_counter_to_status(c) for c in state.counters],
-        "rates": [{"time": format_time(r.time, 3), "rate": round(r.rate, 4)} for r in state.rates],
-    }
-    if state.time is not None:
-        block["time"] = format_time(state.time, 3)
-    if state.service_rate is not None:
-        block["serviceRate"] = round(state.service_rate, 4)
-    if state.token_mix is not None:
-        block["tokenMix"] = {"prompt": round(state.token_mix[0], 1), "output": round(state.token_mix[1], 1)}
-    return block
+    return _arrivals_model(state).dump()
 
 
-def _counter_to_status(c: PodCounter) -> dict[str, Any]:
-    out: dict[str, Any] = {"pod": c.pod, "inFlight": c.in_flight}
-    if c.completed is not None:
-        out["completed"] = c.completed
-    if c.prompt_tokens is not None:
-        out["promptTokens"] = c.prompt_tokens
-    if c.generation_tokens is not None:
-        out["generationTokens"] = c.generation_tokens
-    return out
+def _arrivals_model(state: ArrivalState) -> ArrivalsStatus:
+    mix = state.token_mix
+    return ArrivalsStatus(
+        time=_time(state.time),
+        pods=[
+            PodCounters(
+                pod=c.pod,
+                completed=c.completed,
+                in_flight=c.in_flight,
+                prompt_tokens=c.prompt_tokens,
+                generation_tokens=c.generation_tokens,
+            )
+            for c in state.counters
+        ],
+        rates=[RatePoint(time=_at(r.time), rate=round(r.rate, 4)) for r in state.rates],
+        service_rate=None if state.service_rate is None else round(state.service_rate, 4),
+        token_mix=None if mix is None else TokenMix(prompt=round(mix[0], 1), output=round(mix[1], 1)),
+    )
+
+
+def _at(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=UTC)
+
+
+def _time(t: float | None) -> datetime | None:
+    return None if t is None else _at(t)
 
 
 def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:
@@ -134,33 +152,47 @@ def kv_cache_usage_text(avg_kv: float | None) -> str | None:
     return None if avg_kv is None else f"{round(avg_kv * 100)}%"
 
 
-def decision_to_status(decision: Decision, now: float, previous: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The status.autoscaler block for a decision (the whole block: merge patch replaces the lists)."""
+def decision_to_status(
+    decision: Decision,
+    now: float,
+    previous: Mapping[str, Any] | None,
+    decided_by: str | None = None,
+    held_kind: str | None = None,
+) -> dict[str, Any]:
+    """The status.autoscaler block for a decision (the whole block: merge patch replaces the lists).
+    `decided_by`: the deciding replica's identity; `held_kind`: why a hold is noteworthy (hold_kind)."""
     h = decision.history
-    block: dict[str, Any] = {
-        "lastDecision": {
-            "time": format_time(now),
-            "fromReplicas": decision.current,
-            "toReplicas": decision.desired,
-            "reason": decision.reason[:MAX_REASON],
-            "metrics": {
-                "kvCacheUsage": None
+    last_scale: datetime | None = _at(now) if decision.desired != decision.current else None
+    if last_scale is None and previous:
+        last_scale = AutoscalerStatus.model_validate(
+            {"lastScaleTime": previous.get("lastScaleTime")}
+        ).last_scale_time
+    status = AutoscalerStatus(
+        last_decision=ScalingDecision(
+            time=_at(now),
+            from_replicas=decision.current,
+            to_replicas=decision.desired,
+            reason=decision.reason[:MAX_REASON],
+            metrics=DecisionMetrics(
+                kvCacheUsage=None
                 if decision.avg_kv_cache_usage is None
                 else round(decision.avg_kv_cache_usage, 4),
-                "queueDepth": decision.total_waiting,
-                "readyReplicas": decision.ready,
-                "reporting": decision.reporting,
-            },
-        },
-        "history": [{"time": format_time(r.time), "replicas": r.replicas} for r in h.recommendations],
-        "scaleEvents": [
-            {"time": format_time(e.time), "fromReplicas": e.from_replicas, "toReplicas": e.to_replicas}
+                queue_depth=decision.total_waiting,
+                ready_replicas=decision.ready,
+                reporting=decision.reporting,
+            ),
+        ),
+        history=[HistoryEntry(time=_at(r.time), replicas=r.replicas) for r in h.recommendations],
+        scale_events=[
+            ScaleEventEntry(time=_at(e.time), from_replicas=e.from_replicas, to_replicas=e.to_replicas)
             for e in h.events
         ],
-    }
-    block["arrivals"] = arrivals_to_status(h.arrivals)
-    if decision.desired != decision.current:
-        block["lastScaleTime"] = format_time(now)
-    elif previous and previous.get("lastScaleTime"):
-        block["lastScaleTime"] = previous["lastScaleTime"]
+        last_scale_time=last_scale,
+        arrivals=_arrivals_model(h.arrivals),
+        decided_by=decided_by,
+        held_kind=held_kind,
+    )
+    block = status.dump()
+    # a merge patch keeps what it does not name: an unknown KV usage is written as null, clearing the last one
+    block["lastDecision"]["metrics"].setdefault("kvCacheUsage", None)
     return block

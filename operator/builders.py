@@ -32,7 +32,8 @@ CONFIG_MOUNT_DIR = "/etc/kvpilot"
 CONFIG_FILE = "config.yaml"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE}"
 MODELS_DIR = "/models"
-ADAPTERS_DIR = "/adapters"  # LoRA adapters: /adapters/<name> (a PVC's mount or fetched from hf://)
+ADAPTERS_DIR = "/adapters"  # LoRA adapters: /adapters/<name> (fetched from hf://)
+ADAPTER_CLAIMS_DIR = f"{ADAPTERS_DIR}/.pvc"  # each adapter claim mounted once: /adapters/.pvc/<claim>
 HTTP_PORT = 8000
 GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_HASH_ANNOTATION = "kvpilot.dev/config-hash"
@@ -147,12 +148,12 @@ def model_path(source: str) -> str:
 def adapter_path(adapter: LoRAAdapter) -> str:
     """Where the runtime finds a LoRA adapter's folder inside the pod, for each source scheme."""
     scheme, _, rest = adapter.source.partition("://")
-    base = f"{ADAPTERS_DIR}/{adapter.name}"
     if scheme == "pvc":
-        _claim, _, path = rest.partition("/")
+        claim, _, path = rest.partition("/")
+        base = f"{ADAPTER_CLAIMS_DIR}/{claim}"
         return f"{base}/{path}".rstrip("/") if path else base
     if scheme == "hf":
-        return base
+        return f"{ADAPTERS_DIR}/{adapter.name}"
     if scheme == "file":
         return rest
     raise ValueError(f"unsupported adapter source {adapter.source!r}")
@@ -167,6 +168,22 @@ def effective_runtime(runtime: RuntimeSettings, overrides: OOMOverrides | None) 
             default = EngineConfig.model_fields[key].default
             rt[key] = value if rt.get(key, default) is None else min(rt.get(key, default), value)
     return rt
+
+
+def adapter_claims(im: InferenceModel) -> list[str]:
+    """The claims that pvc:// adapters live on, each once, sorted (one pod volume each)."""
+    claims = {
+        a.source.removeprefix("pvc://").partition("/")[0]
+        for a in im.spec.adapters or []
+        if a.source.startswith("pvc://")
+    }
+    return sorted(claims)
+
+
+def adapter_claim_volume(claim: str) -> str:
+    """The pod volume of one adapter claim: named after the claim, never after a list position, so
+    adding or removing another adapter leaves the pod template alone."""
+    return f"adapters-{stable_hash(claim, 10)}"
 
 
 def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = None) -> EngineConfig:
@@ -190,11 +207,21 @@ def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = No
         values["shutdown_timeout"] = float(shutdown)
     if im.spec.adapters:
         values["lora_modules"] = {a.name: adapter_path(a) for a in im.spec.adapters}
+        # The operator loads and unloads adapters in running pods (operator/adapters.py).
+        values["enable_lora_runtime_updates"] = True
     return EngineConfig.model_validate(values)
 
 
 def render_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = None) -> str:
     return render_engine_config(im, overrides).to_yaml()
+
+
+def rollout_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = None) -> str:
+    """The part of the runtime config that rolls the pods when it changes: all of it but the adapter
+    list, which the operator brings running pods in line with through the runtime's API (the ConfigMap
+    still carries the list, so a pod that starts later starts with it)."""
+    config = render_engine_config(im, overrides)
+    return config.model_copy(update={"lora_modules": {}}).to_yaml()
 
 
 def config_hash(config_yaml: str, overrides: OOMOverrides | None = None) -> str:
@@ -300,15 +327,13 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR})
     adapters = im.spec.adapters or []
-    for i, adapter in enumerate(adapters):
-        if adapter.source.startswith("pvc://"):
-            claim = adapter.source.removeprefix("pvc://").partition("/")[0]
-            volume = f"adapter-{i}"
-            volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-            mounts.append({"name": volume, "mountPath": f"{ADAPTERS_DIR}/{adapter.name}", "readOnly": True})
     if any(a.source.startswith("hf://") for a in adapters):
         volumes.append({"name": "adapters", "emptyDir": {}})
         mounts.append({"name": "adapters", "mountPath": ADAPTERS_DIR})
+    for claim in adapter_claims(im):
+        volume = adapter_claim_volume(claim)
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": volume, "mountPath": f"{ADAPTER_CLAIMS_DIR}/{claim}", "readOnly": True})
     if im.spec.effective_tensor_parallel_size() > 1:
         # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -466,7 +491,7 @@ def render_deployment(
                 "metadata": {
                     "labels": labels,
                     "annotations": {
-                        CONFIG_HASH_ANNOTATION: config_hash(config_yaml, overrides),
+                        CONFIG_HASH_ANNOTATION: config_hash(rollout_config_yaml(im, overrides), overrides),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(HTTP_PORT),
                         "prometheus.io/path": "/metrics",

@@ -30,12 +30,13 @@ from kvpilot.api.models import (
 from kvpilot.kube.client import Kube
 from kvpilot.kube.events import event_manifest
 from kvpilot.operator import metrics, oom
+from kvpilot.operator.adapters import AdapterClient, AdapterSync, HttpAdapterClient, api_key_of, sync_adapters
 from kvpilot.operator.apply import apply_child
 from kvpilot.operator.builders import (
     OperatorSettings,
     config_hash,
     render_children,
-    render_config_yaml,
+    rollout_config_yaml,
     selector_string,
 )
 from kvpilot.operator.podstate import all_problems
@@ -120,8 +121,10 @@ class Reconciler:
         *,
         clock: Callable[[], datetime] = utcnow,
         identity: str = "kvpilot-operator",
+        adapter_client: AdapterClient | None = None,
     ) -> None:
         self.kube = kube
+        self.adapter_client: AdapterClient = adapter_client or HttpAdapterClient()
         self.settings = settings
         self.clock = clock
         self.identity = identity
@@ -207,7 +210,7 @@ class Reconciler:
         problems = all_problems(pods, now)
 
         current = oom.current_overrides(spec, state)
-        chash = config_hash(render_config_yaml(im, current), current)
+        chash = config_hash(rollout_config_yaml(im, current), current)
         decision = oom.decide(spec, state, problems, chash)
         extra_events: list[EventSpec] = []
         if decision.adapted:
@@ -237,6 +240,12 @@ class Reconciler:
             if child["kind"] == "Deployment":
                 deployment = result.obj
 
+        adapter_sync = None
+        if spec.adapters:
+            applied_hash = config_hash(rollout_config_yaml(im, decision.overrides), decision.overrides)
+            adapter_sync = self.sync_adapters(im, pods, applied_hash)
+            if adapter_sync.changed:
+                log.info("%s/%s: adapters: %s", namespace, name, ", ".join(adapter_sync.changed))
         desired = compute_status(
             im,
             deployment,
@@ -248,11 +257,20 @@ class Reconciler:
             apply_error="; ".join(apply_errors) or None,
             router_endpoint=settings.router_endpoints.get(namespace),
             refused=frozenset(refused),
+            adapters=adapter_sync,
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:
             log.info("%s/%s: applied %s", namespace, name, ", ".join(outcome.applied))
         return outcome
+
+    def sync_adapters(self, im: InferenceModel, pods: list[dict[str, Any]], chash: str) -> AdapterSync:
+        """Load and unload adapters in the running pods; trouble ends up in the result, not raised."""
+        try:
+            key = api_key_of(im, lambda secret: self.kube.get("v1", "Secret", im.namespace, secret))
+        except Exception as e:  # no RBAC for the secret, a missing key: say so in the status
+            return AdapterSync(failures=[f"the runtime's API key: {e}"])
+        return sync_adapters(im, pods, self.adapter_client, key, chash)
 
     def _write_status(
         self,

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpilot.api.models import InferenceModel, OOMAdaptation
 from kvpilot.kube.times import format_time
+from kvpilot.operator.adapters import AdapterSync, adapters_status
 from kvpilot.operator.builders import desired_replicas, endpoint, selector_string
 from kvpilot.operator.podstate import PodProblem
 
@@ -27,6 +28,7 @@ OPERATOR_STATUS_KEYS = (
     "routerEndpoint",
     "conditions",
     "oomAdaptation",
+    "adapters",
 )
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
 # Degraded reasons, most important first.
@@ -205,6 +207,7 @@ def compute_status(
     apply_error: str | None = None,
     router_endpoint: str | None = None,
     refused: frozenset[str] = frozenset(),
+    adapters: AdapterSync | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status of `im` (camelCase keys, as written to the API).
 
@@ -214,6 +217,8 @@ def compute_status(
     conds = compute_conditions(
         im, deployment, problems, oom_note=oom_note, apply_error=apply_error, refused=refused
     )
+    if adapters is not None:
+        conds.append(adapters_condition(adapters))
     status: dict[str, Any] = {
         "observedGeneration": im.generation,
         "replicas": int(st.get("replicas") or 0),
@@ -228,7 +233,29 @@ def compute_status(
         status["routerEndpoint"] = router_endpoint
     if oom is not None:
         status["oomAdaptation"] = oom.dump()
+    if adapters is not None:
+        status["adapters"] = adapters_status(im, adapters)
     return status
+
+
+def adapters_condition(sync: AdapterSync) -> Cond:
+    """AdaptersLoaded: every Ready replica serves every spec adapter (only with spec.adapters)."""
+    if sync.failures:
+        more = f" (and {len(sync.failures) - 4} more)" if len(sync.failures) > 4 else ""
+        return Cond("AdaptersLoaded", False, "AdapterLoadFailed", "; ".join(sync.failures[:4]) + more)
+    if sync.pending:
+        waiting = "; ".join(f"pod {pod}: {', '.join(names)}" for pod, names in sorted(sync.pending.items()))
+        return Cond(
+            "AdaptersLoaded",
+            False,
+            "WaitingForRollout",
+            f"adapters that need a new pod (a new claim or an hf:// download): {waiting}",
+        )
+    if not sync.loaded:
+        return Cond("AdaptersLoaded", False, "NoReadyReplicas", "no Ready replica to load adapters into")
+    return Cond(
+        "AdaptersLoaded", True, "AllLoaded", f"every Ready replica ({len(sync.loaded)}) serves every adapter"
+    )
 
 
 def status_patch(live: dict[str, Any] | None, desired: dict[str, Any]) -> dict[str, Any] | None:
@@ -263,6 +290,14 @@ def condition_events(previous: list[dict[str, Any]] | None, current: list[dict[s
             events.append(
                 EventSpec("Normal", f"{c['type']}Cleared", f"{c['type']} cleared (was {old.get('reason')})")
             )
+        elif c["type"] == "AdaptersLoaded" and c["reason"] == "AdapterLoadFailed":
+            events.append(EventSpec("Warning", "AdapterLoadFailed", c["message"]))
+        elif (
+            c["type"] == "AdaptersLoaded"
+            and old.get("reason") == "AdapterLoadFailed"
+            and c["status"] == "True"
+        ):
+            events.append(EventSpec("Normal", "AdaptersLoaded", c["message"]))
         elif c["type"] == "Ready" and c["status"] == "True" and old.get("status") != "True":
             events.append(EventSpec("Normal", "Ready", c["message"]))
         elif c["type"] == "Ready" and old.get("status") == "True":

@@ -28,14 +28,15 @@ from kvpilot.runtime.engine_plan import (
     with_block_size,
 )
 from kvpilot.runtime.lora.adapter import LoRAError
-from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest, new_request
+from kvpilot.runtime.lora.registry import AdapterRegistry
+from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest
 from kvpilot.runtime.model_runner import KVGeometry, ModelRunner, kv_geometry
 from kvpilot.runtime.sampler import Sampler, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, TokenLogprob
 from kvpilot.runtime.speculative import Speculator, make_speculator
-from kvpilot.runtime.structured_output import GrammarCompiler
+from kvpilot.runtime.structured_output import GrammarCompiler, LazyGrammarCompiler
 from kvpilot.runtime.tp_runner import start_tensor_parallel
 
 if TYPE_CHECKING:
@@ -193,8 +194,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.speculator = speculator
         self.requests: dict[str, _Tracked] = {}
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
+        self._grammar = LazyGrammarCompiler(tokenizer)
         self.oom_policy = OOMPolicy()
         self.token_budget = cfg.max_num_batched_tokens
         self.oom_recoveries = 0
@@ -205,11 +205,10 @@ class LLMEngine:
         self.num_steps = 0
         # Test hook: called with the scheduled batch right before the model runs (fault injection).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
-        self.loras: dict[str, LoRARequest] = {}  # loaded adapters by served name
-        self.adapters: dict[str, LoadedAdapter] = {}
+        self.adapters = AdapterRegistry(runner, model_name, self._lora_users)
         for lora_name, lora_path in cfg.lora_modules.items():
             try:
-                self.add_lora(lora_name, lora_path)
+                self.adapters.add(lora_name, lora_path)
             except LoRAError as exc:
                 raise ConfigError(f"--lora-modules {lora_name}={lora_path}: {exc}") from None
 
@@ -302,11 +301,8 @@ class LLMEngine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """Built on the first guided request (the tokenizer's vocabulary takes about a second)."""
-        with self._grammar_lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer)
-            return self._grammar_compiler
+        """Built on first use: the first guided request, or `AsyncEngine.start` warming it up."""
+        return self._grammar.get()
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (a 400 for the client) for requests that can never run. (A guided
@@ -327,36 +323,15 @@ class LLMEngine:
                 "lower max_tokens or shorten the prompt"
             )
 
-    # -- LoRA adapters -------------------------------------------------------------------------
+    # -- LoRA adapters (runtime/lora/registry.py) ----------------------------------------------
     def add_lora(self, name: str, path: str) -> LoRARequest:
-        """Load a PEFT adapter under `name` (replacing one of that name unless requests use it).
-        Raises LoRAError naming the adapter and the problem; nothing changes then."""
-        if self.runner.lora is None:
-            raise LoRAError(f"LoRA adapter {name!r}: LoRA serving is off (start with --enable-lora)")
-        if not name or name == self.model_name:
-            raise LoRAError(f"LoRA adapter {name!r}: the name must differ from the base model's")
-        if name in self.loras:
-            self._check_unused(name, "replaced")
-        rank = self.runner.add_lora(name, path)
-        self.loras[name] = new_request(name)
-        self.adapters[name] = LoadedAdapter(name, path, rank)
-        log.info("LoRA adapter %r loaded from %s (rank %d)", name, path, rank)
-        return self.loras[name]
+        return self.adapters.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        """Unload an adapter; raises LoRAError when it is unknown or requests still use it."""
-        if name not in self.loras:
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
-        self._check_unused(name, "unloaded")
-        self.runner.remove_lora(name)
-        del self.loras[name]
-        del self.adapters[name]
-        log.info("LoRA adapter %r unloaded", name)
+        self.adapters.remove(name)
 
-    def _check_unused(self, name: str, what: str) -> None:
-        users = sum(1 for t in self.requests.values() if t.seq.lora is not None and t.seq.lora.name == name)
-        if users:
-            raise LoRAError(f"LoRA adapter {name!r} cannot be {what}: {users} unfinished requests use it")
+    def _lora_users(self, name: str) -> int:
+        return sum(1 for t in self.requests.values() if t.seq.lora is not None and t.seq.lora.name == name)
 
     def add_request(
         self,
@@ -371,7 +346,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
-        lora_request = self.lora_request(lora)
+        lora_request = self.adapters.request(lora)
         seq = Sequence(
             request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time, lora_request
         )
@@ -380,14 +355,6 @@ class LLMEngine:
             seq.grammar = self.grammar_compiler.new_state(params.guided)
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
-
-    def lora_request(self, name: str | None) -> LoRARequest | None:
-        """The loaded adapter called `name` (None: the base model); ValueError when none is."""
-        if name is None:
-            return None
-        if name not in self.loras:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded")
-        return self.loras[name]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         tracked = self.requests.get(request_id)
@@ -779,11 +746,11 @@ class AsyncEngine:
     @property
     def loras(self) -> list[LoadedAdapter]:
         """The loaded adapters, in load order."""
-        return list(self.engine.adapters.values())
+        return self.engine.adapters.loaded()
 
     @property
     def lora_enabled(self) -> bool:
-        return self.engine.runner.lora is not None
+        return self.engine.adapters.enabled
 
     async def add_lora(self, name: str, path: str) -> None:
         """Load (or replace) an adapter between steps; raises LoRAError naming the problem."""
@@ -804,16 +771,7 @@ class AsyncEngine:
 
     def _run_lora_ops(self, ops: list[_LoRAOp]) -> None:
         for op in ops:
-            error: BaseException | None = None
-            try:
-                if op.path is None:
-                    self.engine.remove_lora(op.name)
-                else:
-                    self.engine.add_lora(op.name, op.path)
-            except LoRAError as exc:
-                error = exc
-            except Exception as exc:  # e.g. an unreadable file: still the adapter's problem, not ours
-                error = LoRAError(f"LoRA adapter {op.name!r}: {type(exc).__name__}: {exc}")
+            error = self.engine.adapters.apply(op.name, op.path)
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 op.loop.call_soon_threadsafe(_settle, op.future, error)
 

@@ -192,6 +192,22 @@ class GrammarCompiler:
         return len(self._cache)
 
 
+class LazyGrammarCompiler:
+    """The engine's compiler, built on first use (the tokenizer's vocabulary takes about a second);
+    `get` may be called from any thread (the engine warms it up in the background)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler.for_tokenizer(self._tokenizer)
+            return self._compiler
+
+
 class GrammarState:
     """One sequence's matcher. `accept` advances it by a committed token; `fill` writes the allowed
     next tokens into a bitmask row; `probe` writes the masks of several positions along proposed

@@ -285,6 +285,108 @@ def test_what_the_autoscaler_writes_is_the_crd_status_schema():
     jsonschema.Draft4Validator(schema).validate(block)
 
 
+def test_the_written_status_block_is_pinned_and_declared_by_the_crd():
+    """decision_to_status builds the shared model and dumps it by alias: this exact JSON (key order,
+    whole numbers, second and millisecond times, absent values left out) is what a sync patches."""
+    import jsonschema
+
+    from kvpilot.api.crd import build_crd
+    from kvpilot.autoscaler.controller import hold_kind
+    from kvpilot.autoscaler.policy import ArrivalState, PodCounter, RateSample, ScaleEvent, decide
+    from kvpilot.autoscaler.spec import ScalingTargets
+
+    snapshot = MetricsSnapshot(
+        4, tuple(ReplicaSample(f"p{i}", 0.1, 0, 1, 40.0 + i, None, 1000.0 + i, 500.0) for i in range(2))
+    )
+    arrivals = ArrivalState(
+        T0 - 15.25,
+        (PodCounter("p0", 30.0, 4, 900.0, 450.0), PodCounter("p1", 31.0, 2, 950.0, 480.0)),
+        (RateSample(T0 - 15.25, 1.5),),
+        2.0,
+        (120.04, 33.3),
+    )
+    h = History((Recommendation(T0 - 30, 4),), (ScaleEvent(T0 - 120, 2, 4),), arrivals=arrivals)
+    d = decide(4, snapshot, ScalingTargets(max_replicas=10), h, T0)
+    kind = hold_kind(d)
+    assert kind == "not-reporting"
+    previous = {"lastScaleTime": "2023-11-14T22:11:20Z", "heldKind": "stabilization"}
+    block = decision_to_status(d, T0 + 0.9, previous, "autoscaler-0_1", kind)
+    expected = {
+        "lastDecision": {
+            "time": "2023-11-14T22:13:20Z",
+            "fromReplicas": 4,
+            "toReplicas": 4,
+            "reason": d.reason,
+            "metrics": {"kvCacheUsage": 0.1, "queueDepth": 0, "readyReplicas": 4, "reporting": 2},
+        },
+        "history": [
+            {"time": "2023-11-14T22:12:50Z", "replicas": 4},
+            {"time": "2023-11-14T22:13:20Z", "replicas": 4},
+        ],
+        "scaleEvents": [{"time": "2023-11-14T22:11:20Z", "fromReplicas": 2, "toReplicas": 4}],
+        "lastScaleTime": "2023-11-14T22:11:20Z",
+        "arrivals": {
+            "time": "2023-11-14T22:13:20.000Z",
+            "pods": [
+                {
+                    "pod": "p0",
+                    "completed": 40.0,
+                    "inFlight": 1,
+                    "promptTokens": 1000.0,
+                    "generationTokens": 500.0,
+                },
+                {
+                    "pod": "p1",
+                    "completed": 41.0,
+                    "inFlight": 1,
+                    "promptTokens": 1001.0,
+                    "generationTokens": 500.0,
+                },
+            ],
+            "rates": [
+                {"time": "2023-11-14T22:13:04.750Z", "rate": 1.5},
+                {"time": "2023-11-14T22:13:20.000Z", "rate": 2.0984},
+            ],
+            "serviceRate": 2.0,
+            "tokenMix": {"prompt": 120.0, "output": 33.3},
+        },
+        "decidedBy": "autoscaler-0_1",
+        "heldKind": "not-reporting",
+    }
+    assert d.reason.endswith("-> 4 (hold)")
+    assert json.dumps(block) == json.dumps(expected)  # the text, so 0 vs 0.0 and key order count too
+    crd = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema = crd["properties"]["status"]["properties"]["autoscaler"]
+    assert _undeclared(block, schema) == []
+    jsonschema.Draft4Validator(schema).validate(block)
+    # Reading it back gives the same memory.
+    back = history_from_status(block)
+    assert back.arrivals.counters[1] == PodCounter("p1", 41.0, 1, 1001.0, 500.0)
+    assert [(e.time, e.from_replicas, e.to_replicas) for e in back.events] == [(T0 - 120, 2, 4)]
+
+    # Nothing reporting: the KV usage is written as null (the merge patch clears the previous one),
+    # no decidedBy or heldKind without an identity or a noteworthy hold, and no lastScaleTime yet.
+    idle = decide(1, MetricsSnapshot(1, ()), ScalingTargets(max_replicas=10), History(), T0)
+    empty = decision_to_status(idle, T0, None)
+    assert empty["lastDecision"]["metrics"] == {
+        "kvCacheUsage": None,
+        "queueDepth": 0,
+        "readyReplicas": 1,
+        "reporting": 0,
+    }
+    assert "decidedBy" not in empty and "heldKind" not in empty and "lastScaleTime" not in empty
+    # a null in a merge patch deletes the key: the API server stores (and validates) the block without it
+    stored = {
+        **empty,
+        "lastDecision": {
+            **empty["lastDecision"],
+            "metrics": {"queueDepth": 0, "readyReplicas": 1, "reporting": 0},
+        },
+    }
+    assert _undeclared(stored, schema) == []
+    jsonschema.Draft4Validator(schema).validate(stored)
+
+
 # -- the real kubernetes client against a fake API server -------------------------------------------------
 
 

@@ -464,6 +464,7 @@ def test_network_policies() -> None:
     assert [p["port"] for rule in op["ingress"] for p in rule["ports"]] == ["metrics", "health"]
     api_rule = next(e for e in op["egress"] if any(p["port"] == 443 for p in e["ports"]))
     assert api_rule["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    assert any(p["port"] == 8000 for e in op["egress"] for p in e["ports"])  # LoRA adapters in pods
     auto = r.one("NetworkPolicy", "-autoscaler")["spec"]
     assert auto["policyTypes"] == ["Ingress", "Egress"]
     assert [p["port"] for rule in auto["ingress"] for p in rule["ports"]] == ["metrics", "health"]

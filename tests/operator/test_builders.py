@@ -12,6 +12,7 @@ from kvpilot.operator.builders import (
     APPLIED_HASH_ANNOTATION,
     CONFIG_HASH_ANNOTATION,
     OperatorSettings,
+    adapter_claim_volume,
     config_hash,
     desired_replicas,
     model_path,
@@ -209,19 +210,22 @@ def test_adapters_are_mounted_fetched_and_rendered_as_lora_modules() -> None:
     )
     cfg = EngineConfig.model_validate(yaml.safe_load(render_config_yaml(model)))
     assert cfg.lora_modules == {
-        "sql": "/adapters/sql/sql-lora",
+        "sql": "/adapters/.pvc/adapters/sql-lora",
         "chat": "/adapters/chat",
         "tone": "/opt/adapters/tone",
-        "whole": "/adapters/whole",
+        "whole": "/adapters/.pvc/whole",
     }
-    assert cfg.enable_lora and cfg.max_loras == 2 and cfg.max_lora_rank == 32
+    assert cfg.enable_lora and cfg.enable_lora_runtime_updates
+    assert cfg.max_loras == 2 and cfg.max_lora_rank == 32
     ps = pod_spec(model)
     mounts = ps["containers"][0]["volumeMounts"]
-    assert {"name": "adapter-0", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} in ps[
+    claim_volume = adapter_claim_volume("adapters")
+    assert {"name": claim_volume, "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} in ps[
         "volumes"
     ]
-    assert {"name": "adapter-0", "mountPath": "/adapters/sql", "readOnly": True} in mounts
-    assert {"name": "adapter-3", "mountPath": "/adapters/whole", "readOnly": True} in mounts
+    assert {"name": claim_volume, "mountPath": "/adapters/.pvc/adapters", "readOnly": True} in mounts
+    whole = adapter_claim_volume("whole")
+    assert {"name": whole, "mountPath": "/adapters/.pvc/whole", "readOnly": True} in mounts
     assert {"name": "adapters", "emptyDir": {}} in ps["volumes"]
     assert {"name": "adapters", "mountPath": "/adapters"} in mounts
     (fetch,) = ps["initContainers"]  # the model itself comes from a PVC
@@ -230,6 +234,7 @@ def test_adapters_are_mounted_fetched_and_rendered_as_lora_modules() -> None:
     assert {"name": "adapters", "mountPath": "/adapters"} in fetch["volumeMounts"]
     no_adapters = im(model={"source": "pvc://weights/llama"})
     assert not yaml.safe_load(render_config_yaml(no_adapters))["lora_modules"]
+    assert not yaml.safe_load(render_config_yaml(no_adapters))["enable_lora_runtime_updates"]
     assert not any(v["name"].startswith("adapter") for v in pod_spec(no_adapters)["volumes"])
 
 
@@ -238,6 +243,24 @@ def test_prometheus_annotations_and_config_hash() -> None:
     ann = children(model)["Deployment"]["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
     assert ann[CONFIG_HASH_ANNOTATION] == config_hash(render_config_yaml(model))
+
+
+def test_adapter_changes_that_running_pods_can_load_leave_the_pod_template_alone() -> None:
+    def template(adapters: list[dict[str, str]]) -> dict[str, Any]:
+        return children(im(adapters=adapters))["Deployment"]["spec"]["template"]
+
+    sql = {"name": "sql", "source": "pvc://adapters/sql"}
+    base = template([sql])
+    # Same claim, another folder; a file:// path: loaded live, no roll.
+    assert template([sql, {"name": "tone", "source": "pvc://adapters/tone"}]) == base
+    assert template([{"name": "tone", "source": "file:///opt/tone"}, sql]) == base
+    # The ConfigMap does carry the new list (a pod that starts later starts with it).
+    more = im(adapters=[sql, {"name": "tone", "source": "pvc://adapters/tone"}])
+    assert "tone" in yaml.safe_load(children(more)["ConfigMap"]["data"]["config.yaml"])["lora_modules"]
+    # A new claim needs a volume, an hf:// adapter an init container; the first adapter turns LoRA on.
+    assert template([sql, {"name": "x", "source": "pvc://other/x"}]) != base
+    assert template([sql, {"name": "x", "source": "hf://org/x"}]) != base
+    assert template([]) != base
 
 
 def test_config_change_changes_pod_template_hash_but_replicas_do_not() -> None:

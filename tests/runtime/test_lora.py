@@ -352,7 +352,7 @@ def test_bad_adapter_is_refused_and_serving_goes_on(
     with pytest.raises(LoRAError) as err:
         engine.add_lora("broken", str(path))
     assert "'broken'" in str(err.value) and BAD[kind] in str(err.value), str(err.value)
-    assert set(engine.loras) == {"sql"}
+    assert set(engine.adapters.names()) == {"sql"}
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     seqs = engine.generate([prompts()[0]] * 2, params, loras=["sql", None])
     assert all(len(s.output_token_ids) == 3 for s in seqs)
@@ -376,7 +376,7 @@ def test_unload_refuses_while_in_use_then_unloads(
     while engine.has_unfinished():
         engine.step()
     engine.remove_lora("math")
-    assert set(engine.loras) == {"sql", "chat"}
+    assert set(engine.adapters.names()) == {"sql", "chat"}
     with pytest.raises(LoRAError, match="'math' is not loaded"):
         engine.remove_lora("math")
 
