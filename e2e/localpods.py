@@ -12,6 +12,12 @@ endpoint leaves the routing table (`endpoints()`, what a Service would route to)
 preStop sleep runs, then SIGTERM, then SIGKILL once terminationGracePeriodSeconds has passed. Exit
 codes are recorded; a test asserts that every runtime drained and exited 0.
 
+With `pod_network=True` each process listens where the pod's own address says instead: on the pod's
+status.podIP and its container port (8000), as in a real cluster, so a component that reaches pods by
+podIP (the operator loading LoRA adapters) reaches the process. kwok takes pod IPs from the node's
+spec.podCIDR, so a test gives its node a CIDR inside 127.0.0.0/8 (all of it is loopback on Linux);
+a pod IP outside it cannot be bound here and is reported as an error, the pod left unstarted.
+
 It also keeps a Prometheus file_sd targets file: one target per live process, labelled with
 namespace, pod and model_name, so a real Prometheus scrapes the runtimes as it would pods.
 
@@ -21,6 +27,7 @@ The container's env is not applied (HOME, XDG_CACHE_HOME... describe the contain
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -62,10 +69,11 @@ class LocalPod:
     exit_code: int | None = None
     killed: bool = False  # SIGKILLed after the grace period
     crashed: bool = False  # exited while its pod still existed
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def terminating(self) -> bool:
@@ -119,6 +127,18 @@ def _prestop_and_grace(pod: Mapping[str, Any]) -> tuple[float, float]:
     return float(sleep.get("seconds") or 0), float(30 if grace is None else grace)
 
 
+def _container_port(pod: Mapping[str, Any]) -> int:
+    ports = pod["spec"]["containers"][0].get("ports") or []
+    return int(ports[0]["containerPort"]) if ports else 8000
+
+
+def _loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip) in ipaddress.ip_network("127.0.0.0/8")
+    except ValueError:
+        return False
+
+
 class LocalKubelet:
     """Run a real runtime process for each Running pod matching `selector` in `namespace`."""
 
@@ -133,6 +153,7 @@ class LocalKubelet:
         poll_s: float = 0.5,
         max_prestop_s: float | None = None,
         env: Mapping[str, str] | None = None,
+        pod_network: bool = False,
     ) -> None:
         from kubernetes import client
 
@@ -145,8 +166,10 @@ class LocalKubelet:
         self.poll_s = poll_s
         self.max_prestop_s = max_prestop_s
         self.env = dict(env if env is not None else os.environ)
+        self.pod_network = pod_network
         self.pods: dict[str, LocalPod] = {}  # by uid, including finished ones
         self.errors: list[str] = []
+        self.refused: set[str] = set()  # uids of pods whose podIP cannot be bound here
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -222,8 +245,10 @@ class LocalKubelet:
             meta, status = pod["metadata"], pod.get("status") or {}
             if (
                 uid not in self.pods
+                and uid not in self.refused
                 and not meta.get("deletionTimestamp")
                 and status.get("phase") == "Running"
+                and (status.get("podIP") or not self.pod_network)
             ):
                 self._start(pod)
         for uid, lp in list(self.pods.items()):
@@ -246,11 +271,19 @@ class LocalKubelet:
             data: dict[str, str] = obj.get("data") or {}
             return data
 
-        port = free_port()
+        host, port = "127.0.0.1", 0
+        if self.pod_network:
+            host, port = pod["status"]["podIP"], _container_port(pod)
+            if not _loopback(host):
+                self.refused.add(uid)
+                self.errors.append(f"pod {name}: podIP {host} is not in 127.0.0.0/8; not started")
+                return
+        else:
+            port = free_port()
         argv = [
             *_container_argv(pod, configmap, pod_dir),
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             *self.extra_args,
@@ -264,10 +297,10 @@ class LocalKubelet:
                 argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
         model = (meta.get("labels") or {}).get(MODEL_LABEL, "")
-        lp = LocalPod(name, uid, model, port, proc, log_path, prestop, grace, time.time())
+        lp = LocalPod(name, uid, model, port, proc, log_path, prestop, grace, time.time(), host=host)
         with self._lock:
             self.pods[uid] = lp
-        log.info("pod %s: started %s (pid %d, port %d)", name, " ".join(argv), proc.pid, port)
+        log.info("pod %s: started %s (pid %d, %s:%d)", name, " ".join(argv), proc.pid, host, port)
 
     def _check(self, lp: LocalPod) -> None:
         """Readiness probe (GET /ready) until Ready; notice processes that exit."""
@@ -340,7 +373,7 @@ class LocalKubelet:
         with self._lock:
             groups = [
                 {
-                    "targets": [f"127.0.0.1:{p.port}"],
+                    "targets": [f"{p.host}:{p.port}"],
                     "labels": {"namespace": self.namespace, "pod": p.name, "model_name": p.model},
                 }
                 for p in sorted(self.pods.values(), key=lambda p: p.name)

@@ -41,29 +41,30 @@ class LocalPodSource:
         self.poll_s = poll_s
 
     async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None:
-        listed: dict[str, tuple[list[Endpoint], str | None, str | None]] = {}
-        pushed: dict[str, tuple[list[Endpoint], str | None, str | None]] = {}
+        listed: dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...] | None]] = {}
+        pushed: dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...] | None]] = {}
 
         def push(model: str) -> None:
-            endpoints, policy, fallback = listed[model]
+            endpoints, policy, fallback, adapters = listed[model]
             local = self.kubelet.ready_urls()
             mapped = [Endpoint(e.name, local[e.name], e.capacity) for e in endpoints if e.name in local]
-            if pushed.get(model) != (mapped, policy, fallback):
-                pushed[model] = (mapped, policy, fallback)
-                update(model, mapped, policy, fallback)
+            if pushed.get(model) != (mapped, policy, fallback, adapters):
+                pushed[model] = (mapped, policy, fallback, adapters)
+                update(model, mapped, policy, fallback, adapters)
 
         def record(
             model: str,
             endpoints: list[Endpoint] | None,
             policy: str | None = None,
             fallback: str | None = None,
+            adapters: Sequence[str] | None = None,
         ) -> None:
             if endpoints is None:
                 listed.pop(model, None)
                 pushed.pop(model, None)
                 update(model, None)
                 return
-            listed[model] = (list(endpoints), policy, fallback)
+            listed[model] = (list(endpoints), policy, fallback, None if adapters is None else tuple(adapters))
             push(model)
 
         task = asyncio.create_task(self.inner.run(record, synced))

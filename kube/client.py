@@ -61,6 +61,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("v1", "Service", "services"),
         Kind("v1", "Pod", "pods"),
         Kind("v1", "Event", "events"),
+        Kind("v1", "Secret", "secrets"),  # read only: the runtime API key of models with adapters
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
