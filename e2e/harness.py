@@ -121,6 +121,19 @@ def wait_until(
         time.sleep(interval)
 
 
+def stop_all(*stops: Callable[[], object]) -> None:
+    """Run every stop (a test's processes, in order) even when an earlier one raises, then raise the
+    first error: a failing stop must not leave the later processes (Prometheus, runtimes) running."""
+    errors: list[BaseException] = []
+    for stop in stops:
+        try:
+            stop()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 @dataclass
 class Cluster:
     kubeconfig: Path

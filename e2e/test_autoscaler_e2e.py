@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness import Cluster, Kubectl, wait_until
+from e2e.harness import Cluster, Kubectl, stop_all, wait_until
 from e2e.localpods import LocalKubelet, openai_load
 from e2e.processes import OperatorProcess, stop_process
 from kvpilot.net import free_port
@@ -393,13 +393,10 @@ def test_prometheus_driven_scale_up_and_down_with_real_runtimes(
         assert status["autoscaler"]["decidedBy"] == "solo"
         assert "kvCacheUsage" in status
     finally:
-        watch.stop()
-        code = autoscaler.stop()
-        kubelet.stop()
-        prom.stop()
-        operator.stop()
+        codes: list[int | None] = []
+        stop_all(watch.stop, lambda: codes.append(autoscaler.stop()), kubelet.stop, prom.stop, operator.stop)
         print("AUTOSCALER_E2E_FIGURES " + json.dumps(figures))
-    assert code == 0, autoscaler.log()[-3000:]
+    assert codes == [0], autoscaler.log()[-3000:]
 
 
 # -- leader election ---------------------------------------------------------------------------

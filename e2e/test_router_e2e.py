@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.harness import Cluster, Kubectl, wait_until
+from e2e.harness import Cluster, Kubectl, stop_all, wait_until
 from e2e.localpods import LocalKubelet
 from e2e.localrouter import LocalPodSource, RequestRecord, RouterThread, closed_loop, stream_completion
 from e2e.processes import OperatorProcess
@@ -116,7 +116,7 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
         extra_args=RUNTIME_FLAGS,
         targets_file=targets,
     )
-    prom = Prometheus(tmp_path, targets).start()
+    prom = Prometheus(tmp_path, targets)  # started in the try below, so the finally always stops it
     router = Router(
         RouterSettings(
             policy="round-robin",  # the model's spec.routing.policy (least-loaded) must win
@@ -148,6 +148,7 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
     )  # fmt: skip
     watch = ReplicaWatch(api_client, namespace)
     try:
+        prom.start()
         operator.start()
         kubelet.start()
         kubectl.apply(zero_scaled_model(prom.url))
@@ -229,10 +230,5 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
         assert discovery.watching and discovery.watch_events > 0
         assert kubelet.errors == []
     finally:
-        watch.stop()
-        autoscaler.stop()
-        rt.stop()
-        kubelet.stop()
-        prom.stop()
-        operator.stop()
+        stop_all(watch.stop, autoscaler.stop, rt.stop, kubelet.stop, prom.stop, operator.stop)
         print("ROUTER_E2E_FIGURES " + json.dumps(figures))
