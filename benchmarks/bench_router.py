@@ -113,6 +113,32 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+def prefix_figures(
+    ttfts: list[float], hits: float, queries: float, wall: float, per_pod: dict[str, int]
+) -> dict[str, Any]:
+    """One policy's row of the prefix workload: hit rate, TTFT p50/p99, wall time, requests per pod."""
+    return {
+        "requests": len(ttfts),
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+        "ttft_ms": {"p50": round(pct(ttfts, 50) * 1000, 1), "p99": round(pct(ttfts, 99) * 1000, 1)},
+        "wall_s": round(wall, 1),
+        "requests_per_pod": dict(sorted(per_pod.items())),
+    }
+
+
+def compare_to_round_robin(results: dict[str, dict[str, Any]]) -> None:
+    """Add each policy's hit-rate ratio and TTFT p50 speedup against the round-robin row, if there is one."""
+    base = results.get("round-robin")
+    if not base:
+        return
+    for r in results.values():
+        if r["prefix_cache_hit_rate"] and base["prefix_cache_hit_rate"]:
+            r["hit_rate_vs_round_robin"] = round(
+                r["prefix_cache_hit_rate"] / base["prefix_cache_hit_rate"], 2
+            )
+        r["ttft_p50_speedup_vs_round_robin"] = round(base["ttft_ms"]["p50"] / r["ttft_ms"]["p50"], 2)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -377,21 +403,8 @@ def prefix(args: argparse.Namespace) -> dict[str, Any]:
             router = procs.pop()
             router.terminate()
             router.wait(30)
-            results[policy] = {
-                "requests": len(ttfts),
-                "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
-                "ttft_ms": {"p50": round(pct(ttfts, 50) * 1000, 1), "p99": round(pct(ttfts, 99) * 1000, 1)},
-                "wall_s": round(wall, 1),
-                "requests_per_pod": dict(sorted(per_pod.items())),
-            }
-    base = results.get("round-robin")
-    if base:
-        for r in results.values():
-            if r["prefix_cache_hit_rate"] and base["prefix_cache_hit_rate"]:
-                r["hit_rate_vs_round_robin"] = round(
-                    r["prefix_cache_hit_rate"] / base["prefix_cache_hit_rate"], 2
-                )
-            r["ttft_p50_speedup_vs_round_robin"] = round(base["ttft_ms"]["p50"] / r["ttft_ms"]["p50"], 2)
+            results[policy] = prefix_figures(ttfts, hits, queries, wall, per_pod)
+    compare_to_round_robin(results)
     return {
         "pods": args.pods,
         "conversations": args.conversations,

@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from bench_router import conversations, cpu_info, pct, prom_sum  # noqa: E402
+from bench_router import compare_to_round_robin, conversations, cpu_info, pct, prefix_figures, prom_sum  # noqa: E402
 
 from e2e.harness import Cluster, release_cluster, start_cluster, wait_until  # noqa: E402
 from e2e.localpods import LocalKubelet  # noqa: E402
@@ -393,21 +393,8 @@ def prefix(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             hits = sum(prom_sum(u, "kvpilot_prefix_cache_hits_total") for u in urls) - hits0
             queries = sum(prom_sum(u, "kvpilot_prefix_cache_queries_total") for u in urls) - queries0
-            results[policy] = {
-                "requests": len(ttfts),
-                "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
-                "ttft_ms": {"p50": round(pct(ttfts, 50) * 1000, 1), "p99": round(pct(ttfts, 99) * 1000, 1)},
-                "wall_s": round(wall, 1),
-                "requests_per_pod": dict(sorted(per_pod.items())),
-            }
-    base = results.get("round-robin")
-    if base:
-        for r in results.values():
-            if r["prefix_cache_hit_rate"] and base["prefix_cache_hit_rate"]:
-                r["hit_rate_vs_round_robin"] = round(
-                    r["prefix_cache_hit_rate"] / base["prefix_cache_hit_rate"], 2
-                )
-            r["ttft_p50_speedup_vs_round_robin"] = round(base["ttft_ms"]["p50"] / r["ttft_ms"]["p50"], 2)
+            results[policy] = prefix_figures(ttfts, hits, queries, wall, per_pod)
+    compare_to_round_robin(results)
     return {
         "pods": 3,
         "conversations": args.conversations,
