@@ -11,15 +11,27 @@ GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/
 
 `matmul` is the layer's forward: on CPU, for up to SMALL_M rows of float32/bfloat16 activations (the
 decode case, bound by reading the weights), the C kernel kernels/csrc/qmatmul_cpu.c reads the
-quantized weights directly, built per ISA level like every kernel here (kernels/isa.py); otherwise,
-and as the reference the kernel is tested against, the weights are dequantized to the activation
-dtype and multiplied by torch (`reference_matmul`).
+quantized weights directly, built per ISA level like every kernel here (kernels/isa.py); otherwise
+the weights are dequantized to the activation dtype and multiplied by torch (`reference_matmul`).
+
+At the avx512 and avx2 levels the kernel also quantizes the activations, as llama.cpp does: each row
+of x in blocks of ACT_BLOCK = 32 to int8 with one float scale per block (round to nearest), then
+integer dot products of weight codes and activation codes (AVX512-VNNI `vpdpbusd`, or AVX2's
+`vpmaddubsw` + `vpmaddwd` on every AVX2 CPU), scaled by the weight's and the block's scale. For
+int4 the rounded activations only multiply the centred codes q - 8 (the rest, (min + 8 * scale) times
+the group's activation sum, is exact; see quantize_rows in the C source), so the rounding error is
+as small as int8's. `reference_q8_matmul` is that
+arithmetic in torch (the kernel's specification, tested to float rounding); against the float
+product `reference_matmul` it differs by the activation rounding (half a step of amax / 127 per
+element). The generic level, widths that are not a multiple of 32, and
+KVPILOT_QMATMUL_ACTIVATIONS=float dequantize in float32 instead (the exact product, slower).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +47,21 @@ CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
 SMALL_M = 16  # rows up to which the C kernel beats dequantize + torch matmul (see docs/runtime.md)
+ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
+ACTIVATIONS_ENV = "KVPILOT_QMATMUL_ACTIVATIONS"
+
+
+def activations_setting(value: str | None) -> bool:
+    """KVPILOT_QMATMUL_ACTIVATIONS: `int8` (default: integer dot products) or `float` (the kernel
+    multiplies the dequantized weights in float32: the exact product, slower)."""
+    if value in (None, "", "int8"):
+        return True
+    if value == "float":
+        return False
+    raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected int8 or float")
+
+
+INT8_ACTIVATIONS = activations_setting(os.environ.get(ACTIVATIONS_ENV))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -132,7 +159,7 @@ def quantize(w: torch.Tensor, method: str, group: int) -> QuantizedWeight:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.kvpilot_qmatmul.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qmatmul.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i, i]
     lib.kvpilot_qmatmul.restype = i
 
 
@@ -177,6 +204,7 @@ def kernel_matmul(
         qw.scales.data_ptr(),
         None if qw.mins is None else qw.mins.data_ptr(),
         torch.get_num_threads(),
+        int(INT8_ACTIVATIONS),
     )
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
@@ -186,6 +214,60 @@ def kernel_matmul(
 def reference_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The specification: dequantize to x's dtype, then torch's matmul."""
     return F.linear(x, qw.dequantize(x.dtype), bias)
+
+
+def storage_order(qw: QuantizedWeight) -> torch.Tensor:
+    """Input-feature index of each position in the weight's storage order, the order in which the
+    kernel reads codes and lays out activation blocks: int8 in place; int4 per group of g weights as
+    16-byte chunks, chunk c = weights 16c..16c+15 (low nibbles), then g/2 + 16c.. (high nibbles)."""
+    k = qw.in_features
+    pos = torch.arange(k)
+    if qw.bits == 8 or qw.group == ACT_BLOCK:
+        return pos
+    g, j = pos // qw.group, pos % qw.group
+    high = (j % ACT_BLOCK >= 16).long()
+    return g * qw.group + high * (qw.group // 2) + (j // ACT_BLOCK) * 16 + j % 16
+
+
+def codes(qw: QuantizedWeight) -> torch.Tensor:
+    """The weight's integer codes [N, K] in storage order (int8: -127..127; int4: 0..15)."""
+    if qw.bits == 8:
+        return qw.packed.to(torch.int32)
+    p = qw.packed.reshape(qw.out_features, qw.in_features // 32, 16).to(torch.int32)
+    return torch.cat([p & 15, p >> 4], dim=-1).reshape(qw.out_features, qw.in_features)
+
+
+def q8_path_applies(qw: QuantizedWeight, level: str | None = None) -> bool:
+    """Whether the kernel at `level` (default: the one loaded) takes the int8-activation path."""
+    groups = qw.in_features // qw.group
+    shape_ok = qw.group % ACT_BLOCK == 0 and (groups == 1 or (qw.group // ACT_BLOCK).bit_count() == 1)
+    return INT8_ACTIVATIONS and shape_ok and (level or built_isa()) in ("avx512", "avx2")
+
+
+def reference_q8_matmul(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kernel's int8-activation arithmetic in torch (float64 sums): its specification."""
+    n, k, blk = qw.out_features, qw.in_features, ACT_BLOCK
+    xf = x.reshape(-1, k).float()
+    xb = xf[:, storage_order(qw)].reshape(-1, k // blk, blk)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    scale = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    xq = torch.round(xb * inv)  # round half to even, as lrintf
+    wq = codes(qw).reshape(n, k // blk, blk).double()
+    dots = torch.einsum("mbi,nbi->mnb", xq.double(), wq)  # exact integers
+    ws = qw.scales.double().repeat_interleave(qw.group // blk, dim=1)  # [N, K / 32]
+    out = (dots * ws.unsqueeze(0) * scale.squeeze(-1).double().unsqueeze(1)).sum(-1)
+    if qw.mins is not None:  # min * xs + 8 * scale * rs, rs = xs - the quantized group sum
+        xs = xf.double().reshape(-1, k // qw.group, qw.group).sum(-1)
+        quantized = (
+            (xq.sum(-1) * scale.squeeze(-1)).double().reshape(-1, k // qw.group, qw.group // blk).sum(-1)
+        )
+        out = out + xs @ qw.mins.double().t() + 8.0 * (xs - quantized) @ qw.scales.double().t()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,3 +36,12 @@ def smollm2_fp32(smollm2_gguf_path: Path) -> LoadedModel:
     from kvpilot.runtime.loader import load_model
 
     return load_model(EngineConfig(model=DEFAULT_MODEL), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def exact_qmatmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """qlinear's C kernel multiplies dequantized weights in float32 (KVPILOT_QMATMUL_ACTIVATIONS=float)
+    instead of rounding the activations to int8: tests of the plumbing around it compare exactly."""
+    from kvpilot.kernels import qlinear
+
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)

@@ -1,5 +1,6 @@
 """Weight-only int8/int4 matmuls (kernels/qlinear.py): the formats, and the C kernel at every ISA level
-against the torch reference (dequantize, then matmul)."""
+against its specification (avx512/avx2: int8 activation blocks, `reference_q8_matmul`; generic:
+dequantize, then matmul) and against the float product."""
 
 from __future__ import annotations
 
@@ -78,15 +79,60 @@ def test_kernel_matches_the_dequantized_matmul(
     bias = torch.randn(96).to(dtype)
     got = qlinear.kernel_matmul(x, qw, bias, level=level)
     assert got.dtype == dtype and got.shape == (rows, 96)
-    want = F.linear(x.float(), qw.dequantize(torch.float32), bias.float())
+    exact = F.linear(x.float(), qw.dequantize(torch.float32), bias.float())
+    if qlinear.q8_path_applies(qw, level):
+        # the specification: int8 activation blocks, integer dots, float scales
+        want = qlinear.reference_q8_matmul(x.float(), qw, bias.float())
+        # and that is the float product up to the activations' rounding (amax / 254 per element)
+        rel = (want - exact).norm() / exact.norm()
+        assert 0 < rel < 0.01, rel
+    else:
+        want = exact
     if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:  # one bf16 rounding of the result
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # one bf16 rounding of the result (and of the input the activations are quantized from)
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
-    # and the layer's entry point agrees with the reference path it replaces
-    torch.testing.assert_close(
-        qlinear.matmul(x.float(), qw), qlinear.reference_matmul(x.float(), qw), rtol=1e-5, atol=1e-5
-    )
+    # and the layer's entry point takes the kernel for this input
+    if level == qlinear.built_isa():
+        torch.testing.assert_close(qlinear.matmul(x, qw, bias), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", [lv for lv in isa.runnable() if lv != "generic"])
+def test_int8_activation_path_across_block_layouts(level: str) -> None:
+    """Every storage order the kernel reads (int4 groups 32/64/128, int8 per channel and per 32) on
+    inputs with outliers, zero blocks and exact ties (x = k + 0.5 steps), against the specification."""
+    if not qlinear.available(level):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(7)
+    w = weight(40, 512)
+    x = torch.randn(5, 512)
+    x[0, :64] = 0.0  # zero blocks: scale 0, codes 0
+    x[1, 3] = 80.0  # one outlier dominates its block's scale
+    x[2] = torch.arange(512).float() % 7 - 3.5  # ties at half steps
+    for qw in (
+        qlinear.quantize_int4(w, 32),
+        qlinear.quantize_int4(w, 64),
+        qlinear.quantize_int4(w, 128),
+        qlinear.quantize_int8(w),
+        qlinear.quantize_int8(w, 32),
+    ):
+        assert qlinear.q8_path_applies(qw, level)
+        got = qlinear.kernel_matmul(x, qw, level=level)
+        torch.testing.assert_close(got, qlinear.reference_q8_matmul(x, qw), rtol=1e-5, atol=1e-4)
+
+
+def test_storage_order_is_a_permutation_matching_the_nibble_layout() -> None:
+    w = weight(8, 256)
+    qw = qlinear.quantize_int4(w, 128)
+    order = qlinear.storage_order(qw)
+    assert sorted(order.tolist()) == list(range(256))
+    # codes in storage order, dequantized and put back in feature order, are the weight
+    assert qw.mins is not None
+    per_weight = qw.scales.float().repeat_interleave(128, 1), qw.mins.float().repeat_interleave(128, 1)
+    deq = qlinear.codes(qw).float() * per_weight[0] + per_weight[1]  # groups keep their positions
+    back = torch.empty_like(deq)
+    back[:, order] = deq
+    torch.testing.assert_close(back, qw.dequantize(torch.float32))
 
 
 def test_kernel_takes_batched_leading_dims_and_large_m_falls_back_to_the_reference() -> None:
@@ -99,3 +145,24 @@ def test_kernel_takes_batched_leading_dims_and_large_m_falls_back_to_the_referen
     assert torch.equal(qlinear.matmul(big, qw), qlinear.reference_matmul(big, qw))
     with pytest.raises(ValueError, match="input has 255 features"):
         qlinear.kernel_matmul(torch.randn(1, 255), qw)
+
+
+def test_activations_setting_is_checked() -> None:
+    assert qlinear.activations_setting(None) and qlinear.activations_setting("int8")
+    assert not qlinear.activations_setting("float")
+    with pytest.raises(ValueError, match="KVPILOT_QMATMUL_ACTIVATIONS='fp8': expected int8 or float"):
+        qlinear.activations_setting("fp8")
+
+
+@pytest.mark.usefixtures("exact_qmatmul")
+def test_float_activations_give_the_exact_product() -> None:
+    """KVPILOT_QMATMUL_ACTIVATIONS=float: every level multiplies the dequantized weights in float32."""
+    torch.manual_seed(3)
+    x = torch.randn(3, 256)
+    for level in isa.runnable():
+        if not qlinear.available(level):
+            missing("a C compiler for the CPU kernels", "install gcc or clang")
+        for qw in (qlinear.quantize_int4(weight(), 64), qlinear.quantize_int8(weight())):
+            assert not qlinear.q8_path_applies(qw, level)
+            got = qlinear.kernel_matmul(x, qw, level=level)
+            torch.testing.assert_close(got, qlinear.reference_matmul(x, qw), rtol=1e-5, atol=1e-5)

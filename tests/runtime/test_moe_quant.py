@@ -2,7 +2,10 @@
 
 - `moe_grouped` with one QuantizedWeight per expert against `moe_reference` on the dequantized
   stacks: float32 and bfloat16, few rows per expert (qlinear's C kernel) and many (dequantize +
-  torch), whole and split between expert-parallel "ranks".
+  torch), whole and split between expert-parallel "ranks". These plumbing checks run the kernel with
+  float activations (the `exact_qmatmul` fixture); with its default int8 activations the result is
+  within the activation rounding of the reference (tested here, and the kernel against its
+  specification in tests/kernels/test_qlinear.py).
 - `quantize_model` on the tiny random-weight families (tests/runtime/test_moe.py): every MoE layer's
   experts quantized and the 16/32-bit stacks freed; logits through prefill + paged decode equal to a
   float32 model holding the dequantized weights; the deficit against the unquantized model measured
@@ -63,11 +66,14 @@ def _quantize(w: torch.Tensor, method: str, group: int) -> list[qlinear.Quantize
     [(1, 8, 2), (7, 8, 2), (32, 16, 4), (100, 4, 2)],  # last: ~50 rows per expert, above SMALL_M
 )
 def test_quantized_grouped_matches_dequantized_reference(
-    method: str, group: int, t: int, e: int, k: int
+    method: str, group: int, t: int, e: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, w13, w2, weights, ids = _random_moe(t, e, k, seed=t)
     q13, q2 = _quantize(w13, method, group), _quantize(w2, method, group)
     ref = moe_reference(x, dequantize_experts(q13), dequantize_experts(q2), weights, ids)
+    q8 = moe_grouped(x, q13, q2, weights, ids)  # int8 activations where the kernel runs
+    assert float((q8 - ref).norm() / ref.norm()) < 0.02
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
     got = moe_grouped(x, q13, q2, weights, ids)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # the quantized weights are not the float ones: the comparison above could fail
@@ -84,6 +90,7 @@ def test_few_rows_take_the_c_kernel() -> None:
 
 
 @pytest.mark.parametrize(("method", "group"), METHODS)
+@pytest.mark.usefixtures("exact_qmatmul")
 def test_quantized_bfloat16_close_to_float32(method: str, group: int) -> None:
     x, w13, w2, weights, ids = _random_moe(24, 8, 2, seed=11)
     q13, q2 = _quantize(w13, method, group), _quantize(w2, method, group)
@@ -93,6 +100,7 @@ def test_quantized_bfloat16_close_to_float32(method: str, group: int) -> None:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.usefixtures("exact_qmatmul")
 def test_quantized_expert_shards_sum_to_whole(ranks: int) -> None:
     x, w13, w2, weights, ids = _random_moe(40, 8, 2, seed=5)
     q13, q2 = _quantize(w13, "int4", 32), _quantize(w2, "int4", 32)
@@ -140,6 +148,7 @@ MODEL_CASES = [(f, m, g) for f in FAMILIES for m, g in METHODS if (f, m) != ("qw
 
 
 @pytest.mark.parametrize(("family", "method", "group"), MODEL_CASES)
+@pytest.mark.usefixtures("exact_qmatmul")
 def test_quantized_model_equals_its_dequantized_weights(
     tiny_dirs: dict[str, Path], family: str, method: str, group: int
 ) -> None:

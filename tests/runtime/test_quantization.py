@@ -36,11 +36,13 @@ def _prefill_then_decode(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
 
 
 # The builtin SmolLM2 GGUF stores its linear weights as Q4_1 (groups of 32, scale and min): int4 with
-# group 32 is that format, so it gets the same weights back (up to float32 rounding); int8 per output
-# channel re-rounds them (3.2% of the largest logit measured).
-@pytest.mark.parametrize(("method", "max_rel"), [("int8", 0.06), ("int4", 1e-3)])
+# group 32 is that format, so it gets the same weights back (up to float32 rounding) and the prefill
+# (torch matmuls on the dequantized weights) matches; int8 per output channel re-rounds them (3.2% of
+# the largest logit measured). Decode steps take the C kernel, which also rounds the activations to
+# int8 blocks at the avx512/avx2 levels (kernels/qlinear.py): 3.2% measured for int4.
+@pytest.mark.parametrize(("method", "max_rel", "prefill_rel"), [("int8", 0.06, 0.06), ("int4", 0.06, 1e-3)])
 def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
-    smollm2_fp32: LoadedModel, method: str, max_rel: float
+    smollm2_fp32: LoadedModel, method: str, max_rel: float, prefill_rel: float
 ) -> None:
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization=method, quantization_group_size=32)  # type: ignore[arg-type]
     quant = load_model(cfg, torch.device("cpu"), torch.float32)
@@ -57,9 +59,11 @@ def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
     want = _prefill_then_decode(smollm2_fp32, ids)
     got = _prefill_then_decode(quant, ids)
     rel = float((got - want).abs().max() / want.abs().max())
-    print(f"\n{method}: max |logit diff| / max |logit| over prefill + 3 decode steps = {rel:.4f}")
+    first = float((got[0] - want[0]).abs().max() / want[0].abs().max())
+    print(f"\n{method}: max |logit diff| / max |logit|: prefill {first:.4f}, with 3 decode steps {rel:.4f}")
+    assert first < prefill_rel
     assert rel < max_rel
-    assert int(got[0].argmax()) == int(want[0].argmax())
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
 def _tiny(hidden: int) -> Any:
@@ -86,7 +90,9 @@ def test_a_layer_that_cannot_take_the_method_is_refused_naming_the_flag() -> Non
 
 
 def test_tiny_quantized_model_matches_its_dequantized_weights() -> None:
-    """The quantized layers compute exactly what float weights equal to the dequantized ones would."""
+    """The quantized layers compute what float weights equal to the dequantized ones would: exactly on
+    the float paths, and up to the kernel's int8 activation rounding (its specification,
+    qlinear.reference_q8_matmul) where the C kernel takes the decode rows."""
     torch.manual_seed(0)
     model = _tiny(64)
     for p in model.parameters():
@@ -99,8 +105,16 @@ def test_tiny_quantized_model_matches_its_dequantized_weights() -> None:
         r.weight.data = q.qweight.dequantize(torch.float32)
     x = torch.randn(2, 64)
     for (_, q), (_, r) in zip(linear_layers(model), linear_layers(ref), strict=True):
-        xin = torch.randn(2, q.qweight.in_features) if q.qweight is not None else x
-        torch.testing.assert_close(q(xin), r(xin), rtol=1e-5, atol=1e-5)
+        qw = q.qweight
+        assert qw is not None
+        xin = torch.randn(2, qw.in_features)
+        want = r(xin)
+        if qlinear.kernel_applies(xin, qw) and qlinear.q8_path_applies(qw):
+            spec = qlinear.reference_q8_matmul(xin, qw, r.bias)
+            assert float((spec - want).norm() / want.norm()) < 0.02
+            want = spec
+        torch.testing.assert_close(q(xin), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.model.layers[0].mlp(x), ref.model.layers[0].mlp(x), rtol=0.03, atol=0.02)
 
 
 def test_auto_follows_the_checkpoint(smollm2_gguf_path: Path, tmp_path: Path) -> None:
