@@ -100,6 +100,9 @@ class Extension:
 
     def library(self, level: str | None = None) -> ctypes.CDLL:
         level = level or isa.selected()
+        loaded = self._libraries.get(level)  # the per-call path: no lock once loaded
+        if loaded is not None:
+            return loaded
         with self._lock:
             if level not in self._libraries:
                 lib = ctypes.CDLL(str(self.build(level)))
@@ -116,6 +119,8 @@ class Extension:
         if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
             return False
         level = level or isa.selected()
+        if level in self._libraries:
+            return True
         if level in self._failed:
             return False
         try:

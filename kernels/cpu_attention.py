@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild
+from kvpilot.kernels import cbuild, cpu_ops
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, write_kv
 
 log = logging.getLogger(__name__)
@@ -177,5 +177,8 @@ class CPUPagedAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, cache, meta.slot_mapping)
+        if cache.k_scale is None and cpu_ops.write_kv_supports(k, v, cache.k, cache.v):
+            cpu_ops.write_kv_(k, v, cache.k, cache.v, meta.slot_mapping)
+        else:
+            write_kv(k, v, cache, meta.slot_mapping)
         return paged_attention(q, cache, meta, scale)

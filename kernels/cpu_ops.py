@@ -39,6 +39,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_rms_norm.restype = i
     lib.kvpilot_rotary.argtypes = [p, p, long, long, p, p, i, long, i, i, i, i, long, i]
     lib.kvpilot_rotary.restype = i
+    lib.kvpilot_write_kv.argtypes = [p, p, long, long, p, p, p, p, p, i, long, i, i, i, long]
+    lib.kvpilot_write_kv.restype = i
 
 
 # one build per ISA level (kernels/isa.py); the C code is auto-vectorized for it
@@ -135,3 +137,53 @@ def rotary_(
         raise ValueError(
             f"rotary kernel rejected its arguments (code {rc}: bad shape or a position out of range)"
         )
+
+
+def write_kv_supports(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """A plain copy into the cache: CPU, float32/bfloat16 activations of the caches' dtype (no
+    quantized cache), k/v [T, Hk, D] with heads adjacent within a token."""
+    return (
+        k.device.type == "cpu"
+        and k.dtype in _DTYPES
+        and v.dtype == k_cache.dtype == v_cache.dtype == k.dtype
+        and k.dim() == v.dim() == 3
+        and k.stride()[1:] == (k.shape[2], 1)
+        and v.stride()[1:] == (v.shape[2], 1)
+        and available()
+    )
+
+
+def write_kv_(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    level: str | None = None,
+) -> None:
+    """Copy k, v [T, Hk, D] into slots of the [blocks, block_size, Hk, D] caches (any strides:
+    the tiled CPU layouts are views); negative slots are padding. `attention.write_kv`'s contract
+    for unquantized caches, in one call instead of a dozen indexing ops per layer."""
+    slots = slot_mapping.to(torch.int64).contiguous()
+    strides = torch.tensor([*k_cache.stride(), *v_cache.stride()], dtype=torch.int64)
+    nb, bs, hk, d = k_cache.shape
+    rc = _library(level).kvpilot_write_kv(
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        strides.data_ptr(),
+        strides.data_ptr() + 4 * 8,
+        slots.data_ptr(),
+        _DTYPES[k.dtype],
+        k.shape[0],
+        hk,
+        d,
+        bs,
+        nb * bs,
+    )
+    if rc != 0:
+        raise ValueError(f"write_kv kernel rejected its arguments (code {rc}: a slot out of range)")

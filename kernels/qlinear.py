@@ -171,12 +171,12 @@ available = EXTENSION.available
 
 def kernel_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
     """Whether `matmul` takes the C kernel for this input (CPU, f32/bf16, at most SMALL_M rows)."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    k = x.shape[-1]
     return (
         x.device.type == "cpu"
-        and qw.packed.device.type == "cpu"
         and x.dtype in _DTYPES
-        and 0 < rows <= SMALL_M
+        and 0 < (x.numel() // k if k else 0) <= SMALL_M
+        and qw.packed.device.type == "cpu"
         and available()
     )
 

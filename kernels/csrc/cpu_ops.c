@@ -123,3 +123,35 @@ int kvpilot_rotary(void *q, void *k, long q_stride, long k_stride, const int64_t
     }
     return 0;
 }
+
+/*
+ * Write the new keys and values of T tokens into their cache slots (a plain copy: the cache has the
+ * activations' dtype). k, v: [T, Hk, D], heads adjacent within a token, k_stride / v_stride elements
+ * between tokens (views into a fused QKV output). Caches: any layout of the logical
+ * [blocks, block_size, Hk, D] array, given by its four strides in elements (the CPU kernel's
+ * transposed K and head-major V included). Negative slots are padding and skipped.
+ */
+int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride, void *k_cache, void *v_cache,
+                     const long *k_strides, const long *v_strides, const int64_t *slots, int dtype, long T,
+                     int Hk, int D, int block_size, long num_slots) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || block_size <= 0) return -1;
+    for (long t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -2;
+    const size_t es = dtype == DT_BF16 ? 2 : 4;
+    for (long t = 0; t < T; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        const long blk = s / block_size, off = s % block_size;
+        for (int h = 0; h < Hk; h++)
+            for (int c = 0; c < 2; c++) {
+                const char *src = (const char *)(c ? v : k) + ((size_t)t * (c ? v_stride : k_stride) + (size_t)h * D) * es;
+                const long *st = c ? v_strides : k_strides;
+                char *dst = (char *)(c ? v_cache : k_cache) + (size_t)(blk * st[0] + off * st[1] + h * st[2]) * es;
+                if (st[3] == 1)
+                    memcpy(dst, src, (size_t)D * es);
+                else
+                    for (int d = 0; d < D; d++) memcpy(dst + (size_t)d * st[3] * es, src + (size_t)d * es, es);
+            }
+    }
+    return 0;
+}

@@ -95,3 +95,37 @@ def test_other_dtypes_and_layouts_take_the_torch_path() -> None:
     assert not cpu_ops.supports(torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16))  # mixed dtypes
     q = torch.randn(2, 9, 64).transpose(0, 1)  # heads not adjacent within a token
     assert not cpu_ops.rotary_supports(q, torch.randn(9, 2, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_write_kv_equals_the_torch_scatter(dtype: torch.dtype, tiled: bool, cpu_isa: str) -> None:
+    """cpu_ops.write_kv_ writes what attention.write_kv writes: contiguous and the CPU kernel's tiled
+    caches (K^T per block and head, head-major V), fused-QKV views, padding slots skipped."""
+    from kvpilot.kernels.attention import KVCacheLayer, write_kv
+    from kvpilot.kernels.cpu_attention import head_major_v_cache, transposed_k_cache
+
+    assert cpu_ops.built_isa() == cpu_isa
+    torch.manual_seed(2)
+    nb, bs, hk, d, t = 5, 16, 3, 64, 7
+
+    def caches() -> KVCacheLayer:
+        if tiled:
+            return KVCacheLayer(
+                transposed_k_cache(nb, bs, hk, d, dtype=dtype), head_major_v_cache(nb, bs, hk, d, dtype=dtype)
+            )
+        return KVCacheLayer(torch.zeros(nb, bs, hk, d, dtype=dtype), torch.zeros(nb, bs, hk, d, dtype=dtype))
+
+    qkv = torch.randn(t, (4 + 2 * hk) * d).to(dtype)
+    _, k, v = qkv.split([4 * d, hk * d, hk * d], dim=-1)
+    k, v = k.reshape(t, hk, d), v.reshape(t, hk, d)
+    slots = torch.tensor([0, 17, 79, -1, 33, 5, -1])
+    want, got = caches(), caches()
+    write_kv(k, v, want, slots)
+    assert cpu_ops.write_kv_supports(k, v, got.k, got.v)
+    cpu_ops.write_kv_(k, v, got.k, got.v, slots)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    assert int((got.k != 0).sum()) == 5 * hk * d  # the five real slots, nothing else
+    with pytest.raises(ValueError, match="slot out of range"):
+        cpu_ops.write_kv_(k, v, got.k, got.v, torch.full((t,), nb * bs))
+    assert not cpu_ops.write_kv_supports(k, v, got.k.to(torch.float16), got.v.to(torch.float16))
