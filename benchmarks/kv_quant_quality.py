@@ -64,13 +64,14 @@ def stdlib_docstrings() -> str:
     return "\n\n".join(parts)
 
 
-def perplexity(engine: LLMEngine, ids: list[int], window: int) -> float:
+def perplexity(engine: LLMEngine, ids: list[int], window: int, chunk_size: int = 128) -> float:
+    """exp(mean NLL) over `window`-token pieces, each scored in prefill chunks of `chunk_size`."""
     nll: list[float] = []
     for start in range(0, len(ids) - 1, window):
         piece = ids[start : start + window + 1]
         if len(piece) < 2:
             break
-        nll.extend((-engine.score(piece, chunk_size=128)).tolist())
+        nll.extend((-engine.score(piece, chunk_size=chunk_size)).tolist())
     return math.exp(sum(nll) / len(nll))
 
 

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_quant_quality import perplexity, stdlib_docstrings
 
-from kvpilot.kernels import isa
+from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.quantization import linear_layers
@@ -76,6 +76,13 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=32, help="int4 group size")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens scored for perplexity (0: skip)")
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument(
+        "--score-chunk",
+        type=int,
+        default=qlinear.SMALL_M,
+        help="prefill chunk when scoring (default qlinear.SMALL_M: every matmul takes the decode kernel, "
+        "int8 activations included; 128+ measures the dequantizing prefill path)",
+    )
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -103,7 +110,7 @@ def main() -> int:
             }
             if args.tokens:
                 t0 = time.perf_counter()
-                ppl = perplexity(engine, ids[: args.tokens], args.window)
+                ppl = perplexity(engine, ids[: args.tokens], args.window, args.score_chunk)
                 row["perplexity"] = round(ppl, 4)
                 row["perplexity_seconds"] = round(time.perf_counter() - t0, 1)
                 if base is None:
@@ -123,6 +130,7 @@ def main() -> int:
                     "cpu": cpu_model(),
                     "flags": flags,
                     "kernel_isa": isa.selected(),
+                    "qmatmul_activations": "int8" if qlinear.INT8_ACTIVATIONS else "float",
                     "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
                     "threads": args.threads,
                     "torch": torch.__version__,

@@ -12,7 +12,8 @@ GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/
 `matmul` is the layer's forward: on CPU, for up to SMALL_M rows of float32/bfloat16 activations (the
 decode case, bound by reading the weights), the C kernel kernels/csrc/qmatmul_cpu.c reads the
 quantized weights directly, built per ISA level like every kernel here (kernels/isa.py); otherwise
-the weights are dequantized to the activation dtype and multiplied by torch (`reference_matmul`).
+the weights are dequantized to the activation dtype (by the C library on CPU) and multiplied by
+torch (`dequantize_matmul`; `reference_matmul` is the same in torch alone).
 
 At the avx512 and avx2 levels the kernel also quantizes the activations, as llama.cpp does: each row
 of x in blocks of ACT_BLOCK = 32 to int8 with one float scale per block (round to nearest), then
@@ -46,7 +47,7 @@ SOURCE = Path(__file__).parent / "csrc" / "qmatmul_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
-SMALL_M = 16  # rows up to which the C kernel beats dequantize + torch matmul (see docs/runtime.md)
+SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/qmatmul_bench.py)
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 ACTIVATIONS_ENV = "KVPILOT_QMATMUL_ACTIVATIONS"
 
@@ -161,6 +162,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.kvpilot_qmatmul.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i, i]
     lib.kvpilot_qmatmul.restype = i
+    lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
+    lib.kvpilot_dequantize.restype = i
 
 
 EXTENSION = cbuild.Extension(SOURCE, CFLAGS, _declare, "dequantizing for torch matmuls")
@@ -214,6 +217,29 @@ def kernel_matmul(
 def reference_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The specification: dequantize to x's dtype, then torch's matmul."""
     return F.linear(x, qw.dequantize(x.dtype), bias)
+
+
+def dequantize_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference_matmul` with the dequantization done by the C library on CPU (one pass over the
+    bytes, rows in parallel; the same values as QuantizedWeight.dequantize): the many-row path."""
+    if not (x.device.type == "cpu" and qw.packed.device.type == "cpu" and x.dtype in _DTYPES and available()):
+        return reference_matmul(x, qw, bias)
+    w = torch.empty(qw.out_features, qw.in_features, dtype=x.dtype)
+    rc = _library().kvpilot_dequantize(
+        qw.packed.data_ptr(),
+        qw.bits,
+        qw.group,
+        qw.scales.data_ptr(),
+        None if qw.mins is None else qw.mins.data_ptr(),
+        qw.out_features,
+        qw.in_features,
+        w.data_ptr(),
+        _DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"dequantize kernel rejected its arguments (code {rc})")
+    return F.linear(x, w, bias)
 
 
 def storage_order(qw: QuantizedWeight) -> torch.Tensor:
@@ -273,4 +299,4 @@ def reference_q8_matmul(
 def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
-    return reference_matmul(x, qw, bias)
+    return dequantize_matmul(x, qw, bias)

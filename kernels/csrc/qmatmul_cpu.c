@@ -325,3 +325,32 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
     free(xf);
     return failed ? -3 : 0;
 }
+
+/* The whole weight dequantized to float32 or bfloat16 (`dtype`) into out [N, K]: for the matmuls the
+ * kernel above does not take (many rows: prefill), where torch multiplies the result. */
+int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
+                       long N, long K, void *out, int dtype, int num_threads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
+        (wbits == 4 && (group % 2 || !mins)))
+        return -1;
+    const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wf = dtype == DT_BF16 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
+        if (dtype == DT_BF16 && !wf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            if (dtype == DT_BF16 && !wf) continue;
+            float *row = dtype == DT_F32 ? (float *)out + n * K : wf;
+            dequant_row(w + n * row_bytes, wbits, K, group, scales + n * ng, mins ? mins + n * ng : NULL, row);
+            if (dtype == DT_BF16)
+                for (long k = 0; k < K; k++) ((uint16_t *)out)[n * K + k] = f32_to_bf16(row[k]);
+        }
+        free(wf);
+    }
+    return failed ? -3 : 0;
+}

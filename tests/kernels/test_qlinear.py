@@ -166,3 +166,26 @@ def test_float_activations_give_the_exact_product() -> None:
             assert not qlinear.q8_path_applies(qw, level)
             got = qlinear.kernel_matmul(x, qw, level=level)
             torch.testing.assert_close(got, qlinear.reference_matmul(x, qw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_dequantize_in_c_to_the_same_weights(dtype: torch.dtype) -> None:
+    """The many-row path (prefill) dequantizes with the C library: the weights QuantizedWeight.dequantize
+    gives (float32: to an ulp, FMA contraction; bfloat16: the same rounding), then torch's matmul."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(4)
+    x = torch.randn(qlinear.SMALL_M + 3, 256).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    for qw in (
+        qlinear.quantize_int4(weight(), 32),
+        qlinear.quantize_int4(weight(), 128),
+        qlinear.quantize_int8(weight()),
+    ):
+        assert not qlinear.kernel_applies(x, qw)
+        got = qlinear.matmul(x, qw, bias)
+        want = qlinear.reference_matmul(x, qw, bias)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -26,23 +26,26 @@ def _one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-def _prefill_then_decode(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Logits of a prefill (torch reference matmuls: many rows) and 3 decode steps (the C kernel)."""
+def _prefill_then_decode(loaded: LoadedModel, ids: list[int], fed: list[int] | None = None) -> torch.Tensor:
+    """Logits of a prefill (torch matmuls over many rows: a 20-odd-token prompt takes the C kernel
+    too) and 3 decode steps (the C kernel), fed `fed` (teacher forcing: both models see the same
+    tokens, so a near-tie argmax cannot send them down different continuations) or their own argmax."""
     kv = PagedKV(loaded.arch)
     rows = [kv.logits(loaded.model, [(0, ids)])[-1]]
-    for _ in range(3):
-        rows.append(kv.logits(loaded.model, [(0, [int(rows[-1].argmax())])])[-1])
+    for i in range(3):
+        token = fed[i] if fed is not None else int(rows[-1].argmax())
+        rows.append(kv.logits(loaded.model, [(0, [token])])[-1])
     return torch.stack(rows)
 
 
 # The builtin SmolLM2 GGUF stores its linear weights as Q4_1 (groups of 32, scale and min): int4 with
-# group 32 is that format, so it gets the same weights back (up to float32 rounding) and the prefill
-# (torch matmuls on the dequantized weights) matches; int8 per output channel re-rounds them (3.2% of
-# the largest logit measured). Decode steps take the C kernel, which also rounds the activations to
-# int8 blocks at the avx512/avx2 levels (kernels/qlinear.py): 3.2% measured for int4.
-@pytest.mark.parametrize(("method", "max_rel", "prefill_rel"), [("int8", 0.06, 0.06), ("int4", 0.06, 1e-3)])
+# group 32 is that format, so it gets the same weights back (up to float32 rounding); int8 per output
+# channel re-rounds them. Up to qlinear.SMALL_M rows (this prompt and the decode steps) the C kernel
+# also rounds the activations to int8 blocks at the avx512/avx2 levels (kernels/qlinear.py). Measured
+# max |logit diff| / max |logit| (the 16-bit model's tokens fed to both): int8 4.8%, int4 3.0%.
+@pytest.mark.parametrize(("method", "max_rel"), [("int8", 0.08), ("int4", 0.05)])
 def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
-    smollm2_fp32: LoadedModel, method: str, max_rel: float, prefill_rel: float
+    smollm2_fp32: LoadedModel, method: str, max_rel: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization=method, quantization_group_size=32)  # type: ignore[arg-type]
     quant = load_model(cfg, torch.device("cpu"), torch.float32)
@@ -57,13 +60,16 @@ def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
     ids = smollm2_fp32.tokenizer.encode(PROMPT)
     assert qlinear.kernel_applies(torch.zeros(1, 576), layers[0][1].qweight)  # type: ignore[arg-type]
     want = _prefill_then_decode(smollm2_fp32, ids)
-    got = _prefill_then_decode(quant, ids)
+    fed = want.argmax(-1).tolist()
+    got = _prefill_then_decode(quant, ids, fed)
     rel = float((got - want).abs().max() / want.abs().max())
-    first = float((got[0] - want[0]).abs().max() / want[0].abs().max())
-    print(f"\n{method}: max |logit diff| / max |logit|: prefill {first:.4f}, with 3 decode steps {rel:.4f}")
-    assert first < prefill_rel
+    print(f"\n{method}: max |logit diff| / max |logit| over prefill + 3 decode steps = {rel:.4f}")
     assert rel < max_rel
-    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert int(got[0].argmax()) == fed[0]  # the prompt's next token
+    if method == "int4":  # the same weights: with float activations the kernel gives the same logits
+        monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+        exact = _prefill_then_decode(quant, ids, fed)
+        assert float((exact - want).abs().max() / want.abs().max()) < 1e-3
 
 
 def _tiny(hidden: int) -> Any:
