@@ -517,8 +517,8 @@ def load_gguf(
 
 def checkpoint_quantization(path: Path) -> CheckpointQuantization | None:
     """The GPTQ/AWQ settings of a Hugging Face directory; None for a GGUF file or a 16/32-bit one."""
-    if path.is_file():
-        return None
+    if path.is_file() or not (path / "config.json").is_file():
+        return None  # a directory without config.json is refused when it is loaded
     return read_checkpoint_quantization(path, read_json(path / "config.json"))
 
 

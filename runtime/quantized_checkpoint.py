@@ -13,8 +13,9 @@ are picked the same way without the sharding rules being written twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -134,6 +135,8 @@ def load_quantized(
 ) -> QuantizedLoadReport:
     """Load a GPTQ/AWQ checkpoint's tensors into `model` (its linear weights dropped beforehand)."""
     modules = linear_modules(model)
+    # checkpoint name -> (our parameter name, shard id): every model here defines it (llama.py)
+    map_name = cast(Callable[[str], tuple[str, object]], model.map_name)
     suffixes = cq.tensor_suffixes
     required = [s for s in suffixes if s != "g_idx"]
     collected: dict[str, dict[str, torch.Tensor]] = {}
@@ -141,7 +144,7 @@ def load_quantized(
     report = QuantizedLoadReport()
 
     def target_of(ckpt_module: str) -> tuple[str, object]:
-        target, shard_id = model.map_name(f"{ckpt_module}.weight")  # type: ignore[attr-defined]
+        target, shard_id = map_name(f"{ckpt_module}.weight")
         return target.removesuffix(".weight"), shard_id
 
     def finish(ckpt_module: str) -> None:
