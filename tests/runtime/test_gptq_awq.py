@@ -1,28 +1,31 @@
 """GPTQ and AWQ checkpoints (runtime/quant_formats.py, runtime/quantized_checkpoint.py).
 
-Tiny random-weight Llama checkpoints are quantized and packed here, in the formats' own layouts:
-the packing libraries (auto-gptq 0.7.1, gptqmodel 7.7.0, autoawq 0.2.9) ship as source only,
-build CUDA extensions or pull datasets/triton, and AutoAWQ (deprecated) and auto-gptq predate the
-transformers 5 this project tests with, so the packers below are written from the formats:
+Tiny random-weight Llama checkpoints are quantized and packed here, in the formats' own layouts.
+The packing libraries were not used: auto-gptq 0.7.1, gptqmodel 7.7.0 and autoawq 0.2.9 are
+source-only on PyPI, build CUDA extensions or pull datasets/triton, and AutoAWQ (deprecated,
+"last tested with transformers 4.51") and auto-gptq do not import under the transformers 5 this
+project tests with (tried: autoawq fails importing its calibration code). The packers below are
+written from the formats, as those libraries' sources (read from the PyPI sdists) write them:
 
 * GPTQ: `qweight` int32 [K * bits / 32, N] with input row 32/bits * i + j in bits
   [bits * j, bits * (j + 1)) of word (i, n); `qzeros` int32 [G, N * bits / 32] packed the same way
   along N; `scales` float16 [G, N]; `g_idx` int32 [K]; w = scale * (q - zero). The v1 format
-  (`checkpoint_format: gptq`) stores zeros minus one, subtracted from each packed word
-  (gptqmodel's `convert_gptq_v2_to_v1_format`: qzeros -= 0x11111111 for 4 bits); v2 stores them
-  as they are. The quantizer is GPTQ's min/max one (x_min <= 0 <= x_max, zero = round(-x_min /
-  scale), symmetric zero 2^(bits - 1)) without the Hessian update, which changes values, not format.
+  (`checkpoint_format: gptq`) stores zeros minus one, subtracted from each packed word as gptqmodel
+  7.7.0's `convert_gptq_v2_to_v1_format_module` does (qzeros -= 0x11111111 for 4 bits); v2 stores
+  them as they are (the v1/v2 difference is described in github.com/xxxxyu/blog,
+  content/posts/vllm-gptqv2-support/index.md). The quantizer is GPTQ's min/max one
+  (x_min <= 0 <= x_max, zero = round(-x_min / scale), symmetric zero 2^(bits - 1)) without the
+  Hessian update, which changes the values, not the format.
 * AWQ GEMM: `qweight` int32 [K, N / 8], output 8c + ORDER[j] in bits [4j, 4j + 4) of word (k, c),
-  ORDER = 0 2 4 6 1 3 5 7 (AutoAWQ's WQLinear_GEMM.from_linear); `qzeros` int32 [K / group, N / 8]
-  packed the same way; `scales` float16 [K / group, N]; w = scale * (q - zero).
+  ORDER = 0 2 4 6 1 3 5 7 (autoawq 0.2.9's `WQLinear_GEMM.from_linear`); `qzeros` int32
+  [K / group, N / 8] packed the same way; `scales` float16 [K / group, N]; w = scale * (q - zero).
 
-Published layouts these match: a GPTQ 4-bit group-128 Llama-2-7B (TheBloke/Llama-2-7B-GPTQ,
-quantize_config.json {bits 4, group_size 128, desc_act false, sym true}) stores
-`model.layers.0.self_attn.q_proj.qweight` I32 [512, 4096], `.qzeros` I32 [32, 512], `.scales`
-F16 [32, 4096], `.g_idx` I32 [4096]; an AWQ GEMM one (TheBloke/Llama-2-7B-AWQ, quant_config
-{w_bit 4, q_group_size 128, zero_point true, version GEMM}) `qweight` I32 [4096, 512],
-`qzeros` I32 [32, 512], `scales` F16 [32, 4096]; `_check_published_layout` asserts those shapes
-for a 4096-wide layer packed here.
+Published layout: a Llama-2-7B q_proj (4096 x 4096) in a 4-bit group-128 GPTQ checkpoint (the
+settings TheBloke/Llama-2-7B-GPTQ's model card lists for its main branch: bits 4, GS 128) holds
+`qweight` I32 [512, 4096], `qzeros` I32 [32, 512], `scales` F16 [32, 4096], `g_idx` I32 [4096]
+(the shapes a public checkpoint-scanner's test fixture lists for `model.layers.0.self_attn.q_proj`);
+in AWQ GEMM 4-bit group 128, `qweight` I32 [4096, 512], `qzeros` I32 [32, 512], `scales`
+F16 [32, 4096]. `test_the_packers_give_the_published_layouts` packs such layers here and checks them.
 
 Checked: the converted QuantizedWeight dequantizes to the packer's weights (exactly with symmetric
 zero points, within float16 rounding of the min otherwise), the engine's logits and greedy tokens
@@ -388,7 +391,7 @@ def test_tensor_parallel_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 # Settings the runtime refuses
 
 
-def _check_published_layout() -> None:
+def test_the_packers_give_the_published_layouts() -> None:
     w = torch.randn(4096, 4096) * 0.02
     gptq, _ = pack_layer(w, CheckpointQuantization("gptq", 4, 128, True, False, "gptq"), False, 0)
     assert {k: (tuple(v.shape), v.dtype) for k, v in gptq.items()} == {
@@ -397,12 +400,12 @@ def _check_published_layout() -> None:
         "scales": ((32, 4096), torch.float16),
         "g_idx": ((4096,), torch.int32),
     }
-    awq, _ = pack_layer(w[:, :256], CheckpointQuantization("awq", 4, 128, False, False, "gemm"), False, 0)
-    assert tuple(awq["qweight"].shape) == (256, 512) and tuple(awq["qzeros"].shape) == (2, 512)
-
-
-def test_the_packers_give_the_published_layouts() -> None:
-    _check_published_layout()
+    awq, _ = pack_layer(w, CheckpointQuantization("awq", 4, 128, False, False, "gemm"), False, 0)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in awq.items()} == {
+        "qweight": ((4096, 512), torch.int32),
+        "qzeros": ((32, 512), torch.int32),
+        "scales": ((32, 4096), torch.float16),
+    }
 
 
 def test_v1_zero_points_of_zero_round_trip() -> None:
@@ -481,3 +484,49 @@ def test_asymmetric_8_bit_weights_that_fit_int8_are_taken_exactly() -> None:
     qw, perm = quant_formats.convert_gptq("layer", tensors, cq)
     assert qw.bits == 8 and perm is None
     assert torch.equal(qw.dequantize(), dequantize(q, zeros, scales, torch.arange(k) // group))
+
+
+def test_auto_gptq_quantize_config_json_beside_the_config(tmp_path: Path) -> None:
+    """Older auto-gptq checkpoints keep the settings in quantize_config.json, not in config.json."""
+    cq = CheckpointQuantization("gptq", 4, 64, True, False, "gptq")
+    deq = write_quantized(tiny_llama(), tmp_path, cq)
+    config = json.loads((tmp_path / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    settings.pop("quant_method")
+    (tmp_path / "quantize_config.json").write_text(json.dumps(settings))
+    mod = cpu_load(tmp_path).model.model.layers[1].mlp.down_proj
+    assert mod.qweight is not None and mod.qweight.group == 64
+    assert torch.equal(mod.qweight.dequantize(), deq["model.layers.1.mlp.down_proj"])
+
+
+def test_a_layer_stored_unquantized_is_refused_naming_it(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    hf = tiny_llama()
+    write_quantized(hf, tmp_path, CheckpointQuantization("gptq", 4, 32, True, False, "gptq"))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"model.layers.1.self_attn.v_proj.{suffix}"]
+    tensors["model.layers.1.self_attn.v_proj.weight"] = hf.model.layers[1].self_attn.v_proj.weight.detach()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        UnsupportedQuantization, match=r"layer model\.layers\.1\.self_attn\.v_proj is stored unquantized"
+    ):
+        cpu_load(tmp_path)
+
+
+def test_fused_pieces_with_different_act_orders_are_refused(tmp_path: Path) -> None:
+    """q/k/v share their input, so GPTQ gives them one act-order; a checkpoint that does not is refused."""
+    cq = CheckpointQuantization("gptq", 4, 32, True, True, "gptq")
+    hf = tiny_llama()
+    write_quantized(hf, tmp_path, cq)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    module = "model.layers.0.self_attn.k_proj"
+    packed, _ = pack_layer(hf.get_submodule(module).weight.detach(), cq, True, seed=12345)
+    tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedQuantization, match=r"desc_act: the pieces of fused layer .*qkv_proj"):
+        cpu_load(tmp_path)
