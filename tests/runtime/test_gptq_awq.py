@@ -161,11 +161,15 @@ def pack_layer(
 # Tiny checkpoints
 
 
-def tiny_llama(hidden: int = 128, intermediate: int = 256) -> Any:
+def tiny_llama(hidden: int = 128, intermediate: int = 256, qwen2: bool = False) -> Any:
+    """A 2-layer Llama (or Qwen2: q/k/v biases, which GPTQ/AWQ keep as 16-bit `bias` tensors)."""
     import transformers as tf
 
     torch.manual_seed(99)
-    cfg = tf.LlamaConfig(
+    cls, config_cls = (
+        (tf.Qwen2ForCausalLM, tf.Qwen2Config) if qwen2 else (tf.LlamaForCausalLM, tf.LlamaConfig)
+    )
+    cfg = config_cls(
         vocab_size=TINY_VOCAB,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -178,7 +182,7 @@ def tiny_llama(hidden: int = 128, intermediate: int = 256) -> Any:
         eos_token_id=2,
         bos_token_id=1,
     )
-    model = tf.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model = cls(cfg).to(torch.float32).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.1)
@@ -224,7 +228,7 @@ def write_quantized(
         else:
             tensors[name] = w.contiguous()
     save_file(tensors, str(directory / "model.safetensors"))
-    config = {**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    config = {**hf.config.to_dict(), "architectures": [type(hf).__name__]}
     config["quantization_config"] = qc if qc is not None else quantization_config(cq)
     (directory / "config.json").write_text(json.dumps(config))
     _write_tiny_tokenizer(directory)
@@ -250,6 +254,8 @@ CASES = {
     "gptq4-per-channel-asym-v1": CheckpointQuantization("gptq", 4, -1, False, False, "gptq"),
     "gptq8-g64-sym-v1-act-order": CheckpointQuantization("gptq", 8, 64, True, True, "gptq"),
     "awq4-g64": CheckpointQuantization("awq", 4, 64, False, False, "gemm"),
+    "qwen2-gptq4-g64-asym-v2": CheckpointQuantization("gptq", 4, 64, False, False, "gptq_v2"),
+    "qwen2-awq4-g32": CheckpointQuantization("awq", 4, 32, False, False, "gemm"),
 }
 
 
@@ -257,7 +263,7 @@ CASES = {
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cq = CASES[request.param]
     base = tmp_path_factory.mktemp(request.param)
-    hf = tiny_llama()
+    hf = tiny_llama(qwen2=request.param.startswith("qwen2"))
     dequantized = write_quantized(hf, base / "quantized", cq)
     write_dequantized(hf, base / "dense", dequantized)
     return {"cq": cq, "dir": base / "quantized", "dense": base / "dense", "dequantized": dequantized}
