@@ -132,6 +132,10 @@ def parse_quantization_config(
             f"{source}: group_size {group} is not supported for 4 bits (int4 groups are 32, 64 or 128; "
             "a multiple of 32 or -1 is re-expressed with those)"
         )
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise UnsupportedQuantization(
+            f"{source}: pack_dtype {qc['pack_dtype']!r} is not supported (supported: int32)"
+        )
     if qc.get("lm_head"):
         raise UnsupportedQuantization(f"{source}: lm_head true (a quantized LM head) is not supported")
     if qc.get("dynamic"):

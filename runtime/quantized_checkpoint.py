@@ -173,6 +173,14 @@ def load_quantized(
                 if all(s in parts for s in suffixes):
                     finish(module)
                 continue
+            if (
+                suffix == "bias"
+                and (mod := modules.get(target_of(module)[0])) is not None
+                and mod.bias is None
+            ):
+                if bool((tensor == 0).all()):
+                    continue  # GPTQ-for-LLaMa and early auto-gptq saved an all-zero bias for every layer
+                raise ValueError(f"{name}: a non-zero bias for a layer that has none in this architecture")
             if suffix == "weight" and target_of(module)[0] in modules:
                 raise UnsupportedQuantization(
                     f"{cq.source}: layer {module} is stored unquantized in this {cq.method.upper()} checkpoint "

@@ -446,6 +446,10 @@ def test_unpacking_is_the_inverse_of_packing() -> None:
         ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes' is not supported"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, r"lm_head true"),
         (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"},
+            r"pack_dtype 'int16'",
+        ),
+        (
             {"quant_method": "awq", "bits": 4, "group_size": 128, "modules_to_not_convert": ["down_proj"]},
             r"modules_to_not_convert",
         ),
@@ -535,4 +539,27 @@ def test_fused_pieces_with_different_act_orders_are_refused(tmp_path: Path) -> N
     tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(UnsupportedQuantization, match=r"desc_act: the pieces of fused layer .*qkv_proj"):
+        cpu_load(tmp_path)
+
+
+def test_all_zero_biases_of_bias_free_layers_are_skipped(tmp_path: Path) -> None:
+    """GPTQ-for-LLaMa and early auto-gptq wrote a zero `bias` for every layer; a non-zero one is an error."""
+    from safetensors.torch import load_file
+
+    hf = tiny_llama()
+    cq = CheckpointQuantization("gptq", 4, 32, True, False, "gptq")
+    deq = write_quantized(hf, tmp_path, cq)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(".qweight"):
+            tensors[name.replace(".qweight", ".bias")] = torch.zeros(
+                tensors[name].shape[1], dtype=torch.float16
+            )
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    mod = cpu_load(tmp_path).model.model.layers[0].self_attn.o_proj
+    assert mod.bias is None and mod.qweight is not None
+    assert torch.equal(mod.qweight.dequantize(), deq["model.layers.0.self_attn.o_proj"])
+    tensors["model.layers.0.self_attn.o_proj.bias"][3] = 1.0
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj\.bias: a non-zero bias"):
         cpu_load(tmp_path)
