@@ -90,13 +90,15 @@ def pack_columns(values: torch.Tensor, bits: int, order: tuple[int, ...] | None 
     return to_int32(sum(v[..., order[j]] << (bits * j) for j in range(per)))
 
 
-def quantize(w: torch.Tensor, qc: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Min/max quantization of W [N, K] in qc's format -> the layer's checkpoint tensors."""
+def quantize(w: torch.Tensor, qc: dict[str, Any], importance: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Min/max quantization of W [N, K] in qc's format -> the layer's checkpoint tensors; with
+    desc_act, groups follow decreasing `importance` of the input features (GPTQ: the Hessian
+    diagonal, which layers sharing an input share)."""
     n, k = w.shape
     bits, group = int(qc["bits"]), int(qc["group_size"])
     group = k if group == -1 else group
     maxq = 2**bits - 1
-    order = torch.argsort(w.norm(dim=0), descending=True) if qc.get("desc_act") else torch.arange(k)
+    order = torch.argsort(importance, descending=True, stable=True) if qc.get("desc_act") else torch.arange(k)
     g_idx = torch.empty(k, dtype=torch.int64)
     g_idx[order] = torch.arange(k) // group
     wg = w[:, order].double().reshape(n, k // group, group)
@@ -126,6 +128,18 @@ def quantize(w: torch.Tensor, qc: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
+def input_importance(state: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """A stand-in for the Hessian diagonal without calibration data: the norm weight in front of
+    q/k/v (input_layernorm) and gate/up (post_attention_layernorm), else the layer's column norms."""
+    layer, _, proj = module.rpartition(".")
+    block = layer.rpartition(".")[0]  # model.layers.N
+    if proj in ("q_proj", "k_proj", "v_proj"):
+        return state[f"{block}.input_layernorm.weight"].abs()
+    if proj in ("gate_proj", "up_proj"):
+        return state[f"{block}.post_attention_layernorm.weight"].abs()
+    return state[f"{module}.weight"].norm(dim=0)
+
+
 def write_checkpoints(workdir: Path) -> dict[str, Path]:
     import transformers as tf
 
@@ -144,7 +158,10 @@ def write_checkpoints(workdir: Path) -> dict[str, Path]:
         for key, w in state.items():
             module = key.removesuffix(".weight")
             if qc is not None and key.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
-                tensors.update({f"{module}.{k}": v.contiguous() for k, v in quantize(w, qc).items()})
+                importance = input_importance(state, module)
+                tensors.update(
+                    {f"{module}.{k}": v.contiguous() for k, v in quantize(w, qc, importance).items()}
+                )
             else:
                 tensors[key] = w.contiguous()
         save_file(tensors, str(out / "model.safetensors"))
