@@ -40,6 +40,7 @@ import torch
 
 from kvpilot.kernels import qlinear
 from kvpilot.kernels.qlinear import QuantizedWeight
+from kvpilot.runtime.config import ConfigError
 
 METHODS = ("gptq", "awq")
 GPTQ_BITS = (4, 8)
@@ -82,8 +83,9 @@ class CheckpointQuantization:
         return f"{self.method.upper()} {self.bits}-bit, {group}{sym}{extra}"
 
 
-class UnsupportedQuantization(ValueError):
-    """A checkpoint's quantization the runtime cannot take; the message names the setting."""
+class UnsupportedQuantization(ConfigError):
+    """A checkpoint's quantization the runtime cannot take; the message names the setting (a
+    ConfigError: `kvpilot serve` prints it on one line and exits 2)."""
 
 
 def read_checkpoint_quantization(directory: Path, config: dict[str, Any]) -> CheckpointQuantization | None:

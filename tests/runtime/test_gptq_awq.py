@@ -563,3 +563,30 @@ def test_all_zero_biases_of_bias_free_layers_are_skipped(tmp_path: Path) -> None
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"o_proj\.bias: a non-zero bias"):
         cpu_load(tmp_path)
+
+
+def test_serve_refuses_int8_on_a_gptq_checkpoint_exiting_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from kvpilot.net import free_port
+    from kvpilot.runtime import cli
+
+    write_quantized(tiny_llama(), tmp_path, CheckpointQuantization("gptq", 4, 32, True, False, "gptq"))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = [str(tmp_path), "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1"]
+    argv += [
+        "--port",
+        str(free_port()),
+        "--kv-cache-memory",
+        "4MiB",
+        "--threads",
+        "1",
+        "--quantization",
+        "int8",
+    ]
+    assert cli.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert "--quantization int8:" in err and "GPTQ 4-bit, group 32" in err and "Traceback" not in err
