@@ -54,7 +54,7 @@ class EngineConfig(BaseModel):
     quantization: Quantization | None = Field(
         None,
         description="weight-only quantization of every linear layer: int8 (per output channel), int4 "
-        "(group-wise), auto (the checkpoint's own: a Q8_0/Q4_x GGUF); default: none",
+        "(group-wise), auto (the checkpoint's own: a Q8_0/Q4_x GGUF, a GPTQ/AWQ directory); default: none",
     )
     quantization_group_size: Literal[32, 64, 128] = Field(
         32, description="int4 weights per scale and min (along the input dimension)"

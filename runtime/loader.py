@@ -13,6 +13,7 @@ weight_loader keeps this rank's tensor-parallel shard.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -28,10 +29,16 @@ import torch
 from tqdm import tqdm
 
 from kvpilot.kernels import isa
+from kvpilot.runtime import quant_formats
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
+from kvpilot.runtime.quant_formats import (
+    CheckpointQuantization,
+    UnsupportedQuantization,
+    read_checkpoint_quantization,
+)
 from kvpilot.runtime.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 
 if TYPE_CHECKING:
@@ -475,16 +482,25 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.
 # Putting it together
 
 
-def build_model(arch: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """An (uninitialized) model of `arch` with parameters in `dtype` on `device`."""
+def build_model(
+    arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, quantized_linears: bool = False
+) -> CausalLM:
+    """An (uninitialized) model of `arch` with parameters in `dtype` on `device`; with
+    `quantized_linears`, its linear layers get no weight (a GPTQ/AWQ checkpoint sets quantized ones)."""
+    from kvpilot.runtime.models.layers import deferred_linear_weights
+
     cls = get_model_class(arch.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with device:
+        with device, deferred_linear_weights() if quantized_linears else contextlib.nullcontext():
             model = cls(arch)
     finally:
         torch.set_default_dtype(previous)
+    if quantized_linears:
+        from kvpilot.runtime.quantized_checkpoint import drop_linear_weights
+
+        drop_linear_weights(model)
     return model
 
 
@@ -499,13 +515,40 @@ def load_gguf(
     return model, tokenizer, arch
 
 
+def checkpoint_quantization(path: Path) -> CheckpointQuantization | None:
+    """The GPTQ/AWQ settings of a Hugging Face directory; None for a GGUF file or a 16/32-bit one."""
+    if path.is_file() or not (path / "config.json").is_file():
+        return None  # a directory without config.json is refused when it is loaded
+    return read_checkpoint_quantization(path, read_json(path / "config.json"))
+
+
 def load_hf_dir(
     path: Path, device: torch.device, dtype: torch.dtype
 ) -> tuple[CausalLM, Tokenizer, ModelArchConfig]:
     arch = hf_arch_config(path)
     tokenizer = Tokenizer.from_hf_dir(path)
-    model = build_model(arch, device, dtype)
-    model.load_weights(iter_safetensors_weights(path))
+    cq = checkpoint_quantization(path)
+    if cq is not None and arch.is_moe:
+        raise UnsupportedQuantization(
+            f"{cq.source}: {cq.method.upper()} checkpoints of Mixture-of-Experts models ({arch.architecture}) "
+            "are not supported yet"
+        )
+    if cq is not None:
+        quant_formats.check_widths(
+            cq,
+            {
+                "hidden_size": arch.hidden_size,
+                "intermediate_size": arch.intermediate_size,
+                "num_attention_heads * head_dim": arch.num_attention_heads * arch.head_dim,
+            },
+        )
+    model = build_model(arch, device, dtype, quantized_linears=cq is not None)
+    if cq is None:
+        model.load_weights(iter_safetensors_weights(path))
+    else:
+        from kvpilot.runtime.quantized_checkpoint import load_quantized
+
+        load_quantized(model, iter_safetensors_weights(path), cq, device)
     return model, tokenizer, arch
 
 
@@ -529,13 +572,15 @@ _LINEAR_GGUF = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 
 
 def quantization_method(requested: str | None, path: Path) -> str | None:
-    """The weight quantization to apply: int8/int4 as asked; `auto` follows a GGUF file's own
-    storage type of its linear weights (Q8_0 -> int8, Q4_0/Q4_1/Q4_K -> int4), else none."""
+    """The weight quantization to apply after loading: int8/int4 as asked; `auto` follows a GGUF
+    file's own storage type of its linear weights (Q8_0 -> int8, Q4_0/Q4_1/Q4_K -> int4), else none
+    (a GPTQ/AWQ directory loads its quantized layers as stored: nothing left to apply)."""
     if requested != "auto":
         return requested
     if not path.is_file():
-        log.info("--quantization auto: %s is not a quantized GGUF file, weights stay unquantized", path)
-        return None
+        if checkpoint_quantization(path) is None:
+            log.info("--quantization auto: %s is not a quantized checkpoint, weights stay unquantized", path)
+        return None  # a GPTQ/AWQ directory's layers were loaded quantized already
     from kvpilot.runtime.quantization import auto_method
 
     with GGUFFile(path) as f:
@@ -545,6 +590,20 @@ def quantization_method(requested: str | None, path: Path) -> str | None:
     return method
 
 
+def check_checkpoint_quantization(requested: str | None, path: Path) -> CheckpointQuantization | None:
+    """A GPTQ/AWQ checkpoint loads with its own quantization (--quantization unset or auto);
+    int8/int4 would requantize already quantized weights and are refused naming the flag."""
+    cq = checkpoint_quantization(path)
+    if cq is not None and requested not in (None, "auto"):
+        raise UnsupportedQuantization(
+            f"--quantization {requested}: {path} is a {cq.describe()} checkpoint; its weights load as "
+            "stored (leave --quantization unset or use auto)"
+        )
+    if cq is not None:
+        log.info("--quantization %s: the checkpoint's own, %s", requested or "unset", cq.describe())
+    return cq
+
+
 def load_model(
     cfg: EngineConfig, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
 ) -> LoadedModel:
@@ -552,6 +611,7 @@ def load_model(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)
     path = resolve_model_path(cfg.model)
+    check_checkpoint_quantization(cfg.quantization, path)
     loader = load_gguf if path.is_file() else load_hf_dir
     model, tokenizer, arch = loader(path, dev, torch_dtype)
     if cfg.enable_expert_parallel and not arch.is_moe:  # tp > 1 refuses this before starting workers

@@ -8,7 +8,8 @@ one QuantizedWeight per expert for each of its two stacked weights (`FusedMoE.qu
 The embedding and the LM head (tied to the embedding in the small models) stay in the model dtype.
 `auto` takes the checkpoint's own quantization: a GGUF file whose linear weights are stored as Q8_0
 becomes int8 (group 32) and one with Q4_0/Q4_1 becomes int4 (group 32) — the same values, requantized
-from the loaded copy; a 16/32-bit checkpoint stays unquantized.
+from the loaded copy; a 16/32-bit checkpoint stays unquantized. A GPTQ/AWQ directory's linear
+layers are loaded quantized as they are read (runtime/quant_formats.py), so nothing is left here.
 
 A layer that cannot take the method (for int4, an input size that is not a multiple of the group)
 is refused before anything changes, with an error that names the flag.

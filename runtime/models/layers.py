@@ -9,7 +9,8 @@ tensor-parallel world size 1 the layers are plain linears/embeddings.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,6 +45,27 @@ def get_weight_loader(param: nn.Parameter) -> WeightLoader:
 def _new_param(*shape: int) -> nn.Parameter:
     # Uninitialized: every parameter is overwritten by a weight loader.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+_defer_linear_weights = False
+
+
+@contextmanager
+def deferred_linear_weights() -> Iterator[None]:
+    """Build linear layers with their weight on the meta device (no memory): a GPTQ/AWQ checkpoint
+    then sets each layer's quantized weight instead (runtime/loader.py)."""
+    global _defer_linear_weights
+    before, _defer_linear_weights = _defer_linear_weights, True
+    try:
+        yield
+    finally:
+        _defer_linear_weights = before
+
+
+def _new_linear_weight(*shape: int) -> nn.Parameter:
+    if _defer_linear_weights:
+        return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+    return _new_param(*shape)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -186,10 +208,17 @@ class RotaryEmbedding(nn.Module):
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor | None, qweight: QuantizedWeight | None, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    qweight: QuantizedWeight | None,
+    bias: torch.Tensor | None,
+    input_perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, or the weight-only quantized matmul once the layer's weight has been quantized."""
+    """F.linear, or the weight-only quantized matmul once the layer's weight has been quantized
+    (with the input features gathered by `input_perm` first for a GPTQ act-order weight)."""
     if qweight is not None:
+        if input_perm is not None:
+            x = x.index_select(-1, input_perm)
         return qlinear.matmul(x, qweight, bias)
     assert weight is not None
     return F.linear(x, weight, bias)
@@ -209,9 +238,10 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_rank = divide(output_size, self.tp_size)
         self.gather_output = gather_output
         self.lora: Any = None  # runtime/lora/layers.LoRALinear once LoRA serving attaches one
-        self.weight = _new_param(self.output_size_per_rank, input_size)
+        self.weight = _new_linear_weight(self.output_size_per_rank, input_size)
         set_weight_loader(self.weight, self.weight_loader)
         self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
+        self.input_perm: torch.Tensor | None = None  # GPTQ act-order: qweight's input feature order
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = _new_param(self.output_size_per_rank)
@@ -222,7 +252,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, self.qweight, self.bias)
+        y = _linear(x, self.weight, self.qweight, self.bias, self.input_perm)
         if self.lora is not None:
             y = self.lora.add_delta(x, y)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
@@ -302,9 +332,10 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide(input_size, self.tp_size)
         self.output_size = output_size
         self.lora: Any = None  # runtime/lora/layers.LoRALinear once LoRA serving attaches one
-        self.weight = _new_param(output_size, self.input_size_per_rank)
+        self.weight = _new_linear_weight(output_size, self.input_size_per_rank)
         set_weight_loader(self.weight, self.weight_loader)
         self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
+        self.input_perm: torch.Tensor | None = None  # GPTQ act-order: qweight's input feature order
         self.bias: nn.Parameter | None = None
         if bias:  # replicated: added once, after the reduction
             self.bias = _new_param(output_size)
@@ -316,9 +347,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            y = _linear(x, self.weight, self.qweight, self.bias)
+            y = _linear(x, self.weight, self.qweight, self.bias, self.input_perm)
             return y if self.lora is None else self.lora.add_delta(x, y)
-        y = _linear(x, self.weight, self.qweight, None)
+        y = _linear(x, self.weight, self.qweight, None, self.input_perm)
         if self.lora is not None:  # this rank's partial LoRA product joins the all-reduce
             y = self.lora.add_delta(x, y)
         y = tp_all_reduce(y)
