@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_qmatmul.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
+    lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i]
+    lib.kvpilot_qmoe.restype = i
 
 
 EXTENSION = cbuild.Extension(SOURCE, CFLAGS, _declare, "dequantizing for torch matmuls")
@@ -300,3 +303,88 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = Non
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
     return dequantize_matmul(x, qw, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# A Mixture-of-Experts layer's quantized experts in one call (kvpilot_qmoe in the C source)
+
+
+@dataclass
+class ExpertTable:
+    """One layer's quantized experts as the pointer arrays the fused C call takes (built once per
+    layer; `experts` keeps the tensors alive)."""
+
+    bits: int
+    group: int
+    hidden: int
+    inter: int
+    pointers: tuple[ctypes.Array[ctypes.c_void_p], ...]
+    experts: tuple[list[QuantizedWeight], list[QuantizedWeight]]
+
+
+def expert_table(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> ExpertTable | None:
+    """The table for experts of one format (all int8 per channel, or all int4 with one group), on CPU;
+    None when they differ or are not on the CPU (then `moe_grouped`'s per-expert loop runs them)."""
+    first, every = w13[0], w13 + w2
+    if any(q.bits != first.bits or q.packed.device.type != "cpu" for q in every):
+        return None
+    if first.bits == 8 and any(q.group != q.in_features for q in every):
+        return None  # int8: per channel only
+    if first.bits == 4 and any(q.group != first.group for q in every):
+        return None
+
+    def array(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array[ctypes.c_void_p]:
+        return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+    pointers = tuple(
+        array([part(q) for q in experts])
+        for experts in (w13, w2)
+        for part in (lambda q: q.packed, lambda q: q.scales, lambda q: q.mins)
+    )
+    return ExpertTable(first.bits, first.group, first.in_features, w2[0].in_features, pointers, (w13, w2))
+
+
+def fused_experts(
+    x: torch.Tensor, table: ExpertTable, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int = 0
+) -> torch.Tensor | None:
+    """`moe_grouped`'s result on quantized experts in one C call, or None where it does not apply
+    (not CPU f32/bf16, float activations, a format without the int8-activation path, or more rows
+    per expert on average than SMALL_M: there dequantize + matmul per expert is faster)."""
+    t, k = ids.shape
+    experts = len(table.experts[0])
+    if not (
+        x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and INT8_ACTIVATIONS
+        and t * k <= SMALL_M * experts
+        and available()
+        and built_isa() in ("avx512", "avx2")
+    ):
+        return None
+    x2 = x.contiguous()
+    out = torch.empty_like(x2)
+    ids64 = ids.to(torch.int64).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    p = table.pointers
+    rc = _library().kvpilot_qmoe(
+        x2.data_ptr(),
+        _DTYPES[x.dtype],
+        out.data_ptr(),
+        t,
+        table.hidden,
+        table.inter,
+        k,
+        ids64.data_ptr(),
+        w.data_ptr(),
+        experts,
+        expert_offset,
+        *p,
+        table.bits,
+        table.group,
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        return None
+    if rc != 0:
+        raise ValueError(f"fused experts kernel rejected its arguments (code {rc})")
+    return out

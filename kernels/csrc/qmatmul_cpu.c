@@ -18,6 +18,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include "dtypes.h"
@@ -64,6 +65,7 @@ static inline float dot(const float *restrict a, const float *restrict b, long K
 #include <immintrin.h>
 #define QB 32 /* activations are quantized to int8 in blocks of QB (llama.cpp's Q8_0 block) */
 #define MB 4  /* rows of x per pass over a weight row */
+#define SMALL_COLUMN 64 /* output rows computed per weight row before they are stored */
 
 /* Integer dot products of unsigned bytes `u` (weights: int4 codes, or |w| for int8) with signed bytes
  * `s` (activations, sign-flipped where w < 0), 4 products summed per int32 lane. With AVX512-VNNI one
@@ -229,6 +231,79 @@ static inline __attribute__((always_inline)) void row_dots_q8(const int8_t *xq, 
 }
 #endif
 
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* A weight's scale index shift for activation block b (sc[b >> shift]), or -1 when the int8-activation
+ * path does not apply (group not a power-of-two multiple of QB, and more than one group a row). */
+static int group_shift(long K, int group) {
+    if (group % QB || K % group) return -1;
+    if (K == group) return 62; /* one group per row (int8 per channel): every block -> scale 0 */
+    int shift = 0;
+    while ((QB << shift) < group) shift++;
+    return (QB << shift) == group ? shift : -1;
+}
+
+/* M rows of activations quantized for one weight format (quantize_rows), and dxe for avx512 */
+typedef struct {
+    long M, K, ng;
+    int8_t *xq;
+    float *dx, *dxe, *xs, *rs;
+} q8_acts;
+
+static void q8_free(q8_acts *a) {
+    free(a->xq), free(a->dx), free(a->dxe), free(a->xs), free(a->rs);
+    a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL;
+}
+
+static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group) {
+    a->M = M, a->K = K, a->ng = K / group;
+    a->xq = (int8_t *)malloc((size_t)(M * K) + 1);
+    a->dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB)) + 4);
+    a->xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * a->ng) + 4) : NULL;
+    a->rs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * a->ng) + 4) : NULL;
+    a->dxe = NULL;
+#if defined(KVPILOT_ISA_AVX512)
+    a->dxe = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB) * 8) + 4);
+    if (!a->dxe) {
+        q8_free(a);
+        return -3;
+    }
+#endif
+    if (!a->xq || !a->dx || (wbits == 4 && (!a->xs || !a->rs))) {
+        q8_free(a);
+        return -3;
+    }
+    quantize_rows(xf, M, K, wbits, group, a->xq, a->dx, a->xs, a->rs);
+    if (a->dxe)
+        for (long i = 0; i < M * (K / QB) * 8; i++) a->dxe[i] = a->dx[i / 8];
+    return 0;
+}
+
+/* dst[m * ld] = activation row (first + m) . dequant(weight row w) for m < rows */
+static void weight_row_dots(const q8_acts *a, long first, long rows, const uint8_t *w, int wbits, int gshift,
+                            const uint16_t *sc, const uint16_t *mn, float *dst, long ld) {
+    const long K = a->K, ng = a->ng;
+    for (long m0 = first; m0 < first + rows; m0 += MB) {
+        const int mb = first + rows - m0 < MB ? (int)(first + rows - m0) : MB;
+        const int8_t *q = a->xq + m0 * K;
+        const float *d = a->dx + m0 * (K / QB), *de = a->dxe ? a->dxe + m0 * (K / QB) * 8 : NULL;
+        const float *s = a->xs ? a->xs + m0 * ng : NULL, *rr = a->rs ? a->rs + m0 * ng : NULL;
+        float sums[MB];
+        switch (mb) { /* a constant row count per call: accumulators in registers */
+        case 1: row_dots_q8(q, d, de, s, rr, 1, K, w, wbits, gshift, ng, sc, mn, sums); break;
+        case 2: row_dots_q8(q, d, de, s, rr, 2, K, w, wbits, gshift, ng, sc, mn, sums); break;
+        case 3: row_dots_q8(q, d, de, s, rr, 3, K, w, wbits, gshift, ng, sc, mn, sums); break;
+        default: row_dots_q8(q, d, de, s, rr, 4, K, w, wbits, gshift, ng, sc, mn, sums); break;
+        }
+        for (int r = 0; r < mb; r++) dst[(m0 - first + r) * ld] = sums[r];
+    }
+}
+#endif
+
+static void to_float(const void *x, int dtype, long n, float *out) {
+    for (long i = 0; i < n; i++)
+        out[i] = dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
 int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
                     const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
                     int num_threads, int int8_activations) {
@@ -237,56 +312,29 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
         return -1;
     float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
     if (!xf) return -3;
-    for (long i = 0; i < M * K; i++)
-        xf[i] = dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    to_float(x, dtype, M * K, xf);
     const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
     int failed = 0;
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
-    /* the weight scale of activation block b is sc[b >> gshift]: group a power-of-two multiple of QB,
-     * or one group per row (int8 per channel) */
-    int gshift = 0;
-    while ((QB << gshift) < group) gshift++;
-    if (int8_activations && group % QB == 0 && (ng == 1 || (QB << gshift) == group)) {
-        if (ng == 1) gshift = 62; /* every block -> scale 0 */
-        int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-        float *dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB)));
-        float *xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * ng)) : NULL;
-        float *rs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * ng)) : NULL;
-        if (!xq || !dx || (wbits == 4 && (!xs || !rs))) {
-            free(xq), free(dx), free(xs), free(rs), free(xf);
+    const int gshift = group_shift(K, group);
+    if (int8_activations && gshift >= 0) {
+        q8_acts acts;
+        if (q8_quantize(&acts, xf, M, K, wbits, group)) {
+            free(xf);
             return -3;
         }
-        quantize_rows(xf, M, K, wbits, group, xq, dx, xs, rs);
-        float *dxe = NULL;
-#if defined(KVPILOT_ISA_AVX512)
-        dxe = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB) * 8));
-        if (!dxe) {
-            free(xq), free(dx), free(xs), free(rs), free(xf);
-            return -3;
-        }
-        for (long i = 0; i < M * (K / QB) * 8; i++) dxe[i] = dx[i / 8];
-#endif
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (long n = 0; n < N; n++) {
             const float b = !bias ? 0.0f
                             : dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
                                                : ((const float *)bias)[n];
-            const uint8_t *wn = w + n * row_bytes;
-            const uint16_t *sn = scales + n * ng, *mn = mins ? mins + n * ng : NULL;
-            for (long m0 = 0; m0 < M; m0 += MB) {
-                const int mb = M - m0 < MB ? (int)(M - m0) : MB;
-                const int8_t *q = xq + m0 * K;
-                const float *d = dx + m0 * (K / QB), *s = xs ? xs + m0 * ng : NULL, *rr = rs ? rs + m0 * ng : NULL;
-                const float *de = dxe ? dxe + m0 * (K / QB) * 8 : NULL;
-                float sums[MB];
-                switch (mb) { /* a constant row count per call: accumulators in registers */
-                case 1: row_dots_q8(q, d, de, s, rr, 1, K, wn, wbits, gshift, ng, sn, mn, sums); break;
-                case 2: row_dots_q8(q, d, de, s, rr, 2, K, wn, wbits, gshift, ng, sn, mn, sums); break;
-                case 3: row_dots_q8(q, d, de, s, rr, 3, K, wn, wbits, gshift, ng, sn, mn, sums); break;
-                default: row_dots_q8(q, d, de, s, rr, 4, K, wn, wbits, gshift, ng, sn, mn, sums); break;
-                }
-                for (int r = 0; r < mb; r++) {
-                    const float v = sums[r] + b;
+            float col[SMALL_COLUMN];
+            for (long m0 = 0; m0 < M; m0 += SMALL_COLUMN) {
+                const long rows = M - m0 < SMALL_COLUMN ? M - m0 : SMALL_COLUMN;
+                weight_row_dots(&acts, m0, rows, w + n * row_bytes, wbits, gshift, scales + n * ng,
+                                mins ? mins + n * ng : NULL, col, 1);
+                for (long r = 0; r < rows; r++) {
+                    const float v = col[r] + b;
                     if (dtype == DT_BF16)
                         ((uint16_t *)out)[(m0 + r) * N + n] = f32_to_bf16(v);
                     else
@@ -294,7 +342,8 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
                 }
             }
         }
-        free(xq), free(dx), free(dxe), free(xs), free(rs), free(xf);
+        q8_free(&acts);
+        free(xf);
         return 0;
     }
 #endif
@@ -353,4 +402,111 @@ int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *s
         free(wf);
     }
     return failed ? -3 : 0;
+}
+
+/*
+ * A Mixture-of-Experts layer's experts in one call, quantized weights, int8 activations (the path
+ * above): out[t] = sum over t's top-k slots j held here of wts[t, j] * expert_e(x[t]), with
+ * expert_e(x) = w2_e . (silu(g) * u), [g; u] = w13_e . x. x: [T, H] (dtype); ids, wts: [T, topk]
+ * (global expert ids, float32 routing weights); experts offset .. offset + E - 1 are held here, the
+ * rest contribute zero; w13_e: [2I, H] and w2_e: [H, I] given per expert as (codes, scales, mins)
+ * pointer arrays. Each token's activations are quantized once for all its experts, each active
+ * expert's weight rows are read once for all its tokens, and both passes run in one parallel loop
+ * over (expert, weight row), so there is no per-expert call. Intermediates stay float32.
+ * Returns -1 on bad arguments, -2 when the int8-activation path does not apply (the caller falls
+ * back to one matmul pair per expert), -3 when out of memory.
+ */
+int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, int topk, const int64_t *ids,
+                 const float *wts, long E, long offset, const uint8_t *const *w13, const uint16_t *const *s13,
+                 const uint16_t *const *m13, const uint8_t *const *w2, const uint16_t *const *s2,
+                 const uint16_t *const *m2, int wbits, int group, int num_threads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || T <= 0 || topk <= 0 || E <= 0)
+        return -1;
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+    const int g13 = wbits == 8 ? (int)H : group, g2 = wbits == 8 ? (int)I : group;
+    const int sh13 = group_shift(H, g13), sh2 = group_shift(I, g2);
+    if (sh13 < 0 || sh2 < 0) return -2;
+    const long rb13 = wbits == 8 ? H : H / 2, rb2 = wbits == 8 ? I : I / 2;
+    /* assignments (t, j) held here, grouped by expert in token order: a counting sort */
+    long *count = (long *)calloc((size_t)E + 1, sizeof(long));
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(T * H));
+    if (!count || !xf) {
+        free(count), free(xf);
+        return -3;
+    }
+    for (long a = 0; a < T * topk; a++) {
+        const long e = ids[a] - offset;
+        if (e >= 0 && e < E) count[e + 1]++;
+    }
+    for (long e = 0; e < E; e++) count[e + 1] += count[e]; /* count[e]: first row of expert e */
+    const long A = count[E];
+    long *fill = (long *)malloc(sizeof(long) * (size_t)(E + 1)), *row_of = (long *)malloc(sizeof(long) * (size_t)(T * topk));
+    float *gathered = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * 2 * I));
+    float *partial = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
+    int rc = -3;
+    q8_acts a13 = {0}, a2 = {0};
+    if (!fill || !row_of || !gathered || !gu || !partial) goto done;
+    memcpy(fill, count, sizeof(long) * (size_t)(E + 1));
+    to_float(x, dtype, T * H, xf);
+    for (long a = 0; a < T * topk; a++) {
+        const long e = ids[a] - offset;
+        row_of[a] = -1;
+        if (e < 0 || e >= E) continue;
+        row_of[a] = fill[e]++;
+        memcpy(gathered + row_of[a] * H, xf + (a / topk) * H, sizeof(float) * (size_t)H);
+    }
+    rc = 0;
+    if (A > 0) {
+        if (q8_quantize(&a13, gathered, A, H, wbits, g13)) {
+            rc = -3;
+            goto done;
+        }
+        /* pass 1: [g; u] = w13_e . x for every (expert, row of w13) */
+#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
+        for (long item = 0; item < E * 2 * I; item++) {
+            const long e = item / (2 * I), n = item % (2 * I), rows = count[e + 1] - count[e];
+            if (!rows) continue;
+            weight_row_dots(&a13, count[e], rows, w13[e] + n * rb13, wbits, sh13, s13[e] + n * (H / g13),
+                            wbits == 4 ? m13[e] + n * (H / g13) : NULL, gu + count[e] * 2 * I + n, 2 * I);
+        }
+        for (long r = 0; r < A; r++) /* silu(g) * u, in place over the first I columns */
+            for (long i = 0; i < I; i++) {
+                const float g = gu[r * 2 * I + i];
+                gu[r * I + i] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + i];
+            }
+        if (q8_quantize(&a2, gu, A, I, wbits, g2)) {
+            rc = -3;
+            goto done;
+        }
+        /* pass 2: w2_e . act for every (expert, row of w2) */
+#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
+        for (long item = 0; item < E * H; item++) {
+            const long e = item / H, n = item % H, rows = count[e + 1] - count[e];
+            if (!rows) continue;
+            weight_row_dots(&a2, count[e], rows, w2[e] + n * rb2, wbits, sh2, s2[e] + n * (I / g2),
+                            wbits == 4 ? m2[e] + n * (I / g2) : NULL, partial + count[e] * H + n, H);
+        }
+    }
+    for (long t = 0; t < T; t++) /* combine each token's slots with their routing weights */
+        for (long h = 0; h < H; h++) {
+            float v = 0.0f;
+            for (int j = 0; j < topk; j++) {
+                const long r = row_of[t * topk + j];
+                if (r >= 0) v += wts[t * topk + j] * partial[r * H + h];
+            }
+            if (dtype == DT_BF16)
+                ((uint16_t *)out)[t * H + h] = f32_to_bf16(v);
+            else
+                ((float *)out)[t * H + h] = v;
+        }
+done:
+    q8_free(&a13), q8_free(&a2);
+    free(count), free(xf), free(fill), free(row_of), free(gathered), free(gu), free(partial);
+    return rc;
+#else
+    (void)x, (void)out, (void)H, (void)I, (void)ids, (void)wts, (void)offset, (void)w13, (void)s13, (void)m13;
+    (void)w2, (void)s2, (void)m2, (void)group, (void)num_threads;
+    return -2;
+#endif
 }

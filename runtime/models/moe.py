@@ -274,6 +274,7 @@ class FusedMoE(nn.Module):
         # set by `quantize` (runtime/quantization.py), which frees w13 and w2
         self.q13: list[QuantizedWeight] | None = None
         self.q2: list[QuantizedWeight] | None = None
+        self._table: tuple[int, qlinear.ExpertTable | None] | None = None  # (id of q13, its table)
         # None: chosen per input by `moe_backend_name`; one of MOE_BACKENDS to force it (tests, benchmarks)
         self.backend: str | None = None
 
@@ -321,6 +322,15 @@ class FusedMoE(nn.Module):
         self.w2 = None  # type: ignore[assignment]
         return before, after
 
+    def expert_table(self) -> qlinear.ExpertTable | None:
+        """The quantized experts' pointer table for qlinear.fused_experts (one C call for the whole
+        layer on CPU), built once per set of quantized experts; None when they cannot take it."""
+        if self.q13 is None or self.q2 is None:
+            return None
+        if self._table is None or self._table[0] != id(self.q13):
+            self._table = (id(self.q13), qlinear.expert_table(self.q13, self.q2))
+        return self._table[1]
+
     def backend_for(self, x: torch.Tensor) -> str:
         """The backend this input runs on (`self.backend` when set, else `moe_backend_name`)."""
         if self.backend is not None:
@@ -344,7 +354,15 @@ class FusedMoE(nn.Module):
         active expert (quantized experts: qlinear's kernel on each expert's rows)."""
         name = self.backend_for(x)
         if self.q13 is not None and self.q2 is not None:
-            return moe_grouped(x, self.q13, self.q2, weights, ids, self.expert_offset)
+            table = self.expert_table()
+            fused = (
+                None if table is None else qlinear.fused_experts(x, table, weights, ids, self.expert_offset)
+            )
+            return (
+                fused
+                if fused is not None
+                else moe_grouped(x, self.q13, self.q2, weights, ids, self.expert_offset)
+            )
         return _BACKEND_FNS[name](x, self.w13, self.w2, weights, ids, self.expert_offset)
 
 

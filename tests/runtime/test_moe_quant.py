@@ -232,3 +232,58 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(
             worst = max(worst, float((mine - theirs).abs().max() / theirs.abs().max()))
     assert 0 < worst < 0.03
     print(f"\nint8 experts, tp=2{' EP' if ep else ''}: worst logit difference vs tp=1 {worst:.2g}")
+
+
+@pytest.mark.parametrize(("method", "group"), [*METHODS, ("int4", 64)])
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 8, 2), (7, 8, 2), (32, 16, 4)])
+def test_fused_experts_is_the_per_expert_loop_in_one_call(
+    method: str, group: int, t: int, e: int, k: int
+) -> None:
+    """qlinear.fused_experts (one C call for the layer: each token quantized once, each active
+    expert's rows read once, float32 intermediates) computes what moe_grouped's loop of per-expert
+    kernel calls computes, whole and split between expert-parallel ranks."""
+    if not qlinear.available() or qlinear.built_isa() not in ("avx512", "avx2"):
+        missing("qlinear's C kernel at the avx512 or avx2 level", "a C compiler and an x86-64 CPU with AVX2")
+    x, w13, w2, weights, ids = _random_moe(t, e, k, h=128, i=64, seed=t)
+    q13, q2 = _quantize(w13, method, group or 32), _quantize(w2, method, group or 32)
+    table = qlinear.expert_table(q13, q2)
+    assert table is not None
+    got = qlinear.fused_experts(x, table, weights, ids)
+    assert got is not None
+    torch.testing.assert_close(got, moe_grouped(x, q13, q2, weights, ids), rtol=1e-4, atol=1e-5)
+    half = e // 2
+    parts = [
+        qlinear.fused_experts(x, qlinear.expert_table(q13[a:b], q2[a:b]), weights, ids, a)  # type: ignore[arg-type]
+        for a, b in ((0, half), (half, e))
+    ]
+    torch.testing.assert_close(parts[0] + parts[1], got, rtol=1e-5, atol=1e-6)  # type: ignore[operator]
+    bf16 = qlinear.fused_experts(x.bfloat16(), table, weights, ids)
+    assert bf16 is not None and bf16.dtype == torch.bfloat16
+    assert float((bf16.float() - got).norm() / got.norm()) < 0.02
+
+
+def test_fused_experts_declines_where_the_loop_is_faster_or_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w13, w2, weights, ids = _random_moe(8, 4, 2, h=64, i=32)
+    q13, q2 = _quantize(w13, "int8", 0), _quantize(w2, "int8", 0)
+    table = qlinear.expert_table(q13, q2)
+    assert table is not None
+    many = torch.randn(qlinear.SMALL_M * 4 // 2 + 1, 64)  # more rows per expert than SMALL_M on average
+    mw, mi = route(torch.randn(many.shape[0], 4), 2, renormalize=True)
+    assert qlinear.fused_experts(many, table, mw, mi) is None
+    assert qlinear.expert_table(q13, _quantize(w2, "int4", 32)) is None  # mixed formats
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    assert qlinear.fused_experts(x, table, weights, ids) is None  # exact products: the loop's kernel calls
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_quantized_moe_layer_takes_the_fused_call(tiny_dirs: dict[str, Path], family: str) -> None:
+    loaded = _load(tiny_dirs[family])
+    quantize_model(loaded.model, "int8", 32)
+    (_, experts), *_ = list(expert_layers(loaded.model))
+    x = torch.randn(3, experts.hidden_size)
+    weights, ids = route(torch.randn(3, experts.num_experts), 2, renormalize=True)
+    table = experts.expert_table()
+    assert table is not None and experts.expert_table() is table  # built once
+    fused = qlinear.fused_experts(x, table, weights, ids, experts.expert_offset)
+    assert fused is not None
+    torch.testing.assert_close(experts(x, weights, ids), fused, rtol=0, atol=0)
