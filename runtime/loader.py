@@ -656,7 +656,7 @@ def quantization_method(requested: str | None, path: Path) -> str | None:
     return method
 
 
-def quantize_loaded(model: CausalLM, cfg: EngineConfig, path: Path) -> None:
+def quantize_loaded(model: CausalLM, cfg: EngineConfig, path: Path, *, lm_head: bool = True) -> None:
     """`--quantization` after loading: the layers not loaded from blocks take the method (`auto`:
     the file's, or none), then the LM head is quantized when anything is."""
     from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_lm_head, quantize_model
@@ -675,7 +675,7 @@ def quantize_loaded(model: CausalLM, cfg: EngineConfig, path: Path) -> None:
             len(float_layers),
             float_layers[0],
         )
-    if method is not None or len(float_layers) < sum(1 for _ in linear_layers(model)):
+    if lm_head and (method is not None or len(float_layers) < sum(1 for _ in linear_layers(model))):
         quantize_lm_head(model)
 
 
@@ -685,11 +685,14 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     *,
     keep_gguf_blocks: bool = True,
+    quantize_head: bool = True,
 ) -> LoadedModel:
     """Resolve cfg.model, build the model on `device` in `dtype` (default: cfg.dtype) and load it.
 
     `keep_gguf_blocks=False` dequantizes every GGUF tensor at load and quantizes afterwards (the
-    path before blocks were kept; benchmarks/gguf_load.py compares the two)."""
+    path before blocks were kept; benchmarks/gguf_load.py compares the two); `quantize_head=False`
+    leaves a float LM head in the model dtype (benchmarks/weight_quant.py --head both measures it).
+    Both exist to measure what they switch off; serving always takes the defaults."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)
     path = resolve_model_path(cfg.model)
@@ -703,7 +706,7 @@ def load_model(
             f"--enable-expert-parallel needs a Mixture-of-Experts model; {arch.architecture} is dense"
         )
     model.eval()
-    quantize_loaded(model, cfg, path)
+    quantize_loaded(model, cfg, path, lm_head=quantize_head)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
