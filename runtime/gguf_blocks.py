@@ -24,6 +24,8 @@ step); docs/runtime.md has the measured figures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -134,15 +136,15 @@ def to_qweight(raw: np.ndarray, ggml_type: GGMLQuantizationType, in_features: in
     return convert(raw, in_features)
 
 
-def permute_rows(qw: QuantizedWeight, rows: np.ndarray) -> QuantizedWeight:
-    """The same weight with its output rows reordered: row i of the result is row rows[i]."""
-    idx = torch.from_numpy(rows)
+def map_rows(qw: QuantizedWeight, rows: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+    """The same weight with `rows` (a reordering of dim 0, e.g. loader.unpermute_rotary) applied to
+    each of its parts."""
     return QuantizedWeight(
         qw.bits,
         qw.group,
-        qw.packed[idx],
-        qw.scales[idx],
-        None if qw.mins is None else qw.mins[idx],
+        rows(qw.packed),
+        rows(qw.scales),
+        None if qw.mins is None else rows(qw.mins),
         qw.out_features,
         qw.in_features,
     )

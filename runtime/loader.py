@@ -15,6 +15,7 @@ Q4_1 or Q4_K arrives as a kernels/qlinear.QuantizedWeight converted from the fil
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -23,7 +24,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from kvpilot.runtime.lora.manager import LoRAState
 
 log = logging.getLogger(__name__)
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (distribution, file inside it)
@@ -269,13 +271,14 @@ def gguf_expert_piece(name: str) -> tuple[int, str] | None:
     return None
 
 
-def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rotary(w: ArrayT, n_heads: int) -> ArrayT:
     """Undo llama.cpp's q/k row permutation, back to the HF rotate-half layout.
 
     HF keeps each head's rotary pairs as (first half, second half) of the head; the HF->GGUF
     converter interleaves them (row h*D + 2j + s holds HF row h*D + s*D/2 + j), the layout of
     llama.cpp's rope kernel. Reshaping the rows to (heads, D/2, 2) and swapping the last two axes
-    puts them back. Works for weights [rows, in] and biases [rows].
+    puts them back. Works for weights [rows, in] and biases [rows], numpy arrays and torch tensors
+    (the parts of a QuantizedWeight: packed, scales and mins share the rows).
     """
     rows = w.shape[0]
     half = rows // n_heads // 2
@@ -313,7 +316,7 @@ def iter_gguf_weights(
             qw = gguf_blocks_weight(f, name)
             heads = arch.num_attention_heads if ".attn_q." in name else arch.num_key_value_heads
             if permuted and (".attn_q." in name or ".attn_k." in name):
-                qw = gguf_blocks.permute_rows(qw, unpermute_rotary(np.arange(qw.out_features), heads))
+                qw = gguf_blocks.map_rows(qw, functools.partial(unpermute_rotary, n_heads=heads))
             hf = gguf_hf_name(name)
             assert hf is not None
             yield hf, qw

@@ -210,12 +210,13 @@ def narrow_qweight(qw: QuantizedWeight, dim: int, start: int, size: int) -> Quan
 
 
 def empty_qweight(bits: int, group: int, rows: int, cols: int, device: torch.device) -> QuantizedWeight:
-    """A zero quantized weight [rows, cols] to load blocks into (zero rows stay zero: padding)."""
-    packed = torch.zeros(
+    """An uninitialized quantized weight [rows, cols] to load blocks into (like an empty parameter,
+    every row is written by a weight loader; the embedding's loader zeroes its padding rows)."""
+    packed = torch.empty(
         rows, cols * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, device=device
     )
-    scales = torch.zeros(rows, cols // group, dtype=torch.float16, device=device)
-    mins = None if bits == 8 else torch.zeros_like(scales)
+    scales = torch.empty(rows, cols // group, dtype=torch.float16, device=device)
+    mins = None if bits == 8 else torch.empty_like(scales)
     return QuantizedWeight(bits, group, packed, scales, mins, rows, cols)
 
 
@@ -455,8 +456,12 @@ class VocabParallelEmbedding(nn.Module):
             )
         rows = self.vocab_end - self.vocab_start
         dst = _target(param, self.qweight)
-        if isinstance(dst, torch.Tensor):
-            dst.zero_()  # padding rows past the vocabulary (QuantizedWeights start at zero)
+        if isinstance(dst, QuantizedWeight):  # rows past the vocabulary (on the last rank) are zeros
+            for part in (dst.packed, dst.scales, dst.mins):
+                if part is not None:
+                    part[rows:].zero_()
+        else:
+            dst[rows:].zero_()
         _copy_loaded(_narrow(dst, 0, 0, rows), _narrow(loaded_weight, 0, self.vocab_start, rows))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
