@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=["int8", "int4", "auto"],
         default=s,
-        help="weight-only quantization of the linear layers (auto: the GGUF file's own Q8_0/Q4_x)",
+        help="weight-only quantization of the linear layers and the LM head (auto: a GGUF's own Q8_0/Q4_x blocks)",
     )
     e.add_argument(
         "--quantization-group-size", type=int, choices=[32, 64, 128], default=s, help="int4 group size"
