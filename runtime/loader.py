@@ -579,21 +579,28 @@ def load_gguf(
     quantization: str | None = None,
     group_size: int = 32,
 ) -> tuple[CausalLM, Tokenizer, ModelArchConfig]:
-    """Build and load a GGUF model; under `quantization` (the requested method), the layers
-    `gguf_blocks_plan` picks are loaded from the file's blocks, the rest dequantized."""
-    from kvpilot.runtime.quantization import finish_blocks, prepare_blocks
-
+    """Build and load a GGUF model (see `load_gguf_weights`)."""
     with GGUFFile(path) as f:
         arch = gguf_arch_config(f)
         tokenizer = tokenizer_from_gguf_metadata(f.metadata, source=str(path))
         model = build_model(arch, device, dtype)
-        plan, names = gguf_blocks_plan(f, model, quantization, group_size)
-        prepare_blocks(model, plan)
-        model.load_weights(iter_gguf_weights(f, arch, names))
-        finish_blocks(model)
-        if quantization is not None:
-            _log_blocks(f, plan, names)
+        load_gguf_weights(f, model, arch, quantization, group_size)
     return model, tokenizer, arch
+
+
+def load_gguf_weights(
+    f: GGUFFile, model: CausalLM, arch: ModelArchConfig, quantization: str | None, group_size: int
+) -> None:
+    """Load a built model's weights; under `quantization` (the requested method), the layers
+    `gguf_blocks_plan` picks come from the file's blocks, the rest dequantized."""
+    from kvpilot.runtime.quantization import finish_blocks, prepare_blocks
+
+    plan, names = gguf_blocks_plan(f, model, quantization, group_size)
+    prepare_blocks(model, plan)
+    model.load_weights(iter_gguf_weights(f, arch, names))
+    finish_blocks(model)
+    if quantization is not None:
+        _log_blocks(f, plan, names)
 
 
 def _log_blocks(f: GGUFFile, plan: dict[str, tuple[int, int]], names: frozenset[str]) -> None:

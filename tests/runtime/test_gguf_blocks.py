@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +105,106 @@ def test_bad_blocks_are_refused() -> None:
         gguf_blocks.to_qweight(raw[:, :-1], GGMLQuantizationType.Q4_0, COLS)
     with pytest.raises(ValueError, match="Q6_K"):
         gguf_blocks.to_qweight(raw, GGMLQuantizationType.Q6_K, COLS)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole (tiny) GGUF file with mixed storage types, through the loader
+
+
+def q6_k_blocks(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    b = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    b[..., 208:] = (rng.standard_normal((rows, cols // 256, 1)) * 0.002).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def write_mixed_gguf(path: Path) -> None:
+    """One llama layer, hidden 256 (Q4_K's super-block): q/k/v Q4_K, o Q4_0, gate Q4_K with up Q6_K
+    (a fused layer of two kinds), down Q8_0, tied embedding Q8_0, norms float32."""
+    import gguf
+
+    rng = np.random.default_rng(5)
+    hidden, inter, vocab = 256, 512, 64
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {
+        "block_count": 1, "context_length": 128, "embedding_length": hidden, "feed_forward_length": inter,
+        "attention.head_count": 4, "attention.head_count_kv": 2,
+    }.items():  # fmt: skip
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+
+    def blocks(name: str, kind: str, rows: int, cols: int) -> None:
+        raw = q6_k_blocks(rng, rows, cols) if kind == "Q6_K" else random_blocks(kind, rng, rows, cols)
+        if kind == "Q4_K":
+            raw.reshape(rows, -1, 144)[..., :4] = (  # d and dmin of realistic size for a weight
+                (rng.standard_normal((rows, cols // 256, 2)) * 0.0005).astype(np.float16).view(np.uint8)
+            )
+        w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[kind])
+
+    blocks("token_embd.weight", "Q8_0", vocab, hidden)
+    blocks("blk.0.attn_q.weight", "Q4_K", hidden, hidden)
+    blocks("blk.0.attn_k.weight", "Q4_K", 128, hidden)
+    blocks("blk.0.attn_v.weight", "Q4_K", 128, hidden)
+    blocks("blk.0.attn_output.weight", "Q4_0", hidden, hidden)
+    blocks("blk.0.ffn_gate.weight", "Q4_K", inter, hidden)
+    blocks("blk.0.ffn_up.weight", "Q6_K", inter, hidden)
+    blocks("blk.0.ffn_down.weight", "Q8_0", hidden, inter)
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def load_mixed(path: Path, quantization: str | None) -> Any:
+    from kvpilot.runtime.config import EngineConfig
+    from kvpilot.runtime.gguf_reader import GGUFFile
+    from kvpilot.runtime.loader import build_model, gguf_arch_config, load_gguf_weights, quantize_loaded
+
+    with GGUFFile(path) as f:
+        arch = gguf_arch_config(f)
+        model = build_model(arch, torch.device("cpu"), torch.float32)
+        load_gguf_weights(f, model, arch, quantization, 32)
+    quantize_loaded(model, EngineConfig(model=str(path), quantization=quantization), path)  # type: ignore[arg-type]
+    return model.eval(), arch
+
+
+def test_a_mixed_gguf_loads_each_layer_its_own_way(tmp_path: Path) -> None:
+    from tests.runtime.test_model_parity import PagedKV
+
+    path = tmp_path / "mixed.gguf"
+    write_mixed_gguf(path)
+    ref, arch = load_mixed(path, None)  # everything dequantized to float32
+    auto, _ = load_mixed(path, "auto")
+    a, r = auto.model.layers[0], ref.model.layers[0]
+    qkv = a.self_attn.qkv_proj.qweight
+    assert (qkv.bits, qkv.group) == (4, 32) and a.self_attn.qkv_proj.weight is None
+    want = r.self_attn.qkv_proj.weight
+    torch.testing.assert_close(qkv.dequantize(), want, rtol=2e-3, atol=1e-3 * float(want.abs().max()))
+    exact = [(a.self_attn.o_proj, r.self_attn.o_proj, 4), (a.mlp.down_proj, r.mlp.down_proj, 8)]
+    for got, base, bits in exact:  # Q4_0 and Q8_0 blocks: exactly the dequantized values
+        assert got.weight is None and got.qweight.bits == bits
+        torch.testing.assert_close(got.qweight.dequantize(), base.weight, rtol=0, atol=0)
+    # Q4_K gate + Q6_K up: not one format, so dequantized; `auto` finds no single method for a file
+    # of Q4_K, Q4_0, Q6_K and Q8_0 layers, so it stays float32
+    assert a.mlp.gate_up_proj.qweight is None
+    torch.testing.assert_close(a.mlp.gate_up_proj.weight, r.mlp.gate_up_proj.weight, rtol=0, atol=0)
+    head = auto.lm_head.qweight
+    assert (head.bits, head.group) == (8, 32) and auto.model.embed_tokens.qweight is head
+    torch.testing.assert_close(head.dequantize(), ref.lm_head.weight, rtol=0, atol=0)
+
+    ids = [3, 17, 42, 5, 60, 1, 8]
+    want_logits = PagedKV(arch).logits(ref, [(0, ids)])
+    got_logits = PagedKV(arch).logits(auto, [(0, ids)])
+    rel = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
+    assert rel < 1e-3, rel
+
+    # int4 takes the 4-bit blocks as they are and quantizes the rest (Q8_0 down, the mixed gate/up)
+    int4, _ = load_mixed(path, "int4")
+    layer = int4.model.layers[0]
+    torch.testing.assert_close(layer.self_attn.qkv_proj.qweight.packed, qkv.packed, rtol=0, atol=0)
+    assert all(
+        m.weight is None and m.qweight.bits == 4 for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    )
+    assert not torch.equal(layer.mlp.down_proj.qweight.dequantize(), r.mlp.down_proj.weight)  # re-rounded
