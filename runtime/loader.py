@@ -701,7 +701,7 @@ def load_model(
 
     `keep_gguf_blocks=False` dequantizes every GGUF tensor at load and quantizes afterwards (the
     path before blocks were kept; benchmarks/gguf_load.py compares the two); `quantize_head=False`
-    leaves a float LM head in the model dtype (benchmarks/weight_quant.py --head both measures it).
+    leaves a float LM head in the model dtype (benchmarks/weight_quant.py --lm-head float,quantized).
     Both exist to measure what they switch off; serving always takes the defaults."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)
