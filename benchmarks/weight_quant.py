@@ -1,15 +1,20 @@
 #!/usr/bin/env python
 """Weight-only quantization (`--quantization`): quality, weight memory and single-stream decode speed.
 
-For each configuration (model dtype x quantization) in one run, SmolLM2 by default:
+For each configuration (model dtype x quantization x LM head) in one run, SmolLM2 by default:
 - perplexity on the docstrings of Python's standard library (kv_quant_quality.py's text and harness),
   and its change against the first configuration;
 - bytes the linear layers' weights take (quantized: packed weights + scales + mins);
 - single-stream greedy decode tokens/s (one 64-token prompt, --decode-tokens new tokens, EOS ignored;
   the prefill is timed separately and taken out).
 Prints one JSON document with the CPU (model name, the ISA level the kernels use, its flags).
+`--lm-head quantized,float`: with `float`, a quantized configuration also runs the way it did before
+the LM head was quantized and GGUF blocks were kept (load_model(keep_gguf_blocks=False,
+quantize_head=False): every tensor dequantized at load, linear layers quantized, the LM head and
+embedding left in the model dtype).
 
     python benchmarks/weight_quant.py --dtype bfloat16 --methods none,int8,int4
+    python benchmarks/weight_quant.py --dtype bfloat16 --methods none,int8,int4 --lm-head float,quantized
     KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         python benchmarks/weight_quant.py --dtype float32,bfloat16 --methods none --tokens 0
 """
@@ -35,6 +40,7 @@ from kv_quant_quality import perplexity, stdlib_docstrings
 from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.loader import load_model
 from kvpilot.runtime.quantization import linear_layers
 from kvpilot.runtime.sampling_params import SamplingParams
 
@@ -85,42 +91,51 @@ def main() -> int:
     )
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lm-head", default="quantized", help="comma list: quantized, float (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     text = stdlib_docstrings()
     rows: list[dict[str, Any]] = []
     base: float | None = None
-    for dtype in args.dtype.split(","):
-        for method in args.methods.split(","):
-            cfg = EngineConfig(
-                model=args.model,
-                dtype=dtype,  # type: ignore[arg-type]
-                quantization=None if method == "none" else method,  # type: ignore[arg-type]
-                quantization_group_size=args.group_size,  # type: ignore[arg-type]
-                kv_cache_memory=256 * 2**20,
-                threads=args.threads,
-            )
-            engine = LLMEngine.from_config(cfg)
-            ids = engine.tokenizer.encode(text)
-            row: dict[str, Any] = {
-                "dtype": dtype,
-                "quantization": method,
-                "group_size": args.group_size if method == "int4" else None,
-                "linear_weight_mib": round(linear_bytes(engine) / 2**20, 1),
-            }
-            if args.tokens:
-                t0 = time.perf_counter()
-                ppl = perplexity(engine, ids[: args.tokens], args.window, args.score_chunk)
-                row["perplexity"] = round(ppl, 4)
-                row["perplexity_seconds"] = round(time.perf_counter() - t0, 1)
-                if base is None:
-                    base = ppl
-                row["perplexity_change_pct"] = round(100 * (ppl / base - 1), 3)
-            row["decode_tok_s"] = round(decode_tok_s(engine, ids[:64], args.decode_tokens), 2)
-            row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
-            del engine
+    runs = [
+        (dtype, method, head)
+        for dtype in args.dtype.split(",")
+        for method in args.methods.split(",")
+        for head in (["float"] if method == "none" else args.lm_head.split(","))
+    ]
+    for dtype, method, head in runs:
+        cfg = EngineConfig(
+            model=args.model,
+            dtype=dtype,  # type: ignore[arg-type]
+            quantization=None if method == "none" else method,  # type: ignore[arg-type]
+            quantization_group_size=args.group_size,  # type: ignore[arg-type]
+            kv_cache_memory=256 * 2**20,
+            threads=args.threads,
+        )
+        quantized_head = head == "quantized"
+        loaded = load_model(cfg, "cpu", dtype, keep_gguf_blocks=quantized_head, quantize_head=quantized_head)
+        engine = LLMEngine.from_loaded(loaded, cfg)
+        ids = engine.tokenizer.encode(text)
+        row: dict[str, Any] = {
+            "dtype": dtype,
+            "quantization": method,
+            "group_size": args.group_size if method == "int4" else None,
+            "lm_head": "int8" if loaded.model.lm_head.qweight is not None else dtype,  # type: ignore[union-attr]
+            "linear_weight_mib": round(linear_bytes(engine) / 2**20, 1),
+        }
+        if args.tokens:
+            t0 = time.perf_counter()
+            ppl = perplexity(engine, ids[: args.tokens], args.window, args.score_chunk)
+            row["perplexity"] = round(ppl, 4)
+            row["perplexity_seconds"] = round(time.perf_counter() - t0, 1)
+            if base is None:
+                base = ppl
+            row["perplexity_change_pct"] = round(100 * (ppl / base - 1), 3)
+        row["decode_tok_s"] = round(decode_tok_s(engine, ids[:64], args.decode_tokens), 2)
+        row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+        del engine, loaded
     flags = sorted(f for f in isa.cpu_features() if f.startswith(("avx", "amx", "fma", "f16c")))
     print(
         json.dumps(

@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=["int8", "int4", "auto"],
         default=s,
-        help="weight-only quantization of the linear layers (auto: the checkpoint's own: a GGUF's Q8_0/Q4_x, GPTQ, AWQ)",
+        help="weight-only quantization of the linear layers and the LM head (auto: the checkpoint's own: "
+        "a GGUF's Q8_0/Q4_x blocks, GPTQ, AWQ)",
     )
     e.add_argument(
         "--quantization-group-size", type=int, choices=[32, 64, 128], default=s, help="int4 group size"

@@ -53,8 +53,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     quantization: Quantization | None = Field(
         None,
-        description="weight-only quantization of every linear layer: int8 (per output channel), int4 "
-        "(group-wise), auto (the checkpoint's own: a Q8_0/Q4_x GGUF, a GPTQ/AWQ directory); default: none",
+        description="weight-only quantization of every linear layer and the LM head: int8 (per "
+        "output channel; the head group-wise), int4 (group-wise), auto (the checkpoint's own: a GGUF's "
+        "Q8_0/Q4_0/Q4_1/Q4_K layers run from their blocks, a GPTQ/AWQ directory); default: none",
     )
     quantization_group_size: Literal[32, 64, 128] = Field(
         32, description="int4 weights per scale and min (along the input dimension)"

@@ -7,13 +7,16 @@ A model is one of
 - a Hugging Face-style directory: config.json, *.safetensors (sharded or not), tokenizer.json and
   tokenizer_config.json.
 
-Weights reach the model as (HF parameter name, full float tensor) pairs; each parameter's
-weight_loader keeps this rank's tensor-parallel shard.
+Weights reach the model as (HF parameter name, full tensor) pairs; each parameter's weight_loader
+keeps this rank's tensor-parallel shard. Under `--quantization`, a GGUF layer stored as Q8_0, Q4_0,
+Q4_1 or Q4_K arrives as a kernels/qlinear.QuantizedWeight converted from the file's blocks
+(runtime/gguf_blocks.py) instead of a float tensor (see runtime/quantization.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -22,14 +25,15 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvpilot.kernels import isa
-from kvpilot.runtime import quant_formats
+from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels.qlinear import QuantizedWeight
+from kvpilot.runtime import gguf_blocks, quant_formats
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.gguf_reader import GGUFFile
 from kvpilot.runtime.models import CausalLM, ModelArchConfig, get_model_class
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from kvpilot.runtime.lora.manager import LoRAState
 
 log = logging.getLogger(__name__)
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (distribution, file inside it)
@@ -272,21 +277,39 @@ def gguf_expert_piece(name: str) -> tuple[int, str] | None:
     return None
 
 
-def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rotary(w: ArrayT, n_heads: int) -> ArrayT:
     """Undo llama.cpp's q/k row permutation, back to the HF rotate-half layout.
 
     HF keeps each head's rotary pairs as (first half, second half) of the head; the HF->GGUF
     converter interleaves them (row h*D + 2j + s holds HF row h*D + s*D/2 + j), the layout of
     llama.cpp's rope kernel. Reshaping the rows to (heads, D/2, 2) and swapping the last two axes
-    puts them back. Works for weights [rows, in] and biases [rows].
+    puts them back. Works for weights [rows, in] and biases [rows], numpy arrays and torch tensors
+    (the parts of a QuantizedWeight: packed, scales and mins share the rows).
     """
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(f: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor the model uses, with tqdm progress on stderr.
+def gguf_blocks_weight(f: GGUFFile, name: str) -> QuantizedWeight:
+    """A Q8_0/Q4_0/Q4_1/Q4_K matrix as a QuantizedWeight straight from its blocks. Blocks whose
+    float16 scales or mins cannot be formed (runtime/gguf_blocks.py) are dequantized and quantized
+    again to the same format, with a warning: the layer still gets the format it was prepared for."""
+    info = f.tensors[name]
+    try:
+        return gguf_blocks.to_qweight(f.raw(name), info.ggml_type, info.shape[-1])
+    except ValueError as err:
+        log.warning("%s: %s; requantizing it from its dequantized values", name, err)
+        w = torch.from_numpy(f.load(name))
+        bits = gguf_blocks.DIRECT_BITS[info.type_name]
+        return qlinear.quantize_int8(w, gguf_blocks.GROUP) if bits == 8 else qlinear.quantize_int4(w)
+
+
+def iter_gguf_weights(
+    f: GGUFFile, arch: ModelArchConfig, blocks: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, float32 tensor) for every tensor the model uses, with tqdm progress on stderr;
+    the tensors named in `blocks` come as QuantizedWeights from their own blocks instead.
 
     Stacked expert tensors [E, out, in] are dequantized whole and handed out one expert at a time
     under the HF per-expert names. Only the `llama` converter permutes q/k rows for llama.cpp's
@@ -295,6 +318,15 @@ def iter_gguf_weights(f: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str,
     names = [n for n in f.tensors if gguf_hf_name(n) is not None or gguf_expert_piece(n) is not None]
     permuted = f.get("general.architecture") == "llama"
     for name in tqdm(names, desc=f"loading {f.path.name}", unit="tensor", file=sys.stderr, leave=False):
+        if name in blocks:
+            qw = gguf_blocks_weight(f, name)
+            heads = arch.num_attention_heads if ".attn_q." in name else arch.num_key_value_heads
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                qw = gguf_blocks.map_rows(qw, functools.partial(unpermute_rotary, n_heads=heads))
+            hf = gguf_hf_name(name)
+            assert hf is not None
+            yield hf, qw
+            continue
         w = f.load(name)
         if (expert := gguf_expert_piece(name)) is not None:
             layer, piece = expert
@@ -504,14 +536,70 @@ def build_model(
     return model
 
 
+def gguf_blocks_plan(
+    f: GGUFFile, model: CausalLM, requested: str | None, group_size: int
+) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
+    """Which modules load straight from the file's blocks under `--quantization requested`:
+    module name -> (bits, group), and the GGUF tensors that feed them.
+
+    A linear layer does when every tensor it is built from (q, k and v for the fused QKV) is Q8_0,
+    or every one is Q4_0/Q4_1/Q4_K, and the method takes that format: `auto` any, `int8` Q8_0,
+    `int4` the 4-bit ones at group size 32; its shard must cut the input on whole blocks. The LM
+    head (or the embedding tied to it) does under any method when its type is one of those.
+    """
+    from kvpilot.runtime.models.layers import ParallelLMHead, VocabParallelEmbedding
+    from kvpilot.runtime.quantization import QuantizableModule, blocks_fit
+
+    if requested is None:
+        return {}, frozenset()
+    modules = dict(model.named_modules())
+    heads = [m.weight for m in modules.values() if isinstance(m, ParallelLMHead)]
+    map_name = getattr(model, "map_name", lambda n: (n, None))
+    feeds: dict[str, list[tuple[str, str]]] = {}
+    for name, info in f.tensors.items():
+        hf = gguf_hf_name(name)
+        if hf is None or not hf.endswith(".weight") or len(info.shape) != 2:
+            continue
+        module = str(map_name(hf)[0]).removesuffix(".weight")
+        mod = modules.get(module)
+        if not isinstance(mod, QuantizableModule):
+            continue
+        if isinstance(mod, VocabParallelEmbedding) and not any(mod.weight is w for w in heads):
+            continue  # an untied embedding stays in the model dtype
+        feeds.setdefault(module, []).append((name, info.type_name))
+    plan: dict[str, tuple[int, int]] = {}
+    names: set[str] = set()
+    for module, pieces in feeds.items():
+        widths = {gguf_blocks.DIRECT_BITS.get(t) for _, t in pieces}
+        bits = widths.pop() if len(widths) == 1 else None
+        if bits is None:
+            continue
+        mod = modules[module]
+        takes = (
+            isinstance(mod, VocabParallelEmbedding)
+            or requested == "auto"
+            or (requested == "int8" and bits == 8)
+            or (requested == "int4" and bits == 4 and group_size == gguf_blocks.GROUP)
+        )
+        if takes and blocks_fit(mod, bits, gguf_blocks.GROUP):
+            plan[module] = (bits, gguf_blocks.GROUP)
+            names.update(n for n, _ in pieces)
+    return plan, frozenset(names)
+
+
 def load_gguf(
-    path: Path, device: torch.device, dtype: torch.dtype
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    group_size: int = 32,
 ) -> tuple[CausalLM, Tokenizer, ModelArchConfig]:
+    """Build and load a GGUF model (see `load_gguf_weights`)."""
     with GGUFFile(path) as f:
         arch = gguf_arch_config(f)
         tokenizer = tokenizer_from_gguf_metadata(f.metadata, source=str(path))
         model = build_model(arch, device, dtype)
-        model.load_weights(iter_gguf_weights(f, arch))
+        load_gguf_weights(f, model, arch, quantization, group_size)
     return model, tokenizer, arch
 
 
@@ -520,6 +608,38 @@ def checkpoint_quantization(path: Path) -> CheckpointQuantization | None:
     if path.is_file() or not (path / "config.json").is_file():
         return None  # a directory without config.json is refused when it is loaded
     return read_checkpoint_quantization(path, read_json(path / "config.json"))
+
+
+def load_gguf_weights(
+    f: GGUFFile, model: CausalLM, arch: ModelArchConfig, quantization: str | None, group_size: int
+) -> None:
+    """Load a built model's weights; under `quantization` (the requested method), the layers
+    `gguf_blocks_plan` picks come from the file's blocks, the rest dequantized."""
+    from kvpilot.runtime.quantization import finish_blocks, prepare_blocks
+
+    plan, names = gguf_blocks_plan(f, model, quantization, group_size)
+    prepare_blocks(model, plan)
+    model.load_weights(iter_gguf_weights(f, arch, names))
+    finish_blocks(model)
+    if quantization is not None:
+        _log_blocks(f, plan, names)
+
+
+def _log_blocks(f: GGUFFile, plan: dict[str, tuple[int, int]], names: frozenset[str]) -> None:
+    kept: dict[str, int] = {}
+    for n in names:
+        t = f.tensors[n].type_name
+        kept[t] = kept.get(t, 0) + 1
+    rest: dict[str, int] = {}
+    for n, info in f.tensors.items():
+        if n not in names and len(info.shape) >= 2 and (gguf_hf_name(n) or gguf_expert_piece(n)):
+            rest[info.type_name] = rest.get(info.type_name, 0) + 1
+    log.info(
+        "GGUF blocks: %d modules loaded from their own blocks (tensors %s), matrices dequantized at load: %s",
+        len(plan),
+        dict(sorted(kept.items())) or "none",
+        dict(sorted(rest.items())) or "none",
+    )
 
 
 def load_hf_dir(
@@ -604,26 +724,58 @@ def check_checkpoint_quantization(requested: str | None, path: Path) -> Checkpoi
     return cq
 
 
+def quantize_loaded(model: CausalLM, cfg: EngineConfig, path: Path, *, lm_head: bool = True) -> None:
+    """`--quantization` after loading: the layers not loaded from blocks take the method (`auto`:
+    the file's, or none), then the LM head is quantized when anything is."""
+    from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_lm_head, quantize_model
+
+    if cfg.quantization is None:
+        return
+    method = quantization_method(cfg.quantization, path)
+    float_layers = [n for n, m in linear_layers(model) if m.qweight is None]
+    if method is not None and (float_layers or any(expert_layers(model))):
+        quantize_model(model, method, cfg.quantization_group_size, skip_quantized=True)
+        float_layers = []
+    if cfg.quantization == "auto" and float_layers and path.is_file():
+        log.info(
+            "--quantization auto: %d linear layers stay in the model dtype (stored in a type without "
+            "a quantized form here), e.g. %s",
+            len(float_layers),
+            float_layers[0],
+        )
+    if lm_head and (method is not None or len(float_layers) < sum(1 for _ in linear_layers(model))):
+        quantize_lm_head(model)
+
+
 def load_model(
-    cfg: EngineConfig, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+    cfg: EngineConfig,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    *,
+    keep_gguf_blocks: bool = True,
+    quantize_head: bool = True,
 ) -> LoadedModel:
-    """Resolve cfg.model, build the model on `device` in `dtype` (default: cfg.dtype) and load it."""
+    """Resolve cfg.model, build the model on `device` in `dtype` (default: cfg.dtype) and load it.
+
+    `keep_gguf_blocks=False` dequantizes every GGUF tensor at load and quantizes afterwards (the
+    path before blocks were kept; benchmarks/gguf_load.py compares the two); `quantize_head=False`
+    leaves a float LM head in the model dtype (benchmarks/weight_quant.py --lm-head float,quantized).
+    Both exist to measure what they switch off; serving always takes the defaults."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)
     path = resolve_model_path(cfg.model)
     check_checkpoint_quantization(cfg.quantization, path)
-    loader = load_gguf if path.is_file() else load_hf_dir
-    model, tokenizer, arch = loader(path, dev, torch_dtype)
+    if path.is_file():
+        blocks = cfg.quantization if keep_gguf_blocks else None
+        model, tokenizer, arch = load_gguf(path, dev, torch_dtype, blocks, cfg.quantization_group_size)
+    else:
+        model, tokenizer, arch = load_hf_dir(path, dev, torch_dtype)
     if cfg.enable_expert_parallel and not arch.is_moe:  # tp > 1 refuses this before starting workers
         raise ValueError(
             f"--enable-expert-parallel needs a Mixture-of-Experts model; {arch.architecture} is dense"
         )
     model.eval()
-    method = quantization_method(cfg.quantization, path)
-    if method is not None:
-        from kvpilot.runtime.quantization import quantize_model
-
-        quantize_model(model, method, cfg.quantization_group_size)
+    quantize_loaded(model, cfg, path, lm_head=quantize_head)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -5,11 +5,23 @@ its weight replaced by a kernels/qlinear.QuantizedWeight: int8 with one scale pe
 or int4 with a scale and min per group of `quantization_group_size` (32, 64 or 128) input weights.
 The experts of a Mixture-of-Experts layer (runtime/models/moe.FusedMoE) are quantized the same way,
 one QuantizedWeight per expert for each of its two stacked weights (`FusedMoE.quantize`).
-The embedding and the LM head (tied to the embedding in the small models) stay in the model dtype.
-`auto` takes the checkpoint's own quantization: a GGUF file whose linear weights are stored as Q8_0
-becomes int8 (group 32) and one with Q4_0/Q4_1 becomes int4 (group 32) — the same values, requantized
-from the loaded copy; a 16/32-bit checkpoint stays unquantized. A GPTQ/AWQ directory's linear
-layers are loaded quantized as they are read (runtime/quant_formats.py), so nothing is left here.
+
+The LM head is quantized too (`quantize_lm_head`): int8 with one scale per 32 weights (Q8_0's
+format; one scale per vocabulary row cost 2.1% of the largest logit on SmolLM2, group 32 is exact
+there and takes 6% more bytes), or, from a GGUF file, its own blocks (the builtin SmolLM2 stores
+it as Q8_0). When the
+embedding is tied to it, the embedding shares that QuantizedWeight and a lookup dequantizes only
+the rows it reads; an untied embedding stays in the model dtype.
+
+GGUF files: a layer whose tensors are all stored as Q8_0, Q4_0, Q4_1 or Q4_K (one bit width) is
+loaded from the file's blocks straight into its QuantizedWeight (`prepare_blocks` before loading,
+runtime/gguf_blocks.py converts, `finish_blocks` after): no 16-bit copy of it ever exists. That
+takes `auto`, `int4` at group 32 for the 4-bit types and `int8` for Q8_0. The other layers
+(another storage type, or a method or group the blocks are not) are dequantized at load as
+before, then quantized with the method; `auto` takes for them the method matching the file's
+linear storage when it is all Q8_0 or all 4-bit (for example a Mixture-of-Experts file's experts),
+else leaves them in the model dtype, and says in the log which layers went which way.
+A GPTQ/AWQ directory's linear layers are loaded quantized as they are read (runtime/quant_formats.py).
 
 A layer that cannot take the method (for int4, an input size that is not a multiple of the group)
 is refused before anything changes, with an error that names the flag.
@@ -24,12 +36,20 @@ from dataclasses import dataclass
 from torch import nn
 
 from kvpilot.kernels import qlinear
-from kvpilot.runtime.models.layers import ColumnParallelLinear, RowParallelLinear
+from kvpilot.runtime.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    blocks_param,
+    empty_qweight,
+)
 from kvpilot.runtime.models.moe import FusedMoE
 
 log = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4", "auto")
+HEAD_GROUP = 32  # int8 weights per scale in a quantized LM head
 
 
 @dataclass(frozen=True)
@@ -54,9 +74,11 @@ def expert_layers(model: nn.Module) -> Iterator[tuple[str, FusedMoE]]:
             yield name, mod
 
 
-def check(model: nn.Module, method: str, group_size: int) -> None:
+def check(model: nn.Module, method: str, group_size: int, *, skip_quantized: bool = False) -> None:
     """Raise ValueError naming --quantization when any linear layer cannot take `method`."""
     for name, mod in linear_layers(model):
+        if skip_quantized and mod.qweight is not None:
+            continue
         if mod.weight is None:
             raise ValueError(f"--quantization {method}: layer {name} is already quantized")
         reason = qlinear.check_shape(method, int(mod.weight.shape[1]), group_size)
@@ -74,11 +96,16 @@ def check(model: nn.Module, method: str, group_size: int) -> None:
             )
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> QuantizationReport:
-    """Replace every linear layer's weight by its quantized form, in place."""
-    check(model, method, group_size)
+def quantize_model(
+    model: nn.Module, method: str, group_size: int = 32, *, skip_quantized: bool = False
+) -> QuantizationReport:
+    """Replace every linear layer's weight by its quantized form, in place (with `skip_quantized`,
+    the layers that already hold a QuantizedWeight, loaded from a file's blocks, are left alone)."""
+    check(model, method, group_size, skip_quantized=skip_quantized)
     before = after = count = 0
     for _, mod in linear_layers(model):
+        if skip_quantized and mod.qweight is not None:
+            continue
         w = mod.weight
         assert w is not None
         before += w.numel() * w.element_size()
@@ -113,3 +140,80 @@ def auto_method(gguf_linear_types: set[str]) -> str | None:
     if gguf_linear_types <= {"Q8_0"}:
         return "int8"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights loaded from a checkpoint's own quantized blocks, and the LM head
+
+
+QuantizableModule = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+
+
+def blocks_fit(mod: nn.Module, bits: int, group: int) -> bool:
+    """Whether this rank's shard of `mod` can hold blocks of `group` weights along its input."""
+    if isinstance(mod, RowParallelLinear):
+        return mod.input_size_per_rank % group == 0
+    if isinstance(mod, ColumnParallelLinear):
+        return mod.input_size % group == 0
+    if isinstance(mod, VocabParallelEmbedding):
+        return mod.weight is not None and int(mod.weight.shape[1]) % group == 0
+    return False
+
+
+def prepare_blocks(model: nn.Module, plan: dict[str, tuple[int, int]]) -> None:
+    """Give each module in `plan` (name -> bits, group) an empty QuantizedWeight of its shard's shape
+    and a memory-less stand-in for its weight, so its weight loader copies blocks into it. A module
+    tied to one in the plan (the LM head to the embedding) shares both."""
+    modules = dict(model.named_modules())
+    for name, (bits, group) in plan.items():
+        mod = modules[name]
+        weight = mod.weight
+        assert isinstance(weight, nn.Parameter) and weight.device.type != "meta"
+        rows, cols = int(weight.shape[0]), int(weight.shape[1])
+        qweight = empty_qweight(bits, group, rows, cols, weight.device)
+        stand_in = blocks_param(weight)
+        for other in modules.values():
+            if getattr(other, "weight", None) is weight and hasattr(other, "qweight"):
+                other.weight = stand_in
+                other.qweight = qweight
+        del weight  # the uninitialized 16-bit storage goes with the last reference
+
+
+def finish_blocks(model: nn.Module) -> int:
+    """Drop the stand-ins once the blocks are loaded; returns how many modules hold blocks."""
+    count = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, nn.Parameter) and w.device.type == "meta":
+            setattr(mod, "weight", None)  # noqa: B010 - any module kind; the blocks are its weight now
+            count += 1
+    return count
+
+
+def quantize_lm_head(model: nn.Module) -> tuple[int, int] | None:
+    """int8, group 32 (per vocabulary row when the hidden size is not a multiple of 32), for an LM
+    head still in the model dtype (the tied embedding shares it); returns (bytes before, after), or
+    None when the head already holds a QuantizedWeight."""
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    if not heads:
+        raise ValueError(f"--quantization: {type(model).__name__} has no LM head to quantize")
+    done = None
+    for head in heads:
+        if head.qweight is not None:
+            continue
+        weight = head.weight
+        assert weight is not None
+        hidden = int(weight.shape[1])
+        qw = qlinear.quantize_int8(weight.data, HEAD_GROUP if hidden % HEAD_GROUP == 0 else None)
+        for other in model.modules():
+            if isinstance(other, VocabParallelEmbedding) and other.weight is weight:
+                other.qweight = qw
+                other.weight = None  # type: ignore[assignment]
+        done = (weight.numel() * weight.element_size(), qw.nbytes)
+    if done:
+        log.info(
+            "LM head quantized to int8: %.1f MiB -> %.1f MiB",
+            done[0] / 2**20,
+            done[1] / 2**20,
+        )
+    return done

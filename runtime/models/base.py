@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
+from kvpilot.kernels.qlinear import QuantizedWeight
 
 
 class CausalLM(nn.Module):
@@ -26,6 +27,7 @@ class CausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32 (select the rows to sample from before calling)."""
         raise NotImplementedError
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (HF parameter name, full tensor) pairs; each parameter keeps its own shard."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Load (HF parameter name, full tensor) pairs; each parameter keeps its own shard. A
+        QuantizedWeight goes to a layer prepared for it (runtime/quantization.prepare_blocks)."""
         raise NotImplementedError

@@ -207,6 +207,89 @@ class RotaryEmbedding(nn.Module):
 # Linear layers
 
 
+# ---------------------------------------------------------------------------------------------
+# Quantized weights loaded from a checkpoint's own blocks (runtime/quantization.prepare_blocks)
+
+Loaded = torch.Tensor | QuantizedWeight  # what a weight loader receives: a float tensor or blocks
+
+
+def narrow_qweight(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
+    """Rows (dim 0) or input columns (dim 1, whole groups only) of a quantized weight, as views."""
+    if dim == 0:
+        return QuantizedWeight(
+            qw.bits, qw.group, qw.packed.narrow(0, start, size), qw.scales.narrow(0, start, size),
+            None if qw.mins is None else qw.mins.narrow(0, start, size), size, qw.in_features,
+        )  # fmt: skip
+    g = qw.group
+    if start % g or size % g:
+        raise ValueError(f"columns {start}..{start + size} do not fall on the quantization group size {g}")
+    per_byte = 8 // qw.bits
+    return QuantizedWeight(
+        qw.bits, g, qw.packed.narrow(1, start // per_byte, size // per_byte),
+        qw.scales.narrow(1, start // g, size // g),
+        None if qw.mins is None else qw.mins.narrow(1, start // g, size // g), qw.out_features, size,
+    )  # fmt: skip
+
+
+def empty_qweight(bits: int, group: int, rows: int, cols: int, device: torch.device) -> QuantizedWeight:
+    """An uninitialized quantized weight [rows, cols] to load blocks into (like an empty parameter,
+    every row is written by a weight loader; the embedding's loader zeroes its padding rows)."""
+    packed = torch.empty(
+        rows, cols * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, device=device
+    )
+    scales = torch.empty(rows, cols // group, dtype=torch.float16, device=device)
+    mins = None if bits == 8 else torch.empty_like(scales)
+    return QuantizedWeight(bits, group, packed, scales, mins, rows, cols)
+
+
+def copy_qweight(dst: QuantizedWeight, src: QuantizedWeight) -> None:
+    """Copy blocks into a (narrowed) loaded weight; format and shape must agree."""
+    if (dst.bits, dst.group) != (src.bits, src.group):
+        raise ValueError(
+            f"quantized format mismatch: layer holds {dst.bits}-bit group {dst.group}, "
+            f"checkpoint has {src.bits}-bit group {src.group}"
+        )
+    _copy_checked(dst.packed, src.packed)
+    _copy_checked(dst.scales, src.scales)
+    if dst.mins is not None and src.mins is not None:
+        dst.mins.copy_(src.mins)
+
+
+def _narrow(w: Loaded, dim: int, start: int, size: int) -> Loaded:
+    return (
+        narrow_qweight(w, dim, start, size) if isinstance(w, QuantizedWeight) else w.narrow(dim, start, size)
+    )
+
+
+def _copy_loaded(dst: Loaded, src: Loaded) -> None:
+    if isinstance(dst, QuantizedWeight) != isinstance(src, QuantizedWeight):
+        raise ValueError(
+            "a layer prepared for quantized blocks got a float tensor, or a float layer got blocks"
+        )
+    if isinstance(dst, QuantizedWeight):
+        assert isinstance(src, QuantizedWeight)
+        copy_qweight(dst, src)
+    else:
+        assert isinstance(src, torch.Tensor)
+        _copy_checked(dst, src)
+
+
+def _target(param: nn.Parameter, qweight: QuantizedWeight | None) -> Loaded:
+    """Where a loader writes: the prepared quantized weight for a blocks stand-in, else the parameter."""
+    if param.device.type == "meta":
+        if qweight is None:
+            raise ValueError("a weight prepared for quantized blocks has no quantized storage")
+        return qweight
+    return param.data
+
+
+def blocks_param(weight: nn.Parameter) -> nn.Parameter:
+    """A stand-in for a weight that will arrive as blocks: same shape and loader, no memory (meta)."""
+    param = nn.Parameter(torch.empty(weight.shape, device="meta", dtype=weight.dtype), requires_grad=False)
+    set_weight_loader(param, get_weight_loader(weight))
+    return param
+
+
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -247,9 +330,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias = _new_param(self.output_size_per_rank)
             set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: Any = None) -> None:
         size = param.shape[0]
-        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+        _copy_loaded(_target(param, self.qweight), _narrow(loaded_weight, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _linear(x, self.weight, self.qweight, self.bias, self.input_perm)
@@ -268,13 +351,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: Any = None) -> None:
         if shard_id is None:
             raise ValueError("MergedColumnParallelLinear needs the shard index of the loaded piece")
         index = int(shard_id)
         size = self.output_sizes[index] // self.tp_size
         offset = sum(self.output_sizes[:index]) // self.tp_size
-        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+        dst = _narrow(_target(param, self.qweight), 0, offset, size)
+        _copy_loaded(dst, _narrow(loaded_weight, 0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -309,7 +393,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: Any = None) -> None:
         if shard_id == "q":
             offset, size, src = 0, self.q_size, self.tp_rank * self.q_size
         elif shard_id == "k":
@@ -319,7 +403,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             src = (self.tp_rank // self.kv_replicas) * self.kv_size
         else:
             raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, src, size))
+        _copy_loaded(
+            _narrow(_target(param, self.qweight), 0, offset, size), _narrow(loaded_weight, 0, src, size)
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -341,9 +427,9 @@ class RowParallelLinear(nn.Module):
             self.bias = _new_param(output_size)
             set_weight_loader(self.bias, default_weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: Any = None) -> None:
         size = param.shape[1]
-        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+        _copy_loaded(_target(param, self.qweight), _narrow(loaded_weight, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -360,6 +446,16 @@ class RowParallelLinear(nn.Module):
 # Embedding and LM head
 
 
+def lookup_rows(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Embedding lookup in a quantized table: only the looked-up rows are dequantized."""
+    flat = ids.reshape(-1)
+    rows = QuantizedWeight(
+        qw.bits, qw.group, qw.packed.index_select(0, flat), qw.scales.index_select(0, flat),
+        None if qw.mins is None else qw.mins.index_select(0, flat), flat.numel(), qw.in_features,
+    )  # fmt: skip
+    return rows.dequantize(dtype).reshape(*ids.shape, qw.in_features)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks (vocabulary padded up to a multiple of the world size)."""
 
@@ -373,23 +469,43 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = _new_param(self.rows_per_rank, embedding_dim)
         set_weight_loader(self.weight, self.weight_loader)
+        self.dtype = self.weight.dtype  # of the embeddings handed out, whatever the storage
+        # Set by runtime/quantization.py (the quantized LM head; the tied embedding shares it):
+        # a lookup then dequantizes only the rows it reads.
+        self.qweight: QuantizedWeight | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if loaded_weight.shape[0] != self.num_embeddings:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: Any = None) -> None:
+        full = (
+            loaded_weight.out_features
+            if isinstance(loaded_weight, QuantizedWeight)
+            else loaded_weight.shape[0]
+        )
+        if full != self.num_embeddings:
             raise ValueError(
-                f"embedding has {loaded_weight.shape[0]} rows in the checkpoint, the model expects "
+                f"embedding has {full} rows in the checkpoint, the model expects "
                 f"{self.num_embeddings} (vocab_size)"
             )
         rows = self.vocab_end - self.vocab_start
-        param.data.zero_()
-        _copy_checked(param.data[:rows], loaded_weight[self.vocab_start : self.vocab_end])
+        dst = _target(param, self.qweight)
+        if isinstance(dst, QuantizedWeight):  # rows past the vocabulary (on the last rank) are zeros
+            for part in (dst.packed, dst.scales, dst.mins):
+                if part is not None:
+                    part[rows:].zero_()
+        else:
+            dst[rows:].zero_()
+        _copy_loaded(_narrow(dst, 0, 0, rows), _narrow(loaded_weight, 0, self.vocab_start, rows))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return F.embedding(ids, self.weight)
+        return lookup_rows(self.qweight, ids, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mine, input_ids - self.vocab_start, torch.zeros_like(input_ids))
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local) * mine.unsqueeze(-1).to(self.dtype)
         return tp_all_reduce(out)
 
 
@@ -397,7 +513,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection with the vocabulary split across ranks; logits are gathered on every rank."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = (
+            F.linear(hidden, self.weight) if self.qweight is None else qlinear.matmul(hidden, self.qweight)
+        )
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, PagedAttention
+from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.models.arch_config import ModelArchConfig
 from kvpilot.runtime.models.base import CausalLM
 from kvpilot.runtime.models.layers import (
@@ -174,7 +175,7 @@ class LlamaForCausalLM(CausalLM):
         """[N, hidden] -> [N, vocab] float32 (pick the rows to sample from before calling)."""
         return self.lm_head.compute_logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Load (HF name, full tensor) pairs; each parameter's weight_loader keeps this rank's shard.
 
         Raises ValueError naming unknown checkpoint entries or parameters the checkpoint left unset.
@@ -186,6 +187,7 @@ class LlamaForCausalLM(CausalLM):
             if name.endswith(IGNORED_SUFFIXES):
                 continue
             if name == ROPE_FREQS_NAME:
+                assert isinstance(tensor, torch.Tensor)
                 self.model.rotary_emb.set_freq_factors(tensor)
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:

@@ -161,3 +161,109 @@ def test_serve_flags_and_config_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         args(["--quantization", "gptq"])
     assert "--quantization" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF blocks kept as they are, and the quantized LM head
+
+
+def test_auto_runs_the_builtin_gguf_from_its_own_blocks(smollm2_fp32: LoadedModel) -> None:
+    """`auto` on the builtin GGUF: every linear layer is its Q4_1 blocks (int4 group 32), the tied LM
+    head and embedding its Q8_0 blocks (int8 group 32), no 16-bit copy of any of them; those are the
+    very values the float model was dequantized to, so greedy decoding picks the same tokens."""
+    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.sampling_params import SamplingParams
+
+    cfg = EngineConfig(model=DEFAULT_MODEL, quantization="auto", dtype="float32", kv_cache_memory=64 << 20)
+    quant = load_model(cfg, torch.device("cpu"), torch.float32)
+    model: Any = quant.model
+    assert all(m.weight is None and m.qweight is not None for _, m in linear_layers(model))
+    assert {(m.qweight.bits, m.qweight.group) for _, m in linear_layers(model)} == {(4, 32)}  # type: ignore[union-attr]
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.weight is None and embed.weight is None and embed.qweight is head.qweight
+    assert (head.qweight.bits, head.qweight.group, head.qweight.out_features) == (8, 32, 49152)
+    assert not any(p.dtype.is_floating_point and p.dim() == 2 for p in model.parameters())
+    # the same values as the dequantized float model, layer by layer
+    ref: Any = smollm2_fp32.model
+    torch.testing.assert_close(head.qweight.dequantize(), ref.lm_head.weight, rtol=0, atol=0)
+    for (_, q), (_, r) in zip(linear_layers(model), linear_layers(ref), strict=True):
+        torch.testing.assert_close(q.qweight.dequantize(), r.weight, rtol=0, atol=0)
+
+    tok = smollm2_fp32.tokenizer
+    prompts = [tok.encode(p) for p in (PROMPT, "def fibonacci(n):", "The capital of France is")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = LLMEngine.from_loaded(smollm2_fp32, cfg.model_copy(update={"quantization": None}))
+    got = LLMEngine.from_loaded(quant, cfg)
+    ref_tokens = [s.output_token_ids for s in want.generate(prompts, params)]
+    assert [s.output_token_ids for s in got.generate(prompts, params)] == ref_tokens
+
+
+def test_the_lm_head_of_a_16_bit_model_becomes_int8() -> None:
+    """A float LM head becomes int8 with a scale per 32 weights; the tied embedding shares it and a
+    lookup dequantizes just the rows it reads. (The float model here holds the GGUF's dequantized
+    Q8_0 head, which group 32 reproduces; the bound below is the quantizer's, whatever the input.)"""
+    from kvpilot.runtime.quantization import quantize_lm_head
+
+    loaded = load_model(EngineConfig(model=DEFAULT_MODEL), torch.device("cpu"), torch.float32)
+    model: Any = loaded.model
+    w = model.lm_head.weight.detach().clone()
+    ids = loaded.tokenizer.encode(PROMPT)
+    want = _prefill_then_decode(loaded, ids)
+    before, after = quantize_lm_head(model) or (0, 0)
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.weight is None and embed.weight is None and embed.qweight is head.qweight
+    assert (head.qweight.bits, head.qweight.group) == (8, 32) and after < before / 3.7
+    assert quantize_lm_head(model) is None  # already quantized: nothing to do
+    rows = torch.tensor([[5, 49151], [0, 12345]])
+    torch.testing.assert_close(embed(rows), head.qweight.dequantize()[rows], rtol=0, atol=0)
+    groups = w.reshape(w.shape[0], -1, 32)
+    err = (head.qweight.dequantize().reshape(groups.shape) - groups).abs()
+    assert (err <= groups.abs().amax(-1, keepdim=True) / 254 * 1.01 + 1e-9).all()  # half a step
+    got = _prefill_then_decode(loaded, ids)
+    rel = float((got - want).abs().max() / want.abs().max())
+    print(f"\nint8 LM head: max |logit diff| / max |logit| over prefill + 3 decode steps = {rel:.2e}")
+    assert rel < 1e-4
+    assert int(got[0].argmax()) == int(want[0].argmax())
+
+
+def test_which_layers_load_from_blocks(smollm2_gguf_path: Path) -> None:
+    """Blocks go straight in when the method takes their format; otherwise the layer is dequantized."""
+    from kvpilot.runtime.gguf_reader import GGUFFile
+    from kvpilot.runtime.loader import build_model, gguf_arch_config, gguf_blocks_plan
+
+    with GGUFFile(smollm2_gguf_path) as f:
+        arch = gguf_arch_config(f)
+        model = build_model(arch, torch.device("cpu"), torch.float32)  # uninitialized: nothing touched
+
+        def plan(method: str | None, group: int = 32) -> dict[str, tuple[int, int]]:
+            return gguf_blocks_plan(f, model, method, group)[0]
+
+        everything = plan("auto")
+        assert len(everything) == 4 * 30 + 1 and everything["model.embed_tokens"] == (8, 32)
+        assert everything["model.layers.0.self_attn.qkv_proj"] == (4, 32)
+        assert plan("int4") == everything
+        assert plan("int4", 64) == plan("int8") == {"model.embed_tokens": (8, 32)}  # Q4_1 is neither
+        assert plan(None) == {}
+        names = gguf_blocks_plan(f, model, "auto", 32)[1]
+        assert "blk.0.attn_q.weight" in names and "token_embd.weight" in names
+        assert "blk.0.attn_norm.weight" not in names
+
+
+def test_int4_group_64_on_the_builtin_gguf_requantizes_the_layers_and_keeps_the_head_blocks() -> None:
+    cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=64)
+    loaded = load_model(cfg, torch.device("cpu"), torch.float32)
+    model: Any = loaded.model
+    assert {(m.qweight.bits, m.qweight.group) for _, m in linear_layers(model)} == {(4, 64)}
+    assert (model.lm_head.qweight.bits, model.lm_head.qweight.group) == (8, 32)
+
+
+def test_quantized_weights_cut_on_blocks_for_tensor_parallel_shards() -> None:
+    from kvpilot.runtime.models.layers import narrow_qweight
+
+    qw = qlinear.quantize_int4(torch.randn(6, 128), 32)
+    cols = narrow_qweight(qw, 1, 64, 64)
+    torch.testing.assert_close(cols.dequantize(), qw.dequantize()[:, 64:], rtol=0, atol=0)
+    rows = narrow_qweight(qlinear.quantize_int8(torch.randn(6, 64), 32), 0, 2, 3)
+    assert rows.packed.shape == (3, 64) and rows.scales.shape == (3, 2)
+    with pytest.raises(ValueError, match="group size 32"):
+        narrow_qweight(qw, 1, 16, 64)
