@@ -84,7 +84,9 @@ def test_q4_k_converts_within_the_float16_rounding_bound() -> None:
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
 def test_converted_weights_multiply_like_their_dequantized_form(name: str) -> None:
-    """The C kernel (decode rows) and the reference matmul read the converted blocks alike."""
+    """The C kernel (decode rows) and the reference matmul read the converted blocks alike: the kernel
+    computes its specification (int8 activation blocks, qlinear.reference_q8_matmul) on them, within
+    1% of the float product, and the float product itself with exact activations."""
     rng = np.random.default_rng(3)
     raw = random_blocks(name, rng)
     if name == "Q8_0":  # llama.cpp's quantizer never writes -128; the kernel's range is -127..127
@@ -92,7 +94,15 @@ def test_converted_weights_multiply_like_their_dequantized_form(name: str) -> No
     qw = gguf_blocks.to_qweight(raw, GGMLQuantizationType[name], COLS)
     x = torch.randn(3, COLS)
     want = x @ qw.dequantize(torch.float32).T
-    torch.testing.assert_close(qlinear.matmul(x, qw), want, rtol=1e-4, atol=1e-4)
+    if qlinear.kernel_applies(x, qw) and qlinear.q8_path_applies(qw):
+        spec = qlinear.reference_q8_matmul(x, qw)
+        torch.testing.assert_close(qlinear.matmul(x, qw), spec, rtol=1e-4, atol=1e-4)
+        assert float((spec - want).norm() / want.norm()) < 0.01
+    qlinear.INT8_ACTIVATIONS = False
+    try:
+        torch.testing.assert_close(qlinear.matmul(x, qw), want, rtol=1e-4, atol=1e-4)
+    finally:
+        qlinear.INT8_ACTIVATIONS = True
 
 
 def test_bad_blocks_are_refused() -> None:
@@ -170,6 +180,7 @@ def load_mixed(path: Path, quantization: str | None) -> Any:
     return model.eval(), arch
 
 
+@pytest.mark.usefixtures("exact_qmatmul")  # the loader's plumbing, to float rounding
 def test_a_mixed_gguf_loads_each_layer_its_own_way(tmp_path: Path) -> None:
     from tests.runtime.test_model_parity import PagedKV
 
