@@ -121,3 +121,47 @@ def test_qlinear_matmul_takes_the_kernel_on_cuda() -> None:
         got = qlinear.matmul(x, qw)
         want = qlinear.reference_matmul(x, qw)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * float(want.abs().max()), rtol=2e-2)
+
+
+def test_a_quantized_model_layer_through_qlinear_matmul_takes_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wiring: with `applies` true (on a GPU it is for CUDA tensors; here it is made true for the
+    interpreter), a tiny int4 Llama's MLP runs its matmuls through the kernel and computes what float
+    weights equal to the dequantized ones compute."""
+    from kvpilot.runtime.models import ModelArchConfig, get_model_class
+    from kvpilot.runtime.quantization import linear_layers, quantize_model
+
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = get_model_class("LlamaForCausalLM")(arch)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    ref = get_model_class("LlamaForCausalLM")(arch)
+    ref.load_state_dict(model.state_dict())
+    quantize_model(model, "int4", 32)
+    for (_, q), (_, r) in zip(linear_layers(model), linear_layers(ref), strict=True):
+        assert q.qweight is not None and r.weight is not None
+        r.weight.data = q.qweight.dequantize(torch.float32)
+    model.to(DEVICE)
+    ref.to(DEVICE)
+    calls = []
+    kernel = triton_qlinear.qmatmul
+
+    def counted(
+        x: torch.Tensor, qw: qlinear.QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, qw, bias)
+
+    monkeypatch.setattr(qlinear, "kernel_applies", lambda x, qw: False)
+    monkeypatch.setattr(triton_qlinear, "applies", lambda x, qw: triton_qlinear.unsupported(qw) is None)
+    monkeypatch.setattr(triton_qlinear, "qmatmul", counted)
+    x = torch.randn(5, 64, device=DEVICE)
+    got = model.model.layers[0].mlp(x)
+    assert calls == [5, 5]  # gate_up, down
+    torch.testing.assert_close(got, ref.model.layers[0].mlp(x), rtol=1e-4, atol=1e-5)
