@@ -94,7 +94,6 @@ def tile_shape(m: int) -> tuple[int, int, int]:
 
 
 if HAVE_TRITON:
-
     # the row count changes every step (one compiled variant for all of them); the shapes stay specialized
     @triton.jit(do_not_specialize=["m_size"])
     def _qmatmul_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: typed by the JIT
