@@ -16,8 +16,8 @@ and accumulates tl.dot in float32. float32 activations use exact float32 dots (n
   once and makes two dots: the low nibbles against x's columns j.., the high ones against j + g / 2...
 
 Tiles (`tile_shape`) follow the row count: decode (up to 16 rows) uses 16-row tiles (tl.dot's
-minimum) and narrow 32-column ones so a decode step still spreads over many programs; prefill
-uses 64 x 128. No host synchronization, so the call can sit inside a CUDA graph.
+minimum) and narrow 32-column ones so a decode step still spreads over many programs; up to 64
+rows 64 x 64, prefill 64 x 128. Chosen by reasoning, not autotuned or measured (no GPU has run it). No host synchronization, so the call can sit inside a CUDA graph.
 
 Tested on the CPU under Triton's interpreter against qlinear.reference_matmul (dequantize + matmul),
 and on CUDA by the same tests when a GPU is there (tests/kernels/test_triton_qlinear.py).
