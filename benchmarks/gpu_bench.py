@@ -309,7 +309,7 @@ def bench_quantized(
     rows = [decode_rate(engine, b, args.prompt_len, args.decode_tokens) for b in batches]
     base = {r["batch"]: r["tokens_per_s"] for r in unquantized}
     for r in rows:
-        r["ratio_to_unquantized"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
+        r["ratio_to_unquantized"] = r["tokens_per_s"] / base[r["batch"]]  # the same batch sizes, first two
     # what a batch-1 step reads: the quantized linear weights plus everything decode_bytes_per_step counts
     step_bytes = report.bytes_after + decode_bytes_per_step(
         loaded, engine, args.prompt_len + args.decode_tokens // 2
