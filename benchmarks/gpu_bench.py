@@ -14,11 +14,17 @@ ids all exist in both vocabularies). Figures:
 * `--compare-backends`: batch-32 decode with each CUDA attention path the machine has (Triton at block
   16, flash-attn at block 256 when installed), the measurement behind the runtime's default.
 
+`--quantization int4|int8`: after the 16-bit figures, the 8B-shaped model's linear layers are quantized in
+place (runtime/quantization.py) and decode is measured again at the first two batch sizes: tokens/s,
+the ratio to the 16-bit run, and the bytes/s a batch-1 step reads (on CUDA the matmuls are the Triton
+kernel kernels/triton_qlinear.py; on CPU the C kernel).
+
 `--moe`: also a Mixtral-shaped model (8 experts, top-2; fewer layers) when the runtime registers
 MixtralForCausalLM; recorded as skipped otherwise. `--device cpu --tiny` runs every phase on small
 shapes (the test suite runs it).
 
-    python benchmarks/gpu_bench.py --device cuda --out results/gpu_bench.json --moe --compare-backends
+    python benchmarks/gpu_bench.py --device cuda --out results/gpu_bench.json --moe --compare-backends \
+        --quantization int4
     python benchmarks/gpu_bench.py --device cpu --tiny
 """
 
@@ -280,6 +286,48 @@ def compare_backends(loaded: LoadedModel, args: argparse.Namespace, batch: int) 
     return rows
 
 
+def bench_quantized(
+    loaded: LoadedModel, args: argparse.Namespace, batches: list[int], unquantized: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Quantize `loaded`'s linear layers in place (its 16-bit weights are gone after), then decode."""
+    from kvpilot.kernels import triton_qlinear
+    from kvpilot.runtime.quantization import linear_layers, quantize_model
+
+    t0 = time.perf_counter()
+    report = quantize_model(loaded.model, args.quantization, args.quantization_group_size)
+    sync(loaded.device)
+    quantize_s = time.perf_counter() - t0
+    gc.collect()
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
+    qw = next(m.qweight for _, m in linear_layers(loaded.model) if m.qweight is not None)
+    probe = torch.zeros(1, qw.in_features, device=loaded.device, dtype=loaded.dtype)
+    engine = engine_for(
+        loaded, max(batches), **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {})
+    )
+    decode_rate(engine, 1, 8, 4)  # warm-up: kernels compiled
+    rows = [decode_rate(engine, b, args.prompt_len, args.decode_tokens) for b in batches]
+    base = {r["batch"]: r["tokens_per_s"] for r in unquantized}
+    for r in rows:
+        r["ratio_to_unquantized"] = r["tokens_per_s"] / base[r["batch"]]  # the same batch sizes, first two
+    # what a batch-1 step reads: the quantized linear weights plus everything decode_bytes_per_step counts
+    step_bytes = report.bytes_after + decode_bytes_per_step(
+        loaded, engine, args.prompt_len + args.decode_tokens // 2
+    )
+    out = {
+        "method": args.quantization,
+        "group_size": report.group_size,
+        "linear_bytes_before": report.bytes_before,
+        "linear_bytes_after": report.bytes_after,
+        "quantize_s": quantize_s,
+        "matmul": "triton" if triton_qlinear.applies(probe, qw) else f"{loaded.device.type} (qlinear.matmul)",
+        "decode": rows,
+        "batch1_bytes_per_s": step_bytes / (rows[0]["step_ms"] / 1000),
+    }
+    close(engine)
+    return out
+
+
 def machine(device: torch.device) -> dict[str, Any]:
     import platform
 
@@ -318,6 +366,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--copy-bytes", type=int, default=None, help="buffer size of the bandwidth probe")
     ap.add_argument("--moe", action="store_true", help="also a Mixtral-shaped model, when supported")
     ap.add_argument("--compare-backends", action="store_true")
+    ap.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="also decode with the 8B-shaped model's linear layers quantized (first two batch sizes)",
+    )
+    ap.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128], default=32)
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -346,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["llama"] = bench_model(loaded, args, batches, loaded.model_name)
     if args.compare_backends:
         result["backends"] = compare_backends(loaded, args, batches[min(1, len(batches) - 1)])
+    if args.quantization:  # last: it replaces the model's 16-bit weights
+        result["quantized"] = bench_quantized(loaded, args, batches[:2], result["llama"]["decode"])
     del loaded
     gc.collect()
     if device.type == "cuda":

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild
+from kvpilot.kernels import cbuild, triton_qlinear
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +302,8 @@ def reference_q8_matmul(
 def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
+    if triton_qlinear.applies(x, qw):  # CUDA: kernels/triton_qlinear.py dequantizes tiles in registers
+        return triton_qlinear.qmatmul(x, qw, bias)
     return dequantize_matmul(x, qw, bias)
 
 

@@ -21,7 +21,10 @@
 #   moe_backends.log  CUDA backend (per-expert loop, torch grouped_mm, the Triton grouped GEMM),
 #                     checked against the reference, ms and expert-weight GB/s at T = 1/32/128/512
 #                     (the MoE Triton path's correctness is also in pytest -m gpu: test_moe_triton.py)
-# Exit status: 0 when the tests passed and both benchmarks finished; 2 without a GPU; 1 otherwise.
+#   quant_bench.json  gpu_bench.py --quantization int4 --batches 1,32: the 8B-shaped model's decode
+#   quant_bench.log   in bfloat16, then with int4 weights (the Triton kernel kernels/triton_qlinear.py);
+#                     it gets what is left of the 8 minutes (at most 90 s; skipped under 30 s)
+# Exit status: 0 when the tests passed and the benchmarks finished; 2 without a GPU; 1 otherwise.
 set -uo pipefail
 
 results="${1:?usage: scripts/gpu_check.sh RESULTS_DIR}"
@@ -87,5 +90,29 @@ for key, row in r.items():
         print(f"MoE layer {key}: " + "; ".join(cells))
 EOF
 fi
-echo "gpu_check: done in $((SECONDS - start)) s (tests rc=$tests_rc, benchmark rc=$bench_rc, MoE layer rc=$moe_rc); results in $results"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$moe_rc" -eq 0 ]
+left=$((470 - (SECONDS - start)))
+left=$((left > 90 ? 90 : left))
+if [ "$left" -ge 30 ]; then
+    echo "gpu_check: int4 decode (${left} s) ..."
+    timeout "$left" "$py" benchmarks/gpu_bench.py --device cuda --batches 1,32 --prefill-prompts 1 \
+        --prefill-len 128 --copy-bytes 268435456 --quantization int4 \
+        --out "$results/quant_bench.json" >"$results/quant_bench.log" 2>&1
+    quant_rc=$?
+    if [ "$quant_rc" -eq 0 ]; then
+        "$py" - "$results/quant_bench.json" <<'EOF'
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+q, base = r["quantized"], {d["batch"]: d for d in r["llama"]["decode"]}
+for d in q["decode"]:
+    print(f"decode batch {d['batch']:>4}: {q['method']} ({q['matmul']}) {d['tokens_per_s']:10.1f} tok/s, "
+          f"bfloat16 {base[d['batch']]['tokens_per_s']:10.1f} tok/s (x{d['ratio_to_unquantized']:.2f})")
+print(f"int4 batch-1 reads {q['batch1_bytes_per_s'] / 1e9:.0f} GB/s")
+EOF
+    fi
+else
+    echo "gpu_check: int4 decode skipped: ${left} s left of the 8 minutes" | tee "$results/quant_bench.log"
+    quant_rc=0
+fi
+echo "gpu_check: done in $((SECONDS - start)) s (tests rc=$tests_rc, benchmark rc=$bench_rc, MoE layer rc=$moe_rc, int4 rc=$quant_rc); results in $results"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$moe_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ]

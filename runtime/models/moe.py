@@ -25,7 +25,8 @@ a kernels/qlinear.QuantizedWeight (int8 per output channel, or int4 with a scale
 of K), so the stacked [E, N, K] tensors turn into one QuantizedWeight per expert. `moe_grouped` takes
 either form; with quantized experts each active expert's two matmuls are `qlinear.matmul` on its
 rows: the C kernel reading the quantized bytes for up to qlinear.SMALL_M rows (a decode step's few
-rows per expert), dequantize + torch matmul above that (prefill).
+rows per expert), dequantize + torch matmul above that (prefill); on CUDA, the Triton kernel
+kernels/triton_qlinear.py for every row count.
 
 Parallelism (`FusedMoE`): under tensor parallelism each expert's intermediate width I is split across
 ranks like the dense MLP (w13 by rows, w2 by columns) and the per-rank partial sums are all-reduced;

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
 
-from kvpilot.kernels import triton_attention, triton_moe  # noqa: E402
+from kvpilot.kernels import triton_attention, triton_moe, triton_qlinear  # noqa: E402
 
 
 def params(kernel: Any) -> list[str]:
@@ -76,9 +76,36 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict[str, Any], list
     return out
 
 
+def qlinear_variants() -> list[tuple[str, dict[str, str], dict[str, Any], list[int]]]:
+    """The quantized matmul: int8 and int4 codes, each activation dtype, decode and prefill tiles."""
+    out = []
+    kernel = triton_qlinear._qmatmul_kernel
+    for bits in (8, 4):
+        for dt in ("bf16", "fp16", "fp32"):
+            for m in (1, 256):
+                block_m, block_n, _ = triton_qlinear.tile_shape(m)
+                const = {
+                    "BITS": bits,
+                    "HAS_BIAS": m == 1,
+                    "PRECISION": "ieee" if dt == "fp32" else "tf32",
+                    "DOT_F32": False,
+                    "BLOCK_M": block_m,
+                    "BLOCK_N": block_n,
+                    "BLOCK_K": 32,
+                }
+                ptrs = {"x_ptr": dt, "bias_ptr": dt, "out_ptr": dt, "w_ptr": "i8" if bits == 8 else "u8"}
+                ptrs |= {"scale_ptr": "fp16", "min_ptr": "fp16"}
+                sig = {
+                    n: "*" + ptrs[n] if n in ptrs else "constexpr" if n in const else "i32"
+                    for n in params(kernel)
+                }
+                out.append((f"qlinear int{bits} x={dt} rows={m}", sig, const, [90, 80]))
+    return out
+
+
 def main() -> int:
     failures = 0
-    jobs = attention_variants()
+    jobs = attention_variants() + qlinear_variants()
     store = triton_attention._store_kv_kernel
     for dt in ("bf16", "fp16", "fp32", "i8", "u8"):
         sig = {
@@ -113,6 +140,8 @@ def main() -> int:
             if name.startswith("store")
             else gemm
             if name.startswith("grouped")
+            else triton_qlinear._qmatmul_kernel
+            if name.startswith("qlinear")
             else triton_attention._paged_attention_kernel
         )
         for arch in archs:

@@ -271,6 +271,30 @@ def test_triton_backend_is_chosen_for_quantized_pools_on_cuda(
 
 
 @cuda
+def test_int4_on_cuda_takes_the_triton_kernel_and_matches_hf(
+    make_cuda_engine: Callable[..., LLMEngine], prompts_and_refs: tuple[list[list[int]], list[Reference]]
+) -> None:
+    """SmolLM2's GGUF stores Q4_1 weights, so int4 group 32 holds exactly the weights HF dequantizes:
+    float32 greedy decoding through the quantized Triton matmul (kernels/triton_qlinear.py, prefill
+    and decode rows, CUDA graphs) gives HF's tokens. bfloat16 int8 serves a batch to completion."""
+    from kvpilot.kernels import triton_qlinear
+    from kvpilot.runtime.quantization import linear_layers
+
+    prompts, refs = prompts_and_refs
+    engine = make_cuda_engine(dtype="float32", kv_cache_memory=GIB, quantization="int4")
+    layers = [m for _, m in linear_layers(engine.runner.model)]
+    assert layers and all(m.qweight is not None and m.qweight.bits == 4 for m in layers)
+    qw = layers[0].qweight
+    assert qw is not None and triton_qlinear.applies(torch.zeros(1, qw.in_features, device="cuda"), qw)
+    for i, (seq, ref) in enumerate(zip(engine.generate(prompts, greedy()), refs, strict=True)):
+        assert_matches_reference(seq.output_token_ids, ref, f"cuda int4 prompt {i}")
+    int8 = make_cuda_engine(dtype="bfloat16", kv_cache_memory=GIB, quantization="int8")
+    seqs = int8.generate(prompts * 8, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [len(s.output_token_ids) for s in seqs] == [32] * len(prompts) * 8  # 32 rows: decode tiles
+    assert int8.block_manager.usage == 0.0
+
+
+@cuda
 def test_measured_profile_on_cuda_sees_the_weights_and_a_step_peak(smollm2_gguf_path: Any) -> None:
     from kvpilot.runtime.loader import load_model
     from kvpilot.runtime.model_runner import profile_memory

@@ -2,7 +2,7 @@
 
 The benchmark's `--device cpu --tiny` mode runs every phase the GPU run has (random-weight model from a
 config, measured KV sizing path aside, decode at several batches, prefill, the bandwidth fraction, the
-backend comparison, the optional MoE model) on small shapes; the script refuses to run without a GPU.
+backend comparison, the quantized decode, the optional MoE model) on small shapes; the script refuses to run without a GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "r" / "gpu_bench.json"
     args = ["--device", "cpu", "--tiny", "--batches", "1,3", "--decode-tokens", "4", "--prompt-len", "8"]
     args += ["--prefill-len", "32", "--copy-bytes", str(1 << 20), "--moe", "--compare-backends"]
+    args += ["--quantization", "int4"]
     result = bench.main([*args, "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result, default=str))
     ll = result["llama"]
@@ -47,6 +48,11 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path: Path) -> None:
     assert bw["fraction_of_copy_bandwidth"] > 0 and bw["bytes_per_step"] > 0
     assert ll["cuda_graphs"] is None  # CPU: eager
     assert {(r["block_size"], r["enforce_eager"]) for r in result["backends"]} == {(16, False), (16, True)}
+    q = result["quantized"]  # int4 after the bfloat16 figures: 5/8 of a byte a weight, not 2 bytes
+    assert q["method"] == "int4" and q["group_size"] == 32 and q["matmul"] == "cpu (qlinear.matmul)"
+    assert q["linear_bytes_after"] < q["linear_bytes_before"] / 3
+    assert [d["batch"] for d in q["decode"]] == [1, 3] and all(d["steps"] == 4 for d in q["decode"])
+    assert all(d["ratio_to_unquantized"] > 0 for d in q["decode"]) and q["batch1_bytes_per_s"] > 0
     # Mixtral-shaped: measured when the runtime has the MoE class, else recorded as skipped with the reason
     assert "skipped" in result["mixtral"] or result["mixtral"]["decode"]
 
