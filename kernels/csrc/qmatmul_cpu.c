@@ -182,19 +182,39 @@ static inline __attribute__((always_inline)) void row_dots_q8(const int8_t *xq, 
     long b = 0;
     __m256 acc[MB];
     for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
+    /* the weight's block scales as float32: one per row (per channel: applied once at the end), or
+     * one per block or group, converted 16 at a time */
+    const int per_row = gshift >= 62;
+    float wsf[nb > 0 ? nb : 1];
+    if (!per_row) {
+        long i = 0;
+        for (; i + 16 <= nb; i += 16) {
+            float g16[16];
+            const long g0 = i >> gshift;
+            if (gshift == 0) {
+                _mm256_storeu_ps(g16, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g0))));
+                _mm256_storeu_ps(g16 + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g0 + 8))));
+                memcpy(wsf + i, g16, sizeof g16);
+            } else {
+                for (int j = 0; j < 16; j++) wsf[i + j] = h2f(sc[(i + j) >> gshift]);
+            }
+        }
+        for (; i < nb; i++) wsf[i] = h2f(sc[i >> gshift]);
+    }
 #if defined(KVPILOT_ISA_AVX512)
     __m512 acc2[MB];
     for (int r = 0; r < mb; r++) acc2[r] = _mm512_setzero_ps();
     for (; b + 1 < nb; b += 2) {
         __mmask64 neg = 0;
         const __m512i u = block512(w, b, wbits, &neg);
-        const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(h2f(sc[b >> gshift])),
-                                             _mm256_set1_ps(h2f(sc[(b + 1) >> gshift])), 1);
+        const __m512 ws = per_row ? _mm512_set1_ps(1.0f)
+                                  : _mm512_insertf32x8(_mm512_set1_ps(wsf[b]), _mm256_set1_ps(wsf[b + 1]), 1);
         for (int r = 0; r < mb; r++) {
             __m512i s = _mm512_loadu_si512((const void *)(xq + r * K + b * QB));
             if (wbits == 8) s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
             const __m512 d = _mm512_loadu_ps(dxe + (r * nb + b) * 8); /* dx[b] x 8, dx[b + 1] x 8 */
-            acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot512(u, s)), _mm512_mul_ps(ws, d), acc2[r]);
+            const __m512 p = _mm512_cvtepi32_ps(dot512(u, s));
+            acc2[r] = _mm512_fmadd_ps(p, per_row ? d : _mm512_mul_ps(ws, d), acc2[r]);
         }
     }
     for (int r = 0; r < mb; r++)
@@ -203,7 +223,7 @@ static inline __attribute__((always_inline)) void row_dots_q8(const int8_t *xq, 
     for (; b < nb; b++) {
         __m256i wv = _mm256_setzero_si256();
         const __m256i u = block256(w, b, wbits, &wv);
-        const __m256 ws = _mm256_set1_ps(h2f(sc[b >> gshift]));
+        const __m256 ws = _mm256_set1_ps(per_row ? 1.0f : wsf[b]);
         for (int r = 0; r < mb; r++) {
             __m256i s = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QB));
             if (wbits == 8) s = _mm256_sign_epi8(s, wv); /* x * sign(w), so u * s = w * x */
@@ -212,6 +232,7 @@ static inline __attribute__((always_inline)) void row_dots_q8(const int8_t *xq, 
         }
     }
     for (int r = 0; r < mb; r++) {
+        if (per_row) acc[r] = _mm256_mul_ps(acc[r], _mm256_set1_ps(h2f(sc[0])));
         if (wbits == 4) { /* + sum over groups of min * xs + 8 * scale * rs (quantize_rows) */
             long g = 0;
             const __m256 eight = _mm256_set1_ps(8.0f);
