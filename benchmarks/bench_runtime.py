@@ -18,6 +18,10 @@ configuration each engine ran with, and the figures:
 Usage:
     python benchmarks/bench_runtime.py --engines kvpilot,hf,llamacpp --num-requests 128
     python benchmarks/bench_runtime.py --quick          # small smoke run
+    python benchmarks/bench_runtime.py --engines kvpilot,llamacpp --skip batch,online,peak,serve \
+        --single-text quoting --single-count 3 --kvpilot-quantization int4 \
+        --kvpilot-speculative-method ngram      # single stream on "repeat this text" prompts
+benchmarks/issue14_figures.py runs issue 14's whole comparison through this script.
 llama-server comes from benchmarks/build_llamacpp.sh (built once, cached in benchmarks/.build/).
 
 Layout: this file is the command line and the comparison; runtime_harness.py probes the machine,
