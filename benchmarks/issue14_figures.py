@@ -11,8 +11,9 @@
     KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama-server is the
     AVX2-only build (`build_llamacpp.sh --isa avx2`, checked for zero AVX-512 instructions) with 32
     slots; bench_runtime.py's workload (N requests at once). kvpilot in the dtype `auto` picks there
-    and with --quantization int8 / int4, transformers in float32 and bfloat16. Goals: >= 1.5x
-    llama.cpp, >= 2x transformers in its fastest dtype.
+    and with --quantization int8 / int4, transformers in the faster of float32 and bfloat16 there
+    (bench_runtime's short probe batch picks it; --hf-avx2-dtype both runs the whole batch in each).
+    Goals: >= 1.5x llama.cpp, >= 2x transformers in its fastest dtype.
 
 Every measurement is one bench_runtime.py process (its adapters and options; a process per
 configuration, because the ISA environment must be set before torch loads); this script plans the
@@ -76,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-hidden", type=int, default=128)
     p.add_argument("--hf-single-dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--hf-avx2-dtype",
+        default="auto",
+        choices=["auto", "both"],
+        help="AVX2 batch: transformers in the dtype bench_runtime's probe finds faster (auto: a short "
+        "fp32-vs-bf16 batch, times in the JSON) or the whole batch in each of float32 and bfloat16 (both: "
+        "bf16 is ~4x slower than fp32 without native bf16, minutes more)",
+    )
     p.add_argument("--num-requests", type=int, default=32, help="AVX2 batch: requests submitted at once")
     p.add_argument("--prompt-range", default="32,256", help="AVX2 batch: prompt lengths LO,HI")
     p.add_argument("--output-range", default="32,128", help="AVX2 batch: output lengths LO,HI")
@@ -175,7 +184,7 @@ def plan(
                     "--engines",
                     ",".join(peers),
                     "--hf-dtype",
-                    "float32",
+                    "auto" if args.hf_avx2_dtype == "auto" else "float32",
                     *(["--llamacpp-bin", avx2_bin] if avx2_bin else []),
                     "--llamacpp-slots",
                     str(args.llamacpp_slots),
@@ -183,16 +192,20 @@ def plan(
                 dict(AVX2_ENV),
                 {
                     "kvpilot auto dtype": "kvpilot",
-                    "transformers float32": "hf",
+                    "transformers " + ("(faster dtype)" if args.hf_avx2_dtype == "auto" else "float32"): "hf",
                     f"llama.cpp server AVX2 build, {args.llamacpp_slots} slots": "llamacpp",
                 },
             )
         )
-        for key, label, extra in (
+        extras = [
             ("avx2_int8", "kvpilot int8", ["--engines", "kvpilot", "--kvpilot-quantization", "int8"]),
             ("avx2_int4", "kvpilot int4", ["--engines", "kvpilot", "--kvpilot-quantization", "int4"]),
-            ("avx2_hf_bfloat16", "transformers bfloat16", ["--engines", "hf", "--hf-dtype", "bfloat16"]),
-        ):
+        ]
+        if args.hf_avx2_dtype == "both":
+            extras.append(
+                ("avx2_hf_bfloat16", "transformers bfloat16", ["--engines", "hf", "--hf-dtype", "bfloat16"])
+            )
+        for key, label, extra in extras:
             engine = "hf" if key.startswith("avx2_hf") else "kvpilot"
             runs.append(Run(key, "avx2_batch", [*batch, *extra], dict(AVX2_ENV), {label: engine}))
     return runs
@@ -239,6 +252,10 @@ def summarize(runs: list[Run], docs: dict[str, dict[str, Any] | None]) -> dict[s
                 single[label] = {**row, **({"errors": errors} if errors else {})}
             else:
                 row = {"output_tok_per_s": figure(doc, engine, "batch", "output_tok_per_s")}
+                if engine == "hf":
+                    row["dtype"] = (rec.get("config") or {}).get("dtype")
+                    if "dtype_probe_s" in rec:
+                        row["dtype_probe_s"] = rec["dtype_probe_s"]
                 batch[label] = {**row, **({"errors": errors} if errors else {})}
     llama_single = next((v["decode_tok_per_s"] for k, v in single.items() if k.startswith("llama.cpp")), None)
     for row in single.values():

@@ -53,8 +53,12 @@ def test_plan_runs_single_streams_natively_and_batches_under_the_avx2_caps() -> 
     avx2 = by_key["avx2_peers"].argv
     assert opt(avx2, "--llamacpp-bin") == "/bin/avx2"
     assert opt(avx2, "--llamacpp-slots") == "32"
-    assert opt(by_key["avx2_hf_bfloat16"].argv, "--hf-dtype") == "bfloat16"
-    assert opt(avx2, "--hf-dtype") == "float32"
+    assert opt(avx2, "--hf-dtype") == "auto"  # bench_runtime probes fp32 and bf16, runs the faster
+    assert "avx2_hf_bfloat16" not in by_key
+    both = {r.key: r for r in i14.plan(i14.parse_args(["--hf-avx2-dtype", "both"]), None, None, None)}
+    assert opt(both["avx2_peers"].argv, "--hf-dtype") == "float32"
+    assert opt(both["avx2_hf_bfloat16"].argv, "--hf-dtype") == "bfloat16"
+    assert both["avx2_hf_bfloat16"].env == i14.AVX2_ENV
 
 
 def test_plan_leaves_llamacpp_out_without_a_binary_and_honours_parts() -> None:
@@ -81,7 +85,7 @@ def _doc(engines: dict[str, dict[str, object]]) -> dict[str, object]:
 
 
 def test_summary_ratios_use_the_fastest_transformers_dtype_and_the_best_kvpilot() -> None:
-    args = i14.parse_args(["--smoke"])
+    args = i14.parse_args(["--smoke", "--hf-avx2-dtype", "both"])
     runs = i14.plan(args, "/n", "/a", "/d")
     single = lambda v: {"single_stream": {"decode_tok_per_s": v}}  # noqa: E731
     batch = lambda v: {"batch": {"output_tok_per_s": v}}  # noqa: E731
