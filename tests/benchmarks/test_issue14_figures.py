@@ -145,3 +145,20 @@ def test_build_script_refuses_an_unknown_isa() -> None:
     )
     assert res.returncode == 2
     assert "--isa must be native or avx2" in res.stderr
+
+
+def test_avx512_instruction_count_tells_an_avx2_build_from_an_avx512_one(tmp_path: Path) -> None:
+    src = tmp_path / "v.c"
+    src.write_text(
+        "void add(float *a, const float *b, int n) { for (int i = 0; i < n; i++) a[i] += b[i] * 3.0f; }\n"
+        "int main(void) { float a[64] = {0}, b[64] = {1}; add(a, b, 64); return (int)a[0]; }\n"
+    )
+    counts = {}
+    for name, flags in (
+        ("avx512", ["-mavx512f", "-mprefer-vector-width=512"]),
+        ("avx2", ["-mavx2", "-mfma"]),
+    ):
+        subprocess.run(["cc", "-O3", *flags, str(src), "-o", str(tmp_path / name)], check=True)
+        counts[name] = i14.avx512_instruction_count(str(tmp_path / name))
+    assert counts["avx2"] == 0
+    assert counts["avx512"] is not None and counts["avx512"] > 0
