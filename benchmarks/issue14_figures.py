@@ -141,6 +141,11 @@ def plan(
                     "--hf-dtype",
                     args.hf_single_dtype,
                     *(["--llamacpp-bin", native_bin] if native_bin else []),
+                    # one stream: one slot with room for the prompt and the answer
+                    "--llamacpp-slots",
+                    "1",
+                    "--llamacpp-ctx-per-slot",
+                    "2048",
                 ],
                 {},
                 {"kvpilot plain": "kvpilot", "transformers": "hf", "llama.cpp server (native)": "llamacpp"},

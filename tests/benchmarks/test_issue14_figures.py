@@ -36,6 +36,7 @@ def test_plan_runs_single_streams_natively_and_batches_under_the_avx2_caps() -> 
     peers = by_key["single_peers"].argv
     assert opt(peers, "--engines") == "kvpilot,hf,llamacpp"
     assert opt(peers, "--llamacpp-bin") == "/bin/native"
+    assert opt(peers, "--llamacpp-slots") == "1"
     # every single-stream run uses the same quoting prompts and lengths
     single_opts = {
         tuple(
