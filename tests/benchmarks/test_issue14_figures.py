@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_native_runs_drop_inherited_avx2_caps(monkeypatch: pytest.MonkeyPatch) -
     assert all(capped[k] == v for k, v in i14.AVX2_ENV.items())
 
 
-def _doc(engines: dict[str, dict[str, object]]) -> dict[str, object]:
+def _doc(engines: dict[str, Any]) -> dict[str, Any]:
     return {"engines": engines}
 
 
@@ -90,7 +91,7 @@ def test_summary_ratios_use_the_fastest_transformers_dtype_and_the_best_kvpilot(
     runs = i14.plan(args, "/n", "/a", "/d")
     single = lambda v: {"single_stream": {"decode_tok_per_s": v}}  # noqa: E731
     batch = lambda v: {"batch": {"output_tok_per_s": v}}  # noqa: E731
-    docs: dict[str, dict[str, object] | None] = {
+    docs: dict[str, dict[str, Any] | None] = {
         "single_peers": _doc({"kvpilot": single(20.0), "hf": single(10.0), "llamacpp": single(40.0)}),
         "single_int8": _doc({"kvpilot": single(30.0)}),
         "single_int4": _doc({"kvpilot": single(52.0)}),
