@@ -18,6 +18,10 @@ configuration each engine ran with, and the figures:
 Usage:
     python benchmarks/bench_runtime.py --engines kvpilot,hf,llamacpp --num-requests 128
     python benchmarks/bench_runtime.py --quick          # small smoke run
+    python benchmarks/bench_runtime.py --engines kvpilot,llamacpp --skip batch,online,peak,serve \
+        --single-text quoting --single-count 3 --kvpilot-quantization int4 \
+        --kvpilot-speculative-method ngram      # single stream on "repeat this text" prompts
+benchmarks/issue14_figures.py runs issue 14's whole comparison through this script.
 llama-server comes from benchmarks/build_llamacpp.sh (built once, cached in benchmarks/.build/).
 
 Layout: this file is the command line and the comparison; runtime_harness.py probes the machine,
@@ -112,12 +116,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--online-requests", type=int, default=24)
     p.add_argument("--online-rate", type=float, default=0.1, help="Poisson arrival rate (requests/s)")
-    p.add_argument("--single-prompt", type=int, default=128)
+    p.add_argument(
+        "--prompt-range", type=_int_range, default=None, help="batch prompt lengths LO,HI (default 32,512)"
+    )
+    p.add_argument(
+        "--output-range", type=_int_range, default=None, help="batch output lengths LO,HI (default 64,512)"
+    )
+    p.add_argument("--single-prompt", type=int, default=128, help="single stream: corpus prompt tokens")
     p.add_argument("--single-output", type=int, default=256)
+    p.add_argument(
+        "--single-text",
+        default="corpus",
+        choices=["corpus", "quoting"],
+        help="single-stream prompts: a window of corpus text (--single-prompt tokens) or a chat turn "
+        "asking to repeat a passage of it (spec_decode_bench.py's quoting prompts, --single-words words)",
+    )
+    p.add_argument("--single-words", type=int, default=90, help="words per quoting passage")
+    p.add_argument(
+        "--single-count",
+        type=int,
+        default=1,
+        help="single-stream prompts per round, one after another; the figure is their total decode "
+        "tokens over their total decode time",
+    )
     p.add_argument("--kvpilot-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
         "--kvpilot-quantization", default=None, choices=["int8", "int4", "auto"], help="--quantization"
     )
+    p.add_argument(
+        "--kvpilot-speculative-method", default=None, choices=["ngram", "draft"], help="--speculative-method"
+    )
+    p.add_argument("--kvpilot-spec-k", type=int, default=4, help="--num-speculative-tokens (with a method)")
+    p.add_argument("--kvpilot-speculative-model", default=None, help="--speculative-model (draft only)")
     p.add_argument("--kvpilot-max-num-seqs", type=int, default=128)
     p.add_argument("--kvpilot-max-batched-tokens", type=int, default=2048)
     p.add_argument("--kvpilot-kv-gib", type=float, default=2.0)
@@ -132,12 +162,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-extra", default="", help="extra llama-server flags")
     p.add_argument("--output", default=None, help="also write the JSON here (default benchmarks/results/)")
     args = p.parse_args(argv)
+    if (args.kvpilot_speculative_model is None) != (args.kvpilot_speculative_method != "draft"):
+        p.error("--kvpilot-speculative-model goes with --kvpilot-speculative-method draft, and only with it")
+    if args.single_count < 1:
+        p.error("--single-count must be >= 1")
     if args.quick:
         args.num_requests = min(args.num_requests, 8)
         args.online_requests = min(args.online_requests, 4)
         args.online_rate = 1.0
         args.single_prompt, args.single_output = 32, 32
     return args
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def single_prompts(args: argparse.Namespace, gguf_path: Path, corpus: list[int]) -> list[list[int]]:
+    """The single-stream prompts of every round (round r runs prompts [r * count, (r + 1) * count))."""
+    n = args.rounds * args.single_count
+    if args.single_text == "quoting":
+        from spec_decode_bench import quoting_prompts
+
+        from kvpilot.runtime.tokenizer import Tokenizer
+
+        return quoting_prompts(Tokenizer.from_gguf(gguf_path), n, args.single_words)
+    step = args.single_prompt + 64
+    return [corpus[1000 + i * step : 1000 + i * step + args.single_prompt] for i in range(n)]
+
+
+def combine_single(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One figure from single streams run one after another: total decode tokens / total decode time."""
+    if len(results) == 1 or any("decode_tok_per_s" not in r for r in results):
+        return results[0] if len(results) == 1 else {"error": "a prompt failed", "per_prompt": results}
+    tokens = [r["output_tokens"] - 1 for r in results]
+    seconds = sum(n / r["decode_tok_per_s"] for n, r in zip(tokens, results, strict=True))
+    out: dict[str, Any] = {
+        "prompts": len(results),
+        "output_tokens": sum(r["output_tokens"] for r in results),
+        "decode_tok_per_s": round(sum(tokens) / seconds, 1),
+        "per_prompt_decode_tok_per_s": [r["decode_tok_per_s"] for r in results],
+        "ttft_ms_per_prompt": [r.get("ttft_ms") for r in results],
+    }
+    for key in ("steps", "proposed_tokens", "accepted_tokens"):
+        if all(key in r for r in results):
+            out[key] = sum(r[key] for r in results)
+    if out.get("proposed_tokens"):
+        out["acceptance_rate"] = round(out["accepted_tokens"] / out["proposed_tokens"], 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     gguf_path = wl.smollm2_gguf()
     dims = model_dims(gguf_path)
     prompt_range, output_range = ((32, 96), (16, 48)) if args.quick else ((32, 512), (64, 512))
+    prompt_range = args.prompt_range or prompt_range
+    output_range = args.output_range or output_range
     corpus = wl.corpus_token_ids(str(gguf_path))
     reqs = wl.make_requests(args.num_requests, prompt_range, output_range, args.seed, corpus)
     online = wl.make_online_requests(
@@ -161,11 +241,16 @@ def main(argv: list[str] | None = None) -> int:
         """Round r: the same lengths on different text (nothing a prefix cache could reuse)."""
         return wl.make_requests(args.num_requests, prompt_range, output_range, args.seed, corpus, r)
 
-    def round_single(r: int) -> wl.Request:
-        start = 1000 + r * (args.single_prompt + 64)
-        return wl.Request(0, corpus[start : start + args.single_prompt], args.single_output)
+    prompts = single_prompts(args, gguf_path, corpus)
 
-    single = round_single(0)
+    def round_single(r: int) -> list[wl.Request]:
+        chosen = prompts[r * args.single_count : (r + 1) * args.single_count]
+        return [wl.Request(i, p, args.single_output) for i, p in enumerate(chosen)]
+
+    def run_single(e: BenchEngine, reqs: list[wl.Request]) -> dict[str, Any]:
+        return combine_single([e.single(q) for q in reqs])
+
+    single = round_single(0)[0]
     flops = model_flops(reqs, dims)
     warm = corpus[-64:]  # warm-up text that no measured prompt starts with
 
@@ -181,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "batch": {**wl.summarize(reqs), "prompt_range": prompt_range, "output_range": output_range},
             "online": {**wl.summarize(online), "rate_per_s": args.online_rate},
-            "single_stream": {"prompt_tokens": single.prompt_len, "output_tokens": single.max_tokens},
+            "single_stream": {
+                "text": args.single_text,
+                "prompts_per_round": args.single_count,
+                "prompt_tokens": [len(p) for p in prompts],
+                "output_tokens": single.max_tokens,
+            },
             "text": "token windows of stdlib docstrings (benchmarks/workload.py); EOS ignored; greedy",
             "model_flops_batch": flops,
         },
@@ -230,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             if "single" not in skip:
                 log(f"{e.name}: single stream (round {r + 1}/{args.rounds})")
                 single_rounds[e.name].append(
-                    measure(rec, f"single_stream_round{r + 1}", functools.partial(e.single, round_single(r)))
+                    measure(
+                        rec, f"single_stream_round{r + 1}", functools.partial(run_single, e, round_single(r))
+                    )
                 )
     for e in ready:
         keep_best(res[e.name], "batch", batch_rounds[e.name], "output_tok_per_s")
@@ -287,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                 rec["batch"] = measure(rec, "batch", lambda: serve.batch(reqs, "serve"))
             if "single" not in skip:
                 log("kvpilot serve: single stream over HTTP")
-                rec["single_stream"] = measure(rec, "single_stream", lambda: serve.single(single))
+                rec["single_stream"] = measure(
+                    rec, "single_stream", lambda: run_single(serve, round_single(0))
+                )
             if "online" not in skip:
                 log("kvpilot serve: online (Poisson) over HTTP")
                 rec["online"] = measure(rec, "online", lambda: serve.online(online))

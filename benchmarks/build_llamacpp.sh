@@ -1,14 +1,69 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server from the sources vendored in the llama-cpp-python sdist on PyPI.
-# The binary is cached in benchmarks/.build/llama.cpp-<version>/bin/llama-server (gitignored), so
-# later runs reuse it. Usage: benchmarks/build_llamacpp.sh [llama-cpp-python version]
-# Runs at low priority (nice 10) because it takes a while on a 2-core machine.
+#
+# Usage: benchmarks/build_llamacpp.sh [--isa native|avx2] [llama-cpp-python version]
+#
+#   --isa native  (default) GGML_NATIVE=ON: every instruction set this CPU has (AVX-512, AMX, ...).
+#                 Cached in <build>/llama.cpp-<version>/bin/llama-server.
+#   --isa avx2    GGML_NATIVE=OFF with only AVX, AVX2, FMA, F16C and BMI2 (no AVX-512, no AVX-VNNI,
+#                 no AVX512-VNNI/BF16, no AMX): the llama-server an AVX2-only CPU gets, for the fair
+#                 AVX2 comparison of issue 14 on an AVX-512 machine. Cached in
+#                 <build>/llama.cpp-<version>-avx2/bin/llama-server.
+#
+# <build> is benchmarks/.build (gitignored) unless LLAMACPP_BUILD_DIR names another folder.
+# The avx2 binary is verified after the build: `objdump -d` of it must not mention a single zmm
+# register or an AVX-512 opmask register ({%k1}..{%k7}); the script fails otherwise. The same check
+# by hand:  objdump -d --no-show-raw-insn <binary> | grep -c zmm   (must print 0).
+# Runs at low priority (nice, NICE=10 by default) because it takes ~10 minutes on a 2-core machine.
 set -euo pipefail
-VERSION="${1:-0.3.36}"
+ISA=native
+VERSION=0.3.36
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --isa) ISA="${2:?--isa needs native or avx2}"; shift 2 ;;
+    --isa=*) ISA="${1#--isa=}"; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -*) echo "build_llamacpp.sh: unknown option $1" >&2; exit 2 ;;
+    *) VERSION="$1"; shift ;;
+  esac
+done
 HERE="$(cd "$(dirname "$0")" && pwd)"
-BUILD="$HERE/.build"
-OUT="$BUILD/llama.cpp-$VERSION"
+BUILD="${LLAMACPP_BUILD_DIR:-$HERE/.build}"
+NICE="${NICE:-10}"
+case "$ISA" in
+  native)
+    OUT="$BUILD/llama.cpp-$VERSION"
+    ISA_FLAGS=(-DGGML_NATIVE=ON)
+    ;;
+  avx2)
+    OUT="$BUILD/llama.cpp-$VERSION-avx2"
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF
+      -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+      -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+      -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    ;;
+  *) echo "build_llamacpp.sh: --isa must be native or avx2, not '$ISA'" >&2; exit 2 ;;
+esac
+
+# count of AVX-512 register uses (zmm registers, opmask registers) in a binary's disassembly
+avx512_uses() {
+  objdump -d --no-show-raw-insn "$1" | grep -cE '%zmm[0-9]|\{%k[1-7]\}' || true
+}
+
+verify() {
+  if [[ "$ISA" == avx2 ]]; then
+    local n
+    n="$(avx512_uses "$1")"
+    if [[ "$n" != 0 ]]; then
+      echo "build_llamacpp.sh: $1 has $n AVX-512 instructions (zmm/opmask); not an AVX2-only build" >&2
+      exit 1
+    fi
+    echo "verified: objdump -d $1 | grep -cE '%zmm|{%k1-7}' = 0 (no AVX-512 instructions)" >&2
+  fi
+}
+
 if [[ -x "$OUT/bin/llama-server" ]]; then
+  verify "$OUT/bin/llama-server"
   echo "$OUT/bin/llama-server"
   exit 0
 fi
@@ -20,10 +75,11 @@ if [[ ! -f "$SDIST" ]]; then
 fi
 SRC="$BUILD/src/llama_cpp_python-$VERSION"
 [[ -d "$SRC" ]] || tar -xzf "$SDIST" -C "$BUILD/src"
-nice -n 10 cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/cmake" -G Ninja \
-  -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+nice -n "$NICE" cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/cmake" -G Ninja \
+  -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
-nice -n 10 cmake --build "$OUT/cmake" --config Release -j2 --target llama-server
+nice -n "$NICE" cmake --build "$OUT/cmake" --config Release -j2 --target llama-server
 mkdir -p "$OUT/bin"
 cp "$OUT/cmake/bin/llama-server" "$OUT/bin/llama-server"
+verify "$OUT/bin/llama-server"
 echo "$OUT/bin/llama-server"

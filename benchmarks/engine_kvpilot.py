@@ -15,6 +15,7 @@ import torch
 import workload as wl
 from runtime_harness import BUILD_DIR, BenchEngine, dist, single_stream_figures
 from runtime_loadgen import Server
+from spec_decode_bench import spec_figures
 
 from kvpilot.net import free_port
 
@@ -30,7 +31,19 @@ def kvpilot_config(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:
         "kv_cache_memory": int(args.kvpilot_kv_gib * 2**30),
         "enable_prefix_caching": True,
         "quantization": args.kvpilot_quantization,
+        **kvpilot_speculative_config(args),
     }
+
+
+def kvpilot_speculative_config(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's speculative fields from --kvpilot-speculative-* (none when speculation is off)."""
+    method = args.kvpilot_speculative_method
+    if method is None:
+        return {}
+    out: dict[str, Any] = {"speculative_method": method, "num_speculative_tokens": args.kvpilot_spec_k}
+    if method == "draft":
+        out["speculative_model"] = args.kvpilot_speculative_model
+    return out
 
 
 def load_kvpilot(args: argparse.Namespace, gguf_path: Path) -> Any:
@@ -83,17 +96,27 @@ def run_kvpilot_batch(engine: Any, reqs: list[wl.Request], prefix: str) -> dict[
 
 
 def kvpilot_single_stream(engine: Any, req: wl.Request) -> dict[str, Any]:
-    rid = "single"
+    rid = f"single-{time.monotonic_ns()}"
+    s0 = engine.stats()
     engine.add_request(rid, req.prompt_ids, kvpilot_params(req.max_tokens))
     seq = engine.requests[rid].seq
     times: list[float] = []
+    first_count = 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
         n = len(seq.output_token_ids)
         engine.step()
         if len(seq.output_token_ids) > n:
             times.append(time.perf_counter())
-    return single_stream_figures(t0, times, len(seq.output_token_ids))
+            first_count = first_count or len(seq.output_token_ids)
+    total = len(seq.output_token_ids)
+    out = single_stream_figures(t0, times, total)
+    if len(times) >= 2:  # a speculative step emits several tokens: count tokens, not steps
+        out["decode_tok_per_s"] = round((total - first_count) / (times[-1] - times[0]), 1)
+    s1 = engine.stats()
+    out["steps"] = s1.num_steps - s0.num_steps
+    out.update(spec_figures(s0, s1))  # acceptance (speculation on only)
+    return out
 
 
 def engine_matmul_dtype(engine: Any) -> torch.dtype:
@@ -159,6 +182,13 @@ def kvpilot_server(args: argparse.Namespace, gguf_path: Path) -> Server:
         "--kv-cache-memory",
         str(cfg["kv_cache_memory"]),
         *(["--quantization", cfg["quantization"]] if cfg["quantization"] else []),
+        *(["--speculative-method", cfg["speculative_method"]] if "speculative_method" in cfg else []),
+        *(
+            ["--num-speculative-tokens", str(cfg["num_speculative_tokens"])]
+            if "speculative_method" in cfg
+            else []
+        ),
+        *(["--speculative-model", cfg["speculative_model"]] if "speculative_model" in cfg else []),
         "--max-model-len",
         "2048",
         "--log-level",

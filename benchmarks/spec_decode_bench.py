@@ -32,6 +32,7 @@ from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import LoadedModel, load_model, resolve_dtype
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.tokenizer import Tokenizer
 
 
 def log(msg: str) -> None:
@@ -46,8 +47,9 @@ def passages(n: int, words: int, seed: int = 0) -> list[str]:
     return [" ".join(tokens[i * step + seed : i * step + seed + words]) for i in range(n)]
 
 
-def quoting_prompts(loaded: LoadedModel, n: int, words: int) -> list[list[int]]:
-    tok = loaded.tokenizer
+def quoting_prompts(tok: Tokenizer, n: int, words: int) -> list[list[int]]:
+    """n chat turns asking the model to repeat ~`words` words of text (the answer quotes the prompt).
+    bench_runtime.py's --single-text quoting runs every engine on these prompts."""
     out = []
     for text in passages(n, words):
         chat = tok.apply_chat_template(
@@ -212,7 +214,7 @@ def main() -> None:
     }
     log(f"loading SmolLM2 ({dtype})")
     loaded = load_model(EngineConfig(model=DEFAULT_MODEL), device, dtype)
-    quoting = quoting_prompts(loaded, args.prompts, args.words)
+    quoting = quoting_prompts(loaded.tokenizer, args.prompts, args.words)
     plain_text = continuation_prompts(loaded, args.prompts, args.words)
     record["quoting_prompt_tokens"] = [len(p) for p in quoting]
 
