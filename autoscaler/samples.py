@@ -52,6 +52,9 @@ class MetricsSnapshot:
     # None when no router serves the model or it did not answer. They wait as surely as a pod's queue,
     # and they are the only signal a model scaled to zero has.
     router_queue: int | None = None
+    # Replica startup (pod created -> Ready), seconds: the median over the model's recent pods
+    # (startup.pod_startup_seconds), None when no pod's is known. The policy plans one startup ahead.
+    startup_s: float | None = None
 
     @property
     def reporting(self) -> int:

@@ -52,6 +52,7 @@ from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.sim_routing import PREFIX, PolicyRouter
 from kvpilot.autoscaler.slo import Slo
+from kvpilot.autoscaler.startup import STARTUP_SAMPLE_PODS, measured_startup_s
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
 from kvpilot.router.policy import POLICIES
 
@@ -175,6 +176,7 @@ class Replica:
     ready: bool = False
     draining: bool = False
     gone_at: float | None = None
+    started_ready: bool = False  # there at the start, Ready at once: no startup to measure
     waiting: deque[SimRequest] = field(default_factory=deque)
     running: list[SimRequest] = field(default_factory=list)
     # The step (or jump of `jump` decode steps) in progress.
@@ -555,6 +557,7 @@ class FleetSimulator:
             ready_at=now if ready_now else now + self.cal.startup_s,
             free_blocks=self.cal.num_kv_blocks,
             ready=ready_now,
+            started_ready=ready_now,
         )
         self.replicas.append(rep)
         self._ready_cache = None
@@ -660,7 +663,14 @@ class FleetSimulator:
                 )
                 for i, s in enumerate(samples)
             ]
-        return MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples)), in_flight
+        # Startup as the controller measures it from the pods (creation -> Ready, the most recent ones).
+        started = sorted(
+            (r for r in self.replicas if r.ready and r.gone_at is None and not r.started_ready),
+            key=lambda r: r.created,
+        )
+        startup = measured_startup_s(r.ready_at - r.created for r in started[-STARTUP_SAMPLE_PODS:])
+        snapshot = MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples), startup_s=startup)
+        return snapshot, in_flight
 
     # -- run -----------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ mode) are the autoscaler's own defaults, settable from the command line and the 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -190,8 +191,13 @@ class ScalingTargets:
     # capacity within the SLO, in place of the completion-rate service estimate; the KV and queue
     # rules stay as a floor.
     slo: SloTargets | None = None
+    # Declared replica startup (pod created -> Ready), seconds, used until one is measured from the
+    # pods (MetricsSnapshot.startup_s); None: unknown, the policy does not plan for it.
+    startup_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.startup_s is not None and not (self.startup_s >= 0 and math.isfinite(self.startup_s)):
+            raise ValueError("startup_s must be a finite number >= 0")
         if self.min_replicas < 0:
             raise ValueError("minReplicas must be >= 0")
         if self.max_replicas < max(1, self.min_replicas):
