@@ -31,11 +31,11 @@ Steps, in order (HPA-like where the HPA has an answer):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvpilot.autoscaler.samples import MetricsSnapshot
-from kvpilot.autoscaler.slo import replicas_needed
+from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
 from kvpilot.autoscaler.startup import (
     STARTUP_AWARE_MIN_S,
@@ -459,8 +459,21 @@ def decide(
             and arrivals.token_mix is not None
             and arrivals.mix_requests >= MIN_MIX_REQUESTS
         )
-        if planner_on and targets.slo is not None and arrivals.token_mix is not None:
-            slo_capacity = targets.slo.capacity(*arrivals.token_mix)
+        planner = targets.slo
+        tail_text = ""
+        if planner is not None and planner.tpot_tail_budget is not None:
+            # The TPOT tail rule's output lengths: configured, else measured from the replicas'
+            # output-length histograms, else (slo.output_share_at_most) geometric at the mean.
+            source = "configured"
+            if planner.output_cdf is None:
+                measured = output_cdf_from_buckets(snapshot.output_tokens_buckets)
+                source = "geometric"
+                if measured is not None:
+                    planner = replace(planner, output_cdf=measured)
+                    source = "measured"
+            tail_text = f", TPOT tail within {planner.tpot_tail_budget:.1%} ({source} output lengths)"
+        if planner_on and planner is not None and arrivals.token_mix is not None:
+            slo_capacity = planner.capacity(*arrivals.token_mix)
         # Startup-aware queue rule: with the startup known and a per-replica rate (the planner's
         # capacity, else the measured service rate at the target), size for the forecast rate plus
         # the backlog expected when the pods asked for now are Ready, drained within one startup
@@ -506,7 +519,7 @@ def decide(
                 a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
             a_part += (
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
-                f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s"
+                f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
             )
             arrival_rec = slo_rec
             if slo_rec > raw:

@@ -40,6 +40,7 @@ Deterministic: no randomness, no wall clock; the same inputs give the same numbe
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -56,6 +57,8 @@ from kvpilot.autoscaler.startup import STARTUP_SAMPLE_PODS, measured_startup_s
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
 from kvpilot.router.policy import POLICIES
 
+# Output-length histogram bounds (tokens), as the runtime exports them (runtime/metrics.py).
+OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 
 # Event kinds, in the order they are handled at equal times.
@@ -192,6 +195,9 @@ class Replica:
     output_tokens_done: int = 0
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # prompt block ids, LRU first
     waiting_tokens: int = 0  # prompt tokens of the waiting requests (for routers' free-KV view)
+    # Finished requests per output-length bucket (OUTPUT_TOKENS_BUCKETS), as the runtime's
+    # kvpilot_request_generation_tokens histogram counts them.
+    output_hist: list[int] = field(default_factory=lambda: [0] * (len(OUTPUT_TOKENS_BUCKETS) + 1))
 
     @property
     def in_flight(self) -> int:
@@ -210,7 +216,15 @@ class Replica:
             float(self.completed),
             prompt_tokens_total=float(self.prompt_tokens_done),
             generation_tokens_total=float(self.output_tokens_done),
+            output_tokens_buckets=self._buckets(),
         )
+
+    def _buckets(self) -> tuple[tuple[float, float], ...]:
+        cumulative, out = 0, []
+        for le, n in zip((*OUTPUT_TOKENS_BUCKETS, math.inf), self.output_hist, strict=True):
+            cumulative += n
+            out.append((le, float(cumulative)))
+        return tuple(out)
 
     def view(self, req: SimRequest) -> ReplicaView:
         return ReplicaView(
@@ -383,6 +397,7 @@ class Replica:
                 r.finish = now
                 self.prompt_tokens_done += r.prompt
                 self.output_tokens_done += r.output
+                self.output_hist[bisect.bisect_left(OUTPUT_TOKENS_BUCKETS, r.output)] += 1
                 self.free_blocks += r.blocks
                 r.blocks = 0
         return done
@@ -660,6 +675,7 @@ class FleetSimulator:
                     s.completed_total,
                     prompt_tokens_total=s.prompt_tokens_total,
                     generation_tokens_total=s.generation_tokens_total,
+                    output_tokens_buckets=s.output_tokens_buckets,
                 )
                 for i, s in enumerate(samples)
             ]
