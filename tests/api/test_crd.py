@@ -172,5 +172,5 @@ def test_slo_tpot_tail_budget_is_an_optional_share() -> None:
     assert ok.tpot_tail_budget == 0.005 and ok.dump()["tpotTailBudget"] == 0.005
     assert "tpotTailBudget" not in SloPlanner.model_validate({"calibration": "h100/llama-3.1-8b"}).dump()
     for bad in (0.0, 1.0, -0.1):
-        with pytest.raises(ValidationError, match="tpotTailBudget|tpot_tail_budget"):
+        with pytest.raises(ValidationError, match=r"tpotTailBudget|tpot_tail_budget"):
             SloPlanner.model_validate({"calibration": "h100/llama-3.1-8b", "tpotTailBudget": bad})
