@@ -14,7 +14,9 @@ Policies, on the same fleet, router and SLO (minReplicas 1):
 - kvpilot: policy.decide() with the SLO planner (spec.autoscaling.slo with this calibration; the mean
   step only, the default) and the default reactive rules as the floor; "kvpilot (tail rule)" adds
   the TPOT tail rule (SloTargets.tpot_tail_budget = slo.DEFAULT_TPOT_TAIL_BUDGET, output lengths
-  assumed geometric at the observed mean); "kvpilot (tail rule, output CDF)" is told the trace's
+  measured from the replicas' output-length histograms, as the live autoscaler reads
+  kvpilot_request_generation_tokens; geometric at the observed mean until 200 requests have
+  finished); "kvpilot (tail rule, output CDF)" is told the trace's
   output-length distribution (SloTargets.output_cdf: a workload property an operator has from logs,
   not the arrivals' timing); "kvpilot (reactive)" is without the planner.
 - static: every fixed fleet from 1 to the search bound is run once (attainment grows with size);
