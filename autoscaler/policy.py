@@ -17,6 +17,10 @@ Steps, in order (HPA-like where the HPA has an answer):
    arrival rate over what one replica serves within the TTFT/TPOT targets at the observed token
    mix (prompt and output tokens per finished request, from per-pod counters), computed from the
    replica model (slo.replica_capacity); it replaces the completion-rate service estimate above.
+   Startup-aware (startup.py; the startup measured from the pods, else declared): the forecast
+   looks at least one startup ahead, the scale-down window is at least HOLD_STARTUPS startups, and
+   for startups of STARTUP_AWARE_MIN_S or more the queue rule sizes the backlog expected one startup
+   from now (startup.backlog_replicas) instead of the immediate "absorb" count.
    The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
@@ -476,8 +480,8 @@ def decide(
             slo_capacity = planner.capacity(*arrivals.token_mix)
         # Startup-aware queue rule: with the startup known and a per-replica rate (the planner's
         # capacity, else the measured service rate at the target), size for the forecast rate plus
-        # the backlog expected when the pods asked for now are Ready, drained within one startup
-        # more (startup.backlog_replicas). Replicas already starting are part of that count.
+        # the backlog expected when the pods asked for now are Ready, drained within DRAIN_STARTUPS
+        # startups more (startup.backlog_replicas). Replicas already starting are part of that count.
         per_replica = slo_capacity if slo_capacity else (service_rate if b.arrival_rate else None)
         q_startup = ""
         if (
@@ -507,9 +511,14 @@ def decide(
             kv_rec = max(current, queue_rec)
         raw = max(kv_rec, queue_rec)
         a_part = ""
-        if planner_on and targets.slo is not None and forecast is not None and arrivals.token_mix is not None:
+        if (
+            planner_on
+            and targets.slo is not None
+            and slo_capacity is not None
+            and forecast is not None
+            and arrivals.token_mix is not None
+        ):
             mix = arrivals.token_mix
-            assert slo_capacity is not None
             cap = max(current, targets.max_replicas)
             slo_rec = min(cap, replicas_needed(forecast, slo_capacity))
             if current > 0 and abs(slo_rec / current - 1.0) <= tol:
