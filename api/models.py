@@ -238,6 +238,18 @@ class SloPlanner(_Model):
         le=100.0,
         description="The TTFT target grows by this many times the prompt's prefill time on an idle replica.",
     )
+    tpot_tail_budget: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "Opt-in TPOT tail rule: the share of requests (e.g. 0.005) that may miss the TPOT target "
+            "because prefill steps land among the few decode steps of short outputs. The output-length "
+            "distribution is read from the replicas' kvpilot_request_generation_tokens histogram "
+            "(vLLM's request_generation_tokens); geometric at the observed mean until 200 requests "
+            "have finished. Unset: size for the mean step only."
+        ),
+    )
 
 
 class Autoscaling(_Model):

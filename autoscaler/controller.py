@@ -34,6 +34,7 @@ from kvpilot.autoscaler.sources import (
     RouterQueueSource,
 )
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
+from kvpilot.autoscaler.startup import measured_startup_s, pod_startup_seconds
 from kvpilot.autoscaler.state import decision_to_status, history_from_status, kv_cache_usage_text
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,11 @@ class ScalingController:
         ]
         served = (spec.get("model") or {}).get("servedName") or name
         snapshot = await self._source_for(autoscaling).collect(ModelRef(ns, name, served), pod_targets)
-        snapshot = replace(snapshot, scaling_limited=condition_is_true(status, "ScalingLimited"))
+        snapshot = replace(
+            snapshot,
+            scaling_limited=condition_is_true(status, "ScalingLimited"),
+            startup_s=measured_startup_s(pod_startup_seconds(ready)),
+        )
         if self._router is not None:
             snapshot = replace(snapshot, router_queue=await self._router.queue_depth(served))
 

@@ -17,6 +17,10 @@ Steps, in order (HPA-like where the HPA has an answer):
    arrival rate over what one replica serves within the TTFT/TPOT targets at the observed token
    mix (prompt and output tokens per finished request, from per-pod counters), computed from the
    replica model (slo.replica_capacity); it replaces the completion-rate service estimate above.
+   Startup-aware (startup.py; the startup measured from the pods, else declared): the forecast
+   looks at least one startup ahead, the scale-down window is at least HOLD_STARTUPS startups, and
+   for startups of STARTUP_AWARE_MIN_S or more the queue rule sizes the backlog expected one startup
+   from now (startup.backlog_replicas) instead of the immediate "absorb" count.
    The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
@@ -31,12 +35,18 @@ Steps, in order (HPA-like where the HPA has an answer):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvpilot.autoscaler.samples import MetricsSnapshot
-from kvpilot.autoscaler.slo import replicas_needed
+from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
+from kvpilot.autoscaler.startup import (
+    STARTUP_AWARE_MIN_S,
+    backlog_replicas,
+    forecast_lead_s,
+    scale_down_hold_s,
+)
 
 _EPS = 1e-9
 
@@ -113,6 +123,7 @@ class Decision:
     arrival_rate: float | None = None  # requests/s arriving, measured over the last sync interval
     arrival_forecast: float | None = None  # requests/s expected Behavior.arrival_lead_s ahead
     service_rate: float | None = None  # requests/s one replica sustains at the target
+    startup_s: float | None = None  # replica startup the decision assumed (measured, else declared)
     burst: bool = False
     avg_kv_cache_usage: float | None = None
     avg_utilization: float | None = None  # max(KV use, batch-slot use), averaged over reporting replicas
@@ -354,6 +365,9 @@ def decide(
     avg_slots = sum(min(1.0, s.num_running / slots) for s in snapshot.samples) / n if slots and n else None
     avg_util = None if avg_kv is None else max(avg_kv, avg_slots or 0.0)
     notes: list[str] = []
+    # Replica startup (pod created -> Ready): measured from the pods, else declared; None: unknown.
+    startup = snapshot.startup_s if snapshot.startup_s is not None else targets.startup_s
+    lead = forecast_lead_s(b.arrival_lead_s, startup)
 
     kv_rec: int | None = None
     queue_rec: int | None = None
@@ -369,7 +383,7 @@ def decide(
         rates = tuple(r for r in arrivals.rates if now - b.arrival_trend_window_s < r.time < now)
         if arrival_rate is not None:
             rates = (*rates, RateSample(now, arrival_rate))
-            forecast = forecast_arrivals(rates, now, b.arrival_lead_s, b.arrival_max_growth)
+            forecast = forecast_arrivals(rates, now, lead, b.arrival_max_growth)
         if per_replica_done is not None and avg_util is not None:
             estimate = service_rate_at_target(
                 per_replica_done, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
@@ -443,28 +457,78 @@ def decide(
                 excess = waiting - targets.target_queue_depth * n
             queue_rec = current + _ceil((excess - starting * absorb) / absorb) if excess > 0 else 0
             queue_rec = max(0, queue_rec)
-        if current > 0 and abs(queue_rec / current - 1.0) <= tol:
-            queue_rec = current
-        raw = max(kv_rec, queue_rec)
-        a_part = ""
-        if (
+        planner_on = (
             targets.slo is not None
             and forecast is not None
             and arrivals.token_mix is not None
             and arrivals.mix_requests >= MIN_MIX_REQUESTS
+        )
+        planner = targets.slo
+        tail_text = ""
+        if planner is not None and planner.tpot_tail_budget is not None:
+            # The TPOT tail rule's output lengths: configured, else measured from the replicas'
+            # output-length histograms, else (slo.output_share_at_most) geometric at the mean.
+            source = "configured"
+            if planner.output_cdf is None:
+                measured = output_cdf_from_buckets(snapshot.output_tokens_buckets)
+                source = "geometric"
+                if measured is not None:
+                    planner = replace(planner, output_cdf=measured)
+                    source = "measured"
+            tail_text = f", TPOT tail within {planner.tpot_tail_budget:.1%} ({source} output lengths)"
+        if planner_on and planner is not None and arrivals.token_mix is not None:
+            slo_capacity = planner.capacity(*arrivals.token_mix)
+        # Startup-aware queue rule: with the startup known and a per-replica rate (the planner's
+        # capacity, else the measured service rate at the target), size for the forecast rate plus
+        # the backlog expected when the pods asked for now are Ready, drained within DRAIN_STARTUPS
+        # startups more (startup.backlog_replicas). Replicas already starting are part of that count.
+        per_replica = slo_capacity if slo_capacity else (service_rate if b.arrival_rate else None)
+        q_startup = ""
+        if (
+            startup is not None
+            and startup >= STARTUP_AWARE_MIN_S
+            and forecast is not None
+            and per_replica
+            and b.queue_recommendation == "absorb"
+        ):
+            excess = waiting - targets.target_queue_depth * n
+            if excess > 0:
+                cap = max(current, targets.max_replicas)
+                # While requests queue, the measured rate reads low (a full queue rejects, and
+                # completions are capped by the Ready replicas): the highest rate in the trend
+                # window is the floor.
+                rate = max(forecast, *(r.rate for r in arrivals.rates))
+                queue_rec = min(cap, backlog_replicas(waiting, rate, per_replica, ready, startup))
+                q_startup = f" over a {startup:g}s startup"
+            else:
+                queue_rec = 0
+        if current > 0 and abs(queue_rec / current - 1.0) <= tol:
+            queue_rec = current
+        if q_startup and kv_rec > max(current, queue_rec):
+            # A batch full of the backlog reads as high utilization at any fleet size: the backlog
+            # is sized above, so the utilization rule only holds the current size here.
+            notes.append(f"utilization ({kv_rec}) left to the queue rule while a backlog drains")
+            kv_rec = max(current, queue_rec)
+        raw = max(kv_rec, queue_rec)
+        a_part = ""
+        if (
+            planner_on
+            and targets.slo is not None
+            and slo_capacity is not None
+            and forecast is not None
+            and arrivals.token_mix is not None
         ):
             mix = arrivals.token_mix
-            slo_capacity = targets.slo.capacity(*mix)
             cap = max(current, targets.max_replicas)
             slo_rec = min(cap, replicas_needed(forecast, slo_capacity))
             if current > 0 and abs(slo_rec / current - 1.0) <= tol:
                 slo_rec = current
             a_part = f"slo planner: arrivals {arrival_rate or 0.0:.2f}/s"
             if forecast > (arrival_rate or 0.0) + _EPS:
-                a_part += f" (forecast {forecast:.2f}/s in {b.arrival_lead_s:g}s)"
+                a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
             a_part += (
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
-                f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s"
+                f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
             )
             arrival_rec = slo_rec
             if slo_rec > raw:
@@ -477,14 +541,17 @@ def decide(
                 arrival_rec = current
             a_part = f"arrivals {arrival_rate:.2f}/s"
             if forecast > (arrival_rate or 0.0) + _EPS:
-                a_part += f" (forecast {forecast:.2f}/s in {b.arrival_lead_s:g}s)"
+                a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
             a_part += f" at {service_rate:.2f}/s per replica"
             if arrival_rec > raw:
                 raw = arrival_rec
         kv_part = _kv_text(avg_kv, target_kv, tol)
         if avg_slots is not None and avg_slots > avg_kv:
             kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)
-        q_part = f"queue {waiting} waiting ({waiting / n:.1f}/replica, target {targets.target_queue_depth:g})"
+        q_part = (
+            f"queue {waiting} waiting ({waiting / n:.1f}/replica, target {targets.target_queue_depth:g})"
+            + q_startup
+        )
         if queue_rec > kv_rec:
             driver = f"{q_part}, {kv_part}"
         else:
@@ -513,14 +580,18 @@ def decide(
         if burst_note and raw > current:
             burst = True
             notes.append(burst_note)
-            raw = max(raw, _ceil(raw * b.burst_factor))
+            # The startup-aware queue rule already sized for the backlog a startup from now: no
+            # extra factor on top (it asked 14 where 9 were enough on flash_crowd x8).
+            if not q_startup:
+                raw = max(raw, _ceil(raw * b.burst_factor))
 
     # Stabilization windows (the new recommendation included).
-    horizon = targets.history_horizon_s
+    down_s = scale_down_hold_s(targets.scale_down_stabilization_s, startup)
+    horizon = max(targets.history_horizon_s, down_s)
     recs = tuple(r for r in history.recommendations if now - r.time <= horizon and r.time <= now)
     recs = (*recs, Recommendation(now, raw))
     up_window = [r.replicas for r in recs if now - r.time <= targets.scale_up_stabilization_s]
-    down_window = [r.replicas for r in recs if now - r.time <= targets.scale_down_stabilization_s]
+    down_window = [r.replicas for r in recs if now - r.time <= down_s]
     up_candidate = raw if burst else min(up_window)
     down_candidate = max(down_window)
     if up_candidate > current:
@@ -530,15 +601,11 @@ def decide(
     elif down_candidate < current:
         stabilized = down_candidate
         if stabilized > raw:
-            notes.append(
-                f"scale-down stabilization ({targets.scale_down_stabilization_s:g}s) -> {stabilized}"
-            )
+            notes.append(f"scale-down stabilization ({down_s:g}s) -> {stabilized}")
     else:
         stabilized = current
         if raw < current:
-            notes.append(
-                f"scale-down stabilization ({targets.scale_down_stabilization_s:g}s) holds {current}"
-            )
+            notes.append(f"scale-down stabilization ({down_s:g}s) holds {current}")
         elif raw > current:
             notes.append(f"scale-up stabilization ({targets.scale_up_stabilization_s:g}s) holds {current}")
 
@@ -597,6 +664,7 @@ def decide(
         arrival_rate=arrival_rate,
         arrival_forecast=forecast,
         service_rate=service_rate,
+        startup_s=startup,
         burst=burst,
         avg_kv_cache_usage=avg_kv,
         avg_utilization=avg_util,

@@ -29,6 +29,11 @@ class ReplicaSample:
     # vllm:generation_tokens_total): the token mix the SLO planner sizes for. None when not exported.
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    # The replica's histogram of generated tokens per finished request (kvpilot's
+    # kvpilot_request_generation_tokens, vLLM's vllm:request_generation_tokens): cumulative
+    # (le, count) pairs since the process started, +Inf included. None when not exported. The TPOT
+    # tail rule (spec.autoscaling.slo.tpotTailBudget) reads the output-length distribution from it.
+    output_tokens_buckets: tuple[tuple[float, float], ...] | None = None
 
     @property
     def load(self) -> float:
@@ -52,6 +57,9 @@ class MetricsSnapshot:
     # None when no router serves the model or it did not answer. They wait as surely as a pod's queue,
     # and they are the only signal a model scaled to zero has.
     router_queue: int | None = None
+    # Replica startup (pod created -> Ready), seconds: the median over the model's recent pods
+    # (startup.pod_startup_seconds), None when no pod's is known. The policy plans one startup ahead.
+    startup_s: float | None = None
 
     @property
     def reporting(self) -> int:
@@ -66,6 +74,16 @@ class MetricsSnapshot:
     def total_waiting(self) -> int:
         """Requests waiting on the pods plus those held by the router."""
         return sum(s.num_waiting for s in self.samples) + (self.router_queue or 0)
+
+    @property
+    def output_tokens_buckets(self) -> tuple[tuple[float, float], ...]:
+        """The replicas' output-length histograms summed bucket by bucket (cumulative (le, count));
+        empty when none exports one."""
+        total: dict[float, float] = {}
+        for s in self.samples:
+            for le, count in s.output_tokens_buckets or ():
+                total[le] = total.get(le, 0.0) + count
+        return tuple(sorted(total.items()))
 
     @property
     def avg_kv_cache_usage(self) -> float | None:

@@ -40,6 +40,7 @@ Deterministic: no randomness, no wall clock; the same inputs give the same numbe
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -52,9 +53,12 @@ from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.sim_routing import PREFIX, PolicyRouter
 from kvpilot.autoscaler.slo import Slo
+from kvpilot.autoscaler.startup import STARTUP_SAMPLE_PODS, measured_startup_s
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
 from kvpilot.router.policy import POLICIES
 
+# Output-length histogram bounds (tokens), as the runtime exports them (runtime/metrics.py).
+OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 
 # Event kinds, in the order they are handled at equal times.
@@ -175,6 +179,7 @@ class Replica:
     ready: bool = False
     draining: bool = False
     gone_at: float | None = None
+    started_ready: bool = False  # there at the start, Ready at once: no startup to measure
     waiting: deque[SimRequest] = field(default_factory=deque)
     running: list[SimRequest] = field(default_factory=list)
     # The step (or jump of `jump` decode steps) in progress.
@@ -190,6 +195,9 @@ class Replica:
     output_tokens_done: int = 0
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # prompt block ids, LRU first
     waiting_tokens: int = 0  # prompt tokens of the waiting requests (for routers' free-KV view)
+    # Finished requests per output-length bucket (OUTPUT_TOKENS_BUCKETS), as the runtime's
+    # kvpilot_request_generation_tokens histogram counts them.
+    output_hist: list[int] = field(default_factory=lambda: [0] * (len(OUTPUT_TOKENS_BUCKETS) + 1))
 
     @property
     def in_flight(self) -> int:
@@ -208,7 +216,15 @@ class Replica:
             float(self.completed),
             prompt_tokens_total=float(self.prompt_tokens_done),
             generation_tokens_total=float(self.output_tokens_done),
+            output_tokens_buckets=self._buckets(),
         )
+
+    def _buckets(self) -> tuple[tuple[float, float], ...]:
+        cumulative, out = 0, []
+        for le, n in zip((*OUTPUT_TOKENS_BUCKETS, math.inf), self.output_hist, strict=True):
+            cumulative += n
+            out.append((le, float(cumulative)))
+        return tuple(out)
 
     def view(self, req: SimRequest) -> ReplicaView:
         return ReplicaView(
@@ -381,6 +397,7 @@ class Replica:
                 r.finish = now
                 self.prompt_tokens_done += r.prompt
                 self.output_tokens_done += r.output
+                self.output_hist[bisect.bisect_left(OUTPUT_TOKENS_BUCKETS, r.output)] += 1
                 self.free_blocks += r.blocks
                 r.blocks = 0
         return done
@@ -555,6 +572,7 @@ class FleetSimulator:
             ready_at=now if ready_now else now + self.cal.startup_s,
             free_blocks=self.cal.num_kv_blocks,
             ready=ready_now,
+            started_ready=ready_now,
         )
         self.replicas.append(rep)
         self._ready_cache = None
@@ -657,10 +675,18 @@ class FleetSimulator:
                     s.completed_total,
                     prompt_tokens_total=s.prompt_tokens_total,
                     generation_tokens_total=s.generation_tokens_total,
+                    output_tokens_buckets=s.output_tokens_buckets,
                 )
                 for i, s in enumerate(samples)
             ]
-        return MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples)), in_flight
+        # Startup as the controller measures it from the pods (creation -> Ready, the most recent ones).
+        started = sorted(
+            (r for r in self.replicas if r.ready and r.gone_at is None and not r.started_ready),
+            key=lambda r: r.created,
+        )
+        startup = measured_startup_s(r.ready_at - r.created for r in started[-STARTUP_SAMPLE_PODS:])
+        snapshot = MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples), startup_s=startup)
+        return snapshot, in_flight
 
     # -- run -----------------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvpilot.api.models import DEFAULT_TPOT_S, DEFAULT_TTFT_PREFILL_FACTOR, DEFAULT_TTFT_S
@@ -93,6 +93,40 @@ def output_share_at_most(mean_output: float, cdf: OutputCdf | None) -> Callable[
         return points[-1][1]
 
     return share
+
+
+# The measured output-length distribution is used once this many generations have finished.
+MIN_OUTPUT_CDF_REQUESTS = 200
+
+
+def output_cdf_from_buckets(
+    buckets: Iterable[tuple[float, float]], min_requests: float = MIN_OUTPUT_CDF_REQUESTS
+) -> OutputCdf | None:
+    """The output-length distribution from a Prometheus histogram of generated tokens per request
+    (cumulative (le, count) pairs, e.g. kvpilot_request_generation_tokens summed over the replicas):
+    ((tokens, P(output <= tokens)), ...) at its finite bucket bounds of at least 1 token, shares
+    rounded to 3 decimals (so the capacity's memo hits from sync to sync). None with fewer than
+    `min_requests` observations (the +Inf bucket, else the largest count) or no finite bucket."""
+    counts: dict[float, float] = {}
+    for le, count in buckets:
+        if math.isnan(le) or not math.isfinite(count) or count < 0:
+            continue
+        counts[le] = counts.get(le, 0.0) + count
+    if not counts:
+        return None
+    total = counts.get(math.inf, max(counts.values()))
+    if total < min_requests or total <= 0:
+        return None
+    out: list[tuple[int, float]] = []
+    running = 0.0
+    for le in sorted(k for k in counts if math.isfinite(k) and k >= 1):
+        tokens = int(le)
+        running = max(running, min(1.0, round(counts[le] / total, 3)))  # cumulative: never down
+        if out and out[-1][0] == tokens:
+            out[-1] = (tokens, running)
+        else:
+            out.append((tokens, running))
+    return tuple(out) or None
 
 
 def _poisson_at_least(k: int, mean: float) -> float:

@@ -38,6 +38,12 @@ COMPLETED_METRICS = ("kvpilot_request_success_total", "vllm:request_success_tota
 # Token counters: the token mix the SLO planner sizes for (spec.autoscaling.slo).
 PROMPT_TOKEN_METRICS = ("kvpilot_prompt_tokens_total", "vllm:prompt_tokens_total")
 GENERATION_TOKEN_METRICS = ("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
+# Output length per finished request (a histogram's cumulative buckets): the TPOT tail rule's
+# output-length distribution (spec.autoscaling.slo.tpotTailBudget).
+OUTPUT_TOKENS_BUCKET_METRICS = (
+    "kvpilot_request_generation_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+)
 
 # Series are selected by namespace and the model's Ready pods ({pods}: a regex of their names), not by
 # model_name: vLLM labels model_name with whatever --model / --served-model-name it was given (often
@@ -73,6 +79,10 @@ DEFAULT_PROMPT_TOKENS_QUERY = (
 )
 DEFAULT_GENERATION_TOKENS_QUERY = (
     f"sum by (pod) (kvpilot_generation_tokens_total{_SELECT} or vllm:generation_tokens_total{_SELECT})"
+)
+DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY = (
+    f"sum by (pod, le) (kvpilot_request_generation_tokens_bucket{_SELECT}"
+    f" or vllm:request_generation_tokens_bucket{_SELECT})"
 )
 
 
@@ -121,13 +131,35 @@ def _series(
     return None
 
 
+def _buckets(
+    values: Mapping[str, list[tuple[dict[str, str], float]]], names: Iterable[str], model: str | None
+) -> tuple[tuple[float, float], ...] | None:
+    """Cumulative (le, count) of the first histogram present (its series summed bucket by bucket),
+    restricted to the model's series if any match; None when absent."""
+    for name in names:
+        series = values.get(name)
+        if not series:
+            continue
+        matching = [(lab, v) for lab, v in series if model is not None and lab.get("model_name") == model]
+        total: dict[float, float] = {}
+        for labels, v in matching or series:
+            try:
+                le = float(labels.get("le", "nan"))
+            except ValueError:
+                continue
+            if not math.isnan(le) and math.isfinite(v):
+                total[le] = total.get(le, 0.0) + max(0.0, v)
+        return tuple(sorted(total.items())) or None
+    return None
+
+
 def parse_metrics_text(text: str, pod: str, model: str | None = None) -> ReplicaSample | None:
     """A replica's sample from its /metrics page, or None when KV use or queue depth is missing.
 
     Raises MetricsParseError when the page is not Prometheus text format.
     """
     wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS) | set(COMPLETED_METRICS)
-    wanted |= set(PROMPT_TOKEN_METRICS) | set(GENERATION_TOKEN_METRICS)
+    wanted |= set(PROMPT_TOKEN_METRICS) | set(GENERATION_TOKEN_METRICS) | set(OUTPUT_TOKENS_BUCKET_METRICS)
     values: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -153,6 +185,7 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
         completed_total=None if completed is None else max(0.0, sum(completed)),
         prompt_tokens_total=None if prompt_tokens is None else max(0.0, sum(prompt_tokens)),
         generation_tokens_total=None if generation_tokens is None else max(0.0, sum(generation_tokens)),
+        output_tokens_buckets=_buckets(values, OUTPUT_TOKENS_BUCKET_METRICS, model),
     )
 
 
@@ -266,6 +299,29 @@ def parse_query_response(body: Any, label: str = "pod") -> dict[str, float]:
     return out
 
 
+def parse_bucket_response(body: Any, label: str = "pod") -> dict[str, tuple[tuple[float, float], ...]]:
+    """Map pod -> cumulative (le, count) pairs from an /api/v1/query vector grouped by pod and le."""
+    if not isinstance(body, dict) or body.get("status") != "success":
+        err = body.get("error") if isinstance(body, dict) else None
+        raise PrometheusQueryError(f"query failed: {err or body!r}")
+    data = body.get("data") or {}
+    if data.get("resultType") != "vector":
+        raise PrometheusQueryError(f"expected an instant vector, got {data.get('resultType')!r}")
+    out: dict[str, dict[float, float]] = {}
+    for item in data.get("result") or []:
+        metric = item.get("metric") or {}
+        pod = metric.get(label)
+        try:
+            le = float(metric["le"])
+            value = float(item["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if pod and not math.isnan(le) and math.isfinite(value):
+            per = out.setdefault(pod, {})
+            per[le] = per.get(le, 0.0) + max(0.0, value)
+    return {pod: tuple(sorted(b.items())) for pod, b in out.items()}
+
+
 class PrometheusSource:
     """Ask Prometheus for per-pod KV use and queue depth of the model's Ready pods.
 
@@ -296,6 +352,8 @@ class PrometheusSource:
             if token_counters
             else ()
         )
+        # The output-length histogram for the TPOT tail rule (optional, like the counters).
+        self.buckets_query: str | None = DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY if token_counters else None
         self.timeout_s = timeout_s
         self.pod_label = pod_label
         self._session = session
@@ -310,6 +368,9 @@ class PrometheusSource:
         return self._session
 
     async def query(self, promql: str) -> dict[str, float]:
+        return parse_query_response(await self._body(promql), self.pod_label)
+
+    async def _body(self, promql: str) -> Any:
         async with self._get_session().get(
             f"{self.url}/api/v1/query",
             params={"query": promql},
@@ -321,7 +382,25 @@ class PrometheusSource:
                 raise PrometheusQueryError(f"HTTP {resp.status}: not JSON") from exc
             if resp.status != 200 and not isinstance(body, dict):
                 raise PrometheusQueryError(f"HTTP {resp.status}")
-            return parse_query_response(body, self.pod_label)
+            return body
+
+    async def _optional_buckets(
+        self, model: ModelRef, pods: Sequence[PodTarget]
+    ) -> dict[str, tuple[tuple[float, float], ...]]:
+        """The output-length histograms by pod; a failure only leaves them out (logged)."""
+        if not self.buckets_query:
+            return {}
+        promql = render_query(self.buckets_query, model.namespace, model.served_name, (p.name for p in pods))
+        try:
+            return parse_bucket_response(await self._body(promql), self.pod_label)
+        except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
+            log.info(
+                "%s/%s: output-length query failed (%s); left out",
+                model.namespace,
+                model.name,
+                exc or type(exc).__name__,
+            )
+            return {}
 
     async def _optional_query(
         self, model: ModelRef, template: str | None, pods: Sequence[PodTarget]
@@ -351,10 +430,11 @@ class PrometheusSource:
         names = [p.name for p in pods]
         rendered = [render_query(q, model.namespace, model.served_name, names) for q in queries]
         try:
-            results, completions, counters = await asyncio.gather(
+            results, completions, counters, buckets = await asyncio.gather(
                 asyncio.gather(*(self.query(q) for q in rendered)),
                 self._optional_query(model, self.completions_query, pods),
                 asyncio.gather(*(self._optional_query(model, q, pods) for q in self.counter_queries)),
+                self._optional_buckets(model, pods),
             )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.warning(
@@ -381,6 +461,7 @@ class PrometheusSource:
                         completed_total=done.get(p.name),
                         prompt_tokens_total=prompt.get(p.name),
                         generation_tokens_total=generated.get(p.name),
+                        output_tokens_buckets=buckets.get(p.name),
                     )
                 )
         return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples))

@@ -8,6 +8,7 @@ mode) are the autoscaler's own defaults, settable from the command line and the 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -121,7 +122,9 @@ class SloTargets:
     # trace it buys attainment for more replica-hours than a static fleet would (docs/autoscaler.md).
     tpot_tail_budget: float | None = None
     # The workload's output lengths, ((tokens, P(output <= tokens)), ...), when known (from logs or a
-    # trace); None: geometric with the observed mean output (slo.output_share_at_most).
+    # trace). None: measured from the replicas' output-length histogram once MIN_OUTPUT_CDF_REQUESTS
+    # generations finished (policy.decide), else geometric with the observed mean output
+    # (slo.output_share_at_most). A configured one wins over the measurement.
     output_cdf: OutputCdf | None = None
 
     def __post_init__(self) -> None:
@@ -159,16 +162,18 @@ class SloTargets:
     @classmethod
     def from_spec(cls, block: Mapping[str, Any]) -> SloTargets:
         """spec.autoscaling.slo: {calibration: GPU/MODEL[/DTYPE][/tpN], ttftSeconds, tpotSeconds,
-        ttftPrefillFactor}. An unknown calibration name raises ValueError listing the known ones."""
+        ttftPrefillFactor, tpotTailBudget}. An unknown calibration name raises ValueError listing the known ones."""
         from kvpilot.autoscaler.replica_model import calibration_by_name
 
         name = str(block.get("calibration", ""))
+        budget = block.get("tpotTailBudget")
         return cls(
             calibration=calibration_by_name(name),
             calibration_name=name,
             ttft_s=float(block.get("ttftSeconds", DEFAULT_TTFT_S)),
             tpot_s=float(block.get("tpotSeconds", DEFAULT_TPOT_S)),
             ttft_prefill_factor=float(block.get("ttftPrefillFactor", DEFAULT_TTFT_PREFILL_FACTOR)),
+            tpot_tail_budget=None if budget is None else float(budget),
         )
 
 
@@ -190,8 +195,13 @@ class ScalingTargets:
     # capacity within the SLO, in place of the completion-rate service estimate; the KV and queue
     # rules stay as a floor.
     slo: SloTargets | None = None
+    # Declared replica startup (pod created -> Ready), seconds, used until one is measured from the
+    # pods (MetricsSnapshot.startup_s); None: unknown, the policy does not plan for it.
+    startup_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.startup_s is not None and not (self.startup_s >= 0 and math.isfinite(self.startup_s)):
+            raise ValueError("startup_s must be a finite number >= 0")
         if self.min_replicas < 0:
             raise ValueError("minReplicas must be >= 0")
         if self.max_replicas < max(1, self.min_replicas):

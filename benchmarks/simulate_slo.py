@@ -2,7 +2,8 @@
 routers, the policies and the references. Prints one JSON object (and a markdown table).
 
     python benchmarks/simulate_slo.py [--calibration h100/llama-3.1-8b] [--startups 10,60]
-        [--routers round-robin,least-loaded] [--mooncake PATH] [--jobs 2] [--markdown]
+        [--routers round-robin,least-loaded] [--mooncake PATH] [--only NAMES] [--rate-scale R]
+        [--max-replicas N] [--no-tail-rule] [--jobs 2] [--markdown]
 
 Traces: benchmarks/traces/*.csv and the Mooncake FAST'25 synthetic trace (mooncake_synthetic.jsonl in
 ../shared/traces beside the repository, or --mooncake PATH; left out with a note when absent).
@@ -13,11 +14,16 @@ Policies, on the same fleet, router and SLO (minReplicas 1):
 - kvpilot: policy.decide() with the SLO planner (spec.autoscaling.slo with this calibration; the mean
   step only, the default) and the default reactive rules as the floor; "kvpilot (tail rule)" adds
   the TPOT tail rule (SloTargets.tpot_tail_budget = slo.DEFAULT_TPOT_TAIL_BUDGET, output lengths
-  assumed geometric at the observed mean); "kvpilot (tail rule, output CDF)" is told the trace's
+  measured from the replicas' output-length histograms, as the live autoscaler reads
+  kvpilot_request_generation_tokens; geometric at the observed mean until 200 requests have
+  finished); "kvpilot (tail rule, output CDF)" is told the trace's
   output-length distribution (SloTargets.output_cdf: a workload property an operator has from logs,
   not the arrivals' timing); "kvpilot (reactive)" is without the planner.
-- static: the smallest fixed fleet with >= 99% attainment over the trace (perfect hindsight), and
-  "static (same attainment)": the smallest fixed fleet reaching kvpilot's attainment (the 60 s goal).
+- static: every fixed fleet from 1 to the search bound is run once (attainment grows with size);
+  "static" is the smallest with >= 99% attainment over the trace (perfect hindsight), and
+  "static (same attainment)" the smallest reaching kvpilot's attainment (the 60 s goal: kvpilot's
+  replica-hours over that fleet's). The references get the same comparison (their verdict lines):
+  when even they cost more than the static fleet with their attainment, sizing ahead cannot meet it.
 - moving-average: KubeAI-style in-flight average, 10-minute window; the target (swept) whose
   replica-hours are closest to kvpilot's without exceeding them.
 - clairvoyant (reference): sizes startup_s ahead for the busiest minute to come at a per-replica
@@ -46,7 +52,7 @@ from kvpilot.autoscaler.replica_model import resolve_calibration
 from kvpilot.autoscaler.simulator import ROUTERS, simulate, size_static_for_slo
 from kvpilot.autoscaler.slo import DEFAULT_TPOT_TAIL_BUDGET, Slo
 from kvpilot.autoscaler.spec import ScalingTargets, SloTargets
-from kvpilot.autoscaler.trace import load_per_minute, load_trace
+from kvpilot.autoscaler.trace import TraceRequest, load_per_minute, load_trace, scale_trace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -74,6 +80,10 @@ KEYS = (
 Job = tuple[str, str, str, float, dict[str, Any]]  # trace, router, kind, startup_s, params
 
 
+def _load(trace_path: str, rate_scale: float = 1.0) -> list[TraceRequest]:
+    return scale_trace(load_trace(trace_path), 1.0, rate_scale)
+
+
 def _mix(trace_path: str) -> tuple[float, float]:
     t = load_trace(trace_path)
     return sum(r.prompt_tokens for r in t) / len(t), sum(r.output_tokens for r in t) / len(t)
@@ -91,7 +101,7 @@ def output_cdf(trace_path: str) -> tuple[tuple[int, float], ...]:
 
 def _run(job: Job) -> dict[str, Any]:
     trace_path, router, kind, startup_s, params = job
-    trace = load_trace(trace_path)
+    trace = _load(trace_path, params.get("rate_scale", 1.0))
     cal = replace(resolve_calibration(params["calibration"]), startup_s=startup_s)
     router_cls = ROUTERS[router]
     sim: dict[str, Any] = {"slo": SLO}
@@ -103,16 +113,21 @@ def _run(job: Job) -> dict[str, Any]:
                 planner = replace(planner, tpot_tail_budget=DEFAULT_TPOT_TAIL_BUDGET)
             if kind == "kvpilot (tail rule, output CDF)":
                 planner = replace(planner, output_cdf=output_cdf(trace_path))
+        top = params["max_replicas"]
         targets = ScalingTargets(
-            min_replicas=MIN_REPLICAS, max_replicas=MAX_REPLICAS, max_num_seqs=cal.max_num_seqs, slo=planner
+            min_replicas=MIN_REPLICAS, max_replicas=top, max_num_seqs=cal.max_num_seqs, slo=planner
         )
         policy: Any = KvpilotPolicy(targets)
     elif kind == "moving-average":
-        policy = MovingAveragePolicy(params["target"], MA_WINDOW_S, MIN_REPLICAS, MAX_REPLICAS)
+        policy = MovingAveragePolicy(params["target"], MA_WINDOW_S, MIN_REPLICAS, params["max_replicas"])
     elif kind == "clairvoyant":
-        policy = ClairvoyantPolicy(trace, params["rps"], startup_s + 15.0, MIN_REPLICAS, MAX_REPLICAS)
+        policy = ClairvoyantPolicy(
+            trace, params["rps"], startup_s + 15.0, MIN_REPLICAS, params["max_replicas"]
+        )
     elif kind == "reactive-oracle":
-        policy = ReactiveOraclePolicy(trace, params["rps"], MIN_REPLICAS, MAX_REPLICAS)
+        policy = ReactiveOraclePolicy(trace, params["rps"], MIN_REPLICAS, params["max_replicas"])
+    elif kind == "static-n":  # one fixed fleet of params["n"] (the static sweep)
+        policy = StaticPolicy(params["n"], sizing="sweep")
     else:  # static: the smallest fleet with attainment >= params["goal"], searched up to params["hi"]
         n = size_static_for_slo(trace, cal, params["goal"], params["hi"], router_factory=router_cls, **sim)
         policy = StaticPolicy(n, sizing=f"smallest fleet with >= {params['goal']:.4f} attainment")
@@ -136,6 +151,18 @@ def main() -> None:
     parser.add_argument("--traces", default=str(HERE / "traces"), help="folder of CSV traces")
     parser.add_argument("--mooncake", help="Mooncake JSONL trace (default: ../shared/traces beside the repo)")
     parser.add_argument("--only", help="comma-separated trace names to run (default: all)")
+    parser.add_argument(
+        "--rate-scale", type=float, default=1.0, help="R x the requests over the same time (every trace)"
+    )
+    parser.add_argument("--max-replicas", type=int, default=MAX_REPLICAS)
+    parser.add_argument(
+        "--no-tail-rule", action="store_true", help="leave out the two TPOT-tail-rule variants"
+    )
+    parser.add_argument(
+        "--static-max",
+        type=int,
+        help="sweep fixed fleets only up to this size (default: 3x the peak minute at the SLO capacity)",
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -165,18 +192,24 @@ def main() -> None:
     mixes = {t: _mix(t) for t in traces}
     from kvpilot.autoscaler.slo import replica_capacity
 
+    rs = args.rate_scale
     caps = {t: replica_capacity(base_cal, SLO, *mixes[t]) for t in traces}
-    peaks = {t: max(m["requests_per_s"] for m in load_per_minute(load_trace(t))) for t in traces}
-    # Static search bound: 3x the peak minute at the SLO capacity (at least 8), MAX_REPLICAS at most.
-    his = {t: min(MAX_REPLICAS, max(8, math.ceil(3 * peaks[t] / caps[t]) + 2)) for t in traces}
-    common = {"calibration": cal_name}
+    peaks = {t: max(m["requests_per_s"] for m in load_per_minute(_load(t, rs))) for t in traces}
+    # Static sweep bound: 3x the peak minute at the SLO capacity (at least 8), --max-replicas at most.
+    his = {t: min(args.max_replicas, max(8, math.ceil(3 * peaks[t] / caps[t]) + 2)) for t in traces}
+    if args.static_max:
+        his = {t: min(his[t], args.static_max) for t in traces}
+    common = {"calibration": cal_name, "rate_scale": rs, "max_replicas": args.max_replicas}
+    planners = PLANNERS[:1] if args.no_tail_rule else PLANNERS
     started = time.time()
     jobs: list[Job] = []
     for t in traces:
         for router in routers:
-            jobs.append((t, router, "static", startups[0], {**common, "goal": GOAL, "hi": his[t]}))
+            # Every fixed fleet up to the bound, once (all Ready from the start: startup does not matter).
+            for n in range(1, his[t] + 1):
+                jobs.append((t, router, "static-n", startups[0], {**common, "n": n}))
             for s in startups:
-                for kind in (*PLANNERS, "kvpilot (reactive)"):
+                for kind in (*planners, "kvpilot (reactive)"):
                     jobs.append((t, router, kind, s, common))
                 cap = caps[t]
                 # In-flight requests per replica at the SLO capacity (Little: rate x latency ~ output x step).
@@ -189,34 +222,37 @@ def main() -> None:
                     jobs.append((t, router, "reactive-oracle", s, {**common, "rps": round(cap * f, 4)}))
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         runs = list(pool.map(_run, jobs))
-    # Phase 2: the static fleet with kvpilot's attainment (the 60 s goal's comparison).
-    matched_jobs: list[Job] = []
-    for r in runs:
-        if r["kind"] in PLANNERS:
-            path = next(t for t in traces if Path(t).stem == r["trace"])
-            goal = r["slo_attainment"] - 1e-9
-            params = {**common, "goal": goal, "hi": his[path], "for": r["kind"]}
-            matched_jobs.append((path, r["router"], "static", r["startup_s"], params))
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        matched = list(pool.map(_run, matched_jobs))
     rows: list[dict[str, Any]] = []
     verdicts: list[dict[str, Any]] = []
+    sweeps: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for t in traces:
         name = Path(t).stem
         for router in routers:
-            static = next(r for r in runs if (r["trace"], r["router"], r["kind"]) == (name, router, "static"))
+            fleet = sorted(
+                (r for r in runs if (r["trace"], r["router"], r["kind"]) == (name, router, "static-n")),
+                key=lambda r: r["params"]["n"],
+            )
+            sweeps.setdefault(name, {})[router] = [
+                {
+                    "replicas": r["params"]["n"],
+                    "slo_attainment": r["slo_attainment"],
+                    "replica_hours": r["replica_hours"],
+                }
+                for r in fleet
+            ]
+
+            def static_for(attainment: float, fleet: list[dict[str, Any]] = fleet) -> dict[str, Any]:
+                """The smallest swept fleet with at least this attainment (the largest when none has)."""
+                return next((r for r in fleet if r["slo_attainment"] >= attainment - 1e-9), fleet[-1])
+
+            static = static_for(GOAL)
+            if static["slo_attainment"] < GOAL:
+                notes.append(
+                    f"{name}, {router}: no fleet up to {his[t]} reaches {GOAL:.0%}; 'static' is the largest"
+                )
             for s in startups:
                 mine = [r for r in runs if (r["trace"], r["router"], r["startup_s"]) == (name, router, s)]
-                planned = {k: next(r for r in mine if r["kind"] == k) for k in PLANNERS}
-                same = {
-                    k: next(
-                        r
-                        for r in matched
-                        if (r["trace"], r["router"], r["startup_s"], r["params"]["for"])
-                        == (name, router, s, k)
-                    )
-                    for k in PLANNERS
-                }
+                planned = {k: next(r for r in mine if r["kind"] == k) for k in planners}
                 kv = planned["kvpilot"]
                 reactive = next(r for r in mine if r["kind"] == "kvpilot (reactive)")
                 ma = [r for r in mine if r["kind"] == "moving-average"]
@@ -236,11 +272,11 @@ def main() -> None:
                 oracles = [r for r in mine if r["kind"] == "reactive-oracle"]
                 affordable = [r for r in oracles if r["replica_hours"] <= static["replica_hours"]] or oracles
                 oracle = max(affordable, key=lambda r: (r["slo_attainment"], -r["replica_hours"]))
-                labelled = [(k, planned[k]) for k in PLANNERS]
+                labelled = [(k, planned[k]) for k in planners]
                 labelled += [
                     ("kvpilot (reactive)", reactive),
                     ("static", static),
-                    ("static (same attainment)", same["kvpilot"]),
+                    ("static (same attainment)", static_for(kv["slo_attainment"])),
                     ("moving-average", ma_row),
                     ("clairvoyant (reference)", seer),
                     ("reactive oracle (reference)", oracle),
@@ -249,10 +285,15 @@ def main() -> None:
                     row = {"trace": name, "router": router, "startup_s": s, "policy": label}
                     row.update({k: r[k] for k in KEYS})
                     row["vs_static"] = round(r["replica_hours"] / static["replica_hours"], 3)
+                    row["vs_static_same_attainment"] = round(
+                        r["replica_hours"] / static_for(r["slo_attainment"])["replica_hours"], 3
+                    )
                     row["settings"] = r["settings"]
                     rows.append(row)
-                for k in PLANNERS:
-                    mine_k, same_k = planned[k], same[k]
+                judged = [(k, planned[k]) for k in planners]
+                judged += [("clairvoyant (reference)", seer), ("reactive oracle (reference)", oracle)]
+                for k, mine_k in judged:
+                    same_k = static_for(mine_k["slo_attainment"])
                     ratio = mine_k["replica_hours"] / static["replica_hours"]
                     if s <= 10:
                         met = mine_k["slo_attainment"] >= GOAL and ratio <= 0.8
@@ -273,11 +314,14 @@ def main() -> None:
                             "kvpilot_vs_static_same_attainment": round(
                                 mine_k["replica_hours"] / same_k["replica_hours"], 3
                             ),
+                            "static_same_attainment_replicas": same_k["params"]["n"],
                             "static_same_attainment_replica_hours": same_k["replica_hours"],
                         }
                     )
     out = {
         "calibration": cal_name,
+        "rate_scale": rs,
+        "max_replicas": args.max_replicas,
         "calibration_detail": base_cal.to_dict(),
         "slo": {
             "ttft_s": SLO.ttft_s,
@@ -293,6 +337,7 @@ def main() -> None:
                 "replica_capacity_rps": round(caps[t], 3),
                 "peak_minute_rps": peaks[t],
                 "static_search_max": his[t],
+                "static_sweep": sweeps[Path(t).stem],
             }
             for t in traces
         },
@@ -304,24 +349,32 @@ def main() -> None:
     }
     print(json.dumps(out, indent=2))
     if args.markdown:
+        scale = f" x{rs:g}" if rs != 1.0 else ""
         print()
         print(
-            "| trace | router | startup | policy | attainment | TTFT-only | replica-h | vs static | events | peak | TTFT p99 s | TPOT p99 s | prefix hit |"
+            "| trace | router | startup | policy | attainment | TTFT-only | replica-h | vs static "
+            "| vs static at the same attainment | events | peak | TTFT p99 s | TPOT p99 s | prefix hit |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
-                f"| {r['trace']} | {r['router']} | {r['startup_s']:g} s | {r['policy']} | "
+                f"| {r['trace']}{scale} | {r['router']} | {r['startup_s']:g} s | {r['policy']} | "
                 f"{r['slo_attainment'] * 100:.2f}% | {r['ttft_attainment'] * 100:.2f}% | {r['replica_hours']:.2f} | "
-                f"{r['vs_static'] * 100:.0f}% | {r['scale_events']} | {r['peak_replicas']} | "
+                f"{r['vs_static'] * 100:.0f}% | {r['vs_static_same_attainment'] * 100:.0f}% | "
+                f"{r['scale_events']} | {r['peak_replicas']} | "
                 f"{r['ttft_p99_s']:.2f} | {r['tpot_p99_s']:.3f} | {r['prefix_hit_rate'] * 100:.1f}% |"
             )
         print()
+        for name, by_router in sweeps.items():
+            for router, sweep in by_router.items():
+                points = ", ".join(f"{p['replicas']}: {p['slo_attainment'] * 100:.2f}%" for p in sweep)
+                print(f"- static sweep, {name}{scale}, {router}: {points}")
         for v in verdicts:
             print(
-                f"- {v['trace']}, {v['router']}, {v['startup_s']:g} s, {v['policy']}: "
-                f"{'MET' if v['met'] else 'NOT MET'} ({v['goal']}): {v['kvpilot_attainment'] * 100:.2f}%, {v['kvpilot_vs_static'] * 100:.0f}% of "
-                f"static, {v['kvpilot_vs_static_same_attainment'] * 100:.0f}% of static at the same attainment"
+                f"- {v['trace']}{scale}, {v['router']}, {v['startup_s']:g} s, {v['policy']}: "
+                f"{'MET' if v['met'] else 'NOT MET'} ({v['goal']}): {v['kvpilot_attainment'] * 100:.2f}%, "
+                f"{v['kvpilot_vs_static'] * 100:.0f}% of static, {v['kvpilot_vs_static_same_attainment'] * 100:.0f}% "
+                f"of static at the same attainment ({v['static_same_attainment_replicas']} replicas)"
             )
 
 

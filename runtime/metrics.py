@@ -85,6 +85,10 @@ QUEUE_BUCKETS = (
     160.0,
 )
 
+# Output lengths (tokens per finished generation): powers of two, the points the autoscaler's TPOT
+# tail rule reads the distribution at (slo.output_share_at_most).
+OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))  # 1 .. 32768
+
 # (metric name, help, EngineStats attribute)
 ENGINE_GAUGES = (
     ("kvpilot_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
@@ -210,12 +214,23 @@ class ServerMetrics:
             registry=r,
         ).labels(model_name)
 
+        self.output_tokens = Histogram(
+            "kvpilot_request_generation_tokens",
+            "Tokens generated per finished generation (one per choice; aborted ones are not counted).",
+            labels,
+            buckets=OUTPUT_TOKENS_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+
     def attach_engine(self, stats: StatsSource | None) -> None:
         """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable."""
         self._engine.source = stats
 
-    def request_finished(self, finish_reason: str) -> None:
+    def request_finished(self, finish_reason: str, output_tokens: int | None = None) -> None:
+        """A generation finished; with `output_tokens`, its length goes into the output-length histogram."""
         self._success.labels(self.model_name, finish_reason).inc()
+        if output_tokens is not None:
+            self.output_tokens.observe(output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -98,6 +98,7 @@ class Choice:
     first_token_time: float | None = None
     last_token_time: float | None = None
     queue_time_seen: bool = False
+    output_tokens: int = 0  # tokens generated so far (the output-length histogram)
     text_offset: int = 0  # where the next logprob token's text starts (completions' text_offset)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     tools: ToolCallStreamer | None = None  # chat with tools: splits the text into content and calls
@@ -335,6 +336,7 @@ class RequestState:
             metrics.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             c.queue_time_seen = True
         if new:
+            c.output_tokens += len(new)
             metrics.generation_tokens.inc(len(new))
             if c.first_token_time is None:
                 c.first_token_time = now
@@ -371,7 +373,7 @@ class RequestState:
         c.stop_reason = stop_reason
         c.engine_done = engine_done
         metrics = self.processor.metrics
-        metrics.request_finished(reason)
+        metrics.request_finished(reason, c.output_tokens)
         metrics.e2e.observe(time.monotonic() - self.arrival)
 
     def close(self) -> None:

@@ -148,3 +148,29 @@ def test_status_schema_keeps_autoscaler_fields_and_conditions_are_a_map() -> Non
 
 def test_rendered_yaml_round_trips() -> None:
     assert yaml.safe_load(render_crd_yaml()) == build_crd()
+
+
+def test_slo_tpot_tail_budget_is_an_optional_share() -> None:
+    """spec.autoscaling.slo.tpotTailBudget: opt-in (no default), a share strictly between 0 and 1, and
+    the models refuse what the schema refuses."""
+    from pydantic import ValidationError
+
+    from kvpilot.api.models import SloPlanner
+
+    slo = _schema()["properties"]["spec"]["properties"]["autoscaling"]["properties"]["slo"]
+    field = slo["properties"]["tpotTailBudget"]
+    assert field["type"] == "number" and "default" not in field
+    assert (field["minimum"], field["exclusiveMinimum"], field["maximum"], field["exclusiveMaximum"]) == (
+        0.0,
+        True,
+        1.0,
+        True,
+    )
+    assert "kvpilot_request_generation_tokens" in field["description"]
+    assert "tpotTailBudget" not in slo.get("required", [])
+    ok = SloPlanner.model_validate({"calibration": "h100/llama-3.1-8b", "tpotTailBudget": 0.005})
+    assert ok.tpot_tail_budget == 0.005 and ok.dump()["tpotTailBudget"] == 0.005
+    assert "tpotTailBudget" not in SloPlanner.model_validate({"calibration": "h100/llama-3.1-8b"}).dump()
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValidationError, match=r"tpotTailBudget|tpot_tail_budget"):
+            SloPlanner.model_validate({"calibration": "h100/llama-3.1-8b", "tpotTailBudget": bad})

@@ -626,3 +626,22 @@ async def test_a_growing_router_queue_syncs_before_the_interval():
         await loop_task
         await controller.close()
         await runner.cleanup()
+
+
+async def test_startup_is_measured_from_the_pods():
+    """Creation -> Ready of the model's Ready pods is the startup the policy plans with (a 120 s startup
+    holds a scale-down for 4 x 120 s instead of the 300 s window)."""
+    pods = [pod(n) for n in "abc"]
+    for i, p in enumerate(pods):
+        p["metadata"]["creationTimestamp"] = f"2026-01-01T00:0{i}:00Z"
+        p["status"]["conditions"][0]["lastTransitionTime"] = f"2026-01-01T00:0{i + 2}:00Z"
+    kube = FakeKube(model(3), pods)
+    src = FakeSource()
+    src.samples = {n: ReplicaSample(n, 0.91, 0, 10) for n in "abc"}
+    r = (await make(kube, src, [T0]).sync_all())[0]
+    assert r.decision.startup_s == 120.0
+    kube.pods.append(pod("d"))  # no timestamps: not measured, the others still are
+    src.samples = {n: ReplicaSample(n, 0.05, 0, 1) for n in "abcd"}
+    r = (await make(kube, src, [T0 + 400]).sync_all())[0]
+    assert r.decision.desired == 4
+    assert "scale-down stabilization (480s)" in r.decision.reason

@@ -240,3 +240,103 @@ def test_planner_waits_for_enough_finished_requests():
     # A mix read back from the status counts as established.
     back = arrivals_from_status(arrivals_to_status(d2.history.arrivals))
     assert back.mix_requests >= MIN_MIX_REQUESTS
+
+
+# -- the TPOT tail rule's inputs: spec.autoscaling.slo.tpotTailBudget and the output-length histogram --
+
+
+def test_output_cdf_from_buckets() -> None:
+    from kvpilot.autoscaler.slo import output_cdf_from_buckets
+
+    inf = float("inf")
+    buckets = ((1.0, 10.0), (2.0, 50.0), (4.0, 100.0), (8.0, 150.0), (16.0, 200.0), (inf, 400.0))
+    assert output_cdf_from_buckets(buckets) == ((1, 0.025), (2, 0.125), (4, 0.25), (8, 0.375), (16, 0.5))
+    # Summed over replicas: the same le adds up; too few requests: nothing measured yet.
+    assert output_cdf_from_buckets((*buckets, (2.0, 50.0), (inf, 100.0)))[1] == (2, 0.2)  # type: ignore[index]
+    assert output_cdf_from_buckets(((4.0, 50.0), (inf, 199.0))) is None
+    assert output_cdf_from_buckets(((4.0, 50.0), (inf, 100.0)), min_requests=100) == ((4, 0.5),)
+    assert output_cdf_from_buckets(()) is None
+    # A sub-token bound and a counter that went down between buckets are tolerated (never decreasing).
+    assert output_cdf_from_buckets(((0.5, 0.0), (1.0, 120.0), (2.0, 110.0), (inf, 400.0))) == (
+        (1, 0.3),
+        (2, 0.3),
+    )
+    output_share_at_most(1.0, output_cdf_from_buckets(buckets))  # a valid CDF for the tail rule
+
+
+def test_tail_budget_from_the_spec() -> None:
+    assert SloTargets.from_spec(SLO).tpot_tail_budget is None
+    assert SloTargets.from_spec({**SLO, "tpotTailBudget": 0.005}).tpot_tail_budget == 0.005
+    with pytest.raises(ValueError, match="tpot_tail_budget"):
+        SloTargets.from_spec({**SLO, "tpotTailBudget": 1.5})
+
+
+def _tail_case(buckets: tuple[tuple[float, float], ...] | None) -> tuple[MetricsSnapshot, History]:
+    """Mooncake-like mix (15k-token prompts, 150-token outputs) established, 4 req/s arriving."""
+    samples = tuple(
+        ReplicaSample(
+            f"p{i}",
+            0.3,
+            0,
+            8,
+            1000.0 + 30,
+            prompt_tokens_total=1.5e7 + 30 * 15000,
+            generation_tokens_total=150000.0 + 30 * 150,
+            output_tokens_buckets=buckets,
+        )
+        for i in range(2)
+    )
+    counters = tuple(PodCounter(f"p{i}", 1000.0, 8, 1.5e7, 150000.0) for i in range(2))
+    arrivals = ArrivalState(
+        time=NOW - 15.0,
+        counters=counters,
+        token_mix=(15000.0, 150.0),
+        mix_requests=MIN_MIX_REQUESTS,
+        service_rate=1.0,
+    )
+    return MetricsSnapshot(2, samples), History(arrivals=arrivals)
+
+
+def test_tail_rule_reads_output_lengths_from_the_replicas_histograms() -> None:
+    """With tpotTailBudget set, the capacity uses the output-length distribution the replicas export
+    (summed over them); without a histogram it is geometric at the mean; a configured one wins."""
+    inf = float("inf")
+    # Bimodal, as Mooncake's: a third of the outputs are <= 8 tokens (a geometric guess at mean 150: 5%).
+    per_replica = (
+        (2.0, 60.0),
+        (4.0, 90.0),
+        (8.0, 100.0),
+        (64.0, 120.0),
+        (128.0, 150.0),
+        (256.0, 280.0),
+        (inf, 300.0),
+    )
+    slo = replace(SloTargets.from_spec(SLO), tpot_tail_budget=DEFAULT_TPOT_TAIL_BUDGET)
+    targets = ScalingTargets(min_replicas=1, max_replicas=100, slo=slo)
+
+    snap, hist = _tail_case(per_replica)
+    measured = decide(2, snap, targets, hist, NOW)
+    assert "TPOT tail within 0.5% (measured output lengths)" in measured.reason
+    cdf = ((2, 0.2), (4, 0.3), (8, 0.333), (64, 0.4), (128, 0.5), (256, 0.933))
+    told = decide(2, snap, replace(targets, slo=replace(slo, output_cdf=cdf)), hist, NOW)
+    assert "(configured output lengths)" in told.reason
+    assert measured.slo_capacity == told.slo_capacity  # the same distribution, read from the metrics
+
+    snap0, hist0 = _tail_case(None)
+    guessed = decide(2, snap0, targets, hist0, NOW)
+    assert "(geometric output lengths)" in guessed.reason
+    assert measured.slo_capacity is not None and guessed.slo_capacity is not None
+    # Short outputs miss TPOT when a prefill lands among their few steps: the measured share of them
+    # (a third) leaves a replica less capacity than the geometric guess does.
+    assert measured.slo_capacity < guessed.slo_capacity
+    assert measured.slo_recommendation is not None and guessed.slo_recommendation is not None
+    assert measured.slo_recommendation > guessed.slo_recommendation
+
+    off = decide(
+        2,
+        snap,
+        ScalingTargets(min_replicas=1, max_replicas=100, slo=replace(slo, tpot_tail_budget=None)),
+        hist,
+        NOW,
+    )
+    assert "TPOT tail" not in off.reason  # opt-in: without the budget the histogram is not used

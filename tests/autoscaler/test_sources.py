@@ -282,6 +282,12 @@ async def prometheus() -> AsyncIterator[tuple[dict[str, object], int]]:
                 {"metric": {"pod": "b"}, "value": [0, "0.5"]},
                 {"metric": {"pod": "gone"}, "value": [0, "0.1"]},  # stale series of a deleted pod
             ]
+        elif "generation_tokens_bucket" in q:
+            result = [
+                {"metric": {"pod": "a", "le": "4.0"}, "value": [0, "30"]},
+                {"metric": {"pod": "a", "le": "+Inf"}, "value": [0, "100"]},
+                {"metric": {"pod": "b", "le": "4.0"}, "value": [0, "1"]},
+            ]
         elif "prompt_tokens_total" in q:
             result = [{"metric": {"pod": "a"}, "value": [0, "300000"]}]
         elif "generation_tokens_total" in q:
@@ -399,3 +405,54 @@ async def test_prometheus_custom_templates_and_failure_means_not_reporting(prome
         assert snap.samples == ()
     finally:
         await src.close()
+
+
+def test_parse_output_length_histogram_from_the_runtime_exporter():
+    """The runtime's own ServerMetrics page: its kvpilot_request_generation_tokens buckets become the
+    sample's cumulative (le, count) pairs; a page without the histogram gives None."""
+    from kvpilot.runtime.metrics import ServerMetrics
+
+    m = ServerMetrics("llama")
+    m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.25, "num_running": 2, "num_waiting": 1})())
+    for n in (1, 3, 3, 40, 5000):
+        m.request_finished("length", n)
+    s = parse_metrics_text(m.render().decode(), "p", "llama")
+    assert s is not None and s.output_tokens_buckets is not None
+    b = dict(s.output_tokens_buckets)
+    assert (b[1.0], b[2.0], b[4.0], b[64.0], b[4096.0], b[8192.0], b[float("inf")]) == (1, 1, 3, 4, 4, 5, 5)
+    plain = parse_metrics_text(kvpilot_page(0.5, 1), "p", "llama")
+    assert plain is not None and plain.output_tokens_buckets is None
+
+
+def test_parse_vllm_output_length_histogram():
+    page = VLLM_PAGE + (
+        "# HELP vllm:request_generation_tokens Number of generation tokens processed.\n"
+        "# TYPE vllm:request_generation_tokens histogram\n"
+        'vllm:request_generation_tokens_bucket{le="1.0",model_name="meta-llama/Llama-3.1-8B"} 2.0\n'
+        'vllm:request_generation_tokens_bucket{le="10.0",model_name="meta-llama/Llama-3.1-8B"} 7.0\n'
+        'vllm:request_generation_tokens_bucket{le="+Inf",model_name="meta-llama/Llama-3.1-8B"} 9.0\n'
+        'vllm:request_generation_tokens_count{model_name="meta-llama/Llama-3.1-8B"} 9.0\n'
+        'vllm:request_generation_tokens_sum{model_name="meta-llama/Llama-3.1-8B"} 120.0\n'
+    )
+    s = parse_metrics_text(page, "p", "llama")
+    assert s is not None
+    assert s.output_tokens_buckets == ((1.0, 2.0), (10.0, 7.0), (float("inf"), 9.0))
+
+
+async def test_prometheus_output_length_buckets_by_pod(prometheus):
+    """The bucket query is grouped by pod and le; a pod whose KV or queue is missing still reports
+    nothing, and the snapshot sums the reporting replicas' histograms."""
+    state, port = prometheus
+    src = PrometheusSource(f"http://127.0.0.1:{port}/")
+    try:
+        snap = await src.collect(MODEL, [PodTarget("a", "10.0.0.1"), PodTarget("b", "10.0.0.2")])
+        state["queries"] = []
+        off = PrometheusSource(f"http://127.0.0.1:{port}/", token_counters=False)
+        plain = await off.collect(MODEL, [PodTarget("a", "10.0.0.1")])
+        await off.close()
+    finally:
+        await src.close()
+    assert snap.samples[0].output_tokens_buckets == ((4.0, 30.0), (float("inf"), 100.0))
+    assert snap.output_tokens_buckets == ((4.0, 30.0), (float("inf"), 100.0))
+    assert plain.samples[0].output_tokens_buckets is None
+    assert not any("generation_tokens_bucket" in q for q in state["queries"])  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -25,6 +26,7 @@ CONTRACT = {
     "kvpilot_inter_token_latency_seconds": "histogram",
     "kvpilot_e2e_request_latency_seconds": "histogram",
     "kvpilot_request_queue_time_seconds": "histogram",
+    "kvpilot_request_generation_tokens": "histogram",
 }
 
 
@@ -165,3 +167,63 @@ def test_speculative_decoding_metrics_present_only_when_it_is_on() -> None:
     assert 'kvpilot_spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in text
     assert 'kvpilot_spec_decode_num_emitted_tokens_total{model_name="m"} 40.0' in text
     assert 'kvpilot_spec_decode_draft_acceptance_rate{model_name="m"} 0.75' in text
+
+
+def buckets(text: str, family: str) -> dict[float, float]:
+    """le -> cumulative count of one histogram family."""
+    for fam in text_string_to_metric_families(text):
+        if fam.name == family:
+            return {float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")}
+    raise AssertionError(f"{family} not exported")
+
+
+def test_output_length_histogram_observes_each_finished_generation() -> None:
+    m = ServerMetrics("m")
+    for n in (1, 3, 3, 40):
+        m.request_finished("length", n)
+    m.request_finished("abort")  # no length: counted as finished, not as an output length
+    text = m.render().decode()
+    b = buckets(text, "kvpilot_request_generation_tokens")
+    assert (b[1.0], b[2.0], b[4.0], b[32.0], b[64.0], b[float("inf")]) == (1, 1, 3, 3, 4, 4)
+    fams = scrape_text(text)["kvpilot_request_generation_tokens"]
+    assert fams["kvpilot_request_generation_tokens_sum,model_name=m"] == 47
+
+
+@pytest.fixture(scope="module")
+def real_server(make_engine: Any) -> Iterator[tuple[LiveServer, Any]]:
+    from kvpilot.runtime.engine import AsyncEngine
+
+    engine = AsyncEngine(make_engine(max_model_len=256))
+    engine.start()
+    live = LiveServer(engine, model_name=engine.model_name)
+    yield live, engine
+    live.close()
+
+
+def test_output_length_histogram_through_the_real_engine(real_server: tuple[LiveServer, Any]) -> None:
+    """SmolLM2 on the real engine: each choice's generated length lands in its bucket (n > 1 counts each
+    choice), and the histogram's sum is the usage the responses report."""
+    live, engine = real_server
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    keep_going = {"ignore_eos": True}
+    a = c.completions.create(
+        model=engine.model_name, prompt="1, 2, 3,", max_tokens=3, temperature=0, extra_body=keep_going
+    )
+    b = c.completions.create(
+        model=engine.model_name,
+        prompt="Once upon a time",
+        max_tokens=20,
+        n=2,
+        seed=1,
+        temperature=1.0,
+        extra_body=keep_going,
+    )
+    assert a.usage is not None and b.usage is not None
+    assert (a.usage.completion_tokens, b.usage.completion_tokens) == (3, 40)
+    _, text = get_metrics(live)
+    fams = scrape_text(text)["kvpilot_request_generation_tokens"]
+    name = engine.model_name
+    assert fams[f"kvpilot_request_generation_tokens_count,model_name={name}"] == 3
+    assert fams[f"kvpilot_request_generation_tokens_sum,model_name={name}"] == 43
+    counts = buckets(text, "kvpilot_request_generation_tokens")
+    assert (counts[2.0], counts[4.0], counts[16.0], counts[32.0]) == (0, 1, 1, 3)

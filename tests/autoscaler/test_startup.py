@@ -1,0 +1,255 @@
+"""The startup-aware parts of the policy: pure functions in autoscaler/startup.py and how decide() uses
+the measured (or declared) replica startup."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpilot.autoscaler.policy import (
+    ArrivalState,
+    History,
+    PodCounter,
+    RateSample,
+    Recommendation,
+    decide,
+)
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.spec import ScalingTargets
+from kvpilot.autoscaler.startup import (
+    DRAIN_STARTUPS,
+    HOLD_STARTUPS,
+    STARTUP_AWARE_MIN_S,
+    STARTUP_SAMPLE_PODS,
+    backlog_replicas,
+    forecast_lead_s,
+    measured_startup_s,
+    pod_startup_seconds,
+    scale_down_hold_s,
+)
+
+NOW = 1_000_000.0
+
+
+def pod(name: str, created: str, ready_at: str | None, ready: bool = True) -> dict[str, object]:
+    conditions = (
+        []
+        if ready_at is None
+        else [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_at}]
+    )
+    return {"metadata": {"name": name, "creationTimestamp": created}, "status": {"conditions": conditions}}
+
+
+def test_measured_startup_is_the_median_of_known_durations() -> None:
+    assert measured_startup_s([]) is None
+    assert measured_startup_s([50.0, 70.0, 400.0]) == 70.0  # one slow pod (an image pull) does not move it
+    assert measured_startup_s([-1.0, float("nan"), 30.0]) == 30.0
+
+
+def test_pod_startup_seconds_reads_creation_to_ready() -> None:
+    pods = [
+        pod("a", "2026-01-01T00:00:00Z", "2026-01-01T00:01:05Z"),
+        pod("b", "2026-01-01T00:10:00Z", "2026-01-01T00:10:50Z"),
+        pod("starting", "2026-01-01T00:20:00Z", None),
+        pod("not-ready", "2026-01-01T00:20:00Z", "2026-01-01T00:20:30Z", ready=False),
+        pod("clock-skew", "2026-01-01T00:30:00Z", "2026-01-01T00:29:00Z"),
+        {"metadata": {"name": "no-time"}, "status": {}},
+    ]
+    assert pod_startup_seconds(pods) == [65.0, 50.0]
+    assert measured_startup_s(pod_startup_seconds(pods)) == 57.5
+
+
+def test_pod_startup_seconds_keeps_the_most_recent_pods() -> None:
+    pods = [
+        pod(
+            f"p{i}",
+            f"2026-01-01T{i // 60:02d}:{i % 60:02d}:00Z",
+            f"2026-01-01T{i // 60:02d}:{i % 60:02d}:{i % 50:02d}Z",
+        )
+        for i in range(STARTUP_SAMPLE_PODS + 5)
+    ]
+    got = pod_startup_seconds(list(reversed(pods)))
+    assert len(got) == STARTUP_SAMPLE_PODS
+    assert got == [float(i % 50) for i in range(5, STARTUP_SAMPLE_PODS + 5)]
+
+
+def test_horizon_and_hold_grow_with_startup_only() -> None:
+    assert forecast_lead_s(60.0, None) == 60.0
+    assert forecast_lead_s(60.0, 10.0) == 60.0
+    assert forecast_lead_s(60.0, 150.0) == 150.0
+    assert scale_down_hold_s(300.0, None) == 300.0
+    assert scale_down_hold_s(300.0, 60.0) == 300.0
+    assert scale_down_hold_s(300.0, 120.0) == HOLD_STARTUPS * 120.0
+
+
+def test_backlog_replicas_arithmetic() -> None:
+    # 100 req/s forecast, 10 req/s per replica, 4 Ready: they leave 60 req/s unserved for the 60 s
+    # startup (3,600) on top of 400 waiting; drained within DRAIN_STARTUPS x 60 s.
+    drain = DRAIN_STARTUPS * 60.0
+    expected = -(-(100.0 + (400.0 + 60.0 * 60.0) / drain) // 10.0)
+    assert backlog_replicas(400, 100.0, 10.0, 4, 60.0) == int(expected)
+    # Nothing waiting and enough Ready: just the rate.
+    assert backlog_replicas(0, 100.0, 10.0, 12, 60.0) == 10
+    assert backlog_replicas(0, 0.0, 10.0, 0, 60.0) == 0
+    with pytest.raises(ValueError, match="per_replica_rate"):
+        backlog_replicas(10, 1.0, 0.0, 1, 60.0)
+
+
+@given(
+    waiting=st.integers(0, 10_000),
+    more=st.integers(0, 10_000),
+    rate=st.floats(0.0, 500.0),
+    per=st.floats(0.1, 100.0),
+    ready=st.integers(0, 50),
+    startup=st.floats(0.0, 600.0),
+)
+def test_backlog_replicas_grows_with_the_backlog_and_covers_the_rate(
+    waiting: int, more: int, rate: float, per: float, ready: int, startup: float
+) -> None:
+    n = backlog_replicas(waiting, rate, per, ready, startup)
+    assert backlog_replicas(waiting + more, rate, per, ready, startup) >= n
+    assert n * per >= rate - 1e-6
+
+
+# -- decide() with a startup ---------------------------------------------------------------------------
+
+
+def backlog_case(startup: float | None) -> tuple[MetricsSnapshot, History, ScalingTargets]:
+    """Two Ready replicas, full batches, 500 waiting each; each finished 150 requests in the last 15 s."""
+    samples = tuple(ReplicaSample(f"p{i}", 0.9, 500, 20, completed_total=150.0) for i in range(2))
+    snapshot = MetricsSnapshot(ready_replicas=2, samples=samples, startup_s=startup)
+    counters = tuple(PodCounter(f"p{i}", 0.0, 20) for i in range(2))
+    history = History(arrivals=ArrivalState(time=NOW - 15.0, counters=counters, service_rate=10.0))
+    return snapshot, history, ScalingTargets(min_replicas=1, max_replicas=100, max_num_seqs=32)
+
+
+def test_startup_aware_queue_rule_sizes_the_backlog_over_the_startup() -> None:
+    snapshot, history, targets = backlog_case(60.0)
+    d = decide(2, snapshot, targets, history, NOW)
+    assert d.startup_s == 60.0
+    assert d.arrival_forecast is not None and d.service_rate is not None
+    assert d.queue_recommendation == backlog_replicas(1000, d.arrival_forecast, d.service_rate, 2, 60.0)
+    assert "over a 60s startup" in d.reason
+    # No burst factor on top of it.
+    assert d.recommendation == max(d.queue_recommendation, d.arrival_recommendation or 0)
+
+    snapshot0, history0, _ = backlog_case(None)
+    reactive = decide(2, snapshot0, targets, history0, NOW)
+    assert reactive.startup_s is None
+    assert d.recommendation < reactive.recommendation  # the reactive rule re-asks for the whole queue
+
+
+def test_full_batches_during_a_backlog_do_not_add_replicas() -> None:
+    """A backlog fills every batch at any fleet size: with the startup-aware queue rule sizing the
+    backlog, the utilization rule holds the current size instead of asking 8 x 1.0 / 0.7 (x 1.5 burst)."""
+    samples = tuple(ReplicaSample(f"p{i}", 0.5, 6, 32, completed_total=150.0) for i in range(8))
+    counters = tuple(PodCounter(f"p{i}", 0.0, 38) for i in range(8))
+    history = History(arrivals=ArrivalState(time=NOW - 15.0, counters=counters, service_rate=20.0))
+    targets = ScalingTargets(min_replicas=1, max_replicas=100, max_num_seqs=32)
+    d = decide(8, MetricsSnapshot(8, samples, startup_s=60.0), targets, history, NOW)
+    assert d.queue_recommendation is not None and d.queue_recommendation <= 8
+    assert d.kv_recommendation == 8 and d.desired == 8
+    assert "utilization (12) left to the queue rule while a backlog drains" in d.reason
+    reactive = decide(8, MetricsSnapshot(8, samples), targets, history, NOW)
+    assert reactive.kv_recommendation == 12 and reactive.burst and reactive.desired > 12
+
+
+def test_short_startup_keeps_the_reactive_queue_rule() -> None:
+    """A replica Ready by the next sync absorbs its share at once, as the reactive rule assumes."""
+    snapshot, history, targets = backlog_case(STARTUP_AWARE_MIN_S / 3)
+    short = decide(2, snapshot, targets, history, NOW)
+    unknown = decide(2, replace(snapshot, startup_s=None), targets, history, NOW)
+    assert (short.desired, short.recommendation, short.queue_recommendation) == (
+        unknown.desired,
+        unknown.recommendation,
+        unknown.queue_recommendation,
+    )
+
+
+def test_declared_startup_is_used_until_one_is_measured() -> None:
+    snapshot, history, targets = backlog_case(None)
+    declared = decide(2, snapshot, replace(targets, startup_s=60.0), history, NOW)
+    measured = decide(2, replace(snapshot, startup_s=60.0), targets, history, NOW)
+    assert declared.startup_s == measured.startup_s == 60.0
+    assert declared.queue_recommendation == measured.queue_recommendation
+    both = decide(2, replace(snapshot, startup_s=90.0), replace(targets, startup_s=60.0), history, NOW)
+    assert both.startup_s == 90.0  # the measurement wins
+
+
+def test_declared_startup_is_validated() -> None:
+    with pytest.raises(ValueError, match="startup_s"):
+        ScalingTargets(max_replicas=2, startup_s=-1.0)
+
+
+def test_scale_down_hold_spans_several_startups() -> None:
+    """A pod that takes 120 s to start is not released for a dip shorter than HOLD_STARTUPS startups."""
+    idle = tuple(ReplicaSample(f"p{i}", 0.05, 0, 1) for i in range(6))
+    targets = ScalingTargets(min_replicas=1, max_replicas=20)
+    history = History(recommendations=(Recommendation(NOW - 400.0, 6),))
+    fast = decide(6, MetricsSnapshot(6, idle, startup_s=60.0), targets, history, NOW)
+    slow = decide(6, MetricsSnapshot(6, idle, startup_s=120.0), targets, history, NOW)
+    assert fast.desired == 5  # the 300 s window has passed: one pod goes
+    assert slow.desired == 6  # 400 s < 4 x 120 s: held
+    assert "scale-down stabilization (480s) holds 6" in slow.reason
+
+
+def test_forecast_looks_one_startup_ahead() -> None:
+    """A rising arrival rate is extrapolated over the startup when it is longer than the default lead."""
+    samples = tuple(ReplicaSample(f"p{i}", 0.5, 0, 10, completed_total=100.0) for i in range(2))
+    counters = tuple(PodCounter(f"p{i}", 70.0, 10) for i in range(2))
+    rates = tuple(RateSample(NOW - 15.0 * k, 4.0 - 0.2 * k) for k in range(4, 0, -1))
+    history = History(arrivals=ArrivalState(NOW - 15.0, counters, rates, service_rate=2.0))
+    targets = ScalingTargets(min_replicas=1, max_replicas=50)
+    d60 = decide(2, MetricsSnapshot(2, samples, startup_s=60.0), targets, history, NOW)
+    d180 = decide(2, MetricsSnapshot(2, samples, startup_s=180.0), targets, history, NOW)
+    assert d60.arrival_rate == d180.arrival_rate == 4.0
+    assert d60.arrival_forecast is not None and d180.arrival_forecast is not None
+    assert d180.arrival_forecast > d60.arrival_forecast > 4.0
+    assert "in 180s" in d180.reason
+
+
+def test_missing_metrics_never_scale_down_with_a_startup() -> None:
+    idle = tuple(ReplicaSample(f"p{i}", 0.02, 0, 0) for i in range(3))
+    targets = ScalingTargets(min_replicas=1, max_replicas=20, scale_down_stabilization_s=0)
+    d = decide(5, MetricsSnapshot(4, idle, startup_s=60.0), targets, History(), NOW)
+    assert d.desired == 5
+    none = decide(5, MetricsSnapshot(4, (), startup_s=60.0), targets, History(), NOW)
+    assert none.desired == 5
+
+
+class _Recorder:
+    """Scales 1 -> 3 at the first sync and records the startup each snapshot reports."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float | None]] = []
+
+    def initial_replicas(self) -> int:
+        return 1
+
+    def decide(self, now: float, current: int, snapshot: MetricsSnapshot, in_flight: int) -> int:
+        self.seen.append((now, snapshot.startup_s))
+        return 3
+
+    def settings(self) -> dict[str, object]:
+        return {}
+
+
+def test_simulator_measures_startup_like_the_controller() -> None:
+    """The replica that was there from the start has no startup to measure; the two started at the
+    first sync report creation -> Ready = calibration.startup_s once Ready."""
+    from kvpilot.autoscaler.replica_model import calibration_by_name
+    from kvpilot.autoscaler.simulator import simulate
+    from kvpilot.autoscaler.trace import TraceRequest
+
+    cal = calibration_by_name("h100/llama-3.1-8b", startup_s=40.0)
+    trace = [TraceRequest(float(t), 200, 20) for t in range(0, 120, 2)]
+    policy = _Recorder()
+    simulate(trace, policy, cal, warmup_s=0.0)
+    assert policy.seen[0] == (15.0, None)  # nobody started yet
+    assert (45.0, None) in policy.seen  # started at 15 s, not Ready until 55 s
+    assert (60.0, 40.0) in policy.seen
