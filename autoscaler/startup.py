@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from kvpilot.kube.times import parse_time
+
 # The queue rule plans over the startup only when a startup spans at least two syncs (15 s each): a
 # replica that is Ready by the next sync absorbs its share at once, as the reactive rule assumes (at
 # 10 s startup the startup-aware rule cost 2-3 points on flash_crowd x8 for no fewer replica-hours).
@@ -46,27 +48,18 @@ def measured_startup_s(durations: Iterable[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
 def pod_startup_seconds(pods: Sequence[Mapping[str, Any]]) -> list[float]:
     """Creation -> Ready of each Ready pod (metadata.creationTimestamp to the Ready condition's
     lastTransitionTime), the most recent STARTUP_SAMPLE_PODS by creation. A pod whose Ready flipped
     later (a restart) reads longer; the median absorbs a few."""
     out: list[tuple[datetime, float]] = []
     for pod in pods:
-        created = _time((pod.get("metadata") or {}).get("creationTimestamp"))
+        created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
         if created is None:
             continue
         for c in (pod.get("status") or {}).get("conditions") or []:
             if c.get("type") == "Ready" and c.get("status") == "True":
-                ready = _time(c.get("lastTransitionTime"))
+                ready = parse_time(c.get("lastTransitionTime"))
                 if ready is not None and ready >= created:
                     out.append((created, (ready - created).total_seconds()))
     out.sort(key=lambda x: x[0])

@@ -70,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="single,avx2_batch", help="comma list of single,avx2_batch")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="bench_runtime --rounds (best round reported)")
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=["default", "PASSIVE", "ACTIVE"],
+        default="default",
+        help="OpenMP idle threads for kvpilot and transformers: libgomp's default (what kvpilot serve "
+        "runs with; a quiet machine), PASSIVE (a shared one: see bench_runtime.py)",
+    )
     p.add_argument("--single-prompts", type=int, default=3, help="quoting prompts per round")
     p.add_argument("--single-words", type=int, default=90, help="words each quoting prompt asks to repeat")
     p.add_argument("--single-output", type=int, default=64, help="output tokens per single stream")
@@ -113,7 +120,14 @@ def plan(
     args: argparse.Namespace, native_bin: str | None, avx2_bin: str | None, draft_dir: str | None
 ) -> list[Run]:
     """The bench_runtime.py processes of issue 14's comparison, in order."""
-    common = ["--threads", str(args.threads), "--rounds", str(args.rounds)]
+    common = [
+        "--threads",
+        str(args.threads),
+        "--rounds",
+        str(args.rounds),
+        "--omp-wait-policy",
+        args.omp_wait_policy,
+    ]
     runs: list[Run] = []
     if "single" in args.parts:
         single = [
