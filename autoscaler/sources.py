@@ -17,9 +17,9 @@ import logging
 import math
 import re
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 
 log = logging.getLogger(__name__)
+_Parsed = TypeVar("_Parsed")
 
 # In order of preference: the first family a pod exports wins.
 KV_METRICS = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -384,42 +385,44 @@ class PrometheusSource:
                 raise PrometheusQueryError(f"HTTP {resp.status}")
             return body
 
+    async def _optional(
+        self,
+        model: ModelRef,
+        template: str | None,
+        pods: Sequence[PodTarget],
+        parse: Callable[[Any, str], _Parsed],
+        what: str,
+    ) -> _Parsed | None:
+        """A query whose failure only leaves its signal out (logged), never the whole snapshot."""
+        if not template:
+            return None
+        promql = render_query(template, model.namespace, model.served_name, (p.name for p in pods))
+        try:
+            return parse(await self._body(promql), self.pod_label)
+        except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
+            log.info(
+                "%s/%s: %s failed (%s); left out",
+                model.namespace,
+                model.name,
+                what,
+                exc or type(exc).__name__,
+            )
+            return None
+
     async def _optional_buckets(
         self, model: ModelRef, pods: Sequence[PodTarget]
     ) -> dict[str, tuple[tuple[float, float], ...]]:
-        """The output-length histograms by pod; a failure only leaves them out (logged)."""
-        if not self.buckets_query:
-            return {}
-        promql = render_query(self.buckets_query, model.namespace, model.served_name, (p.name for p in pods))
-        try:
-            return parse_bucket_response(await self._body(promql), self.pod_label)
-        except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
-            log.info(
-                "%s/%s: output-length query failed (%s); left out",
-                model.namespace,
-                model.name,
-                exc or type(exc).__name__,
-            )
-            return {}
+        """The output-length histograms by pod ({} when the query is off or fails)."""
+        got = await self._optional(
+            model, self.buckets_query, pods, parse_bucket_response, "output-length query"
+        )
+        return got or {}
 
     async def _optional_query(
         self, model: ModelRef, template: str | None, pods: Sequence[PodTarget]
     ) -> dict[str, float]:
-        """A query whose failure only leaves its signal out (logged), never the whole snapshot."""
-        if not template:
-            return {}
-        try:
-            return await self.query(
-                render_query(template, model.namespace, model.served_name, (p.name for p in pods))
-            )
-        except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
-            log.info(
-                "%s/%s: optional Prometheus query failed (%s); left out",
-                model.namespace,
-                model.name,
-                exc or type(exc).__name__,
-            )
-            return {}
+        got = await self._optional(model, template, pods, parse_query_response, "optional Prometheus query")
+        return got or {}
 
     async def collect(self, model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
         queries = [self.kv_query, self.queue_query]
