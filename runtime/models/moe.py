@@ -37,7 +37,7 @@ every token with the replicated router, so no token moves between ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -151,6 +151,36 @@ def moe_grouped(
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
 
 
+def _grouped_on_device(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_offset: int,
+    num_local: int,
+    gemm13: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    gemm2: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The device-side grouped MoE both GPU backends share: assignments sorted by local expert (those
+    held elsewhere, under expert parallelism, one group past the last), group offsets [E + 1] from a
+    search over the sorted ids (on the device: no host synchronization, so it can be captured in a
+    CUDA graph), the two grouped GEMMs (`gemm(rows, offsets)`), rows past the last group zeroed, and
+    the routing-weighted combine."""
+    t, k = ids.shape
+    local = ids.reshape(-1) - expert_offset
+    held = (local >= 0) & (local < num_local)
+    local = torch.where(held, local, num_local)
+    order = torch.argsort(local, stable=True)
+    bounds = torch.arange(num_local + 1, device=ids.device, dtype=local.dtype)
+    offsets = torch.searchsorted(local[order], bounds)  # first row of each expert, then the end
+    gate_up = gemm13(x.index_select(0, order // k), offsets)
+    inter = gate_up.shape[1] // 2
+    partial = gemm2(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], offsets)
+    partial = torch.where(held[order].unsqueeze(-1), partial, 0.0)  # rows past the last group
+    unsorted = torch.empty_like(partial)
+    unsorted[order] = partial
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
+
+
 def moe_grouped_mm(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -159,26 +189,13 @@ def moe_grouped_mm(
     ids: torch.Tensor,
     expert_offset: int = 0,
 ) -> torch.Tensor:
-    """`moe_grouped` with the per-expert loop replaced by two `F.grouped_mm` calls whose group
-    offsets stay on the device: no host synchronization, so it can be captured in a CUDA graph.
-    Assignments to experts held elsewhere (expert parallelism) are sorted last, outside every
-    group, and contribute zero."""
-    t, k = ids.shape
-    num_local = w13.shape[0]
-    local = ids.reshape(-1) - expert_offset
-    held = (local >= 0) & (local < num_local)
-    local = torch.where(held, local, num_local)  # the others: one group past the last
-    order = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=num_local + 1)[:num_local]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x.index_select(0, order // k)
-    gate_up = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
-    inter = gate_up.shape[1] // 2
-    partial = F.grouped_mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2.transpose(-2, -1), offs=offs)
-    partial = torch.where(held[order].unsqueeze(-1), partial, 0.0)  # rows past the last group
-    unsorted = torch.empty_like(partial)
-    unsorted[order] = partial
-    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
+    """`moe_grouped` with the per-expert loop replaced by two `F.grouped_mm` calls (their group end
+    offsets are `_grouped_on_device`'s offsets[1:])."""
+
+    def gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda rows, offsets: F.grouped_mm(rows, w.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
+
+    return _grouped_on_device(x, weights, ids, expert_offset, w13.shape[0], gemm(w13), gemm(w2))
 
 
 def moe_triton(
@@ -189,27 +206,13 @@ def moe_triton(
     ids: torch.Tensor,
     expert_offset: int = 0,
 ) -> torch.Tensor:
-    """`moe_grouped_mm` with kernels/triton_moe.py's grouped GEMM (any float dtype). The group
-    offsets come from a search over the sorted expert ids, on the device: no host synchronization.
-    Assignments to experts held elsewhere sort past the last group and contribute zero."""
+    """`moe_grouped_mm` with kernels/triton_moe.py's grouped GEMM (any float dtype)."""
     from kvpilot.kernels import triton_moe
 
-    t, k = ids.shape
-    num_local = w13.shape[0]
-    local = ids.reshape(-1) - expert_offset
-    held = (local >= 0) & (local < num_local)
-    local = torch.where(held, local, num_local)
-    order = torch.argsort(local, stable=True)
-    bounds = torch.arange(num_local + 1, device=ids.device, dtype=local.dtype)
-    offsets = torch.searchsorted(local[order], bounds)  # [E + 1]: first row of each expert, then the end
-    xs = x.index_select(0, order // k)
-    gate_up = triton_moe.grouped_expert_gemm(xs, w13, offsets)
-    inter = gate_up.shape[1] // 2
-    partial = triton_moe.grouped_expert_gemm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2, offsets)
-    partial = torch.where(held[order].unsqueeze(-1), partial, 0.0)  # rows past the last group: unwritten
-    unsorted = torch.empty_like(partial)
-    unsorted[order] = partial
-    return torch.bmm(weights.to(x.dtype).unsqueeze(1), unsorted.view(t, k, x.shape[1])).squeeze(1)
+    def gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda rows, offsets: triton_moe.grouped_expert_gemm(rows, w, offsets)
+
+    return _grouped_on_device(x, weights, ids, expert_offset, w13.shape[0], gemm(w13), gemm(w2))
 
 
 MOE_BACKENDS = ("grouped", "grouped_mm", "triton")
