@@ -181,6 +181,16 @@ def plan(
             )
         for key, (label, extra) in variants.items():
             runs.append(Run(key, "single", [*single, "--engines", "kvpilot", *extra], {}, {label: "kvpilot"}))
+        # the same int4 run with the decoder layers called one by one from Python: what the C stack saves
+        runs.append(
+            Run(
+                "single_int4_python_layers",
+                "single",
+                [*single, "--engines", "kvpilot", "--kvpilot-quantization", "int4"],
+                {"KVPILOT_CPU_DECODER_STACK": "0"},
+                {"kvpilot int4, layers from Python": "kvpilot"},
+            )
+        )
     if "avx2_batch" in args.parts:
         batch = [
             *common,
@@ -486,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, run in enumerate(runs, 1):
             target = run_dir / f"{run.key}.json"
             argv_run = [sys.executable, str(HERE / "bench_runtime.py"), *run.argv, "--output", str(target)]
-            log(f"run {i}/{len(runs)}: {run.key} ({run.part}{', AVX2 env' if run.env else ''})")
+            log(f"run {i}/{len(runs)}: {run.key} ({run.part}{', env ' + str(run.env) if run.env else ''})")
             t0 = time.perf_counter()
             res = subprocess.run(argv_run, env=child_env(run), stdout=subprocess.DEVNULL)
             wall = round(time.perf_counter() - t0, 1)

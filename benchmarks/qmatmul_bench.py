@@ -5,7 +5,8 @@ For SmolLM2's layer shapes (QKV 960x576, gate/up 3072x576, down 576x1536, the ti
 49152x576), one thread, bfloat16 activations, rows M = 1 (single-stream decode), 5 (a speculative
 verification with K = 4), 8..128 (batched decode, chunked prefill), each of:
 - `bf16`: torch's F.linear on the bf16 weight (the unquantized model's matmul, the peer);
-- `kernel`: the C kernel on int8 / int4 weights with int8 activation blocks (the default);
+- `kernel`: the C kernel on int8 / int4 weights in the row layout with int8 activation blocks;
+- `tiled`: the same arithmetic on the tiled layout (16 rows a code vector; what loaded models use);
 - `kernel_float_act`: the same kernel with KVPILOT_QMATMUL_ACTIVATIONS=float (exact product);
 - `dequant_mm`: the many-row path, C dequantization to bf16 then torch's matmul.
 Times are the best of several rounds of the thread's CPU time (time.thread_time), which a shared
@@ -52,6 +53,8 @@ def cpu_time_us(fn: Callable[[], Any], calls: int, rounds: int = 5) -> float:
 def measure(x: torch.Tensor, wb: torch.Tensor, qw: qlinear.QuantizedWeight, calls: int) -> dict[str, float]:
     row = {"bf16_us": cpu_time_us(lambda: F.linear(x, wb), calls)}
     row["kernel_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, qw), calls)
+    tiled = qlinear.tile(qw)
+    row["tiled_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
     qlinear.INT8_ACTIVATIONS = False
     row["kernel_float_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, qw), calls)
     qlinear.INT8_ACTIVATIONS = True
@@ -59,6 +62,8 @@ def measure(x: torch.Tensor, wb: torch.Tensor, qw: qlinear.QuantizedWeight, call
     out = {key: round(v, 1) for key, v in row.items()}
     out["kernel_vs_bf16"] = round(row["bf16_us"] / row["kernel_us"], 2)
     out["int8_act_speedup"] = round(row["kernel_float_act_us"] / row["kernel_us"], 2)
+    out["tiled_vs_rows"] = round(row["kernel_us"] / row["tiled_us"], 2)
+    out["tiled_vs_bf16"] = round(row["bf16_us"] / row["tiled_us"], 2)
     return out
 
 

@@ -85,7 +85,8 @@ def build(source: Path, flags: Sequence[str], compiler: str | None = None) -> Pa
 class Extension:
     """One C extension: built per ISA level (kernels/isa.py) on first use, loaded with ctypes, its
     functions declared by `declare`. `available()` is False, with one warning saying what runs
-    instead (`fallback`), when it cannot be built or KVPILOT_DISABLE_CPU_KERNEL=1."""
+    instead (`fallback`), when it cannot be built or KVPILOT_DISABLE_CPU_KERNEL=1 (read when the
+    extension is created, at import)."""
 
     def __init__(
         self, source: Path, cflags: Sequence[str], declare: Callable[[ctypes.CDLL], None], fallback: str
@@ -94,6 +95,7 @@ class Extension:
         self._libraries: dict[str, ctypes.CDLL] = {}
         self._failed: dict[str, str] = {}  # level -> why it cannot be built (tried once)
         self._lock = threading.Lock()
+        self._disabled = os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1"  # read once: a per-call cost
 
     def build(self, level: str | None = None, compiler: str | None = None) -> Path:
         return build(self.source, [*self.cflags, *isa.flags_for(level or isa.selected())], compiler)
@@ -116,7 +118,7 @@ class Extension:
         return str(self.library(level).kvpilot_isa().decode())
 
     def available(self, level: str | None = None) -> bool:
-        if os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1":
+        if self._disabled:
             return False
         level = level or isa.selected()
         if level in self._libraries:

@@ -41,6 +41,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_rotary.restype = i
     lib.kvpilot_write_kv.argtypes = [p, p, long, long, p, p, p, p, p, i, long, i, i, i, long]
     lib.kvpilot_write_kv.restype = i
+    lib.kvpilot_silu_mul.argtypes = [p, p, i, long, long, i]
+    lib.kvpilot_silu_mul.restype = i
 
 
 # one build per ISA level (kernels/isa.py); the C code is auto-vectorized for it
@@ -187,3 +189,16 @@ def write_kv_(
     )
     if rc != 0:
         raise ValueError(f"write_kv kernel rejected its arguments (code {rc}: a slot out of range)")
+
+
+def silu_mul(gate_up: torch.Tensor, *, level: str | None = None) -> torch.Tensor:
+    """[..., 2 * I] (gate, up) -> silu(gate) * up in one call (`supports(gate_up)` first)."""
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+    rc = _library(level).kvpilot_silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), _DTYPES[gate_up.dtype], gate_up.numel() // (2 * inter), inter,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"silu_mul kernel rejected its arguments (code {rc})")
+    return out

@@ -79,6 +79,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None
     out_features: int
     in_features: int
+    tiled: bool = False  # bytes in the CPU kernel's tiled layout (`tile`); `untile` restores rows
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +87,8 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.tiled:
+            return untile(self).dequantize(dtype)
         n, k, g = self.out_features, self.in_features, self.group
         s = self.scales.float().reshape(n, k // g, 1)
         if self.bits == 8:
@@ -106,7 +109,89 @@ class QuantizedWeight:
             None if self.mins is None else self.mins.to(device),
             self.out_features,
             self.in_features,
+            self.tiled,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiled layout: TILE_ROWS rows' codes interleaved, so that one vector spans TILE_ROWS rows
+# (the C source's "tiled layout" comment). A permutation of the row layout's bytes, scales and
+# mins: same tensors, same shapes, same bytes in memory.
+
+TILE_ROWS = 16
+_TILE_WORD = 4  # bytes of a row next to each other in a code vector (one integer dot product)
+
+
+def _tile_view(qw: QuantizedWeight) -> tuple[int, int, int]:
+    """(tiles, blocks a row, bytes a row's block) of a weight's codes."""
+    block_bytes = ACT_BLOCK if qw.bits == 8 else ACT_BLOCK // 2
+    return qw.out_features // TILE_ROWS, qw.in_features // ACT_BLOCK, block_bytes
+
+
+def tile_applies(qw: QuantizedWeight) -> bool:
+    """Whether the kernel loaded here takes `qw` in the tiled layout: on CPU, rows a multiple of
+    TILE_ROWS, a format with the int8-activation path (the tiled kernel has no float-activation
+    variant; KVPILOT_QMATMUL_ACTIVATIONS=float keeps the row layout)."""
+    return (
+        not qw.tiled
+        and qw.packed.device.type == "cpu"
+        and qw.out_features % TILE_ROWS == 0
+        and qw.in_features % ACT_BLOCK == 0
+        and q8_path_applies(qw)
+        and available()
+    )
+
+
+def _permute_rows(t: torch.Tensor, tiles: int, inner: tuple[int, ...], perm: tuple[int, ...]) -> torch.Tensor:
+    return t.reshape(tiles, *inner).permute(*perm).contiguous()
+
+
+def tile(qw: QuantizedWeight) -> QuantizedWeight:
+    """`qw` in the tiled layout: codes [tiles, blocks, block bytes / 4, TILE_ROWS, 4], scales and
+    mins [tiles, groups, TILE_ROWS] (flattened to the row layout's shapes)."""
+    tiles, nb, bb = _tile_view(qw)
+    r, w = TILE_ROWS, _TILE_WORD
+    packed = _permute_rows(qw.packed, tiles, (r, nb, bb // w, w), (0, 2, 3, 1, 4)).reshape(qw.packed.shape)
+
+    def rows_last(t: torch.Tensor) -> torch.Tensor:
+        return _permute_rows(t, tiles, (r, t.shape[1]), (0, 2, 1)).reshape(t.shape)
+
+    mins = None if qw.mins is None else rows_last(qw.mins)
+    return QuantizedWeight(
+        qw.bits, qw.group, packed, rows_last(qw.scales), mins, qw.out_features, qw.in_features, True
+    )
+
+
+def untile(qw: QuantizedWeight) -> QuantizedWeight:
+    """The row layout of a tiled weight (a copy; `qw` itself when it is not tiled)."""
+    if not qw.tiled:
+        return qw
+    tiles, nb, bb = _tile_view(qw)
+    r, w = TILE_ROWS, _TILE_WORD
+    packed = _permute_rows(qw.packed, tiles, (nb, bb // w, r, w), (0, 3, 1, 2, 4)).reshape(qw.packed.shape)
+
+    def rows_first(t: torch.Tensor) -> torch.Tensor:
+        return _permute_rows(t, tiles, (t.shape[1], r), (0, 2, 1)).reshape(t.shape)
+
+    mins = None if qw.mins is None else rows_first(qw.mins)
+    return QuantizedWeight(
+        qw.bits, qw.group, packed, rows_first(qw.scales), mins, qw.out_features, qw.in_features
+    )
+
+
+def tiled_rows(qw: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
+    """Rows `rows` of a tiled weight in the row layout (an embedding lookup in a tied LM head),
+    gathered without untiling the rest."""
+    tiles, nb, bb = _tile_view(qw)
+    r, w = TILE_ROWS, _TILE_WORD
+    tile_of, lane = rows // r, rows % r
+    packed = qw.packed.reshape(tiles, nb, bb // w, r, w)[tile_of, :, :, lane].reshape(len(rows), -1)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(tiles, t.shape[1], r)[tile_of, :, lane]
+
+    mins = None if qw.mins is None else pick(qw.mins)
+    return QuantizedWeight(qw.bits, qw.group, packed, pick(qw.scales), mins, len(rows), qw.in_features)
 
 
 def check_shape(method: str, in_features: int, group: int) -> str | None:
@@ -163,6 +248,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.kvpilot_qmatmul.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i, i]
     lib.kvpilot_qmatmul.restype = i
+    lib.kvpilot_qmatmul_tiled.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qmatmul_tiled.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
     lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i]
@@ -196,6 +283,9 @@ def kernel_matmul(
     x2 = x.reshape(-1, qw.in_features).contiguous()
     out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
     b = None if bias is None else bias.to(x.dtype).contiguous()
+    if qw.tiled and INT8_ACTIVATIONS:
+        return _tiled_matmul(x, x2, qw, b, out, level)
+    qw = untile(qw)  # float activations: the row kernel's exact product (a copy of the codes)
     rc = _library(level).kvpilot_qmatmul(
         x2.data_ptr(),
         _DTYPES[x.dtype],
@@ -217,6 +307,34 @@ def kernel_matmul(
     return out.reshape(*x.shape[:-1], qw.out_features)
 
 
+def _tiled_matmul(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    qw: QuantizedWeight,
+    b: torch.Tensor | None,
+    out: torch.Tensor,
+    level: str | None,
+) -> torch.Tensor:
+    rc = _library(level).kvpilot_qmatmul_tiled(
+        x2.data_ptr(),
+        _DTYPES[x.dtype],
+        out.data_ptr(),
+        None if b is None else b.data_ptr(),
+        x2.shape[0],
+        qw.in_features,
+        qw.out_features,
+        qw.packed.data_ptr(),
+        qw.bits,
+        qw.group,
+        qw.scales.data_ptr(),
+        None if qw.mins is None else qw.mins.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"tiled quantized matmul kernel rejected its arguments (code {rc})")
+    return out.reshape(*x.shape[:-1], qw.out_features)
+
+
 def reference_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The specification: dequantize to x's dtype, then torch's matmul."""
     return F.linear(x, qw.dequantize(x.dtype), bias)
@@ -227,6 +345,7 @@ def dequantize_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
     bytes, rows in parallel; the same values as QuantizedWeight.dequantize): the many-row path."""
     if not (x.device.type == "cpu" and qw.packed.device.type == "cpu" and x.dtype in _DTYPES and available()):
         return reference_matmul(x, qw, bias)
+    qw = untile(qw)
     w = torch.empty(qw.out_features, qw.in_features, dtype=x.dtype)
     rc = _library().kvpilot_dequantize(
         qw.packed.data_ptr(),
@@ -260,6 +379,7 @@ def storage_order(qw: QuantizedWeight) -> torch.Tensor:
 
 def codes(qw: QuantizedWeight) -> torch.Tensor:
     """The weight's integer codes [N, K] in storage order (int8: -127..127; int4: 0..15)."""
+    qw = untile(qw)
     if qw.bits == 8:
         return qw.packed.to(torch.int32)
     p = qw.packed.reshape(qw.out_features, qw.in_features // 32, 16).to(torch.int32)
@@ -277,6 +397,7 @@ def reference_q8_matmul(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The kernel's int8-activation arithmetic in torch (float64 sums): its specification."""
+    qw = untile(qw)
     n, k, blk = qw.out_features, qw.in_features, ACT_BLOCK
     xf = x.reshape(-1, k).float()
     xb = xf[:, storage_order(qw)].reshape(-1, k // blk, blk)

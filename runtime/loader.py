@@ -776,6 +776,9 @@ def load_model(
         )
     model.eval()
     quantize_loaded(model, cfg, path, lm_head=quantize_head)
+    from kvpilot.runtime.quantization import tile_for_cpu
+
+    tile_for_cpu(model)  # quantized weights into the CPU kernel's layout, once they are final
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -217,3 +217,23 @@ def quantize_lm_head(model: nn.Module) -> tuple[int, int] | None:
             done[1] / 2**20,
         )
     return done
+
+
+def tile_for_cpu(model: nn.Module) -> int:
+    """Put every quantized linear layer and LM head the CPU kernel takes tiled into its tiled layout
+    (kernels/qlinear.tile: the same bytes permuted, so one vector of codes spans 16 output rows), in
+    place; a weight shared by several modules (the tied embedding and LM head) is tiled once. Returns
+    how many weights were tiled. Mixture-of-Experts experts keep the row layout (kvpilot_qmoe)."""
+    done: dict[int, qlinear.QuantizedWeight] = {}
+    for mod in model.modules():
+        if not isinstance(mod, QuantizableModule):
+            continue
+        qw = mod.qweight
+        if qw is None or not qlinear.tile_applies(qw):
+            continue
+        if id(qw) not in done:
+            done[id(qw)] = qlinear.tile(qw)
+        mod.qweight = done[id(qw)]
+    if done:
+        log.info("%d quantized weights in the CPU kernel's tiled layout", len(done))
+    return len(done)

@@ -1,6 +1,6 @@
 /*
- * Small per-token ops of a decoder layer, fused for CPUs: RMSNorm (with the residual add) and rotary
- * position embedding. In torch each is 5-8 kernel launches over small tensors, and at decode batch
+ * Small per-token ops of a decoder layer, fused for CPUs: RMSNorm (with the residual add), rotary
+ * position embedding, silu(gate) * up, and the KV cache write. In torch each is 5-8 kernel launches over small tensors, and at decode batch
  * sizes the launches, not the arithmetic, cost the time.
  *
  * The results equal torch's op sequence in layers.py bit for bit in float32 and bfloat16 except for the
@@ -155,3 +155,30 @@ int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride,
     }
     return 0;
 }
+
+/*
+ * The gated MLP's activation: out[t, i] = silu(g) * u with [g, u] = gu[t] ([T, 2I] -> [T, I]), silu
+ * rounded to the dtype before the product as torch's F.silu(gate) * up rounds it. silu uses libm's
+ * expf, which can differ from torch's vectorized exp in the last bit of a float32 result: the Python
+ * layers and the C decoder stack both call this, so they agree with each other exactly.
+ */
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, void *out, size_t row, long I,
+                                                               const int dtype) {
+    for (long i = 0; i < I; i++) {
+        const float g = load(gu, dtype, 2 * row + i), u = load(gu, dtype, 2 * row + I + i);
+        store(out, dtype, row + i, act(g / (1.0f + expf(-g)), dtype) * u);
+    }
+}
+
+int kvpilot_silu_mul(const void *gu, void *out, int dtype, long T, long I, int num_threads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || I <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= 32768)
+    for (long t = 0; t < T; t++) {
+        if (dtype == DT_BF16)
+            silu_mul_row(gu, out, (size_t)t * I, I, DT_BF16);
+        else
+            silu_mul_row(gu, out, (size_t)t * I, I, DT_F32);
+    }
+    return 0;
+}
+

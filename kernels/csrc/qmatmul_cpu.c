@@ -396,6 +396,201 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
     return failed ? -3 : 0;
 }
 
+/*
+ * The tiled layout (kernels/qlinear.tile; CPU weights of the int8-activation formats whose row count
+ * is a multiple of TR): the same bytes as the row layout above, permuted so that one vector of weight
+ * codes spans TR output rows. Rows are taken TR at a time (a tile); for each tile and storage block b
+ * (QB weights: 16 bytes a row for int4, 32 for int8) the TR rows' block bytes are interleaved four at
+ * a time: vector v (64 bytes) holds bytes 4v..4v+3 of rows 0..TR-1, row r at byte 4r. Codes in
+ * vector v multiply activation block elements 4v..4v+3 (int4: the low nibbles of vector v; the high
+ * nibbles, elements 16 + 4v.., make code vector 4 + v); scales (and mins) are [N / TR, ng, TR].
+ * An integer dot product (vpdpbusd, or maddubs + madd) of a code vector with one activation word
+ * broadcast to every lane is then TR rows' partial sums at once: no horizontal sums, no per-row
+ * tail, and one activation load serves TR rows (the row layout does one row, or four, at a time).
+ * The arithmetic is row_dots_q8's (and reference_q8_matmul's): per block, an exact integer dot
+ * times weight scale times activation scale, summed in float32; int4 adds min * xs + 8 * scale * rs.
+ */
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+#define TR 16 /* weight rows per tile */
+#define TM 4  /* activation rows per pass over a tile */
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(KVPILOT_ISA_AVX512)
+/* out[r][0..TR) = activation row m0 + r . the tile's TR weight rows, for r < mb */
+static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, long m0, const int mb,
+                                                            const uint8_t *wt, int wbits, int gshift,
+                                                            const uint16_t *st, const uint16_t *mt,
+                                                            float *out, long ldo) {
+    const long K = a->K, nb = K / QB, ng = a->ng;
+    const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512 acc[TM];
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = wt + b * TR * bb;
+        const __m512 ws = per_row ? _mm512_set1_ps(1.0f)
+                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (b >> gshift) * TR)));
+        __m512i u[8];
+        __mmask64 neg[8];
+        if (wbits == 4) {
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+                u[v] = _mm512_and_si512(raw, nib);
+                u[4 + v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+            }
+        } else {
+            for (int v = 0; v < 8; v++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+                neg[v] = _mm512_movepi8_mask(raw);
+                u[v] = _mm512_abs_epi8(raw);
+            }
+        }
+        for (int r = 0; r < mb; r++) {
+            const int8_t *xq = a->xq + (m0 + r) * K + b * QB;
+            __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v += 2) {
+                __m512i s0 = _mm512_set1_epi32(load_i32(xq + 4 * v)), s1 = _mm512_set1_epi32(load_i32(xq + 4 * v + 4));
+                if (wbits == 8) { /* x * sign(w), so |w| * s = w * x */
+                    s0 = _mm512_mask_sub_epi8(s0, neg[v], _mm512_setzero_si512(), s0);
+                    s1 = _mm512_mask_sub_epi8(s1, neg[v + 1], _mm512_setzero_si512(), s1);
+                }
+#if defined(__AVX512VNNI__)
+                i0 = _mm512_dpbusd_epi32(i0, u[v], s0);
+                i1 = _mm512_dpbusd_epi32(i1, u[v + 1], s1);
+#else
+                i0 = _mm512_add_epi32(i0, _mm512_madd_epi16(_mm512_maddubs_epi16(u[v], s0), _mm512_set1_epi16(1)));
+                i1 = _mm512_add_epi32(i1, _mm512_madd_epi16(_mm512_maddubs_epi16(u[v + 1], s1), _mm512_set1_epi16(1)));
+#endif
+            }
+            const __m512 d = _mm512_set1_ps(a->dx[(m0 + r) * nb + b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(ws, d), acc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) {
+        if (per_row) acc[r] = _mm512_mul_ps(acc[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st)));
+        if (wbits == 4) /* + sum over groups of min * xs + 8 * scale * rs (quantize_rows) */
+            for (long g = 0; g < ng; g++) {
+                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+                const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->xs[(m0 + r) * ng + g]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(sv, _mm512_set1_ps(8.0f * a->rs[(m0 + r) * ng + g]), acc[r]);
+            }
+        _mm512_storeu_ps(out + r * ldo, acc[r]);
+    }
+}
+#else
+/* AVX2: the same, one half tile (8 rows: bytes 32h..32h+31 of each 64-byte vector) at a time */
+static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, long m0, const int mb,
+                                                            const uint8_t *wt, int wbits, int gshift,
+                                                            const uint16_t *st, const uint16_t *mt,
+                                                            float *out, long ldo) {
+    const long K = a->K, nb = K / QB, ng = a->ng;
+    const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TM];
+        for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *p = wt + b * TR * bb + 32 * h;
+            const __m256 ws = per_row ? _mm256_set1_ps(1.0f)
+                                      : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (b >> gshift) * TR + 8 * h)));
+            __m256i it[TM];
+            for (int r = 0; r < mb; r++) it[r] = _mm256_setzero_si256();
+            for (int v = 0; v < 8; v++) {
+                __m256i u, w = _mm256_setzero_si256();
+                if (wbits == 4) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + (v & 3) * 64));
+                    u = _mm256_and_si256(v < 4 ? raw : _mm256_srli_epi16(raw, 4), nib);
+                } else {
+                    w = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+                    u = _mm256_abs_epi8(w);
+                }
+                for (int r = 0; r < mb; r++) {
+                    __m256i s = _mm256_set1_epi32(load_i32(a->xq + (m0 + r) * K + b * QB + 4 * v));
+                    if (wbits == 8) s = _mm256_sign_epi8(s, w);
+                    it[r] = _mm256_add_epi32(it[r], dot256(u, s));
+                }
+            }
+            for (int r = 0; r < mb; r++) {
+                const __m256 d = _mm256_set1_ps(a->dx[(m0 + r) * nb + b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(it[r]), _mm256_mul_ps(ws, d), acc[r]);
+            }
+        }
+        for (int r = 0; r < mb; r++) {
+            if (per_row) acc[r] = _mm256_mul_ps(acc[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h))));
+            if (wbits == 4)
+                for (long g = 0; g < ng; g++) {
+                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
+                    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+                    acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->xs[(m0 + r) * ng + g]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(sv, _mm256_set1_ps(8.0f * a->rs[(m0 + r) * ng + g]), acc[r]);
+                }
+            _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+        }
+    }
+}
+#endif
+#endif
+
+/* kvpilot_qmatmul on a weight in the tiled layout (N a multiple of TR, a format with the
+ * int8-activation path: int8 per channel or int4/int8 in power-of-two multiples of QB). Returns -1 on
+ * bad arguments, -2 where the tiled path does not exist (the generic level), -3 out of memory. */
+int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
+                          const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
+                          int num_threads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
+        (wbits == 4 && !mins) || M <= 0 || N % 16)
+        return -1;
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+    const int gshift = group_shift(K, group);
+    if (gshift < 0) return -1;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return -3;
+    to_float(x, dtype, M * K, xf);
+    q8_acts acts;
+    const int rc = q8_quantize(&acts, xf, M, K, wbits, group);
+    free(xf);
+    if (rc) return rc;
+    const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long t = 0; t < N / TR; t++) {
+        const uint8_t *wt = w + t * TR * row_bytes;
+        const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
+        float res[TM * TR];
+        for (long m0 = 0; m0 < M; m0 += TM) {
+            const int mb = M - m0 < TM ? (int)(M - m0) : TM;
+            switch (mb) { /* a constant row count per call: accumulators in registers */
+            case 1: tile_dots(&acts, m0, 1, wt, wbits, gshift, st, mt, res, TR); break;
+            case 2: tile_dots(&acts, m0, 2, wt, wbits, gshift, st, mt, res, TR); break;
+            case 3: tile_dots(&acts, m0, 3, wt, wbits, gshift, st, mt, res, TR); break;
+            default: tile_dots(&acts, m0, TM, wt, wbits, gshift, st, mt, res, TR); break;
+            }
+            for (int r = 0; r < mb; r++)
+                for (int i = 0; i < TR; i++) {
+                    const long n = t * TR + i;
+                    const float v = res[r * TR + i] + (!bias ? 0.0f
+                                                       : dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
+                                                                          : ((const float *)bias)[n]);
+                    if (dtype == DT_BF16)
+                        ((uint16_t *)out)[(m0 + r) * N + n] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[(m0 + r) * N + n] = v;
+                }
+        }
+    }
+    q8_free(&acts);
+    return 0;
+#else
+    (void)x, (void)out, (void)bias, (void)w, (void)scales, (void)num_threads;
+    return -2;
+#endif
+}
+
 /* The whole weight dequantized to float32 or bfloat16 (`dtype`) into out [N, K]: for the matmuls the
  * kernel above does not take (many rows: prefill), where torch multiplies the result. */
 int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,

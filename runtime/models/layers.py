@@ -106,6 +106,8 @@ class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate, up) -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.supports(x):
+            return cpu_ops.silu_mul(x)  # one call; the C decoder stack calls the same
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -215,6 +217,8 @@ Loaded = torch.Tensor | QuantizedWeight  # what a weight loader receives: a floa
 
 def narrow_qweight(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
     """Rows (dim 0) or input columns (dim 1, whole groups only) of a quantized weight, as views."""
+    if qw.tiled:
+        raise ValueError("a tiled quantized weight cannot be narrowed (tile after loading shards)")
     if dim == 0:
         return QuantizedWeight(
             qw.bits, qw.group, qw.packed.narrow(0, start, size), qw.scales.narrow(0, start, size),
@@ -449,6 +453,8 @@ class RowParallelLinear(nn.Module):
 def lookup_rows(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Embedding lookup in a quantized table: only the looked-up rows are dequantized."""
     flat = ids.reshape(-1)
+    if qw.tiled:
+        return qlinear.tiled_rows(qw, flat).dequantize(dtype).reshape(*ids.shape, qw.in_features)
     rows = QuantizedWeight(
         qw.bits, qw.group, qw.packed.index_select(0, flat), qw.scales.index_select(0, flat),
         None if qw.mins is None else qw.mins.index_select(0, flat), flat.numel(), qw.in_features,

@@ -18,6 +18,7 @@ from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCac
 from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.models.arch_config import ModelArchConfig
 from kvpilot.runtime.models.base import CausalLM
+from kvpilot.runtime.models.cpu_stack import CpuDecoderStack
 from kvpilot.runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -145,8 +146,12 @@ class LlamaModel(nn.Module):
             )
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, cache, meta, backend)
+        stack = CpuDecoderStack.for_model(self)
+        if stack is not None and stack.applies(hidden, kv_caches, backend):
+            hidden, residual = stack.forward(hidden, positions, kv_caches, meta)  # one C call
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, cache, meta, backend)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -189,3 +189,86 @@ def test_many_rows_dequantize_in_c_to_the_same_weights(dtype: torch.dtype) -> No
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiled layout (qlinear.tile): 16 rows' codes interleaved for the CPU kernel
+
+
+def _formats(w: torch.Tensor) -> list[qlinear.QuantizedWeight]:
+    k = w.shape[1]
+    return [qlinear.quantize_int8(w), qlinear.quantize_int8(w, 32)] + [
+        qlinear.quantize_int4(w, g) for g in qlinear.INT4_GROUPS if k % g == 0
+    ]
+
+
+def test_tiling_is_a_permutation_that_untile_and_row_lookups_undo() -> None:
+    w = weight(48, 256)
+    for qw in _formats(w):
+        t = qlinear.tile(qw)
+        assert t.tiled and t.nbytes == qw.nbytes and t.packed.shape == qw.packed.shape
+        assert not torch.equal(t.packed, qw.packed)  # the bytes did move
+        assert sorted(t.packed.flatten().tolist()) == sorted(qw.packed.flatten().tolist())
+        back = qlinear.untile(t)
+        assert not back.tiled
+        for a, b in ((back.packed, qw.packed), (back.scales, qw.scales), (back.mins, qw.mins)):
+            assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        rows = torch.tensor([0, 5, 17, 47, 5])
+        picked = qlinear.tiled_rows(t, rows)
+        torch.testing.assert_close(picked.dequantize(), qw.dequantize()[rows], rtol=0, atol=0)
+        torch.testing.assert_close(t.dequantize(), qw.dequantize(), rtol=0, atol=0)
+        # row 1's first block: in the tiled layout its first 4 bytes follow row 0's first 4
+        assert torch.equal(t.packed.flatten()[4:8], qw.packed[1, :4])
+
+
+@pytest.mark.parametrize("level", [lv for lv in isa.runnable() if lv != "generic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_kernel_matches_the_specification(level: str, dtype: torch.dtype) -> None:
+    """Every format at every vector level, row counts around the kernel's 4-row passes, with bias,
+    zero rows, constant groups and zero activation blocks: the same arithmetic as the row kernel."""
+    if not qlinear.available(level):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(11)
+    w = weight(48, 512)
+    bias = torch.randn(48).to(dtype)
+    for qw in _formats(w):
+        assert qlinear.q8_path_applies(qw, level)
+        t = qlinear.tile(qw)
+        for rows in (1, 3, 4, 5, 9, qlinear.SMALL_M):
+            x = torch.randn(rows, 512)
+            x[0, 32:96] = 0.0
+            x = x.to(dtype)
+            got = qlinear.kernel_matmul(x, t, bias, level=level)
+            want = qlinear.reference_q8_matmul(x.float(), qw, bias.float())
+            row_kernel = qlinear.kernel_matmul(x, qw, bias, level=level)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            else:
+                torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
+            torch.testing.assert_close(got.float(), row_kernel.float(), rtol=8e-3, atol=1e-3)
+
+
+def test_tiling_applies_where_the_tiled_kernel_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    qw = qlinear.quantize_int4(weight(48, 256), 32)
+    assert qlinear.tile_applies(qw) == (qlinear.built_isa() in ("avx512", "avx2"))
+    assert not qlinear.tile_applies(qlinear.quantize_int4(weight(40, 256), 32))  # 40 rows: no whole tiles
+    assert not qlinear.tile_applies(qlinear.tile(qw))  # already tiled
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    assert not qlinear.tile_applies(qw)  # float activations: the row kernel's exact product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many rows (dequantize + torch) and float activations (the row kernel) untile on the fly."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(5)
+    qw = qlinear.quantize_int4(weight(48, 256), 64)
+    t = qlinear.tile(qw)
+    many = torch.randn(qlinear.SMALL_M + 5, 256).to(dtype)
+    torch.testing.assert_close(qlinear.matmul(many, t), qlinear.matmul(many, qw), rtol=0, atol=0)
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    few = torch.randn(2, 256).to(dtype)
+    torch.testing.assert_close(qlinear.matmul(few, t), qlinear.matmul(few, qw), rtol=0, atol=0)

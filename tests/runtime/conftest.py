@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import multiprocessing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,3 +39,22 @@ def make_engine(smollm2_fp32: LoadedModel) -> Callable[..., LLMEngine]:
         return LLMEngine.from_loaded(smollm2_fp32, cfg)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch, and the C kernels (they take torch.get_num_threads()), on one thread for a test module:
+    results then do not depend on how a parallel sum was split, and modules do not compete for the
+    cores (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def no_tp_leftovers(one_torch_thread: None) -> Iterator[None]:
+    """one_torch_thread, and after the module no tensor-parallel worker process still running."""
+    yield
+    leftovers = [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
+    assert not leftovers, f"tensor-parallel workers still running: {leftovers}"

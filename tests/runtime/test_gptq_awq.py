@@ -61,12 +61,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 REL_TOL = {True: 1e-4, False: 2e-3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------

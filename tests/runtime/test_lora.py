@@ -17,7 +17,6 @@ serving what it had.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,7 +37,7 @@ from kvpilot.runtime.scheduler import ScheduledSeq
 from tests.needs import require_module
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_tp_leftovers")]
 
 # float32: a merged W + s B A against W x + s (x A^T) B^T differs only by rounding (~1e-7 of scale)
 REL_TOL = 1e-4
@@ -53,16 +52,6 @@ ADAPTERS: dict[str, tuple[int, int, bool, list[str]]] = {
 }
 # one batch: the base model and every adapter; "chat" and "sql" share a prompt
 BATCH: list[tuple[str | None, int]] = [(None, 0), ("sql", 1), ("chat", 2), ("math", 3), ("chat", 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    leftovers = [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
-    assert not leftovers, f"tensor-parallel workers still running: {leftovers}"
 
 
 def llama_config(hidden: int = 64) -> Any:

@@ -38,14 +38,7 @@ PROMPT = [
     }
 ]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    # These tests are small matmuls; on a busy 2-core machine a second intra-op thread mostly spins.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class PagedKV:

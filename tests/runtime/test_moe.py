@@ -30,12 +30,7 @@ TINY_VOCAB = 96
 FAMILIES = ["mixtral", "qwen2moe", "qwen3moe", "olmoe"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------

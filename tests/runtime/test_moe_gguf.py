@@ -142,12 +142,7 @@ def _logits(model: CausalLM, arch: ModelArchConfig) -> torch.Tensor:
     return torch.cat([kv.logits(model, [(0, ids[:17])]), *(kv.logits(model, [(0, [t])]) for t in ids[17:])])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,11 +12,10 @@
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.models import ModelArchConfig
@@ -24,19 +23,9 @@ from kvpilot.runtime.tp_runner import TPModelRunner, check_tensor_parallel
 from tests.runtime.test_moe import make_tiny_moe_dir
 from tests.runtime.test_tensor_parallel import compare, engine_config, run, start, tiny_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_tp_leftovers")]
 
 __all__ = ["start"]  # the fixture, shared with test_tensor_parallel
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_no_leftovers() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    leftovers = [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
-    assert not leftovers, f"tensor-parallel workers still running: {leftovers}"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "olmoe"])

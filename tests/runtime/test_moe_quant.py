@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -39,12 +38,7 @@ from tests.runtime.test_tensor_parallel import engine_config, run, start, tiny_p
 METHODS = [("int8", 0), ("int4", 32)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _random_moe(t: int, e: int, k: int, h: int = 64, i: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -40,18 +39,10 @@ from kvpilot.runtime.models.moe import (  # noqa: E402
 from tests.runtime.test_model_parity import PagedKV, rel_diff  # noqa: E402
 from tests.runtime.test_moe import REL_TOL, TINY_VOCAB, make_tiny_moe_dir  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_torch_thread")]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}  # of the largest output
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _experts(e: int, h: int, i: int, seed: int) -> FusedMoE:

@@ -18,12 +18,7 @@ from tests.runtime.test_model_parity import PagedKV
 PROMPT = "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in blocks of"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prefill_then_decode(loaded: LoadedModel, ids: list[int], fed: list[int] | None = None) -> torch.Tensor:
@@ -258,6 +253,25 @@ def test_int4_group_64_on_the_builtin_gguf_requantizes_the_layers_and_keeps_the_
     model: Any = loaded.model
     assert {(m.qweight.bits, m.qweight.group) for _, m in linear_layers(model)} == {(4, 64)}
     assert (model.lm_head.qweight.bits, model.lm_head.qweight.group) == (8, 32)
+
+
+def test_loaded_quantized_weights_are_tiled_for_the_cpu_kernel_and_the_tied_head_once() -> None:
+    """load_model puts every quantized layer the CPU kernel tiles into the tiled layout; the tied
+    embedding and LM head keep sharing one weight, and the embedding reads its rows from the tiles."""
+    if not qlinear.available() or qlinear.built_isa() == "generic":
+        pytest.skip("the tiled layout exists at the avx512 and avx2 levels only (this CPU has neither)")
+    cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=32)
+    model: Any = load_model(cfg, torch.device("cpu"), torch.float32).model
+    assert all(m.qweight.tiled for _, m in linear_layers(model))
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.qweight is embed.qweight and head.qweight.tiled
+    ids = torch.tensor([[0, 17, 49151, 576]])
+    want = qlinear.untile(head.qweight).dequantize(torch.float32)[ids[0]]
+    torch.testing.assert_close(embed(ids)[0], want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="tiled quantized weight cannot be narrowed"):
+        from kvpilot.runtime.models.layers import narrow_qweight
+
+        narrow_qweight(head.qweight, 0, 0, 16)
 
 
 def test_quantized_weights_cut_on_blocks_for_tensor_parallel_shards() -> None:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,18 +28,8 @@ from tests.runtime.greedy_reference import Reference
 from tests.runtime.test_lora import write_adapter
 from tests.runtime.test_tensor_parallel import compare, engine_config, record_logits, tiny_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_tp_leftovers")]
 VOCAB = 97
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_no_leftovers() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    leftovers = [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
-    assert not leftovers, f"tensor-parallel workers still running: {leftovers}"
 
 
 @pytest.fixture

@@ -40,17 +40,7 @@ from tests.runtime.greedy_reference import Reference, assert_matches_reference
 # fp32; tensor parallelism only reorders sums (partial matmuls + all-reduce): measured ~1e-7 of scale
 REL_TOL = 1e-5
 
-pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_no_leftovers() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    leftovers = [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
-    assert not leftovers, f"tensor-parallel workers still running: {leftovers}"
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_tp_leftovers")]
 
 
 def engine_config(model: str, tp: int, **overrides: Any) -> EngineConfig:
