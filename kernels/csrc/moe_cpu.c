@@ -54,6 +54,17 @@ enum { K_F32 = 0, K_BF16_WIDEN = 1, K_BF16_DOT = 2 }; /* weights . activations: 
 
 static inline float f32_id(float v) { return v; }
 
+#ifndef PF_BYTES
+#define PF_BYTES 1024
+#endif
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* weight rows are streamed once: ask for the line PF_BYTES ahead (hardware prefetch alone leaves the
+ * core waiting on memory at a few token rows per expert) */
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PF_BYTES, _MM_HINT_T0)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
+
 /* res[r * WR + c] = a_r . w_c (r < mr, c < WR; a_r = a + r * lda, each K long), float32 accumulators;
  * `mr` is a constant at each call site, so the WR * mr accumulators stay in registers. */
 #define DEFINE_TILE(NAME, WT, AT, ACC, WV, AV, STEP, ZERO, LOADW, LOADA, FMA, HSUM, WSCALAR, ASCALAR)         \
@@ -65,7 +76,10 @@ static inline float f32_id(float v) { return v; }
         long k = 0;                                                                                            \
         for (; k + STEP <= K; k += STEP) {                                                                     \
             WV wv[WR];                                                                                         \
-            for (int c = 0; c < WR; c++) wv[c] = LOADW(w[c] + k);                                              \
+            for (int c = 0; c < WR; c++) {                                                                     \
+                PREFETCH(w[c] + k);                                                                            \
+                wv[c] = LOADW(w[c] + k);                                                                       \
+            }                                                                                                  \
             for (int r = 0; r < mr; r++) {                                                                     \
                 const AV av = LOADA(a + r * lda + k);                                                          \
                 for (int c = 0; c < WR; c++) acc[r][c] = FMA(acc[r][c], av, wv[c]);                            \
