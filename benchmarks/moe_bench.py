@@ -661,7 +661,10 @@ def main() -> None:
             hf, engines, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
         )
     record["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(record, indent=2))
+    text = json.dumps(record, indent=2, default=str)  # default: --out's Path in the config
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def bf16_dot(level: str | None = None) -> bool:
     return bool(_library(level).kvpilot_moe_bf16_dot())
 
 
-def applies(x: torch.Tensor, w13: torch.Tensor, assignments: int) -> bool:
+def applies(x: torch.Tensor, w13: torch.Tensor, assignments: float) -> bool:
     """Whether `fused_experts` takes this input: CPU, float32 or bfloat16 experts in x's dtype, at most
     MAX_ROWS_PER_EXPERT assignments per held expert on average, and the C library built."""
     return (

@@ -376,7 +376,9 @@ class FusedMoE(nn.Module):
                 if fused is not None
                 else moe_grouped(x, self.q13, self.q2, weights, ids, self.expert_offset)
             )
-        if name == "grouped" and self.use_cpu_kernel and cpu_moe.applies(x, self.w13, ids.numel()):
+        # assignments expected on the experts held here (all of them without expert parallelism)
+        held = ids.numel() * self.num_local_experts / self.num_experts
+        if name == "grouped" and self.use_cpu_kernel and cpu_moe.applies(x, self.w13, held):
             self.last_path = "cpu_fused"
             return cpu_moe.fused_experts(x, self.w13, self.w2, weights, ids, self.expert_offset)
         self.last_path = name
