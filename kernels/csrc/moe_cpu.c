@@ -39,7 +39,9 @@ enum { K_F32 = 0, K_BF16_WIDEN = 1, K_BF16_DOT = 2 }; /* weights . activations: 
 #endif
 
 #if defined(KVPILOT_ISA_AVX512)
-#define MR 4 /* token rows per register tile: WR * MR accumulators */
+#ifndef MR
+#define MR 6 /* token rows per register tile: WR * MR = 24 accumulators of 32 zmm registers */
+#endif
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
 #endif
@@ -55,7 +57,7 @@ enum { K_F32 = 0, K_BF16_WIDEN = 1, K_BF16_DOT = 2 }; /* weights . activations: 
 static inline float f32_id(float v) { return v; }
 
 #ifndef PF_BYTES
-#define PF_BYTES 1024
+#define PF_BYTES 512
 #endif
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /* weight rows are streamed once: ask for the line PF_BYTES ahead (hardware prefetch alone leaves the
@@ -140,7 +142,9 @@ DEFINE_TILE(tile_bf16w, uint16_t, float, float, float, float, 1, 0.0f, ld_bf16w,
     case 1: FN((const WT *const *)w, (const AT *)a, lda, 1, K, res); break;                                    \
     case 2: FN((const WT *const *)w, (const AT *)a, lda, 2, K, res); break;                                    \
     case 3: if (MR >= 3) FN((const WT *const *)w, (const AT *)a, lda, MR >= 3 ? 3 : 1, K, res); break;         \
-    default: if (MR >= 4) FN((const WT *const *)w, (const AT *)a, lda, MR >= 4 ? 4 : 1, K, res); break;        \
+    case 4: if (MR >= 4) FN((const WT *const *)w, (const AT *)a, lda, MR >= 4 ? 4 : 1, K, res); break;         \
+    case 5: if (MR >= 5) FN((const WT *const *)w, (const AT *)a, lda, MR >= 5 ? 5 : 1, K, res); break;         \
+    default: if (MR >= 6) FN((const WT *const *)w, (const AT *)a, lda, MR >= 6 ? 6 : 1, K, res); break;        \
     }
 
 /* one register tile: WR weight rows (w[c], K long) against mr <= MR activation rows (a, row stride lda) */
