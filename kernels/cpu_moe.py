@@ -13,7 +13,7 @@ float32 (torch rounds them to bfloat16), so the result is at least as accurate a
 (the precise statement is at the top of the C source).
 
 It applies up to MAX_ROWS_PER_EXPERT assignments per held expert on average, the measured crossover
-above which torch's GEMMs (prefill) are faster (benchmarks/moe_bench.py --kernel-rows).
+above which torch's GEMMs (prefill) are faster (benchmarks/moe_bench.py --cpu-kernel, docs/benchmarks.md run 6).
 """
 
 from __future__ import annotations
