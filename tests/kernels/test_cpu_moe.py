@@ -139,6 +139,9 @@ def test_no_tokens_and_bad_arguments(cpu_isa: str) -> None:
     x, w13, w2, weights, ids = _moe(3, 4, 2, 32, 16, torch.float32)
     empty = cpu_moe.fused_experts(x[:0], w13, w2, weights[:0], ids[:0], level=cpu_isa)
     assert empty.shape == (0, 32)
+    # a rank whose experts no token picked (expert parallelism): zeros, no assignment read
+    elsewhere = cpu_moe.fused_experts(x, w13, w2, weights, ids, 4, level=cpu_isa)
+    assert torch.equal(elsewhere, torch.zeros_like(x))
     with pytest.raises(ValueError, match="one dtype"):
         cpu_moe.fused_experts(x.bfloat16(), w13, w2, weights, ids, level=cpu_isa)
     with pytest.raises(ValueError, match="do not fit"):
