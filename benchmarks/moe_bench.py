@@ -24,13 +24,17 @@ Prints one JSON document: the machine, the configuration, and
   (`grouped` loop, torch `grouped_mm`, the Triton grouped GEMM), checked against the reference,
   ms per call and expert-weight GB/s (scripts/gpu_check.sh).
 * `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
-  (`moe_grouped`, quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
+  (`FusedMoE.forward`: on CPU the fused C call up to cpu_moe.MAX_ROWS_PER_EXPERT rows per expert,
+  else `moe_grouped`; quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
+* `--cpu-kernel` (alone): one OLMoE-shaped layer, the fused CPU call (kernels/cpu_moe.py) at each ISA
+  level vs the per-expert torch loop, one thread, thread CPU time (robust to a shared machine).
 
 Usage:
     python benchmarks/moe_bench.py                        # 2 layers, batch 32
     python benchmarks/moe_bench.py --layers 1 --quantization none,int8,int4 --split   # quantized experts
     python benchmarks/moe_bench.py --layers 1 --batch 8 --new-tokens 8 --rounds 1   # smoke run
     python benchmarks/moe_bench.py --backend-layer --device cuda --out moe_backends.json   # GPU
+    python benchmarks/moe_bench.py --cpu-kernel --layer-tokens 1,32,128,256 --rounds 3   # fused CPU call
     TRITON_INTERPRET=1 python benchmarks/moe_bench.py --backend-layer --tiny   # its CPU smoke run
 """
 
@@ -174,8 +178,9 @@ def run_hf(hf: Any, prompts: list[list[int]], new: int) -> tuple[float, list[lis
 
 def moe_layer_times(hf: Any, engines: dict[str, Any], tokens: list[int], seconds: float) -> dict[str, Any]:
     """ms per MoE block forward (router excluded: same for all) at T tokens, first layer's weights:
-    each kvpilot engine's experts (`FusedMoE.forward`: `moe_grouped`, quantized or not), a
-    `torch._grouped_mm` variant of the unquantized one, and transformers' experts forward."""
+    each kvpilot engine's experts (`FusedMoE.forward`, with the path it took; where that was the
+    fused CPU call, also the per-expert torch loop it replaces), a `torch._grouped_mm` variant of
+    the unquantized one, and transformers' experts forward."""
     from kvpilot.runtime.models.moe import route
 
     blocks = {name: e.runner.model.model.layers[0].mlp for name, e in engines.items()}
@@ -205,6 +210,11 @@ def moe_layer_times(hf: Any, engines: dict[str, Any], tokens: list[int], seconds
         for name, block in blocks.items():
             fn = partial(block.experts, x, weights, ids)
             row[f"{name}_ms"] = round(1e3 * best_seconds(fn, seconds, 3), 1)
+            row[f"{name}_path"] = block.experts.last_path
+            if block.experts.last_path == "cpu_fused":  # the per-expert torch loop it replaces
+                block.experts.use_cpu_kernel = False
+                row[f"{name}_torch_loop_ms"] = round(1e3 * best_seconds(fn, seconds, 3), 1)
+                block.experts.use_cpu_kernel = True
         try:
             with torch.inference_mode():
                 ref = hf_experts(x, ids, weights.to(x.dtype))
@@ -384,6 +394,68 @@ def backend_layer_times(
 BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0 + 2 / 1024}  # int8: a float16 scale per row of >= 1024
 
 
+def cpu_kernel_times(
+    dtypes: list[torch.dtype], tokens: list[int], levels: list[str], repeats: int
+) -> dict[str, Any]:
+    """One OLMoE-shaped MoE layer (random weights, a random router's top-8) on the CPU, one thread:
+    the fused C call (kernels/cpu_moe.py, at each ISA level in `levels`) against the per-expert torch
+    loop (`moe_grouped`), in the same process. Milliseconds of *thread CPU time*
+    (time.thread_time, best of `repeats`): on a shared machine wall time counts other work, CPU time
+    of one thread does not (memory contention still shows). `rows_per_expert` = T * k / E, the
+    quantity cpu_moe.MAX_ROWS_PER_EXPERT bounds."""
+    from kvpilot.kernels import cpu_moe, isa
+    from kvpilot.runtime.models.moe import moe_grouped, route
+
+    e, k, h, inter = (
+        OLMOE_1B_7B[n] for n in ("num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size")
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def cpu_ms(fn: Any) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t0)
+        return round(1e3 * best, 1)
+
+    out: dict[str, Any] = {
+        "timer": f"time.thread_time, 1 thread, best of {repeats}",
+        "max_rows_per_expert": cpu_moe.MAX_ROWS_PER_EXPERT,
+        "bf16_dot": {lvl: cpu_moe.bf16_dot(lvl) for lvl in levels},
+        "runnable_levels": isa.runnable(),
+    }
+    g = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.02).to(dtype)
+        w2 = (torch.randn(e, h, inter, generator=g) * 0.02).to(dtype)
+        rows: dict[str, Any] = {}
+        for t in tokens:
+            x = torch.randn(t, h, generator=g).to(dtype)
+            weights, ids = route(torch.randn(t, e, generator=g), k, False)
+            loop = moe_grouped(x, w13, w2, weights, ids)
+            row: dict[str, Any] = {
+                "rows_per_expert": t * k / e,
+                "torch_loop_ms": cpu_ms(partial(moe_grouped, x, w13, w2, weights, ids)),
+            }
+            for lvl in levels:
+                fused = cpu_moe.fused_experts(x, w13, w2, weights, ids, level=lvl)
+                row[f"fused_{lvl}_rel_diff"] = float(
+                    f"{float((fused.float() - loop.float()).norm() / loop.float().norm()):.2g}"
+                )
+                row[f"fused_{lvl}_ms"] = cpu_ms(
+                    partial(cpu_moe.fused_experts, x, w13, w2, weights, ids, level=lvl)
+                )
+            row["speedup"] = round(row["torch_loop_ms"] / row[f"fused_{levels[0]}_ms"], 2)
+            rows[f"T={t}"] = row
+        out[str(dtype).removeprefix("torch.")] = rows
+        del w13, w2
+    torch.set_num_threads(before)
+    return out
+
+
 def bytes_per_weight(method: str, group: int) -> float:
     """Pure: stored bytes per expert weight (int4: half a byte + a float16 scale and min per group)."""
     return 0.5 + 4 / group if method == "int4" else BYTES_PER_WEIGHT[method]
@@ -449,8 +521,41 @@ def main() -> None:
     )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="for --backend-layer")
     ap.add_argument("--tiny", action="store_true", help="for --backend-layer: a toy layer shape")
+    ap.add_argument(
+        "--cpu-kernel",
+        action="store_true",
+        help="only time one OLMoE-shaped MoE layer on the CPU, one thread, CPU time: the fused C call "
+        "(kernels/cpu_moe.py) at each --levels ISA level vs the per-expert torch loop, at --layer-tokens, "
+        "for --dtypes",
+    )
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="for --cpu-kernel")
+    ap.add_argument(
+        "--levels", default="", help="for --cpu-kernel: ISA levels (default: the vector ones this CPU runs)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args()
+    if args.cpu_kernel:
+        from kvpilot.kernels import isa
+
+        vector = [v for v in isa.runnable() if v != "generic"] or ["generic"]
+        levels = [v for v in args.levels.split(",") if v] or vector
+        bad = [v for v in levels if v not in isa.runnable()]
+        if bad:
+            ap.error(f"--levels: {bad} not runnable here (this CPU runs {isa.runnable()})")
+        dts = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        if not dts or any(d not in ("bfloat16", "float32") for d in dts):
+            ap.error(f"--dtypes: expected a comma list of bfloat16, float32; got {args.dtypes!r}")
+        result = {"machine": machine_info()} | cpu_kernel_times(
+            [getattr(torch, d) for d in dts],
+            [int(t) for t in args.layer_tokens.split(",")],
+            levels,
+            args.rounds,
+        )
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
+        return
     if args.backend_layer:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -556,7 +661,10 @@ def main() -> None:
             hf, engines, [int(t) for t in args.layer_tokens.split(",")], args.layer_seconds
         )
     record["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(record, indent=2))
+    text = json.dumps(record, indent=2, default=str)  # default: --out's Path in the config
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

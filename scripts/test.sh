@@ -27,6 +27,8 @@ if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; th
     "tests/runtime/test_loader.py::test_resolve_dtype" \
     "tests/runtime/test_quantization.py::test_int8_and_int4_models_stay_close_to_the_16_bit_one" \
     "tests/runtime/test_moe_quant.py::test_fused_experts_is_the_per_expert_loop_in_one_call" \
+    "tests/runtime/test_moe.py::test_cpu_layer_takes_the_fused_call_up_to_the_crossover" \
+    "tests/runtime/test_moe.py::test_prefill_and_decode_logits_match_transformers" \
     "tests/runtime/test_engine.py::test_quantized_cache_under_preemption_stays_greedy"
 fi
 

@@ -18,7 +18,11 @@ Expert computation, two implementations of one contract
   device-side search, no host synchronization); used on CUDA where grouped_mm does not apply.
   Tested on the CPU under Triton's interpreter (tests/runtime/test_moe_triton.py).
 `moe_backend_name` is the one place that chooses among them (as kernels/attention.select_backend
-does for attention).
+does for attention). On the CPU the `grouped` backend's 16/32-bit experts run as one C call,
+kernels/cpu_moe.fused_experts (`FusedMoE.forward`; each active expert's weights read once for all its
+rows, silu * mul and the weighted combine in the kernel, AVX512-BF16 dot products for bfloat16),
+where the batch gives at most cpu_moe.MAX_ROWS_PER_EXPERT rows per held expert on average (decode);
+more rows (prefill) keep the per-expert torch matmuls, which are faster there.
 
 Quantized experts (`--quantization int8|int4`, `FusedMoE.quantize`): each expert's w13 and w2 become
 a kernels/qlinear.QuantizedWeight (int8 per output channel, or int4 with a scale and min per group
@@ -44,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.kernels import qlinear
+from kvpilot.kernels import cpu_moe, qlinear
 from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.models.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
 from kvpilot.runtime.parallel import (
@@ -281,6 +285,9 @@ class FusedMoE(nn.Module):
         self._table: tuple[int, qlinear.ExpertTable | None] | None = None  # (id of q13, its table)
         # None: chosen per input by `moe_backend_name`; one of MOE_BACKENDS to force it (tests, benchmarks)
         self.backend: str | None = None
+        # False: the `grouped` backend always runs its per-expert torch loop (tests, benchmarks)
+        self.use_cpu_kernel = True
+        self.last_path = ""  # what the last forward ran: a backend name, "cpu_fused" or "quantized_fused"
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         expert, piece = shard_id
@@ -354,19 +361,27 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (the caller all-reduces), on `backend_for(x)`: on CUDA a grouped
-        GEMM that never synchronizes with the host (CUDA graphs); elsewhere one matmul pair per
-        active expert (quantized experts: qlinear's kernel on each expert's rows)."""
+        GEMM that never synchronizes with the host (CUDA graphs); on the CPU one fused C call for
+        the layer where it applies (kernels/cpu_moe.py for 16/32-bit experts, qlinear.fused_experts
+        for quantized ones), else one matmul pair per active expert. `last_path` records which ran."""
         name = self.backend_for(x)
         if self.q13 is not None and self.q2 is not None:
             table = self.expert_table()
             fused = (
                 None if table is None else qlinear.fused_experts(x, table, weights, ids, self.expert_offset)
             )
+            self.last_path = "grouped" if fused is None else "quantized_fused"
             return (
                 fused
                 if fused is not None
                 else moe_grouped(x, self.q13, self.q2, weights, ids, self.expert_offset)
             )
+        # assignments expected on the experts held here (all of them without expert parallelism)
+        held = ids.numel() * self.num_local_experts / self.num_experts
+        if name == "grouped" and self.use_cpu_kernel and cpu_moe.applies(x, self.w13, held):
+            self.last_path = "cpu_fused"
+            return cpu_moe.fused_experts(x, self.w13, self.w2, weights, ids, self.expert_offset)
+        self.last_path = name
         return _BACKEND_FNS[name](x, self.w13, self.w2, weights, ids, self.expert_offset)
 
 

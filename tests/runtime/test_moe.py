@@ -8,7 +8,8 @@ transformers' own modeling code.
 - Tiny random-weight Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE (per-head q/k norm)
   and OLMoE (whole-projection q/k norm, clip_qkv) directories written with transformers: float32
   logits through prefill + paged decode, a varlen batch with chunked prefill and a decode in one
-  step, and greedy tokens against `generate`.
+  step, and greedy tokens against `generate`; each on the fused C call for the experts
+  (kernels/cpu_moe.py), which the tests check was taken.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.kernels import cpu_moe
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models import get_model_class
-from kvpilot.runtime.models.moe import moe_grouped, moe_grouped_mm, moe_reference, route
+from kvpilot.runtime.models.moe import FusedMoE, moe_grouped, moe_grouped_mm, moe_reference, route
+from kvpilot.runtime.quantization import expert_layers
+from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV, _write_tiny_tokenizer, rel_diff
 
 REL_TOL = 1e-3  # of the largest reference logit (float32, different op order)
@@ -220,13 +224,23 @@ def test_arch_config(tiny: tuple[str, Any, LoadedModel]) -> None:
     assert arch.clip_qkv == (0.5 if family == "olmoe" else None)
 
 
+FUSED = "cpu_fused" if cpu_moe.available() else "grouped"  # what the tiny models' experts run on
+
+
+def _paths(model: torch.nn.Module) -> set[str]:
+    """What each MoE layer's experts ran on in the model's last forward."""
+    return {experts.last_path for _, experts in expert_layers(model)}
+
+
 def test_prefill_and_decode_logits_match_transformers(tiny: tuple[str, Any, LoadedModel]) -> None:
     family, hf, loaded = tiny
     ids = _ids(29, 7)
     ref = _hf_logits(hf, ids)
     kv = PagedKV(loaded.arch, num_blocks=16, block_size=8)
     prefill = kv.logits(loaded.model, [(0, ids[:20])])
+    assert _paths(loaded.model) == {FUSED}
     decodes = [kv.logits(loaded.model, [(0, [t])]) for t in ids[20:]]
+    assert _paths(loaded.model) == {FUSED}
     _, rel = rel_diff(torch.cat([prefill, *decodes]), ref)
     print(f"\ntiny {family}: prefill + decode logits within {rel:.2g} of scale")
     assert rel <= REL_TOL
@@ -240,7 +254,9 @@ def test_batched_chunked_prefill_matches_transformers(tiny: tuple[str, Any, Load
     ref_a, ref_b = _hf_logits(hf, [*a, 42]), _hf_logits(hf, b)
     kv = PagedKV(loaded.arch, num_blocks=32, block_size=8, seed=3)
     first = kv.logits(loaded.model, [(0, a), (1, b[:19])])
+    assert _paths(loaded.model) == {FUSED}
     second = kv.logits(loaded.model, [(0, [42]), (1, b[19:])])
+    assert _paths(loaded.model) == {FUSED}
     worst = max(
         rel_diff(first[: len(a)], ref_a[: len(a)])[1],
         rel_diff(first[len(a) :], ref_b[:19])[1],
@@ -268,6 +284,39 @@ def test_greedy_tokens_match_generate(tiny: tuple[str, Any, LoadedModel]) -> Non
             eos_token_id=None,
         )
     assert ours == out[0, len(prompt) :].tolist(), family
+    assert _paths(loaded.model) == {FUSED}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_layer_takes_the_fused_call_up_to_the_crossover(dtype: torch.dtype) -> None:
+    """FusedMoE on the CPU: the fused C call (kernels/cpu_moe.py) for up to MAX_ROWS_PER_EXPERT
+    rows per held expert, exactly cpu_moe.fused_experts' result; above that (prefill) and with
+    `use_cpu_kernel` off, the per-expert torch loop, which it agrees with."""
+    if not cpu_moe.available():
+        missing("kernels/csrc/moe_cpu.c built", "a C compiler (gcc/cc) on PATH")
+    e, k = 8, 2
+    layer = FusedMoE(e, 24, 16)
+    _, w13, w2, _, _ = _random_moe(1, e, k)
+    layer.w13.data = w13.to(dtype)
+    layer.w2.data = w2.to(dtype)
+    # bfloat16: the loop rounds g, u, each expert's output and the combine to bfloat16 (a few steps of
+    # 2^-8 on outputs of size ~1), the fused call only the activation and the result
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    fits = cpu_moe.MAX_ROWS_PER_EXPERT * e // k  # tokens
+    for t, path in ((1, "cpu_fused"), (fits, "cpu_fused"), (fits + 1, "grouped")):
+        xs, _, _, weights, ids = _random_moe(t, e, k, seed=t)
+        xs = xs.to(dtype)
+        out = layer(xs, weights, ids)
+        assert layer.last_path == path, t
+        if path == "cpu_fused":
+            torch.testing.assert_close(
+                out, cpu_moe.fused_experts(xs, layer.w13, layer.w2, weights, ids), rtol=0, atol=0
+            )
+        layer.use_cpu_kernel = False
+        loop = layer(xs, weights, ids)
+        assert layer.last_path == "grouped"
+        layer.use_cpu_kernel = True
+        torch.testing.assert_close(out.float(), loop.float(), **tol)
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@
   expert, a dense layer, q/k/v bias), Qwen3-MoE (per-head q/k norm) and OLMoE (q/k norm over the
   whole projection, so its sum of squares is all-reduced; one KV head, replicated on both ranks):
   batched greedy generation with chunked prefill at tp=2 (every expert's width split) and at tp=2
-  with --enable-expert-parallel (whole experts per rank) gives tp=1's logits and tokens.
+  with --enable-expert-parallel (whole experts per rank) gives tp=1's logits and tokens, the experts
+  running on the fused C call (kernels/cpu_moe.py; checked on rank 0, this process).
 - Sizes that do not divide the experts or widths are refused before any process starts, naming the
   sizes that work; expert parallelism on a dense model is refused.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.kernels import cpu_moe
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.models import ModelArchConfig
 from kvpilot.runtime.tp_runner import TPModelRunner, check_tensor_parallel
@@ -53,6 +55,8 @@ def test_moe_tp2_and_expert_parallel_match_tp1(
             assert experts.intermediate_per_rank == arch.moe_intermediate_size // 2
         label = f"{family} tp=2{' EP' if ep else ''}"
         results[label] = compare(run(engine, tiny_prompts(), max_tokens=10), ref, label)
+        # rank 0 (this process) ran its share of the experts on the fused C call (kernels/cpu_moe.py)
+        assert experts.last_path == ("cpu_fused" if cpu_moe.available() else "grouped"), label
         engine.runner.close()
     print(f"\n{family}: worst logit difference vs tp=1 (of scale): {results}")
 
