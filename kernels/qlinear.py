@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, triton_qlinear
+from kvpilot.kernels import cbuild, isa, triton_qlinear
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
 SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/qmatmul_bench.py)
+# rows up to which a tiled weight takes the kernel where it has AVX512-VNNI: 2x torch's bf16 matmul
+# (dequantized) at 128, 512 and 2048 rows, one thread (qmatmul_bench.py --rows ...); without VNNI,
+# SMALL_M (avx2: oneDNN's float32 GEMM is faster above it)
+TILED_VNNI_MAX_M = 8192
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 ACTIVATIONS_ENV = "KVPILOT_QMATMUL_ACTIVATIONS"
 
@@ -262,15 +266,21 @@ built_isa = EXTENSION.built_isa
 available = EXTENSION.available
 
 
+def max_kernel_rows(qw: QuantizedWeight) -> int:
+    """The most rows `matmul` gives the C kernel for this weight (more: dequantize + torch)."""
+    vnni = built_isa() == "avx512" and "avx512_vnni" in isa.cpu_features()
+    return TILED_VNNI_MAX_M if qw.tiled and vnni and INT8_ACTIVATIONS else SMALL_M
+
+
 def kernel_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """Whether `matmul` takes the C kernel for this input (CPU, f32/bf16, at most SMALL_M rows)."""
+    """Whether `matmul` takes the C kernel for this input (CPU, f32/bf16, at most max_kernel_rows)."""
     k = x.shape[-1]
     return (
         x.device.type == "cpu"
         and x.dtype in _DTYPES
-        and 0 < (x.numel() // k if k else 0) <= SMALL_M
         and qw.packed.device.type == "cpu"
         and available()
+        and 0 < (x.numel() // k if k else 0) <= max_kernel_rows(qw)
     )
 
 

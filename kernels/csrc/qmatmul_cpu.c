@@ -275,7 +275,7 @@ static void q8_free(q8_acts *a) {
     a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL;
 }
 
-static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group) {
+static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group, int num_threads) {
     a->M = M, a->K = K, a->ng = K / group;
     a->xq = (int8_t *)malloc((size_t)(M * K) + 1);
     a->dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB)) + 4);
@@ -293,9 +293,15 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
         q8_free(a);
         return -3;
     }
-    quantize_rows(xf, M, K, wbits, group, a->xq, a->dx, a->xs, a->rs);
-    if (a->dxe)
-        for (long i = 0; i < M * (K / QB) * 8; i++) a->dxe[i] = a->dx[i / 8];
+    const long nb = K / QB, chunks = (M + 15) / 16; /* rows in parallel, 16 at a time (prefill) */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 32)
+    for (long c = 0; c < chunks; c++) {
+        const long m0 = c * 16, rows = M - m0 < 16 ? M - m0 : 16;
+        quantize_rows(xf + m0 * K, rows, K, wbits, group, a->xq + m0 * K, a->dx + m0 * nb,
+                      a->xs ? a->xs + m0 * a->ng : NULL, a->rs ? a->rs + m0 * a->ng : NULL);
+        if (a->dxe)
+            for (long i = m0 * nb * 8; i < (m0 + rows) * nb * 8; i++) a->dxe[i] = a->dx[i / 8];
+    }
     return 0;
 }
 
@@ -340,7 +346,7 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
     const int gshift = group_shift(K, group);
     if (int8_activations && gshift >= 0) {
         q8_acts acts;
-        if (q8_quantize(&acts, xf, M, K, wbits, group)) {
+        if (q8_quantize(&acts, xf, M, K, wbits, group, num_threads)) {
             free(xf);
             return -3;
         }
@@ -553,7 +559,7 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
     if (!xf) return -3;
     to_float(x, dtype, M * K, xf);
     q8_acts acts;
-    const int rc = q8_quantize(&acts, xf, M, K, wbits, group);
+    const int rc = q8_quantize(&acts, xf, M, K, wbits, group, num_threads);
     free(xf);
     if (rc) return rc;
     const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
@@ -674,7 +680,7 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
     }
     rc = 0;
     if (A > 0) {
-        if (q8_quantize(&a13, gathered, A, H, wbits, g13)) {
+        if (q8_quantize(&a13, gathered, A, H, wbits, g13, num_threads)) {
             rc = -3;
             goto done;
         }
@@ -691,7 +697,7 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
                 const float g = gu[r * 2 * I + i];
                 gu[r * I + i] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + i];
             }
-        if (q8_quantize(&a2, gu, A, I, wbits, g2)) {
+        if (q8_quantize(&a2, gu, A, I, wbits, g2, num_threads)) {
             rc = -3;
             goto done;
         }

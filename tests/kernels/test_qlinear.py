@@ -261,14 +261,22 @@ def test_tiling_applies_where_the_tiled_kernel_exists(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many rows (dequantize + torch) and float activations (the row kernel) untile on the fly."""
+    """Many rows (dequantize + torch) and float activations (the row kernel) untile on the fly; with
+    AVX512-VNNI the tiled kernel takes many rows itself (2x torch's bf16 matmul there)."""
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     torch.manual_seed(5)
     qw = qlinear.quantize_int4(weight(48, 256), 64)
     t = qlinear.tile(qw)
-    many = torch.randn(qlinear.SMALL_M + 5, 256).to(dtype)
+    assert qlinear.max_kernel_rows(qw) == qlinear.SMALL_M
+    vnni = qlinear.built_isa() == "avx512" and "avx512_vnni" in isa.cpu_features()
+    assert qlinear.max_kernel_rows(t) == (qlinear.TILED_VNNI_MAX_M if vnni else qlinear.SMALL_M)
+    many = torch.randn(qlinear.max_kernel_rows(t) + 5, 256).to(dtype)
     torch.testing.assert_close(qlinear.matmul(many, t), qlinear.matmul(many, qw), rtol=0, atol=0)
+    if vnni:
+        some = torch.randn(300, 256).to(dtype)
+        got, want = qlinear.matmul(some, t), qlinear.reference_q8_matmul(some.float(), qw)
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
     monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
     few = torch.randn(2, 256).to(dtype)
     torch.testing.assert_close(qlinear.matmul(few, t), qlinear.matmul(few, qw), rtol=0, atol=0)

@@ -106,7 +106,10 @@ def test_int4_with_lora_tp2_matches_tp1(workdir: Path, start: Callable[[EngineCo
     assert plain[0].tokens != ref[0].tokens or not torch.equal(plain[0].logits[0], ref[0].logits[0])
 
     two = start(engine_config(str(workdir / "base"), 2, **settings))
-    worst = compare(run(two, prompts, loras), ref, "int4 + LoRA tp=2")
+    # int8 activations: a row-parallel shard sums its blocks in another float order than tp=1, and a
+    # last-bit difference can flip an activation code downstream (~4e-3 of scale measured); the exact
+    # plumbing is compared with float activations in the GGUF test below
+    worst = compare(run(two, prompts, loras), ref, "int4 + LoRA tp=2", tol=2e-2)
     print(f"\nint4 + LoRA: tp=2 vs tp=1 logits {worst:.2e} of scale")
 
 

@@ -95,8 +95,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[Re
     return [Reference(s.output_token_ids, seen[s.seq_id]) for s in seqs]
 
 
-def compare(ours: list[Reference], ref: list[Reference], label: str) -> float:
-    """Tokens equal (up to a proven near-tie); logits within REL_TOL while the contexts agree.
+def compare(ours: list[Reference], ref: list[Reference], label: str, tol: float = REL_TOL) -> float:
+    """Tokens equal (up to a proven near-tie); logits within `tol` while the contexts agree.
     Returns the worst logit difference relative to the largest logit."""
     worst = 0.0
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
@@ -106,7 +106,7 @@ def compare(ours: list[Reference], ref: list[Reference], label: str) -> float:
         )
         for mine, theirs in zip(a.logits[: same + 1], b.logits[: same + 1], strict=True):
             worst = max(worst, float((mine - theirs).abs().max() / theirs.abs().max()))
-    assert worst <= REL_TOL, f"{label}: logits differ by {worst:.2e} of scale"
+    assert worst <= tol, f"{label}: logits differ by {worst:.2e} of scale"
     return worst
 
 
