@@ -293,10 +293,13 @@ def kernel_matmul(
     x2 = x.reshape(-1, qw.in_features).contiguous()
     out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    if qw.tiled and INT8_ACTIVATIONS:
-        return _tiled_matmul(x, x2, qw, b, out, level)
-    qw = untile(qw)  # float activations: the row kernel's exact product (a copy of the codes)
-    rc = _library(level).kvpilot_qmatmul(
+    tiled = qw.tiled and INT8_ACTIVATIONS
+    if not tiled:
+        qw = untile(qw)  # float activations: the row kernel's exact product (a copy of the codes)
+    lib = _library(level)
+    # the tiled kernel always uses int8 activations; the row kernel takes the setting as its last argument
+    fn, extra = (lib.kvpilot_qmatmul_tiled, ()) if tiled else (lib.kvpilot_qmatmul, (int(INT8_ACTIVATIONS),))
+    rc = fn(
         x2.data_ptr(),
         _DTYPES[x.dtype],
         out.data_ptr(),
@@ -310,38 +313,10 @@ def kernel_matmul(
         qw.scales.data_ptr(),
         None if qw.mins is None else qw.mins.data_ptr(),
         torch.get_num_threads(),
-        int(INT8_ACTIVATIONS),
+        *extra,
     )
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
-    return out.reshape(*x.shape[:-1], qw.out_features)
-
-
-def _tiled_matmul(
-    x: torch.Tensor,
-    x2: torch.Tensor,
-    qw: QuantizedWeight,
-    b: torch.Tensor | None,
-    out: torch.Tensor,
-    level: str | None,
-) -> torch.Tensor:
-    rc = _library(level).kvpilot_qmatmul_tiled(
-        x2.data_ptr(),
-        _DTYPES[x.dtype],
-        out.data_ptr(),
-        None if b is None else b.data_ptr(),
-        x2.shape[0],
-        qw.in_features,
-        qw.out_features,
-        qw.packed.data_ptr(),
-        qw.bits,
-        qw.group,
-        qw.scales.data_ptr(),
-        None if qw.mins is None else qw.mins.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise ValueError(f"tiled quantized matmul kernel rejected its arguments (code {rc})")
     return out.reshape(*x.shape[:-1], qw.out_features)
 
 
