@@ -418,7 +418,13 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
  */
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 #define TR 16 /* weight rows per tile */
-#define TM 4  /* activation rows per pass over a tile */
+/* activation rows per pass over a tile: a speculative verification (5 rows) in one pass; AVX2 has 16
+ * vector registers for 2 accumulators a row */
+#if defined(KVPILOT_ISA_AVX512)
+#define TM 8
+#else
+#define TM 6
+#endif
 
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;
@@ -574,6 +580,12 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
             case 1: tile_dots(&acts, m0, 1, wt, wbits, gshift, st, mt, res, TR); break;
             case 2: tile_dots(&acts, m0, 2, wt, wbits, gshift, st, mt, res, TR); break;
             case 3: tile_dots(&acts, m0, 3, wt, wbits, gshift, st, mt, res, TR); break;
+            case 4: tile_dots(&acts, m0, 4, wt, wbits, gshift, st, mt, res, TR); break;
+            case 5: tile_dots(&acts, m0, 5, wt, wbits, gshift, st, mt, res, TR); break;
+#if TM > 6
+            case 6: tile_dots(&acts, m0, 6, wt, wbits, gshift, st, mt, res, TR); break;
+            case 7: tile_dots(&acts, m0, 7, wt, wbits, gshift, st, mt, res, TR); break;
+#endif
             default: tile_dots(&acts, m0, TM, wt, wbits, gshift, st, mt, res, TR); break;
             }
             for (int r = 0; r < mb; r++)
