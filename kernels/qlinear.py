@@ -256,7 +256,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_qmatmul_tiled.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
-    lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i]
+    lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i, i]
     lib.kvpilot_qmoe.restype = i
 
 
@@ -428,13 +428,14 @@ class ExpertTable:
     inter: int
     pointers: tuple[ctypes.Array[ctypes.c_void_p], ...]
     experts: tuple[list[QuantizedWeight], list[QuantizedWeight]]
+    tiled: bool = False  # every expert in the tiled layout (else every one in the row layout)
 
 
 def expert_table(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> ExpertTable | None:
     """The table for experts of one format (all int8 per channel, or all int4 with one group), on CPU;
     None when they differ or are not on the CPU (then `moe_grouped`'s per-expert loop runs them)."""
     first, every = w13[0], w13 + w2
-    if any(q.bits != first.bits or q.packed.device.type != "cpu" for q in every):
+    if any(q.bits != first.bits or q.packed.device.type != "cpu" or q.tiled != first.tiled for q in every):
         return None
     if first.bits == 8 and any(q.group != q.in_features for q in every):
         return None  # int8: per channel only
@@ -449,7 +450,9 @@ def expert_table(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> Exper
         for experts in (w13, w2)
         for part in (lambda q: q.packed, lambda q: q.scales, lambda q: q.mins)
     )
-    return ExpertTable(first.bits, first.group, first.in_features, w2[0].in_features, pointers, (w13, w2))
+    return ExpertTable(
+        first.bits, first.group, first.in_features, w2[0].in_features, pointers, (w13, w2), first.tiled
+    )
 
 
 def fused_experts(
@@ -489,6 +492,7 @@ def fused_experts(
         *p,
         table.bits,
         table.group,
+        int(table.tiled),
         torch.get_num_threads(),
     )
     if rc == -2:

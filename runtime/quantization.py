@@ -223,7 +223,8 @@ def tile_for_cpu(model: nn.Module) -> int:
     """Put every quantized linear layer and LM head the CPU kernel takes tiled into its tiled layout
     (kernels/qlinear.tile: the same bytes permuted, so one vector of codes spans 16 output rows), in
     place; a weight shared by several modules (the tied embedding and LM head) is tiled once. Returns
-    how many weights were tiled. Mixture-of-Experts experts keep the row layout (kvpilot_qmoe)."""
+    how many weights were tiled. A Mixture-of-Experts layer's quantized experts are tiled together
+    (kvpilot_qmoe reads either layout, one per call)."""
     done: dict[int, qlinear.QuantizedWeight] = {}
     for mod in model.modules():
         if not isinstance(mod, QuantizableModule):
@@ -234,6 +235,12 @@ def tile_for_cpu(model: nn.Module) -> int:
         if id(qw) not in done:
             done[id(qw)] = qlinear.tile(qw)
         mod.qweight = done[id(qw)]
-    if done:
-        log.info("%d quantized weights in the CPU kernel's tiled layout", len(done))
-    return len(done)
+    experts = 0
+    for _, moe in expert_layers(model):  # a layer's experts all tiled, or none (one fused call)
+        q13, q2 = moe.q13, moe.q2
+        if q13 is not None and q2 is not None and all(qlinear.tile_applies(q) for q in q13 + q2):
+            moe.q13, moe.q2 = [qlinear.tile(q) for q in q13], [qlinear.tile(q) for q in q2]
+            experts += len(q13) + len(q2)
+    if done or experts:
+        log.info("%d quantized weights in the CPU kernel's tiled layout", len(done) + experts)
+    return len(done) + experts

@@ -19,6 +19,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "vmath.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -154,31 +155,6 @@ int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride,
             }
     }
     return 0;
-}
-
-/*
- * exp(x) in plain float arithmetic that the compiler vectorizes without -ffast-math (libm's expf is a
- * call per element): x = n ln2 + r with n = round(x / ln2) (the 1.5 * 2^23 rounding trick) and ln2 in
- * two parts, Cephes' degree-6 polynomial for e^r, times 2^n built in the exponent bits. Within ~2 ulp
- * of expf over [-87.3, 88]; infinity above 88.72 as expf (tests/kernels/test_cpu_ops.py).
- */
-static inline float exp_poly(float x0) {
-    float x = x0 < -87.3f ? -87.3f : x0;
-    x = x > 88.0f ? 88.0f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x0 > 88.72f ? INFINITY : p * scale; /* where expf overflows (silu(-100) is then -0, as torch's) */
 }
 
 /*

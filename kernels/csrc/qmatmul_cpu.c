@@ -23,6 +23,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "vmath.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -638,13 +639,45 @@ int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *s
     return failed ? -3 : 0;
 }
 
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* One pass of kvpilot_qmoe over tiled expert weights: out[r, t * TR ..] for the rows r of each
+ * expert e (first[e] .. first[e + 1]) times expert e's N output rows, one (expert, tile) an item. */
+static void expert_tiles(const q8_acts *a, const long *first, long E, long N, const uint8_t *const *w,
+                         const uint16_t *const *sc, const uint16_t *const *mn, long row_bytes, long ng, int wbits,
+                         int gshift, float *out, long ldo, int num_threads) {
+    const long tiles = N / TR;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
+    for (long item = 0; item < E * tiles; item++) {
+        const long e = item / tiles, t = item % tiles;
+        const uint8_t *wt = w[e] + t * TR * row_bytes;
+        const uint16_t *st = sc[e] + t * TR * ng, *mt = mn && mn[e] ? mn[e] + t * TR * ng : NULL;
+        for (long m0 = first[e]; m0 < first[e + 1]; m0 += TM) {
+            const int mb = first[e + 1] - m0 < TM ? (int)(first[e + 1] - m0) : TM;
+            float *o = out + m0 * ldo + t * TR;
+            switch (mb) {
+            case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo); break;
+#if TM > 6
+            case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo); break;
+#endif
+            default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo); break;
+            }
+        }
+    }
+}
+#endif
+
 /*
  * A Mixture-of-Experts layer's experts in one call, quantized weights, int8 activations (the path
  * above): out[t] = sum over t's top-k slots j held here of wts[t, j] * expert_e(x[t]), with
  * expert_e(x) = w2_e . (silu(g) * u), [g; u] = w13_e . x. x: [T, H] (dtype); ids, wts: [T, topk]
  * (global expert ids, float32 routing weights); experts offset .. offset + E - 1 are held here, the
  * rest contribute zero; w13_e: [2I, H] and w2_e: [H, I] given per expert as (codes, scales, mins)
- * pointer arrays. Each token's activations are quantized once for all its experts, each active
+ * pointer arrays, in the row layout or (`tiled`, 2I and H multiples of TR) the tiled one. Each token's activations are quantized once for all its experts, each active
  * expert's weight rows are read once for all its tokens, and both passes run in one parallel loop
  * over (expert, weight row), so there is no per-expert call. Intermediates stay float32.
  * Returns -1 on bad arguments, -2 when the int8-activation path does not apply (the caller falls
@@ -653,13 +686,14 @@ int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *s
 int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, int topk, const int64_t *ids,
                  const float *wts, long E, long offset, const uint8_t *const *w13, const uint16_t *const *s13,
                  const uint16_t *const *m13, const uint8_t *const *w2, const uint16_t *const *s2,
-                 const uint16_t *const *m2, int wbits, int group, int num_threads) {
+                 const uint16_t *const *m2, int wbits, int group, int tiled, int num_threads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || T <= 0 || topk <= 0 || E <= 0)
         return -1;
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
     const int g13 = wbits == 8 ? (int)H : group, g2 = wbits == 8 ? (int)I : group;
     const int sh13 = group_shift(H, g13), sh2 = group_shift(I, g2);
     if (sh13 < 0 || sh2 < 0) return -2;
+    if (tiled && ((2 * I) % TR || H % TR)) return -1;
     const long rb13 = wbits == 8 ? H : H / 2, rb2 = wbits == 8 ? I : I / 2;
     /* assignments (t, j) held here, grouped by expert in token order: a counting sort */
     long *count = (long *)calloc((size_t)E + 1, sizeof(long));
@@ -696,30 +730,37 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
             rc = -3;
             goto done;
         }
-        /* pass 1: [g; u] = w13_e . x for every (expert, row of w13) */
+        /* pass 1: [g; u] = w13_e . x for every (expert, row of w13), or (expert, tile of 16 rows) */
+        if (tiled) {
+            expert_tiles(&a13, count, E, 2 * I, w13, s13, m13, rb13, H / g13, wbits, sh13, gu, 2 * I, num_threads);
+        } else {
 #pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
-        for (long item = 0; item < E * 2 * I; item++) {
-            const long e = item / (2 * I), n = item % (2 * I), rows = count[e + 1] - count[e];
-            if (!rows) continue;
-            weight_row_dots(&a13, count[e], rows, w13[e] + n * rb13, wbits, sh13, s13[e] + n * (H / g13),
-                            wbits == 4 ? m13[e] + n * (H / g13) : NULL, gu + count[e] * 2 * I + n, 2 * I);
-        }
-        for (long r = 0; r < A; r++) /* silu(g) * u, in place over the first I columns */
-            for (long i = 0; i < I; i++) {
-                const float g = gu[r * 2 * I + i];
-                gu[r * I + i] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + i];
+            for (long item = 0; item < E * 2 * I; item++) {
+                const long e = item / (2 * I), n = item % (2 * I), rows = count[e + 1] - count[e];
+                if (!rows) continue;
+                weight_row_dots(&a13, count[e], rows, w13[e] + n * rb13, wbits, sh13, s13[e] + n * (H / g13),
+                                wbits == 4 ? m13[e] + n * (H / g13) : NULL, gu + count[e] * 2 * I + n, 2 * I);
             }
+        }
+        /* silu(g) * u, in place over the first I columns: row r's result lands at or before its
+         * own gate row, which only rows up to r read, so rows run in order within a thread */
+        for (long r = 0; r < A; r++)
+            for (long i = 0; i < I; i++) gu[r * I + i] = silu_poly(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
         if (q8_quantize(&a2, gu, A, I, wbits, g2, num_threads)) {
             rc = -3;
             goto done;
         }
-        /* pass 2: w2_e . act for every (expert, row of w2) */
+        /* pass 2: w2_e . act for every (expert, row of w2), or (expert, tile of 16 rows) */
+        if (tiled) {
+            expert_tiles(&a2, count, E, H, w2, s2, m2, rb2, I / g2, wbits, sh2, partial, H, num_threads);
+        } else {
 #pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
-        for (long item = 0; item < E * H; item++) {
-            const long e = item / H, n = item % H, rows = count[e + 1] - count[e];
-            if (!rows) continue;
-            weight_row_dots(&a2, count[e], rows, w2[e] + n * rb2, wbits, sh2, s2[e] + n * (I / g2),
-                            wbits == 4 ? m2[e] + n * (I / g2) : NULL, partial + count[e] * H + n, H);
+            for (long item = 0; item < E * H; item++) {
+                const long e = item / H, n = item % H, rows = count[e + 1] - count[e];
+                if (!rows) continue;
+                weight_row_dots(&a2, count[e], rows, w2[e] + n * rb2, wbits, sh2, s2[e] + n * (I / g2),
+                                wbits == 4 ? m2[e] + n * (I / g2) : NULL, partial + count[e] * H + n, H);
+            }
         }
     }
     for (long t = 0; t < T; t++) /* combine each token's slots with their routing weights */
@@ -739,7 +780,7 @@ done:
     free(count), free(xf), free(fill), free(row_of), free(gathered), free(gu), free(partial);
     return rc;
 #else
-    (void)x, (void)out, (void)H, (void)I, (void)ids, (void)wts, (void)offset, (void)w13, (void)s13, (void)m13;
+    (void)x, (void)out, (void)H, (void)I, (void)ids, (void)wts, (void)offset, (void)w13, (void)s13, (void)m13, (void)tiled;
     (void)w2, (void)s2, (void)m2, (void)group, (void)num_threads;
     return -2;
 #endif

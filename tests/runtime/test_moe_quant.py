@@ -28,7 +28,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models.moe import FusedMoE, dequantize_experts, moe_grouped, moe_reference, route
-from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_model
+from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_model, tile_for_cpu
 from kvpilot.runtime.tp_runner import TPModelRunner
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV, rel_diff
@@ -204,7 +204,9 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(
 ) -> None:
     """Each rank quantizes what it holds: whole experts (EP) or half of each expert's width (tp). The
     row-parallel linears (o_proj; tp: the experts' w2) then have per-channel scales over half of the
-    columns, so the logits are close to tp=1's (within int8's own error), not equal."""
+    columns, and a shard sums in another float order (and, too narrow for 16-row tiles, in the row
+    layout where tp=1 runs tiled), which can flip an int8 activation code downstream: the logits are
+    close to tp=1's (within int8's own error: 4.8% on SmolLM2), not equal."""
     settings = {"block_size": 8, "max_num_batched_tokens": 32, "quantization": "int8"}
     one = start(engine_config(str(tiny_dirs["mixtral"]), 1, **settings))
     assert one.runner.model.model.layers[0].mlp.experts.q13 is not None
@@ -224,7 +226,7 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(
         )
         for mine, theirs in zip(a.logits[: same + 1], b.logits[: same + 1], strict=True):
             worst = max(worst, float((mine - theirs).abs().max() / theirs.abs().max()))
-    assert 0 < worst < 0.03
+    assert 0 < worst < 0.1  # measured 0.027 (EP) and 0.07 (tp)
     print(f"\nint8 experts, tp=2{' EP' if ep else ''}: worst logit difference vs tp=1 {worst:.2g}")
 
 
@@ -254,6 +256,18 @@ def test_fused_experts_is_the_per_expert_loop_in_one_call(
     bf16 = qlinear.fused_experts(x.bfloat16(), table, weights, ids)
     assert bf16 is not None and bf16.dtype == torch.bfloat16
     assert float((bf16.float() - got).norm() / got.norm()) < 0.02
+    # the tiled layout (what a loaded CPU model holds): the same arithmetic, 16 rows at a time
+    t13, t2 = [qlinear.tile(q) for q in q13], [qlinear.tile(q) for q in q2]
+    tiled = qlinear.expert_table(t13, t2)
+    assert tiled is not None and tiled.tiled and qlinear.expert_table(t13, q2) is None  # one layout a call
+    on_tiles = qlinear.fused_experts(x, tiled, weights, ids)
+    assert on_tiles is not None
+    # pass 1's float sums come out in another order (a block's integer sum converted once, not per
+    # lane), so an intermediate activation can round to the neighbouring int8 code before pass 2:
+    # a few elements move by one code's worth, the rest agree to float rounding
+    close = torch.isclose(on_tiles, got, rtol=1e-4, atol=1e-5)
+    assert float(close.float().mean()) > 0.9
+    assert float((on_tiles - got).norm() / got.norm()) < 1e-2
 
 
 def test_fused_experts_declines_where_the_loop_is_faster_or_exact(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,3 +295,9 @@ def test_quantized_moe_layer_takes_the_fused_call(tiny_dirs: dict[str, Path], fa
     fused = qlinear.fused_experts(x, table, weights, ids, experts.expert_offset)
     assert fused is not None
     torch.testing.assert_close(experts(x, weights, ids), fused, rtol=0, atol=0)
+    # load_model's last step tiles the experts for the CPU kernel: the layer then runs them tiled
+    assert tile_for_cpu(loaded.model) > 0
+    assert experts.q13 is not None and all(q.tiled for q in experts.q13)
+    tiled = experts.expert_table()
+    assert tiled is not None and tiled is not table and tiled.tiled
+    torch.testing.assert_close(experts(x, weights, ids), fused, rtol=1e-4, atol=1e-5)
