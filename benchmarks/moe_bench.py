@@ -6,7 +6,8 @@ OLMoE-1B-7B's layer shapes (hidden 2048, 16 heads, 64 experts of width 1024, top
 prompts and the same number of new tokens; greedy, EOS ignored.
 
 Prints one JSON document: the machine, the configuration, and
-* `generate`: output tokens/s of each engine for the whole batch (prefill + decode, wall clock),
+* `generate`: output tokens/s of each engine for the whole batch (prefill + decode, wall clock;
+  kvpilot without prefix caching, so no call reuses an earlier call's prompt KV),
   best of `--rounds` rounds run alternately (kvpilot, HF, kvpilot, ...) so that load from other
   work on a shared machine hits both; one kvpilot engine per `--quantization` storage (none, int8,
   int4: experts and linear layers quantized as the runtime's flag does; transformers stays in
@@ -24,10 +25,11 @@ Prints one JSON document: the machine, the configuration, and
   (`grouped` loop, torch `grouped_mm`, the Triton grouped GEMM), checked against the reference,
   ms per call and expert-weight GB/s (scripts/gpu_check.sh).
 * `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
-  (`FusedMoE.forward`: on CPU the fused C call up to cpu_moe.MAX_ROWS_PER_EXPERT rows per expert,
-  else `moe_grouped`; quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
+  (`FusedMoE.forward`: on CPU the fused C call up to cpu_moe.max_rows_per_expert rows per expert,
+  every row count for bf16 with AVX512-BF16, else `moe_grouped`; quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
 * `--cpu-kernel` (alone): one OLMoE-shaped layer, the fused CPU call (kernels/cpu_moe.py) at each ISA
-  level vs the per-expert torch loop, one thread, thread CPU time (robust to a shared machine).
+  level vs the per-expert torch loop, one thread, thread CPU time (robust to a shared machine); with
+  --threads > 1 (default: every core) also both at that many threads, wall clock.
 
 Usage:
     python benchmarks/moe_bench.py                        # 2 layers, batch 32
@@ -140,6 +142,10 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
         max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens,
         kv_cache_memory=int(args.kv_gib * 2**30),
+        # every call re-sends the same prompts; with prefix caching a later call would find their
+        # first blocks cached and compute half the prompt tokens, a saving transformers' generate
+        # has no counterpart for, so each prefill here computes all of them
+        enable_prefix_caching=False,
     )
     loaded = LoadedModel(
         model.eval(), tokenizer, arch, "olmoe-shaped", 4096, Path("."), torch.device("cpu"), dtype
@@ -394,15 +400,22 @@ def backend_layer_times(
 BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0 + 2 / 1024}  # int8: a float16 scale per row of >= 1024
 
 
+def _finite_or(x: float, word: str) -> float | str:
+    return x if x != float("inf") else word
+
+
 def cpu_kernel_times(
-    dtypes: list[torch.dtype], tokens: list[int], levels: list[str], repeats: int
+    dtypes: list[torch.dtype], tokens: list[int], levels: list[str], repeats: int, threads: int = 1
 ) -> dict[str, Any]:
     """One OLMoE-shaped MoE layer (random weights, a random router's top-8) on the CPU, one thread:
     the fused C call (kernels/cpu_moe.py, at each ISA level in `levels`) against the per-expert torch
     loop (`moe_grouped`), in the same process. Milliseconds of *thread CPU time*
     (time.thread_time, best of `repeats`): on a shared machine wall time counts other work, CPU time
     of one thread does not (memory contention still shows). `rows_per_expert` = T * k / E, the
-    quantity cpu_moe.MAX_ROWS_PER_EXPERT bounds."""
+    quantity cpu_moe.max_rows_per_expert bounds. With `threads` > 1 also the wall milliseconds of
+    the loop and of the fused call (first level) at that many threads, best of `repeats`: what the
+    per-call thread barriers of the loop's 2 x (active experts) parallel matmuls cost, which one
+    thread's CPU time cannot show (on a shared machine the wall figures carry the load too)."""
     from kvpilot.kernels import cpu_moe, isa
     from kvpilot.runtime.models.moe import moe_grouped, route
 
@@ -412,18 +425,28 @@ def cpu_kernel_times(
     before = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def cpu_ms(fn: Any) -> float:
+    def cpu_ms(fn: Any, clock: Any = time.thread_time) -> float:
         fn()
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.thread_time()
+            t0 = clock()
             fn()
-            best = min(best, time.thread_time() - t0)
+            best = min(best, clock() - t0)
         return round(1e3 * best, 1)
+
+    def wall_ms(fn: Any) -> float:
+        torch.set_num_threads(threads)
+        try:
+            return cpu_ms(fn, time.perf_counter)
+        finally:
+            torch.set_num_threads(1)
 
     out: dict[str, Any] = {
         "timer": f"time.thread_time, 1 thread, best of {repeats}",
-        "max_rows_per_expert": cpu_moe.MAX_ROWS_PER_EXPERT,
+        "max_rows_per_expert": {
+            str(d).removeprefix("torch."): _finite_or(cpu_moe.max_rows_per_expert(d, levels[0]), "unlimited")
+            for d in dtypes
+        },
         "bf16_dot": {lvl: cpu_moe.bf16_dot(lvl) for lvl in levels},
         "runnable_levels": isa.runnable(),
     }
@@ -449,6 +472,16 @@ def cpu_kernel_times(
                     partial(cpu_moe.fused_experts, x, w13, w2, weights, ids, level=lvl)
                 )
             row["speedup"] = round(row["torch_loop_ms"] / row[f"fused_{levels[0]}_ms"], 2)
+            if threads > 1:
+                loop_wall = wall_ms(partial(moe_grouped, x, w13, w2, weights, ids))
+                fused_wall = wall_ms(
+                    partial(cpu_moe.fused_experts, x, w13, w2, weights, ids, level=levels[0])
+                )
+                row[f"wall_{threads}_threads"] = {
+                    "torch_loop_ms": loop_wall,
+                    f"fused_{levels[0]}_ms": fused_wall,
+                    "speedup": round(loop_wall / fused_wall, 2),
+                }
             rows[f"T={t}"] = row
         out[str(dtype).removeprefix("torch.")] = rows
         del w13, w2
@@ -550,6 +583,7 @@ def main() -> None:
             [int(t) for t in args.layer_tokens.split(",")],
             levels,
             args.rounds,
+            args.threads,
         )
         text = json.dumps(result, indent=2)
         print(text)
@@ -583,7 +617,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    record: dict[str, Any] = {"machine": machine_info(), "config": vars(args) | {"model": OLMOE_1B_7B}}
+    record: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": vars(args) | {"model": OLMOE_1B_7B, "kvpilot_prefix_caching": False},
+    }
     t0 = time.perf_counter()
     hf = build_hf(args.layers, dtype, args.seed)
     g = torch.Generator().manual_seed(args.seed)

@@ -294,9 +294,10 @@ def test_greedy_tokens_match_generate(tiny: tuple[str, Any, LoadedModel]) -> Non
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpu_layer_takes_the_fused_call_up_to_the_crossover(dtype: torch.dtype) -> None:
-    """FusedMoE on the CPU: the fused C call (kernels/cpu_moe.py) for up to MAX_ROWS_PER_EXPERT
-    rows per held expert, exactly cpu_moe.fused_experts' result; above that (prefill) and with
-    `use_cpu_kernel` off, the per-expert torch loop, which it agrees with."""
+    """FusedMoE on the CPU: the fused C call (kernels/cpu_moe.py) for up to max_rows_per_expert
+    rows per held expert (float32: MAX_ROWS_PER_EXPERT; bfloat16 with AVX512-BF16: every count,
+    prefill too), exactly cpu_moe.fused_experts' result; above that and with `use_cpu_kernel` off,
+    the per-expert torch loop, which it agrees with."""
     if not cpu_moe.available():
         missing("kernels/csrc/moe_cpu.c built", "a C compiler (gcc/cc) on PATH")
     e, k = 8, 2
@@ -308,7 +309,9 @@ def test_cpu_layer_takes_the_fused_call_up_to_the_crossover(dtype: torch.dtype) 
     # 2^-8 on outputs of size ~1), the fused call only the activation and the result
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     fits = cpu_moe.MAX_ROWS_PER_EXPERT * e // k  # tokens
-    for t, path in ((1, "cpu_fused"), (fits, "cpu_fused"), (fits + 1, "grouped")):
+    beyond = "cpu_fused" if cpu_moe.max_rows_per_expert(dtype) == float("inf") else "grouped"
+    assert beyond == ("cpu_fused" if dtype == torch.bfloat16 and cpu_moe.bf16_dot() else "grouped")
+    for t, path in ((1, "cpu_fused"), (fits, "cpu_fused"), (fits + 1, beyond), (8 * fits, beyond)):
         xs, _, _, weights, ids = _random_moe(t, e, k, seed=t)
         xs = xs.to(dtype)
         out = layer(xs, weights, ids)
