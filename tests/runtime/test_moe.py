@@ -9,7 +9,9 @@ transformers' own modeling code.
   and OLMoE (whole-projection q/k norm, clip_qkv) directories written with transformers: float32
   logits through prefill + paged decode, a varlen batch with chunked prefill and a decode in one
   step, and greedy tokens against `generate`; each on the fused C call for the experts
-  (kernels/cpu_moe.py), which the tests check was taken.
+  (kernels/cpu_moe.py), which the tests check was taken. In bfloat16, a prefill with many rows per
+  expert: the fused call where the CPU has AVX512-BF16 (checked), as close to transformers as the
+  torch loop.
 """
 
 from __future__ import annotations
@@ -333,3 +335,37 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match=r"'DeepseekV3ForCausalLM' is not supported.*OlmoeForCausalLM"):
         load_model(EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_bfloat16_prefill_takes_the_fused_call_and_tracks_transformers(family: str, tmp_path: Path) -> None:
+    """A bfloat16 model's prefill with many rows per expert (here ~35, above MAX_ROWS_PER_EXPERT):
+    on a CPU with AVX512-BF16 the experts run as the fused C call (cpu_moe.max_rows_per_expert),
+    else the per-expert torch loop; either way its logits are at least about as close to
+    transformers' float32 ones as the bfloat16 torch loop's are."""
+    if not cpu_moe.available():
+        missing("kernels/csrc/moe_cpu.c built", "a C compiler (gcc/cc) on PATH")
+    hf = make_tiny_moe_dir(family, tmp_path, max_position_embeddings=256)
+    loaded = load_model(EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.bfloat16)
+    ids = _ids(140, 5)  # 280 assignments over 8 experts
+    assert len(ids) * loaded.arch.num_experts_per_tok / loaded.arch.num_experts > cpu_moe.MAX_ROWS_PER_EXPERT
+    ref = _hf_logits(hf, ids)
+
+    def prefill() -> torch.Tensor:
+        kv = PagedKV(loaded.arch, num_blocks=24, block_size=8)
+        kv.caches = [type(c)(c.k.bfloat16(), c.v.bfloat16()) for c in kv.caches]
+        return kv.logits(loaded.model, [(0, ids)]).float()
+
+    fused = prefill()
+    native = cpu_moe.bf16_dot()
+    assert _paths(loaded.model) == {"cpu_fused" if native else "grouped"}
+    layers = [experts for _, experts in expert_layers(loaded.model)]
+    for experts in layers:
+        experts.use_cpu_kernel = False
+    loop = prefill()
+    assert _paths(loaded.model) == {"grouped"}
+    _, rel_fused = rel_diff(fused, ref)
+    _, rel_loop = rel_diff(loop, ref)
+    print(f"\ntiny {family} bf16 prefill: fused {rel_fused:.2g}, torch loop {rel_loop:.2g} of scale")
+    assert rel_fused <= 1.5 * rel_loop + 1e-3
+    assert rel_loop < 0.1  # bfloat16 end to end: a few percent of the largest logit
