@@ -275,13 +275,16 @@ def decode_step_bytes(
     return parts | {"total": sum(parts.values()), "active_experts_per_layer": active}
 
 
-def step_flop(model: dict[str, Any], layers: int, tokens: int) -> float:
-    """Pure: matmul FLOP of one forward over `tokens` tokens (each through its k experts, attention
-    projections and the LM head; attention scores left out: small at these contexts)."""
+def step_flop(model: dict[str, Any], layers: int, tokens: int, logit_rows: int | None = None) -> float:
+    """Pure: matmul FLOP of one forward over `tokens` tokens (each through its k experts and the
+    attention projections; attention scores left out: small at these contexts) plus the LM head on
+    `logit_rows` of them (default all; a prefill needs only each sequence's last token, and both
+    engines compute only those: kvpilot's sampled rows, transformers' `logits_to_keep`)."""
     h, inter, k = model["hidden_size"], model["intermediate_size"], model["num_experts_per_tok"]
     kv_width = h * model["num_key_value_heads"] // model["num_attention_heads"]
     per_token = layers * (k * 3 * h * inter + 2 * h * h + 2 * h * kv_width + model["num_experts"] * h)
-    return 2.0 * tokens * (per_token + model["vocab_size"] * h)
+    rows = tokens if logit_rows is None else logit_rows
+    return 2.0 * (tokens * per_token + rows * model["vocab_size"] * h)
 
 
 def bf16_matmul_rate(rows: int, seconds: float = 1.0) -> float:
@@ -316,7 +319,7 @@ def roofline(
     bf16 = out["experts_bf16"]
     rate = bf16_matmul_rate(args.batch)
     decode_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch)
-    prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len)
+    prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len, args.batch)
     out["compute"] = {
         "bf16_matmul_gflop_s": round(rate / 1e9, 1),
         "decode_step_gflop": round(decode_flop / 1e9, 1),
