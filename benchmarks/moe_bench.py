@@ -27,6 +27,8 @@ Prints one JSON document: the machine, the configuration, and
 * `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
   (`FusedMoE.forward`: on CPU the fused C call up to cpu_moe.max_rows_per_expert rows per expert,
   every row count for bf16 with AVX512-BF16, else `moe_grouped`; quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
+* `--prefill-profile` (alone): where one prefill goes in each engine (per-module thread CPU time,
+  one thread, fresh prompts every call; kvpilot's engine steps and tokens per step).
 * `--cpu-kernel` (alone): one OLMoE-shaped layer, the fused CPU call (kernels/cpu_moe.py) at each ISA
   level vs the per-expert torch loop, one thread, thread CPU time (robust to a shared machine); with
   --threads > 1 (default: every core) also both at that many threads, wall clock.
@@ -37,6 +39,7 @@ Usage:
     python benchmarks/moe_bench.py --layers 1 --batch 8 --new-tokens 8 --rounds 1   # smoke run
     python benchmarks/moe_bench.py --backend-layer --device cuda --out moe_backends.json   # GPU
     python benchmarks/moe_bench.py --cpu-kernel --layer-tokens 1,32,128,256 --rounds 3   # fused CPU call
+    python benchmarks/moe_bench.py --prefill-profile --layers 1 --rounds 3   # where a prefill goes
     TRITON_INTERPRET=1 python benchmarks/moe_bench.py --backend-layer --tiny   # its CPU smoke run
 """
 
@@ -492,6 +495,98 @@ def cpu_kernel_times(
     return out
 
 
+def prefill_profile(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    """Where a prefill goes (--prefill-profile): a 1-token generate of `batch` fresh prompts in each
+    engine, one thread, per-module `time.thread_time` (min over `rounds` calls, engines alternating):
+    kvpilot's engine steps and tokens per step, QKV / attention / o_proj / q-k norms + rope, router,
+    experts, LM head and what lies outside the model (scheduling, batch preparation, sampler);
+    transformers' attention block, router, experts and LM head."""
+    import collections
+
+    torch.set_num_threads(1)
+    args.threads = 1
+    hf = build_hf(args.layers, dtype, args.seed)
+    engine = build_kvpilot(hf, dtype, args)
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(obj: Any, attr: str, part: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[part] += time.thread_time() - t0
+
+        setattr(obj, attr, wrapper)
+
+    model = engine.runner.model
+    for i, layer in enumerate(model.model.layers):
+        att = layer.self_attn
+        timed(att.qkv_proj, "forward", "kvpilot.qkv_proj")
+        timed(att.attn, "forward", "kvpilot.attention")
+        timed(att.o_proj, "forward", "kvpilot.o_proj")
+        for norm in (att.q_norm, att.k_norm):
+            if norm is not None:
+                timed(norm, "forward", "kvpilot.qk_norm_rope")
+        if i == 0:  # one module shared by every layer
+            timed(att.rotary_emb, "forward", "kvpilot.qk_norm_rope")
+        timed(layer.mlp.gate, "forward", "kvpilot.router")
+        timed(layer.mlp.experts, "forward", "kvpilot.experts")
+    timed(model, "forward", "kvpilot.model")
+    timed(model, "compute_logits", "kvpilot.lm_head")
+    steps = {"n": 0, "tokens": 0}
+    execute = engine.runner.execute
+
+    def counted(scheduled: Any) -> Any:
+        steps["n"] += 1
+        steps["tokens"] += sum(s.num_new_tokens for s in scheduled)
+        return execute(scheduled)
+
+    engine.runner.execute = counted
+    for layer in hf.model.layers:
+        timed(layer.self_attn, "forward", "hf.attention_block")
+        timed(layer.mlp.gate, "forward", "hf.router")
+        timed(layer.mlp.experts, "forward", "hf.experts")
+    timed(hf.model, "forward", "hf.model")
+    timed(hf.lm_head, "forward", "hf.lm_head")
+    hf.set_experts_implementation("grouped_mm")
+    g = torch.Generator().manual_seed(args.seed + 1)
+
+    def fresh() -> list[list[int]]:  # new prompts every call: nothing cached anywhere
+        return torch.randint(
+            3, OLMOE_1B_7B["vocab_size"], (args.batch, args.prompt_len), generator=g
+        ).tolist()
+
+    run_kvpilot(engine, fresh()[:2], 1)
+    run_hf(hf, fresh()[:2], 1)
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for prefix, run in (("kvpilot", run_kvpilot), ("hf", run_hf)):
+            target = engine if prefix == "kvpilot" else hf
+            before = dict(spent)
+            if prefix == "kvpilot":
+                steps["n"] = steps["tokens"] = 0
+            t0 = time.thread_time()
+            run(target, fresh(), 1)
+            spent[f"{prefix}.whole_1_token_generate"] += time.thread_time() - t0
+            for k, v in spent.items():
+                if k.startswith(prefix + "."):
+                    best[k] = min(best.get(k, float("inf")), v - before.get(k, 0.0))
+    best["kvpilot.outside_model"] = (
+        best["kvpilot.whole_1_token_generate"] - best["kvpilot.model"] - best["kvpilot.lm_head"]
+    )
+    return {
+        "timer": f"time.thread_time, 1 thread, min of {args.rounds} alternating calls per part",
+        "kvpilot_engine_steps": steps["n"],
+        "kvpilot_tokens_per_step": steps["tokens"] // max(steps["n"], 1),
+        "kvpilot_experts_path": model.model.layers[0].mlp.experts.last_path,
+        "hf_experts_implementation": "grouped_mm",
+        "seconds": {k: round(v, 3) for k, v in sorted(best.items())},
+    }
+
+
 def bytes_per_weight(method: str, group: int) -> float:
     """Pure: stored bytes per expert weight (int4: half a byte + a float16 scale and min per group)."""
     return 0.5 + 4 / group if method == "int4" else BYTES_PER_WEIGHT[method]
@@ -568,8 +663,22 @@ def main() -> None:
     ap.add_argument(
         "--levels", default="", help="for --cpu-kernel: ISA levels (default: the vector ones this CPU runs)"
     )
+    ap.add_argument(
+        "--prefill-profile",
+        action="store_true",
+        help="only profile one prefill per engine: per-module thread CPU time, one thread",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args()
+    if args.prefill_profile:
+        result = {"machine": machine_info(), "config": vars(args)} | prefill_profile(
+            args, getattr(torch, args.dtype)
+        )
+        text = json.dumps(result, indent=2, default=str)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
+        return
     if args.cpu_kernel:
         from kvpilot.kernels import isa
 
