@@ -20,7 +20,8 @@ shapes (benchmarks/moe_bench.py --cpu-kernel, docs/benchmarks.md runs 6 and 7): 
 the fused call and the per-expert torch loop spend the same CPU time at prefill sizes (128 rows per
 expert: both compute-bound), but with more than one thread the loop's 2 x (active experts) separate
 parallel matmuls each end in a barrier, while the fused call is two dynamically scheduled parallel
-loops for the whole layer: 2 threads, T = 1024, 1.5x less wall time than the loop, T = 256 2.3x.
+loops for the whole layer: 2 threads on a loaded 2-core machine, 1.5-1.6x less wall time than the
+loop at T = 1024, 1.5-2.3x at T = 256 (to be re-measured quiet).
 """
 
 from __future__ import annotations
