@@ -6,7 +6,8 @@ OLMoE-1B-7B's layer shapes (hidden 2048, 16 heads, 64 experts of width 1024, top
 prompts and the same number of new tokens; greedy, EOS ignored.
 
 Prints one JSON document: the machine, the configuration, and
-* `generate`: output tokens/s of each engine for the whole batch (prefill + decode, wall clock),
+* `generate`: output tokens/s of each engine for the whole batch (prefill + decode, wall clock;
+  kvpilot without prefix caching, so no call reuses an earlier call's prompt KV),
   best of `--rounds` rounds run alternately (kvpilot, HF, kvpilot, ...) so that load from other
   work on a shared machine hits both; one kvpilot engine per `--quantization` storage (none, int8,
   int4: experts and linear layers quantized as the runtime's flag does; transformers stays in
@@ -24,10 +25,13 @@ Prints one JSON document: the machine, the configuration, and
   (`grouped` loop, torch `grouped_mm`, the Triton grouped GEMM), checked against the reference,
   ms per call and expert-weight GB/s (scripts/gpu_check.sh).
 * `moe_layer`: milliseconds of one MoE block at T tokens: each kvpilot engine's experts
-  (`FusedMoE.forward`: on CPU the fused C call up to cpu_moe.MAX_ROWS_PER_EXPERT rows per expert,
-  else `moe_grouped`; quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
+  (`FusedMoE.forward`: on CPU the fused C call up to cpu_moe.max_rows_per_expert rows per expert,
+  every row count for bf16 with AVX512-BF16, else `moe_grouped`; quantized or not), a `torch._grouped_mm` variant, and transformers' experts.
+* `--prefill-profile` (alone): where one prefill goes in each engine (per-module thread CPU time,
+  one thread, fresh prompts every call; kvpilot's engine steps and tokens per step).
 * `--cpu-kernel` (alone): one OLMoE-shaped layer, the fused CPU call (kernels/cpu_moe.py) at each ISA
-  level vs the per-expert torch loop, one thread, thread CPU time (robust to a shared machine).
+  level vs the per-expert torch loop, one thread, thread CPU time (robust to a shared machine); with
+  --threads > 1 (default: every core) also both at that many threads, wall clock.
 
 Usage:
     python benchmarks/moe_bench.py                        # 2 layers, batch 32
@@ -35,6 +39,7 @@ Usage:
     python benchmarks/moe_bench.py --layers 1 --batch 8 --new-tokens 8 --rounds 1   # smoke run
     python benchmarks/moe_bench.py --backend-layer --device cuda --out moe_backends.json   # GPU
     python benchmarks/moe_bench.py --cpu-kernel --layer-tokens 1,32,128,256 --rounds 3   # fused CPU call
+    python benchmarks/moe_bench.py --prefill-profile --layers 1 --rounds 3   # where a prefill goes
     TRITON_INTERPRET=1 python benchmarks/moe_bench.py --backend-layer --tiny   # its CPU smoke run
 """
 
@@ -140,6 +145,10 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
         max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens,
         kv_cache_memory=int(args.kv_gib * 2**30),
+        # every call re-sends the same prompts; with prefix caching a later call would find their
+        # first blocks cached and compute half the prompt tokens, a saving transformers' generate
+        # has no counterpart for, so each prefill here computes all of them
+        enable_prefix_caching=False,
     )
     loaded = LoadedModel(
         model.eval(), tokenizer, arch, "olmoe-shaped", 4096, Path("."), torch.device("cpu"), dtype
@@ -269,13 +278,16 @@ def decode_step_bytes(
     return parts | {"total": sum(parts.values()), "active_experts_per_layer": active}
 
 
-def step_flop(model: dict[str, Any], layers: int, tokens: int) -> float:
-    """Pure: matmul FLOP of one forward over `tokens` tokens (each through its k experts, attention
-    projections and the LM head; attention scores left out: small at these contexts)."""
+def step_flop(model: dict[str, Any], layers: int, tokens: int, logit_rows: int | None = None) -> float:
+    """Pure: matmul FLOP of one forward over `tokens` tokens (each through its k experts and the
+    attention projections; attention scores left out: small at these contexts) plus the LM head on
+    `logit_rows` of them (default all; a prefill needs only each sequence's last token, and both
+    engines compute only those: kvpilot's sampled rows, transformers' `logits_to_keep`)."""
     h, inter, k = model["hidden_size"], model["intermediate_size"], model["num_experts_per_tok"]
     kv_width = h * model["num_key_value_heads"] // model["num_attention_heads"]
     per_token = layers * (k * 3 * h * inter + 2 * h * h + 2 * h * kv_width + model["num_experts"] * h)
-    return 2.0 * tokens * (per_token + model["vocab_size"] * h)
+    rows = tokens if logit_rows is None else logit_rows
+    return 2.0 * (tokens * per_token + rows * model["vocab_size"] * h)
 
 
 def bf16_matmul_rate(rows: int, seconds: float = 1.0) -> float:
@@ -310,7 +322,7 @@ def roofline(
     bf16 = out["experts_bf16"]
     rate = bf16_matmul_rate(args.batch)
     decode_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch)
-    prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len)
+    prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len, args.batch)
     out["compute"] = {
         "bf16_matmul_gflop_s": round(rate / 1e9, 1),
         "decode_step_gflop": round(decode_flop / 1e9, 1),
@@ -394,15 +406,22 @@ def backend_layer_times(
 BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0 + 2 / 1024}  # int8: a float16 scale per row of >= 1024
 
 
+def _finite_or(x: float, word: str) -> float | str:
+    return x if x != float("inf") else word
+
+
 def cpu_kernel_times(
-    dtypes: list[torch.dtype], tokens: list[int], levels: list[str], repeats: int
+    dtypes: list[torch.dtype], tokens: list[int], levels: list[str], repeats: int, threads: int = 1
 ) -> dict[str, Any]:
     """One OLMoE-shaped MoE layer (random weights, a random router's top-8) on the CPU, one thread:
     the fused C call (kernels/cpu_moe.py, at each ISA level in `levels`) against the per-expert torch
     loop (`moe_grouped`), in the same process. Milliseconds of *thread CPU time*
     (time.thread_time, best of `repeats`): on a shared machine wall time counts other work, CPU time
     of one thread does not (memory contention still shows). `rows_per_expert` = T * k / E, the
-    quantity cpu_moe.MAX_ROWS_PER_EXPERT bounds."""
+    quantity cpu_moe.max_rows_per_expert bounds. With `threads` > 1 also the wall milliseconds of
+    the loop and of the fused call (first level) at that many threads, best of `repeats`: what the
+    per-call thread barriers of the loop's 2 x (active experts) parallel matmuls cost, which one
+    thread's CPU time cannot show (on a shared machine the wall figures carry the load too)."""
     from kvpilot.kernels import cpu_moe, isa
     from kvpilot.runtime.models.moe import moe_grouped, route
 
@@ -412,18 +431,28 @@ def cpu_kernel_times(
     before = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def cpu_ms(fn: Any) -> float:
+    def cpu_ms(fn: Any, clock: Any = time.thread_time) -> float:
         fn()
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.thread_time()
+            t0 = clock()
             fn()
-            best = min(best, time.thread_time() - t0)
+            best = min(best, clock() - t0)
         return round(1e3 * best, 1)
+
+    def wall_ms(fn: Any) -> float:
+        torch.set_num_threads(threads)
+        try:
+            return cpu_ms(fn, time.perf_counter)
+        finally:
+            torch.set_num_threads(1)
 
     out: dict[str, Any] = {
         "timer": f"time.thread_time, 1 thread, best of {repeats}",
-        "max_rows_per_expert": cpu_moe.MAX_ROWS_PER_EXPERT,
+        "max_rows_per_expert": {
+            str(d).removeprefix("torch."): _finite_or(cpu_moe.max_rows_per_expert(d, levels[0]), "unlimited")
+            for d in dtypes
+        },
         "bf16_dot": {lvl: cpu_moe.bf16_dot(lvl) for lvl in levels},
         "runnable_levels": isa.runnable(),
     }
@@ -449,11 +478,113 @@ def cpu_kernel_times(
                     partial(cpu_moe.fused_experts, x, w13, w2, weights, ids, level=lvl)
                 )
             row["speedup"] = round(row["torch_loop_ms"] / row[f"fused_{levels[0]}_ms"], 2)
+            if threads > 1:
+                loop_wall = wall_ms(partial(moe_grouped, x, w13, w2, weights, ids))
+                fused_wall = wall_ms(
+                    partial(cpu_moe.fused_experts, x, w13, w2, weights, ids, level=levels[0])
+                )
+                row[f"wall_{threads}_threads"] = {
+                    "torch_loop_ms": loop_wall,
+                    f"fused_{levels[0]}_ms": fused_wall,
+                    "speedup": round(loop_wall / fused_wall, 2),
+                }
             rows[f"T={t}"] = row
         out[str(dtype).removeprefix("torch.")] = rows
         del w13, w2
     torch.set_num_threads(before)
     return out
+
+
+def prefill_profile(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    """Where a prefill goes (--prefill-profile): a 1-token generate of `batch` fresh prompts in each
+    engine, one thread, per-module `time.thread_time` (min over `rounds` calls, engines alternating):
+    kvpilot's engine steps and tokens per step, QKV / attention / o_proj / q-k norms + rope, router,
+    experts, LM head and what lies outside the model (scheduling, batch preparation, sampler);
+    transformers' attention block, router, experts and LM head."""
+    import collections
+
+    torch.set_num_threads(1)
+    args.threads = 1
+    hf = build_hf(args.layers, dtype, args.seed)
+    engine = build_kvpilot(hf, dtype, args)
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(obj: Any, attr: str, part: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[part] += time.thread_time() - t0
+
+        setattr(obj, attr, wrapper)
+
+    model = engine.runner.model
+    for i, layer in enumerate(model.model.layers):
+        att = layer.self_attn
+        timed(att.qkv_proj, "forward", "kvpilot.qkv_proj")
+        timed(att.attn, "forward", "kvpilot.attention")
+        timed(att.o_proj, "forward", "kvpilot.o_proj")
+        for norm in (att.q_norm, att.k_norm):
+            if norm is not None:
+                timed(norm, "forward", "kvpilot.qk_norm_rope")
+        if i == 0:  # one module shared by every layer
+            timed(att.rotary_emb, "forward", "kvpilot.qk_norm_rope")
+        timed(layer.mlp.gate, "forward", "kvpilot.router")
+        timed(layer.mlp.experts, "forward", "kvpilot.experts")
+    timed(model, "forward", "kvpilot.model")
+    timed(model, "compute_logits", "kvpilot.lm_head")
+    steps = {"n": 0, "tokens": 0}
+    execute = engine.runner.execute
+
+    def counted(scheduled: Any) -> Any:
+        steps["n"] += 1
+        steps["tokens"] += sum(s.num_new_tokens for s in scheduled)
+        return execute(scheduled)
+
+    engine.runner.execute = counted
+    for layer in hf.model.layers:
+        timed(layer.self_attn, "forward", "hf.attention_block")
+        timed(layer.mlp.gate, "forward", "hf.router")
+        timed(layer.mlp.experts, "forward", "hf.experts")
+    timed(hf.model, "forward", "hf.model")
+    timed(hf.lm_head, "forward", "hf.lm_head")
+    hf.set_experts_implementation("grouped_mm")
+    g = torch.Generator().manual_seed(args.seed + 1)
+
+    def fresh() -> list[list[int]]:  # new prompts every call: nothing cached anywhere
+        return torch.randint(
+            3, OLMOE_1B_7B["vocab_size"], (args.batch, args.prompt_len), generator=g
+        ).tolist()
+
+    run_kvpilot(engine, fresh()[:2], 1)
+    run_hf(hf, fresh()[:2], 1)
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for prefix, run in (("kvpilot", run_kvpilot), ("hf", run_hf)):
+            target = engine if prefix == "kvpilot" else hf
+            before = dict(spent)
+            if prefix == "kvpilot":
+                steps["n"] = steps["tokens"] = 0
+            t0 = time.thread_time()
+            run(target, fresh(), 1)
+            spent[f"{prefix}.whole_1_token_generate"] += time.thread_time() - t0
+            for k, v in spent.items():
+                if k.startswith(prefix + "."):
+                    best[k] = min(best.get(k, float("inf")), v - before.get(k, 0.0))
+    best["kvpilot.outside_model"] = (
+        best["kvpilot.whole_1_token_generate"] - best["kvpilot.model"] - best["kvpilot.lm_head"]
+    )
+    return {
+        "timer": f"time.thread_time, 1 thread, min of {args.rounds} alternating calls per part",
+        "kvpilot_engine_steps": steps["n"],
+        "kvpilot_tokens_per_step": steps["tokens"] // max(steps["n"], 1),
+        "kvpilot_experts_path": model.model.layers[0].mlp.experts.last_path,
+        "hf_experts_implementation": "grouped_mm",
+        "seconds": {k: round(v, 3) for k, v in sorted(best.items())},
+    }
 
 
 def bytes_per_weight(method: str, group: int) -> float:
@@ -532,8 +663,22 @@ def main() -> None:
     ap.add_argument(
         "--levels", default="", help="for --cpu-kernel: ISA levels (default: the vector ones this CPU runs)"
     )
+    ap.add_argument(
+        "--prefill-profile",
+        action="store_true",
+        help="only profile one prefill per engine: per-module thread CPU time, one thread",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args()
+    if args.prefill_profile:
+        result = {"machine": machine_info(), "config": vars(args)} | prefill_profile(
+            args, getattr(torch, args.dtype)
+        )
+        text = json.dumps(result, indent=2, default=str)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
+        return
     if args.cpu_kernel:
         from kvpilot.kernels import isa
 
@@ -550,6 +695,7 @@ def main() -> None:
             [int(t) for t in args.layer_tokens.split(",")],
             levels,
             args.rounds,
+            args.threads,
         )
         text = json.dumps(result, indent=2)
         print(text)
@@ -583,7 +729,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    record: dict[str, Any] = {"machine": machine_info(), "config": vars(args) | {"model": OLMOE_1B_7B}}
+    record: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": vars(args) | {"model": OLMOE_1B_7B, "kvpilot_prefix_caching": False},
+    }
     t0 = time.perf_counter()
     hf = build_hf(args.layers, dtype, args.seed)
     g = torch.Generator().manual_seed(args.seed)

@@ -12,24 +12,35 @@ activation is rounded to bfloat16 as torch's per-expert matmuls round it, other 
 float32 (torch rounds them to bfloat16), so the result is at least as accurate as the torch loop
 (the precise statement is at the top of the C source).
 
-It applies up to MAX_ROWS_PER_EXPERT assignments per held expert on average, the measured crossover
-above which torch's GEMMs (prefill) are faster (benchmarks/moe_bench.py --cpu-kernel, docs/benchmarks.md run 6).
+Where it applies (`max_rows_per_expert`): bfloat16 experts on a build with the native dot product
+(AVX512-BF16) at every row count, prefill included; float32 experts, and bfloat16 widened to float32
+(AVX2, AVX-512 without BF16), up to MAX_ROWS_PER_EXPERT assignments per held expert on average,
+above which torch's GEMMs (MKL float32; oneDNN bf16) are faster in CPU time. Measured on OLMoE's
+shapes (benchmarks/moe_bench.py --cpu-kernel, docs/benchmarks.md runs 6 and 7): with native bf16
+the fused call and the per-expert torch loop spend the same CPU time at prefill sizes (128 rows per
+expert: both compute-bound), but with more than one thread the loop's 2 x (active experts) separate
+parallel matmuls each end in a barrier, while the fused call is two dynamically scheduled parallel
+loops for the whole layer: 2 threads on a loaded 2-core machine, 1.5-1.6x less wall time than the
+loop at T = 1024, 1.5-2.3x at T = 256 (to be re-measured quiet).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild
+from kvpilot.kernels import cbuild, isa
 
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # assignments per held expert (T * top_k / E) up to which the fused call beats the per-expert torch
-# matmuls; measured on OLMoE's shapes (docs/benchmarks.md, MoE section)
+# matmuls for float32 experts and for bfloat16 without the native dot product; measured on OLMoE's
+# shapes (docs/benchmarks.md, MoE section). bfloat16 with it: no limit (`max_rows_per_expert`).
 MAX_ROWS_PER_EXPERT = 16
 
 
@@ -48,20 +59,33 @@ available = EXTENSION.available
 
 
 def bf16_dot(level: str | None = None) -> bool:
-    """Whether the build at `level` multiplies bfloat16 with AVX512-BF16 (else widened to float32)."""
+    """Whether the build at `level` (None: the selected one) multiplies bfloat16 with AVX512-BF16
+    (else widened to float32)."""
+    return _bf16_dot_at(level or isa.selected())
+
+
+@functools.cache
+def _bf16_dot_at(level: str) -> bool:  # asked per MoE forward: one ctypes call per level
     return bool(_library(level).kvpilot_moe_bf16_dot())
 
 
+def max_rows_per_expert(dtype: torch.dtype, level: str | None = None) -> float:
+    """Assignments per held expert on average up to which `fused_experts` is the faster way to run
+    experts of `dtype` (the build at `level`): unlimited for bfloat16 with the native dot product
+    (prefill too), MAX_ROWS_PER_EXPERT otherwise. The C library must be built."""
+    return math.inf if dtype == torch.bfloat16 and bf16_dot(level) else MAX_ROWS_PER_EXPERT
+
+
 def applies(x: torch.Tensor, w13: torch.Tensor, assignments: float) -> bool:
-    """Whether `fused_experts` takes this input: CPU, float32 or bfloat16 experts in x's dtype, at most
-    MAX_ROWS_PER_EXPERT assignments per held expert on average, and the C library built."""
+    """Whether `fused_experts` takes this input: CPU, float32 or bfloat16 experts in x's dtype, the C
+    library built, and at most `max_rows_per_expert` assignments per held expert on average."""
     return (
         x.device.type == "cpu"
         and w13.device.type == "cpu"
         and x.dtype in _DTYPES
         and w13.dtype == x.dtype
-        and assignments <= MAX_ROWS_PER_EXPERT * w13.shape[0]
         and available()
+        and assignments <= max_rows_per_expert(x.dtype) * w13.shape[0]
     )
 
 

@@ -29,6 +29,7 @@ if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; th
     "tests/runtime/test_moe_quant.py::test_fused_experts_is_the_per_expert_loop_in_one_call" \
     "tests/runtime/test_moe.py::test_cpu_layer_takes_the_fused_call_up_to_the_crossover" \
     "tests/runtime/test_moe.py::test_prefill_and_decode_logits_match_transformers" \
+    "tests/runtime/test_moe.py::test_bfloat16_prefill_takes_the_fused_call_and_tracks_transformers" \
     "tests/runtime/test_engine.py::test_quantized_cache_under_preemption_stays_greedy"
 fi
 

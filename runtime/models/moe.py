@@ -21,8 +21,11 @@ Expert computation, two implementations of one contract
 does for attention). On the CPU the `grouped` backend's 16/32-bit experts run as one C call,
 kernels/cpu_moe.fused_experts (`FusedMoE.forward`; each active expert's weights read once for all its
 rows, silu * mul and the weighted combine in the kernel, AVX512-BF16 dot products for bfloat16),
-where the batch gives at most cpu_moe.MAX_ROWS_PER_EXPERT rows per held expert on average (decode);
-more rows (prefill) keep the per-expert torch matmuls, which are faster there.
+for bfloat16 experts on CPUs with AVX512-BF16 at every batch size (prefill too: as fast as torch's
+GEMMs in CPU time, and with several threads two dynamically scheduled parallel loops instead of a
+barrier after each of the loop's 2 x (active experts) matmuls), for float32 (and bfloat16 widened to
+float32) where the batch gives at most cpu_moe.MAX_ROWS_PER_EXPERT rows per held expert on average
+(decode); more rows keep the per-expert torch matmuls there (`cpu_moe.max_rows_per_expert`).
 
 Quantized experts (`--quantization int8|int4`, `FusedMoE.quantize`): each expert's w13 and w2 become
 a kernels/qlinear.QuantizedWeight (int8 per output channel, or int4 with a scale and min per group

@@ -77,7 +77,14 @@ def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("t", "e", "k", "h", "i"),
-    [(1, 4, 2, 64, 32), (7, 8, 2, 33, 17), (13, 16, 4, 128, 64), (33, 6, 6, 70, 35), (5, 3, 1, 16, 1)],
+    [
+        (1, 4, 2, 64, 32),
+        (7, 8, 2, 33, 17),
+        (13, 16, 4, 128, 64),
+        (33, 6, 6, 70, 35),
+        (5, 3, 1, 16, 1),
+        (300, 8, 2, 96, 48),
+    ],  # the last: prefill-sized, ~75 rows per expert (many token tiles each)
 )
 def test_matches_spec_and_torch_loop(
     cpu_isa: str, dtype: torch.dtype, t: int, e: int, k: int, h: int, i: int
@@ -155,10 +162,19 @@ def test_bfloat16_dot_product_where_the_cpu_has_it(cpu_isa: str) -> None:
     assert cpu_moe.bf16_dot(cpu_isa) == (cpu_isa == "avx512" and "avx512_bf16" in isa.cpu_features())
 
 
-def test_applies_up_to_the_crossover() -> None:
+def test_applies_up_to_the_crossover(cpu_isa: str) -> None:
     x, w13, _, _, _ = _moe(3, 4, 2, 32, 16, torch.float32)
     limit = cpu_moe.MAX_ROWS_PER_EXPERT * 4
+    assert cpu_moe.max_rows_per_expert(torch.float32) == cpu_moe.MAX_ROWS_PER_EXPERT
     assert cpu_moe.applies(x, w13, limit)
-    assert not cpu_moe.applies(x, w13, limit + 1)  # prefill: the per-expert torch matmuls
+    assert not cpu_moe.applies(x, w13, limit + 1)  # float32 prefill: the per-expert torch matmuls
+    # bfloat16: every row count where the build has the native dot product (this level's flag),
+    # else the same limit (widened to float32, torch's GEMMs win above it)
+    native = cpu_moe.bf16_dot(cpu_isa)
+    assert native == (cpu_isa == "avx512" and "avx512_bf16" in isa.cpu_features())
+    xb, wb = x.bfloat16(), w13.bfloat16()
+    assert cpu_moe.max_rows_per_expert(torch.bfloat16) == (float("inf") if native else limit / 4)
+    assert cpu_moe.applies(xb, wb, limit)
+    assert cpu_moe.applies(xb, wb, 1024 * limit) == native
     assert not cpu_moe.applies(x.bfloat16(), w13, 8)  # experts in another dtype
     assert not cpu_moe.applies(x.half(), w13.half(), 8)

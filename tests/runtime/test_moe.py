@@ -9,7 +9,9 @@ transformers' own modeling code.
   and OLMoE (whole-projection q/k norm, clip_qkv) directories written with transformers: float32
   logits through prefill + paged decode, a varlen batch with chunked prefill and a decode in one
   step, and greedy tokens against `generate`; each on the fused C call for the experts
-  (kernels/cpu_moe.py), which the tests check was taken.
+  (kernels/cpu_moe.py), which the tests check was taken. In bfloat16, a prefill with many rows per
+  expert: the fused call where the CPU has AVX512-BF16 (checked), as close to transformers as the
+  torch loop.
 """
 
 from __future__ import annotations
@@ -289,9 +291,10 @@ def test_greedy_tokens_match_generate(tiny: tuple[str, Any, LoadedModel]) -> Non
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpu_layer_takes_the_fused_call_up_to_the_crossover(dtype: torch.dtype) -> None:
-    """FusedMoE on the CPU: the fused C call (kernels/cpu_moe.py) for up to MAX_ROWS_PER_EXPERT
-    rows per held expert, exactly cpu_moe.fused_experts' result; above that (prefill) and with
-    `use_cpu_kernel` off, the per-expert torch loop, which it agrees with."""
+    """FusedMoE on the CPU: the fused C call (kernels/cpu_moe.py) for up to max_rows_per_expert
+    rows per held expert (float32: MAX_ROWS_PER_EXPERT; bfloat16 with AVX512-BF16: every count,
+    prefill too), exactly cpu_moe.fused_experts' result; above that and with `use_cpu_kernel` off,
+    the per-expert torch loop, which it agrees with."""
     if not cpu_moe.available():
         missing("kernels/csrc/moe_cpu.c built", "a C compiler (gcc/cc) on PATH")
     e, k = 8, 2
@@ -303,7 +306,9 @@ def test_cpu_layer_takes_the_fused_call_up_to_the_crossover(dtype: torch.dtype) 
     # 2^-8 on outputs of size ~1), the fused call only the activation and the result
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     fits = cpu_moe.MAX_ROWS_PER_EXPERT * e // k  # tokens
-    for t, path in ((1, "cpu_fused"), (fits, "cpu_fused"), (fits + 1, "grouped")):
+    beyond = "cpu_fused" if cpu_moe.max_rows_per_expert(dtype) == float("inf") else "grouped"
+    assert beyond == ("cpu_fused" if dtype == torch.bfloat16 and cpu_moe.bf16_dot() else "grouped")
+    for t, path in ((1, "cpu_fused"), (fits, "cpu_fused"), (fits + 1, beyond), (8 * fits, beyond)):
         xs, _, _, weights, ids = _random_moe(t, e, k, seed=t)
         xs = xs.to(dtype)
         out = layer(xs, weights, ids)
@@ -325,3 +330,37 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match=r"'DeepseekV3ForCausalLM' is not supported.*OlmoeForCausalLM"):
         load_model(EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_bfloat16_prefill_takes_the_fused_call_and_tracks_transformers(family: str, tmp_path: Path) -> None:
+    """A bfloat16 model's prefill with many rows per expert (here ~35, above MAX_ROWS_PER_EXPERT):
+    on a CPU with AVX512-BF16 the experts run as the fused C call (cpu_moe.max_rows_per_expert),
+    else the per-expert torch loop; either way its logits are at least about as close to
+    transformers' float32 ones as the bfloat16 torch loop's are."""
+    if not cpu_moe.available():
+        missing("kernels/csrc/moe_cpu.c built", "a C compiler (gcc/cc) on PATH")
+    hf = make_tiny_moe_dir(family, tmp_path, max_position_embeddings=256)
+    loaded = load_model(EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.bfloat16)
+    ids = _ids(140, 5)  # 280 assignments over 8 experts
+    assert len(ids) * loaded.arch.num_experts_per_tok / loaded.arch.num_experts > cpu_moe.MAX_ROWS_PER_EXPERT
+    ref = _hf_logits(hf, ids)
+
+    def prefill() -> torch.Tensor:
+        kv = PagedKV(loaded.arch, num_blocks=24, block_size=8)
+        kv.caches = [type(c)(c.k.bfloat16(), c.v.bfloat16()) for c in kv.caches]
+        return kv.logits(loaded.model, [(0, ids)]).float()
+
+    fused = prefill()
+    native = cpu_moe.bf16_dot()
+    assert _paths(loaded.model) == {"cpu_fused" if native else "grouped"}
+    layers = [experts for _, experts in expert_layers(loaded.model)]
+    for experts in layers:
+        experts.use_cpu_kernel = False
+    loop = prefill()
+    assert _paths(loaded.model) == {"grouped"}
+    _, rel_fused = rel_diff(fused, ref)
+    _, rel_loop = rel_diff(loop, ref)
+    print(f"\ntiny {family} bf16 prefill: fused {rel_fused:.2g}, torch loop {rel_loop:.2g} of scale")
+    assert rel_fused <= 1.5 * rel_loop + 1e-3
+    assert rel_loop < 0.1  # bfloat16 end to end: a few percent of the largest logit
