@@ -460,14 +460,15 @@ def fused_experts(
 ) -> torch.Tensor | None:
     """`moe_grouped`'s result on quantized experts in one C call, or None where it does not apply
     (not CPU f32/bf16, float activations, a format without the int8-activation path, or more rows
-    per expert on average than SMALL_M: there dequantize + matmul per expert is faster)."""
+    per expert on average than the kernel takes (max_kernel_rows: SMALL_M, or any prefill for
+    tiled experts with AVX512-VNNI): there dequantize + matmul per expert is faster)."""
     t, k = ids.shape
     experts = len(table.experts[0])
     if not (
         x.device.type == "cpu"
         and x.dtype in _DTYPES
         and INT8_ACTIVATIONS
-        and t * k <= SMALL_M * experts
+        and t * k <= max_kernel_rows(table.experts[0][0]) * experts
         and available()
         and built_isa() in ("avx512", "avx2")
     ):

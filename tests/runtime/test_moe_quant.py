@@ -278,6 +278,18 @@ def test_fused_experts_declines_where_the_loop_is_faster_or_exact(monkeypatch: p
     many = torch.randn(qlinear.SMALL_M * 4 // 2 + 1, 64)  # more rows per expert than SMALL_M on average
     mw, mi = route(torch.randn(many.shape[0], 4), 2, renormalize=True)
     assert qlinear.fused_experts(many, table, mw, mi) is None
+    # tiled experts where the kernel has AVX512-VNNI take prefill-sized batches too
+    t13, t2 = [qlinear.tile(q) for q in q13], [qlinear.tile(q) for q in q2]
+    tiled = qlinear.expert_table(t13, t2)
+    assert tiled is not None
+    prefill = qlinear.fused_experts(many, tiled, mw, mi)
+    if qlinear.max_kernel_rows(t13[0]) > qlinear.SMALL_M:
+        assert prefill is not None
+        want = moe_grouped(many, q13, q2, mw, mi)  # many rows: dequantized weights, exact products
+        # int8 activations in both passes against the exact float product (~1% measured)
+        assert float((prefill - want).norm() / want.norm()) < 3e-2
+    else:
+        assert prefill is None
     assert qlinear.expert_table(q13, _quantize(w2, "int4", 32)) is None  # mixed formats
     monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
     assert qlinear.fused_experts(x, table, weights, ids) is None  # exact products: the loop's kernel calls
