@@ -40,11 +40,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, triton_qlinear
+from kvpilot.kernels import cbuild, isa, triton_qlinear
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul_cpu.c"
+GEMM_SOURCE = Path(__file__).parent / "csrc" / "qgemm_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
@@ -175,6 +176,75 @@ built_isa = EXTENSION.built_isa
 available = EXTENSION.available
 
 
+def _declare_gemm(lib: ctypes.CDLL) -> None:
+    p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.kvpilot_qgemm.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qgemm.restype = i
+
+
+GEMM_EXTENSION = cbuild.Extension(
+    GEMM_SOURCE, CFLAGS, _declare_gemm, "dequantize + torch matmul for many rows"
+)
+# Weight formats for which the int8-activation GEMM beats dequantize + torch's matmul above SMALL_M
+# rows, per ISA level (benchmarks/qmatmul_bench.py --gemm; docs/benchmarks.md "Issue 14").
+GEMM_BITS: dict[str, tuple[int, ...]] = {"avx2": (4, 8), "avx512": (4, 8)}
+
+
+def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None) -> bool:
+    """Whether `matmul` takes the int8-activation GEMM (kernels/csrc/qgemm_cpu.c) for this input:
+    CPU f32/bf16, more than SMALL_M rows, int8 activations on, K and the group multiples of 32, and a
+    weight format the level's GEMM is faster for (GEMM_BITS)."""
+    k = x.shape[-1]
+    lv = level or isa.selected()
+    return (
+        INT8_ACTIVATIONS
+        and x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and qw.packed.device.type == "cpu"
+        and k % ACT_BLOCK == 0
+        and qw.group % ACT_BLOCK == 0
+        and (x.numel() // k if k else 0) > SMALL_M
+        and qw.bits in GEMM_BITS.get(lv, ())
+        and GEMM_EXTENSION.available(lv)
+        and GEMM_EXTENSION.built_isa(lv) == lv
+    )
+
+
+def gemm_matmul(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, *, level: str | None = None
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) by the int8-activation GEMM, any number of rows; the arithmetic is
+    `reference_q8_matmul`'s (to float rounding). ValueError where the level has no such path."""
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {qw.in_features}")
+    x2 = x.reshape(-1, qw.in_features).contiguous()
+    out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    rc = GEMM_EXTENSION.library(level).kvpilot_qgemm(
+        x2.data_ptr(),
+        _DTYPES[x.dtype],
+        out.data_ptr(),
+        None if b is None else b.data_ptr(),
+        x2.shape[0],
+        qw.in_features,
+        qw.out_features,
+        qw.packed.data_ptr(),
+        qw.bits,
+        qw.group,
+        qw.scales.data_ptr(),
+        None if qw.mins is None else qw.mins.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise ValueError(
+            "the int8-activation GEMM does not apply here (generic ISA level, or K or the group "
+            "not a multiple of 32)"
+        )
+    if rc != 0:
+        raise ValueError(f"quantized GEMM kernel rejected its arguments (code {rc})")
+    return out.reshape(*x.shape[:-1], qw.out_features)
+
+
 def kernel_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
     """Whether `matmul` takes the C kernel for this input (CPU, f32/bf16, at most SMALL_M rows)."""
     k = x.shape[-1]
@@ -302,6 +372,8 @@ def reference_q8_matmul(
 def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
+    if gemm_applies(x, qw):
+        return gemm_matmul(x, qw, bias)
     if triton_qlinear.applies(x, qw):  # CUDA: kernels/triton_qlinear.py dequantizes tiles in registers
         return triton_qlinear.qmatmul(x, qw, bias)
     return dequantize_matmul(x, qw, bias)
