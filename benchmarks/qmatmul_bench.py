@@ -13,9 +13,10 @@ avx2 level), rows M = 1 (single-stream decode), 5 (a speculative verification wi
 - `gemm` (`--gemm`): the int8-activation GEMM of kernels/csrc/qgemm_cpu.c (many rows).
 Times are the best of several rounds of the thread's CPU time (time.thread_time), which a shared
 machine disturbs less than wall time; SMALL_M (the row count up to which `matmul` takes the kernel)
-comes from where `kernel` and `dequant_mm` / `gemm` cross, GEMM_BITS (which formats take the GEMM
-above SMALL_M) from `gemm` against `dequant_mm`. Set KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2 to measure the avx2 level on an AVX-512 CPU.
+comes from where `kernel` and `dequant_mm` cross, GEMM_MIN_ROWS (from how many rows a format takes
+the GEMM, per level) from where `gemm` beats both. Set KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 to measure the avx2 level on an AVX-512 CPU (the
+last one caps torch's float32 matmul, MKL's sgemm).
 
     python benchmarks/qmatmul_bench.py [--rows 1,5,16,32,64,128] [--shapes qkv,gate_up,down,lm_head]
 

@@ -9,11 +9,15 @@ GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/
   float16 scale and min per group; two weights per byte, weight i of a group in the low nibble of
   byte i and weight i + group / 2 in the high one (Q4_1's layout; Q4_0 is min = -8 * scale).
 
-`matmul` is the layer's forward: on CPU, for up to SMALL_M rows of float32/bfloat16 activations (the
-decode case, bound by reading the weights), the C kernel kernels/csrc/qmatmul_cpu.c reads the
-quantized weights directly, built per ISA level like every kernel here (kernels/isa.py); otherwise
-the weights are dequantized to the activation dtype (by the C library on CPU) and multiplied by
-torch (`dequantize_matmul`; `reference_matmul` is the same in torch alone).
+`matmul` is the layer's forward: on CPU, for a few rows of float32/bfloat16 activations (the decode
+case, bound by reading the weights), the C kernel kernels/csrc/qmatmul_cpu.c reads the quantized
+weights directly, built per ISA level like every kernel here (kernels/isa.py); from GEMM_MIN_ROWS
+rows (batched decode, prefill: bound by arithmetic) the GEMM of kernels/csrc/qgemm_cpu.c multiplies
+int8 activation codes with the weight codes (`gemm_matmul`, same arithmetic as the small-M
+kernel's int8-activation path below); where neither applies (no C compiler, the generic level,
+float activations, widths not a multiple of 32, more than SMALL_M rows without the GEMM) the
+weights are dequantized to the activation dtype (by the C library on CPU) and multiplied by torch
+(`dequantize_matmul`; `reference_matmul` is the same in torch alone).
 
 At the avx512 and avx2 levels the kernel also quantizes the activations, as llama.cpp does: each row
 of x in blocks of ACT_BLOCK = 32 to int8 with one float scale per block (round to nearest), then
@@ -185,26 +189,28 @@ def _declare_gemm(lib: ctypes.CDLL) -> None:
 GEMM_EXTENSION = cbuild.Extension(
     GEMM_SOURCE, CFLAGS, _declare_gemm, "dequantize + torch matmul for many rows"
 )
-# Weight formats for which the int8-activation GEMM beats dequantize + torch's matmul above SMALL_M
-# rows, per ISA level (benchmarks/qmatmul_bench.py --gemm; docs/benchmarks.md "Issue 14").
-GEMM_BITS: dict[str, tuple[int, ...]] = {"avx2": (4, 8), "avx512": (4, 8)}
+# Per ISA level and weight bits, the row count from which the int8-activation GEMM beats both the
+# small-M kernel and dequantize + torch's matmul (benchmarks/qmatmul_bench.py --gemm, SmolLM2's
+# shapes, one thread; docs/benchmarks.md "Issue 14"). Levels or formats not listed never take it.
+GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 8, 8: 8}, "avx512": {4: 8, 8: 32}}
 
 
 def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None) -> bool:
     """Whether `matmul` takes the int8-activation GEMM (kernels/csrc/qgemm_cpu.c) for this input:
-    CPU f32/bf16, more than SMALL_M rows, int8 activations on, K and the group multiples of 32, and a
-    weight format the level's GEMM is faster for (GEMM_BITS)."""
+    CPU f32/bf16, int8 activations on, K and the group multiples of 32, and at least as many rows as
+    the level's GEMM needs to be the fastest path for this format (GEMM_MIN_ROWS)."""
     k = x.shape[-1]
     lv = level or isa.selected()
+    min_rows = GEMM_MIN_ROWS.get(lv, {}).get(qw.bits)
     return (
         INT8_ACTIVATIONS
+        and min_rows is not None
         and x.device.type == "cpu"
         and x.dtype in _DTYPES
         and qw.packed.device.type == "cpu"
         and k % ACT_BLOCK == 0
         and qw.group % ACT_BLOCK == 0
-        and (x.numel() // k if k else 0) > SMALL_M
-        and qw.bits in GEMM_BITS.get(lv, ())
+        and (x.numel() // k if k else 0) >= min_rows
         and GEMM_EXTENSION.available(lv)
         and GEMM_EXTENSION.built_isa(lv) == lv
     )
@@ -246,7 +252,8 @@ def gemm_matmul(
 
 
 def kernel_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """Whether `matmul` takes the C kernel for this input (CPU, f32/bf16, at most SMALL_M rows)."""
+    """Whether the small-M C kernel takes this input (CPU, f32/bf16, at most SMALL_M rows; `matmul`
+    asks `gemm_applies` first)."""
     k = x.shape[-1]
     return (
         x.device.type == "cpu"
@@ -370,10 +377,10 @@ def reference_q8_matmul(
 
 
 def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if kernel_applies(x, qw):
-        return kernel_matmul(x, qw, bias)
     if gemm_applies(x, qw):
         return gemm_matmul(x, qw, bias)
+    if kernel_applies(x, qw):
+        return kernel_matmul(x, qw, bias)
     if triton_qlinear.applies(x, qw):  # CUDA: kernels/triton_qlinear.py dequantizes tiles in registers
         return triton_qlinear.qmatmul(x, qw, bias)
     return dequantize_matmul(x, qw, bias)

@@ -92,9 +92,10 @@ def test_kernel_matches_the_dequantized_matmul(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     else:  # one bf16 rounding of the result (and of the input the activations are quantized from)
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
-    # and the layer's entry point takes the kernel for this input
+    # and the layer's entry point takes the kernel for this input (or, from GEMM_MIN_ROWS rows, the GEMM)
     if level == qlinear.built_isa():
-        torch.testing.assert_close(qlinear.matmul(x, qw, bias), got, rtol=0, atol=0)
+        path = qlinear.gemm_matmul if qlinear.gemm_applies(x, qw) else qlinear.kernel_matmul
+        torch.testing.assert_close(qlinear.matmul(x, qw, bias), path(x, qw, bias), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("level", [lv for lv in isa.runnable() if lv != "generic"])
@@ -245,9 +246,11 @@ def test_gemm_takes_the_many_row_matmuls_and_refuses_what_it_cannot_do() -> None
     level = isa.selected()
     qw = qlinear.quantize_int4(weight(), 32)
     big = torch.randn(qlinear.SMALL_M + 5, 256)
-    if level != "generic" and qlinear.GEMM_EXTENSION.available(level) and 4 in qlinear.GEMM_BITS[level]:
-        assert qlinear.gemm_applies(big, qw)
-        assert not qlinear.gemm_applies(big[: qlinear.SMALL_M], qw)  # the small-M kernel's rows
+    if level != "generic" and qlinear.GEMM_EXTENSION.available(level):
+        first = qlinear.GEMM_MIN_ROWS[level][4]
+        assert qlinear.gemm_applies(big, qw) and qlinear.gemm_applies(big[:first], qw)
+        assert not qlinear.gemm_applies(big[: first - 1], qw)  # the small-M kernel's rows
+        assert qlinear.kernel_applies(big[: first - 1], qw)
         torch.testing.assert_close(
             qlinear.matmul(big, qw), qlinear.reference_q8_matmul(big, qw), rtol=1e-5, atol=1e-4
         )
