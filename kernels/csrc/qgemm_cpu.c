@@ -48,6 +48,9 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 #define NR 2 /* weight rows per register tile */
 #endif
 #define NP 16   /* weight rows unpacked per panel */
+#ifndef MBLK
+#define MBLK 128 /* rows of x per pass over the weight panels */
+#endif
 #define MAXC 64 /* chunks of a row held on the stack: K <= 8 * 32 * (MAXC - 3) */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -332,7 +335,7 @@ int kvpilot_qgemm(const void *x, int dtype, void *out, const void *bias, long M,
         }
     }
     if (!failed) {
-        const long panels = (N + NP - 1) / NP;
+        const long panels = (N + NP - 1) / NP, blocks = (M + MBLK - 1) / MBLK;
 #pragma omp parallel num_threads(num_threads)
         {
             uint8_t *wp = (uint8_t *)aligned_alloc(64, (size_t)(NP * K));
@@ -343,16 +346,21 @@ int kvpilot_qgemm(const void *x, int dtype, void *out, const void *bias, long M,
 #pragma omp atomic write
                 failed = 1;
             }
+            /* work items (row block, panel), row blocks outermost: the threads share one block of x
+             * (MBLK rows, in L2) while they go through the panels, and each panel is unpacked once per
+             * row block (the x of a long prefill chunk would not stay in cache across panels) */
 #pragma omp for schedule(dynamic, 1)
-            for (long p = 0; p < panels; p++) {
+            for (long item = 0; item < blocks * panels; item++) {
                 if (!ok) continue;
+                const long p = item % panels, mlo = item / panels * MBLK;
+                const long mhi = M - mlo < MBLK ? M : mlo + MBLK;
                 const long n0 = p * NP, np = N - n0 < NP ? N - n0 : NP;
                 for (long j = 0; j < np; j++)
                     unpack_row(w + (n0 + j) * row_bytes, wbits, K, group, scales + (n0 + j) * ng,
                                mins ? mins + (n0 + j) * ng : NULL, ch, wp + j * K, wsl + j * lstride,
                                mnl ? mnl + j * lstride : NULL);
-                for (long m0 = 0; m0 < M; m0 += MR) {
-                    const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                for (long m0 = mlo; m0 < mhi; m0 += MR) {
+                    const int mr = mhi - m0 < MR ? (int)(mhi - m0) : MR;
                     for (long j = 0; j < np; j += NR) {
                         const int nr = np - j < NR ? (int)(np - j) : NR;
                         float res[MR][NR];

@@ -207,7 +207,7 @@ GEMM_LEVELS = [lv for lv in isa.runnable() if lv != "generic"]
     ("rows", "k", "n"),
     # K = 512: two chunks of 8 blocks; 576: 8 + 8 + 2 (SmolLM2's width); 224: 4 + 2 + 1; 32: one
     # block. Rows and weight rows not multiples of the 4 x 2 register tile, N not of the 16-row panel.
-    [(33, 512, 96), (40, 576, 37), (7, 224, 50), (64, 32, 17)],
+    [(33, 512, 96), (40, 576, 37), (7, 224, 50), (64, 32, 17), (300, 64, 20)],  # 300: 3 row blocks
 )
 def test_gemm_matches_the_specification(level: str, dtype: torch.dtype, rows: int, k: int, n: int) -> None:
     """The many-row int8-activation GEMM (qgemm_cpu.c) at every level it is built for, every weight
