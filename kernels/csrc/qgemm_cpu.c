@@ -313,77 +313,75 @@ int kvpilot_qgemm(const void *x, int dtype, void *out, const void *bias, long M,
     float *rsl = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * lstride)) : NULL;
     float *xsl = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * lstride)) : NULL;
     int failed = !xq || !dxl || (wbits == 4 && (!rsl || !xsl));
-    if (!failed) {
-#pragma omp parallel num_threads(num_threads)
-        {
-            float *row = (float *)malloc(sizeof(float) * (size_t)K);
-            if (!row) {
+    const long panels = (N + NP - 1) / NP, blocks = (M + MBLK - 1) / MBLK;
+    /* pass 1: every row of x quantized; in parallel only for long inputs (prefill): on a loaded
+     * machine each extra fork/join or barrier can wait a scheduler time slice for a preempted thread */
+#pragma omp parallel num_threads(num_threads) if (!failed && M >= 256)
+    {
+        float *row = (float *)malloc(sizeof(float) * (size_t)K);
+        if (!row) {
 #pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(static)
-            for (long m = 0; m < M; m++) {
-                if (!row) continue;
-                if (dtype == DT_BF16)
-                    for (long k = 0; k < K; k++) row[k] = bf16_to_f32(((const uint16_t *)x)[m * K + k]);
-                else
-                    memcpy(row, (const float *)x + m * K, sizeof(float) * (size_t)K);
-                quantize_row(row, K, wbits, group, ch, xq + m * K, dxl + m * lstride,
-                             rsl ? rsl + m * lstride : NULL, xsl ? xsl + m * lstride : NULL);
-            }
-            free(row);
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) {
+            if (!row || failed) continue;
+            if (dtype == DT_BF16)
+                for (long k = 0; k < K; k++) row[k] = bf16_to_f32(((const uint16_t *)x)[m * K + k]);
+            else
+                memcpy(row, (const float *)x + m * K, sizeof(float) * (size_t)K);
+            quantize_row(row, K, wbits, group, ch, xq + m * K, dxl + m * lstride, rsl ? rsl + m * lstride : NULL,
+                         xsl ? xsl + m * lstride : NULL);
+        }
+        free(row);
     }
-    if (!failed) {
-        const long panels = (N + NP - 1) / NP, blocks = (M + MBLK - 1) / MBLK;
-#pragma omp parallel num_threads(num_threads)
-        {
-            uint8_t *wp = (uint8_t *)aligned_alloc(64, (size_t)(NP * K));
-            float *wsl = (float *)malloc(sizeof(float) * (size_t)(NP * lstride));
-            float *mnl = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(NP * lstride)) : NULL;
-            const int ok = wp && wsl && (wbits == 8 || mnl);
-            if (!ok) {
+#pragma omp parallel num_threads(num_threads) if (!failed)
+    {
+        uint8_t *wp = (uint8_t *)aligned_alloc(64, (size_t)(NP * K));
+        float *wsl = (float *)malloc(sizeof(float) * (size_t)(NP * lstride));
+        float *mnl = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(NP * lstride)) : NULL;
+        const int stop = failed || !wp || !wsl || (wbits == 4 && !mnl);
+        if (stop) {
 #pragma omp atomic write
-                failed = 1;
-            }
-            /* work items (row block, panel), row blocks outermost: the threads share one block of x
-             * (MBLK rows, in L2) while they go through the panels, and each panel is unpacked once per
-             * row block (the x of a long prefill chunk would not stay in cache across panels) */
-#pragma omp for schedule(dynamic, 1)
-            for (long item = 0; item < blocks * panels; item++) {
-                if (!ok) continue;
-                const long p = item % panels, mlo = item / panels * MBLK;
-                const long mhi = M - mlo < MBLK ? M : mlo + MBLK;
-                const long n0 = p * NP, np = N - n0 < NP ? N - n0 : NP;
-                for (long j = 0; j < np; j++)
-                    unpack_row(w + (n0 + j) * row_bytes, wbits, K, group, scales + (n0 + j) * ng,
-                               mins ? mins + (n0 + j) * ng : NULL, ch, wp + j * K, wsl + j * lstride,
-                               mnl ? mnl + j * lstride : NULL);
-                for (long m0 = mlo; m0 < mhi; m0 += MR) {
-                    const int mr = mhi - m0 < MR ? (int)(mhi - m0) : MR;
-                    for (long j = 0; j < np; j += NR) {
-                        const int nr = np - j < NR ? (int)(np - j) : NR;
-                        float res[MR][NR];
-                        run_tile(mr, nr, wbits, ch, K, xq + m0 * K, dxl + m0 * lstride,
-                                 rsl ? rsl + m0 * lstride : NULL, xsl ? xsl + m0 * lstride : NULL, wp + j * K,
-                                 wsl + j * lstride, mnl ? mnl + j * lstride : NULL, lstride, res);
-                        for (int a = 0; a < mr; a++)
-                            for (int b = 0; b < nr; b++) {
-                                const long n = n0 + j + b;
-                                float v = res[a][b];
-                                if (bias)
-                                    v += dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
-                                                          : ((const float *)bias)[n];
-                                if (dtype == DT_BF16)
-                                    ((uint16_t *)out)[(m0 + a) * N + n] = f32_to_bf16(v);
-                                else
-                                    ((float *)out)[(m0 + a) * N + n] = v;
-                            }
-                    }
+            failed = 1; /* this thread's items are skipped: the call reports -3 */
+        }
+        /* pass 2: work items (row block, panel), row blocks outermost: the threads share one block
+         * of x (MBLK rows, in L2) while they go through the panels, and each panel is unpacked once
+         * per row block (the x of a long prefill chunk would not stay in cache across panels) */
+#pragma omp for schedule(dynamic, 1) nowait
+        for (long item = 0; item < blocks * panels; item++) {
+            if (stop) continue;
+            const long p = item % panels, mlo = item / panels * MBLK;
+            const long mhi = M - mlo < MBLK ? M : mlo + MBLK;
+            const long n0 = p * NP, np = N - n0 < NP ? N - n0 : NP;
+            for (long j = 0; j < np; j++)
+                unpack_row(w + (n0 + j) * row_bytes, wbits, K, group, scales + (n0 + j) * ng,
+                           mins ? mins + (n0 + j) * ng : NULL, ch, wp + j * K, wsl + j * lstride,
+                           mnl ? mnl + j * lstride : NULL);
+            for (long m0 = mlo; m0 < mhi; m0 += MR) {
+                const int mr = mhi - m0 < MR ? (int)(mhi - m0) : MR;
+                for (long j = 0; j < np; j += NR) {
+                    const int nr = np - j < NR ? (int)(np - j) : NR;
+                    float res[MR][NR];
+                    run_tile(mr, nr, wbits, ch, K, xq + m0 * K, dxl + m0 * lstride, rsl ? rsl + m0 * lstride : NULL,
+                             xsl ? xsl + m0 * lstride : NULL, wp + j * K, wsl + j * lstride,
+                             mnl ? mnl + j * lstride : NULL, lstride, res);
+                    for (int a = 0; a < mr; a++)
+                        for (int b = 0; b < nr; b++) {
+                            const long n = n0 + j + b;
+                            float v = res[a][b];
+                            if (bias)
+                                v += dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
+                                                      : ((const float *)bias)[n];
+                            if (dtype == DT_BF16)
+                                ((uint16_t *)out)[(m0 + a) * N + n] = f32_to_bf16(v);
+                            else
+                                ((float *)out)[(m0 + a) * N + n] = v;
+                        }
                 }
             }
-            free(wp), free(wsl), free(mnl);
         }
+        free(wp), free(wsl), free(mnl);
     }
     free(xq), free(dxl), free(rsl), free(xsl);
     return failed ? -3 : 0;
