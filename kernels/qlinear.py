@@ -193,6 +193,7 @@ GEMM_EXTENSION = cbuild.Extension(
 # small-M kernel and dequantize + torch's matmul (benchmarks/qmatmul_bench.py --gemm, SmolLM2's
 # shapes, one thread; docs/benchmarks.md "Issue 14"). Levels or formats not listed never take it.
 GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 8, 8: 8}, "avx512": {4: 8, 8: 32}}
+GEMM_MAX_K = 8 * ACT_BLOCK * (1024 - 3)  # the widest input the GEMM's chunk table holds (MAXC in the C)
 
 
 def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None) -> bool:
@@ -209,6 +210,7 @@ def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None)
         and x.dtype in _DTYPES
         and qw.packed.device.type == "cpu"
         and k % ACT_BLOCK == 0
+        and k <= GEMM_MAX_K
         and qw.group % ACT_BLOCK == 0
         and (x.numel() // k if k else 0) >= min_rows
         and GEMM_EXTENSION.available(lv)
@@ -243,8 +245,8 @@ def gemm_matmul(
     )
     if rc == -2:
         raise ValueError(
-            "the int8-activation GEMM does not apply here (generic ISA level, or K or the group "
-            "not a multiple of 32)"
+            "the int8-activation GEMM does not apply here (generic ISA level, K or the group not a "
+            f"multiple of 32, or K above {GEMM_MAX_K})"
         )
     if rc != 0:
         raise ValueError(f"quantized GEMM kernel rejected its arguments (code {rc})")

@@ -51,7 +51,7 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 #ifndef MBLK
 #define MBLK 128 /* rows of x per pass over the weight panels */
 #endif
-#define MAXC 64 /* chunks of a row held on the stack: K <= 8 * 32 * (MAXC - 3) */
+#define MAXC 1024 /* chunks of a row (a table on the stack): K <= 8 * 32 * (MAXC - 3) (qlinear.GEMM_MAX_K) */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QG_VNNI 1

@@ -251,6 +251,15 @@ def test_gemm_takes_the_many_row_matmuls_and_refuses_what_it_cannot_do() -> None
         assert qlinear.gemm_applies(big, qw) and qlinear.gemm_applies(big[:first], qw)
         assert not qlinear.gemm_applies(big[: first - 1], qw)  # the small-M kernel's rows
         assert qlinear.kernel_applies(big[: first - 1], qw)
+        # a wide input (a large model's down projection): 64 chunks of 8 blocks
+        wide_qw, wide_x = qlinear.quantize_int4(torch.randn(3, 16384), 32), torch.randn(9, 16384)
+        assert qlinear.gemm_applies(wide_x, wide_qw)
+        torch.testing.assert_close(
+            qlinear.gemm_matmul(wide_x, wide_qw),
+            qlinear.reference_q8_matmul(wide_x, wide_qw),
+            rtol=1e-5,
+            atol=1e-3,
+        )
         torch.testing.assert_close(
             qlinear.matmul(big, qw), qlinear.reference_q8_matmul(big, qw), rtol=1e-5, atol=1e-4
         )
@@ -258,6 +267,8 @@ def test_gemm_takes_the_many_row_matmuls_and_refuses_what_it_cannot_do() -> None
         assert not qlinear.gemm_applies(big, qw, level="generic")
         with pytest.raises(ValueError, match="does not apply here"):
             qlinear.gemm_matmul(big, qw, level="generic")
+    wide = qlinear.quantize_int8(torch.randn(1, qlinear.GEMM_MAX_K + 32))  # beyond the chunk table
+    assert not qlinear.gemm_applies(torch.randn(40, qlinear.GEMM_MAX_K + 32), wide)
     odd = qlinear.quantize_int8(torch.randn(8, 40))
     assert not qlinear.gemm_applies(torch.randn(40, 40), odd)
     with pytest.raises(ValueError, match="input has 39 features"):
