@@ -8,7 +8,8 @@
     native llama-server (benchmarks/build_llamacpp.sh) and transformers. Goals: int4 >= 1.3x
     llama.cpp, speculation >= 1.5x llama.cpp.
 (b) Batch throughput as on an AVX2-only CPU: kvpilot and transformers run under
-    KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, llama-server is the
+    KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    (the last caps torch's float32 matmuls, MKL's sgemm, which the others leave at AVX-512), llama-server is the
     AVX2-only build (`build_llamacpp.sh --isa avx2`, checked for zero AVX-512 instructions) with 32
     slots; bench_runtime.py's workload (N requests at once). kvpilot in the dtype `auto` picks there
     and with --quantization int8 / int4, transformers in the faster of float32 and bfloat16 there
@@ -40,7 +41,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / ".build"
 RESULTS_DIR = HERE / "results"
-AVX2_ENV = {"KVPILOT_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# kvpilot's kernels, ATen's kernels, oneDNN (bf16 matmuls) and MKL (torch's float32 matmuls: without
+# MKL_ENABLE_INSTRUCTIONS its sgemm keeps using AVX-512, ~1.6x the AVX2 rate on this CPU)
+AVX2_ENV = {
+    "KVPILOT_CPU_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 # build_llamacpp.sh's cache folders per --isa (version: engine_llamacpp.DEFAULT_LLAMACPP_VERSION)
 LLAMACPP_VERSION = "0.3.36"
 LLAMACPP_FOLDERS = {"native": "llama.cpp-{version}", "avx2": "llama.cpp-{version}-avx2"}

@@ -8,6 +8,9 @@ torch op is synchronous, so wall time of a wrapped call is the time it costs. St
 decode-only and mixed (prefill chunks present). Optionally a torch.profiler op table (--torch-ops).
 
     python benchmarks/profile_kvpilot.py --num-requests 128 --steps 300 [--torch-ops]
+    KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python benchmarks/profile_kvpilot.py --num-requests 32 --max-num-seqs 32 \
+        --prompt-range 32,256 --output-range 32,128 --quantization int4    # issue 14's AVX2 batch
 
 Prints JSON. The workload is the same as bench_runtime.py's (benchmarks/workload.py, seed 0); the
 run stops after --steps steps so it profiles the start (prefill-heavy) and the steady decode phase.
@@ -108,6 +111,11 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument("--quantization", default=None, help="EngineConfig.quantization (int8, int4, auto)")
+    p.add_argument(
+        "--prompt-range", default="32,512", help="prompt lengths, inclusive (bench_runtime's default)"
+    )
+    p.add_argument("--output-range", default="64,512", help="output lengths, inclusive")
     p.add_argument("--torch-ops", action="store_true", help="also a torch.profiler op table (slower)")
     p.add_argument("--cprofile", action="store_true", help="also the top Python functions (cProfile)")
     args = p.parse_args()
@@ -125,9 +133,14 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         kv_cache_memory=int(args.kv_gib * 2**30),
+        quantization=args.quantization,
     )
     engine = LLMEngine.from_config(cfg)
-    reqs = wl.make_requests(args.num_requests, seed=0, corpus=wl.corpus_token_ids(str(gguf_path)))
+    lo_p, hi_p = map(int, args.prompt_range.split(","))
+    lo_o, hi_o = map(int, args.output_range.split(","))
+    reqs = wl.make_requests(
+        args.num_requests, (lo_p, hi_p), (lo_o, hi_o), seed=0, corpus=wl.corpus_token_ids(str(gguf_path))
+    )
     engine.generate([reqs[0].prompt_ids[:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 
     timers = Timers()

@@ -9,11 +9,15 @@ GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/
   float16 scale and min per group; two weights per byte, weight i of a group in the low nibble of
   byte i and weight i + group / 2 in the high one (Q4_1's layout; Q4_0 is min = -8 * scale).
 
-`matmul` is the layer's forward: on CPU, for up to SMALL_M rows of float32/bfloat16 activations (the
-decode case, bound by reading the weights), the C kernel kernels/csrc/qmatmul_cpu.c reads the
-quantized weights directly, built per ISA level like every kernel here (kernels/isa.py); otherwise
-the weights are dequantized to the activation dtype (by the C library on CPU) and multiplied by
-torch (`dequantize_matmul`; `reference_matmul` is the same in torch alone).
+`matmul` is the layer's forward: on CPU, for a few rows of float32/bfloat16 activations (the decode
+case, bound by reading the weights), the C kernel kernels/csrc/qmatmul_cpu.c reads the quantized
+weights directly, built per ISA level like every kernel here (kernels/isa.py); from GEMM_MIN_ROWS
+rows (batched decode, prefill: bound by arithmetic) the GEMM of kernels/csrc/qgemm_cpu.c multiplies
+int8 activation codes with the weight codes (`gemm_matmul`, same arithmetic as the small-M
+kernel's int8-activation path below); where neither applies (no C compiler, the generic level,
+float activations, widths not a multiple of 32, more than SMALL_M rows without the GEMM) the
+weights are dequantized to the activation dtype (by the C library on CPU) and multiplied by torch
+(`dequantize_matmul`; `reference_matmul` is the same in torch alone).
 
 At the avx512 and avx2 levels the kernel also quantizes the activations, as llama.cpp does: each row
 of x in blocks of ACT_BLOCK = 32 to int8 with one float scale per block (round to nearest), then
@@ -45,14 +49,16 @@ from kvpilot.kernels import cbuild, isa, triton_qlinear
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul_cpu.c"
+GEMM_SOURCE = Path(__file__).parent / "csrc" / "qgemm_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
 SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/qmatmul_bench.py)
-# rows up to which a tiled weight takes the kernel where it has AVX512-VNNI: 2x torch's bf16 matmul
-# (dequantized) at 128, 512 and 2048 rows, one thread (qmatmul_bench.py --rows ...); without VNNI,
-# SMALL_M (avx2: oneDNN's float32 GEMM is faster above it)
-TILED_VNNI_MAX_M = 8192
+# rows up to which a tiled weight takes the kernel where it beats every other path at any row count
+# (one thread, benchmarks/qmatmul_bench.py, docs/benchmarks.md): avx512 with VNNI (~2x the GEMM and
+# torch's bf16 matmul at 8-512 rows), and int8 at avx2 (1.2-1.5x the GEMM, 1.2x torch's float32);
+# elsewhere (int4 at avx2: the GEMM is faster from 64 rows) SMALL_M, then the GEMM on a row-layout copy
+TILED_MAX_M = 8192
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 ACTIVATIONS_ENV = "KVPILOT_QMATMUL_ACTIVATIONS"
 
@@ -266,10 +272,88 @@ built_isa = EXTENSION.built_isa
 available = EXTENSION.available
 
 
+def _declare_gemm(lib: ctypes.CDLL) -> None:
+    p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.kvpilot_qgemm.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qgemm.restype = i
+
+
+GEMM_EXTENSION = cbuild.Extension(
+    GEMM_SOURCE, CFLAGS, _declare_gemm, "dequantize + torch matmul for many rows"
+)
+# Per ISA level and weight bits, the row count from which the int8-activation GEMM beats both the
+# small-M kernel and dequantize + torch's matmul (benchmarks/qmatmul_bench.py --gemm, SmolLM2's
+# shapes, one thread; docs/benchmarks.md "Issue 14"). Levels or formats not listed never take it.
+GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 8, 8: 8}, "avx512": {4: 8, 8: 32}}
+GEMM_MAX_K = 8 * ACT_BLOCK * (1024 - 3)  # the widest input the GEMM's chunk table holds (MAXC in the C)
+
+
+def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None) -> bool:
+    """Whether `matmul` takes the int8-activation GEMM (kernels/csrc/qgemm_cpu.c) for this input:
+    CPU f32/bf16, int8 activations on, K and the group multiples of 32, and at least as many rows as
+    the level's GEMM needs to be the fastest path for this format (GEMM_MIN_ROWS)."""
+    k = x.shape[-1]
+    lv = level or isa.selected()
+    min_rows = GEMM_MIN_ROWS.get(lv, {}).get(qw.bits)
+    return (
+        INT8_ACTIVATIONS
+        and min_rows is not None
+        and x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and qw.packed.device.type == "cpu"
+        and k % ACT_BLOCK == 0
+        and k <= GEMM_MAX_K
+        and qw.group % ACT_BLOCK == 0
+        and (x.numel() // k if k else 0) >= min_rows
+        and GEMM_EXTENSION.available(lv)
+        and GEMM_EXTENSION.built_isa(lv) == lv
+    )
+
+
+def gemm_matmul(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, *, level: str | None = None
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) by the int8-activation GEMM, any number of rows; the arithmetic is
+    `reference_q8_matmul`'s (to float rounding). ValueError where the level has no such path."""
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {qw.in_features}")
+    qw = untile(qw)  # the GEMM reads the row layout (a tiled weight: a copy of its codes)
+    x2 = x.reshape(-1, qw.in_features).contiguous()
+    out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    rc = GEMM_EXTENSION.library(level).kvpilot_qgemm(
+        x2.data_ptr(),
+        _DTYPES[x.dtype],
+        out.data_ptr(),
+        None if b is None else b.data_ptr(),
+        x2.shape[0],
+        qw.in_features,
+        qw.out_features,
+        qw.packed.data_ptr(),
+        qw.bits,
+        qw.group,
+        qw.scales.data_ptr(),
+        None if qw.mins is None else qw.mins.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise ValueError(
+            "the int8-activation GEMM does not apply here (generic ISA level, K or the group not a "
+            f"multiple of 32, or K above {GEMM_MAX_K})"
+        )
+    if rc != 0:
+        raise ValueError(f"quantized GEMM kernel rejected its arguments (code {rc})")
+    return out.reshape(*x.shape[:-1], qw.out_features)
+
+
 def max_kernel_rows(qw: QuantizedWeight) -> int:
-    """The most rows `matmul` gives the C kernel for this weight (more: dequantize + torch)."""
-    vnni = built_isa() == "avx512" and "avx512_vnni" in isa.cpu_features()
-    return TILED_VNNI_MAX_M if qw.tiled and vnni and INT8_ACTIVATIONS else SMALL_M
+    """The most rows `matmul` gives the small-M / tiled C kernel for this weight (more: the GEMM or
+    dequantize + torch)."""
+    if not (qw.tiled and INT8_ACTIVATIONS):
+        return SMALL_M
+    level = built_isa()
+    vnni = level == "avx512" and "avx512_vnni" in isa.cpu_features()
+    return TILED_MAX_M if vnni or (level == "avx2" and qw.bits == 8) else SMALL_M
 
 
 def kernel_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
@@ -406,6 +490,10 @@ def reference_q8_matmul(
 
 
 def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if qw.tiled and kernel_applies(x, qw):  # up to max_kernel_rows: faster than the GEMM there
+        return kernel_matmul(x, qw, bias)
+    if gemm_applies(x, qw):
+        return gemm_matmul(x, qw, bias)
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
     if triton_qlinear.applies(x, qw):  # CUDA: kernels/triton_qlinear.py dequantizes tiles in registers

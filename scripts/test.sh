@@ -16,11 +16,11 @@ python -m pytest tests -q -p no:cacheprovider
 
 # On an AVX-512 machine the run above uses the AVX-512 kernels; the users' AVX2-only CPUs (AMD EPYC
 # and laptops) take other code paths in our C kernels (kernels/isa.py) and in torch. Run the
-# kernel-sensitive tests again as such a CPU: our kernels forced to avx2, torch's ATen and oneDNN
+# kernel-sensitive tests again as such a CPU: our kernels forced to avx2, torch's ATen, oneDNN and MKL
 # capped at AVX2 (tests/kernels already covers each of our levels side by side).
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; then
   echo "== kernel-sensitive tests as an AVX2-only CPU (KVPILOT_CPU_ISA=avx2)"
-  KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest -q -p no:cacheprovider \
+  KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m pytest -q -p no:cacheprovider \
     tests/kernels/test_isa.py tests/kernels/test_cpu_ops.py \
     "tests/runtime/test_model_parity.py::test_varlen_batch_matches_separate_runs" \
     "tests/runtime/test_model_parity.py::test_chunked_prefill_with_mixed_decode" \

@@ -92,9 +92,10 @@ def test_kernel_matches_the_dequantized_matmul(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     else:  # one bf16 rounding of the result (and of the input the activations are quantized from)
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
-    # and the layer's entry point takes the kernel for this input
+    # and the layer's entry point takes the kernel for this input (or, from GEMM_MIN_ROWS rows, the GEMM)
     if level == qlinear.built_isa():
-        torch.testing.assert_close(qlinear.matmul(x, qw, bias), got, rtol=0, atol=0)
+        path = qlinear.gemm_matmul if qlinear.gemm_applies(x, qw) else qlinear.kernel_matmul
+        torch.testing.assert_close(qlinear.matmul(x, qw, bias), path(x, qw, bias), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("level", [lv for lv in isa.runnable() if lv != "generic"])
@@ -142,7 +143,10 @@ def test_kernel_takes_batched_leading_dims_and_large_m_falls_back_to_the_referen
     assert qlinear.matmul(x, qw).shape == (2, 3, 96)
     big = torch.randn(qlinear.SMALL_M + 1, 256)
     assert not qlinear.kernel_applies(big, qw)
-    assert torch.equal(qlinear.matmul(big, qw), qlinear.reference_matmul(big, qw))
+    if qlinear.gemm_applies(big, qw):  # avx512 / avx2: the int8-activation GEMM
+        assert torch.equal(qlinear.matmul(big, qw), qlinear.gemm_matmul(big, qw))
+    else:
+        assert torch.equal(qlinear.matmul(big, qw), qlinear.reference_matmul(big, qw))
     with pytest.raises(ValueError, match="input has 255 features"):
         qlinear.kernel_matmul(torch.randn(1, 255), qw)
 
@@ -168,12 +172,15 @@ def test_float_activations_give_the_exact_product() -> None:
             torch.testing.assert_close(got, qlinear.reference_matmul(x, qw), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("exact_qmatmul")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_dequantize_in_c_to_the_same_weights(dtype: torch.dtype) -> None:
-    """The many-row path (prefill) dequantizes with the C library: the weights QuantizedWeight.dequantize
-    gives (float32: to an ulp, FMA contraction; bfloat16: the same rounding), then torch's matmul."""
+    """With float activations the many-row path (prefill) dequantizes with the C library: the weights
+    QuantizedWeight.dequantize gives (float32: to an ulp, FMA contraction; bfloat16: the same
+    rounding), then torch's matmul."""
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
+    assert not qlinear.gemm_applies(torch.zeros(qlinear.SMALL_M + 3, 256), qlinear.quantize_int8(weight()))
     torch.manual_seed(4)
     x = torch.randn(qlinear.SMALL_M + 3, 256).to(dtype)
     bias = torch.randn(96).to(dtype)
@@ -261,8 +268,8 @@ def test_tiling_applies_where_the_tiled_kernel_exists(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many rows (dequantize + torch) and float activations (the row kernel) untile on the fly; with
-    AVX512-VNNI the tiled kernel takes many rows itself (2x torch's bf16 matmul there)."""
+    """Many rows (the GEMM, or dequantize + torch) and float activations (the row kernel) untile on
+    the fly; with AVX512-VNNI (and for int8 at avx2) the tiled kernel takes many rows itself."""
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     torch.manual_seed(5)
@@ -270,13 +277,104 @@ def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch
     t = qlinear.tile(qw)
     assert qlinear.max_kernel_rows(qw) == qlinear.SMALL_M
     vnni = qlinear.built_isa() == "avx512" and "avx512_vnni" in isa.cpu_features()
-    assert qlinear.max_kernel_rows(t) == (qlinear.TILED_VNNI_MAX_M if vnni else qlinear.SMALL_M)
+    assert qlinear.max_kernel_rows(t) == (qlinear.TILED_MAX_M if vnni else qlinear.SMALL_M)  # int4
     many = torch.randn(qlinear.max_kernel_rows(t) + 5, 256).to(dtype)
     torch.testing.assert_close(qlinear.matmul(many, t), qlinear.matmul(many, qw), rtol=0, atol=0)
     if vnni:
         some = torch.randn(300, 256).to(dtype)
         got, want = qlinear.matmul(some, t), qlinear.reference_q8_matmul(some.float(), qw)
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
+    i8 = qlinear.tile(qlinear.quantize_int8(weight(48, 256)))
+    avx2 = qlinear.built_isa() == "avx2"
+    assert qlinear.max_kernel_rows(i8) == (qlinear.TILED_MAX_M if vnni or avx2 else qlinear.SMALL_M)
     monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
     few = torch.randn(2, 256).to(dtype)
     torch.testing.assert_close(qlinear.matmul(few, t), qlinear.matmul(few, qw), rtol=0, atol=0)
+
+
+GEMM_LEVELS = [lv for lv in isa.runnable() if lv != "generic"]
+
+
+@pytest.mark.parametrize("level", GEMM_LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "k", "n"),
+    # K = 512: two chunks of 8 blocks; 576: 8 + 8 + 2 (SmolLM2's width); 224: 4 + 2 + 1; 32: one
+    # block. Rows and weight rows not multiples of the 4 x 2 register tile, N not of the 16-row panel.
+    [(33, 512, 96), (40, 576, 37), (7, 224, 50), (64, 32, 17), (300, 64, 20)],  # 300: 3 row blocks
+)
+def test_gemm_matches_the_specification(level: str, dtype: torch.dtype, rows: int, k: int, n: int) -> None:
+    """The many-row int8-activation GEMM (qgemm_cpu.c) at every level it is built for, every weight
+    format and every chunk size of its layout, against `reference_q8_matmul` (and near the float
+    product); the small-M kernel gives the same numbers for the same rows."""
+    if not qlinear.GEMM_EXTENSION.available(level):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    assert qlinear.GEMM_EXTENSION.built_isa(level) == level
+    torch.manual_seed(rows + k)
+    w = torch.randn(n, k) * 0.05
+    w[3] = 0.0  # an all-zero row
+    x = torch.randn(rows, k)
+    x[0, :32] = 0.0  # a zero block: scale 0, codes 0
+    x[1, 5] = 60.0  # an outlier sets its block's scale
+    x = x.to(dtype)
+    bias = torch.randn(n).to(dtype)
+    formats = [qlinear.quantize_int8(w)] + ([qlinear.quantize_int8(w, 32)] if k % 32 == 0 else [])
+    formats += [qlinear.quantize_int4(w, g) for g in qlinear.INT4_GROUPS if k % g == 0]
+    for qw in formats:
+        got = qlinear.gemm_matmul(x, qw, bias, level=level)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        want = qlinear.reference_q8_matmul(x.float(), qw, bias.float())
+        exact = F.linear(x.float(), qw.dequantize(torch.float32), bias.float())
+        assert (want - exact).norm() / exact.norm() < 0.02  # the outlier block rounds coarsely
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            small = qlinear.kernel_matmul(x[:4], qw, bias, level=level)
+            torch.testing.assert_close(got[:4], small, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
+
+
+def test_gemm_takes_the_many_row_matmuls_and_refuses_what_it_cannot_do() -> None:
+    """`matmul` routes more than SMALL_M rows to the GEMM where the level has it for the format;
+    the generic level and widths that are not a multiple of 32 are refused with a clear error."""
+    level = isa.selected()
+    qw = qlinear.quantize_int4(weight(), 32)
+    big = torch.randn(qlinear.SMALL_M + 5, 256)
+    if level != "generic" and qlinear.GEMM_EXTENSION.available(level):
+        first = qlinear.GEMM_MIN_ROWS[level][4]
+        assert qlinear.gemm_applies(big, qw) and qlinear.gemm_applies(big[:first], qw)
+        assert not qlinear.gemm_applies(big[: first - 1], qw)  # the small-M kernel's rows
+        assert qlinear.kernel_applies(big[: first - 1], qw)
+        # a wide input (a large model's down projection): 64 chunks of 8 blocks
+        wide_qw, wide_x = qlinear.quantize_int4(torch.randn(3, 16384), 32), torch.randn(9, 16384)
+        assert qlinear.gemm_applies(wide_x, wide_qw)
+        torch.testing.assert_close(
+            qlinear.gemm_matmul(wide_x, wide_qw),
+            qlinear.reference_q8_matmul(wide_x, wide_qw),
+            rtol=1e-5,
+            atol=1e-3,
+        )
+        torch.testing.assert_close(
+            qlinear.matmul(big, qw), qlinear.reference_q8_matmul(big, qw), rtol=1e-5, atol=1e-4
+        )
+    if "generic" in isa.runnable() and qlinear.GEMM_EXTENSION.available("generic"):
+        assert not qlinear.gemm_applies(big, qw, level="generic")
+        with pytest.raises(ValueError, match="does not apply here"):
+            qlinear.gemm_matmul(big, qw, level="generic")
+    wide = qlinear.quantize_int8(torch.randn(1, qlinear.GEMM_MAX_K + 32))  # beyond the chunk table
+    assert not qlinear.gemm_applies(torch.randn(40, qlinear.GEMM_MAX_K + 32), wide)
+    odd = qlinear.quantize_int8(torch.randn(8, 40))
+    assert not qlinear.gemm_applies(torch.randn(40, 40), odd)
+    with pytest.raises(ValueError, match="input has 39 features"):
+        qlinear.gemm_matmul(torch.randn(40, 39), odd)
+
+
+@pytest.mark.usefixtures("exact_qmatmul")
+def test_float_activations_keep_many_rows_on_the_exact_product() -> None:
+    """KVPILOT_QMATMUL_ACTIVATIONS=float: no GEMM with int8 activations, the dequantized product."""
+    qw = qlinear.quantize_int4(weight(), 32)
+    big = torch.randn(qlinear.SMALL_M + 5, 256)
+    assert not qlinear.gemm_applies(big, qw)
+    torch.testing.assert_close(
+        qlinear.matmul(big, qw), qlinear.reference_matmul(big, qw), rtol=1e-5, atol=1e-5
+    )

@@ -233,13 +233,17 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(
 @pytest.mark.parametrize(("method", "group"), [*METHODS, ("int4", 64)])
 @pytest.mark.parametrize(("t", "e", "k"), [(1, 8, 2), (7, 8, 2), (32, 16, 4)])
 def test_fused_experts_is_the_per_expert_loop_in_one_call(
-    method: str, group: int, t: int, e: int, k: int
+    method: str, group: int, t: int, e: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """qlinear.fused_experts (one C call for the layer: each token quantized once, each active
     expert's rows read once, float32 intermediates) computes what moe_grouped's loop of per-expert
-    kernel calls computes, whole and split between expert-parallel ranks."""
+    small-M kernel calls computes, whole and split between expert-parallel ranks. (The loop's
+    experts with GEMM_MIN_ROWS rows or more would take the GEMM: the same arithmetic up to float
+    rounding, which can flip the rounding of an intermediate activation and move an output by a
+    quantization step, so the loop is pinned to the small-M kernel here.)"""
     if not qlinear.available() or qlinear.built_isa() not in ("avx512", "avx2"):
         missing("qlinear's C kernel at the avx512 or avx2 level", "a C compiler and an x86-64 CPU with AVX2")
+    monkeypatch.setattr(qlinear, "GEMM_MIN_ROWS", {})
     x, w13, w2, weights, ids = _random_moe(t, e, k, h=128, i=64, seed=t)
     q13, q2 = _quantize(w13, method, group or 32), _quantize(w2, method, group or 32)
     table = qlinear.expert_table(q13, q2)
