@@ -593,12 +593,16 @@ def bytes_per_weight(method: str, group: int) -> float:
 
 
 def quantize_engine(engine: Any, method: str, group: int, sequences: list[list[int]]) -> dict[str, Any]:
-    """Quantize the engine's model in place (experts and the linear layers, as --quantization does)
-    and measure what it costs: the log-probability the model gives `sequences` before and after."""
-    from kvpilot.runtime.quantization import quantize_model
+    """Quantize the engine's model in place as --quantization does at load (experts and linear
+    layers, then the LM head, then the CPU kernel's tiled layout) and measure what it costs: the
+    log-probability the model gives `sequences` before and after."""
+    from kvpilot.runtime.quantization import quantize_lm_head, quantize_model, tile_for_cpu
 
     before = [engine.score(s) for s in sequences]
-    report = quantize_model(engine.runner.model, method, group)
+    model = engine.runner.model
+    report = quantize_model(model, method, group)
+    quantize_lm_head(model)
+    tile_for_cpu(model)
     after = [engine.score(s) for s in sequences]
     nll_b = -float(torch.cat(before).mean())
     nll_a = -float(torch.cat(after).mean())

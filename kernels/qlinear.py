@@ -288,6 +288,18 @@ GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 8, 8: 8}, "avx512": {4: 
 GEMM_MAX_K = 8 * ACT_BLOCK * (1024 - 3)  # the widest input the GEMM's chunk table holds (MAXC in the C)
 
 
+def _kernel_args(
+    x2: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None, qw: QuantizedWeight
+) -> tuple[int | None, ...]:
+    """The arguments every CPU quantized-matmul entry point takes first, in order: x, its dtype, out,
+    bias, M, K, N, codes, bits, group, scales, mins, threads."""
+    return (
+        x2.data_ptr(), _DTYPES[x2.dtype], out.data_ptr(), None if b is None else b.data_ptr(),
+        x2.shape[0], qw.in_features, qw.out_features, qw.packed.data_ptr(), qw.bits, qw.group,
+        qw.scales.data_ptr(), None if qw.mins is None else qw.mins.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None) -> bool:
     """Whether `matmul` takes the int8-activation GEMM (kernels/csrc/qgemm_cpu.c) for this input:
     CPU f32/bf16, int8 activations on, K and the group multiples of 32, and at least as many rows as
@@ -321,21 +333,7 @@ def gemm_matmul(
     x2 = x.reshape(-1, qw.in_features).contiguous()
     out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    rc = GEMM_EXTENSION.library(level).kvpilot_qgemm(
-        x2.data_ptr(),
-        _DTYPES[x.dtype],
-        out.data_ptr(),
-        None if b is None else b.data_ptr(),
-        x2.shape[0],
-        qw.in_features,
-        qw.out_features,
-        qw.packed.data_ptr(),
-        qw.bits,
-        qw.group,
-        qw.scales.data_ptr(),
-        None if qw.mins is None else qw.mins.data_ptr(),
-        torch.get_num_threads(),
-    )
+    rc = GEMM_EXTENSION.library(level).kvpilot_qgemm(*_kernel_args(x2, out, b, qw))
     if rc == -2:
         raise ValueError(
             "the int8-activation GEMM does not apply here (generic ISA level, K or the group not a "
@@ -383,22 +381,7 @@ def kernel_matmul(
     lib = _library(level)
     # the tiled kernel always uses int8 activations; the row kernel takes the setting as its last argument
     fn, extra = (lib.kvpilot_qmatmul_tiled, ()) if tiled else (lib.kvpilot_qmatmul, (int(INT8_ACTIVATIONS),))
-    rc = fn(
-        x2.data_ptr(),
-        _DTYPES[x.dtype],
-        out.data_ptr(),
-        None if b is None else b.data_ptr(),
-        x2.shape[0],
-        qw.in_features,
-        qw.out_features,
-        qw.packed.data_ptr(),
-        qw.bits,
-        qw.group,
-        qw.scales.data_ptr(),
-        None if qw.mins is None else qw.mins.data_ptr(),
-        torch.get_num_threads(),
-        *extra,
-    )
+    rc = fn(*_kernel_args(x2, out, b, qw), *extra)
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
     return out.reshape(*x.shape[:-1], qw.out_features)
