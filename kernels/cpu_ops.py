@@ -1,4 +1,5 @@
-"""Fused RMSNorm (+ residual) and rotary embedding for CPUs (kernels/csrc/cpu_ops.c), built on first use.
+"""Fused RMSNorm (+ residual), rotary embedding, silu(gate) * up and the KV write for CPUs
+(kernels/csrc/cpu_ops.c), built on first use.
 
 At decode batch sizes each of these is a handful of small torch ops per layer whose dispatch costs more
 than their arithmetic (together ~19% of a decode step on SmolLM2; docs/benchmarks.md). The C versions

@@ -10,19 +10,28 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, qlinear
+from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, qlinear
 from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.loader import load_model
 from kvpilot.runtime.model_runner import KVGeometry, allocate_kv_cache
 from kvpilot.runtime.models import cpu_stack
+from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
+
+
+def _require_stack() -> None:
+    """A missing C compiler fails under CI (tests/needs.py); a CPU without AVX2 has no tiled kernel."""
+    extensions = (cpu_ops, cpu_attention, qlinear, cpu_decoder.EXTENSION)
+    if not all(ext.available() for ext in extensions):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    if not cpu_decoder.available():
+        pytest.skip("the decoder stack needs the avx512 or avx2 kernels (this CPU has neither)")
 
 
 @pytest.fixture(scope="module")
 def int4_model() -> Any:
-    if not cpu_decoder.available():
-        pytest.skip("the decoder stack needs the avx512 or avx2 kernels (this CPU or compiler has neither)")
+    _require_stack()
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=32)
     return load_model(cfg, torch.device("cpu"), torch.float32)
 
@@ -71,8 +80,7 @@ def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytes
     from kvpilot.runtime.engine import LLMEngine
     from kvpilot.runtime.sampling_params import SamplingParams
 
-    if not cpu_decoder.available():
-        pytest.skip("the decoder stack needs the avx512 or avx2 kernels (this CPU or compiler has neither)")
+    _require_stack()
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", kv_cache_memory=2**26, max_num_seqs=4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 9139]]

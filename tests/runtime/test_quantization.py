@@ -13,6 +13,7 @@ from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.loader import LoadedModel, load_model, quantization_method
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
 from kvpilot.runtime.quantization import linear_layers, quantize_model
+from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
 
 PROMPT = "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in blocks of"
@@ -261,7 +262,9 @@ def test_int4_group_64_on_the_builtin_gguf_requantizes_the_layers_and_keeps_the_
 def test_loaded_quantized_weights_are_tiled_for_the_cpu_kernel_and_the_tied_head_once() -> None:
     """load_model puts every quantized layer the CPU kernel tiles into the tiled layout; the tied
     embedding and LM head keep sharing one weight, and the embedding reads its rows from the tiles."""
-    if not qlinear.available() or qlinear.built_isa() == "generic":
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    if qlinear.built_isa() == "generic":
         pytest.skip("the tiled layout exists at the avx512 and avx2 levels only (this CPU has neither)")
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=32)
     model: Any = load_model(cfg, torch.device("cpu"), torch.float32).model
