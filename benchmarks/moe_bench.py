@@ -495,18 +495,20 @@ def cpu_kernel_times(
     return out
 
 
-def prefill_profile(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+def prefill_profile(args: argparse.Namespace, dtype: torch.dtype, methods: list[str]) -> dict[str, Any]:
     """Where a prefill goes (--prefill-profile): a 1-token generate of `batch` fresh prompts in each
     engine, one thread, per-module `time.thread_time` (min over `rounds` calls, engines alternating):
     kvpilot's engine steps and tokens per step, QKV / attention / o_proj / q-k norms + rope, router,
-    experts, LM head and what lies outside the model (scheduling, batch preparation, sampler);
-    transformers' attention block, router, experts and LM head."""
+    experts, LM head and what lies outside the model (scheduling, batch preparation, sampler), one
+    kvpilot engine per `--quantization` storage (quantized as at load); transformers' attention
+    block, router, experts and LM head."""
     import collections
+
+    from kvpilot.runtime.quantization import quantize_lm_head, quantize_model, tile_for_cpu
 
     torch.set_num_threads(1)
     args.threads = 1
     hf = build_hf(args.layers, dtype, args.seed)
-    engine = build_kvpilot(hf, dtype, args)
     spent: dict[str, float] = collections.defaultdict(float)
 
     def timed(obj: Any, attr: str, part: str) -> None:
@@ -521,30 +523,38 @@ def prefill_profile(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, A
 
         setattr(obj, attr, wrapper)
 
-    model = engine.runner.model
-    for i, layer in enumerate(model.model.layers):
-        att = layer.self_attn
-        timed(att.qkv_proj, "forward", "kvpilot.qkv_proj")
-        timed(att.attn, "forward", "kvpilot.attention")
-        timed(att.o_proj, "forward", "kvpilot.o_proj")
-        for norm in (att.q_norm, att.k_norm):
-            if norm is not None:
-                timed(norm, "forward", "kvpilot.qk_norm_rope")
-        if i == 0:  # one module shared by every layer
-            timed(att.rotary_emb, "forward", "kvpilot.qk_norm_rope")
-        timed(layer.mlp.gate, "forward", "kvpilot.router")
-        timed(layer.mlp.experts, "forward", "kvpilot.experts")
-    timed(model, "forward", "kvpilot.model")
-    timed(model, "compute_logits", "kvpilot.lm_head")
+    engines: dict[str, Any] = {}
     steps = {"n": 0, "tokens": 0}
-    execute = engine.runner.execute
+    for m in methods:
+        name = "kvpilot" if m == "none" else f"kvpilot_{m}"
+        engine = engines[name] = build_kvpilot(hf, dtype, args)
+        model = engine.runner.model
+        if m != "none":
+            quantize_model(model, m, args.quantization_group_size)
+            quantize_lm_head(model)
+            tile_for_cpu(model)
+        for i, layer in enumerate(model.model.layers):
+            att = layer.self_attn
+            timed(att.qkv_proj, "forward", f"{name}.qkv_proj")
+            timed(att.attn, "forward", f"{name}.attention")
+            timed(att.o_proj, "forward", f"{name}.o_proj")
+            for norm in (att.q_norm, att.k_norm):
+                if norm is not None:
+                    timed(norm, "forward", f"{name}.qk_norm_rope")
+            if i == 0:  # one module shared by every layer
+                timed(att.rotary_emb, "forward", f"{name}.qk_norm_rope")
+            timed(layer.mlp.gate, "forward", f"{name}.router")
+            timed(layer.mlp.experts, "forward", f"{name}.experts")
+        timed(model, "forward", f"{name}.model")
+        timed(model, "compute_logits", f"{name}.lm_head")
+        execute = engine.runner.execute
 
-    def counted(scheduled: Any) -> Any:
-        steps["n"] += 1
-        steps["tokens"] += sum(s.num_new_tokens for s in scheduled)
-        return execute(scheduled)
+        def counted(scheduled: Any, execute: Any = execute) -> Any:
+            steps["n"] += 1
+            steps["tokens"] += sum(s.num_new_tokens for s in scheduled)
+            return execute(scheduled)
 
-    engine.runner.execute = counted
+        engine.runner.execute = counted
     for layer in hf.model.layers:
         timed(layer.self_attn, "forward", "hf.attention_block")
         timed(layer.mlp.gate, "forward", "hf.router")
@@ -559,29 +569,34 @@ def prefill_profile(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, A
             3, OLMOE_1B_7B["vocab_size"], (args.batch, args.prompt_len), generator=g
         ).tolist()
 
-    run_kvpilot(engine, fresh()[:2], 1)
-    run_hf(hf, fresh()[:2], 1)
+    runs: list[tuple[str, Any, Any]] = [(n, run_kvpilot, e) for n, e in engines.items()]
+    runs.append(("hf", run_hf, hf))
+    for _, run, target in runs:
+        run(target, fresh()[:2], 1)
     best: dict[str, float] = {}
     for _ in range(args.rounds):
-        for prefix, run in (("kvpilot", run_kvpilot), ("hf", run_hf)):
-            target = engine if prefix == "kvpilot" else hf
+        for prefix, run, target in runs:
             before = dict(spent)
-            if prefix == "kvpilot":
-                steps["n"] = steps["tokens"] = 0
+            steps["n"] = steps["tokens"] = 0
             t0 = time.thread_time()
             run(target, fresh(), 1)
             spent[f"{prefix}.whole_1_token_generate"] += time.thread_time() - t0
             for k, v in spent.items():
                 if k.startswith(prefix + "."):
                     best[k] = min(best.get(k, float("inf")), v - before.get(k, 0.0))
-    best["kvpilot.outside_model"] = (
-        best["kvpilot.whole_1_token_generate"] - best["kvpilot.model"] - best["kvpilot.lm_head"]
-    )
+            if prefix != "hf":
+                best[f"{prefix}.outside_model"] = (
+                    best[f"{prefix}.whole_1_token_generate"]
+                    - best[f"{prefix}.model"]
+                    - best[f"{prefix}.lm_head"]
+                )
+                kv_steps = dict(steps)
+    first = next(iter(engines.values())).runner.model.model.layers[0].mlp.experts
     return {
         "timer": f"time.thread_time, 1 thread, min of {args.rounds} alternating calls per part",
-        "kvpilot_engine_steps": steps["n"],
-        "kvpilot_tokens_per_step": steps["tokens"] // max(steps["n"], 1),
-        "kvpilot_experts_path": model.model.layers[0].mlp.experts.last_path,
+        "kvpilot_engine_steps": kv_steps["n"],
+        "kvpilot_tokens_per_step": kv_steps["tokens"] // max(kv_steps["n"], 1),
+        "kvpilot_experts_path": first.last_path,
         "hf_experts_implementation": "grouped_mm",
         "seconds": {k: round(v, 3) for k, v in sorted(best.items())},
     }
@@ -674,9 +689,13 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = ap.parse_args()
+    methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("none", "int8", "int4")]
+    if bad or not methods:
+        ap.error(f"--quantization: expected a comma list of none, int8, int4; got {args.quantization!r}")
     if args.prefill_profile:
         result = {"machine": machine_info(), "config": vars(args)} | prefill_profile(
-            args, getattr(torch, args.dtype)
+            args, getattr(torch, args.dtype), methods
         )
         text = json.dumps(result, indent=2, default=str)
         print(text)
@@ -726,10 +745,6 @@ def main() -> None:
         if args.out is not None:
             args.out.write_text(text + "\n")
         return
-    methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("none", "int8", "int4")]
-    if bad or not methods:
-        ap.error(f"--quantization: expected a comma list of none, int8, int4; got {args.quantization!r}")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
