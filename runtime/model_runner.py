@@ -368,10 +368,14 @@ class ModelRunner:
         self.lora.apply(loads, token_slots)
         return scheduled
 
-    def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
+    def _run_model(self, batch: PreparedBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every row, or of `logit_rows` only (CausalLM.forward)."""
         if self.graphs is not None and self.graphs.fits(batch.meta):
-            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            return hidden if logit_rows is None else hidden.index_select(0, logit_rows)
+        return self.model(
+            batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend, logit_rows
+        )
 
     def close(self) -> None:
         """Release what the runner holds besides memory: nothing here; the tensor-parallel runner
@@ -394,12 +398,15 @@ class ModelRunner:
         each, 1 + num_spec_tokens for a sequence with speculative tokens)."""
         scheduled = self._apply_lora(scheduled, reorder=True)  # `sampled` says the order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
+        rows = batch.sample_indices
         try:
-            hidden = self._run_model(batch)
+            if self.lora is None:
+                hidden = self._run_model(batch, rows)  # the last layer runs these rows only
+            else:  # LoRA's per-token adapter slots cover every row of every layer
+                hidden = self._run_model(batch).index_select(0, rows)
         finally:
             if self.lora is not None:
                 self.lora.clear()
         if not batch.sampled:
             return torch.empty(0, 0), []
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
-        return logits.float(), batch.sampled
+        return self.model.compute_logits(hidden).float(), batch.sampled

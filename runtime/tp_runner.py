@@ -264,33 +264,35 @@ class TPModelRunner(ModelRunner):
         batch = prepare_batch(scheduled, self.geometry.block_size, torch.device("cpu"))
         return StepInputs.from_batch(batch, (loads, token_slots)), batch.sampled
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inputs: StepInputs, logits: bool) -> torch.Tensor:
+        """Every row's final hidden state, or with `logits` the sample rows' (as tp_worker's)."""
         ids, positions, meta, sample_rows = inputs.to_device(self.device)
         if self.lora is None:
-            return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+            rows = sample_rows if logits else None
+            return self.shard(ids, positions, self.kv_caches, meta, self.backend, rows)
         self.lora.apply(list(inputs.lora_loads), inputs.lora_token_slots)
         try:
-            return self.shard(ids, positions, self.kv_caches, meta, self.backend), sample_rows
+            hidden = self.shard(ids, positions, self.kv_caches, meta, self.backend)
         finally:
             self.lora.clear()
+        return hidden.index_select(0, sample_rows) if logits else hidden
 
     @torch.inference_mode()
     def hidden_states(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         inputs, _ = self._inputs(scheduled, reorder=False)
         with self.workers.step():
             self.workers.send("hidden", inputs)
-            hidden, _ = self._forward(inputs)
-        return hidden
+            return self._forward(inputs, logits=False)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         inputs, sampled = self._inputs(scheduled)
         with self.workers.step():
             self.workers.send("execute", inputs)
-            hidden, sample_rows = self._forward(inputs)
+            hidden = self._forward(inputs, logits=True)
             if not sampled:
                 return torch.empty(0, 0), []
-            logits = self.shard.compute_logits(hidden.index_select(0, sample_rows))
+            logits = self.shard.compute_logits(hidden)
         return logits.float(), sampled
 
 

@@ -91,11 +91,14 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
                 if runner.lora is not None:
                     runner.lora.apply(list(payload.lora_loads), payload.lora_token_slots)
                 ids, positions, meta, sample_rows = payload.to_device(runner.device)
-                hidden = model(ids, positions, runner.kv_caches, meta, runner.backend)
+                # as rank 0's TPModelRunner._forward: the last layer on the sample rows alone
+                # (every rank the same rows, so the collectives match), except under LoRA
+                rows = sample_rows if kind == "execute" and runner.lora is None else None
+                hidden = model(ids, positions, runner.kv_caches, meta, runner.backend, rows)
                 if runner.lora is not None:
                     runner.lora.clear()  # the logits below do not go through a LoRA layer
                 if kind == "execute" and sample_rows.numel():
-                    model.compute_logits(hidden.index_select(0, sample_rows))
+                    model.compute_logits(hidden if rows is not None else hidden.index_select(0, sample_rows))
             elif kind == "logits":
                 shape, dtype = payload
                 hidden = torch.empty(shape, dtype=dtype, device=runner.device)

@@ -19,8 +19,11 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCacheLayer],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flat batch of T tokens (input_ids and positions are [T])."""
+        """Hidden states [T, hidden] for a flat batch of T tokens (input_ids and positions are [T]);
+        with `logit_rows` (distinct row indices) only those rows, in that order: a model may then
+        skip work no other row needs (its last layer past attention), every row's K/V still cached."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,14 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.
 ROPE_FREQS_NAME = "model.rotary_emb.freq_factors"
 
 
+def last_layer_rows(logit_rows: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
+    """Pure: the rows the last layer carries past attention, or None for all of them (no
+    `logit_rows`, or as many as the batch has: the runner's sample rows are distinct)."""
+    if logit_rows is None or logit_rows.numel() == num_tokens:
+        return None
+    return logit_rows
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -67,15 +75,22 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCacheLayer,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; with `keep`, every row's K/V still goes into the cache but
+        only the rows in `keep` (in that order) go through o_proj and come back."""
         t = hidden.shape[0]
         q, k, v = self.project_qkv(hidden)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta, backend)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.attn(q, k, v, kv_cache, meta, backend).reshape(t, self.num_heads * self.head_dim)
+        if keep is not None:
+            if not keep.numel():  # nothing past the cache writes
+                return hidden.new_empty((0, hidden.shape[1]))
+            out = out.index_select(0, keep)
+        return self.o_proj(out)
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, q_size], k and v [T, kv_size]: families with q/k norms or clipping override this."""
@@ -112,10 +127,16 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCacheLayer,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output delta, running residual); the caller adds them lazily."""
+        """Returns (this layer's output delta, running residual); the caller adds them lazily.
+        `keep`: only these rows past attention (the model's last layer, see LlamaModel.forward)."""
         x, residual = self.input_layernorm(hidden, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, backend)
+        x = self.self_attn(positions, x, kv_cache, meta, backend, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+            if not keep.numel():
+                return x, residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -139,19 +160,32 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCacheLayer],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final hidden states [T, hidden], or with `logit_rows` those rows only, in that order.
+
+        The rows nobody samples from need the last layer for their K/V alone: with `logit_rows` the
+        last layer writes every row's K/V, then runs o_proj and the MLP (the experts, in a MoE
+        model) on the logit rows only, which saves a 1/num_layers share of a prefill's work."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got {len(kv_caches)} KV cache layers for a model with {len(self.layers)} layers"
             )
         hidden = self.embed_tokens(input_ids)
+        keep = last_layer_rows(logit_rows, hidden.shape[0])
         residual: torch.Tensor | None = None
         stack = CpuDecoderStack.for_model(self)
         if stack is not None and stack.applies(hidden, kv_caches, backend):
             hidden, residual = stack.forward(hidden, positions, kv_caches, meta)  # one C call
+            if keep is not None:
+                hidden, residual = hidden.index_select(0, keep), residual.index_select(0, keep)
         else:
-            for layer, cache in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = layer(positions, hidden, residual, cache, meta, backend)
+            last = len(self.layers) - 1
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                rows = keep if i == last else None
+                hidden, residual = layer(positions, hidden, residual, cache, meta, backend, rows)
+        if not hidden.shape[0]:
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -172,9 +206,11 @@ class LlamaForCausalLM(CausalLM):
         kv_caches: list[KVCacheLayer],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flat batch of T tokens (input_ids and positions are [T])."""
-        return self.model(input_ids, positions, kv_caches, meta, backend)
+        """Hidden states [T, hidden] for a flat batch of T tokens (input_ids and positions are [T]),
+        or [len(logit_rows), hidden] for those rows (LlamaModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, meta, backend, logit_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (pick the rows to sample from before calling)."""
