@@ -3,7 +3,7 @@
 
 The builtin SmolLM2 GGUF is read by transformers (float32), its linear layers quantized with a plain
 min/max quantizer (no calibration: the GPTQ/AWQ search changes values, not the format) and packed in
-each format (the same layouts as tests/runtime/test_gptq_awq.py), and written as Hugging Face
+each format (runtime/quant_pack.py, as tests/runtime/test_gptq_awq.py packs them), and written as Hugging Face
 directories next to the 16-bit one. Each directory is then served by kvpilot with `--quantization`
 unset (the checkpoint's own), beside the 16-bit directory plain and with `--quantization int4`, and
 measured like benchmarks/weight_quant.py: perplexity on the stdlib docstrings, the bytes the linear
@@ -35,9 +35,8 @@ from kvpilot.kernels import isa
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import builtin_model_path, load_model
-
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+from kvpilot.runtime.quant_formats import parse_quantization_config
+from kvpilot.runtime.quant_pack import PROJECTIONS, quantize_layer
 
 # name -> quantization_config (act_order: groups formed in decreasing column-norm order)
 FORMATS: dict[str, dict[str, Any]] = {
@@ -72,60 +71,13 @@ FORMATS: dict[str, dict[str, Any]] = {
 }
 
 
-def to_int32(words: torch.Tensor) -> torch.Tensor:
-    words = words & 0xFFFFFFFF
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 32 // bits
-    v = values.long().reshape(-1, per, values.shape[1])
-    return to_int32(sum(v[:, j] << (bits * j) for j in range(per)))
-
-
-def pack_columns(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    per = 32 // bits
-    order = order or tuple(range(per))
-    v = values.long().reshape(values.shape[0], -1, per)
-    return to_int32(sum(v[..., order[j]] << (bits * j) for j in range(per)))
-
-
 def quantize(w: torch.Tensor, qc: dict[str, Any], importance: torch.Tensor) -> dict[str, torch.Tensor]:
     """Min/max quantization of W [N, K] in qc's format -> the layer's checkpoint tensors; with
     desc_act, groups follow decreasing `importance` of the input features (GPTQ: the Hessian
     diagonal, which layers sharing an input share)."""
-    n, k = w.shape
-    bits, group = int(qc["bits"]), int(qc["group_size"])
-    group = k if group == -1 else group
-    maxq = 2**bits - 1
-    order = torch.argsort(importance, descending=True, stable=True) if qc.get("desc_act") else torch.arange(k)
-    g_idx = torch.empty(k, dtype=torch.int64)
-    g_idx[order] = torch.arange(k) // group
-    wg = w[:, order].double().reshape(n, k // group, group)
-    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-    sym = bool(qc.get("sym", False))
-    if sym:
-        hi = torch.maximum(lo.abs(), hi)
-        lo = -hi
-    scale = ((hi - lo) / maxq).clamp(min=1e-8).half()
-    zero = torch.full_like(lo, 2 ** (bits - 1)) if sym else (-lo / scale.double()).round()
-    q = ((wg / scale.double().unsqueeze(-1)).round() + zero.unsqueeze(-1)).clamp(0, maxq).long()
-    q_kn = torch.empty(k, n, dtype=torch.int64)
-    q_kn[order] = q.reshape(n, k).t()
-    zeros, scales = zero.long().t().contiguous(), scale.t().contiguous()  # [G, N]
-    if qc["quant_method"] == "awq":
-        return {
-            "qweight": pack_columns(q_kn, 4, AWQ_ORDER),
-            "qzeros": pack_columns(zeros, 4, AWQ_ORDER),
-            "scales": scales,
-        }
-    one_each = sum(1 << (bits * j) for j in range(32 // bits))  # v1: zeros stored minus one
-    return {
-        "qweight": pack_rows(q_kn, bits),
-        "qzeros": to_int32(pack_columns(zeros, bits).long() - one_each),
-        "scales": scales,
-        "g_idx": g_idx.to(torch.int32),
-    }
+    cq = parse_quantization_config(qc)
+    order = torch.argsort(importance, descending=True, stable=True) if cq.desc_act else None
+    return quantize_layer(w, cq, order)[0]
 
 
 def input_importance(state: dict[str, torch.Tensor], module: str) -> torch.Tensor:
@@ -157,7 +109,7 @@ def write_checkpoints(workdir: Path) -> dict[str, Path]:
         tensors: dict[str, torch.Tensor] = {}
         for key, w in state.items():
             module = key.removesuffix(".weight")
-            if qc is not None and key.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
+            if qc is not None and key.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
                 importance = input_importance(state, module)
                 tensors.update(
                     {f"{module}.{k}": v.contiguous() for k, v in quantize(w, qc, importance).items()}

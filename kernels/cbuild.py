@@ -93,6 +93,10 @@ class Extension:
     ) -> None:
         self.source, self.cflags, self.declare, self.fallback = source, list(cflags), declare, fallback
         self._libraries: dict[str, ctypes.CDLL] = {}
+        # level -> the ISA the C code says it was built for, asked once as the library is loaded:
+        # built_isa() is on the per-matmul path (kernels/qlinear.max_kernel_rows), a ctypes call is not
+        self._built_isa: dict[str, str] = {}
+        self.isa_queries = 0  # how many times the C code was asked its ISA: once per level loaded
         self._failed: dict[str, str] = {}  # level -> why it cannot be built (tried once)
         self._lock = threading.Lock()
         self._disabled = os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1"  # read once: a per-call cost
@@ -110,12 +114,24 @@ class Extension:
                 lib = ctypes.CDLL(str(self.build(level)))
                 lib.kvpilot_isa.restype = ctypes.c_char_p
                 self.declare(lib)
+                self._built_isa[level] = self._ask_isa(lib)
                 self._libraries[level] = lib
             return self._libraries[level]
 
+    def _ask_isa(self, lib: ctypes.CDLL) -> str:
+        """The C code's own answer (a ctypes call, counted in isa_queries)."""
+        self.isa_queries += 1
+        return str(lib.kvpilot_isa().decode())
+
     def built_isa(self, level: str | None = None) -> str:
-        """The ISA level the library was compiled for, as the C code sees it (tests check the flags)."""
-        return str(self.library(level).kvpilot_isa().decode())
+        """The ISA level the library was compiled for, as the C code sees it (tests check the flags);
+        read from the library once, when it is loaded for `level`."""
+        level = level or isa.selected()
+        built = self._built_isa.get(level)
+        if built is None:
+            self.library(level)
+            built = self._built_isa[level]
+        return built
 
     def available(self, level: str | None = None) -> bool:
         if self._disabled:

@@ -349,7 +349,7 @@ def max_kernel_rows(qw: QuantizedWeight) -> int:
     dequantize + torch)."""
     if not (qw.tiled and INT8_ACTIVATIONS):
         return SMALL_M
-    level = built_isa()
+    level = built_isa()  # read from the library once per level (cbuild.Extension), not a ctypes call
     vnni = level == "avx512" and "avx512_vnni" in isa.cpu_features()
     return TILED_MAX_M if vnni or (level == "avx2" and qw.bits == 8) else SMALL_M
 

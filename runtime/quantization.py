@@ -24,18 +24,20 @@ else leaves them in the model dtype, and says in the log which layers went which
 A GPTQ/AWQ directory's linear layers are loaded quantized as they are read (runtime/quant_formats.py).
 
 A layer that cannot take the method (for int4, an input size that is not a multiple of the group)
-is refused before anything changes, with an error that names the flag.
+is refused before anything changes with a ConfigError (`kvpilot serve` prints it on one line and
+exits 2) that names the flag and the group sizes that fit every layer of the model.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
 
 from kvpilot.kernels import qlinear
+from kvpilot.runtime.config import ConfigError
 from kvpilot.runtime.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -74,26 +76,52 @@ def expert_layers(model: nn.Module) -> Iterator[tuple[str, FusedMoE]]:
             yield name, mod
 
 
+def fitting_int4_groups(widths: Iterable[int]) -> list[int]:
+    """The int4 group sizes that divide every one of these input widths."""
+    widths = list(widths)
+    return [g for g in qlinear.INT4_GROUPS if all(w % g == 0 for w in widths)]
+
+
+def _refusal(method: str, group_size: int, where: str, reason: str, widths: list[int]) -> ConfigError:
+    """The configuration error for a layer that cannot take `method`: names the flag and what fits."""
+    if "group size must" in reason:
+        return ConfigError(f"--quantization-group-size {group_size}: {where}: {reason}")
+    fits = fitting_int4_groups(widths)
+    hint = (
+        f"--quantization-group-size {' or '.join(map(str, fits))} fits every layer of this model"
+        if fits
+        else f"no int4 group size ({', '.join(map(str, qlinear.INT4_GROUPS))}) divides every layer's "
+        "input width; --quantization int8 (per output channel) takes any width"
+    )
+    return ConfigError(f"--quantization {method}: {where}: {reason}; {hint}")
+
+
 def check(model: nn.Module, method: str, group_size: int, *, skip_quantized: bool = False) -> None:
-    """Raise ValueError naming --quantization when any linear layer cannot take `method`."""
-    for name, mod in linear_layers(model):
-        if skip_quantized and mod.qweight is not None:
-            continue
+    """Raise ConfigError naming --quantization (or --quantization-group-size) and the group sizes
+    that would fit when any layer's input width cannot take `method`; ValueError for a call that no
+    flag can make (an unknown method, a layer already quantized)."""
+    if method not in qlinear.METHODS:
+        raise ValueError(f"unknown quantization {method!r} (expected {', '.join(qlinear.METHODS)})")
+    layers = [
+        (name, mod) for name, mod in linear_layers(model) if not (skip_quantized and mod.qweight is not None)
+    ]
+    for name, mod in layers:
         if mod.weight is None:
             raise ValueError(f"--quantization {method}: layer {name} is already quantized")
+    experts = list(expert_layers(model))
+    for name, moe in experts:
+        if moe.q13 is not None:
+            raise ValueError(f"--quantization {method}: experts {name}: already quantized")
+    widths = [int(mod.weight.shape[1]) for _, mod in layers]
+    widths += [w for _, moe in experts for w in (moe.hidden_size, moe.intermediate_per_rank)]
+    for name, mod in layers:
         reason = qlinear.check_shape(method, int(mod.weight.shape[1]), group_size)
         if reason:
-            flag = "--quantization-group-size" if "group size must" in reason else "--quantization"
-            raise ValueError(
-                f"{flag} {method if flag == '--quantization' else group_size}: layer {name}: {reason}"
-            )
-    for name, experts in expert_layers(model):
-        reason = experts.quantization_problem(method, group_size)
+            raise _refusal(method, group_size, f"layer {name}", reason, widths)
+    for name, moe in experts:
+        reason = moe.quantization_problem(method, group_size)
         if reason:
-            flag = "--quantization-group-size" if "group size must" in reason else "--quantization"
-            raise ValueError(
-                f"{flag} {method if flag == '--quantization' else group_size}: experts {name}: {reason}"
-            )
+            raise _refusal(method, group_size, f"experts {name}", reason, widths)
 
 
 def quantize_model(

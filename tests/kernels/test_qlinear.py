@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import cbuild, isa, qlinear
 from tests.needs import missing
 
 
@@ -290,6 +290,48 @@ def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch
     monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
     few = torch.randn(2, 256).to(dtype)
     torch.testing.assert_close(qlinear.matmul(few, t), qlinear.matmul(few, qw), rtol=0, atol=0)
+
+
+def test_routing_at_each_level_reads_the_isa_without_asking_the_library(
+    cpu_isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_kernel_rows gives each level's row limits (tiled int4: AVX512-VNNI only; tiled int8: VNNI
+    or avx2; row layout: SMALL_M) and matmul routes by them, without a ctypes call per matmul: the
+    C code is asked its ISA once, when a level's library is loaded."""
+    if not qlinear.available(cpu_isa):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", True)
+    vnni = cpu_isa == "avx512" and "avx512_vnni" in isa.cpu_features()
+    i4, i8 = qlinear.quantize_int4(weight(48, 256), 32), qlinear.quantize_int8(weight(48, 256))
+    small, tiled = qlinear.SMALL_M, qlinear.TILED_MAX_M
+    cases = [
+        (i4, small),
+        (i8, small),
+        (qlinear.tile(i4), tiled if vnni else small),
+        (qlinear.tile(i8), tiled if vnni or cpu_isa == "avx2" else small),
+    ]
+    assert qlinear.built_isa() == cpu_isa  # loads this level's library (asks the C code once)
+    asked = qlinear.EXTENSION.isa_queries
+    x = torch.randn(small + 1, 256)
+    for _ in range(20):
+        assert [qlinear.max_kernel_rows(qw) for qw, _ in cases] == [rows for _, rows in cases]
+        for qw, rows in cases:
+            assert qlinear.kernel_applies(x, qw) == (rows > small)
+            assert qlinear.kernel_applies(x[:small], qw)
+        qlinear.matmul(x[:2], i4)  # the C kernel at this level
+    assert qlinear.EXTENSION.isa_queries == asked
+
+
+def test_a_library_is_asked_its_isa_once_per_level() -> None:
+    """A fresh extension (the built libraries, loaded again) asks each level's C code once."""
+    ext = cbuild.Extension(qlinear.SOURCE, qlinear.CFLAGS, qlinear._declare, "test")
+    levels = [lv for lv in isa.runnable() if ext.available(lv)]
+    if not levels:
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    assert ext.isa_queries == len(levels)  # available() loaded each
+    for _ in range(3):
+        assert [ext.built_isa(lv) for lv in levels] == levels
+    assert ext.isa_queries == len(levels)
 
 
 GEMM_LEVELS = [lv for lv in isa.runnable() if lv != "generic"]

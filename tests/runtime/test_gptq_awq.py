@@ -1,24 +1,7 @@
 """GPTQ and AWQ checkpoints (runtime/quant_formats.py, runtime/quantized_checkpoint.py).
 
-Tiny random-weight Llama checkpoints are quantized and packed here, in the formats' own layouts.
-The packing libraries were not used: auto-gptq 0.7.1, gptqmodel 7.7.0 and autoawq 0.2.9 are
-source-only on PyPI, build CUDA extensions or pull datasets/triton, and AutoAWQ (deprecated,
-"last tested with transformers 4.51") and auto-gptq do not import under the transformers 5 this
-project tests with (tried: autoawq fails importing its calibration code). The packers below are
-written from the formats, as those libraries' sources (read from the PyPI sdists) write them:
-
-* GPTQ: `qweight` int32 [K * bits / 32, N] with input row 32/bits * i + j in bits
-  [bits * j, bits * (j + 1)) of word (i, n); `qzeros` int32 [G, N * bits / 32] packed the same way
-  along N; `scales` float16 [G, N]; `g_idx` int32 [K]; w = scale * (q - zero). The v1 format
-  (`checkpoint_format: gptq`) stores zeros minus one, subtracted from each packed word as gptqmodel
-  7.7.0's `convert_gptq_v2_to_v1_format_module` does (qzeros -= 0x11111111 for 4 bits); v2 stores
-  them as they are (the v1/v2 difference is described in github.com/xxxxyu/blog,
-  content/posts/vllm-gptqv2-support/index.md). The quantizer is GPTQ's min/max one
-  (x_min <= 0 <= x_max, zero = round(-x_min / scale), symmetric zero 2^(bits - 1)) without the
-  Hessian update, which changes the values, not the format.
-* AWQ GEMM: `qweight` int32 [K, N / 8], output 8c + ORDER[j] in bits [4j, 4j + 4) of word (k, c),
-  ORDER = 0 2 4 6 1 3 5 7 (autoawq 0.2.9's `WQLinear_GEMM.from_linear`); `qzeros` int32
-  [K / group, N / 8] packed the same way; `scales` float16 [K / group, N]; w = scale * (q - zero).
+Tiny random-weight Llama checkpoints are quantized and packed here in the formats' own layouts,
+by runtime/quant_pack.py (its docstring describes the layouts and where they were read).
 
 Published layout: a Llama-2-7B q_proj (4096 x 4096) in a 4-bit group-128 GPTQ checkpoint (the
 settings TheBloke/Llama-2-7B-GPTQ's model card lists for its main branch: bits 4, GS 128) holds
@@ -48,13 +31,19 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models import layers as L
-from kvpilot.runtime.quant_formats import CheckpointQuantization, UnsupportedQuantization
+from kvpilot.runtime.quant_formats import AWQ_ORDER, CheckpointQuantization, UnsupportedQuantization
+from kvpilot.runtime.quant_pack import (
+    PROJECTIONS,
+    dequantize,
+    pack_columns,
+    pack_rows,
+    quantize_layer,
+    to_int32,
+)
 from kvpilot.runtime.quantized_checkpoint import linear_modules
 from kvpilot.runtime.sampling_params import SamplingParams
 from tests.runtime.test_model_parity import TINY_VOCAB, PagedKV, _write_tiny_tokenizer, rel_diff
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Logit differences, as a fraction of the largest reference logit, float32: symmetric checkpoints give
 # the same weights (only the matmul order differs: C kernel vs torch); asymmetric ones differ by the
 # float16 rounding of each group's min = -zero * scale (2^-11 relative; measured 5e-4).
@@ -65,91 +54,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------
-# The packers (from the formats' documentation; see the module docstring)
-
-
-def quantize_groups(
-    w: torch.Tensor, bits: int, g_idx: torch.Tensor, sym: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ's min/max quantizer per group of input rows: q [K, N], zeros [G, N], scales fp16 [G, N]."""
-    n, k = w.shape
-    groups = int(g_idx.max()) + 1
-    maxq = 2**bits - 1
-    q = torch.empty(k, n, dtype=torch.int64)
-    zeros = torch.empty(groups, n, dtype=torch.int64)
-    scales = torch.empty(groups, n, dtype=torch.float16)
-    for g in range(groups):
-        cols = (g_idx == g).nonzero().flatten()
-        wg = w[:, cols].double()  # [N, group]
-        lo = wg.amin(dim=1).clamp(max=0)
-        hi = wg.amax(dim=1).clamp(min=0)
-        if sym:
-            hi = torch.maximum(lo.abs(), hi)
-            lo = -hi
-        scale = ((hi - lo) / maxq).clamp(min=1e-8).half()
-        zero = torch.full_like(lo, 2 ** (bits - 1)) if sym else (-lo / scale.double()).round()
-        qg = (wg / scale.double().unsqueeze(1)).round() + zero.unsqueeze(1)
-        q[cols] = qg.clamp(0, maxq).long().t()
-        zeros[g], scales[g] = zero.long(), scale
-    return q, zeros, scales
-
-
-def dequantize(
-    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
-) -> torch.Tensor:
-    """The packer's weights: scale * (q - zero), [N, K] float32."""
-    return (scales[g_idx].float() * (q - zeros[g_idx]).float()).t().contiguous()
-
-
-def to_int32(words: torch.Tensor) -> torch.Tensor:
-    words = words & 0xFFFFFFFF
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[K, N] -> int32 [K * bits / 32, N], 32 / bits consecutive rows per word (GPTQ's qweight)."""
-    per = 32 // bits
-    v = values.long().reshape(-1, per, values.shape[1])
-    return to_int32(sum(v[:, j] << (bits * j) for j in range(per)))
-
-
-def pack_columns(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """[R, N] -> int32 [R, N * bits / 32]; field j of word c holds column c * per + order[j]."""
-    per = 32 // bits
-    order = order or tuple(range(per))
-    v = values.long().reshape(values.shape[0], -1, per)
-    return to_int32(sum(v[..., order[j]] << (bits * j) for j in range(per)))
+# The packer (runtime/quant_pack.py) with act-order
 
 
 def pack_layer(
     w: torch.Tensor, cq: CheckpointQuantization, act_order: bool, seed: int
 ) -> tuple[dict, torch.Tensor]:
     """One linear layer's checkpoint tensors in cq's format, and the packer's dequantized [N, K] weight."""
-    k = w.shape[1]
-    group = k if cq.group_size == -1 else cq.group_size
-    if act_order:  # desc_act: groups follow an input order of decreasing Hessian diagonal (random here)
-        order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
-        g_idx = torch.empty(k, dtype=torch.int64)
-        g_idx[order] = torch.arange(k) // group
-    else:
-        g_idx = torch.arange(k) // group
-    q, zeros, scales = quantize_groups(w, cq.bits, g_idx, cq.sym)
-    if cq.method == "awq":
-        return {
-            "qweight": pack_columns(q, 4, AWQ_ORDER),
-            "qzeros": pack_columns(zeros, 4, AWQ_ORDER),
-            "scales": scales,
-        }, dequantize(q, zeros, scales, g_idx)
-    qzeros = pack_columns(zeros, cq.bits)
-    if cq.checkpoint_format == "gptq":  # v1: every packed zero minus one, as word arithmetic
-        qzeros = to_int32(qzeros.long() - sum(1 << (cq.bits * j) for j in range(32 // cq.bits)))
-    tensors = {
-        "qweight": pack_rows(q, cq.bits),
-        "qzeros": qzeros,
-        "scales": scales,
-        "g_idx": g_idx.to(torch.int32),
-    }
-    return tensors, dequantize(q, zeros, scales, g_idx)
+    # desc_act: groups follow an input order of decreasing Hessian diagonal (random here)
+    order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(seed)) if act_order else None
+    return quantize_layer(w, cq, order)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,7 +128,7 @@ def write_quantized(
     dequantized: dict[str, torch.Tensor] = {}
     for name, w in hf.state_dict().items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
             # act-order follows the layer input's Hessian: q/k/v (and gate/up) share one order
             seed = hash((module.split(".")[2], w.shape[1], "o_proj" in module)) % 2**31
             packed, deq = pack_layer(w, cq, cq.desc_act, seed=seed)

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -9,7 +11,7 @@ import pytest
 from fake_engine import FakeEngine, FakeStats, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.runtime.metrics import ServerMetrics
+from kvpilot.runtime.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 
 CONTRACT = {
     "kvpilot_kv_cache_usage_ratio": "gauge",
@@ -227,3 +229,54 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
     assert fams[f"kvpilot_request_generation_tokens_sum,model_name={name}"] == 43
     counts = buckets(text, "kvpilot_request_generation_tokens")
     assert (counts[2.0], counts[4.0], counts[16.0], counts[32.0]) == (0, 1, 1, 3)
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"
+DOC_ROW = re.compile(r"^\| `(kvpilot_\w+)` \| (\w+) \| ([^|]+) \| [^|]*\S[^|]* \|$")
+
+
+def documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
+    """docs/runtime.md's "## Metrics" table: exposed name -> (type, labels)."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, tuple[str, frozenset[str]]] = {}
+    for line in section.splitlines():
+        m = DOC_ROW.match(line)
+        if m:
+            assert m[1] not in rows, f"{m[1]} is listed twice in docs/runtime.md"
+            rows[m[1]] = (m[2], frozenset(re.findall(r"`(\w+)`", m[3])))
+    return rows
+
+
+def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
+    """Every metric a server exposes, with an engine attached whose every optional series is on
+    (speculative decoding) and one finished request: exposed name -> (type, labels)."""
+    from kvpilot.runtime.engine import EngineStats
+
+    stats = EngineStats(
+        model_name="m", kv_cache_usage=0.5, num_running=1, num_waiting=2, num_blocks=10, block_size=16,
+        num_preemptions=1, prefix_cache_queries=8, prefix_cache_hits=4, oom_recoveries=0,
+        prompt_tokens=8, generation_tokens=4, num_steps=3, spec_num_drafts=2, spec_num_draft_tokens=8,
+        spec_num_accepted_tokens=6, spec_num_emitted_tokens=8,
+    )  # fmt: skip
+    m = ServerMetrics("m")
+    m.attach_engine(lambda: stats)
+    m.request_finished("stop", 4)
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for fam in m.registry.collect():
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        labels = {k for s in fam.samples for k in s.labels if k not in ("le", "quantile")}
+        out[name] = (fam.type, frozenset(labels))
+    engine_side = {n for n, _, _ in ENGINE_GAUGES} | {n for n, _, _ in ENGINE_COUNTERS}
+    missing = sorted(engine_side - {n.removesuffix("_total") for n in out} - set(out))
+    assert not missing, f"give the stats above a value for {missing}: they were not exposed"
+    return out
+
+
+def test_the_docs_metrics_table_lists_every_registered_metric() -> None:
+    docs, code = documented_metrics(), registered_metrics()
+    assert len(code) >= 20  # the scrape above exposed the whole set
+    assert sorted(set(code) - set(docs)) == [], "metrics registered but missing from docs/runtime.md"
+    assert sorted(set(docs) - set(code)) == [], "metrics in docs/runtime.md that the server does not register"
+    wrong = {n: (docs[n], code[n]) for n in code if docs[n] != code[n]}
+    assert wrong == {}, "type or labels in docs/runtime.md differ from the registry (doc, code)"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvpilot.kernels import qlinear
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import LoadedModel, load_model
 from kvpilot.runtime.models.moe import FusedMoE, dequantize_experts, moe_grouped, moe_reference, route
@@ -178,22 +178,26 @@ def test_quantized_model_equals_its_dequantized_weights(
 def test_an_expert_width_that_cannot_take_the_group_is_refused(tiny_dirs: dict[str, Path]) -> None:
     loaded = _load(tiny_dirs["mixtral"])  # hidden 64 (every linear's input), expert width 32
     with pytest.raises(
-        ValueError,
+        ConfigError,
         match=r"--quantization int4: experts model.layers.0.mlp.experts: in_features 32 is not a "
-        r"multiple of the int4 group size 64",
+        r"multiple of the int4 group size 64; --quantization-group-size 32 fits every layer",
     ):
         quantize_model(loaded.model, "int4", 64)
     experts = [m for m in loaded.model.modules() if isinstance(m, FusedMoE)]
     assert all(m.q13 is None and m.w13 is not None for m in experts)  # nothing changed
     assert all(m.weight is not None for _, m in linear_layers(loaded.model))
     quantize_model(loaded.model, "int8", 0)
-    with pytest.raises(ValueError, match="already quantized"):
+    with pytest.raises(ValueError, match="already quantized") as exc:
         quantize_model(loaded.model, "int8", 0)
-    qwen = _load(tiny_dirs["qwen2moe"])
+    assert not isinstance(exc.value, ConfigError)  # no flag makes this call: a programming error
+    qwen = tiny_dirs["qwen2moe"]
+    # through the loader, as `kvpilot serve --quantization int4` gets it: a ConfigError (one line, exit 2)
     with pytest.raises(
-        ValueError, match=r"--quantization int4: layer .*shared_expert.down_proj: in_features 48"
+        ConfigError,
+        match=r"--quantization int4: layer .*shared_expert.down_proj: in_features 48 .*"
+        r"--quantization int8 \(per output channel\) takes any width",
     ):
-        quantize_model(qwen.model, "int4", 32)
+        load_model(EngineConfig(model=str(qwen), quantization="int4"), torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("ep", [False, True])

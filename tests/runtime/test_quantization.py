@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvpilot.kernels import qlinear
-from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.loader import LoadedModel, load_model, quantization_method
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
-from kvpilot.runtime.quantization import linear_layers, quantize_model
+from kvpilot.runtime.quantization import fitting_int4_groups, linear_layers, quantize_model
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
 
@@ -83,15 +83,33 @@ def _tiny(hidden: int) -> Any:
 def test_a_layer_that_cannot_take_the_method_is_refused_naming_the_flag() -> None:
     model = _tiny(48)  # 48 inputs: not a multiple of any int4 group
     with pytest.raises(
-        ValueError,
-        match=r"--quantization int4: layer model.layers.0.*not a multiple of the int4 group size 32",
+        ConfigError,
+        match=r"--quantization int4: layer model.layers.0.*not a multiple of the int4 group size 32; "
+        r"no int4 group size \(32, 64, 128\) divides .*--quantization int8",
     ):
         quantize_model(model, "int4", 32)
     assert all(m.weight is not None and m.qweight is None for _, m in linear_layers(model))  # untouched
     report = quantize_model(model, "int8")  # per channel takes any width
     assert report.layers == 4 and report.bytes_after < report.bytes_before / 3
-    with pytest.raises(ValueError, match="already quantized"):
+    with pytest.raises(ValueError, match="already quantized") as exc:
         quantize_model(model, "int8")
+    assert not isinstance(exc.value, ConfigError)  # no flag makes this call: a programming error
+
+
+def test_an_int4_group_the_widths_do_not_divide_names_the_groups_that_fit(tmp_path: Path) -> None:
+    """hidden 96 with group 64: refused at load as a configuration error naming the group sizes that
+    fit every layer (96 and the intermediate 64 take 32 only)."""
+    model = _tiny(96)
+    with pytest.raises(
+        ConfigError,
+        match=r"--quantization int4: layer .*in_features 96 is not a multiple of the int4 group size 64; "
+        r"--quantization-group-size 32 fits every layer of this model$",
+    ):
+        quantize_model(model, "int4", 64)
+    assert quantize_model(model, "int4", 32).layers == 4  # the size it named works
+    assert fitting_int4_groups([256, 512]) == [32, 64, 128]
+    assert fitting_int4_groups([192, 256]) == [32, 64]
+    assert fitting_int4_groups([48]) == []
 
 
 def test_tiny_quantized_model_matches_its_dequantized_weights() -> None:

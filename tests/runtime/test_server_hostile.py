@@ -296,11 +296,26 @@ def test_continuous_usage_stats_streams_usage_in_every_chunk(small_pool: tuple[L
 # -- the CLI --------------------------------------------------------------------------------------
 
 
-def test_too_small_kv_cache_memory_exits_with_one_line_naming_the_flag() -> None:
+@pytest.mark.parametrize(
+    ("setting", "flag", "message"),
+    [
+        (["--kv-cache-memory", "64KiB"], "--kv-cache-memory", "holds no block"),
+        # SmolLM2's hidden size 576 is not a multiple of 128: the error names the groups that fit
+        (
+            ["--quantization", "int4", "--quantization-group-size", "128"],
+            "--quantization int4",
+            "--quantization-group-size 32 or 64 fits every layer",
+        ),
+    ],
+    ids=["kv-cache-memory", "int4-group"],
+)
+def test_a_setting_the_model_cannot_take_exits_with_one_line_naming_the_flag(
+    setting: list[str], flag: str, message: str
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = ["--dtype", "float32", "--kv-cache-memory", "64KiB", "--threads", "1", "--log-level", "error"]
+    flags = ["--dtype", "float32", *setting, "--threads", "1", "--log-level", "error"]
     proc = subprocess.run(
         [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
         capture_output=True,
@@ -310,5 +325,5 @@ def test_too_small_kv_cache_memory_exits_with_one_line_naming_the_flag() -> None
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if "--kv-cache-memory" in line]
-    assert len(lines) == 1 and "holds no block" in lines[0], proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if flag in line]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
