@@ -35,6 +35,7 @@ class CausalLM(Protocol):
         kv_caches: list[KVCacheLayer],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
