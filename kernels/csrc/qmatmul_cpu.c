@@ -264,16 +264,26 @@ static int group_shift(long K, int group) {
     return (QB << shift) == group ? shift : -1;
 }
 
-/* M rows of activations quantized for one weight format (quantize_rows), and dxe for avx512 */
+/* The tiled int8 kernel with AVX512-VNNI offsets the signed weight codes w to unsigned w + 128 (one
+ * xor, no per-row sign flips) and takes back 128 * (the block's activation code sum) per block: xb. */
+#if defined(KVPILOT_ISA_AVX512) && defined(__AVX512VNNI__)
+#define Q8_OFFSET 1
+#else
+#define Q8_OFFSET 0
+#endif
+
+/* M rows of activations quantized for one weight format (quantize_rows), dxe for avx512, and for
+ * int8 with Q8_OFFSET xb[m * nb + b] = -128 * (sum of block b's codes) */
 typedef struct {
     long M, K, ng;
     int8_t *xq;
     float *dx, *dxe, *xs, *rs;
+    int32_t *xb;
 } q8_acts;
 
 static void q8_free(q8_acts *a) {
-    free(a->xq), free(a->dx), free(a->dxe), free(a->xs), free(a->rs);
-    a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL;
+    free(a->xq), free(a->dx), free(a->dxe), free(a->xs), free(a->rs), free(a->xb);
+    a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL, a->xb = NULL;
 }
 
 static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group, int num_threads) {
@@ -283,6 +293,11 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
     a->xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * a->ng) + 4) : NULL;
     a->rs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * a->ng) + 4) : NULL;
     a->dxe = NULL;
+    a->xb = Q8_OFFSET && wbits == 8 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * (K / QB)) + 4) : NULL;
+    if (Q8_OFFSET && wbits == 8 && !a->xb) {
+        q8_free(a);
+        return -3;
+    }
 #if defined(KVPILOT_ISA_AVX512)
     a->dxe = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB) * 8) + 4);
     if (!a->dxe) {
@@ -302,6 +317,12 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
                       a->xs ? a->xs + m0 * a->ng : NULL, a->rs ? a->rs + m0 * a->ng : NULL);
         if (a->dxe)
             for (long i = m0 * nb * 8; i < (m0 + rows) * nb * 8; i++) a->dxe[i] = a->dx[i / 8];
+        if (a->xb)
+            for (long i = m0 * nb; i < (m0 + rows) * nb; i++) {
+                int32_t c = 0;
+                for (int t = 0; t < QB; t++) c += a->xq[i * QB + t];
+                a->xb[i] = -128 * c;
+            }
     }
     return 0;
 }
@@ -419,6 +440,10 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
  */
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 #define TR 16 /* weight rows per tile */
+/* software prefetch distance in a stream of tiles (the tiles of one weight are consecutive): with a
+ * few activation rows a tile (MoE experts at decode) the kernel is bound by reading the weights, and
+ * the hardware prefetcher alone kept one core at about half its read bandwidth (benchmarks/qmoe_bench.py) */
+#define PF_BYTES 4096
 /* activation rows per pass over a tile: a speculative verification (5 rows) in one pass; AVX2 has 16
  * vector registers for 2 accumulators a row */
 #if defined(KVPILOT_ISA_AVX512)
@@ -438,7 +463,7 @@ static inline int32_t load_i32(const int8_t *p) {
 static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, long m0, const int mb,
                                                             const uint8_t *wt, int wbits, int gshift,
                                                             const uint16_t *st, const uint16_t *mt,
-                                                            float *out, long ldo) {
+                                                            float *out, long ldo, long pf) {
     const long K = a->K, nb = K / QB, ng = a->ng;
     const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
     const __m512i nib = _mm512_set1_epi8(15);
@@ -446,10 +471,14 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = wt + b * TR * bb;
+        if (pf)
+            for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T0);
         const __m512 ws = per_row ? _mm512_set1_ps(1.0f)
                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (b >> gshift) * TR)));
         __m512i u[8];
+#if !Q8_OFFSET
         __mmask64 neg[8];
+#endif
         if (wbits == 4) {
             for (int v = 0; v < 4; v++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
@@ -459,19 +488,28 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         } else {
             for (int v = 0; v < 8; v++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+#if Q8_OFFSET
+                u[v] = _mm512_xor_si512(raw, _mm512_set1_epi8(-128)); /* w + 128, unsigned */
+#else
                 neg[v] = _mm512_movepi8_mask(raw);
                 u[v] = _mm512_abs_epi8(raw);
+#endif
             }
         }
         for (int r = 0; r < mb; r++) {
             const int8_t *xq = a->xq + (m0 + r) * K + b * QB;
             __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+#if Q8_OFFSET
+            if (wbits == 8) i0 = _mm512_set1_epi32(a->xb[(m0 + r) * nb + b]); /* (w + 128) . x - 128 * sum x */
+#endif
             for (int v = 0; v < 8; v += 2) {
                 __m512i s0 = _mm512_set1_epi32(load_i32(xq + 4 * v)), s1 = _mm512_set1_epi32(load_i32(xq + 4 * v + 4));
+#if !Q8_OFFSET
                 if (wbits == 8) { /* x * sign(w), so |w| * s = w * x */
                     s0 = _mm512_mask_sub_epi8(s0, neg[v], _mm512_setzero_si512(), s0);
                     s1 = _mm512_mask_sub_epi8(s1, neg[v + 1], _mm512_setzero_si512(), s1);
                 }
+#endif
 #if defined(__AVX512VNNI__)
                 i0 = _mm512_dpbusd_epi32(i0, u[v], s0);
                 i1 = _mm512_dpbusd_epi32(i1, u[v + 1], s1);
@@ -484,24 +522,26 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(ws, d), acc[r]);
         }
     }
-    for (int r = 0; r < mb; r++) {
-        if (per_row) acc[r] = _mm512_mul_ps(acc[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st)));
-        if (wbits == 4) /* + sum over groups of min * xs + 8 * scale * rs (quantize_rows) */
-            for (long g = 0; g < ng; g++) {
-                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-                const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+    if (per_row)
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st)));
+    if (wbits == 4) /* + sum over groups of min * xs + 8 * scale * rs (quantize_rows); each group's
+                     * scales and mins converted once for all mb rows */
+        for (long g = 0; g < ng; g++) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+            for (int r = 0; r < mb; r++) {
                 acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->xs[(m0 + r) * ng + g]), acc[r]);
                 acc[r] = _mm512_fmadd_ps(sv, _mm512_set1_ps(8.0f * a->rs[(m0 + r) * ng + g]), acc[r]);
             }
-        _mm512_storeu_ps(out + r * ldo, acc[r]);
-    }
+        }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 #else
 /* AVX2: the same, one half tile (8 rows: bytes 32h..32h+31 of each 64-byte vector) at a time */
 static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, long m0, const int mb,
                                                             const uint8_t *wt, int wbits, int gshift,
                                                             const uint16_t *st, const uint16_t *mt,
-                                                            float *out, long ldo) {
+                                                            float *out, long ldo, long pf) {
     const long K = a->K, nb = K / QB, ng = a->ng;
     const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
     const __m256i nib = _mm256_set1_epi8(15);
@@ -510,6 +550,8 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
             const uint8_t *p = wt + b * TR * bb + 32 * h;
+            if (pf && h == 0)
+                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T0);
             const __m256 ws = per_row ? _mm256_set1_ps(1.0f)
                                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (b >> gshift) * TR + 8 * h)));
             __m256i it[TM];
@@ -534,17 +576,19 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(it[r]), _mm256_mul_ps(ws, d), acc[r]);
             }
         }
-        for (int r = 0; r < mb; r++) {
-            if (per_row) acc[r] = _mm256_mul_ps(acc[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h))));
-            if (wbits == 4)
-                for (long g = 0; g < ng; g++) {
-                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
-                    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+        if (per_row)
+            for (int r = 0; r < mb; r++)
+                acc[r] = _mm256_mul_ps(acc[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h))));
+        if (wbits == 4) /* as avx512: each group's scales and mins converted once for all mb rows */
+            for (long g = 0; g < ng; g++) {
+                const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
+                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+                for (int r = 0; r < mb; r++) {
                     acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->xs[(m0 + r) * ng + g]), acc[r]);
                     acc[r] = _mm256_fmadd_ps(sv, _mm256_set1_ps(8.0f * a->rs[(m0 + r) * ng + g]), acc[r]);
                 }
-            _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
-        }
+            }
+        for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
     }
 }
 #endif
@@ -578,16 +622,16 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
         for (long m0 = 0; m0 < M; m0 += TM) {
             const int mb = M - m0 < TM ? (int)(M - m0) : TM;
             switch (mb) { /* a constant row count per call: accumulators in registers */
-            case 1: tile_dots(&acts, m0, 1, wt, wbits, gshift, st, mt, res, TR); break;
-            case 2: tile_dots(&acts, m0, 2, wt, wbits, gshift, st, mt, res, TR); break;
-            case 3: tile_dots(&acts, m0, 3, wt, wbits, gshift, st, mt, res, TR); break;
-            case 4: tile_dots(&acts, m0, 4, wt, wbits, gshift, st, mt, res, TR); break;
-            case 5: tile_dots(&acts, m0, 5, wt, wbits, gshift, st, mt, res, TR); break;
+            case 1: tile_dots(&acts, m0, 1, wt, wbits, gshift, st, mt, res, TR, 0); break;
+            case 2: tile_dots(&acts, m0, 2, wt, wbits, gshift, st, mt, res, TR, 0); break;
+            case 3: tile_dots(&acts, m0, 3, wt, wbits, gshift, st, mt, res, TR, 0); break;
+            case 4: tile_dots(&acts, m0, 4, wt, wbits, gshift, st, mt, res, TR, 0); break;
+            case 5: tile_dots(&acts, m0, 5, wt, wbits, gshift, st, mt, res, TR, 0); break;
 #if TM > 6
-            case 6: tile_dots(&acts, m0, 6, wt, wbits, gshift, st, mt, res, TR); break;
-            case 7: tile_dots(&acts, m0, 7, wt, wbits, gshift, st, mt, res, TR); break;
+            case 6: tile_dots(&acts, m0, 6, wt, wbits, gshift, st, mt, res, TR, 0); break;
+            case 7: tile_dots(&acts, m0, 7, wt, wbits, gshift, st, mt, res, TR, 0); break;
 #endif
-            default: tile_dots(&acts, m0, TM, wt, wbits, gshift, st, mt, res, TR); break;
+            default: tile_dots(&acts, m0, TM, wt, wbits, gshift, st, mt, res, TR, 0); break;
             }
             for (int r = 0; r < mb; r++)
                 for (int i = 0; i < TR; i++) {
@@ -653,18 +697,19 @@ static void expert_tiles(const q8_acts *a, const long *first, long E, long N, co
         const uint16_t *st = sc[e] + t * TR * ng, *mt = mn && mn[e] ? mn[e] + t * TR * ng : NULL;
         for (long m0 = first[e]; m0 < first[e + 1]; m0 += TM) {
             const int mb = first[e + 1] - m0 < TM ? (int)(first[e + 1] - m0) : TM;
+            const long pf = m0 == first[e] ? PF_BYTES : 0;
             float *o = out + m0 * ldo + t * TR;
             switch (mb) {
-            case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+            case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+            case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+            case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+            case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
 #if TM > 6
-            case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo); break;
+            case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+            case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
 #endif
-            default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo); break;
+            default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
             }
         }
     }
