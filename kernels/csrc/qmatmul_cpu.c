@@ -286,7 +286,7 @@ static void q8_free(q8_acts *a) {
     a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL, a->xb = NULL;
 }
 
-static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group, int num_threads) {
+static int q8_alloc(q8_acts *a, long M, long K, int wbits, int group) {
     a->M = M, a->K = K, a->ng = K / group;
     a->xq = (int8_t *)malloc((size_t)(M * K) + 1);
     a->dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB)) + 4);
@@ -309,6 +309,11 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
         q8_free(a);
         return -3;
     }
+    return 0;
+}
+
+static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group, int num_threads) {
+    if (q8_alloc(a, M, K, wbits, group)) return -3;
     const long nb = K / QB, chunks = (M + 15) / 16; /* rows in parallel, 16 at a time (prefill) */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 32)
     for (long c = 0; c < chunks; c++) {
@@ -325,6 +330,21 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
             }
     }
     return 0;
+}
+
+/* dst->row[r] = src->row[src_row[r]] for the dst->M rows (src_row[r] < 0: left as it is) */
+static void q8_gather(q8_acts *dst, const q8_acts *src, const long *src_row) {
+    const long K = src->K, nb = K / QB, ng = src->ng;
+    for (long r = 0; r < dst->M; r++) {
+        const long m = src_row[r];
+        if (m < 0) continue;
+        memcpy(dst->xq + r * K, src->xq + m * K, (size_t)K);
+        memcpy(dst->dx + r * nb, src->dx + m * nb, sizeof(float) * (size_t)nb);
+        if (src->dxe) memcpy(dst->dxe + r * nb * 8, src->dxe + m * nb * 8, sizeof(float) * (size_t)(nb * 8));
+        if (src->xs) memcpy(dst->xs + r * ng, src->xs + m * ng, sizeof(float) * (size_t)ng);
+        if (src->rs) memcpy(dst->rs + r * ng, src->rs + m * ng, sizeof(float) * (size_t)ng);
+        if (src->xb) memcpy(dst->xb + r * nb, src->xb + m * nb, sizeof(int32_t) * (size_t)nb);
+    }
 }
 
 /* dst[m * ld] = activation row (first + m) . dequant(weight row w) for m < rows */
@@ -753,13 +773,19 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
     }
     for (long e = 0; e < E; e++) count[e + 1] += count[e]; /* count[e]: first row of expert e */
     const long A = count[E];
+    /* each token's activations quantized once (then its rows copied to its experts' places), or,
+     * where fewer rows are held here than there are tokens (experts split across ranks), the
+     * gathered rows: the same codes and scales either way, a row's quantization being its own */
+    const int per_token = A >= T;
     long *fill = (long *)malloc(sizeof(long) * (size_t)(E + 1)), *row_of = (long *)malloc(sizeof(long) * (size_t)(T * topk));
-    float *gathered = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
+    long *token_of = (long *)malloc(sizeof(long) * (size_t)(A ? A : 1));
+    float *gathered = per_token ? NULL : (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
     float *gu = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * I));
     float *partial = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
     int rc = -3;
-    q8_acts a13 = {0}, a2 = {0};
-    if (!fill || !row_of || !gathered || !gu || !partial) goto done;
+    q8_acts a13 = {0}, a2 = {0}, tok = {0};
+    if (!fill || !row_of || !token_of || (!per_token && !gathered) || !gu || !act || !partial) goto done;
     memcpy(fill, count, sizeof(long) * (size_t)(E + 1));
     to_float(x, dtype, T * H, xf);
     for (long a = 0; a < T * topk; a++) {
@@ -767,14 +793,17 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
         row_of[a] = -1;
         if (e < 0 || e >= E) continue;
         row_of[a] = fill[e]++;
-        memcpy(gathered + row_of[a] * H, xf + (a / topk) * H, sizeof(float) * (size_t)H);
+        token_of[row_of[a]] = a / topk;
+        if (!per_token) memcpy(gathered + row_of[a] * H, xf + (a / topk) * H, sizeof(float) * (size_t)H);
     }
     rc = 0;
     if (A > 0) {
-        if (q8_quantize(&a13, gathered, A, H, wbits, g13, num_threads)) {
+        if (per_token ? q8_quantize(&tok, xf, T, H, wbits, g13, num_threads) || q8_alloc(&a13, A, H, wbits, g13)
+                      : q8_quantize(&a13, gathered, A, H, wbits, g13, num_threads)) {
             rc = -3;
             goto done;
         }
+        if (per_token) q8_gather(&a13, &tok, token_of);
         /* pass 1: [g; u] = w13_e . x for every (expert, row of w13), or (expert, tile of 16 rows) */
         if (tiled) {
             expert_tiles(&a13, count, E, 2 * I, w13, s13, m13, rb13, H / g13, wbits, sh13, gu, 2 * I, num_threads);
@@ -787,11 +816,11 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
                                 wbits == 4 ? m13[e] + n * (H / g13) : NULL, gu + count[e] * 2 * I + n, 2 * I);
             }
         }
-        /* silu(g) * u, in place over the first I columns: row r's result lands at or before its
-         * own gate row, which only rows up to r read, so rows run in order within a thread */
+        /* silu(g) * u, rows in parallel */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (A * I >= 65536)
         for (long r = 0; r < A; r++)
-            for (long i = 0; i < I; i++) gu[r * I + i] = silu_poly(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
-        if (q8_quantize(&a2, gu, A, I, wbits, g2, num_threads)) {
+            for (long i = 0; i < I; i++) act[r * I + i] = silu_poly(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
+        if (q8_quantize(&a2, act, A, I, wbits, g2, num_threads)) {
             rc = -3;
             goto done;
         }
@@ -808,7 +837,9 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
             }
         }
     }
-    for (long t = 0; t < T; t++) /* combine each token's slots with their routing weights */
+    /* combine each token's slots with their routing weights, tokens in parallel */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * topk >= 65536)
+    for (long t = 0; t < T; t++)
         for (long h = 0; h < H; h++) {
             float v = 0.0f;
             for (int j = 0; j < topk; j++) {
@@ -821,8 +852,8 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
                 ((float *)out)[t * H + h] = v;
         }
 done:
-    q8_free(&a13), q8_free(&a2);
-    free(count), free(xf), free(fill), free(row_of), free(gathered), free(gu), free(partial);
+    q8_free(&a13), q8_free(&a2), q8_free(&tok);
+    free(count), free(xf), free(fill), free(row_of), free(token_of), free(gathered), free(gu), free(act), free(partial);
     return rc;
 #else
     (void)x, (void)out, (void)H, (void)I, (void)ids, (void)wts, (void)offset, (void)w13, (void)s13, (void)m13, (void)tiled;
