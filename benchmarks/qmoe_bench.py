@@ -10,9 +10,13 @@ calling thread's CPU time (time.thread_time; the best of --rounds rounds), one t
 which a shared machine disturbs far less than wall time. `--threads N` runs the C call on N OpenMP
 threads and reports wall time instead (thread time would miss the workers).
 
-Set KVPILOT_CPU_ISA=avx2 to measure the avx2 level on an AVX-512 CPU.
+Set KVPILOT_CPU_ISA=avx2 to measure the avx2 level on an AVX-512 CPU. `--against FILE` also builds
+FILE (another version of kernels/csrc/qmatmul_cpu.c, e.g. `git show REV:kernels/csrc/qmatmul_cpu.c`)
+for the same level and times its kvpilot_qmoe in alternation with the current one, round by round
+(a before/after that load from other work disturbs alike), and checks that both give identical outputs.
 
     python benchmarks/qmoe_bench.py [--tokens 1,8,32,128,1024] [--methods int8,int4] [--rounds 3]
+        [--against /tmp/old_qmatmul_cpu.c]
 
 Prints one JSON line per (method, T), then a summary with the CPU and the kernel's ISA level.
 """
@@ -20,8 +24,11 @@ Prints one JSON line per (method, T), then a summary with the CPU and the kernel
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import shutil
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -32,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weight_quant import cpu_model
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import cbuild, isa, qlinear
 
 
 def build_table(method: str, experts: int, hidden: int, inter: int, group: int) -> qlinear.ExpertTable:
@@ -61,19 +68,49 @@ def routing(tokens: int, experts: int, topk: int, seed: int) -> tuple[torch.Tens
     return weights, ids
 
 
-def time_call(fn: Any, rounds: int, wall: bool, budget_s: float = 0.3) -> float:
-    """Seconds per call: the best of `rounds` rounds of enough calls to fill about `budget_s`."""
+def other_build(source: Path, workdir: Path) -> ctypes.CDLL:
+    """`source` built as kernels/csrc/qmatmul_cpu.c is (its headers, flags and the selected level)."""
+    name = Path(qlinear.SOURCE).name
+    csrc = workdir / "csrc"
+    shutil.copytree(Path(qlinear.SOURCE).parent, csrc)
+    shutil.copy(source, csrc / name)
+    lib = ctypes.CDLL(str(cbuild.build(csrc / name, [*qlinear.CFLAGS, *isa.flags_for(isa.selected())])))
+    qlinear._declare(lib)
+    return lib
+
+
+def qmoe_call(
+    lib: ctypes.CDLL, x: torch.Tensor, table: qlinear.ExpertTable, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """What qlinear.fused_experts does, on another build of the library."""
+    x2, out = x.contiguous(), torch.empty_like(x)
+    ids64, w = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    rc = lib.kvpilot_qmoe(
+        x2.data_ptr(), qlinear._DTYPES[x.dtype], out.data_ptr(), x.shape[0], table.hidden, table.inter,
+        ids.shape[1], ids64.data_ptr(), w.data_ptr(), len(table.experts[0]), 0, *table.pointers,
+        table.bits, table.group, int(table.tiled), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise SystemExit(f"the --against build's kvpilot_qmoe returned {rc}")
+    return out
+
+
+def time_calls(fns: list[Any], rounds: int, wall: bool, budget_s: float = 0.3) -> list[float]:
+    """Seconds per call of each fn: the best of `rounds` rounds (the fns in turn within a round) of
+    enough calls to fill about `budget_s`."""
     clock = time.perf_counter if wall else time.thread_time
     t0 = clock()
-    fn()
+    fns[0]()
     once = max(clock() - t0, 1e-6)
     calls = max(1, int(budget_s / once))
-    best = float("inf")
+    best = [float("inf")] * len(fns)
     for _ in range(rounds):
-        t0 = clock()
-        for _ in range(calls):
-            fn()
-        best = min(best, (clock() - t0) / calls)
+        for i, fn in enumerate(fns):
+            fn()  # warm: the weights the other fn just streamed are no advantage of this one
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (clock() - t0) / calls)
     return best
 
 
@@ -90,6 +127,9 @@ def main() -> int:
     ap.add_argument(
         "--threads", type=int, default=1, help="OpenMP threads for the C call (above 1: wall time)"
     )
+    ap.add_argument(
+        "--against", type=Path, help="another qmatmul_cpu.c to time in alternation (before/after)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     wall = args.threads > 1
@@ -97,6 +137,8 @@ def main() -> int:
         raise SystemExit(
             f"the fused quantized MoE call needs the avx512 or avx2 level (built: {qlinear.built_isa()})"
         )
+    workdir = tempfile.TemporaryDirectory()
+    other = other_build(args.against, Path(workdir.name)) if args.against else None
     rows: list[dict[str, Any]] = []
     for method in args.methods.split(","):
         table = build_table(method, args.experts, args.hidden, args.inter, args.group)
@@ -109,17 +151,28 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 continue
-            sec = time_call(partial(qlinear.fused_experts, x, table, weights, ids), args.rounds, wall)
+            fns: list[Any] = [partial(qlinear.fused_experts, x, table, weights, ids)]
+            if other is not None:
+                fns.append(partial(qmoe_call, other, x, table, weights, ids))
+            secs = time_calls(fns, args.rounds, wall)
+            sec = secs[0]
             active = int(ids.unique().numel())
             macs = t * args.topk * 3 * args.hidden * args.inter
+            unit = "wall_ms" if wall else "cpu_ms"
             row = {
                 "method": method,
                 "tokens": t,
                 "active_experts": active,
-                ("wall_ms" if wall else "cpu_ms"): round(sec * 1e3, 3),
+                unit: round(sec * 1e3, 3),
                 "int8_gops": round(2 * macs / sec / 1e9, 1),
                 "active_weight_gbps": round(weight_bytes * active / args.experts / sec / 1e9, 1),
             }
+            if other is not None:
+                row |= {
+                    f"against_{unit}": round(secs[1] * 1e3, 3),
+                    "speedup": round(secs[1] / sec, 2),
+                    "identical": bool(torch.equal(fns[0](), fns[1]())),
+                }
             print(json.dumps(row), flush=True)
             rows.append(row)
     summary = {
@@ -131,6 +184,7 @@ def main() -> int:
             "threads": args.threads,
             "clock": "wall" if wall else "thread_cpu",
         },
+        "against": str(args.against) if args.against else None,
         "shape": {"experts": args.experts, "hidden": args.hidden, "inter": args.inter, "topk": args.topk},
         "results": rows,
     }

@@ -457,6 +457,10 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
  * tail, and one activation load serves TR rows (the row layout does one row, or four, at a time).
  * The arithmetic is row_dots_q8's (and reference_q8_matmul's): per block, an exact integer dot
  * times weight scale times activation scale, summed in float32; int4 adds min * xs + 8 * scale * rs.
+ * int8 codes are signed, and vpdpbusd / maddubs take unsigned bytes times signed: with AVX512-VNNI
+ * (Q8_OFFSET) the codes are read as w + 128 (one xor per code vector) and the block's exact integer
+ * dot product is (w + 128) . x - 128 * sum(x) (vpdpbusd does not saturate); otherwise, and on AVX2
+ * (maddubs saturates at 16 bits), |w| times x with w's sign, flipped per activation row.
  */
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 #define TR 16 /* weight rows per tile */
@@ -713,7 +717,10 @@ int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *s
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /* One pass of kvpilot_qmoe over tiled expert weights: out[r, t * TR ..] for the rows r of each
- * expert e (first[e] .. first[e + 1]) times expert e's N output rows, one (expert, tile) an item. */
+ * expert e (first[e] .. first[e + 1]) times expert e's N output rows, one (expert, tile) an item.
+ * An expert's tiles are consecutive in memory, so its first group of rows on a tile prefetches the
+ * codes PF_BYTES ahead (and the scales and mins 16 blocks ahead): at decode (a few rows an expert)
+ * the call is bound by reading the weights, and more misses in flight are what reads them faster. */
 static void expert_tiles(const q8_acts *a, const long *first, long E, long N, const uint8_t *const *w,
                          const uint16_t *const *sc, const uint16_t *const *mn, long row_bytes, long ng, int wbits,
                          int gshift, float *out, long ldo, int num_threads) {
