@@ -626,6 +626,27 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
 #endif
 #endif
 
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* tile_dots for mb <= TM rows, a constant row count per call (accumulators in registers), and `pf` a
+ * constant at each call site (a copy with prefetches, one without) */
+static inline __attribute__((always_inline)) void tile_rows(const q8_acts *a, long m0, int mb, const uint8_t *wt,
+                                                            int wbits, int gshift, const uint16_t *st,
+                                                            const uint16_t *mt, float *o, long ldo, const long pf) {
+    switch (mb) {
+    case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#if TM > 6
+    case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#endif
+    default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    }
+}
+#endif
+
 /* kvpilot_qmatmul on a weight in the tiled layout (N a multiple of TR, a format with the
  * int8-activation path: int8 per channel or int4/int8 in power-of-two multiples of QB). Returns -1 on
  * bad arguments, -2 where the tiled path does not exist (the generic level), -3 out of memory. */
@@ -653,18 +674,7 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
         float res[TM * TR];
         for (long m0 = 0; m0 < M; m0 += TM) {
             const int mb = M - m0 < TM ? (int)(M - m0) : TM;
-            switch (mb) { /* a constant row count per call: accumulators in registers */
-            case 1: tile_dots(&acts, m0, 1, wt, wbits, gshift, st, mt, res, TR, 0); break;
-            case 2: tile_dots(&acts, m0, 2, wt, wbits, gshift, st, mt, res, TR, 0); break;
-            case 3: tile_dots(&acts, m0, 3, wt, wbits, gshift, st, mt, res, TR, 0); break;
-            case 4: tile_dots(&acts, m0, 4, wt, wbits, gshift, st, mt, res, TR, 0); break;
-            case 5: tile_dots(&acts, m0, 5, wt, wbits, gshift, st, mt, res, TR, 0); break;
-#if TM > 6
-            case 6: tile_dots(&acts, m0, 6, wt, wbits, gshift, st, mt, res, TR, 0); break;
-            case 7: tile_dots(&acts, m0, 7, wt, wbits, gshift, st, mt, res, TR, 0); break;
-#endif
-            default: tile_dots(&acts, m0, TM, wt, wbits, gshift, st, mt, res, TR, 0); break;
-            }
+            tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
             for (int r = 0; r < mb; r++)
                 for (int i = 0; i < TR; i++) {
                     const long n = t * TR + i;
@@ -732,20 +742,11 @@ static void expert_tiles(const q8_acts *a, const long *first, long E, long N, co
         const uint16_t *st = sc[e] + t * TR * ng, *mt = mn && mn[e] ? mn[e] + t * TR * ng : NULL;
         for (long m0 = first[e]; m0 < first[e + 1]; m0 += TM) {
             const int mb = first[e + 1] - m0 < TM ? (int)(first[e + 1] - m0) : TM;
-            const long pf = m0 == first[e] ? PF_BYTES : 0;
             float *o = out + m0 * ldo + t * TR;
-            switch (mb) {
-            case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-            case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-            case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-            case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-            case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#if TM > 6
-            case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-            case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#endif
-            default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-            }
+            if (m0 == first[e]) /* two copies: the later row groups (prefill) run without prefetches */
+                tile_rows(a, m0, mb, wt, wbits, gshift, st, mt, o, ldo, PF_BYTES);
+            else
+                tile_rows(a, m0, mb, wt, wbits, gshift, st, mt, o, ldo, 0);
         }
     }
 }
