@@ -264,25 +264,40 @@ static int group_shift(long K, int group) {
     return (QB << shift) == group ? shift : -1;
 }
 
-/* M rows of activations quantized for one weight format (quantize_rows), and dxe for avx512 */
+/* The tiled int8 kernel with AVX512-VNNI offsets the signed weight codes w to unsigned w + 128 (one
+ * xor, no per-row sign flips) and takes back 128 * (the block's activation code sum) per block: xb. */
+#if defined(KVPILOT_ISA_AVX512) && defined(__AVX512VNNI__)
+#define Q8_OFFSET 1
+#else
+#define Q8_OFFSET 0
+#endif
+
+/* M rows of activations quantized for one weight format (quantize_rows), dxe for avx512, and for
+ * int8 with Q8_OFFSET xb[m * nb + b] = -128 * (sum of block b's codes) */
 typedef struct {
     long M, K, ng;
     int8_t *xq;
     float *dx, *dxe, *xs, *rs;
+    int32_t *xb;
 } q8_acts;
 
 static void q8_free(q8_acts *a) {
-    free(a->xq), free(a->dx), free(a->dxe), free(a->xs), free(a->rs);
-    a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL;
+    free(a->xq), free(a->dx), free(a->dxe), free(a->xs), free(a->rs), free(a->xb);
+    a->xq = NULL, a->dx = a->dxe = a->xs = a->rs = NULL, a->xb = NULL;
 }
 
-static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group, int num_threads) {
+static int q8_alloc(q8_acts *a, long M, long K, int wbits, int group) {
     a->M = M, a->K = K, a->ng = K / group;
     a->xq = (int8_t *)malloc((size_t)(M * K) + 1);
     a->dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB)) + 4);
     a->xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * a->ng) + 4) : NULL;
     a->rs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * a->ng) + 4) : NULL;
     a->dxe = NULL;
+    a->xb = Q8_OFFSET && wbits == 8 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * (K / QB)) + 4) : NULL;
+    if (Q8_OFFSET && wbits == 8 && !a->xb) {
+        q8_free(a);
+        return -3;
+    }
 #if defined(KVPILOT_ISA_AVX512)
     a->dxe = (float *)malloc(sizeof(float) * (size_t)(M * (K / QB) * 8) + 4);
     if (!a->dxe) {
@@ -294,6 +309,11 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
         q8_free(a);
         return -3;
     }
+    return 0;
+}
+
+static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, int group, int num_threads) {
+    if (q8_alloc(a, M, K, wbits, group)) return -3;
     const long nb = K / QB, chunks = (M + 15) / 16; /* rows in parallel, 16 at a time (prefill) */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 32)
     for (long c = 0; c < chunks; c++) {
@@ -302,8 +322,29 @@ static int q8_quantize(q8_acts *a, const float *xf, long M, long K, int wbits, i
                       a->xs ? a->xs + m0 * a->ng : NULL, a->rs ? a->rs + m0 * a->ng : NULL);
         if (a->dxe)
             for (long i = m0 * nb * 8; i < (m0 + rows) * nb * 8; i++) a->dxe[i] = a->dx[i / 8];
+        if (a->xb)
+            for (long i = m0 * nb; i < (m0 + rows) * nb; i++) {
+                int32_t c = 0;
+                for (int t = 0; t < QB; t++) c += a->xq[i * QB + t];
+                a->xb[i] = -128 * c;
+            }
     }
     return 0;
+}
+
+/* dst->row[r] = src->row[src_row[r]] for the dst->M rows (src_row[r] < 0: left as it is) */
+static void q8_gather(q8_acts *dst, const q8_acts *src, const long *src_row) {
+    const long K = src->K, nb = K / QB, ng = src->ng;
+    for (long r = 0; r < dst->M; r++) {
+        const long m = src_row[r];
+        if (m < 0) continue;
+        memcpy(dst->xq + r * K, src->xq + m * K, (size_t)K);
+        memcpy(dst->dx + r * nb, src->dx + m * nb, sizeof(float) * (size_t)nb);
+        if (src->dxe) memcpy(dst->dxe + r * nb * 8, src->dxe + m * nb * 8, sizeof(float) * (size_t)(nb * 8));
+        if (src->xs) memcpy(dst->xs + r * ng, src->xs + m * ng, sizeof(float) * (size_t)ng);
+        if (src->rs) memcpy(dst->rs + r * ng, src->rs + m * ng, sizeof(float) * (size_t)ng);
+        if (src->xb) memcpy(dst->xb + r * nb, src->xb + m * nb, sizeof(int32_t) * (size_t)nb);
+    }
 }
 
 /* dst[m * ld] = activation row (first + m) . dequant(weight row w) for m < rows */
@@ -416,9 +457,17 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
  * tail, and one activation load serves TR rows (the row layout does one row, or four, at a time).
  * The arithmetic is row_dots_q8's (and reference_q8_matmul's): per block, an exact integer dot
  * times weight scale times activation scale, summed in float32; int4 adds min * xs + 8 * scale * rs.
+ * int8 codes are signed, and vpdpbusd / maddubs take unsigned bytes times signed: with AVX512-VNNI
+ * (Q8_OFFSET) the codes are read as w + 128 (one xor per code vector) and the block's exact integer
+ * dot product is (w + 128) . x - 128 * sum(x) (vpdpbusd does not saturate); otherwise, and on AVX2
+ * (maddubs saturates at 16 bits), |w| times x with w's sign, flipped per activation row.
  */
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 #define TR 16 /* weight rows per tile */
+/* software prefetch distance in a stream of tiles (the tiles of one weight are consecutive): with a
+ * few activation rows a tile (MoE experts at decode) the kernel is bound by reading the weights, and
+ * the hardware prefetcher alone kept one core at about half its read bandwidth (benchmarks/qmoe_bench.py) */
+#define PF_BYTES 4096
 /* activation rows per pass over a tile: a speculative verification (5 rows) in one pass; AVX2 has 16
  * vector registers for 2 accumulators a row */
 #if defined(KVPILOT_ISA_AVX512)
@@ -438,7 +487,7 @@ static inline int32_t load_i32(const int8_t *p) {
 static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, long m0, const int mb,
                                                             const uint8_t *wt, int wbits, int gshift,
                                                             const uint16_t *st, const uint16_t *mt,
-                                                            float *out, long ldo) {
+                                                            float *out, long ldo, long pf) {
     const long K = a->K, nb = K / QB, ng = a->ng;
     const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
     const __m512i nib = _mm512_set1_epi8(15);
@@ -446,10 +495,18 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = wt + b * TR * bb;
+        if (pf)
+            for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+        if (pf && !per_row) { /* the scales (and mins) 16 blocks ahead, in the next tile past the last */
+            _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+            if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+        }
         const __m512 ws = per_row ? _mm512_set1_ps(1.0f)
                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (b >> gshift) * TR)));
         __m512i u[8];
+#if !Q8_OFFSET
         __mmask64 neg[8];
+#endif
         if (wbits == 4) {
             for (int v = 0; v < 4; v++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
@@ -459,19 +516,28 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         } else {
             for (int v = 0; v < 8; v++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+#if Q8_OFFSET
+                u[v] = _mm512_xor_si512(raw, _mm512_set1_epi8(-128)); /* w + 128, unsigned */
+#else
                 neg[v] = _mm512_movepi8_mask(raw);
                 u[v] = _mm512_abs_epi8(raw);
+#endif
             }
         }
         for (int r = 0; r < mb; r++) {
             const int8_t *xq = a->xq + (m0 + r) * K + b * QB;
             __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+#if Q8_OFFSET
+            if (wbits == 8) i0 = _mm512_set1_epi32(a->xb[(m0 + r) * nb + b]); /* (w + 128) . x - 128 * sum x */
+#endif
             for (int v = 0; v < 8; v += 2) {
                 __m512i s0 = _mm512_set1_epi32(load_i32(xq + 4 * v)), s1 = _mm512_set1_epi32(load_i32(xq + 4 * v + 4));
+#if !Q8_OFFSET
                 if (wbits == 8) { /* x * sign(w), so |w| * s = w * x */
                     s0 = _mm512_mask_sub_epi8(s0, neg[v], _mm512_setzero_si512(), s0);
                     s1 = _mm512_mask_sub_epi8(s1, neg[v + 1], _mm512_setzero_si512(), s1);
                 }
+#endif
 #if defined(__AVX512VNNI__)
                 i0 = _mm512_dpbusd_epi32(i0, u[v], s0);
                 i1 = _mm512_dpbusd_epi32(i1, u[v + 1], s1);
@@ -484,24 +550,26 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(ws, d), acc[r]);
         }
     }
-    for (int r = 0; r < mb; r++) {
-        if (per_row) acc[r] = _mm512_mul_ps(acc[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st)));
-        if (wbits == 4) /* + sum over groups of min * xs + 8 * scale * rs (quantize_rows) */
-            for (long g = 0; g < ng; g++) {
-                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-                const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+    if (per_row)
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st)));
+    if (wbits == 4) /* + sum over groups of min * xs + 8 * scale * rs (quantize_rows); each group's
+                     * scales and mins converted once for all mb rows */
+        for (long g = 0; g < ng; g++) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+            for (int r = 0; r < mb; r++) {
                 acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->xs[(m0 + r) * ng + g]), acc[r]);
                 acc[r] = _mm512_fmadd_ps(sv, _mm512_set1_ps(8.0f * a->rs[(m0 + r) * ng + g]), acc[r]);
             }
-        _mm512_storeu_ps(out + r * ldo, acc[r]);
-    }
+        }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 #else
 /* AVX2: the same, one half tile (8 rows: bytes 32h..32h+31 of each 64-byte vector) at a time */
 static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, long m0, const int mb,
                                                             const uint8_t *wt, int wbits, int gshift,
                                                             const uint16_t *st, const uint16_t *mt,
-                                                            float *out, long ldo) {
+                                                            float *out, long ldo, long pf) {
     const long K = a->K, nb = K / QB, ng = a->ng;
     const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
     const __m256i nib = _mm256_set1_epi8(15);
@@ -510,6 +578,12 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
             const uint8_t *p = wt + b * TR * bb + 32 * h;
+            if (pf && h == 0)
+                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+        if (pf && !per_row) { /* the scales (and mins) 16 blocks ahead, in the next tile past the last */
+            _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+            if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+        }
             const __m256 ws = per_row ? _mm256_set1_ps(1.0f)
                                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (b >> gshift) * TR + 8 * h)));
             __m256i it[TM];
@@ -534,20 +608,43 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(it[r]), _mm256_mul_ps(ws, d), acc[r]);
             }
         }
-        for (int r = 0; r < mb; r++) {
-            if (per_row) acc[r] = _mm256_mul_ps(acc[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h))));
-            if (wbits == 4)
-                for (long g = 0; g < ng; g++) {
-                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
-                    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+        if (per_row)
+            for (int r = 0; r < mb; r++)
+                acc[r] = _mm256_mul_ps(acc[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h))));
+        if (wbits == 4) /* as avx512: each group's scales and mins converted once for all mb rows */
+            for (long g = 0; g < ng; g++) {
+                const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
+                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+                for (int r = 0; r < mb; r++) {
                     acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->xs[(m0 + r) * ng + g]), acc[r]);
                     acc[r] = _mm256_fmadd_ps(sv, _mm256_set1_ps(8.0f * a->rs[(m0 + r) * ng + g]), acc[r]);
                 }
-            _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
-        }
+            }
+        for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
     }
 }
 #endif
+#endif
+
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* tile_dots for mb <= TM rows, a constant row count per call (accumulators in registers), and `pf` a
+ * constant at each call site (a copy with prefetches, one without) */
+static inline __attribute__((always_inline)) void tile_rows(const q8_acts *a, long m0, int mb, const uint8_t *wt,
+                                                            int wbits, int gshift, const uint16_t *st,
+                                                            const uint16_t *mt, float *o, long ldo, const long pf) {
+    switch (mb) {
+    case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#if TM > 6
+    case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#endif
+    default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    }
+}
 #endif
 
 /* kvpilot_qmatmul on a weight in the tiled layout (N a multiple of TR, a format with the
@@ -577,18 +674,7 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
         float res[TM * TR];
         for (long m0 = 0; m0 < M; m0 += TM) {
             const int mb = M - m0 < TM ? (int)(M - m0) : TM;
-            switch (mb) { /* a constant row count per call: accumulators in registers */
-            case 1: tile_dots(&acts, m0, 1, wt, wbits, gshift, st, mt, res, TR); break;
-            case 2: tile_dots(&acts, m0, 2, wt, wbits, gshift, st, mt, res, TR); break;
-            case 3: tile_dots(&acts, m0, 3, wt, wbits, gshift, st, mt, res, TR); break;
-            case 4: tile_dots(&acts, m0, 4, wt, wbits, gshift, st, mt, res, TR); break;
-            case 5: tile_dots(&acts, m0, 5, wt, wbits, gshift, st, mt, res, TR); break;
-#if TM > 6
-            case 6: tile_dots(&acts, m0, 6, wt, wbits, gshift, st, mt, res, TR); break;
-            case 7: tile_dots(&acts, m0, 7, wt, wbits, gshift, st, mt, res, TR); break;
-#endif
-            default: tile_dots(&acts, m0, TM, wt, wbits, gshift, st, mt, res, TR); break;
-            }
+            tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
             for (int r = 0; r < mb; r++)
                 for (int i = 0; i < TR; i++) {
                     const long n = t * TR + i;
@@ -641,7 +727,10 @@ int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *s
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /* One pass of kvpilot_qmoe over tiled expert weights: out[r, t * TR ..] for the rows r of each
- * expert e (first[e] .. first[e + 1]) times expert e's N output rows, one (expert, tile) an item. */
+ * expert e (first[e] .. first[e + 1]) times expert e's N output rows, one (expert, tile) an item.
+ * An expert's tiles are consecutive in memory, so its first group of rows on a tile prefetches the
+ * codes PF_BYTES ahead (and the scales and mins 16 blocks ahead): at decode (a few rows an expert)
+ * the call is bound by reading the weights, and more misses in flight are what reads them faster. */
 static void expert_tiles(const q8_acts *a, const long *first, long E, long N, const uint8_t *const *w,
                          const uint16_t *const *sc, const uint16_t *const *mn, long row_bytes, long ng, int wbits,
                          int gshift, float *out, long ldo, int num_threads) {
@@ -654,18 +743,10 @@ static void expert_tiles(const q8_acts *a, const long *first, long E, long N, co
         for (long m0 = first[e]; m0 < first[e + 1]; m0 += TM) {
             const int mb = first[e + 1] - m0 < TM ? (int)(first[e + 1] - m0) : TM;
             float *o = out + m0 * ldo + t * TR;
-            switch (mb) {
-            case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo); break;
-#if TM > 6
-            case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo); break;
-            case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo); break;
-#endif
-            default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo); break;
-            }
+            if (m0 == first[e]) /* two copies: the later row groups (prefill) run without prefetches */
+                tile_rows(a, m0, mb, wt, wbits, gshift, st, mt, o, ldo, PF_BYTES);
+            else
+                tile_rows(a, m0, mb, wt, wbits, gshift, st, mt, o, ldo, 0);
         }
     }
 }
@@ -708,13 +789,19 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
     }
     for (long e = 0; e < E; e++) count[e + 1] += count[e]; /* count[e]: first row of expert e */
     const long A = count[E];
+    /* each token's activations quantized once (then its rows copied to its experts' places), or,
+     * where fewer rows are held here than there are tokens (experts split across ranks), the
+     * gathered rows: the same codes and scales either way, a row's quantization being its own */
+    const int per_token = A >= T;
     long *fill = (long *)malloc(sizeof(long) * (size_t)(E + 1)), *row_of = (long *)malloc(sizeof(long) * (size_t)(T * topk));
-    float *gathered = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
+    long *token_of = (long *)malloc(sizeof(long) * (size_t)(A ? A : 1));
+    float *gathered = per_token ? NULL : (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
     float *gu = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * I));
     float *partial = (float *)malloc(sizeof(float) * (size_t)((A ? A : 1) * H));
     int rc = -3;
-    q8_acts a13 = {0}, a2 = {0};
-    if (!fill || !row_of || !gathered || !gu || !partial) goto done;
+    q8_acts a13 = {0}, a2 = {0}, tok = {0};
+    if (!fill || !row_of || !token_of || (!per_token && !gathered) || !gu || !act || !partial) goto done;
     memcpy(fill, count, sizeof(long) * (size_t)(E + 1));
     to_float(x, dtype, T * H, xf);
     for (long a = 0; a < T * topk; a++) {
@@ -722,14 +809,17 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
         row_of[a] = -1;
         if (e < 0 || e >= E) continue;
         row_of[a] = fill[e]++;
-        memcpy(gathered + row_of[a] * H, xf + (a / topk) * H, sizeof(float) * (size_t)H);
+        token_of[row_of[a]] = a / topk;
+        if (!per_token) memcpy(gathered + row_of[a] * H, xf + (a / topk) * H, sizeof(float) * (size_t)H);
     }
     rc = 0;
     if (A > 0) {
-        if (q8_quantize(&a13, gathered, A, H, wbits, g13, num_threads)) {
+        if (per_token ? q8_quantize(&tok, xf, T, H, wbits, g13, num_threads) || q8_alloc(&a13, A, H, wbits, g13)
+                      : q8_quantize(&a13, gathered, A, H, wbits, g13, num_threads)) {
             rc = -3;
             goto done;
         }
+        if (per_token) q8_gather(&a13, &tok, token_of);
         /* pass 1: [g; u] = w13_e . x for every (expert, row of w13), or (expert, tile of 16 rows) */
         if (tiled) {
             expert_tiles(&a13, count, E, 2 * I, w13, s13, m13, rb13, H / g13, wbits, sh13, gu, 2 * I, num_threads);
@@ -742,11 +832,11 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
                                 wbits == 4 ? m13[e] + n * (H / g13) : NULL, gu + count[e] * 2 * I + n, 2 * I);
             }
         }
-        /* silu(g) * u, in place over the first I columns: row r's result lands at or before its
-         * own gate row, which only rows up to r read, so rows run in order within a thread */
+        /* silu(g) * u, rows in parallel */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (A * I >= 65536)
         for (long r = 0; r < A; r++)
-            for (long i = 0; i < I; i++) gu[r * I + i] = silu_poly(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
-        if (q8_quantize(&a2, gu, A, I, wbits, g2, num_threads)) {
+            for (long i = 0; i < I; i++) act[r * I + i] = silu_poly(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
+        if (q8_quantize(&a2, act, A, I, wbits, g2, num_threads)) {
             rc = -3;
             goto done;
         }
@@ -763,7 +853,9 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
             }
         }
     }
-    for (long t = 0; t < T; t++) /* combine each token's slots with their routing weights */
+    /* combine each token's slots with their routing weights, tokens in parallel */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * topk >= 65536)
+    for (long t = 0; t < T; t++)
         for (long h = 0; h < H; h++) {
             float v = 0.0f;
             for (int j = 0; j < topk; j++) {
@@ -776,8 +868,8 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
                 ((float *)out)[t * H + h] = v;
         }
 done:
-    q8_free(&a13), q8_free(&a2);
-    free(count), free(xf), free(fill), free(row_of), free(gathered), free(gu), free(partial);
+    q8_free(&a13), q8_free(&a2), q8_free(&tok);
+    free(count), free(xf), free(fill), free(row_of), free(token_of), free(gathered), free(gu), free(act), free(partial);
     return rc;
 #else
     (void)x, (void)out, (void)H, (void)I, (void)ids, (void)wts, (void)offset, (void)w13, (void)s13, (void)m13, (void)tiled;
