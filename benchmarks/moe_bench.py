@@ -290,6 +290,14 @@ def step_flop(model: dict[str, Any], layers: int, tokens: int, logit_rows: int |
     return 2.0 * (tokens * per_token + rows * model["vocab_size"] * h)
 
 
+def last_layer_saving_flop(model: dict[str, Any], tokens: int, logit_rows: int) -> float:
+    """Pure: matmul FLOP kvpilot leaves out of a forward over `tokens` tokens where only
+    `logit_rows` are sampled: its last layer runs o_proj, the router and the experts on those rows
+    only (CausalLM.forward's logit_rows); transformers runs them on every row."""
+    h, inter, k = model["hidden_size"], model["intermediate_size"], model["num_experts_per_tok"]
+    return 2.0 * (tokens - logit_rows) * (k * 3 * h * inter + h * h + model["num_experts"] * h)
+
+
 def bf16_matmul_rate(rows: int, seconds: float = 1.0) -> float:
     """FLOP/s of a bf16 [rows x 2048] @ [2048 x 2048] F.linear right now (the attention shape at the
     batch; the experts' matmuls of ~4 rows each do worse)."""
@@ -323,6 +331,8 @@ def roofline(
     rate = bf16_matmul_rate(args.batch)
     decode_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch)
     prefill_flop = step_flop(OLMOE_1B_7B, args.layers, args.batch * args.prompt_len, args.batch)
+    ours = prefill_flop - last_layer_saving_flop(OLMOE_1B_7B, args.batch * args.prompt_len, args.batch)
+    decode_s = (args.new_tokens - 1) * max(decode_flop / rate, bf16["floor_ms_per_step"] / 1e3)
     out["compute"] = {
         "bf16_matmul_gflop_s": round(rate / 1e9, 1),
         "decode_step_gflop": round(decode_flop / 1e9, 1),
@@ -331,11 +341,10 @@ def roofline(
         "prefill_floor_s": round(prefill_flop / rate, 2),
         # the whole generate: one prefill (compute bound) + new_tokens - 1 decode steps, each at the
         # larger of its byte and FLOP floors
-        "generate_floor_s": round(
-            prefill_flop / rate
-            + (args.new_tokens - 1) * max(decode_flop / rate, bf16["floor_ms_per_step"] / 1e3),
-            2,
-        ),
+        "generate_floor_s": round(prefill_flop / rate + decode_s, 2),
+        # kvpilot's prefill: the last layer past attention on the sampled rows only
+        "kvpilot_prefill_gflop": round(ours / 1e9, 1),
+        "kvpilot_generate_floor_s": round(ours / rate + decode_s, 2),
     }
     # transformers' generate rate (prefill included: a lower bound on its decode rate)
     out["hf_tok_s_fraction_of_bf16_ceiling"] = round(hf_tok_s / bf16["ceiling_decode_tok_s"], 3)
