@@ -578,12 +578,13 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
             const uint8_t *p = wt + b * TR * bb + 32 * h;
-            if (pf && h == 0)
+            if (pf && h == 0) { /* as avx512: the codes PF_BYTES ahead, the scales (and mins) 16 blocks ahead */
                 for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
-        if (pf && !per_row) { /* the scales (and mins) 16 blocks ahead, in the next tile past the last */
-            _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-            if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-        }
+                if (!per_row) {
+                    _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+                    if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+                }
+            }
             const __m256 ws = per_row ? _mm256_set1_ps(1.0f)
                                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (b >> gshift) * TR + 8 * h)));
             __m256i it[TM];
