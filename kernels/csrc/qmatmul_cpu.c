@@ -675,7 +675,10 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
         float res[TM * TR];
         for (long m0 = 0; m0 < M; m0 += TM) {
             const int mb = M - m0 < TM ? (int)(M - m0) : TM;
-            tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
+            if (m0 == 0) /* as expert_tiles: the first row group prefetches the next tiles' weights */
+                tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, PF_BYTES);
+            else
+                tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
             for (int r = 0; r < mb; r++)
                 for (int i = 0; i < TR; i++) {
                     const long n = t * TR + i;
