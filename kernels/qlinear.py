@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, isa, triton_qlinear
+from kvpilot.kernels import cbuild, env, isa, triton_qlinear
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,7 @@ ACTIVATIONS_ENV = "KVPILOT_QMATMUL_ACTIVATIONS"
 def activations_setting(value: str | None) -> bool:
     """KVPILOT_QMATMUL_ACTIVATIONS: `int8` (default: integer dot products) or `float` (the kernel
     multiplies the dequantized weights in float32: the exact product, slower)."""
-    if value in (None, "", "int8"):
-        return True
-    if value == "float":
-        return False
-    raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected int8 or float")
+    return env.switch(ACTIVATIONS_ENV, value, {"int8": True, "float": False})
 
 
 INT8_ACTIVATIONS = activations_setting(os.environ.get(ACTIVATIONS_ENV))

@@ -28,6 +28,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "moe_combine.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { K_F32 = 0, K_BF16_WIDEN = 1, K_BF16_DOT = 2 }; /* weights . activations: f32.f32, bf16.f32, bf16.bf16 */
@@ -249,20 +250,7 @@ int kvpilot_moe(const void *x, int dtype, void *out, long T, long H, long I, int
                 for (long c = 0; c < nh; c++) partial[(r0 + r) * H + h + c] = res[r * WR + c];
         }
     }
-    /* each token's slots combined with their routing weights (float32), rounded once */
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (long t = 0; t < T; t++)
-        for (long h = 0; h < H; h++) {
-            float v = 0.0f;
-            for (int j = 0; j < topk; j++) {
-                const long r = row_of[t * topk + j];
-                if (r >= 0) v += wts[t * topk + j] * partial[r * H + h];
-            }
-            if (bf16)
-                ((uint16_t *)out)[t * H + h] = f32_to_bf16(v);
-            else
-                ((float *)out)[t * H + h] = v;
-        }
+    moe_combine(out, bf16, T, H, topk, row_of, wts, partial, num_threads);
     rc = 0;
 done:
     free(count), free(fill), free(active), free(row_of), free(gathered), free(act), free(partial);

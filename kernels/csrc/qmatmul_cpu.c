@@ -23,6 +23,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "moe_combine.h"
 #include "vmath.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -857,20 +858,7 @@ int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, in
             }
         }
     }
-    /* combine each token's slots with their routing weights, tokens in parallel */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * topk >= 65536)
-    for (long t = 0; t < T; t++)
-        for (long h = 0; h < H; h++) {
-            float v = 0.0f;
-            for (int j = 0; j < topk; j++) {
-                const long r = row_of[t * topk + j];
-                if (r >= 0) v += wts[t * topk + j] * partial[r * H + h];
-            }
-            if (dtype == DT_BF16)
-                ((uint16_t *)out)[t * H + h] = f32_to_bf16(v);
-            else
-                ((float *)out)[t * H + h] = v;
-        }
+    moe_combine(out, dtype == DT_BF16, T, H, topk, row_of, wts, partial, num_threads);
 done:
     q8_free(&a13), q8_free(&a2), q8_free(&tok);
     free(count), free(xf), free(fill), free(row_of), free(token_of), free(gathered), free(gu), free(act), free(partial);

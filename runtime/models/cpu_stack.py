@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, qlinear
+from kvpilot.kernels import cpu_attention, cpu_decoder, env, qlinear
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 
 if TYPE_CHECKING:
@@ -33,11 +33,7 @@ ENV = "KVPILOT_CPU_DECODER_STACK"
 
 def enabled(value: str | None) -> bool:
     """KVPILOT_CPU_DECODER_STACK: unset or 1 (the default: on where it applies), or 0 (off)."""
-    if value in (None, "", "1"):
-        return True
-    if value == "0":
-        return False
-    raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
+    return env.switch(ENV, value, {"0": False, "1": True})
 
 
 ENABLED = enabled(os.environ.get(ENV))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, qlinear
+from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear
 from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.loader import load_model
@@ -26,7 +26,9 @@ def _require_stack() -> None:
     if not all(ext.available() for ext in extensions):
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     if not cpu_decoder.available():
-        pytest.skip("the decoder stack needs the avx512 or avx2 kernels (this CPU has neither)")
+        pytest.skip(
+            "the decoder stack needs the avx512 or avx2 kernels: test_generic_level_refuses_the_stack"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,17 @@ def test_what_does_not_take_the_stack_says_why(int4_model: Any, monkeypatch: pyt
     assert stack.applies(torch.zeros(4, 576), caches, backend)
     assert not stack.applies(torch.zeros(qlinear.SMALL_M + 1, 576), caches, backend)  # prefill: the layers
     assert not stack.applies(torch.zeros(4, 576, dtype=torch.bfloat16), caches, backend)  # cache dtype
+
+
+def test_generic_level_refuses_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sibling of the skips above for a CPU without AVX2 (the level forced here): no tiled kernel,
+    so the model's layers run from Python and the stack says why."""
+    if not cpu_decoder.EXTENSION.available("generic") or not qlinear.available("generic"):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    monkeypatch.setattr(isa, "selected", lambda: "generic")
+    assert not cpu_decoder.available()
+    cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=32)
+    model = load_model(cfg, torch.device("cpu"), torch.float32).model
+    reason = cpu_stack.unsupported(model.model)
+    assert reason == "the CPU kernels are unavailable or have no tiled quantized path here"
+    assert cpu_stack.CpuDecoderStack.for_model(model.model) is None

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.kernels import qlinear
+from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.loader import LoadedModel, load_model
@@ -308,7 +308,9 @@ def test_quantized_moe_layer_takes_the_fused_call(tiny_dirs: dict[str, Path], fa
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     if qlinear.built_isa() not in ("avx512", "avx2"):  # hardware (tests/needs.py's policy)
-        pytest.skip("the fused quantized expert call needs the avx512 or avx2 kernels (this CPU has neither)")
+        pytest.skip(
+            "the fused quantized expert call needs the avx512 or avx2 kernels: the generic sibling below"
+        )
     loaded = _load(tiny_dirs[family])
     quantize_model(loaded.model, "int8", 32)
     (_, experts), *_ = list(expert_layers(loaded.model))
@@ -325,3 +327,26 @@ def test_quantized_moe_layer_takes_the_fused_call(tiny_dirs: dict[str, Path], fa
     tiled = experts.expert_table()
     assert tiled is not None and tiled is not table and tiled.tiled
     torch.testing.assert_close(experts(x, weights, ids), fused, rtol=1e-4, atol=1e-5)
+
+
+def test_at_the_generic_level_quantized_experts_take_the_per_expert_loop(
+    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test above's sibling for a CPU without AVX2 (the level forced here): no tiled layout, no
+    fused call; each expert runs through the generic kernel, exact products of its dequantized weights."""
+    if not qlinear.available("generic"):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    monkeypatch.setattr(isa, "selected", lambda: "generic")
+    loaded = _load(tiny_dirs["olmoe"])
+    quantize_model(loaded.model, "int8", 32)
+    assert tile_for_cpu(loaded.model) == 0
+    (_, experts), *_ = list(expert_layers(loaded.model))
+    assert experts.q13 is not None and experts.q2 is not None and not any(q.tiled for q in experts.q13)
+    x = torch.randn(3, experts.hidden_size)
+    weights, ids = route(torch.randn(3, experts.num_experts), 2, renormalize=True)
+    table = experts.expert_table()
+    assert table is not None and qlinear.fused_experts(x, table, weights, ids) is None
+    got = experts(x, weights, ids)
+    assert experts.last_path == "grouped"
+    want = moe_reference(x, dequantize_experts(experts.q13), dequantize_experts(experts.q2), weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import qlinear
+from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.loader import LoadedModel, load_model, quantization_method
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
-from kvpilot.runtime.quantization import fitting_int4_groups, linear_layers, quantize_model
+from kvpilot.runtime.quantization import fitting_int4_groups, linear_layers, quantize_model, tile_for_cpu
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
 
@@ -283,7 +283,7 @@ def test_loaded_quantized_weights_are_tiled_for_the_cpu_kernel_and_the_tied_head
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     if qlinear.built_isa() == "generic":
-        pytest.skip("the tiled layout exists at the avx512 and avx2 levels only (this CPU has neither)")
+        pytest.skip("the tiled layout exists at the avx512 and avx2 levels only: the generic sibling below")
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=32)
     model: Any = load_model(cfg, torch.device("cpu"), torch.float32).model
     assert all(m.qweight.tiled for _, m in linear_layers(model))
@@ -296,6 +296,19 @@ def test_loaded_quantized_weights_are_tiled_for_the_cpu_kernel_and_the_tied_head
         from kvpilot.runtime.models.layers import narrow_qweight
 
         narrow_qweight(head.qweight, 0, 0, 16)
+
+
+def test_at_the_generic_level_loaded_weights_keep_the_row_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above's sibling for a CPU without AVX2 (the level forced here): its kernel has no
+    tiled path, so load_model leaves every quantized weight in the row layout that kernel reads."""
+    if not qlinear.available("generic"):
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    monkeypatch.setattr(isa, "selected", lambda: "generic")
+    cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", quantization_group_size=32)
+    model: Any = load_model(cfg, torch.device("cpu"), torch.float32).model
+    layers = list(linear_layers(model))
+    assert layers and not any(m.qweight.tiled for _, m in layers)
+    assert tile_for_cpu(model) == 0
 
 
 def test_quantized_weights_cut_on_blocks_for_tensor_parallel_shards() -> None:
