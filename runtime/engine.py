@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -567,27 +567,41 @@ class LLMEngine:
         """Log-probability of each token given the ones before it ([len - 1] float32), computed in
         chunks through the paged KV cache, so it measures what the cache stores (quantization included).
         Call it only while no request is running."""
+        out: list[torch.Tensor] = []
+        for start, logits in self._teacher_forced_logits(token_ids, chunk_size):
+            logp = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(token_ids[start + 1 : start + logits.shape[0] + 1], device=logp.device)
+            out.append(logp.gather(1, targets[:, None]).squeeze(1).cpu())
+        return torch.cat(out)
+
+    def next_token_choices(self, token_ids: list[int], chunk_size: int = 256) -> list[int]:
+        """The token the model ranks first after each prefix of `token_ids` (teacher forcing:
+        [len - 1] ids), through the same paged path as `score`; for quality measurements."""
+        out: list[int] = []
+        for _, logits in self._teacher_forced_logits(token_ids, chunk_size):
+            out.extend(logits.argmax(dim=-1).tolist())
+        return out
+
+    def _teacher_forced_logits(
+        self, token_ids: list[int], chunk_size: int
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first position, float32 logits [n, vocab]) of each prefill chunk of `token_ids[:-1]`."""
         from kvpilot.runtime.scheduler import ScheduledSeq
 
         if self.has_unfinished():
-            raise RuntimeError("score() needs an idle engine")
+            raise RuntimeError("scoring needs an idle engine")
         seq = Sequence(f"score-{time.monotonic_ns()}", token_ids, SamplingParams(max_tokens=1))
-        out: list[torch.Tensor] = []
         try:
             while seq.num_computed_tokens < len(token_ids) - 1:
                 n = min(chunk_size, len(token_ids) - 1 - seq.num_computed_tokens)
                 if not self.block_manager.allocate(seq, n):
                     raise ValueError(f"{len(token_ids)} tokens do not fit in the KV pool")
                 hidden = self.runner.hidden_states([ScheduledSeq.of(seq, n)])
-                logp = torch.log_softmax(self.runner.model.compute_logits(hidden).float(), dim=-1)
-                start = seq.num_computed_tokens
-                targets = torch.tensor(token_ids[start + 1 : start + n + 1], device=logp.device)
-                out.append(logp.gather(1, targets[:, None]).squeeze(1).cpu())
+                yield seq.num_computed_tokens, self.runner.model.compute_logits(hidden).float()
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free_seq(seq)
             self.block_manager.forget(seq)
-        return torch.cat(out)
 
     def generate(
         self,
