@@ -153,11 +153,11 @@ ADAPTER_SOURCE_HELP = (
     "spec.adapters[].source must be one of pvc://CLAIM/PATH (a PEFT adapter folder inside a "
     "PersistentVolumeClaim), hf://ORG/NAME[@REVISION] or file:///ABSOLUTE/PATH (baked into the image)"
 )
+# The one rule for adapter names: spec.adapters[].name here, and in the runtime `--lora-modules NAME=...`
+# and POST /v1/load_lora_adapter (kvpilot.runtime.lora.names).
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-ADAPTER_NAME_HELP = (
-    "spec.adapters[].name must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or "
-    "digit: clients send it as `model`"
-)
+ADAPTER_NAME_RULE = "1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+ADAPTER_NAME_HELP = f"spec.adapters[].name must be {ADAPTER_NAME_RULE}: clients send it as `model`"
 MAX_ADAPTERS = 64
 ADAPTERS_UNIQUE_HELP = "spec.adapters[].name must be unique: two adapters cannot share a name"
 

@@ -344,6 +344,13 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def shown_path(path: Path) -> str:
+    """A path for the printed record: relative to the repository when inside it, so a measurements
+    file saved in the repository names no machine's folders."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(HERE.parent)) if resolved.is_relative_to(HERE.parent) else str(path)
+
+
 def main() -> None:
     from kvpilot.runtime.cli import parse_bytes
 
@@ -469,7 +476,7 @@ def main() -> None:
         json.dumps(
             {
                 "calibration": cal.to_dict(),
-                "written_to": str(out_path),
+                "written_to": shown_path(out_path),
                 "fit": {
                     "points": [{"decoding": d, "prefill": p, "step_s": round(s, 5)} for d, p, s in points],
                     "relative_residuals": [round(r, 3) for r in residuals],

@@ -14,9 +14,10 @@ Routers (autoscaler/simulator.py ROUTERS):
   the code `kvpilot router` runs, through autoscaler/sim_routing.py: a pod takes requests up to
   maxNumSeqs, the rest wait in the router's central queue (which the autoscaler reads as waiting).
 Traces: bursty and flash_crowd (benchmarks/traces; ~590-token prompts, one H100 serves them whole, so
-they run on an L4 + Llama-3.1-8B replica, which needs a fleet), and the Mooncake FAST'25 synthetic
-trace (../shared/traces beside the repository, or --mooncake; H100 + Llama-3.1-8B), the one whose
-hash_ids give prefix reuse, so prefix-affinity and kv-aware run there only.
+they run on an L4 + Llama-3.1-8B replica, which needs a fleet), and, with --mooncake PATH, the Mooncake
+FAST'25 synthetic trace (kvcache-ai/Mooncake, FAST25-release/traces/synthetic_trace.jsonl, saved as
+mooncake_synthetic.jsonl; H100 + Llama-3.1-8B), the one whose hash_ids give prefix reuse, so
+prefix-affinity and kv-aware run there only.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--startup-s", type=float, default=60.0, help="pod startup time, seconds")
     parser.add_argument("--csv-calibration", default="l4/llama-3.1-8b")
     parser.add_argument("--mooncake-calibration", default="h100/llama-3.1-8b")
-    parser.add_argument("--mooncake", help="Mooncake JSONL trace (default: ../shared/traces beside the repo)")
+    parser.add_argument("--mooncake", help="the Mooncake JSONL trace (left out without it)")
     parser.add_argument(
         "--only", help="comma-separated trace names (bursty, flash_crowd, mooncake_synthetic)"
     )
@@ -109,15 +110,14 @@ def main() -> None:
         (str(HERE / "traces" / f"{t}.csv"), args.csv_calibration, BASE_ROUTERS)
         for t in ("bursty", "flash_crowd")
     ]
-    mooncake = (
-        Path(args.mooncake)
-        if args.mooncake
-        else HERE.parent.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
-    )
-    if mooncake.is_file():
-        traces.append((str(mooncake), args.mooncake_calibration, BASE_ROUTERS + PREFIX_ROUTERS))
+    if args.mooncake and Path(args.mooncake).is_file():
+        traces.append((args.mooncake, args.mooncake_calibration, BASE_ROUTERS + PREFIX_ROUTERS))
     else:
-        notes.append(f"Mooncake trace not found at {mooncake}; left out")
+        notes.append(
+            f"Mooncake trace not found at {args.mooncake}; left out"
+            if args.mooncake
+            else "no --mooncake PATH given: the Mooncake trace is left out"
+        )
         if os.environ.get("CI") == "true":
             raise SystemExit(f"CI: {notes[-1]}")
     if args.only:

@@ -5,8 +5,9 @@ routers, the policies and the references. Prints one JSON object (and a markdown
         [--routers round-robin,least-loaded] [--mooncake PATH] [--only NAMES] [--rate-scale R]
         [--max-replicas N] [--no-tail-rule] [--jobs 2] [--markdown]
 
-Traces: benchmarks/traces/*.csv and the Mooncake FAST'25 synthetic trace (mooncake_synthetic.jsonl in
-../shared/traces beside the repository, or --mooncake PATH; left out with a note when absent).
+Traces: benchmarks/traces/*.csv and, with --mooncake PATH, the Mooncake FAST'25 synthetic trace
+(kvcache-ai/Mooncake, FAST25-release/traces/synthetic_trace.jsonl, saved as mooncake_synthetic.jsonl:
+the file's name is the trace's name in the results; left out with a note without it).
 Replica: --calibration (default h100/llama-3.1-8b, kvpilot.autoscaler.replica_model). SLO: TTFT 2 s
 + 2 x the prompt's idle prefill time, TPOT 50 ms, both per request; goal 99% of requests.
 
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--startups", default="10,60", help="pod startup times, seconds")
     parser.add_argument("--routers", default="round-robin,least-loaded")
     parser.add_argument("--traces", default=str(HERE / "traces"), help="folder of CSV traces")
-    parser.add_argument("--mooncake", help="Mooncake JSONL trace (default: ../shared/traces beside the repo)")
+    parser.add_argument("--mooncake", help="the Mooncake JSONL trace (left out without it)")
     parser.add_argument("--only", help="comma-separated trace names to run (default: all)")
     parser.add_argument(
         "--rate-scale", type=float, default=1.0, help="R x the requests over the same time (every trace)"
@@ -175,15 +176,14 @@ def main() -> None:
             parser.error(f"--routers: unknown router {r!r} (known: {', '.join(ROUTERS)})")
     traces = sorted(str(p) for p in Path(args.traces).glob("*.csv"))
     notes: list[str] = []
-    mooncake = (
-        Path(args.mooncake)
-        if args.mooncake
-        else HERE.parent.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
-    )
-    if mooncake.is_file():
-        traces.append(str(mooncake))
+    if args.mooncake and Path(args.mooncake).is_file():
+        traces.append(args.mooncake)
     else:
-        notes.append(f"Mooncake trace not found at {mooncake}; left out")
+        notes.append(
+            f"Mooncake trace not found at {args.mooncake}; left out"
+            if args.mooncake
+            else "no --mooncake PATH given: the Mooncake trace is left out"
+        )
         if os.environ.get("CI") == "true":
             raise SystemExit(f"CI: {notes[-1]}")
     if args.only:

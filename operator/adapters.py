@@ -3,7 +3,8 @@
 The adapter list is left out of the pods' config hash (builders.rollout_config_yaml), so editing
 spec.adapters changes the ConfigMap but not the pod template when the running pods can reach the new
 adapter's files. Each reconcile then asks every Ready pod which adapters it serves (GET /v1/models,
-the cards with a `parent`) and loads or unloads the difference through the runtime's
+the cards with a `parent`; their `lora_path_sha256` says which folder each came from, the runtime
+never shows the path) and loads or unloads the difference through the runtime's
 /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Which adapters a running pod can load (`live_loadable`): a file:// adapter (a path in the image), and
@@ -27,9 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kvpilot.api.models import InferenceModel, LoRAAdapter
-from kvpilot.operator.builders import CONFIG_HASH_ANNOTATION, HTTP_PORT, adapter_claim_volume, adapter_path
+from kvpilot.operator.builders import (
+    API_KEY_ENV,
+    CONFIG_HASH_ANNOTATION,
+    HTTP_PORT,
+    adapter_claim_volume,
+    adapter_path,
+)
+from kvpilot.runtime.lora.request import path_digest
 
-API_KEY_ENV = "KVPILOT_API_KEY"
 LIST_TIMEOUT_S = 3.0
 LOAD_TIMEOUT_S = 30.0  # reading an adapter's safetensors from a volume
 SYNC_DEADLINE_S = 20.0  # per reconcile; pods not reached by then wait for the next one
@@ -66,14 +73,16 @@ def live_loadable(adapter: LoRAAdapter, pod: dict[str, Any]) -> bool:
 
 def plan(desired: dict[str, str], loadable: set[str], reported: dict[str, str]) -> PodPlan:
     """What one pod must do: unload what is not desired (or is loaded from another folder), then load
-    what is desired, missing and reachable. `reported` is name -> folder as the pod lists it."""
+    what is desired, missing and reachable. `reported` is name -> the SHA-256 of its folder as the pod
+    lists it (`parse_models`)."""
     actions: list[AdapterAction] = []
     pending: list[str] = []
+    wanted = {name: path_digest(path) for name, path in desired.items()}
     for name in sorted(reported):
-        if name not in desired or reported[name] != desired[name]:
+        if name not in desired or reported[name] != wanted[name]:
             actions.append(AdapterAction("unload", name))
     for name in sorted(desired):
-        if reported.get(name) == desired[name]:
+        if reported.get(name) == wanted[name]:
             continue
         if name in loadable:
             actions.append(AdapterAction("load", name, desired[name]))
@@ -83,14 +92,22 @@ def plan(desired: dict[str, str], loadable: set[str], reported: dict[str, str]) 
 
 
 def parse_models(body: Any) -> dict[str, str]:
-    """The adapters in a /v1/models answer: cards with a `parent`, name -> root."""
+    """The adapters in a /v1/models answer: cards with a `parent`, name -> the SHA-256 of the folder it
+    was loaded from (`lora_path_sha256`; from `root`, the path itself, for runtimes that still show it)."""
     if not isinstance(body, dict) or not isinstance(body.get("data"), list):
         raise ValueError("/v1/models did not answer with an OpenAI model list")
     return {
-        str(card["id"]): str(card.get("root") or "")
+        str(card["id"]): source_digest(card)
         for card in body["data"]
         if isinstance(card, dict) and card.get("parent") and "id" in card
     }
+
+
+def source_digest(card: dict[str, Any]) -> str:
+    """Pure: which folder an adapter card says it came from, as `path_digest` ("" when it does not say)."""
+    if card.get("lora_path_sha256"):
+        return str(card["lora_path_sha256"])
+    return path_digest(str(card["root"])) if card.get("root") else ""
 
 
 def pod_is_ready(pod: dict[str, Any]) -> bool:

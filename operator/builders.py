@@ -35,6 +35,7 @@ MODELS_DIR = "/models"
 ADAPTERS_DIR = "/adapters"  # LoRA adapters: /adapters/<name> (fetched from hf://)
 ADAPTER_CLAIMS_DIR = f"{ADAPTERS_DIR}/.pvc"  # each adapter claim mounted once: /adapters/.pvc/<claim>
 HTTP_PORT = 8000
+API_KEY_ENV = "KVPILOT_API_KEY"  # the runtime's API key; spec.env may set it
 GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_HASH_ANNOTATION = "kvpilot.dev/config-hash"
 APPLIED_HASH_ANNOTATION = "kvpilot.dev/applied-hash"
@@ -207,9 +208,20 @@ def render_engine_config(im: InferenceModel, overrides: OOMOverrides | None = No
         values["shutdown_timeout"] = float(shutdown)
     if im.spec.adapters:
         values["lora_modules"] = {a.name: adapter_path(a) for a in im.spec.adapters}
-        # The operator loads and unloads adapters in running pods (operator/adapters.py).
+        # The operator loads and unloads adapters in running pods (operator/adapters.py), with the
+        # pods' API key; a model without one opts in to updates without a key, or its loads would get 403.
         values["enable_lora_runtime_updates"] = True
+        if not sets_api_key(im):
+            values["allow_lora_updates_without_api_key"] = True
     return EngineConfig.model_validate(values)
+
+
+def sets_api_key(im: InferenceModel) -> bool:
+    """Whether spec.env gives the runtime an API key: KVPILOT_API_KEY with a value or a valueFrom."""
+    return any(
+        var.name == API_KEY_ENV and (var.value_from is not None or bool(var.value))
+        for var in im.spec.env or []
+    )
 
 
 def render_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = None) -> str:

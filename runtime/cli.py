@@ -178,7 +178,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-lora-runtime-updates",
         action="store_true",
         default=s,
-        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with the API key)",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter; they need the API key",
+    )
+    lo.add_argument(
+        "--allow-lora-updates-without-api-key",
+        action="store_true",
+        default=s,
+        help="let those endpoints answer when no API key is set: anyone who reaches the port can then "
+        "load adapters from this machine's disk (implies --enable-lora-runtime-updates)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -252,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
     from kvpilot.runtime.lifecycle import serve
+    from kvpilot.runtime.lora.access import startup_notice
     from kvpilot.runtime.server import OpenAIServer, ServerSettings
 
     settings = ServerSettings(
@@ -259,7 +267,13 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
         api_key=api_key,
         shutdown_timeout=cfg.shutdown_timeout,
         lora_runtime_updates=cfg.enable_lora_runtime_updates,
+        lora_updates_without_api_key=cfg.allow_lora_updates_without_api_key,
     )
+    notice = startup_notice(
+        cfg.enable_lora_runtime_updates, bool(api_key), cfg.allow_lora_updates_without_api_key
+    )
+    if notice is not None:
+        log.log(*notice)
     server = OpenAIServer(settings)
 
     def load() -> Any:

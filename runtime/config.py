@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -106,11 +106,29 @@ class EngineConfig(BaseModel):
     max_loras: int = Field(4, ge=1, le=256, description="adapters resident on the device at once")
     max_lora_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank accepted")
     enable_lora_runtime_updates: bool = Field(
-        False, description="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"
+        False,
+        description="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they need the API key)",
     )
+    allow_lora_updates_without_api_key: bool = Field(
+        False,
+        description="let those endpoints answer when no API key is set (implies enable_lora_runtime_updates)",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _adapter_names(cls, modules: dict[str, str]) -> dict[str, str]:
+        from kvpilot.runtime.lora.names import adapter_name_problem
+
+        for name in modules:
+            problem = adapter_name_problem(name)
+            if problem is not None:
+                raise ValueError(problem)
+        return modules
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.allow_lora_updates_without_api_key:
+            self.enable_lora_runtime_updates = True
         if self.lora_modules or self.enable_lora_runtime_updates:
             self.enable_lora = True
         if self.max_model_len is not None and self.max_num_batched_tokens < 16:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server, with the names DESIGN.md fixes (label `model_name` on each).
+"""Prometheus metrics of one server, with the names docs/runtime.md lists (label `model_name` on each).
 
 Two sources: the server counts what it sees per request (tokens, finished requests, latencies),
 and engine-side values (KV usage, running/waiting, preemptions, prefix cache, OOM recoveries) are

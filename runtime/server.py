@@ -37,6 +37,10 @@ from kvpilot.runtime.api_errors import (
 )
 from kvpilot.runtime.api_request import GenerationRequest, ServingLimits, prepare_chat, prepare_completion
 from kvpilot.runtime.api_response import RENDERERS, now, usage
+from kvpilot.runtime.lora import access as lora_access
+from kvpilot.runtime.lora.errors import LoRAError
+from kvpilot.runtime.lora.names import adapter_name_problem
+from kvpilot.runtime.lora.request import path_digest
 from kvpilot.runtime.metrics import ServerMetrics
 from kvpilot.runtime.output_processor import Delta, Engine, OutputProcessor, RequestState
 
@@ -63,6 +67,7 @@ class ServerSettings:
     api_key: str | None = None
     shutdown_timeout: float = 30.0
     lora_runtime_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_updates_without_api_key: bool = False  # ... also when api_key is None (runtime/lora/access.py)
 
 
 def adapter_names(engine: Engine | None) -> list[str]:
@@ -258,13 +263,13 @@ class OpenAIServer:
             card["max_model_len"] = self.engine.max_model_len
         cards = [card]
         for adapter in getattr(self.engine, "loras", None) or []:
-            cards.append(
+            cards.append(  # no `root`: vLLM shows the adapter's path there; clients learn no server paths
                 {
                     **card,
                     "id": adapter.name,
-                    "root": adapter.path,
                     "parent": self.settings.model_name,
                     "lora_rank": adapter.rank,
+                    "lora_path_sha256": path_digest(adapter.path),
                 }
             )
         return web.json_response({"object": "list", "data": cards})
@@ -274,14 +279,21 @@ class OpenAIServer:
         engine = self._lora_engine()
         body = await self._lora_body(request, ("lora_name", "lora_path"))
         name, path = body["lora_name"], body["lora_path"]
+        problem = adapter_name_problem(name)
+        if problem is not None:
+            raise APIError(f"'lora_name': {problem}", param="lora_name")
         if name == self.settings.model_name:
             raise APIError(f"'lora_name' {name!r} is the base model's name", param="lora_name")
         try:
             await engine.add_lora(name, path)
-        except ValueError as e:  # LoRAError: the message names the adapter and the problem
+        except LoRAError as e:  # names the adapter and the problem; an unusable path only in the log
+            if e.client_message != str(e):
+                log.warning("LoRA adapter not loaded through the API: %s", e)
+            raise APIError(e.client_message, param="lora_path") from None
+        except ValueError as e:
             raise APIError(str(e), param="lora_path") from None
         log.info("LoRA adapter %r loaded through the API", name)
-        return web.json_response({"object": "lora_adapter", "id": name, "root": path, "status": "loaded"})
+        return web.json_response({"object": "lora_adapter", "id": name, "status": "loaded"})
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         engine = self._lora_engine()
@@ -298,13 +310,11 @@ class OpenAIServer:
         return web.json_response({"object": "lora_adapter", "id": name, "status": "unloaded"})
 
     def _lora_engine(self) -> Any:
-        if not self.settings.lora_runtime_updates:
-            raise APIError(
-                "loading and unloading LoRA adapters at run time is off on this server "
-                "(start it with --enable-lora-runtime-updates)",
-                status=404,
-                type="not_found_error",
-            )
+        s = self.settings
+        refused = lora_access.refusal(s.lora_runtime_updates, bool(s.api_key), s.lora_updates_without_api_key)
+        if refused is not None:
+            status, kind, message = refused
+            raise APIError(message, status=status, type=kind)
         engine = self._require_engine()
         if not getattr(engine, "lora_enabled", False):
             raise APIError(

@@ -3,7 +3,7 @@ examples/grafana-dashboard.json (then `python deploy/sync.py` copies it into the
 
 The dashboard is code so that panels stay uniform and every query is reviewable in one place;
 tests/charts/test_dashboard.py checks the JSON is what this script builds and that every metric a
-query names is one the runtime (DESIGN.md's list), the operator, the kube-state-metrics config
+query names is one the runtime (docs/runtime.md's metrics table), the operator, the kube-state-metrics config
 (deploy/kube-state-metrics/inferencemodel-crs.yaml) or the recording rules define.
 """
 
@@ -457,6 +457,17 @@ def build() -> dict[str, Any]:
                     "C",
                 ),
             ],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Output length per request",
+            "Tokens generated per finished choice (p50, p90, p99; aborted ones not counted). The "
+            "autoscaler's TPOT tail rule reads this distribution: long outputs stay in the batch longer.",
+            quantiles("kvpilot_request_generation_tokens"),
+            "short",
         ),
         12,
         8,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.runtime.lora.errors import AdapterPathError, LoRAError
 from kvpilot.runtime.models import ModelArchConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -33,10 +34,6 @@ SUPPORTED_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served on this base model; the message names the adapter."""
 
 
 @dataclass(frozen=True)
@@ -76,19 +73,22 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
 
 
 def read_adapter_config(name: str, path: Path) -> dict[str, Any]:
+    """The folder's adapter_config.json; AdapterPathError (naming the path) when there is none to read."""
     if not path.exists():
-        raise LoRAError(f"LoRA adapter {name!r}: {path} does not exist")
+        raise AdapterPathError(name, f"{path} does not exist")
     if not path.is_dir():
-        raise LoRAError(f"LoRA adapter {name!r}: {path} is not a directory (a PEFT adapter is a folder)")
+        raise AdapterPathError(name, f"{path} is not a directory (a PEFT adapter is a folder)")
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
-        raise LoRAError(f"LoRA adapter {name!r}: {CONFIG_FILE} is missing in {path}")
+        raise AdapterPathError(name, f"{CONFIG_FILE} is missing in {path}")
     try:
         data = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LoRAError(f"LoRA adapter {name!r}: {cfg_path} is not valid JSON ({exc})") from None
+        raise AdapterPathError(name, f"{cfg_path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise AdapterPathError(name, f"cannot read {cfg_path}: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
-        raise LoRAError(f"LoRA adapter {name!r}: {cfg_path} must hold a JSON object")
+        raise AdapterPathError(name, f"{cfg_path} must hold a JSON object")
     return data
 
 
@@ -202,11 +202,11 @@ def load_adapter(name: str, path: str | Path, arch: ModelArchConfig, max_rank: i
             if (folder / "adapter_model.bin").exists()
             else ""
         )
-        raise LoRAError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is missing in {folder}{extra}")
+        raise AdapterPathError(name, f"{WEIGHTS_FILE} is missing in {folder}{extra}")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError) as exc:
-        raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from None
+        raise AdapterPathError(name, f"cannot read {weights_path}: {exc}") from None
     return LoRAAdapter(name, folder, rank, scaling, parse_weights(name, tensors, rank, arch))
 
 

@@ -11,7 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from kvpilot.runtime.lora.adapter import LoRAError
+from kvpilot.runtime.lora.errors import AdapterPathError, LoRAError
+from kvpilot.runtime.lora.names import adapter_name_problem
 from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest, new_request
 
 if TYPE_CHECKING:
@@ -55,7 +56,10 @@ class AdapterRegistry:
         Raises LoRAError naming the adapter and the problem; nothing changes then."""
         if self.backend.lora is None:
             raise LoRAError(f"LoRA adapter {name!r}: LoRA serving is off (start with --enable-lora)")
-        if not name or name == self.base_model_name:
+        problem = adapter_name_problem(name)
+        if problem is not None:
+            raise LoRAError(f"LoRA adapter: {problem}")
+        if name == self.base_model_name:
             raise LoRAError(f"LoRA adapter {name!r}: the name must differ from the base model's")
         if name in self.requests:
             self._check_unused(name, "replaced")
@@ -93,7 +97,8 @@ class AdapterRegistry:
         except LoRAError as exc:
             return exc
         except Exception as exc:  # e.g. an unreadable file: still the adapter's problem, not the engine's
-            return LoRAError(f"LoRA adapter {name!r}: {type(exc).__name__}: {exc}")
+            # (its text may name server paths: the client gets the one message for unusable paths)
+            return AdapterPathError(name, f"{type(exc).__name__}: {exc}")
         return None
 
     def _check_unused(self, name: str, what: str) -> None:

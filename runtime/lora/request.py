@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 
@@ -26,9 +27,16 @@ def new_request(name: str) -> LoRARequest:
     return LoRARequest(name, next(_adapter_ids))
 
 
+def path_digest(path: str) -> str:
+    """Pure: the SHA-256 (hex) of an adapter's path as it was loaded. `/v1/models` shows this instead
+    of the path, so a caller that knows the path (the operator) can tell which folder an adapter came
+    from while nobody learns server paths from it."""
+    return hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 @dataclass(frozen=True)
 class LoadedAdapter:
-    """What `/v1/models` says about a loaded adapter."""
+    """A loaded adapter: `/v1/models` shows its name, rank and `path_digest(path)`, never the path."""
 
     name: str
     path: str

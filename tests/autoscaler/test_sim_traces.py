@@ -26,10 +26,9 @@ from kvpilot.autoscaler.trace import (
     parse_jsonl,
     scale_trace,
 )
-from tests.needs import missing
 
 H100 = calibration_by_name("h100/llama-3.1-8b", startup_s=10.0)
-REPO = Path(__file__).resolve().parents[2]
+MOONCAKE_HEAD = Path(__file__).parent / "data" / "mooncake_synthetic_head200.jsonl"
 
 
 def line(ts: float, n_in: int, n_out: int, hashes: list[int] | None = None) -> str:
@@ -183,16 +182,10 @@ def test_slo_counts_tpot_and_rejections():
 
 
 def test_mooncake_synthetic_trace_replays():
-    """The shared Mooncake trace (../shared/traces beside the repo, or /work/shared) replays with a
+    """A slice of the public Mooncake trace (tests/autoscaler/data, see its README) replays with a
     prefix hit rate: its conversations repeat their history."""
-    candidates = [REPO.parent / "shared" / "traces", Path("/work/shared/traces")]
-    path = next(
-        (p / "mooncake_synthetic.jsonl" for p in candidates if (p / "mooncake_synthetic.jsonl").is_file()),
-        None,
-    )
-    if path is None:
-        missing(f"the shared Mooncake trace (mooncake_synthetic.jsonl in {candidates})")
-    trace = load_trace(path)[:600]
+    trace = load_trace(MOONCAKE_HEAD)
+    assert len(trace) == 200
     res = simulate(trace, StaticPolicy(4), H100, warmup_s=0, router=LeastLoaded())
-    assert res.requests == 600 and 0.0 < res.prefix_hit_rate < 1.0
+    assert res.requests == 200 and 0.0 < res.prefix_hit_rate < 1.0
     assert not math.isnan(res.tpot_p50_s)

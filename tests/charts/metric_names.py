@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from pathlib import Path
 from types import SimpleNamespace
 
 import yaml
 
 from tests.charts.tools import ROOT
+from tests.metrics_doc import documented_sample_names
 
 RULES = ROOT / "deploy" / "prometheus" / "kvpilot-rules.yaml"
 KSM_CONFIG = ROOT / "deploy" / "kube-state-metrics" / "inferencemodel-crs.yaml"
@@ -36,40 +36,10 @@ PROMQL_WORDS = {
 }
 
 
-def design_md() -> Path | None:
-    """DESIGN.md from shared/ (beside the repository in CI, or under it in a session)."""
-    for candidate in (ROOT.parent / "shared" / "DESIGN.md", ROOT / "shared" / "DESIGN.md"):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-@cache
-def design_metrics() -> frozenset[str]:
-    """Sample names of the contract's metrics list (DESIGN.md, 'Metrics' bullet): histograms expand to
-    _bucket/_count/_sum. Empty when DESIGN.md is not there."""
-    path = design_md()
-    if path is None:
-        return frozenset()
-    text = path.read_text()
-    start = text.index("**Metrics**")
-    end = text.index("\n- **", start)
-    bullet = text[start:end]
-    plain, _, histograms = bullet.partition("histograms")
-    names = set(re.findall(r"kvpilot_[a-z0-9_]+", plain))
-    for h in re.findall(r"kvpilot_[a-z0-9_]+", histograms):
-        names |= {f"{h}_bucket", f"{h}_count", f"{h}_sum"}
-    return frozenset(names)
-
-
-# Runtime metrics of optional features, beyond DESIGN.md's contract list: documented with their
-# feature in docs/runtime.md, absent while the feature is off. Dashboards may read them.
-FEATURE_METRIC_PREFIXES = ("kvpilot_spec_decode_",)
-
-
-def feature_metrics() -> frozenset[str]:
-    """The runtime's exposed metrics that belong to an optional feature (FEATURE_METRIC_PREFIXES)."""
-    return frozenset(n for n in runtime_metrics() if n.startswith(FEATURE_METRIC_PREFIXES))
+def contract_metrics() -> frozenset[str]:
+    """Sample names of the runtime's metric contract: docs/runtime.md's metrics table (tests/metrics_doc.py;
+    tests/runtime/test_metrics.py holds it equal to what the server registers)."""
+    return documented_sample_names()
 
 
 @cache

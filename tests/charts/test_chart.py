@@ -352,7 +352,9 @@ def test_api_key_from_a_secret_reaches_the_runtime() -> None:
         "name": "KVPILOT_API_KEY",
         "valueFrom": {"secretKeyRef": {"name": "m-api-key", "key": "key"}},
     } in env
-    assert "m-api-key" not in config_yaml and "api_key:" not in config_yaml  # never in the ConfigMap
+    settings = yaml.safe_load(config_yaml)
+    assert "m-api-key" not in config_yaml  # never in the ConfigMap
+    assert "api_key" not in settings and "api_key_file" not in settings
     cfg = EngineConfig.model_validate(yaml.safe_load(config_yaml))
     import os
 

@@ -14,7 +14,7 @@ from tests.charts.metric_names import (
     EXTERNAL,
     RULES,
     autoscaler_metrics,
-    design_metrics,
+    contract_metrics,
     ksm_metrics,
     operator_metrics,
     promql_metric_names,
@@ -129,7 +129,7 @@ def test_every_metric_the_rules_read_is_defined_somewhere() -> None:
         assert not unknown, f"{rule.get('alert') or rule.get('record')} reads unknown metrics {unknown}"
 
 
-def test_runtime_metrics_in_rules_are_the_design_contract() -> None:
+def test_runtime_metrics_in_rules_are_the_contract() -> None:
     names = {n for r in rules() for n in promql_metric_names(r["expr"]) if n.startswith("kvpilot_")}
     runtime = {
         n
@@ -137,8 +137,7 @@ def test_runtime_metrics_in_rules_are_the_design_contract() -> None:
         if not n.startswith(("kvpilot_operator_", "kvpilot_autoscaler_", "kvpilot_inferencemodel_"))
     }
     assert runtime <= runtime_metrics()
-    if design_metrics():
-        assert runtime <= design_metrics(), runtime - design_metrics()
+    assert runtime <= contract_metrics(), runtime - contract_metrics()
 
 
 def test_the_chart_drops_the_autoscaler_alerts_without_an_autoscaler() -> None:

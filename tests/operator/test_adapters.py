@@ -4,6 +4,7 @@ process started from the config the operator renders (tiny random Llama, PEFT ad
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ from kvpilot.operator.builders import (
 )
 from kvpilot.operator.reconcile import Reconciler
 from kvpilot.operator.status import adapters_condition
+from kvpilot.runtime.lora.request import path_digest
 from tests.needs import require_module
 from tests.operator.fakes import FakeKube, make_body
 from tests.router.test_real_pods import wait_ready
@@ -48,7 +50,7 @@ KEY = "adapter-sync-key"
 
 def test_plan_loads_missing_unloads_extra_and_reloads_a_moved_adapter() -> None:
     desired = {"sql": "/a/sql", "chat": "/a/chat", "far": "/adapters/far"}
-    reported = {"old": "/a/old", "chat": "/a/chat-v1"}
+    reported = {"old": path_digest("/a/old"), "chat": path_digest("/a/chat-v1")}  # as parse_models says
     p = plan(desired, loadable={"sql", "chat"}, reported=reported)
     assert [(a.op, a.name, a.path) for a in p.actions] == [
         ("unload", "chat", ""),
@@ -57,8 +59,9 @@ def test_plan_loads_missing_unloads_extra_and_reloads_a_moved_adapter() -> None:
         ("load", "sql", "/a/sql"),
     ]
     assert p.pending == ("far",)  # desired but needs a new pod: waits for the rollout, no load
-    assert plan(desired, {"sql", "chat", "far"}, dict(desired)).actions == ()
-    assert plan({}, set(), {"x": "/x"}).actions[0].op == "unload"
+    every = {name: path_digest(path) for name, path in desired.items()}
+    assert plan(desired, {"sql", "chat", "far"}, every).actions == ()
+    assert plan({}, set(), {"x": path_digest("/x")}).actions[0].op == "unload"
 
 
 def test_live_loadable_follows_what_the_pod_mounts() -> None:
@@ -78,11 +81,17 @@ def test_live_loadable_follows_what_the_pod_mounts() -> None:
 
 
 def test_parse_models_keeps_only_adapter_cards() -> None:
+    """Adapters and the folder each came from: the runtime shows its SHA-256, never the path; a card
+    with `root` (a runtime from before that) is read the same way."""
     body = {
         "object": "list",
-        "data": [{"id": "base", "root": "/m"}, {"id": "sql", "root": "/a/sql", "parent": "base"}],
+        "data": [
+            {"id": "base", "root": "/m"},
+            {"id": "sql", "lora_path_sha256": path_digest("/a/sql"), "parent": "base"},
+            {"id": "old", "root": "/a/old", "parent": "base"},
+        ],
     }
-    assert parse_models(body) == {"sql": "/a/sql"}
+    assert parse_models(body) == {"sql": path_digest("/a/sql"), "old": path_digest("/a/old")}
     with pytest.raises(ValueError, match="model list"):
         parse_models({"error": "nope"})
 
@@ -161,20 +170,22 @@ def spec_adapters(workdir: Path, *names: str) -> list[dict[str, str]]:
     return [{"name": n, "source": f"file://{workdir / n}"} for n in names]
 
 
-def model_body(workdir: Path, *adapters: str) -> dict[str, Any]:
-    body = make_body(
-        name="tiny",
-        env=[{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "rt", "key": "key"}}}],
-        adapters=spec_adapters(workdir, *adapters),
-    )
+KEY_ENV = [{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "rt", "key": "key"}}}]
+
+
+def model_body(workdir: Path, *adapters: str, env: list[dict[str, Any]] = KEY_ENV) -> dict[str, Any]:
+    body = make_body(name="tiny", env=env, adapters=spec_adapters(workdir, *adapters))
     body["spec"]["model"] = {"source": f"file://{workdir / 'base'}"}
     return body
 
 
-@pytest.fixture(scope="module")
-def runtime(workdir: Path) -> Iterator[int]:
-    """`kvpilot serve --config` with the config the operator renders for adapter `sql` (CPU-sized)."""
-    config = yaml.safe_load(render_config_yaml(InferenceModel.model_validate(model_body(workdir, "sql"))))
+@contextlib.contextmanager
+def serve_rendered(
+    workdir: Path, body: dict[str, Any], api_key: str | None, tag: str
+) -> Iterator[tuple[int, Path]]:
+    """`kvpilot serve --config` with the config the operator renders for `body` (CPU-sized), and the
+    pod's KVPILOT_API_KEY (None: none). Yields the port and the server's log."""
+    config = yaml.safe_load(render_config_yaml(InferenceModel.model_validate(body)))
     assert config["enable_lora_runtime_updates"] is True
     port = free_port()
     config.update(
@@ -187,18 +198,21 @@ def runtime(workdir: Path) -> Iterator[int]:
         block_size=8,
         max_loras=2,
     )
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    log = workdir / "serve.log"
+    (workdir / f"config-{tag}.yaml").write_text(yaml.safe_dump(config))
+    log = workdir / f"serve-{tag}.log"
+    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_API_KEY"} | {"OMP_NUM_THREADS": "1"}
+    if api_key is not None:
+        env["KVPILOT_API_KEY"] = api_key
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpilot", "serve", "--config", str(workdir / "config.yaml")],
+            [sys.executable, "-m", "kvpilot", "serve", "--config", str(workdir / f"config-{tag}.yaml")],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "KVPILOT_API_KEY": KEY},
+            env=env,
         )
     try:
         wait_ready(port, proc, log)
-        yield port
+        yield port, log
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -206,6 +220,13 @@ def runtime(workdir: Path) -> Iterator[int]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runtime(workdir: Path) -> Iterator[int]:
+    """The runtime of a model with adapter `sql` and an API key from a Secret."""
+    with serve_rendered(workdir, model_body(workdir, "sql"), KEY, "key") as (port, _):
+        yield port
 
 
 def served(port: int) -> set[str]:
@@ -300,3 +321,20 @@ def test_adapter_edits_load_into_the_running_pod_without_a_roll(workdir: Path, r
     assert served(runtime) == {"chat", "sql"}
     assert kube.events[-1]["reason"] == "AdaptersLoaded"
     assert template() == pod_template
+
+
+def test_a_model_without_an_api_key_still_takes_live_adapter_loads(workdir: Path) -> None:
+    """Without KVPILOT_API_KEY the runtime refuses adapter loads (403) unless its config opts in: the
+    config the operator renders for such a model does, so the operator's keyless loads still work,
+    and the runtime warns about it at start."""
+    with serve_rendered(workdir, model_body(workdir, "sql", env=[]), None, "nokey") as (port, log):
+        model = InferenceModel.model_validate(model_body(workdir, "sql", "chat", env=[]))
+        pod = {
+            "metadata": {"name": "tiny-0", "annotations": {CONFIG_HASH_ANNOTATION: "h"}},
+            "spec": {},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        sync = sync_adapters(model, [pod], HttpAdapterClient(port=port), api_key_of(model, None), "h")
+        assert sync.failures == [] and sync.changed == ["pod tiny-0: load chat"]
+        assert served(port) == {"sql", "chat"}
+        assert "WARNING kvpilot.serve: --allow-lora-updates-without-api-key" in log.read_text()

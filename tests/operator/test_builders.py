@@ -216,6 +216,7 @@ def test_adapters_are_mounted_fetched_and_rendered_as_lora_modules() -> None:
         "whole": "/adapters/.pvc/whole",
     }
     assert cfg.enable_lora and cfg.enable_lora_runtime_updates
+    assert cfg.allow_lora_updates_without_api_key  # no KVPILOT_API_KEY in spec.env: the live loads need it
     assert cfg.max_loras == 2 and cfg.max_lora_rank == 32
     ps = pod_spec(model)
     mounts = ps["containers"][0]["volumeMounts"]
@@ -236,6 +237,28 @@ def test_adapters_are_mounted_fetched_and_rendered_as_lora_modules() -> None:
     assert not yaml.safe_load(render_config_yaml(no_adapters))["lora_modules"]
     assert not yaml.safe_load(render_config_yaml(no_adapters))["enable_lora_runtime_updates"]
     assert not any(v["name"].startswith("adapter") for v in pod_spec(no_adapters)["volumes"])
+    assert not yaml.safe_load(render_config_yaml(no_adapters))["allow_lora_updates_without_api_key"]
+
+
+@pytest.mark.parametrize(
+    ("env", "without_key"),
+    [
+        ([], True),
+        ([{"name": "KVPILOT_API_KEY", "value": "k"}], False),
+        ([{"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}], False),
+        ([{"name": "KVPILOT_API_KEY", "value": ""}], True),  # an empty key is no key (runtime/config.py)
+        ([{"name": "OTHER", "value": "k"}], True),
+    ],
+)
+def test_adapter_updates_need_the_pods_api_key_or_the_opt_in(
+    env: list[dict[str, Any]], without_key: bool
+) -> None:
+    """The operator loads adapters into running pods: with an API key in spec.env it sends the key, and
+    without one the runtime must be told to answer without a key (its default is 403)."""
+    model = im(env=env, adapters=[{"name": "tone", "source": "file:///opt/adapters/tone"}])
+    cfg = EngineConfig.model_validate(yaml.safe_load(render_config_yaml(model)))
+    assert cfg.enable_lora_runtime_updates
+    assert cfg.allow_lora_updates_without_api_key is without_key
 
 
 def test_prometheus_annotations_and_config_hash() -> None:

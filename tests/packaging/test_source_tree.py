@@ -1,13 +1,18 @@
-"""Running Python from the checkout's root must not shadow the standard library.
+"""The source tree on its own: running Python from the checkout's root must not shadow the standard
+library, and nothing in it may read files from outside the repository.
 
 The repository root holds the folder ``operator/`` (the package ``kvpilot.operator``). With the root
 on ``sys.path`` (``python -m ...`` or ``python -c`` run there, as ``./dev`` does on a fresh machine)
 the import system also sees it as the top-level ``operator``; a fresh CI run failed exactly there
 (``cannot import name 'eq' from 'operator'``).
+
+A fresh clone has no folder beside it: tests, scripts and docs that reached for a ``shared`` folder
+next to the repository (or a fixed path on one machine) failed or skipped there.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +70,63 @@ def test_kvpilot_links_every_part_for_static_tools() -> None:
         assert link.readlink() == Path("..") / folder, (part, link.readlink())
     links = {p.name for p in (ROOT / "kvpilot").iterdir() if p.is_symlink()}
     assert links == set(parts), f"links without a package-dir entry: {sorted(links - set(parts))}"
+
+
+# A folder beside the repository (spelled as a relative path or through pathlib), or a development
+# machine's work tree. The patterns are written so that this file does not match them itself.
+OUTSIDE = re.compile(
+    r"\.\./shared\b"  # a relative path to the folder beside the repository
+    r"|\.parent\s*/\s*[\"']shared[\"']"  # the same through pathlib (the root's parent)
+    r"|(?<![\w.-])/wor[k]/"  # an absolute path under the machine's work folder
+)
+# Folders that .gitignore keeps out of the repository (used when the tree is not a git checkout).
+UNTRACKED_DIRS = {
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".hypothesis",
+}
+
+
+def repository_files() -> list[Path]:
+    """The tracked files (git ls-files), or, in a tree without git metadata (an archive), every file
+    outside the ignored folders."""
+    proc = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, timeout=60, check=False
+    )
+    if proc.returncode == 0 and proc.stdout:
+        return [ROOT / name for name in proc.stdout.decode().split("\0") if name]
+    return [
+        p for p in ROOT.rglob("*") if p.is_file() and not UNTRACKED_DIRS & set(p.relative_to(ROOT).parts[:-1])
+    ]
+
+
+def outside_references(text: str) -> list[str]:
+    """Pure: the lines of `text` that name a path outside the repository."""
+    return [line.strip() for line in text.splitlines() if OUTSIDE.search(line)]
+
+
+def test_outside_references_are_recognised() -> None:
+    found = outside_references(
+        "a = ROOT.parent / 'sha" + "red' / 'x'\n"
+        "see ../sha" + "red/traces/t.jsonl\n"
+        'p = Path("/wor' + 'k/shared/traces")\n'
+        "ok: tests/autoscaler/data, https://example.com/homework/, a shared prefix\n"
+    )
+    assert len(found) == 3, found
+
+
+def test_no_file_in_the_repository_reads_outside_it() -> None:
+    offenders = []
+    for path in repository_files():
+        if path.is_symlink() or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary
+        offenders += [f"{path.relative_to(ROOT)}: {line}" for line in outside_references(text)]
+    assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)

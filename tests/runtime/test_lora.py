@@ -16,7 +16,9 @@ serving what it had.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +30,9 @@ import torch
 from kvpilot.runtime.block_manager import hash_block
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.lora.access import refusal, startup_notice
 from kvpilot.runtime.lora.adapter import LoRAError, parse_lora_modules
+from kvpilot.runtime.lora.errors import AdapterPathError
 from kvpilot.runtime.lora.layers import build_lora_batch
 from kvpilot.runtime.lora.manager import SlotTable
 from kvpilot.runtime.model_runner import ModelRunner
@@ -332,6 +336,9 @@ BAD = {
 }
 
 
+PATH_KINDS = {"no-weights", "no-config", "missing"}  # the path names no usable adapter folder
+
+
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_adapter_is_refused_and_serving_goes_on(
     kind: str, workdir: Path, tmp_path: Path, start: Callable[[EngineConfig], LLMEngine]
@@ -341,6 +348,11 @@ def test_bad_adapter_is_refused_and_serving_goes_on(
     with pytest.raises(LoRAError) as err:
         engine.add_lora("broken", str(path))
     assert "'broken'" in str(err.value) and BAD[kind] in str(err.value), str(err.value)
+    if kind in PATH_KINDS:  # the log and `kvpilot serve` get the reason; an API client one message
+        assert isinstance(err.value, AdapterPathError)
+        assert str(tmp_path) not in err.value.client_message and BAD[kind] not in err.value.client_message
+    else:  # the adapter's own problem: the client gets the whole message
+        assert err.value.client_message == str(err.value)
     assert set(engine.adapters.names()) == {"sql"}
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     seqs = engine.generate([prompts()[0]] * 2, params, loras=["sql", None])
@@ -353,6 +365,41 @@ def test_bad_adapter_at_start_names_it(workdir: Path, tmp_path: Path) -> None:
     bad = adapter_variant(workdir, tmp_path, "rank")
     with pytest.raises(ConfigError, match=r"--lora-modules big=.*'big'.*rank 32 is over the limit of 16"):
         LLMEngine.from_config(engine_config(workdir, lora_modules={"big": str(bad)}))
+
+
+BAD_NAMES = ["../evil name", "a/b", ".hidden", "x" * 64, "naïve"]
+
+
+@pytest.mark.parametrize("name", [*BAD_NAMES, "", "sql\n"])
+def test_adapter_names_follow_the_crds_rule(
+    name: str, workdir: Path, start: Callable[[EngineConfig], LLMEngine]
+) -> None:
+    """spec.adapters[].name's rule (kvpilot.api.models) for the engine's adapters."""
+    engine = start(engine_config(workdir, lora_modules={}, enable_lora=True))
+    with pytest.raises(LoRAError, match="must be 1-63 letters, digits"):
+        engine.add_lora(name, str(workdir / "sql"))
+    assert engine.adapters.names() == []
+    engine.add_lora("Sql_v2.1-a", str(workdir / "sql"))  # letters of either case, digits, '_', '.', '-'
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_lora_modules_names_follow_the_rule(name: str) -> None:
+    from kvpilot.runtime import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"invalid setting --lora-modules: adapter name .* must be 1-63"):
+        cli.build_config(parser.parse_args(["--lora-modules", "ok=/x", f"{name}=/x"]))
+
+
+def test_adapter_names_in_a_config_file_follow_the_rule(tmp_path: Path) -> None:
+    from kvpilot.runtime import cli
+
+    (tmp_path / "c.yaml").write_text('lora_modules: {"../evil name": /x}\n')
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"c\.yaml: lora_modules: adapter name '\.\./evil name' must be"):
+        cli.build_config(parser.parse_args(["--config", str(tmp_path / "c.yaml")]))
 
 
 def test_unload_refuses_while_in_use_then_unloads(
@@ -407,6 +454,25 @@ def test_lora_batch_grouping() -> None:
     gap = build_lora_batch([0, 2], [4, 0, 8], torch.device("cpu"), torch.float32)
     assert gap is not None and gap.first_slot is None and gap.rank == 8
     assert build_lora_batch([-1, -1], [4], torch.device("cpu"), torch.float32) is None
+
+
+def test_runtime_updates_need_the_api_key_or_the_opt_in() -> None:
+    assert refusal(False, True, False) is not None and refusal(False, True, False)[0] == 404
+    off = refusal(False, False, True)
+    assert off is not None and off[0] == 404 and "--enable-lora-runtime-updates" in off[2]
+    no_key = refusal(True, False, False)
+    assert no_key is not None and no_key[:2] == (403, "permission_error")
+    assert "--allow-lora-updates-without-api-key" in no_key[2] and "--api-key" in no_key[2]
+    assert refusal(True, True, False) is None  # the key is checked for every /v1 route
+    assert refusal(True, False, True) is None
+    # at start: a warning whenever the endpoints are on without a key, a note when the opt-in is moot
+    assert startup_notice(False, False, True) is None and startup_notice(True, True, False) is None
+    opted_in = startup_notice(True, False, True)
+    assert opted_in is not None and opted_in[0] == logging.WARNING and "any client" in opted_in[1]
+    refused = startup_notice(True, False, False)
+    assert refused is not None and refused[0] == logging.WARNING and "403" in refused[1]
+    moot = startup_notice(True, True, True)
+    assert moot is not None and moot[0] == logging.INFO and "no effect" in moot[1]
 
 
 def test_parse_lora_modules() -> None:

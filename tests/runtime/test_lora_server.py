@@ -1,13 +1,17 @@
 """LoRA adapters through the HTTP API: `model` picks the base model or an adapter, `/v1/models` lists
-both (adapters with their parent), adapters load and unload at run time behind the API key and a
-flag, and a bad adapter is a 400 naming it while the server keeps serving what it had.
+both (adapters with their parent, never their path), adapters load and unload at run time behind the
+API key (or an explicit opt-in without one) and a flag, a bad adapter is a 400 naming it while the
+server keeps serving what it had, and a path it cannot use gets one answer whatever the reason.
 
 The real engine on the tiny random Llama and PEFT adapters of tests/runtime/test_lora.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -105,8 +109,10 @@ def test_models_lists_the_base_and_its_adapters(live: LiveServer, workdir: Path)
     cards = {c["id"]: c for c in body["data"]}
     assert set(cards) == {"tiny", "sql"}
     assert "parent" not in cards["tiny"]
-    assert cards["sql"]["parent"] == "tiny" and cards["sql"]["root"] == str(workdir / "sql")
-    assert cards["sql"]["lora_rank"] == ADAPTERS["sql"][0]
+    assert cards["sql"]["parent"] == "tiny" and cards["sql"]["lora_rank"] == ADAPTERS["sql"][0]
+    # which folder it came from, for whoever knows the path (the operator), but not the path
+    assert "root" not in cards["sql"] and str(workdir) not in json.dumps(body)
+    assert cards["sql"]["lora_path_sha256"] == hashlib.sha256(str(workdir / "sql").encode()).hexdigest()
 
 
 def test_model_field_picks_the_adapter(live: LiveServer, workdir: Path) -> None:
@@ -130,7 +136,7 @@ def test_load_use_unload_at_run_time(live: LiveServer, workdir: Path) -> None:
     status, err = call(live, "POST", "/v1/load_lora_adapter", body, key=None)
     assert status == 401
     status, ok = call(live, "POST", "/v1/load_lora_adapter", body)
-    assert status == 200 and ok["id"] == "chat"
+    assert status == 200 and ok["id"] == "chat" and str(workdir) not in json.dumps(ok)
     status, models = call(live, "GET", "/v1/models")
     assert {c["id"] for c in models["data"]} == {"tiny", "sql", "chat"}
     status, out = complete(live, "chat")
@@ -142,25 +148,100 @@ def test_load_use_unload_at_run_time(live: LiveServer, workdir: Path) -> None:
     assert status == 404 and "'chat' is not loaded" in err["error"]["message"]
 
 
-@pytest.mark.parametrize(
-    ("adapter", "message"),
-    [
-        ("too-big", "LoRA adapter 'bad': rank 32 is over the limit of 16"),
-        ("missing", "does not exist"),
-        ("base", "adapter_config.json is missing"),  # a model folder is no adapter
-    ],
-)
-def test_bad_adapter_is_a_400_and_serving_goes_on(
-    live: LiveServer, workdir: Path, adapter: str, message: str
-) -> None:
+def test_bad_adapter_is_a_400_and_serving_goes_on(live: LiveServer, workdir: Path) -> None:
     status, err = call(
-        live, "POST", "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(workdir / adapter)}
+        live, "POST", "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(workdir / "too-big")}
     )
-    assert status == 400 and message in err["error"]["message"], err
-    assert err["error"]["param"] == "lora_path"
+    assert status == 400 and "LoRA adapter 'bad': rank 32 is over the limit of 16" in err["error"]["message"]
+    assert err["error"]["param"] == "lora_path" and str(workdir) not in err["error"]["message"]
     assert complete(live, "bad")[0] == 404
     status, out = complete(live, "sql")
     assert status == 200 and len(out["choices"][0]["text"]) > 0
+
+
+def unusable_paths(workdir: Path) -> dict[str, Path]:
+    """Paths no adapter loads from, each for another reason (the reason goes to the server's log)."""
+    root = workdir / "unusable"
+    if not root.exists():
+        root.mkdir()
+        (root / "a-file").write_text("not a folder")
+        (root / "bad-json").mkdir()
+        (root / "bad-json" / "adapter_config.json").write_text('{"r": 4,')
+        (root / "not-an-object").mkdir()
+        (root / "not-an-object" / "adapter_config.json").write_text("[1]")
+        shutil.copytree(workdir / "sql", root / "no-weights")
+        (root / "no-weights" / "adapter_model.safetensors").unlink()
+        shutil.copytree(workdir / "sql", root / "bad-weights")
+        (root / "bad-weights" / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    return {
+        "does not exist": root / "nowhere",
+        "is not a directory": root / "a-file",
+        "adapter_config.json is missing": workdir / "base",  # a model folder is no adapter
+        "is not valid JSON": root / "bad-json",
+        "must hold a JSON object": root / "not-an-object",
+        "adapter_model.safetensors is missing": root / "no-weights",
+        "cannot read": root / "bad-weights",
+    }
+
+
+def test_an_unusable_path_gets_one_answer_and_the_reason_goes_to_the_log(
+    live: LiveServer, workdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whether a server path exists, is a folder, has adapter_config.json or valid JSON: a client
+    learns none of it (before: a message per reason, naming the path)."""
+    answers = set()
+    for reason, path in unusable_paths(workdir).items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvpilot.server"):
+            status, err = call(
+                live, "POST", "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(path)}
+            )
+        assert status == 400 and err["error"]["param"] == "lora_path", (reason, err)
+        assert str(workdir) not in json.dumps(err), (reason, err)
+        answers.add(json.dumps(err, sort_keys=True))
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert reason in logged and str(path) in logged, (reason, logged)
+    assert len(answers) == 1, answers
+    assert "cannot load a PEFT adapter from this lora_path" in answers.pop()
+    assert complete(live, "bad")[0] == 404 and complete(live, "sql")[0] == 200
+
+
+@pytest.mark.parametrize("name", ["../evil name", "a/b", "-lead", "x" * 64, "tab\there", "naïve"])
+def test_adapter_names_follow_the_crds_rule(live: LiveServer, workdir: Path, name: str) -> None:
+    """The rule of spec.adapters[].name (1-63 letters, digits, '.', '_', '-'; a letter or digit first)."""
+    body = {"lora_name": name, "lora_path": str(workdir / "chat")}
+    status, err = call(live, "POST", "/v1/load_lora_adapter", body)
+    assert status == 400 and err["error"]["param"] == "lora_name", err
+    assert "must be 1-63 letters, digits" in err["error"]["message"]
+    status, models = call(live, "GET", "/v1/models")
+    assert {c["id"] for c in models["data"]} == {"tiny", "sql"}
+
+
+def test_without_an_api_key_updates_need_the_opt_in(live: LiveServer, workdir: Path) -> None:
+    """No API key: the endpoints answer 403 naming the flags, unless the server opted in."""
+    settings = live.server.settings
+    body = {"lora_name": "chat", "lora_path": str(workdir / "chat")}
+    settings.api_key = None
+    try:
+        for path, payload in (
+            ("/v1/load_lora_adapter", body),
+            ("/v1/unload_lora_adapter", {"lora_name": "sql"}),
+        ):
+            status, err = call(live, "POST", path, payload, key=None)
+            assert status == 403, (path, err)
+            assert "--allow-lora-updates-without-api-key" in err["error"]["message"]
+            assert "--api-key" in err["error"]["message"] and err["error"]["type"] == "permission_error"
+        settings.lora_updates_without_api_key = True
+        assert call(live, "POST", "/v1/load_lora_adapter", body, key=None)[0] == 200
+        assert call(live, "POST", "/v1/unload_lora_adapter", {"lora_name": "chat"}, key=None)[0] == 200
+    finally:
+        settings.api_key, settings.lora_updates_without_api_key = KEY, False
+    # with the key set again, the opt-in does not matter: the key is needed
+    settings.lora_updates_without_api_key = True
+    try:
+        assert call(live, "POST", "/v1/load_lora_adapter", body, key=None)[0] == 401
+    finally:
+        settings.lora_updates_without_api_key = False
 
 
 def test_malformed_adapter_requests(live: LiveServer) -> None:

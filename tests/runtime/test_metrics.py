@@ -1,9 +1,7 @@
 from __future__ import annotations
 
-import re
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -12,6 +10,7 @@ from fake_engine import FakeEngine, FakeStats, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.runtime.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
+from tests.metrics_doc import documented_metrics
 
 CONTRACT = {
     "kvpilot_kv_cache_usage_ratio": "gauge",
@@ -229,23 +228,6 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
     assert fams[f"kvpilot_request_generation_tokens_sum,model_name={name}"] == 43
     counts = buckets(text, "kvpilot_request_generation_tokens")
     assert (counts[2.0], counts[4.0], counts[16.0], counts[32.0]) == (0, 1, 1, 3)
-
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"
-DOC_ROW = re.compile(r"^\| `(kvpilot_\w+)` \| (\w+) \| ([^|]+) \| [^|]*\S[^|]* \|$")
-
-
-def documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
-    """docs/runtime.md's "## Metrics" table: exposed name -> (type, labels)."""
-    text = DOC.read_text(encoding="utf-8")
-    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    rows: dict[str, tuple[str, frozenset[str]]] = {}
-    for line in section.splitlines():
-        m = DOC_ROW.match(line)
-        if m:
-            assert m[1] not in rows, f"{m[1]} is listed twice in docs/runtime.md"
-            rows[m[1]] = (m[2], frozenset(re.findall(r"`(\w+)`", m[3])))
-    return rows
 
 
 def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
