@@ -18,10 +18,10 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "int8"]
 SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
+Quantization = Literal["int8", "int4", "auto"]
 # `kvpilot serve` ends at most this many seconds after --shutdown-timeout has run out, even with its
 # engine stuck (runtime/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
 EXIT_GRACE_S = 10.0
-Quantization = Literal["int8", "int4", "auto"]
 
 
 class ConfigError(ValueError):

@@ -671,7 +671,7 @@ class AsyncEngine:
         self._num_unfinished = 0
         self._num_queued = 0  # waiting in the scheduler plus not yet picked up
         self.dead: BaseException | None = None
-        # watchdog (written by the engine thread only)
+        # the watchdog: the heartbeat and the turn flag are written by the engine thread only
         self.stall_timeout = engine.cfg.engine_stall_timeout if stall_timeout is None else stall_timeout
         self._heartbeat = time.monotonic()
         self._in_turn = False  # the loop is doing something other than waiting for work

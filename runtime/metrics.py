@@ -3,8 +3,8 @@
 Two sources: the server counts what it sees per request (tokens, finished requests, latencies),
 and engine-side values (KV usage, running/waiting, preemptions, prefix cache, OOM recoveries, the
 engine loop's watchdog) are read from `engine.stats()` when Prometheus scrapes, so they are always
-current. While no engine is attached (the model is still loading) the engine-side series are absent, not zero: the autoscaler
-treats a missing metric as "hold", and a zero as a real reading.
+current. While no engine is attached (the model is still loading) the engine-side series are
+absent, not zero: the autoscaler treats a missing metric as "hold", and a zero as a real reading.
 
 Each server gets its own `CollectorRegistry`, so tests (or two servers in one process) don't clash.
 """
