@@ -48,7 +48,15 @@ RUN_AS_USER = 10001  # the runtime images (deploy/docker) run as this uid
 STARTUP_PERIOD_S = 10
 STARTUP_FAILURE_THRESHOLD = 180
 PRESTOP_SLEEP_S = 5  # let endpoints controllers and load balancers drop the pod before SIGTERM
+# After the shutdown timeout: more than the runtime's EXIT_GRACE_S, so `kvpilot serve` always ends
+# itself (logging why, if its engine is stuck) before the kubelet's SIGKILL.
 TERMINATION_MARGIN_S = 15
+# Liveness: /health itself fails only once the engine loop has made no progress for
+# --engine-stall-timeout (default 60 s) while it has work, so the probe's own window (3 x 10 s) only
+# rides out a slow answer or two: a stuck engine is restarted within stall timeout + 30 s. Readiness
+# (/ready, 3 x 5 s) takes a draining, loading or stuck pod out of the Service.
+LIVENESS_PERIOD_S = 10
+LIVENESS_FAILURE_THRESHOLD = 3
 DEFAULT_SHUTDOWN_TIMEOUT_S = int(EngineConfig.model_fields["shutdown_timeout"].default)
 
 
@@ -444,7 +452,7 @@ def render_deployment(
         "volumeMounts": mounts,
         "startupProbe": _http_probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURE_THRESHOLD),
         "readinessProbe": _http_probe("/ready", 5, 3),
-        "livenessProbe": _http_probe("/health", 10, 3),
+        "livenessProbe": _http_probe("/health", LIVENESS_PERIOD_S, LIVENESS_FAILURE_THRESHOLD),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         # The last log lines become the termination message, so a CUDA OOM at start is visible in status.
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvpilot.runtime.config import ConfigError, EngineConfig
+from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError, EngineConfig
 
 log = logging.getLogger("kvpilot.serve")
 
@@ -90,7 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue-len", type=_positive_int, default=s, help="waiting requests beyond this get 429"
     )
     g.add_argument(
-        "--shutdown-timeout", type=float, default=s, help="seconds in-flight requests get on SIGTERM"
+        "--shutdown-timeout",
+        type=float,
+        default=s,
+        help="seconds in-flight requests get on SIGTERM (default 30); the process ends at most 10 s "
+        "later, even with the engine stuck",
+    )
+    g.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=s,
+        metavar="SECONDS",
+        help="an engine loop without progress this long while it has work fails /health and /ready "
+        "(default 60; 0: never)",
     )
     e = parser.add_argument_group("engine")
     e.add_argument("--device", choices=["auto", "cpu", "cuda"], default=s)
@@ -258,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
-    from kvpilot.runtime.lifecycle import serve
+    from kvpilot.runtime.lifecycle import exit_deadline_on, serve
     from kvpilot.runtime.lora.access import startup_notice
     from kvpilot.runtime.server import OpenAIServer, ServerSettings
 
@@ -286,4 +298,12 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
         return AsyncEngine.from_config(cfg)
 
     log.info("loading model %s (device=%s, dtype=%s)", cfg.model, cfg.device, cfg.dtype)
-    return await serve(server, cfg.host, cfg.port, load_engine=load, shutdown_timeout=cfg.shutdown_timeout)
+    stop = asyncio.Event()
+    # SIGTERM always ends the process: at most EXIT_GRACE_S after --shutdown-timeout, stuck engine or not
+    deadline = asyncio.ensure_future(exit_deadline_on(stop, cfg.shutdown_timeout + EXIT_GRACE_S))
+    try:
+        return await serve(
+            server, cfg.host, cfg.port, load_engine=load, shutdown_timeout=cfg.shutdown_timeout, stop=stop
+        )
+    finally:
+        deadline.cancel()

@@ -19,6 +19,9 @@ KVCacheDtype = Literal["auto", "fp8", "int8"]
 SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
 Quantization = Literal["int8", "int4", "auto"]
+# `kvpilot serve` ends at most this many seconds after --shutdown-timeout has run out, even with its
+# engine stuck (runtime/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
+EXIT_GRACE_S = 10.0
 
 
 class ConfigError(ValueError):
@@ -71,7 +74,16 @@ class EngineConfig(BaseModel):
     )
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this get 429")
     shutdown_timeout: float = Field(
-        30.0, ge=0.0, description="seconds to let in-flight requests finish on SIGTERM"
+        30.0,
+        ge=0.0,
+        description="seconds to let in-flight requests finish on SIGTERM; the process ends at most "
+        "EXIT_GRACE_S (10 s) later, even if the engine is stuck",
+    )
+    engine_stall_timeout: float = Field(
+        60.0,
+        ge=0.0,
+        description="seconds the engine loop may go without progress (a step or an idle wait) while "
+        "it has work before /health and /ready answer 503; 0: never (runtime/health.py)",
     )
     api_key: str | None = Field(None, description="bearer key; prefer KVPILOT_API_KEY or api_key_file")
     api_key_file: str | None = None

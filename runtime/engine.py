@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from kvpilot.runtime.engine_plan import (
     pool_blocks,
     with_block_size,
 )
+from kvpilot.runtime.health import EngineHealth, engine_stopped, judge_progress
 from kvpilot.runtime.lora.adapter import LoRAError
 from kvpilot.runtime.lora.registry import AdapterRegistry
 from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest
@@ -102,6 +104,9 @@ class EngineStats:
     spec_num_draft_tokens: int | None = None
     spec_num_accepted_tokens: int | None = None
     spec_num_emitted_tokens: int | None = None
+    # the engine loop's watchdog (AsyncEngine only: None offline, so the metrics are absent)
+    engine_stalled: int | None = None  # 1 while /health fails (the loop is stuck or stopped)
+    engine_heartbeat_age_seconds: float | None = None  # since the loop last made progress
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -654,9 +659,15 @@ class _Inbox:
 
 
 class AsyncEngine:
-    """Runs `LLMEngine` in a background thread and streams each request's outputs to asyncio."""
+    """Runs `LLMEngine` in a background thread and streams each request's outputs to asyncio.
 
-    def __init__(self, engine: LLMEngine, max_queue_len: int = 1024) -> None:
+    Watchdog: the thread records a monotonic heartbeat at every turn of its loop (each step, each
+    idle wait of at most 0.5 s); `health()` judges it (runtime/health.py): no progress for
+    `stall_timeout` s while there is work means the loop is stuck, and /health and /ready say so."""
+
+    def __init__(
+        self, engine: LLMEngine, max_queue_len: int = 1024, stall_timeout: float | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
@@ -674,6 +685,11 @@ class AsyncEngine:
         self._num_unfinished = 0
         self._num_queued = 0  # waiting in the scheduler plus not yet picked up
         self.dead: BaseException | None = None
+        # the watchdog: the heartbeat and the turn flag are written by the engine thread only
+        self.stall_timeout = engine.cfg.engine_stall_timeout if stall_timeout is None else stall_timeout
+        self._heartbeat = time.monotonic()
+        self._in_turn = False  # the loop is doing something other than waiting for work
+        self._reported_healthy = True
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
@@ -690,11 +706,19 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
             self._thread.start()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread, waiting up to `timeout` s for its step to end, and release the
+        runner. A thread stuck in a step cannot be interrupted: it is left behind (a daemon thread,
+        which the process exit ends; `kvpilot serve` bounds that exit, runtime/lifecycle.py)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+            await asyncio.to_thread(self._thread.join, timeout)
+            if self._thread.is_alive():
+                log.error(
+                    "the engine thread did not stop within %.0fs (stuck in a step); leaving it behind",
+                    timeout,
+                )
             self._thread = None
         self.engine.close()
 
@@ -702,7 +726,42 @@ class AsyncEngine:
         return self._num_unfinished
 
     def stats(self) -> EngineStats:
-        return self._stats
+        """The engine thread's last snapshot, completed with what it cannot publish while a step
+        runs (or is stuck): the running batch, read live (a length: safe from another thread), and
+        as waiting every other admitted, unfinished request (the inbox and requests being prepared
+        as well as the scheduler's queue); and the watchdog's reading."""
+        with self._inbox.lock:
+            snapshot, unfinished = self._stats, self._num_unfinished
+        running = len(self.engine.scheduler.running)
+        return dataclasses.replace(
+            snapshot,
+            num_running=running,
+            num_waiting=max(0, unfinished - running),
+            engine_stalled=int(not self.health().healthy),
+            engine_heartbeat_age_seconds=self.heartbeat_age(),
+        )
+
+    # -- the watchdog --------------------------------------------------------------------------
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine loop last made progress (finished a step or an idle wait)."""
+        return max(0.0, time.monotonic() - self._heartbeat)
+
+    def has_work(self) -> bool:
+        """A turn is under way, or admitted requests are unfinished."""
+        return self._in_turn or self._num_unfinished > 0
+
+    def health(self) -> EngineHealth:
+        """What /health and /ready report about the engine (runtime/health.py); logs each change."""
+        if self.dead is not None:
+            return engine_stopped(self.dead)
+        verdict = judge_progress(self.heartbeat_age(), self.has_work(), self.stall_timeout)
+        if verdict.healthy != self._reported_healthy:
+            self._reported_healthy = verdict.healthy
+            if verdict.healthy:
+                log.warning("the engine loop is making progress again")
+            else:
+                log.error("engine stalled: %s; /health and /ready answer 503", verdict.reason)
+        return verdict
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -833,12 +892,18 @@ class AsyncEngine:
         with self._inbox.lock:
             self._num_queued = len(self.engine.scheduler.waiting) + len(self._inbox.new)
 
+    def _beat(self, in_turn: bool) -> None:
+        self._heartbeat = time.monotonic()
+        self._in_turn = in_turn
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._beat(in_turn=True)
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._refresh_counts()
+                    self._beat(in_turn=False)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -854,6 +919,8 @@ class AsyncEngine:
             self.dead = exc
             for rid in list(self._queues):
                 self._deliver(rid, EngineDeadError(f"the engine stopped: {exc}"))
+        finally:
+            self._in_turn = False
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -1,10 +1,10 @@
 """Prometheus metrics of one server, with the names docs/runtime.md lists (label `model_name` on each).
 
 Two sources: the server counts what it sees per request (tokens, finished requests, latencies),
-and engine-side values (KV usage, running/waiting, preemptions, prefix cache, OOM recoveries) are
-read from `engine.stats()` when Prometheus scrapes, so they are always current. While no engine is
-attached (the model is still loading) the engine-side series are absent, not zero: the autoscaler
-treats a missing metric as "hold", and a zero as a real reading.
+and engine-side values (KV usage, running/waiting, preemptions, prefix cache, OOM recoveries, the
+engine loop's watchdog) are read from `engine.stats()` when Prometheus scrapes, so they are always
+current. While no engine is attached (the model is still loading) the engine-side series are
+absent, not zero: the autoscaler treats a missing metric as "hold", and a zero as a real reading.
 
 Each server gets its own `CollectorRegistry`, so tests (or two servers in one process) don't clash.
 """
@@ -93,7 +93,23 @@ OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))  # 1 .. 32768
 ENGINE_GAUGES = (
     ("kvpilot_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
     ("kvpilot_num_requests_running", "Requests (sequences) in the running batch.", "num_running"),
-    ("kvpilot_num_requests_waiting", "Requests (sequences) waiting to be scheduled.", "num_waiting"),
+    (
+        "kvpilot_num_requests_waiting",
+        "Requests (sequences) admitted and not running: the engine's inbox, requests being prepared "
+        "and the scheduler's queue.",
+        "num_waiting",
+    ),
+    (
+        "kvpilot_engine_stalled",
+        "1 while the engine loop is stuck (no progress for --engine-stall-timeout with work to do) or "
+        "has stopped: /health and /ready answer 503.",
+        "engine_stalled",
+    ),
+    (
+        "kvpilot_engine_heartbeat_age_seconds",
+        "Seconds since the engine loop last made progress (finished a step or an idle wait).",
+        "engine_heartbeat_age_seconds",
+    ),
     (
         "kvpilot_spec_decode_draft_acceptance_rate",
         "Accepted over proposed speculative tokens since start (rate() of the two counters gives "

@@ -7,8 +7,9 @@ The runner cancels a handler when its client goes away; the output processor the
 unfinished choice in the engine.
 
 Lifecycle: `/health` answers as soon as the server listens; `/ready` only once an engine is
-attached and while not draining. `drain()` makes `/ready` and new requests answer 503, lets
-in-flight requests finish until the timeout, then aborts what is left.
+attached and while not draining. Both answer 503 while the engine's watchdog finds its loop stuck or
+stopped (`engine.health()`, runtime/health.py). `drain()` makes `/ready` and new requests answer 503,
+lets in-flight requests finish until the timeout, then aborts what is left.
 
 Nothing here logs prompts, generated text, token ids or keys.
 """
@@ -41,6 +42,7 @@ from kvpilot.runtime.lora import access as lora_access
 from kvpilot.runtime.lora.errors import LoRAError
 from kvpilot.runtime.lora.names import adapter_name_problem
 from kvpilot.runtime.lora.request import path_digest
+from kvpilot.runtime.health import HEALTHY, EngineHealth
 from kvpilot.runtime.metrics import ServerMetrics
 from kvpilot.runtime.output_processor import Delta, Engine, OutputProcessor, RequestState
 
@@ -233,16 +235,23 @@ class OpenAIServer:
         task.add_done_callback(self._background.discard)
 
     # -- simple endpoints -----------------------------------------------------------------------
+    def engine_health(self) -> EngineHealth:
+        """The engine's own verdict (its loop's watchdog); healthy while none is attached (loading)."""
+        check = getattr(self.engine, "health", None)
+        return check() if callable(check) else HEALTHY
+
     async def health(self, request: web.Request) -> web.Response:
-        if getattr(self.engine, "dead", None) is not None:
-            return web.json_response({"status": "engine stopped"}, status=503)
-        return web.json_response({"status": "ok"})
+        verdict = self.engine_health()
+        return web.json_response(verdict.body(), status=200 if verdict.healthy else 503)
 
     async def ready_handler(self, request: web.Request) -> web.Response:
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         if self.engine is None:
             return web.json_response({"status": "loading"}, status=503)
+        verdict = self.engine_health()
+        if not verdict.healthy:
+            return web.json_response(verdict.body(), status=503)
         return web.json_response({"status": "ready"})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:

@@ -21,7 +21,7 @@ from kvpilot.operator.builders import (
     render_deployment,
     termination_grace_seconds,
 )
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import EXIT_GRACE_S, EngineConfig
 from tests.operator.fakes import make_body
 
 SETTINGS = OperatorSettings(image="kvpilot/kvpilot:test")
@@ -150,8 +150,10 @@ def test_command_probes_lifecycle_and_grace() -> None:
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     grace = pod_spec(model)["terminationGracePeriodSeconds"]
-    assert grace == termination_grace_seconds(model) and grace > pre_stop + 60
-    assert termination_grace_seconds(im()) > pre_stop + 30  # the runtime's default shutdown timeout
+    # the runtime ends itself at most EXIT_GRACE_S after its shutdown timeout, stuck engine or not:
+    # before the kubelet's SIGKILL
+    assert grace == termination_grace_seconds(model) and grace > pre_stop + 60 + EXIT_GRACE_S
+    assert termination_grace_seconds(im()) > pre_stop + 30 + EXIT_GRACE_S  # the default shutdown timeout
 
 
 def test_rolling_update_needs_no_spare_gpu() -> None:

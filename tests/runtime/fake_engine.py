@@ -110,7 +110,7 @@ class FakeEngine:
     def start(self) -> None:
         self.started = True
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float = 30.0) -> None:
         self.shut_down = True
 
     def num_unfinished(self) -> int:
