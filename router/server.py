@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.request_body import BodyError, error_body, parse_json_object
 from kvpilot.router.keys import BLOCK_CHARS, request_key
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
@@ -42,10 +43,6 @@ FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "O
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(
     status: int,
     message: str,
@@ -55,6 +52,26 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.json_response(error_body(message, type_, code, param), status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error the router answers is an OpenAI error body: aiohttp's own (unknown path, wrong
+    method, body over the size limit) and an unexpected exception (500, logged, no traceback sent)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return error_response(e.status, f"{e.reason}: {request.method} {request.path}", kind)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("internal error while handling %s %s", request.method, request.path)
+        return error_response(500, "internal error in the router", "internal_server_error")
 
 
 class UpdateEndpoints(Protocol):
@@ -130,7 +147,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._sent_status: dict[int, int] = {}  # id(request) -> status line a stream has sent
-        self.app = web.Application(client_max_size=64 * 2**20)
+        self.app = web.Application(client_max_size=64 * 2**20, middlewares=[openai_errors])
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -321,14 +338,14 @@ class Router:
     async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            return error_response(400, f"request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            body = parse_json_object(raw)  # the runtime's checks: a pod would refuse it the same way
+        except BodyError as e:
+            return error_response(400, e.message, param=e.param)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return error_response(400, "'model' is required and must be a string", param="model")
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            return error_response(400, "'stream' must be a boolean", param="stream")
         pool = self.pools.get(model)
         adapter: str | None = None
         if pool is None and model in self.adapter_parent:

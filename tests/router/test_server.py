@@ -520,3 +520,55 @@ async def test_a_pod_without_the_adapter_yet_is_passed_over_for_that_request(pod
         for _ in range(3):
             await post(lr, {"model": MODEL, "prompt": "x"})
         assert sum(len(p.bodies) for p in pods) == before + 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (b"[" * 1000 + b"]" * 1000, None, "nests deeper than 64 levels"),  # RecursionError in json
+        (b'{"model": "m", "prompt": ' + b"[" * 80 + b"]" * 80 + b"}", "prompt", "nests deeper than 64"),
+        (b"", None, "request body is empty"),
+        (b"\xff\xfe{}", None, "not valid UTF-8"),
+        (b'{"model": "m", "max_tokens": 1' + b"0" * 5000 + b"}", None, "not acceptable JSON"),
+        (b'{"model": "m", "prompt": "\\ud800"}', "prompt", "lone surrogate"),
+        (b'"just a string"', None, "must be a JSON object"),
+        (b'{"model": ["m"], "prompt": "x"}', "model", "'model' is required and must be a string"),
+        (b'{"model": "m", "prompt": "x", "stream": "yes"}', "stream", "'stream' must be a boolean"),
+        (b'{"model": "m", "prompt": "x", "stream": 1}', "stream", "'stream' must be a boolean"),
+    ],
+)
+async def test_malformed_bodies_are_400_in_the_openai_shape_never_500(
+    rt: LiveRouter, pods: list[FakePod], raw: bytes, param: str | None, message: str
+) -> None:
+    status, body, headers = await post(rt, raw)
+    assert status == 400, (status, body)
+    assert headers["Content-Type"].startswith("application/json")
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
+    assert message in body["error"]["message"] and set(body["error"]) == {"message", "type", "param", "code"}
+    assert all(not p.bodies for p in pods)  # refused at the router: no pod saw it
+
+
+async def test_an_absurd_max_tokens_is_the_pods_to_refuse_not_a_router_crash(pods: list[FakePod]) -> None:
+    """The router reads max_tokens for its KV estimate (kv-aware adds the in-flight estimates up as
+    floats): huge ones held on the pods must not break the routing of the next request."""
+    gate = asyncio.Event()
+    for p in pods[:2]:
+        p.gate = gate
+    async with live({MODEL: eps(pods[:2])}, policy="kv-aware") as lr:
+        held = []
+        try:
+            for i, value in enumerate((10**4000, 1e308, -(10**30), True)):
+                body = {"model": MODEL, "prompt": "x" * 200, "max_tokens": value}
+                held.append(asyncio.create_task(post(lr, body)))
+                await until(lambda i=i: pods[0].active + pods[1].active == i + 1)
+        finally:
+            gate.set()
+        assert [r[0] for r in await asyncio.gather(*held)] == [200] * 4
+
+
+async def test_aiohttp_errors_are_openai_error_bodies(rt: LiveRouter) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(rt.url + "/v1/completions") as r:
+            assert r.status == 405 and (await r.json())["error"]["type"] == "invalid_request_error"
+        async with s.post(rt.url + "/v2/completions", json={"model": MODEL}) as r:
+            assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
