@@ -538,8 +538,7 @@ class Router:
     async def _read_body(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
         parts: list[bytes] = []
         while True:
-            async with self._deadline(pod, "idle"):
-                chunk = await upstream.content.readany()
+            chunk = await self._next_chunk(pod, upstream)
             if not chunk:
                 return b"".join(parts)
             parts.append(chunk)
@@ -559,8 +558,7 @@ class Router:
         try:
             while True:
                 try:
-                    async with self._deadline(pod, "idle"):
-                        chunk = await upstream.content.readany()
+                    chunk = await self._next_chunk(pod, upstream)
                 except (*UPSTREAM_ERRORS, Silent) as e:
                     failure = e
                     break
@@ -593,6 +591,16 @@ class Router:
         return out
 
     # -- deadlines, probes, ejection --------------------------------------------------------------
+
+    async def _next_chunk(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
+        """The body's bytes that came since the last call (b"" at its end), within the idle deadline;
+        bytes already buffered are taken without arming it."""
+        content = upstream.content
+        chunk = content.read_nowait()
+        if chunk or content.at_eof():
+            return chunk
+        async with self._deadline(pod, "idle"):
+            return await content.readany()
 
     def _deadline(self, pod: Pod, phase: str) -> PodDeadline:
         """The deadline of one wait on `pod`: its response headers (first_byte) or its next chunk (idle)."""
