@@ -35,6 +35,17 @@ def router_cmd(*args: str) -> list[str]:
         (["--endpoints", "m=ftp://x"], "is not an http(s) URL"),
         (["--endpoints", "m=http://x", "--max-queue", "0"], "--max-queue must be >= 1"),
         (["--endpoints", "m=http://x", "--queue-timeout", "0"], "--queue-timeout must be > 0"),
+        (["--endpoints", "m=http://x", "--first-byte-timeout", "0"], "--first-byte-timeout must be > 0"),
+        (
+            ["--endpoints", "m=http://x", "--silence-limit", "5"],
+            "--silence-limit (5) must be >= --first-byte-timeout and --idle-timeout",
+        ),
+        (["--endpoints", "m=http://x", "--eject-after", "0"], "--eject-after must be >= 1"),
+        (["--endpoints", "m=http://x", "--max-ejection-percent", "150"], "must be in 0..100, got 150"),
+        (
+            ["--endpoints", "m=http://x", "--ejection-max", "5"],
+            "--ejection-max (5) must be >= --ejection-base (10)",
+        ),
         (
             ["--endpoints", "m=http://x", "--namespace", "ml"],
             "--endpoints and --namespace exclude each other",
