@@ -8,7 +8,9 @@ deadline, then 429); nothing is preempted on a pod.
 No I/O: the server asks `acquire()` for a pod (waiting in the queue when no pod has room, or when the
 model has no Ready pod yet: scale from zero), sends the request, then `release()`s it. Every release,
 pod change and periodic `pump()` hands the head of the queue to the first pod with room, so a replica
-that just became Ready takes the backlog at once.
+that just became Ready takes the backlog at once. Pods the model's `OutlierDetector` has ejected
+(`failed()` / `succeeded()` report each exchange) and pods passed over after a refused connection or
+a 503 are not routable until their time is up.
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 Decisions live in `policy` and admission in `pool`; this module reads the request, asks the model's
 pool for a pod (queueing when none has room), forwards the body as is, and passes the answer back:
-server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection
-or a 503 (a draining pod) before any byte reached the client is retried on another pod; after the
-first byte nothing is retried, and a pod that dies mid-stream ends the stream with an error event.
+server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection,
+a missed connect or first-byte deadline, or a 503 (a draining pod) before any byte reached the client
+is retried on another pod; after the first byte nothing is retried, and a pod that dies or goes
+silent mid-stream ends the stream with an error event. Each wait on a pod runs under a `PodDeadline`
+(deadline.py: past it the pod must answer /health); each exchange's outcome goes to the pool's
+outlier detector (outlier.py), which ejects pods that fail in a row.
 A client that goes away cancels the handler (handler_cancellation), which closes the upstream
 connection, and the pod aborts the request.
 """
