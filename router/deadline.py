@@ -57,7 +57,7 @@ class PodDeadline:
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> None:
         self._open = False
         if self._handle is not None:
             self._handle.cancel()
@@ -69,7 +69,6 @@ class PodDeadline:
             if self._why is not None:
                 raise Silent(self.phase, self._why) from None
             raise
-        return False
 
     def _arm(self) -> None:
         now = time.monotonic()
