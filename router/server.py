@@ -131,7 +131,8 @@ class RouterSettings:
 class _Retry(Exception):
     """The pod could not take the request and nothing reached the client: try another pod.
 
-    `answer`: what to send the client when no other pod can take it either (else a 502)."""
+    `answer`: what to send the client when no other pod can take it either (else a 502, or a 504 after
+    a missed deadline)."""
 
     def __init__(self, message: str, answer: web.Response | None = None, timeout: bool = False) -> None:
         super().__init__(message)
@@ -528,7 +529,8 @@ class Router:
                 try:
                     data = await self._read_body(pod, upstream)
                 except (*UPSTREAM_ERRORS, Silent) as e:  # nothing reached the client yet
-                    pool.mark_unhealthy(pod)
+                    if not isinstance(e, Silent):
+                        pool.mark_unhealthy(pod)
                     phase = e.phase if isinstance(e, Silent) else None
                     self._failed(pool, pod, f"{type(e).__name__}: {e}", phase)
                     raise _Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
