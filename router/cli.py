@@ -11,6 +11,7 @@ import sys
 
 from aiohttp import web
 
+from kvpilot.router.outlier import OutlierSettings
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES
 from kvpilot.router.pool import QueueSettings
 from kvpilot.router.server import Router, RouterSettings
@@ -46,6 +47,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a request waits for a model with no Ready pod (scale from zero)",
     )
     parser.add_argument("--max-retries", type=int, default=2, help="other pods tried before the first byte")
+    deadlines = parser.add_argument_group(
+        "deadlines to the pods (docs/router.md, Deadlines and outlier ejection)"
+    )
+    deadlines.add_argument(
+        "--connect-timeout", type=float, default=5.0, help="seconds to open a connection to a pod"
+    )
+    deadlines.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to a pod's response headers (a stream's come at once, a whole answer's at its "
+        "end); past it the pod must answer GET /health within --probe-timeout or the request is retried "
+        "on another pod, and one that answers gets another period",
+    )
+    deadlines.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=10.0,
+        help="seconds between two chunks of a pod's answer, with the same health probe; a stream whose "
+        "pod failed it ends with an error event",
+    )
+    deadlines.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=2.0,
+        help="seconds a pod past one of those deadlines has to answer GET /health",
+    )
+    deadlines.add_argument(
+        "--silence-limit",
+        type=float,
+        default=600.0,
+        help="the longest a pod that passes its probes may send nothing (response headers, next chunk)",
+    )
+    ejection = parser.add_argument_group("outlier ejection")
+    ejection.add_argument(
+        "--eject-after",
+        type=int,
+        default=3,
+        help="failures in a row (connection errors, missed deadlines, 5xx) that take a pod out of routing",
+    )
+    ejection.add_argument(
+        "--ejection-base",
+        type=float,
+        default=10.0,
+        help="seconds a pod stays out, times the number of its ejections in a row",
+    )
+    ejection.add_argument(
+        "--ejection-max", type=float, default=300.0, help="the longest a pod stays out (seconds)"
+    )
+    ejection.add_argument(
+        "--max-ejection-percent",
+        type=float,
+        default=50.0,
+        help="the most of a model's pods out at once (at least one, never the last); 0 turns ejection off",
+    )
     parser.add_argument(
         "--fallback",
         action="append",
@@ -108,6 +164,27 @@ def build_router(args: argparse.Namespace) -> Router:
             raise ValueError(f"{flag} must be > 0, got {fvalue}")
     if args.max_retries < 0 or args.scrape_interval < 0 or args.prefix_affinity_eps < 0:
         raise ValueError("--max-retries, --scrape-interval and --prefix-affinity-eps must be >= 0")
+    for flag, fvalue in (
+        ("--connect-timeout", args.connect_timeout),
+        ("--first-byte-timeout", args.first_byte_timeout),
+        ("--idle-timeout", args.idle_timeout),
+        ("--probe-timeout", args.probe_timeout),
+        ("--ejection-base", args.ejection_base),
+    ):
+        if not fvalue > 0:
+            raise ValueError(f"{flag} must be > 0, got {fvalue}")
+    if not args.silence_limit >= max(args.first_byte_timeout, args.idle_timeout):
+        raise ValueError(
+            f"--silence-limit ({args.silence_limit:g}) must be >= --first-byte-timeout and --idle-timeout"
+        )
+    if args.eject_after < 1:
+        raise ValueError(f"--eject-after must be >= 1, got {args.eject_after}")
+    if not args.ejection_max >= args.ejection_base:
+        raise ValueError(
+            f"--ejection-max ({args.ejection_max:g}) must be >= --ejection-base ({args.ejection_base:g})"
+        )
+    if not 0 <= args.max_ejection_percent <= 100:
+        raise ValueError(f"--max-ejection-percent must be in 0..100, got {args.max_ejection_percent:g}")
     if args.adapter_slots < 1:
         raise ValueError(f"--adapter-slots must be >= 1, got {args.adapter_slots}")
     if args.adapter_affinity_eps < 0:
@@ -139,6 +216,17 @@ def build_router(args: argparse.Namespace) -> Router:
         session_header=args.session_header,
         priority_header=args.priority_header,
         scrape_interval_s=args.scrape_interval,
+        connect_timeout_s=args.connect_timeout,
+        first_byte_timeout_s=args.first_byte_timeout,
+        idle_timeout_s=args.idle_timeout,
+        probe_timeout_s=args.probe_timeout,
+        silence_limit_s=args.silence_limit,
+        outliers=OutlierSettings(
+            consecutive_failures=args.eject_after,
+            base_ejection_s=args.ejection_base,
+            max_ejection_s=args.ejection_max,
+            max_ejection_percent=args.max_ejection_percent,
+        ),
     )
     router = Router(settings)
     if args.endpoints:

@@ -15,6 +15,10 @@ from kvpilot.router.policy import RouteKey, stable_hash
 
 BLOCK_CHARS = 64
 MAX_BLOCKS = 256  # about 4k tokens: the leading part is what decides prefix reuse
+# A request's KV footprint estimate is capped (about 16M tokens, past any context window): the
+# client's max_tokens is the pod's to validate, and an absurd one (10**4000) must not overflow the
+# policies' float arithmetic.
+MAX_FOOTPRINT_BLOCKS = 1 << 20
 
 
 def chain_hashes(chunks: Sequence[bytes]) -> tuple[int, ...]:
@@ -79,5 +83,8 @@ def request_key(
     blocks = text_blocks(prompt_text(body, chat), block_chars)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     # KV footprint in blocks: the prompt plus the tokens it may generate (about 4 characters a token).
-    gen_blocks = max_tokens * 4 // block_chars if isinstance(max_tokens, int) and max_tokens > 0 else 0
-    return RouteKey(blocks=blocks, session=session or None, size_blocks=max(1, len(blocks) + gen_blocks))
+    gen_blocks = 0
+    if isinstance(max_tokens, int) and max_tokens > 0:
+        gen_blocks = min(max_tokens, MAX_FOOTPRINT_BLOCKS * block_chars) * 4 // block_chars
+    size = min(MAX_FOOTPRINT_BLOCKS, max(1, len(blocks) + gen_blocks))
+    return RouteKey(blocks=blocks, session=session or None, size_blocks=size)

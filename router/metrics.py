@@ -32,13 +32,33 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "kvpilot_router_upstream_retries_total",
-            "Requests sent to another pod after a refused/reset connection or a 503 before any byte",
+            "Requests sent to another pod after a refused/reset connection, a missed connect or first-byte "
+            "deadline, or a 503, before any byte reached the client",
             ["model_name"],
             registry=r,
         )
         self.stream_failures = Counter(
             "kvpilot_router_upstream_failures_total",
             "Upstream streams that broke after bytes reached the client (ended with an error event)",
+            ["model_name"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "kvpilot_router_upstream_timeouts_total",
+            "Requests a pod missed a deadline on: connect, first_byte (no response headers) or idle "
+            "(no next chunk), the last two after it also failed its health probe",
+            ["model_name", "phase"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "kvpilot_router_pod_ejections_total",
+            "Times a pod was taken out of routing after failures in a row (outlier ejection)",
+            ["model_name", "pod"],
+            registry=r,
+        )
+        self.ejected_pods = Gauge(
+            "kvpilot_router_ejected_pods",
+            "Pods of the model out of routing now after failures in a row (outlier ejection)",
             ["model_name"],
             registry=r,
         )

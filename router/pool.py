@@ -8,7 +8,9 @@ deadline, then 429); nothing is preempted on a pod.
 No I/O: the server asks `acquire()` for a pod (waiting in the queue when no pod has room, or when the
 model has no Ready pod yet: scale from zero), sends the request, then `release()`s it. Every release,
 pod change and periodic `pump()` hands the head of the queue to the first pod with room, so a replica
-that just became Ready takes the backlog at once.
+that just became Ready takes the backlog at once. Pods the model's `OutlierDetector` has ejected
+(`failed()` / `succeeded()` report each exchange) and pods passed over after a refused connection or
+a 503 are not routable until their time is up.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvpilot.router.outlier import Ejection, OutlierDetector, OutlierSettings
 from kvpilot.router.policy import PodView, Policy, RouteKey
 
 
@@ -43,6 +46,7 @@ class Pod:
     waiting: int | None = None
     unhealthy_until: float = 0.0
     sent_total: int = 0
+    answered_at: float = 0.0  # monotonic time the router last heard from the pod (a response, a probe)
 
     def view(self) -> PodView:
         return PodView(
@@ -102,10 +106,12 @@ class ModelPool:
         settings: QueueSettings | None = None,
         on_queue_change: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        outliers: OutlierSettings | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
         self.settings = settings or QueueSettings()
+        self.outliers = OutlierDetector(outliers)
         self.pods: dict[str, Pod] = {}
         self._queue: deque[_Waiter] = deque()
         self._on_queue_change = on_queue_change
@@ -127,18 +133,39 @@ class ModelPool:
             fresh[ep.name] = pod
         for name in self.pods.keys() - fresh.keys():
             self.policy.forget(name)
+            self.outliers.forget(name)
         self.pods = fresh
         self.pump()
 
     def routable(self, exclude: frozenset[str] = frozenset()) -> list[Pod]:
         now = self._clock()
         return sorted(
-            (p for p in self.pods.values() if p.unhealthy_until <= now and p.name not in exclude),
+            (
+                p
+                for p in self.pods.values()
+                if p.unhealthy_until <= now
+                and p.name not in exclude
+                and not self.outliers.is_ejected(p.name, now)
+            ),
             key=lambda p: p.name,
         )
 
     def mark_unhealthy(self, pod: Pod, seconds: float | None = None) -> None:
         pod.unhealthy_until = self._clock() + (self.settings.unhealthy_s if seconds is None else seconds)
+
+    def succeeded(self, pod: Pod) -> None:
+        """An exchange with the pod went through (an answer below 500, a stream to its end)."""
+        self.outliers.success(pod.name)
+
+    def failed(self, pod: Pod) -> Ejection | None:
+        """An exchange with the pod failed; the ejection it caused, if any (outlier.py decides)."""
+        if self.pods.get(pod.name) is not pod:
+            return None  # the pod left the model (or was replaced) while the request ran
+        return self.outliers.failure(pod.name, self._clock(), self.pods.keys())
+
+    @property
+    def ejected_count(self) -> int:
+        return len(self.outliers.ejected(self.pods.keys(), self._clock()))
 
     @property
     def queue_depth(self) -> int:

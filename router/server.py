@@ -2,9 +2,12 @@
 
 Decisions live in `policy` and admission in `pool`; this module reads the request, asks the model's
 pool for a pod (queueing when none has room), forwards the body as is, and passes the answer back:
-server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection
-or a 503 (a draining pod) before any byte reached the client is retried on another pod; after the
-first byte nothing is retried, and a pod that dies mid-stream ends the stream with an error event.
+server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection,
+a missed connect or first-byte deadline, or a 503 (a draining pod) before any byte reached the client
+is retried on another pod; after the first byte nothing is retried, and a pod that dies or goes
+silent mid-stream ends the stream with an error event. Each wait on a pod runs under a `PodDeadline`
+(deadline.py: past it the pod must answer /health); each exchange's outcome goes to the pool's
+outlier detector (outlier.py), which ejects pods that fail in a row.
 A client that goes away cancels the handler (handler_cancellation), which closes the upstream
 connection, and the pod aborts the request.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -25,8 +29,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.request_body import BodyError, error_body, parse_json_object
+from kvpilot.router.deadline import PodDeadline, Silent
 from kvpilot.router.keys import BLOCK_CHARS, request_key
 from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.outlier import Ejection, OutlierSettings
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
 
@@ -42,10 +49,6 @@ FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "O
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(
     status: int,
     message: str,
@@ -55,6 +58,26 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.json_response(error_body(message, type_, code, param), status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error the router answers is an OpenAI error body: aiohttp's own (unknown path, wrong
+    method, body over the size limit) and an unexpected exception (500, logged, no traceback sent)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return error_response(e.status, f"{e.reason}: {request.method} {request.path}", kind)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("internal error while handling %s %s", request.method, request.path)
+        return error_response(500, "internal error in the router", "internal_server_error")
 
 
 class UpdateEndpoints(Protocol):
@@ -96,17 +119,25 @@ class RouterSettings:
     priority_header: str = PRIORITY_HEADER
     block_chars: int = BLOCK_CHARS
     scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
-    connect_timeout_s: float = 5.0
+    # Deadlines of a request to a pod (docs/router.md, "Deadlines and outlier ejection"):
+    connect_timeout_s: float = 5.0  # the TCP connection
+    first_byte_timeout_s: float = 10.0  # the response headers, from sending the request
+    idle_timeout_s: float = 10.0  # between two chunks of the response body
+    probe_timeout_s: float = 2.0  # a pod past one of those two deadlines must answer GET /health by then
+    silence_limit_s: float = 600.0  # the most a pod that answers its probes may stay silent
+    outliers: OutlierSettings = field(default_factory=OutlierSettings)
 
 
 class _Retry(Exception):
     """The pod could not take the request and nothing reached the client: try another pod.
 
-    `answer`: what to send the client when no other pod can take it either (else a 502)."""
+    `answer`: what to send the client when no other pod can take it either (else a 502, or a 504 after
+    a missed deadline)."""
 
-    def __init__(self, message: str, answer: web.Response | None = None) -> None:
+    def __init__(self, message: str, answer: web.Response | None = None, timeout: bool = False) -> None:
         super().__init__(message)
         self.answer = answer
+        self.timeout = timeout  # the pod missed a deadline: a 504 when no other pod can take it
 
 
 class Router:
@@ -130,7 +161,8 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._sent_status: dict[int, int] = {}  # id(request) -> status line a stream has sent
-        self.app = web.Application(client_max_size=64 * 2**20)
+        self._probes: dict[str, asyncio.Task[bool]] = {}  # pod URL -> its health probe in flight
+        self.app = web.Application(client_max_size=64 * 2**20, middlewares=[openai_errors])
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -177,9 +209,15 @@ class Router:
             chosen_policy = AdapterAffinity(
                 make_policy(name, **options), self.settings.adapter_eps, self.settings.adapter_slots
             )
-            new = ModelPool(model, chosen_policy, self.settings.queue, self._queue_changed)
-            if pool is not None:  # a policy change keeps the queue and the counters
-                new.pods, new._queue = pool.pods, pool._queue
+            new = ModelPool(
+                model,
+                chosen_policy,
+                self.settings.queue,
+                self._queue_changed,
+                outliers=self.settings.outliers,
+            )
+            if pool is not None:  # a policy change keeps the queue, the counters and the ejections
+                new.pods, new._queue, new.outliers = pool.pods, pool._queue, pool.outliers
             self.pools[model], self._policy_of[model] = new, name
             self.metrics.queue_depth.labels(model).set(new.queue_depth)
             pool = new
@@ -218,6 +256,7 @@ class Router:
         if pool is not None:
             pool.set_endpoints([])
             self.metrics.ready_pods.labels(model).set(0)
+            self.metrics.ejected_pods.labels(model).set(0)
 
     def mark_synced(self) -> None:
         self.synced = True
@@ -250,9 +289,10 @@ class Router:
             await self._spawn(self._scrape_loop())
 
     async def _cleanup(self, app: web.Application) -> None:
-        for task in self._tasks:
+        probes = list(self._probes.values())
+        for task in [*self._tasks, *probes]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *probes]:
             with contextlib.suppress(BaseException):
                 await task
         if self._session is not None:
@@ -265,6 +305,7 @@ class Router:
             for pool in list(self.pools.values()):
                 pool.pump()
                 self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
+                self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -281,6 +322,7 @@ class Router:
         except (*UPSTREAM_ERRORS, UnicodeDecodeError):
             pod.kv_usage, pod.waiting = None, None  # unknown, not zero
             return
+        pod.answered_at = time.monotonic()
         kv, waiting = parse_load(text, pool.model)
         pod.kv_usage, pod.waiting = kv, waiting
 
@@ -299,6 +341,7 @@ class Router:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         for pool in list(self.pools.values()):
             self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
+            self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -321,14 +364,14 @@ class Router:
     async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            return error_response(400, f"request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            body = parse_json_object(raw)  # the runtime's checks: a pod would refuse it the same way
+        except BodyError as e:
+            return error_response(400, e.message, param=e.param)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return error_response(400, "'model' is required and must be a string", param="model")
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            return error_response(400, "'stream' must be a boolean", param="stream")
         pool = self.pools.get(model)
         adapter: str | None = None
         if pool is None and model in self.adapter_parent:
@@ -393,6 +436,13 @@ class Router:
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
                     if e.answer is not None:
                         return e.answer
+                    if e.timeout:
+                        return error_response(
+                            504,
+                            f"no pod of model {pool.model!r} answered in time: {e}",
+                            "upstream_error",
+                            code="upstream_timeout",
+                        )
                     return error_response(
                         502, f"no pod of model {pool.model!r} could take the request: {e}", "upstream_error"
                     )
@@ -420,7 +470,10 @@ class Router:
         try:
             return await self._forward(request, target, pod, json.dumps(body).encode(), fallback=target.model)
         except _Retry as e:
-            return error_response(502, f"fallback model {target.model!r} failed too: {e}", "upstream_error")
+            status, code = (504, "upstream_timeout") if e.timeout else (502, None)
+            return error_response(
+                status, f"fallback model {target.model!r} failed too: {e}", "upstream_error", code=code
+            )
         finally:
             target.release(pod, key)
 
@@ -436,21 +489,30 @@ class Router:
         assert self._session is not None
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
         try:
-            upstream = await self._session.post(pod.url + request.path, data=raw, headers=headers)
-        except UPSTREAM_ERRORS as e:
+            async with self._deadline(pod, "first_byte"):
+                upstream = await self._session.post(pod.url + request.path, data=raw, headers=headers)
+        except UPSTREAM_ERRORS as e:  # refused, reset, or the connect deadline passed
             pool.mark_unhealthy(pod)
-            raise _Retry(f"{pod.name}: {type(e).__name__}: {e}") from None
+            phase = "connect" if isinstance(e, asyncio.TimeoutError) else None
+            self._failed(pool, pod, f"{type(e).__name__}: {e}", phase)
+            raise _Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
+        except Silent as e:  # nothing was sent to the client: another pod may take it
+            self._failed(pool, pod, str(e), e.phase)
+            raise _Retry(f"{pod.name}: {e}", timeout=True) from None
+        pod.answered_at = time.monotonic()
         try:
             if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
                 pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
+                self._failed(pool, pod, f"answered 503 {upstream.reason}")
                 raise _Retry(f"{pod.name}: 503 {upstream.reason}")
             if upstream.status == 404 and adapter is not None:
                 # a pod that does not serve the adapter yet (the pods roll after spec.adapters changed):
                 # another pod may; the pod stays healthy for every other request
                 if isinstance(pool.policy, AdapterAffinity):
                     pool.policy.lacks(pod.name, adapter)
-                with contextlib.suppress(*UPSTREAM_ERRORS):
-                    data = await upstream.read()
+                with contextlib.suppress(*UPSTREAM_ERRORS, Silent):
+                    data = await self._read_body(pod, upstream)
+                    pool.succeeded(pod)
                     ctype = upstream.headers.get("Content-Type", "application/json")
                     answer = web.Response(
                         status=404, body=data, headers={"Content-Type": ctype, POD_HEADER: pod.name}
@@ -465,14 +527,26 @@ class Router:
                 out_headers["Retry-After"] = upstream.headers["Retry-After"]
             if not content_type.startswith("text/event-stream"):
                 try:
-                    data = await upstream.read()
-                except UPSTREAM_ERRORS as e:  # nothing reached the client yet
-                    pool.mark_unhealthy(pod)
-                    raise _Retry(f"{pod.name}: {type(e).__name__}: {e}") from None
+                    data = await self._read_body(pod, upstream)
+                except (*UPSTREAM_ERRORS, Silent) as e:  # nothing reached the client yet
+                    if not isinstance(e, Silent):
+                        pool.mark_unhealthy(pod)
+                    phase = e.phase if isinstance(e, Silent) else None
+                    self._failed(pool, pod, f"{type(e).__name__}: {e}", phase)
+                    raise _Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
+                self._answered(pool, pod, upstream.status)
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
             return await self._stream(request, pool, pod, upstream, out_headers)
         finally:
             upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
+
+    async def _read_body(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            chunk = await self._next_chunk(pod, upstream)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
 
     async def _stream(
         self,
@@ -485,23 +559,118 @@ class Router:
         out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
         await out.prepare(request)
         self._sent_status[id(request)] = upstream.status
+        failure: BaseException | None = None
         try:
-            async for chunk in upstream.content.iter_any():
+            while True:
+                try:
+                    chunk = await self._next_chunk(pod, upstream)
+                except (*UPSTREAM_ERRORS, Silent) as e:
+                    failure = e
+                    break
+                if not chunk:
+                    break
                 await out.write(chunk)
-        except UPSTREAM_ERRORS as e:
-            pool.mark_unhealthy(pod)
+        except ConnectionError:  # the client went away (its write failed): not the pod's fault
+            return out
+        if failure is None:
+            self._answered(pool, pod, upstream.status)
+        else:
+            silent = isinstance(failure, Silent)
+            if not silent:
+                pool.mark_unhealthy(pod)
             self.metrics.stream_failures.labels(pool.model).inc()
-            log.warning("pod %s of %s broke a stream: %s: %s", pod.name, pool.model, type(e).__name__, e)
-            event = error_body(
-                f"the pod serving this request failed mid-stream ({type(e).__name__}); the output is incomplete",
-                "upstream_error",
-                code="upstream_disconnected",
+            self._failed(
+                pool, pod, f"broke a stream: {type(failure).__name__}: {failure}", "idle" if silent else None
             )
-            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            if silent:
+                message = f"the pod serving this request went silent mid-stream ({failure}); the output is incomplete"
+                code = "upstream_timeout"
+            else:
+                message = f"the pod serving this request failed mid-stream ({type(failure).__name__}); the output is incomplete"
+                code = "upstream_disconnected"
+            event = error_body(message, "upstream_error", code=code)
+            with contextlib.suppress(ConnectionError):
                 await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        with contextlib.suppress(ConnectionError):
             await out.write_eof()
         return out
+
+    # -- deadlines, probes, ejection --------------------------------------------------------------
+
+    async def _next_chunk(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
+        """The body's bytes that came since the last call (b"" at its end), within the idle deadline;
+        bytes already buffered are taken without arming it."""
+        content = upstream.content
+        chunk = content.read_nowait()
+        if chunk or content.at_eof():
+            return chunk
+        async with self._deadline(pod, "idle"):
+            return await content.readany()
+
+    def _deadline(self, pod: Pod, phase: str) -> PodDeadline:
+        """The deadline of one wait on `pod`: its response headers (first_byte) or its next chunk (idle)."""
+        s = self.settings
+        timeout, what = (
+            (s.first_byte_timeout_s, "response headers")
+            if phase == "first_byte"
+            else (s.idle_timeout_s, "chunk")
+        )
+        return PodDeadline(functools.partial(self._alive, pod), timeout, s.silence_limit_s, phase, what)
+
+    async def _alive(self, pod: Pod, since: float) -> bool:
+        """The pod answered anything since `since`, or answers a health probe now (one per pod at a
+        time: every request waiting on the pod shares it)."""
+        if pod.answered_at >= since:
+            return True
+        probe = self._probes.get(pod.url)
+        if probe is None:
+            probe = asyncio.create_task(self._probe(pod))
+            self._probes[pod.url] = probe
+            probe.add_done_callback(functools.partial(self._probe_done, pod.url))
+        return await asyncio.shield(probe)
+
+    def _probe_done(self, url: str, task: asyncio.Task[bool]) -> None:
+        if self._probes.get(url) is task:
+            del self._probes[url]
+
+    async def _probe(self, pod: Pod) -> bool:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
+        try:
+            async with self._session.get(pod.url + "/health", timeout=timeout) as resp:
+                alive = resp.status == 200
+        except UPSTREAM_ERRORS:
+            return False
+        if alive:
+            pod.answered_at = time.monotonic()
+        return alive
+
+    def _answered(self, pool: ModelPool, pod: Pod, status: int) -> None:
+        """The pod's whole answer went through: a 5xx counts as a failure, anything else as a success."""
+        if status >= 500:
+            self._failed(pool, pod, f"answered {status}")
+        else:
+            pool.succeeded(pod)
+
+    def _failed(self, pool: ModelPool, pod: Pod, why: str, timeout_phase: str | None = None) -> None:
+        if timeout_phase is not None:
+            self.metrics.timeouts.labels(pool.model, timeout_phase).inc()
+        ejection = pool.failed(pod)
+        if ejection is not None:
+            self._ejected(pool, ejection, why)
+
+    def _ejected(self, pool: ModelPool, ejection: Ejection, why: str) -> None:
+        self.metrics.ejections.labels(pool.model, ejection.pod).inc()
+        self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+        log.warning(
+            "ejected pod %s of %s for %gs (ejection %d) after %d failures in a row; last: %s",
+            ejection.pod,
+            pool.model,
+            ejection.seconds,
+            ejection.count,
+            ejection.failures,
+            why,
+        )
 
 
 def parse_load(text: str, model: str) -> tuple[float | None, int | None]:

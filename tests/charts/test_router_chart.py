@@ -102,3 +102,36 @@ def test_operator_shows_the_router_endpoint_in_status() -> None:
     off = template()
     op = off.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     assert not any(a.startswith("--router-endpoint") for a in op["args"])
+
+
+def test_router_deadlines_and_outlier_ejection_reach_the_cli() -> None:
+    def args_of(*sets: str) -> Any:
+        c = template("router.enabled=true", *sets).one("Deployment", "-router")["spec"]["template"]["spec"]
+        argv = [*c["containers"][0]["command"][1:], *c["containers"][0]["args"]]
+        return build_parser(argv).parse_args(argv)
+
+    defaults = args_of()
+    assert (
+        defaults.connect_timeout,
+        defaults.first_byte_timeout,
+        defaults.idle_timeout,
+        defaults.probe_timeout,
+        defaults.silence_limit,
+    ) == (5, 10, 10, 2, 600)
+    assert (
+        defaults.eject_after,
+        defaults.ejection_base,
+        defaults.ejection_max,
+        defaults.max_ejection_percent,
+    ) == (3, 10, 300, 50)
+    tuned = args_of(
+        "router.upstream.firstByteTimeoutSeconds=30",
+        "router.upstream.silenceLimitSeconds=1200",
+        "router.outlierDetection.consecutiveFailures=5",
+        "router.outlierDetection.maxEjectionPercent=0",
+    )
+    assert (tuned.first_byte_timeout, tuned.silence_limit) == (30, 1200)
+    assert (tuned.eject_after, tuned.max_ejection_percent) == (5, 0)
+    assert "consecutiveFailures: Must be greater than or equal to 1" in template_error(
+        "router.outlierDetection.consecutiveFailures=0"
+    )

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from kvpilot.router.discovery import StaticSource, parse_adapters, parse_endpoints
+from kvpilot.router.outlier import OutlierSettings
 from kvpilot.router.policy import AdapterAffinity, RouteKey
 from kvpilot.router.pool import Endpoint, QueueSettings
 from kvpilot.router.server import (
@@ -54,6 +55,7 @@ async def live(
     policy: str = "round-robin",
     fallbacks: dict[str, str] | None = None,
     adapters: dict[str, tuple[str, ...]] | None = None,
+    router_settings: dict[str, Any] | None = None,
     **queue: Any,
 ) -> AsyncIterator[LiveRouter]:
     settings = RouterSettings(
@@ -62,6 +64,7 @@ async def live(
         scrape_interval_s=0,
         fallbacks=fallbacks or {},
         adapters=adapters or {},
+        **(router_settings or {}),
     )
     router = Router(settings)
     router.add_source(StaticSource(endpoints))
@@ -520,3 +523,110 @@ async def test_a_pod_without_the_adapter_yet_is_passed_over_for_that_request(pod
         for _ in range(3):
             await post(lr, {"model": MODEL, "prompt": "x"})
         assert sum(len(p.bodies) for p in pods) == before + 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (b"[" * 1000 + b"]" * 1000, None, "nests deeper than 64 levels"),  # RecursionError in json
+        (b'{"model": "m", "prompt": ' + b"[" * 80 + b"]" * 80 + b"}", "prompt", "nests deeper than 64"),
+        (b"", None, "request body is empty"),
+        (b"\xff\xfe{}", None, "not valid UTF-8"),
+        (b'{"model": "m", "max_tokens": 1' + b"0" * 5000 + b"}", None, "not acceptable JSON"),
+        (b'{"model": "m", "prompt": "\\ud800"}', "prompt", "lone surrogate"),
+        (b'"just a string"', None, "must be a JSON object"),
+        (b'{"model": ["m"], "prompt": "x"}', "model", "'model' is required and must be a string"),
+        (b'{"model": "m", "prompt": "x", "stream": "yes"}', "stream", "'stream' must be a boolean"),
+        (b'{"model": "m", "prompt": "x", "stream": 1}', "stream", "'stream' must be a boolean"),
+    ],
+)
+async def test_malformed_bodies_are_400_in_the_openai_shape_never_500(
+    rt: LiveRouter, pods: list[FakePod], raw: bytes, param: str | None, message: str
+) -> None:
+    status, body, headers = await post(rt, raw)
+    assert status == 400, (status, body)
+    assert headers["Content-Type"].startswith("application/json")
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
+    assert message in body["error"]["message"] and set(body["error"]) == {"message", "type", "param", "code"}
+    assert all(not p.bodies for p in pods)  # refused at the router: no pod saw it
+
+
+async def test_an_absurd_max_tokens_is_the_pods_to_refuse_not_a_router_crash(pods: list[FakePod]) -> None:
+    """The router reads max_tokens for its KV estimate (kv-aware adds the in-flight estimates up as
+    floats): huge ones held on the pods must not break the routing of the next request."""
+    gate = asyncio.Event()
+    for p in pods[:2]:
+        p.gate = gate
+    async with live({MODEL: eps(pods[:2])}, policy="kv-aware") as lr:
+        held = []
+        try:
+            for i, value in enumerate((10**4000, 1e308, -(10**30), True)):
+                body = {"model": MODEL, "prompt": "x" * 200, "max_tokens": value}
+                held.append(asyncio.create_task(post(lr, body)))
+                await until(lambda i=i: pods[0].active + pods[1].active == i + 1)
+        finally:
+            gate.set()
+        assert [r[0] for r in await asyncio.gather(*held)] == [200] * 4
+
+
+async def test_aiohttp_errors_are_openai_error_bodies(rt: LiveRouter) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(rt.url + "/v1/completions") as r:
+            assert r.status == 405 and (await r.json())["error"]["type"] == "invalid_request_error"
+        async with s.post(rt.url + "/v2/completions", json={"model": MODEL}) as r:
+            assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
+
+
+# -- deadlines and outlier ejection (the frozen pod itself: tests/router/test_router_process.py) ------
+
+QUICK = {"first_byte_timeout_s": 0.3, "idle_timeout_s": 0.3, "probe_timeout_s": 2.0}  # a generous probe
+
+
+async def test_a_slow_pod_that_answers_its_probe_is_waited_for_not_retried(pods: list[FakePod]) -> None:
+    pods[0].headers_delay_s = 1.2  # four first-byte periods before it answers (a long prefill, say)
+    pods[1].chunk_delay_s = 0.5  # and between chunks, past the idle deadline
+    async with live({MODEL: eps(pods[:2])}, router_settings=QUICK) as lr:
+        status, body, headers = await post(lr, {"model": MODEL, "prompt": "x"})
+        assert status == 200 and headers[POD_HEADER] == "p0" and body["choices"][0]["text"].startswith("p0-0")
+        status, text, headers = await post(lr, {"model": MODEL, "prompt": "x", "stream": True})
+        assert status == 200 and headers[POD_HEADER] == "p1" and text.endswith("data: [DONE]\n\n")
+        assert text.count("data: ") == 5 and "error" not in text
+        for name in ("kvpilot_router_upstream_retries_total", "kvpilot_router_upstream_failures_total"):
+            assert metric(lr, name, model_name=MODEL) == 0
+        for phase in ("first_byte", "idle"):
+            assert metric(lr, "kvpilot_router_upstream_timeouts_total", model_name=MODEL, phase=phase) == 0
+        assert len(pods[0].bodies) == 1 and len(pods[1].bodies) == 1
+
+
+async def test_the_silence_limit_bounds_the_wait_on_a_live_pod(pods: list[FakePod]) -> None:
+    pods[0].gate = asyncio.Event()  # it answers its probes but never the request
+    settings = {**QUICK, "silence_limit_s": 0.8}
+    try:
+        async with live({MODEL: eps(pods[:1])}, router_settings=settings) as lr:
+            status, body, _ = await asyncio.wait_for(post(lr, {"model": MODEL, "prompt": "x"}), 20)
+            assert status == 504 and body["error"]["code"] == "upstream_timeout"
+            assert "silence limit" in body["error"]["message"]
+            labels = {"model_name": MODEL, "phase": "first_byte"}
+            assert metric(lr, "kvpilot_router_upstream_timeouts_total", **labels) == 1
+    finally:
+        pods[0].gate.set()
+
+
+async def test_consecutive_5xx_eject_a_pod_but_never_the_last(pods: list[FakePod]) -> None:
+    pods[0].mode = "500"
+    outliers = OutlierSettings(consecutive_failures=2, base_ejection_s=60, max_ejection_percent=100)
+    async with live({MODEL: eps(pods[:2])}, router_settings={"outliers": outliers}) as lr:
+        answers = [await post(lr, {"model": MODEL, "prompt": f"r{i}"}) for i in range(8)]
+        # round-robin: p0, p1, p0 (its 2nd 500 in a row: ejected), then p1 only
+        assert [a[0] for a in answers] == [500, 200, 500, 200, 200, 200, 200, 200]
+        assert len(pods[0].bodies) == 2
+        assert metric(lr, "kvpilot_router_pod_ejections_total", model_name=MODEL, pod="p0") == 1
+        assert metric(lr, "kvpilot_router_ejected_pods", model_name=MODEL) == 1
+        pods[1].mode = "500"  # now the last pod fails too: it stays, there is nothing else to try
+        answers = [await post(lr, {"model": MODEL, "prompt": f"s{i}"}) for i in range(4)]
+        assert [a[0] for a in answers] == [500] * 4 and len(pods[1].bodies) == 10
+        assert metric(lr, "kvpilot_router_pod_ejections_total", model_name=MODEL, pod="p1") == 0
+        async with aiohttp.ClientSession() as s, s.get(lr.url + "/metrics") as r:
+            text = await r.text()
+        assert 'kvpilot_router_ejected_pods{model_name="m"} 1.0' in text
+        assert 'kvpilot_router_pod_ejections_total{model_name="m",pod="p0"} 1.0' in text

@@ -35,13 +35,15 @@ def chat_chunk(text: str, model: str, finish: str | None = None) -> dict[str, An
 
 @dataclass
 class FakePod:
-    """One fake pod. `mode`: ok | 503 | die_mid_stream. `gate`, when set, holds each request until opened."""
+    """One fake pod. `mode`: ok | 503 | 500 | die_mid_stream. `gate`, when set, holds each request until opened."""
 
     name: str
     mode: str = "ok"
     chunks: int = 4
     gate: asyncio.Event | None = None
     hold_after_first: asyncio.Event | None = None  # streams wait here after their first chunk
+    chunk_delay_s: float = 0.0  # a stream's pause between chunks
+    headers_delay_s: float = 0.0  # a slow pod: the pause before any answer (its /health stays quick)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     serves: set[str] | None = None  # the model names it answers (None: any); others get the runtime's 404
     active: int = 0
@@ -61,6 +63,7 @@ class FakePod:
                 web.post("/v1/completions", self.handle),
                 web.post("/v1/chat/completions", self.handle),
                 web.get("/metrics", self.metrics),
+                web.get("/health", self.health),
             ]
         )
         return app
@@ -74,11 +77,18 @@ class FakePod:
         )
         return web.Response(text=text, content_type="text/plain")
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.headers_delay_s:
+            await asyncio.sleep(self.headers_delay_s)
         if self.mode == "503":
             return web.json_response({"error": {"message": "draining"}}, status=503)
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "internal error"}}, status=500)
         if self.serves is not None and body.get("model") not in self.serves:
             error = {"message": f"model {body.get('model')!r} not found", "code": "model_not_found"}
             return web.json_response({"error": error}, status=404)
@@ -113,6 +123,8 @@ class FakePod:
                 )
                 if i == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
                 if i == 1 and self.mode == "die_mid_stream":
                     assert request.transport is not None
                     request.transport.abort()  # the pod dies: the connection drops mid-stream
@@ -126,10 +138,10 @@ class FakePod:
         finally:
             self.active -= 1
 
-    async def start(self) -> FakePod:
+    async def start(self, port: int = 0) -> FakePod:
         self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         server = site._server
         assert server is not None
