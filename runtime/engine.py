@@ -27,6 +27,7 @@ from kvpilot.runtime.engine_plan import (
     pool_blocks,
     with_block_size,
 )
+from kvpilot.runtime.grammar_service import GrammarLimits, GrammarService
 from kvpilot.runtime.lora.adapter import LoRAError
 from kvpilot.runtime.lora.registry import AdapterRegistry
 from kvpilot.runtime.lora.request import LoadedAdapter, LoRARequest
@@ -36,7 +37,12 @@ from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, TokenLogprob
 from kvpilot.runtime.speculative import Speculator, make_speculator
-from kvpilot.runtime.structured_output import GrammarCompiler, LazyGrammarCompiler
+from kvpilot.runtime.structured_output import (
+    CompiledGuided,
+    GrammarCompiler,
+    GuidedSpec,
+    LazyGrammarCompiler,
+)
 from kvpilot.runtime.tp_runner import start_tensor_parallel
 
 if TYPE_CHECKING:
@@ -351,8 +357,12 @@ class LLMEngine:
             request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time, lora_request
         )
         if params.guided is not None:
-            # compiled on the engine thread, once per distinct spec (cached); GuidedSpecError is a 400
-            seq.grammar = self.grammar_compiler.new_state(params.guided)
+            # the server compiled it off this thread (grammar_service.py); offline use compiles it
+            # here, once per distinct spec (cached); GuidedSpecError is a 400
+            guided = params.guided
+            seq.grammar = (
+                guided.compiled.new_state() if guided.compiled else self.grammar_compiler.new_state(guided)
+            )
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
 
@@ -642,8 +652,12 @@ class _Inbox:
 class AsyncEngine:
     """Runs `LLMEngine` in a background thread and streams each request's outputs to asyncio."""
 
-    def __init__(self, engine: LLMEngine, max_queue_len: int = 1024) -> None:
+    def __init__(
+        self, engine: LLMEngine, max_queue_len: int = 1024, grammar_limits: GrammarLimits | None = None
+    ) -> None:
         self.engine = engine
+        # compiles requests' grammars before they are submitted (the server awaits compile_grammar)
+        self.grammar = GrammarService(lambda: engine.grammar_compiler, grammar_limits)
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -663,16 +677,15 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine.from_config(cfg), cfg.max_queue_len)
+        return cls(LLMEngine.from_config(cfg), cfg.max_queue_len, GrammarLimits.from_config(cfg))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            # the grammar compiler's vocabulary table takes about a second: build it off both the
-            # event loop and the engine loop, before the first guided request needs it
-            threading.Thread(
-                target=lambda: self.engine.grammar_compiler, name="kvpilot-grammar-init", daemon=True
-            ).start()
+            # the grammar compiler's vocabulary table takes about a second and the grammar workers
+            # start in a few: off both the event loop and the engine loop, before the first
+            # guided request needs them
+            threading.Thread(target=self.grammar.warm_up, name="kvpilot-grammar-init", daemon=True).start()
             self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
             self._thread.start()
 
@@ -682,6 +695,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        self.grammar.close()
         self.engine.close()
 
     def num_unfinished(self) -> int:
@@ -691,6 +705,11 @@ class AsyncEngine:
         return self._stats
 
     # -- requests ------------------------------------------------------------------------------
+    async def compile_grammar(self, spec: GuidedSpec) -> CompiledGuided:
+        """Compile a request's constraint before `add_request` (GrammarService.compile); attach the
+        result to the spec (`GuidedSpec.with_compiled`) so the engine loop never compiles."""
+        return await self.grammar.compile(spec)
+
     def add_request(
         self,
         request_id: str,

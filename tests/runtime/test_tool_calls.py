@@ -194,3 +194,32 @@ def test_streamer_named_streams_arguments_deltas() -> None:
     second = s.feed('"Oslo", "unit": "celsius"}')
     assert [d["function"]["arguments"] for d in second.tool_calls] == ['"Oslo", "unit": "celsius"}']
     assert s.finish().tool_calls == [] and json.loads(s.calls[0].arguments)["city"] == "Oslo"
+
+
+def test_required_cut_short_has_neither_calls_nor_the_partial_json_as_content() -> None:
+    """max_tokens (or a stop string) ends a required call mid-JSON: like vLLM, no half-made call
+    and no raw JSON in `content`; whole and streamed."""
+    partial = '[{"name": "get_weather", "arguments": {"city": "Os'
+    assert parse_output(partial, tools(), ToolChoice("required")) == ("", [])
+    s = ToolCallStreamer(tools(), ToolChoice("required"))
+    assert s.feed(partial).content == ""
+    end = s.finish()
+    assert (end.content, end.tool_calls, s.calls) == ("", [], [])
+
+
+def test_a_tool_schema_the_grammar_cannot_enforce_is_refused_only_when_it_constrains() -> None:
+    unique = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+        },
+    }
+    ts = parse_tools([WEATHER, unique])  # auto: the schema is only shown to the model
+    assert guided_for_tools(ts, ToolChoice("auto")) is None
+    assert guided_for_tools(ts, ToolChoice("named", "get_weather")) is not None
+    for choice in (ToolChoice("required"), ToolChoice("named", "tag")):
+        with pytest.raises(ToolError) as info:
+            guided_for_tools(ts, choice)
+        assert info.value.param == "tools[1].function.parameters"
+        assert "'uniqueItems' at 'properties/tags'" in str(info.value)
