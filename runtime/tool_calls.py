@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError, check_spec
+from kvpilot.runtime.schema_checks import subschemas
+from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError, check_spec, validate_schema
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -108,7 +109,9 @@ def parse_tools(tools: Any) -> list[Tool]:
         if not isinstance(params, dict):
             raise ToolError(f"{where}.function.parameters", "must be a JSON schema object")
         try:  # valid JSON Schema; whether the grammar can enforce it matters only for required/named
-            check_spec(GuidedSpec.json_schema(params, f"{where}.function.parameters"), enforced=False)
+            spec = GuidedSpec.json_schema(params, f"{where}.function.parameters")
+            check_spec(spec, enforced=False)
+            validate_schema(spec)
         except GuidedSpecError as e:
             raise ToolError(e.param, e.problem) from None
         out.append(Tool(name, desc, params))
@@ -152,20 +155,34 @@ def guided_for_tools(tools: Sequence[Tool], choice: ToolChoice) -> GuidedSpec | 
         tool = next(t for t in tools if t.name == choice.name)
         return GuidedSpec.json_schema(tool.parameters, "tool_choice")
     if choice.mode == "required":
+        # each tool's schema moves under $defs, its local references ('#/$defs/...') with it: in
+        # place they would resolve against the array schema's root
+        defs = {f"tool{i}": relocated(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(tools)}
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", "arguments"],
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ]
         items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1, "$defs": defs}
         if not choice.parallel:
             array["maxItems"] = 1
         return GuidedSpec.json_schema(array, "tool_choice")
     return None
+
+
+def relocated(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """A copy of `schema` whose local references ('#', '#/...') point into it where it sits at
+    `base` ('#/$defs/tool0') inside another schema."""
+    copy: dict[str, Any] = json.loads(json.dumps(schema))
+    for _, node in subschemas(copy):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+    return copy
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from kvpilot.runtime.loader import builtin_model_path
-from kvpilot.runtime.structured_output import check_spec
+from kvpilot.runtime.structured_output import GrammarCompiler, check_spec
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.tool_calls import (
     CALL_OPEN,
@@ -223,3 +223,31 @@ def test_a_tool_schema_the_grammar_cannot_enforce_is_refused_only_when_it_constr
             guided_for_tools(ts, choice)
         assert info.value.param == "tools[1].function.parameters"
         assert "'uniqueItems' at 'properties/tags'" in str(info.value)
+
+
+def test_required_keeps_each_tools_local_references(tokenizer: Tokenizer) -> None:
+    """pydantic-made parameters use $defs and '#/$defs/...' refs; inside the array of calls they
+    must still resolve (before: 'Cannot find field $defs', a 400 for a valid request)."""
+    point = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "$defs": {
+                    "P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+                },
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/P"}},
+                "required": ["to"],
+            },
+        },
+    }
+    ts = parse_tools([WEATHER, point])
+    spec = guided_for_tools(ts, ToolChoice("required"))
+    assert spec is not None
+    schema = json.loads(spec.source)
+    jsonschema.validate([{"name": "move", "arguments": {"to": {"x": 1}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "move", "arguments": {"to": {"x": "one"}}}], schema)
+    state = GrammarCompiler.for_tokenizer(tokenizer).new_state(spec)
+    assert state.matcher.accept_string('[{"name": "move", "arguments": {"to": {"x": 1')
