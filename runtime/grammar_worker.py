@@ -29,6 +29,7 @@ mostly shared pages): a worker that is killed is replaced in milliseconds.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -59,22 +60,19 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (the forkserver's first import of xgrammar included)
 _WARNING = re.compile(r"Warning: (.*)")
 _MEMORY = "memory"  # a job's answer when the compile ran out of its memory limit
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a worker found: `ok` when the spec compiled within the limits and passed the checks;
-    else `problem` (a check's message), `timed_out` or `out_of_memory`."""
+    """What a worker found: nothing (the spec compiled within the limits and passed the checks),
+    or `problem` (a check's message), `timed_out`, `out_of_memory` or `crashed`."""
 
     problem: str | None
     seconds: float
     timed_out: bool = False
     out_of_memory: bool = False
     crashed: str | None = None  # how the process ended ("signal 11", "exit code 127")
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None and not self.timed_out and not self.out_of_memory and not self.crashed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,9 +139,18 @@ def _answer(compiler: Any, job: tuple[GuidedKind, str, str], vocab_size: int) ->
         return _MEMORY if "bad_alloc" in str(e) else f"the grammar engine refused it: {e}"
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the forkserver, which ends with the server)
+    does, so that no compile outlives the server."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def worker_main(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> None:
     """The worker process: answer (kind, source, param) jobs with (problem, seconds) until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
+    _die_with_parent()
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)

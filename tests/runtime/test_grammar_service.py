@@ -238,3 +238,19 @@ def test_grammars_beyond_the_queue_are_429(service: GrammarService) -> None:
         await service.compile(SMALL)  # the queue drained
 
     asyncio.run(run())
+
+
+def test_the_limits_come_from_the_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from kvpilot.runtime import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert GrammarLimits.from_config(cli.build_config(parser.parse_args([]))) == GrammarLimits()
+    argv = ["--grammar-compile-timeout", "2.5", "--grammar-compile-memory", "512MiB"]
+    argv += ["--grammar-compile-workers", "3", "--grammar-compile-queue", "0", "--grammar-max-bytes", "64KiB"]
+    limits = GrammarLimits.from_config(cli.build_config(parser.parse_args(argv)))
+    assert limits == GrammarLimits(2.5, 512 * 2**20, 3, 0, 64 * 2**10)
+    assert cli.run(parser.parse_args(["--grammar-compile-timeout", "0"])) == 2
+    assert "--grammar-compile-timeout" in capsys.readouterr().err
