@@ -68,5 +68,15 @@ def queue_full_error() -> APIError:
     )
 
 
+def grammar_queue_full_error() -> APIError:
+    return APIError(
+        "the server is overloaded (too many grammars waiting to compile); retry later",
+        status=429,
+        type="rate_limit_error",
+        code="grammar_queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 def internal_error(message: str = "internal server error") -> APIError:
     return APIError(message, status=500, type="internal_server_error")

@@ -27,8 +27,9 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from kvpilot.runtime.api_errors import APIError
+from kvpilot.runtime.json_limits import MAX_JSON_DEPTH
 from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError
+from kvpilot.runtime.structured_output import CompiledGuided, GuidedSpec, GuidedSpecError
 from kvpilot.runtime.structured_request import guided_spec
 from kvpilot.runtime.tool_calls import (
     Tool,
@@ -43,7 +44,6 @@ from kvpilot.runtime.tool_calls import (
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_CHOICES = 1024  # n * number of prompts in one request
-MAX_JSON_DEPTH = 64  # the deepest legitimate body (chat content parts) nests 4 levels
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch's generator seeds; seed + choice index stays in range
 
 
@@ -246,7 +246,7 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # structured output (OpenAI's response_format; vLLM's guided_* extras), checked in guided_spec()
     response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # JSON Schema allows true and false
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -549,12 +549,12 @@ class ChatCompletionRequest(_SamplingFields):
         try:
             tools = parse_tools(self.tools) if self.tools is not None else []
             choice = parse_tool_choice(self.tool_choice, tools)
+            if self.parallel_tool_calls is False:
+                choice = replace(choice, parallel=False)
+            spec = guided_for_tools(tools, choice)
         except ToolError as e:
             raise APIError(str(e), param=e.param) from None
-        if self.parallel_tool_calls is False:
-            choice = replace(choice, parallel=False)
         self._tools, self._tool_choice = tools, choice
-        spec = guided_for_tools(tools, choice)
         if spec is not None:
             if self._guided is not None:
                 raise APIError(
@@ -679,6 +679,20 @@ class GenerationRequest:
     @property
     def num_choices(self) -> int:
         return self.n * len(self.prompts)
+
+    @property
+    def guided(self) -> GuidedSpec | None:
+        """The request's structured-output constraint (one spec for all its prompts)."""
+        return self.prompts[0].params.guided if self.prompts else None
+
+    def with_compiled_grammar(self, compiled: CompiledGuided) -> GenerationRequest:
+        """The same request with its constraint's compiled grammar attached for the engine."""
+        prompts = []
+        for p in self.prompts:
+            assert p.params.guided is not None
+            guided = p.params.guided.with_compiled(compiled)
+            prompts.append(replace(p, params=replace(p.params, guided=guided)))
+        return replace(self, prompts=prompts)
 
 
 def _check_admissible(num_choices: int, limits: ServingLimits) -> None:

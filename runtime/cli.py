@@ -146,6 +146,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--enforce-eager", action="store_true", default=s, help="no CUDA graphs: decode steps run eagerly"
     )
+    so = parser.add_argument_group("structured output")
+    so.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=s,
+        metavar="SECONDS",
+        help="a grammar that takes longer to compile is refused with 400 (default 10)",
+    )
+    so.add_argument(
+        "--grammar-compile-memory",
+        type=parse_bytes,
+        default=s,
+        metavar="BYTES",
+        help="memory one grammar's compile may use, e.g. 2GiB; more is refused with 400 (default 2GiB)",
+    )
+    so.add_argument(
+        "--grammar-compile-workers",
+        type=_positive_int,
+        default=s,
+        help="worker processes that compile grammars, each one at a time (default 2)",
+    )
+    so.add_argument(
+        "--grammar-compile-queue",
+        type=int,
+        default=s,
+        help="distinct grammars that may wait for a worker; beyond this 429 (default 64)",
+    )
+    so.add_argument(
+        "--grammar-max-bytes",
+        type=parse_bytes,
+        default=s,
+        metavar="BYTES",
+        help="largest schema, regex, grammar or choice list; larger is refused with 400 (default 256KiB)",
+    )
     sp = parser.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-method", choices=["ngram", "draft"], default=s)
     sp.add_argument(

@@ -85,6 +85,24 @@ class EngineConfig(BaseModel):
         description="seconds the engine loop may go without progress (a step or an idle wait) while "
         "it has work before /health and /ready answer 503; 0: never (runtime/health.py)",
     )
+    # structured output: limits on compiling a request's grammar (docs/runtime.md, "Structured output")
+    grammar_compile_timeout: float = Field(
+        10.0, gt=0.0, le=3600.0, description="seconds a grammar may take to compile; longer is a 400"
+    )
+    grammar_compile_memory: int = Field(
+        2 * 2**30, ge=64 * 2**20, description="bytes a grammar's compile may use (RLIMIT_AS); more is a 400"
+    )
+    grammar_compile_workers: int = Field(
+        2, ge=1, le=64, description="grammar worker processes: grammars compiled at once"
+    )
+    grammar_compile_queue: int = Field(
+        64, ge=0, description="distinct grammars waiting for a worker; beyond this, 429"
+    )
+    grammar_max_bytes: int = Field(
+        256 * 2**10,
+        ge=1024,
+        description="largest schema, regex, grammar or choice list (bytes); larger is a 400",
+    )
     api_key: str | None = Field(None, description="bearer key; prefer KVPILOT_API_KEY or api_key_file")
     api_key_file: str | None = None
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")

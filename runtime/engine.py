@@ -28,6 +28,7 @@ from kvpilot.runtime.engine_plan import (
     pool_blocks,
     with_block_size,
 )
+from kvpilot.runtime.grammar_service import GrammarLimits, GrammarService
 from kvpilot.runtime.health import EngineHealth, engine_stopped, judge_progress
 from kvpilot.runtime.lora.adapter import LoRAError
 from kvpilot.runtime.lora.registry import AdapterRegistry
@@ -38,7 +39,12 @@ from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvpilot.runtime.sequence import Sequence, TokenLogprob
 from kvpilot.runtime.speculative import Speculator, make_speculator
-from kvpilot.runtime.structured_output import GrammarCompiler, LazyGrammarCompiler
+from kvpilot.runtime.structured_output import (
+    CompiledGuided,
+    GrammarCompiler,
+    GuidedSpec,
+    LazyGrammarCompiler,
+)
 from kvpilot.runtime.tp_runner import start_tensor_parallel
 
 if TYPE_CHECKING:
@@ -356,8 +362,12 @@ class LLMEngine:
             request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt, arrival_time, lora_request
         )
         if params.guided is not None:
-            # compiled on the engine thread, once per distinct spec (cached); GuidedSpecError is a 400
-            seq.grammar = self.grammar_compiler.new_state(params.guided)
+            # the server compiled it off this thread (grammar_service.py); offline use compiles it
+            # here, once per distinct spec (cached); GuidedSpecError is a 400
+            guided = params.guided
+            seq.grammar = (
+                guided.compiled.new_state() if guided.compiled else self.grammar_compiler.new_state(guided)
+            )
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
 
@@ -666,9 +676,15 @@ class AsyncEngine:
     `stall_timeout` s while there is work means the loop is stuck, and /health and /ready say so."""
 
     def __init__(
-        self, engine: LLMEngine, max_queue_len: int = 1024, stall_timeout: float | None = None
+        self,
+        engine: LLMEngine,
+        max_queue_len: int = 1024,
+        stall_timeout: float | None = None,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         self.engine = engine
+        # compiles requests' grammars before they are submitted (the server awaits compile_grammar)
+        self.grammar = GrammarService(lambda: engine.grammar_compiler, grammar_limits)
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -693,16 +709,17 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine.from_config(cfg), cfg.max_queue_len)
+        return cls(
+            LLMEngine.from_config(cfg), cfg.max_queue_len, grammar_limits=GrammarLimits.from_config(cfg)
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            # the grammar compiler's vocabulary table takes about a second: build it off both the
-            # event loop and the engine loop, before the first guided request needs it
-            threading.Thread(
-                target=lambda: self.engine.grammar_compiler, name="kvpilot-grammar-init", daemon=True
-            ).start()
+            # the grammar compiler's vocabulary table takes about a second and the grammar workers
+            # start in a few: off both the event loop and the engine loop, before the first
+            # guided request needs them
+            threading.Thread(target=self.grammar.warm_up, name="kvpilot-grammar-init", daemon=True).start()
             self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
             self._thread.start()
 
@@ -720,6 +737,7 @@ class AsyncEngine:
                     timeout,
                 )
             self._thread = None
+        self.grammar.close()
         self.engine.close()
 
     def num_unfinished(self) -> int:
@@ -764,6 +782,11 @@ class AsyncEngine:
         return verdict
 
     # -- requests ------------------------------------------------------------------------------
+    async def compile_grammar(self, spec: GuidedSpec) -> CompiledGuided:
+        """Compile a request's constraint before `add_request` (GrammarService.compile); attach the
+        result to the spec (`GuidedSpec.with_compiled`) so the engine loop never compiles."""
+        return await self.grammar.compile(spec)
+
     def add_request(
         self,
         request_id: str,

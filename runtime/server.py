@@ -32,19 +32,22 @@ from aiohttp.web_protocol import RequestHandler
 from kvpilot.runtime.api_errors import (
     APIError,
     aborted_error,
+    grammar_queue_full_error,
     internal_error,
     loading_error,
     shutting_down_error,
 )
 from kvpilot.runtime.api_request import GenerationRequest, ServingLimits, prepare_chat, prepare_completion
 from kvpilot.runtime.api_response import RENDERERS, now, usage
+from kvpilot.runtime.grammar_service import GrammarQueueFullError
+from kvpilot.runtime.health import HEALTHY, EngineHealth
 from kvpilot.runtime.lora import access as lora_access
 from kvpilot.runtime.lora.errors import LoRAError
 from kvpilot.runtime.lora.names import adapter_name_problem
 from kvpilot.runtime.lora.request import path_digest
-from kvpilot.runtime.health import HEALTHY, EngineHealth
 from kvpilot.runtime.metrics import ServerMetrics
 from kvpilot.runtime.output_processor import Delta, Engine, OutputProcessor, RequestState
+from kvpilot.runtime.structured_output import GuidedSpecError
 
 log = logging.getLogger("kvpilot.server")
 
@@ -365,7 +368,25 @@ class OpenAIServer:
         # large bodies are parsed, validated and tokenized in a worker thread so that the event
         # loop (and /health) keeps answering meanwhile
         gen = await asyncio.to_thread(prepare, *args) if len(body) > INLINE_BODY_BYTES else prepare(*args)
+        gen = await self._compile_grammar(engine, gen)
         return await self._generate(request, self._require_engine(), gen)
+
+    @staticmethod
+    async def _compile_grammar(engine: Engine, gen: GenerationRequest) -> GenerationRequest:
+        """A constrained request's grammar, compiled before the engine sees the request (engines
+        without `compile_grammar`, the test double, compile nothing): a grammar that is refused is
+        a 400 for this request alone, and the engine loop never waits on a compile."""
+        compile_grammar = getattr(engine, "compile_grammar", None)
+        spec = gen.guided
+        if compile_grammar is None or spec is None:
+            return gen
+        try:
+            compiled = await compile_grammar(spec)
+        except GuidedSpecError as e:
+            raise APIError(str(e), param=e.param) from None
+        except GrammarQueueFullError:
+            raise grammar_queue_full_error() from None
+        return gen.with_compiled_grammar(compiled)
 
     async def _read_body(self, request: web.Request, engine: Engine) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed what max_model_len can use:

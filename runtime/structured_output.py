@@ -2,12 +2,16 @@
 
 Three parts, one job each:
 - `GuidedSpec`: what a request asked for (a JSON schema, any JSON object, a regex, a choice among
-  strings, an EBNF grammar), as plain data carried in `SamplingParams`. `check_spec()` parses it
-  without a tokenizer, so the API layer can refuse a bad schema/regex/grammar with a 400 that names
-  the field and the problem before anything is queued.
-- `GrammarCompiler`: one per engine (one tokenizer); compiles a spec into xgrammar's token-level
-  automaton once and caches it by spec, so the n choices of a request and repeated requests with
-  the same schema share the compiled grammar.
+  strings, an EBNF grammar), as plain data carried in `SamplingParams`. `check_spec()` checks in
+  Python, cheaply, what needs no compile (a JSON schema's nesting, references and keywords xgrammar
+  would ignore), so the API layer refuses those at once with a 400 that names the field. The rest
+  (the JSON Schema metaschema check, xgrammar's parse and compile) runs first in a limited worker
+  process (runtime/grammar_service.py, runtime/grammar_worker.py): a grammar xgrammar crashes on,
+  or that compiles too long or too big, never reaches the server process or the engine loop.
+- `GrammarCompiler`: one per tokenizer; compiles a spec into xgrammar's token-level automaton
+  (`CompiledGuided`). The server compiles a request's spec before the engine sees it and hands it
+  over in `GuidedSpec.compiled`; the engine compiles (and caches by spec) only specs that come
+  without one (offline use: `LLMEngine.generate`).
 - `GrammarState`: one per sequence (one per choice): the matcher that advances with each committed
   token. The sampler asks every guided row of the batch for its allowed-token bits into one
   [rows, vocab/32] int32 bitmask and applies it to the logits at once (`apply_bitmask`).
@@ -22,15 +26,20 @@ matcher that accepted it is terminated (the sequence stops even with ignore_eos)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+from kvpilot.runtime.grammar_analysis import find_dead_rule
+from kvpilot.runtime.json_limits import MAX_JSON_DEPTH, JSONDepthError, loads_limited
+from kvpilot.runtime.schema_checks import SchemaProblem, check_schema_valid, unenforced_keyword
 
 if TYPE_CHECKING:
     import xgrammar
@@ -53,23 +62,55 @@ class GuidedSpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class CompiledGuided:
+    """A spec compiled for one tokenizer: what a sequence's matcher is made from."""
+
+    grammar: xgrammar.CompiledGrammar
+    vocab_size: int
+
+    def new_state(self) -> GrammarState:
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self.grammar), self.vocab_size)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.grammar.memory_size_bytes)
+
+
+@dataclass(frozen=True)
 class GuidedSpec:
     """A structured-output constraint. `source` is the schema (JSON text), regex, grammar (EBNF), or
-    the JSON list of choices; `param` is the request field it came from (for error messages)."""
+    the JSON list of choices; `param` is the request field it came from (for error messages).
+    `compiled`: the grammar the server compiled for it (None until then; not part of equality)."""
 
     kind: GuidedKind
     source: str = ""
     param: str = "response_format"
+    compiled: CompiledGuided | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def json_schema(cls, schema: Any, param: str) -> GuidedSpec:
+        """A schema given as an object, a boolean, or JSON text (held to the body's nesting limit)."""
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = loads_limited(schema)
             except json.JSONDecodeError as e:
                 raise GuidedSpecError(param, f"the schema is not valid JSON: {e.msg}") from None
+            except JSONDepthError:
+                raise GuidedSpecError(
+                    param, f"the schema nests deeper than {MAX_JSON_DEPTH} levels"
+                ) from None
+            except ValueError as e:  # an integer literal beyond Python's int_max_str_digits
+                raise GuidedSpecError(
+                    param, f"the schema is not acceptable JSON: {str(e).split(';')[0]}"
+                ) from None
+        if schema is False:
+            raise GuidedSpecError(
+                param, "the schema is false, which no value satisfies: no output can follow it"
+            )
         if not isinstance(schema, dict | bool):
-            raise GuidedSpecError(param, "a JSON schema must be an object")
+            raise GuidedSpecError(param, "a JSON schema must be an object or a boolean")
         return cls("json_schema", json.dumps(schema), param)  # key order is the output order
 
     @classmethod
@@ -78,6 +119,9 @@ class GuidedSpec:
 
     def cache_key(self) -> tuple[str, str]:
         return (self.kind, self.source)
+
+    def with_compiled(self, compiled: CompiledGuided) -> GuidedSpec:
+        return replace(self, compiled=compiled)
 
 
 def _clean(exc: Exception) -> str:
@@ -94,26 +138,44 @@ def _choice_ebnf(source: str) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(source))
 
 
-def _check_json_schema(spec: GuidedSpec) -> None:
-    import jsonschema
-
-    schema = json.loads(spec.source)
+def check_spec(spec: GuidedSpec, enforced: bool = True) -> None:
+    """What the API layer refuses at once (linear, a few ms for the largest schema a body can hold):
+    a JSON schema nested too deeply or (`enforced`: it will constrain output) with a keyword or
+    reference the grammar cannot enforce. Raises GuidedSpecError naming the field. Validating it
+    against the JSON Schema metaschema (`validate_schema`, pure Python: 1.4 s for 240 KB) and
+    everything xgrammar does run in a grammar worker process (runtime/grammar_service.py)."""
+    if spec.kind != "json_schema":
+        return
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        raise GuidedSpecError(
-            spec.param, f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}"
-        ) from None
+        schema = loads_limited(spec.source)
+    except JSONDepthError:
+        raise GuidedSpecError(spec.param, f"the schema nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise GuidedSpecError(spec.param, str(e)) from None
+    problem = unenforced_keyword(schema) if enforced else None
+    if problem is not None:
+        raise GuidedSpecError(spec.param, problem)
+
+
+def validate_schema(spec: GuidedSpec) -> None:
+    """A JSON schema spec must be valid JSON Schema (jsonschema's metaschema check)."""
+    if spec.kind != "json_schema":
+        return
+    try:
+        check_schema_valid(loads_limited(spec.source))
+    except JSONDepthError:
+        raise GuidedSpecError(spec.param, f"the schema nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (SchemaProblem, ValueError) as e:
+        raise GuidedSpecError(spec.param, str(e)) from None
 
 
 def grammar_of(spec: GuidedSpec) -> xgrammar.Grammar:
-    """The tokenizer-independent grammar for `spec`; raises GuidedSpecError naming the field."""
+    """The tokenizer-independent grammar for `spec` (xgrammar's parser: run it on client input only
+    in a grammar worker process); raises GuidedSpecError naming the field."""
     import xgrammar as xgr
 
     try:
         if spec.kind == "json_schema":
-            _check_json_schema(spec)
             return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, separators=_SEPARATORS)
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema(
@@ -124,8 +186,6 @@ def grammar_of(spec: GuidedSpec) -> xgrammar.Grammar:
         if spec.kind == "choice":
             return xgr.Grammar.from_ebnf(_choice_ebnf(spec.source))
         return xgr.Grammar.from_ebnf(spec.source)
-    except GuidedSpecError:
-        raise
     except (RuntimeError, ValueError) as e:
         what = {
             "json_schema": "unsupported or invalid JSON schema",
@@ -134,28 +194,59 @@ def grammar_of(spec: GuidedSpec) -> xgrammar.Grammar:
             "choice": "invalid choice list",
             "grammar": "invalid EBNF grammar",
         }[spec.kind]
-        raise GuidedSpecError(spec.param, f"{what}: {_clean(e)}") from None
+        # xgrammar quotes the input in its message, cut at a byte offset: past non-ASCII text the
+        # message itself may not decode
+        detail = "the parser failed near non-ASCII text" if isinstance(e, UnicodeDecodeError) else _clean(e)
+        raise GuidedSpecError(spec.param, f"{what}: {detail}") from None
 
 
-def check_spec(spec: GuidedSpec) -> None:
-    """Raise GuidedSpecError when `spec` cannot be compiled (no tokenizer needed)."""
-    grammar_of(spec)
+def dead_end_problem(grammar: xgrammar.Grammar) -> str | None:
+    """Why no output can follow `grammar` to its end (grammar_analysis.py), or None."""
+    dead = find_dead_rule(str(grammar))
+    if dead is None:
+        return None
+    if dead.is_root:
+        return (
+            "no output can satisfy it: it has no finite instance (every way through it recurses "
+            "forever or needs a character that nothing matches), so generation could never end"
+        )
+    return (
+        f"part of it can never end (rule '{dead.rule}' of its grammar has no finite expansion): "
+        "output that enters it could only be cut off by max_tokens"
+    )
+
+
+def first_token_problem(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> str | None:
+    """A compiled grammar that allows no first token (not even EOS) matches nothing."""
+    import xgrammar as xgr
+
+    bitmask = new_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if bool((bitmask != 0).any()):
+        return None
+    return "no output can satisfy it: it allows no first token"
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer; thread-safe (the API thread checks, the engine compiles)."""
+    """Compiles specs for one tokenizer; thread-safe (the engine thread compiles offline specs, the
+    grammar service's threads compile a request's spec)."""
 
     def __init__(self, token_bytes: Sequence[bytes], stop_token_ids: Sequence[int], vocab_size: int) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo(
+        self.tokenizer_info = xgr.TokenizerInfo(
             list(token_bytes), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        digest = hashlib.sha256(f"{vocab_size}:{sorted(stop_token_ids)}:".encode())
+        for b in token_bytes:
+            digest.update(len(b).to_bytes(4, "little") + b)
+        # names the tokenizer in the grammar service's cache keys
+        self.fingerprint = digest.hexdigest()[:16]
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> GrammarCompiler:
@@ -170,14 +261,27 @@ class GrammarCompiler:
             max(n, vocab_size or 0),
         )
 
+    def build(self, spec: GuidedSpec) -> CompiledGuided:
+        """Compile `spec`, uncached and unchecked: for a spec a grammar worker has vetted."""
+        return CompiledGuided(self._compiler.compile_grammar(grammar_of(spec)), self.vocab_size)
+
     def compile(self, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
+        """Offline use (a spec without `compiled`): checked like the grammar worker checks it, minus
+        its time and memory limits, and cached by spec."""
         key = spec.cache_key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        compiled = self._compiler.compile_grammar(grammar_of(spec))
+        check_spec(spec)
+        validate_schema(spec)
+        grammar = grammar_of(spec)
+        problem = dead_end_problem(grammar)
+        compiled = self._compiler.compile_grammar(grammar)
+        problem = problem or first_token_problem(compiled, self.vocab_size)
+        if problem is not None:
+            raise GuidedSpecError(spec.param, problem)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > _CACHE_SIZE:
@@ -185,6 +289,9 @@ class GrammarCompiler:
         return compiled
 
     def new_state(self, spec: GuidedSpec) -> GrammarState:
+        """The matcher for one sequence: from the server's compiled grammar, else compiled here."""
+        if spec.compiled is not None:
+            return spec.compiled.new_state()
         return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
 
     @property

@@ -11,7 +11,8 @@ Formats (pure functions; the HTTP layer only calls them):
 - `tool_choice: "auto"`: the output is parsed for `<tool_call>...</tool_call>` blocks; text outside
   them is the message content. Unconstrained: the model decides.
 - `"required"`: the output is constrained (xgrammar, JSON schema) to a JSON array of one or more
-  `{"name": <one of the tools>, "arguments": <that tool's parameters schema>}` objects.
+  `{"name": <one of the tools>, "arguments": <that tool's parameters schema>}` objects. Output cut
+  short (max_tokens, a stop string) has no calls and no content: the partial JSON is dropped.
 - a named function: the output is constrained to that function's `parameters` schema and is the
   call's `arguments` (vLLM's convention).
 - `"none"`: tools are not shown to the model and nothing is parsed.
@@ -26,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError, check_spec
+from kvpilot.runtime.schema_checks import subschemas
+from kvpilot.runtime.structured_output import GuidedSpec, GuidedSpecError, check_spec, validate_schema
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -106,8 +108,10 @@ def parse_tools(tools: Any) -> list[Tool]:
         params = fn.get("parameters", _ANY_OBJECT)
         if not isinstance(params, dict):
             raise ToolError(f"{where}.function.parameters", "must be a JSON schema object")
-        try:
-            check_spec(GuidedSpec.json_schema(params, f"{where}.function.parameters"))
+        try:  # valid JSON Schema; whether the grammar can enforce it matters only for required/named
+            spec = GuidedSpec.json_schema(params, f"{where}.function.parameters")
+            check_spec(spec, enforced=False)
+            validate_schema(spec)
         except GuidedSpecError as e:
             raise ToolError(e.param, e.problem) from None
         out.append(Tool(name, desc, params))
@@ -137,25 +141,48 @@ def parse_tool_choice(choice: Any, tools: Sequence[Tool]) -> ToolChoice:
 
 
 def guided_for_tools(tools: Sequence[Tool], choice: ToolChoice) -> GuidedSpec | None:
-    """The constraint `required` and a named function put on the output (None for auto/none)."""
+    """The constraint `required` and a named function put on the output (None for auto/none).
+    Raises ToolError naming the tool's `parameters` when the grammar cannot enforce its schema."""
+    if choice.mode in ("named", "required"):
+        for i, t in enumerate(tools):
+            if choice.mode == "required" or t.name == choice.name:
+                param = f"tools[{i}].function.parameters"
+                try:
+                    check_spec(GuidedSpec.json_schema(t.parameters, param))
+                except GuidedSpecError as e:
+                    raise ToolError(e.param, e.problem) from None
     if choice.mode == "named":
         tool = next(t for t in tools if t.name == choice.name)
         return GuidedSpec.json_schema(tool.parameters, "tool_choice")
     if choice.mode == "required":
+        # each tool's schema moves under $defs, its local references ('#/$defs/...') with it: in
+        # place they would resolve against the array schema's root
+        defs = {f"tool{i}": relocated(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(tools)}
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", "arguments"],
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ]
         items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1, "$defs": defs}
         if not choice.parallel:
             array["maxItems"] = 1
         return GuidedSpec.json_schema(array, "tool_choice")
     return None
+
+
+def relocated(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """A copy of `schema` whose local references ('#', '#/...') point into it where it sits at
+    `base` ('#/$defs/tool0') inside another schema."""
+    copy: dict[str, Any] = json.loads(json.dumps(schema))
+    for _, node in subschemas(copy):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+    return copy
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,7 +278,9 @@ def parse_output(text: str, tools: Sequence[Tool], choice: ToolChoice) -> tuple[
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return text, []  # cut short by max_tokens or a stop string
+            # cut short by max_tokens or a stop string: no half-made call, and the partial JSON is
+            # not the message's content either (vLLM answers content "" and finish_reason "length")
+            return "", []
         return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in items]
     if choice.mode == "none":
         return text, []
@@ -350,10 +379,8 @@ class ToolCallStreamer:
         mode = self.choice.mode
         if mode in ("named", "none"):
             return StreamDelta()
-        if mode == "required":
-            content, self.calls = parse_output(self.text, self.tools, self.choice)
-            if not self.calls:
-                return StreamDelta(content=content or "")
+        if mode == "required":  # whole calls, or nothing when the output was cut short
+            _, self.calls = parse_output(self.text, self.tools, self.choice)
             return StreamDelta(tool_calls=[_whole_delta(i, c) for i, c in enumerate(self.calls)])
         rest = self.text[self._sent :]
         content, calls = parse_output(rest, self.tools, self.choice)

@@ -521,6 +521,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ),
         ({"guided_json": SCHEMA}, "json_schema"),
         ({"guided_json": json.dumps(SCHEMA)}, "json_schema"),
+        ({"guided_json": True}, "json_schema"),  # JSON Schema's true: any JSON value
+        ({"guided_json": "true"}, "json_schema"),
+        ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}}}, "json_schema"),
+        # keywords are looked for in schema positions only, never in property names or data
+        ({"guided_json": {"properties": {"not": {"const": {"if": 1}}}}}, "json_schema"),
+        ({"guided_json": {"type": "array", "uniqueItems": False}}, "json_schema"),
         ({"guided_regex": "[a-z]+"}, "regex"),
         ({"guided_choice": ["yes", "no"]}, "choice"),
         ({"guided_grammar": 'root ::= "a" | "b"'}, "grammar"),
@@ -552,26 +558,45 @@ def test_text_response_format_constrains_nothing() -> None:
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "'xml'"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        # schemas are checked against the JSON Schema metaschema, and regexes and grammars parsed
+        # by xgrammar, only in a grammar worker process when the server compiles them (their 400s:
+        # test_structured_api.py, test_grammar_service.py)
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty"),
+        # JSON Schema's false allows no value; a schema string is held to the body's nesting limit
+        ({"guided_json": False}, "guided_json", "no value satisfies"),
+        ({"guided_json": "false"}, "guided_json", "no value satisfies"),
+        ({"guided_json": "[" * 100_000}, "guided_json", f"deeper than {MAX_JSON_DEPTH} levels"),
+        ({"guided_json": '{"items": ' * 5_000 + "{}" + "}" * 5_000}, "guided_json", "deeper than"),
+        ({"guided_json": '{"items": ' * 200 + "{}" + "}" * 200}, "guided_json", "deeper than"),
+        # a constraint the grammar engine would drop is refused, not ignored
+        ({"guided_json": {"$ref": "http://example.com/s.json"}}, "guided_json", "only references inside"),
+        (
+            {"guided_json": {"properties": {"a": {"$ref": "file:///etc/passwd"}}}},
+            "guided_json",
+            "'$ref' at 'properties/a'",
+        ),
+        (
+            {"guided_json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+            "guided_json",
+            "'uniqueItems' at the top level",
+        ),
+        (
+            {"guided_json": {"properties": {"n": {"not": {"const": 3}}}}},
+            "guided_json",
+            "'not' at 'properties/n'",
+        ),
         (
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                    "json_schema": {"name": "x", "schema": {"if": {}, "then": {"required": ["a"]}}},
                 }
             },
             "response_format.json_schema.schema",
-            "invalid JSON schema",
+            "conditional subschemas",
         ),
-        (
-            {"guided_json": {"type": "object", "properties": {"a": {"type": 5}}}},
-            "guided_json",
-            "properties/a/type",
-        ),
-        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-        ({"guided_regex": "a(b"}, "guided_regex", "parenthesis"),
-        ({"guided_choice": []}, "guided_choice", "non-empty"),
-        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty"),
-        ({"guided_grammar": "root ::= nothing_defined"}, "guided_grammar", "not defined"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),

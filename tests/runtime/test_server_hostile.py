@@ -101,7 +101,7 @@ def test_deep_json_and_huge_integers_are_400(live: LiveServer, caplog: pytest.Lo
         ("/v1/completions", digits, None),
         ("/v1/chat/completions", nan, "temperature"),
         ("/v1/completions", b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
-        ("/v1/completions", b'{"prompt": "x", "guided_json": {"type": "bogus"}}', "guided_json"),
+        ("/v1/completions", b'{"prompt": "x", "guided_json": {"$ref": "http://x/s.json"}}', "guided_json"),
     ]:
         status, _, body = http(live.url, "POST", path, raw)
         err = json.loads(body)["error"]

@@ -133,6 +133,35 @@ def test_completions_guided_fields_and_stop_strings(live: tuple[LiveServer, Any]
         ),
         ({"guided_regex": "(unclosed"}, "guided_regex", "parenthesis"),
         ({"guided_grammar": "root ::= missing"}, "guided_grammar", "not defined"),
+        # unsatisfiable: refused when compiled (before: a 503 "aborted by the server (shutting
+        # down)" once the engine found no allowed token, and an ERROR log)
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "no output can satisfy it"),
+        ({"guided_grammar": "root ::= root"}, "guided_grammar", "no output can satisfy it"),
+        # a constraint xgrammar would drop (it never fetches a URL or a file): before, a 200 with
+        # unconstrained output
+        ({"guided_json": {"$ref": "http://example.com/schema.json"}}, "guided_json", "only references"),
+        ({"guided_json": {"$ref": "file:///etc/passwd"}}, "guided_json", "only references"),
+        (
+            {"guided_json": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+            "guided_json",
+            "cannot be enforced",
+        ),
+        # no finite instance: a required property that is the whole schema again (before: ran to
+        # max_tokens)
+        (
+            {"guided_json": {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}},
+            "guided_json",
+            "no finite instance",
+        ),
+        ({"guided_json": False}, "guided_json", "no value satisfies"),
+        # a schema string nested past the body's limit: before, a 500 with a traceback (5,000 deep)
+        # or a 400 that leaked "maximum recursion depth exceeded" (200 deep)
+        ({"guided_json": '{"items": ' * 5_000 + "{}" + "}" * 5_000}, "guided_json", "deeper than 64"),
+        ({"guided_json": "[" * 100_000}, "guided_json", "deeper than 64"),
+        ({"guided_json": '{"items": ' * 200 + "{}" + "}" * 200}, "guided_json", "deeper than 64"),
+        # over --grammar-max-bytes: refused before any compile (before: 100k choices stalled
+        # every client 17 s)
+        ({"guided_choice": [f"item{i}" for i in range(30_000)]}, "guided_choice", "--grammar-max-bytes"),
         (
             {
                 "response_format": {
@@ -154,7 +183,23 @@ def test_invalid_constraints_are_400_naming_field_and_problem(
         c.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=5, extra_body=extra)
     err = info.value.body
     assert isinstance(err, dict) and err["param"] == param, err
-    assert problem in err["message"]
+    assert problem in err["message"] and "recursion" not in err["message"]
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=engine.model_name, prompt="x", max_tokens=5, extra_body=extra)
     assert isinstance(info.value.body, dict) and info.value.body["param"] == param
+
+
+def test_json_schema_true_is_any_json(live: tuple[LiveServer, Any]) -> None:
+    """JSON Schema's `true` allows any JSON value (before: refused as a wrong type)."""
+    server, engine = live
+    out = client(server).completions.create(
+        model=engine.model_name,
+        prompt="A JSON value: ",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"guided_json": True},
+    )
+    if out.choices[0].finish_reason == "stop":
+        json.loads(out.choices[0].text)
+    else:  # cut by max_tokens: still the start of JSON
+        assert out.choices[0].text[:1] in '{["-0123456789tfn'

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from kvpilot.runtime.loader import builtin_model_path
-from kvpilot.runtime.structured_output import check_spec
+from kvpilot.runtime.structured_output import GrammarCompiler, check_spec
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.tool_calls import (
     CALL_OPEN,
@@ -194,3 +194,60 @@ def test_streamer_named_streams_arguments_deltas() -> None:
     second = s.feed('"Oslo", "unit": "celsius"}')
     assert [d["function"]["arguments"] for d in second.tool_calls] == ['"Oslo", "unit": "celsius"}']
     assert s.finish().tool_calls == [] and json.loads(s.calls[0].arguments)["city"] == "Oslo"
+
+
+def test_required_cut_short_has_neither_calls_nor_the_partial_json_as_content() -> None:
+    """max_tokens (or a stop string) ends a required call mid-JSON: like vLLM, no half-made call
+    and no raw JSON in `content`; whole and streamed."""
+    partial = '[{"name": "get_weather", "arguments": {"city": "Os'
+    assert parse_output(partial, tools(), ToolChoice("required")) == ("", [])
+    s = ToolCallStreamer(tools(), ToolChoice("required"))
+    assert s.feed(partial).content == ""
+    end = s.finish()
+    assert (end.content, end.tool_calls, s.calls) == ("", [], [])
+
+
+def test_a_tool_schema_the_grammar_cannot_enforce_is_refused_only_when_it_constrains() -> None:
+    unique = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+        },
+    }
+    ts = parse_tools([WEATHER, unique])  # auto: the schema is only shown to the model
+    assert guided_for_tools(ts, ToolChoice("auto")) is None
+    assert guided_for_tools(ts, ToolChoice("named", "get_weather")) is not None
+    for choice in (ToolChoice("required"), ToolChoice("named", "tag")):
+        with pytest.raises(ToolError) as info:
+            guided_for_tools(ts, choice)
+        assert info.value.param == "tools[1].function.parameters"
+        assert "'uniqueItems' at 'properties/tags'" in str(info.value)
+
+
+def test_required_keeps_each_tools_local_references(tokenizer: Tokenizer) -> None:
+    """pydantic-made parameters use $defs and '#/$defs/...' refs; inside the array of calls they
+    must still resolve (before: 'Cannot find field $defs', a 400 for a valid request)."""
+    point = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "$defs": {
+                    "P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+                },
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/P"}},
+                "required": ["to"],
+            },
+        },
+    }
+    ts = parse_tools([WEATHER, point])
+    spec = guided_for_tools(ts, ToolChoice("required"))
+    assert spec is not None
+    schema = json.loads(spec.source)
+    jsonschema.validate([{"name": "move", "arguments": {"to": {"x": 1}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "move", "arguments": {"to": {"x": "one"}}}], schema)
+    state = GrammarCompiler.for_tokenizer(tokenizer).new_state(spec)
+    assert state.matcher.accept_string('[{"name": "move", "arguments": {"to": {"x": 1')

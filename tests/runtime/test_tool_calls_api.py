@@ -188,6 +188,31 @@ def test_required_streamed_and_auto_parsed(live: tuple[LiveServer, Any]) -> None
     assert content == "" and [d.function.name for d in deltas if d.function] == ["get_time"]
 
 
+def test_required_cut_short_by_max_tokens_is_length_without_a_partial_call(
+    live: tuple[LiveServer, Any],
+) -> None:
+    """vLLM's answer: finish_reason length, no tool call, and not the partial JSON as content."""
+    server, engine = live
+    c = client(server)
+    args: Any = {
+        "model": engine.model_name,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    out = c.chat.completions.create(**args)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and out.usage is not None and out.usage.completion_tokens == 4
+    assert not choice.message.content and not choice.message.tool_calls, choice.message
+    chunks = list(c.chat.completions.create(**args, stream=True))
+    content = "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
+    calls = [d for chunk in chunks for ch in chunk.choices for d in ch.delta.tool_calls or []]
+    finish = [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason]
+    assert (content, calls, finish) == ("", [], ["length"])
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
