@@ -28,9 +28,17 @@ sys.path.insert(0, str(REPO))
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers  # noqa: E402
 
 # configuration name -> (engine, dtype, environment)
+# (an AVX2-only CPU as scripts/test.sh emulates one: our kernels and torch's ATen, oneDNN, MKL capped)
+AVX2_CPU = {
+    "KVPILOT_CPU_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 LEVEL_ENV = {
     "": {},
-    "avx2": {"KVPILOT_CPU_ISA": "avx2"},
+    "avx512": {"KVPILOT_CPU_ISA": "avx512"},
+    "avx2": AVX2_CPU,
     "generic": {"KVPILOT_CPU_ISA": "generic"},
     "torch": {"KVPILOT_DISABLE_CPU_KERNEL": "1"},
 }
@@ -112,11 +120,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def spawn(name: str, out: Path, inputs: Path | None = None) -> dict[str, Any]:
+    """Run one configuration in its own process (its kernel level is read at import)."""
     _, _, env = parse_config(name)
     cmd = [sys.executable, __file__, "--worker", name, "--out", str(out)]
     if inputs is not None:
         cmd += ["--inputs", str(inputs)]
-    subprocess.run(cmd, check=True, env={**os.environ, **env})
+    subprocess.run(cmd, check=True, env={**os.environ, **env}, timeout=1800)
     return json.loads(out.read_text())
 
 

@@ -226,7 +226,7 @@ class LLMEngine:
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        from kvpilot.runtime.loader import load_model, resolve_device, resolve_dtype
+        from kvpilot.runtime.loader import load_model, resolve_device
 
         cfg = with_block_size(cfg, resolve_device(cfg.device))
         if cfg.tensor_parallel_size > 1:
@@ -242,7 +242,9 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
         torch.manual_seed(cfg.seed)
-        return cls.from_loaded(load_model(cfg, device, resolve_dtype(cfg.dtype, device)), cfg)
+        return cls.from_loaded(
+            load_model(cfg, device), cfg
+        )  # cfg.dtype: `auto` picks weights and activations
 
     @classmethod
     def from_loaded(

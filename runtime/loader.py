@@ -489,7 +489,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
-    """`auto`: bf16 on CPUs with native bf16 (else fp32); on CUDA bf16 where supported, else fp16."""
+    """The activations' dtype (and the parameters', but for `resolve_weight_dtype`'s linear weights).
+
+    `auto`: on CUDA bf16 where supported, else fp16; on a CPU always float32, so the residual stream,
+    norms, attention (scores, softmax, P.V) and every accumulation keep float32 as the model's float32
+    reference does. A CPU with native bf16 still runs its matmuls in bf16: `resolve_weight_dtype`."""
     if isinstance(name, torch.dtype):
         return name
     if name in _DTYPES:
@@ -499,15 +503,26 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.
     dev = resolve_device(device)
     if dev.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def resolve_weight_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
+    """The dtype the linear layers' float weights are stored and multiplied in, when it differs from
+    the activations' (None: the same). `auto` on a CPU with native bf16 (AVX512-BF16 / AMX at the
+    kernels' ISA level): bf16 weights, each matmul's input rounded to bf16 and its output back to
+    float32, as llama.cpp runs a bf16 GGUF; the rest of the model stays float32. Whole-model bf16
+    (`--dtype bfloat16`) rounds the residual stream at every layer and tracks float32 less well
+    (docs/runtime.md, "Precision"; benchmarks/dtype_quality.py)."""
+    if name != "auto" or resolve_device(device).type != "cpu":
+        return None
     native = cpu_supports_bf16()
-    chosen = torch.bfloat16 if native else torch.float32
     log.info(
-        "dtype auto -> %s (CPU kernels at ISA %s, %s native bf16)",
-        str(chosen).removeprefix("torch."),
+        "dtype auto -> float32 activations, %s linear weights (CPU kernels at ISA %s, %s native bf16)",
+        "bfloat16" if native else "float32",
         isa.selected(),
         "with" if native else "without",
     )
-    return chosen
+    return torch.bfloat16 if native else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -776,6 +791,11 @@ def load_model(
         )
     model.eval()
     quantize_loaded(model, cfg, path, lm_head=quantize_head)
+    weight_dtype = resolve_weight_dtype(dtype if dtype is not None else cfg.dtype, dev)
+    if weight_dtype is not None:
+        from kvpilot.runtime.models.layers import store_linear_weights
+
+        store_linear_weights(model, weight_dtype)
     from kvpilot.runtime.quantization import tile_for_cpu
 
     tile_for_cpu(model)  # quantized weights into the CPU kernel's layout, once they are final

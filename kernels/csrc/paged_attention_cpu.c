@@ -166,16 +166,10 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
 }
 
 #if defined(__AVX512BF16__)
-/* Lane i of the result holds elements (i, 16 + i) of the source: two 16-wide rows, interleaved into
- * the (even, odd) bf16 pairs that vdpbf16ps multiplies and adds in one instruction. */
+/* The (even, odd) bf16 pair order that vdpbf16ps multiplies and adds in one instruction: lane i
+ * holds elements (i, 16 + i) of two 16-wide rows (K^T rows d and d + 1 of a block). */
 static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
-static inline __attribute__((always_inline)) __m512i pair_rows(const uint16_t *a, const uint16_t *b) {
-    const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                                           _mm256_loadu_si256((const __m256i *)b), 1);
-    return _mm512_permutexvar_epi16(_mm512_loadu_si512(pair_idx), two);
-}
 
 static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i x, uint32_t pair) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_set1_epi32((int)pair));
@@ -196,15 +190,21 @@ static inline __attribute__((always_inline)) void fast_item(
         l[g] = 0.0f;
     }
 #if defined(__AVX512BF16__)
-    /* bf16 K/V: scores and P.V as bf16 pair dot products (vdpbf16ps, fp32 accumulation); q is bf16
-     * already in a bf16 model, and P is rounded to bf16 before P.V, as FlashAttention does */
+    /* bf16 K: scores as bf16 pair dot products (vdpbf16ps, fp32 accumulation), but only when the
+     * scaled q is exactly a bf16 vector (a bf16 q times a power-of-two scale), so the products are
+     * the float32 ones. P.V always runs in float32: rounding P to bf16 (as FlashAttention does)
+     * while the normalizer sums the unrounded P made this path the least faithful to float32 of
+     * all the CPU paths (issue 22; tests/kernels/test_attention.py checks it against the reference). */
     uint16_t qb[MAX_FG][FD] __attribute__((aligned(64)));
-    uint16_t pbh[MAX_FG][FBS] __attribute__((aligned(64)));
-    if (dt == DT_BF16)
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++)
-                _mm256_store_si256((__m256i *)(qb[g] + c * 16),
-                                   (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qf + g * FD + c * 16)));
+    int q_exact = dt == DT_BF16;
+    for (int g = 0; g < G && q_exact; g++)
+        for (int c = 0; c < 4; c++) {
+            const __m512 x = _mm512_loadu_ps(qf + g * FD + c * 16);
+            const __m256bh xb = _mm512_cvtneps_pbh(x);
+            _mm256_store_si256((__m256i *)(qb[g] + c * 16), (__m256i)xb);
+            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)xb), 16));
+            if (_mm512_cmpneq_ps_mask(back, x)) q_exact = 0;
+        }
 #endif
     const int nblocks = (ctx + FBS - 1) / FBS;
     for (int i = 0; i < nblocks; i++) {
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void fast_item(
         for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
         const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
 #if defined(__AVX512BF16__)
-        if (dt == DT_BF16) {
+        if (q_exact) {
             const uint16_t *kt = (const uint16_t *)k_cache + tile;
             /* rows d and d+1 of K^T are adjacent: one load; two accumulator sets per query head
              * so the FMA latency chain is not the limit */
@@ -272,23 +272,8 @@ static inline __attribute__((always_inline)) void fast_item(
             const __m512 cv = _mm512_set1_ps(corr);
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
             _mm512_storeu_ps(pb[g], p);
-#if defined(__AVX512BF16__)
-            if (dt == DT_BF16) _mm256_store_si256((__m256i *)pbh[g], (__m256i)_mm512_cvtneps_pbh(p));
-#endif
         }
-        int r0 = 0;
-#if defined(__AVX512BF16__)
-        if (dt == DT_BF16 && vhm) { /* rows r and r+1 of the head's V tile are adjacent */
-            const uint16_t *vt = (const uint16_t *)v_cache + (blk * Hkv + h) * (size_t)FBS * FD;
-            for (; r0 + 1 < n; r0 += 2)
-                for (int c = 0; c < 4; c++) {
-                    const __m512i vp = pair_rows(vt + (size_t)r0 * FD + c * 16, vt + (size_t)(r0 + 1) * FD + c * 16);
-                    for (int g = 0; g < G; g++) acc[g][c] = dot_pairs(acc[g][c], vp, ((const uint32_t *)pbh[g])[r0 / 2]);
-                }
-            /* an odd last row (its pair partner may be stale, even NaN) takes the fp32 loop */
-        }
-#endif
-        for (int r = r0; r < n; r++) {
+        for (int r = 0; r < n; r++) {
             const size_t off = (vhm ? (blk * Hkv + h) * FBS + r : (blk * FBS + r) * Hkv + h) * (size_t)FD;
             __m512 v[4];
             for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);

@@ -308,7 +308,24 @@ def _linear(
             x = x.index_select(-1, input_perm)
         return qlinear.matmul(x, qweight, bias)
     assert weight is not None
+    if weight.dtype != x.dtype:  # 16-bit weights under float32 activations (store_linear_weights)
+        y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def store_linear_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store every float (not quantized) weight of the model's linear layers in `dtype`, the
+    activations and everything else unchanged: `_linear` then rounds each matmul's input to `dtype`
+    and its output back, with the bias added in the activations' dtype. Returns how many it cast."""
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        if module.qweight is None and module.weight.is_floating_point() and module.weight.dtype != dtype:
+            module.weight.data = module.weight.data.to(dtype)
+            n += 1
+    return n
 
 
 class ColumnParallelLinear(nn.Module):

@@ -272,3 +272,46 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
     assert torch.isfinite(got).all()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("level", [lv for lv in isa.runnable() if lv != "generic"])
+def test_bf16_cache_fast_path_is_float32_exact_past_the_cache(level: str) -> None:
+    """A bf16 K/V cache read by the vectorized path with float32 queries (what a float32-activation
+    model with a bf16 cache sends) gives the float32 answer on the cached values: no rounding of the
+    queries or of the probabilities to bf16 on the way. Before the fix, the AVX-512 BF16 build rounded
+    both (scores and P.V in vdpbf16ps) and missed by ~1e-3; the others were exact."""
+    if not cpu_attention.available(level):
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    torch.manual_seed(3)
+    hq, hkv, d, bs, ctx = 8, 2, 64, 16, 97
+    nblocks = (ctx + bs - 1) // bs
+    shape = (nblocks, bs, hkv, d)
+    cache = KVCacheLayer(
+        cpu_attention.transposed_k_cache(*shape, dtype=torch.bfloat16),
+        cpu_attention.head_major_v_cache(*shape, dtype=torch.bfloat16),
+        None,
+        None,
+    )
+    from kvpilot.kernels.attention import write_kv
+
+    k = torch.randn(ctx, hkv, d).bfloat16()
+    v = torch.randn(ctx, hkv, d).bfloat16()
+    write_kv(k, v, cache, torch.arange(ctx))
+    q = torch.randn(1, hq, d)  # float32: not exactly a bf16 vector
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([ctx - 1]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([ctx], dtype=torch.int32),
+        block_tables=torch.arange(nblocks, dtype=torch.int32)[None],
+        query_lens_cpu=[1],
+        seq_lens_cpu=[ctx],
+        max_query_len=1,
+        max_seq_len=ctx,
+    )
+    assert cpu_attention.fast_path(hq, cache, level)
+    got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)  # [ctx, hq, d]
+    vv = v.double().repeat_interleave(hq // hkv, dim=1)
+    p = torch.softmax(torch.einsum("hd,chd->hc", q[0].double() * d**-0.5, kk), dim=-1)
+    want = torch.einsum("hc,chd->hd", p, vv)[None]
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
