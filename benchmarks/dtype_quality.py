@@ -72,6 +72,7 @@ def run_kvpilot(dtype: str) -> dict[str, Any]:
     answers = [s.output_token_ids for s in engine.generate(prompts, params)]
     texts = [tok.decode(a) for a in answers]
     return {
+        **(speed(engine, ids) if os.environ.get("KVPILOT_BENCH_SPEED") == "1" else {}),
         "dtype": str(engine.runner.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
         "text_ids": ids,
         "choices": choices,
@@ -79,6 +80,25 @@ def run_kvpilot(dtype: str) -> dict[str, Any]:
         "answer_text": texts,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def speed(engine: Any, ids: list[int]) -> dict[str, float]:
+    """Decode tok/s at one stream and at 32 (64-token prompts from the text, 64 new tokens each)."""
+    import time
+
+    from kvpilot.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    engine.generate([ids[:64]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    out: dict[str, float] = {}
+    for name, prompts in (
+        ("single_tok_s", [ids[:64]]),
+        ("batch32_tok_s", [ids[i : i + 64] for i in range(32)]),
+    ):
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        out[name] = round(len(prompts) * 64 / (time.perf_counter() - start), 1)
+    return out
 
 
 def run_hf(dtype: str, text_ids: list[int], prompts: list[list[int]], eos: list[int]) -> dict[str, Any]:
@@ -146,6 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", help="engine:dtype[@level]; default: every level here")
     ap.add_argument("--workdir", default="/tmp/kvpilot-dtype-quality")
+    ap.add_argument("--speed", action="store_true", help="also time kvpilot's decode (1 and 32 streams)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
@@ -153,6 +174,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.speed:
+        os.environ["KVPILOT_BENCH_SPEED"] = "1"
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     configs = args.configs or [
@@ -177,6 +200,7 @@ def main() -> None:
             "answers_as_kvpilot_fp32": same_answers(res["answers"], ref["answers"]),
             "answers_as_hf_fp32": same_answers(res["answers"], hf32["answers"]),
             "answer_text": res.get("answer_text", [])[:3],
+            **{k: res[k] for k in ("single_tok_s", "batch32_tok_s") if k in res},
         }
     doc = {
         "cpu": platform.processor() or platform.machine(),

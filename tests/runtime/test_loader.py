@@ -268,10 +268,14 @@ def test_load_builtin(smollm2_fp32: LoadedModel) -> None:
 def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_dtype("float16", "cpu") == torch.float16
     assert resolve_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    # auto on a CPU: float32 activations always; bf16 linear weights where the CPU has native bf16
     monkeypatch.setattr(loader, "cpu_supports_bf16", lambda: True)
-    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert loader.resolve_weight_dtype("auto", "cpu") == torch.bfloat16
+    assert loader.resolve_weight_dtype("bfloat16", "cpu") is None  # an explicit dtype is the whole model's
     monkeypatch.setattr(loader, "cpu_supports_bf16", lambda: False)
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert loader.resolve_weight_dtype("auto", "cpu") is None
     with pytest.raises(ValueError, match="unknown dtype 'fp64'"):
         resolve_dtype("fp64", "cpu")
 
@@ -392,3 +396,24 @@ def test_vocab_shards(monkeypatch: pytest.MonkeyPatch) -> None:
         logits.append(head.compute_logits(hidden))
     torch.testing.assert_close(embedded, table[ids])
     torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], hidden @ table.T)
+
+
+def test_bf16_linear_weights_under_float32_activations(smollm2_gguf_path: Path) -> None:
+    """store_linear_weights: the linears hold bf16 weights, everything else stays float32, and each
+    linear's output is the float32 activations' dtype, equal to the matmul of the bf16-rounded input."""
+    import torch.nn.functional as F
+
+    from kvpilot.runtime.config import EngineConfig
+    from kvpilot.runtime.models.layers import RowParallelLinear, store_linear_weights
+
+    loaded = loader.load_model(EngineConfig(model=str(smollm2_gguf_path)), "cpu", torch.float32)
+    model = loaded.model
+    assert store_linear_weights(model, torch.bfloat16) == 4 * loaded.arch.num_hidden_layers
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert all(dtypes[n] == torch.bfloat16 for n in dtypes if "proj" in n)
+    assert all(dtypes[n] == torch.float32 for n in dtypes if "proj" not in n)  # norms, embedding
+    down = next(m for m in model.modules() if isinstance(m, RowParallelLinear))
+    x = torch.randn(3, down.weight.shape[1])
+    y = down(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x.bfloat16(), down.weight).float(), atol=0, rtol=0)
