@@ -473,7 +473,7 @@ def build() -> dict[str, Any]:
         8,
     )
 
-    g.row("Preemptions and OOM")
+    g.row("Preemptions, OOM and engine loop")
     g.add(
         timeseries(
             "Preemptions",
@@ -500,6 +500,34 @@ def build() -> dict[str, Any]:
                 )
             ],
             "short",
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Stalled engine loops",
+            "Replicas whose engine loop the watchdog reports stuck or stopped (kvpilot_engine_stalled: "
+            "/health and /ready answer 503, so the kubelet restarts the pod).",
+            [
+                target(
+                    f"sum by ({BY_MODEL}) (kvpilot_engine_stalled{{{SEL}}})",
+                    "{{model_name}}",
+                )
+            ],
+            "short",
+            thresholds=[(None, "green"), (1, "red")],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Engine heartbeat age",
+            "Seconds since each replica's engine loop last made progress: under 0.5 while idle, the step "
+            "time while busy; past --engine-stall-timeout with work to do the replica reports stalled.",
+            [target(f"kvpilot_engine_heartbeat_age_seconds{{{SEL}}}", "{{pod}}")],
+            "s",
         ),
         12,
         8,
