@@ -18,7 +18,6 @@ Seams for new request features:
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,8 +25,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from kvpilot.request_body import BodyError, parse_json_object
 from kvpilot.runtime.api_errors import APIError
-from kvpilot.runtime.json_limits import MAX_JSON_DEPTH
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.structured_output import CompiledGuided, GuidedSpec, GuidedSpecError
 from kvpilot.runtime.structured_request import guided_spec
@@ -64,55 +63,11 @@ class ChatTokenizer(Protocol):
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
+    """The body as a dict, or APIError (400): the rules the router applies too (kvpilot/request_body.py)."""
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(f"request body is not valid UTF-8 (byte offset {e.start})") from None
-    if not text.strip():
-        raise APIError("request body is empty; expected a JSON object")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise APIError(
-            f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
-    except RecursionError:
-        raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as e:  # an integer literal beyond Python's int_max_str_digits
-        raise APIError(f"request body is not acceptable JSON: {str(e).split(';')[0]}") from None
-    if not isinstance(data, dict):
-        raise APIError("request body must be a JSON object")
-    _check_values(data)
-    return data
-
-
-def _check_values(body: dict[str, Any]) -> None:
-    """Refuse nesting deeper than MAX_JSON_DEPTH and strings with lone surrogates: JSON escapes like
-    "\\ud800" decode to strings that are not valid Unicode. Iterative, so depth cannot exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(
-                    f"{path or 'body'} contains an invalid Unicode escape (lone surrogate)",
-                    param=path or None,
-                ) from None
-            continue
-        if not isinstance(value, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", param=_top(path))
-        if isinstance(value, dict):
-            stack.extend((v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in value.items())
-        else:
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
-
-
-def _top(path: str) -> str | None:
-    return path.split(".")[0].split("[")[0] or None
+        return parse_json_object(body)
+    except BodyError as e:
+        raise APIError(e.message, param=e.param) from None
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}

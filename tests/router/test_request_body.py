@@ -53,4 +53,6 @@ def test_the_router_imports_neither_torch_nor_the_runtime() -> None:
 
 
 def test_one_depth_limit() -> None:
-    assert api_request.MAX_JSON_DEPTH == MAX_JSON_DEPTH == 64
+    from kvpilot.runtime import json_limits
+
+    assert json_limits.MAX_JSON_DEPTH is MAX_JSON_DEPTH == 64  # bodies and schema strings alike

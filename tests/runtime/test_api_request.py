@@ -6,9 +6,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.request_body import MAX_JSON_DEPTH
 from kvpilot.runtime.api_errors import APIError
 from kvpilot.runtime.api_request import (
-    MAX_JSON_DEPTH,
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
