@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvpilot.kernels import isa
+from tests.needs import require_module
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def float32_reference(make_engine: Callable[..., LLMEngine]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def transformers_bf16(float32_reference: dict[str, Any]) -> dict[str, float]:
     """What transformers in bfloat16 gets on the same measures: the bar."""
-    pytest.importorskip("transformers")
+    require_module("transformers", "pip install -e .[test]")
     from kvpilot.runtime.config import DEFAULT_MODEL
     from kvpilot.runtime.loader import resolve_model_path
     from kvpilot.runtime.tokenizer import Tokenizer
