@@ -50,13 +50,15 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # an integer literal beyond Python's int_max_str_digits
         raise BodyError(f"request body is not acceptable JSON: {str(e).split(';')[0]}") from None
+    # depth first: how deep json.loads goes before RecursionError depends on the interpreter's
+    # recursion limit (a library may raise it), so a deep array must not reach the object check
+    check_values(data)
     if not isinstance(data, dict):
         raise BodyError("request body must be a JSON object")
-    check_values(data)
     return data
 
 
-def check_values(body: dict[str, Any]) -> None:
+def check_values(body: Any) -> None:
     """Refuse nesting deeper than MAX_JSON_DEPTH and strings with lone surrogates. Iterative, so a
     deep body cannot exhaust the stack."""
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]

@@ -80,13 +80,15 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
         raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # an integer literal beyond Python's int_max_str_digits
         raise APIError(f"request body is not acceptable JSON: {str(e).split(';')[0]}") from None
+    # depth first: how deep json.loads goes before RecursionError depends on the interpreter's
+    # recursion limit (a library may raise it), so a deep array must not reach the object check
+    _check_values(data)
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object")
-    _check_values(data)
     return data
 
 
-def _check_values(body: dict[str, Any]) -> None:
+def _check_values(body: Any) -> None:
     """Refuse nesting deeper than MAX_JSON_DEPTH and strings with lone surrogates: JSON escapes like
     "\\ud800" decode to strings that are not valid Unicode. Iterative, so depth cannot exhaust the stack."""
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]

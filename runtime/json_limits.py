@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-MAX_JSON_DEPTH = 64  # the deepest legitimate body (chat content parts) nests 4 levels
+from kvpilot.request_body import MAX_JSON_DEPTH  # one limit, shared with the router
+
+__all__ = ["MAX_JSON_DEPTH", "JSONDepthError", "deeper_than", "loads_limited"]
 
 
 class JSONDepthError(ValueError):
