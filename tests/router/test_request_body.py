@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -56,3 +57,24 @@ def test_one_depth_limit() -> None:
     from kvpilot.runtime import json_limits
 
     assert json_limits.MAX_JSON_DEPTH is MAX_JSON_DEPTH == 64  # bodies and schema strings alike
+
+
+@pytest.fixture
+def high_recursion_limit() -> Iterator[None]:
+    """What a library may do in the same process (celpy's Environment sets 2500): json.loads then
+    parses 1,000 levels without RecursionError."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(2500)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+@pytest.mark.usefixtures("high_recursion_limit")
+@pytest.mark.parametrize("parse", [parse_json_object, api_request.parse_json_body])
+def test_a_deep_array_is_refused_for_its_depth_whatever_the_recursion_limit(
+    parse: Callable[[bytes], object],
+) -> None:
+    with pytest.raises((APIError, BodyError), match="nests deeper than 64 levels"):
+        parse(b"[" * 1000 + b"]" * 1000)
