@@ -37,7 +37,13 @@ from kvpilot.runtime.api_errors import (
     loading_error,
     shutting_down_error,
 )
-from kvpilot.runtime.api_request import GenerationRequest, ServingLimits, prepare_chat, prepare_completion
+from kvpilot.runtime.api_request import (
+    GenerationRequest,
+    ServingLimits,
+    parse_json_body,
+    prepare_chat,
+    prepare_completion,
+)
 from kvpilot.runtime.api_response import RENDERERS, now, usage
 from kvpilot.runtime.grammar_service import GrammarQueueFullError
 from kvpilot.runtime.health import HEALTHY, EngineHealth
@@ -339,12 +345,7 @@ class OpenAIServer:
         raw = await request.content.read(65_536 + 1)
         if len(raw) > 65_536:
             raise APIError("request body is larger than 65536 bytes", status=413, code="request_too_large")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError("the body must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise APIError("the body must be a JSON object")
+        body = parse_json_body(raw)  # the API's one set of body rules (depth, UTF-8, object)
         out: dict[str, str] = {}
         for field in fields:
             value = body.get(field)

@@ -251,6 +251,14 @@ def test_malformed_adapter_requests(live: LiveServer) -> None:
     assert status == 400 and "base model's name" in err["error"]["message"]
     status, err = call(live, "POST", "/v1/unload_lora_adapter", [1, 2])
     assert status == 400
+    req = urllib.request.Request(  # 1,000 levels: the API's one body depth limit, not a 500
+        live.url + "/v1/load_lora_adapter", data=b"[" * 1000 + b"]" * 1000, method="POST"
+    )
+    req.add_header("Authorization", f"Bearer {KEY}")
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=60)
+    status, err = exc.value.code, json.loads(exc.value.read())
+    assert status == 400 and "nests deeper than 64 levels" in err["error"]["message"]
     body = {"model": "sql", "prompt": PROMPT, "lora_request": {"lora_name": "sql"}}
     status, err = call(live, "POST", "/v1/completions", body)
     assert status == 400 and err["error"]["param"] == "lora_request"
