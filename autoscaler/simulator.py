@@ -57,7 +57,7 @@ from kvpilot.autoscaler.startup import STARTUP_SAMPLE_PODS, measured_startup_s
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
 from kvpilot.router.policy import POLICIES
 
-# Output-length histogram bounds (tokens), as the runtime exports them (runtime/metrics.py).
+# Output-length histogram bounds (tokens), as the runtime exports them (runtime/serving/metrics.py).
 OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 

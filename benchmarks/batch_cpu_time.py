@@ -47,8 +47,8 @@ def main() -> int:
 
     from kvpilot.kernels import isa
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     gguf = wl.smollm2_gguf()
     lo_p, hi_p = map(int, args.prompt_range.split(","))

@@ -199,7 +199,7 @@ def single_prompts(args: argparse.Namespace, gguf_path: Path, corpus: list[int])
     if args.single_text == "quoting":
         from spec_decode_bench import quoting_prompts
 
-        from kvpilot.runtime.tokenizer import Tokenizer
+        from kvpilot.runtime.load.tokenizer import Tokenizer
 
         return quoting_prompts(Tokenizer.from_gguf(gguf_path), n, args.single_words)
     step = args.single_prompt + 64

@@ -63,7 +63,7 @@ CONTEXT = 256  # decode points are taken at this context length (attention cost 
 
 def _engine(args: argparse.Namespace) -> Any:
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.engine.core import LLMEngine
 
     cfg = EngineConfig(
         device=args.device,
@@ -78,7 +78,7 @@ def _engine(args: argparse.Namespace) -> Any:
 
 
 def _params(max_tokens: int) -> Any:
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -57,8 +57,8 @@ def run_kvpilot(dtype: str) -> dict[str, Any]:
     import torch
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_config(EngineConfig(dtype=dtype, kv_cache_memory=256 * 2**20))
     tok = engine.tokenizer
@@ -86,7 +86,7 @@ def speed(engine: Any, ids: list[int]) -> dict[str, float]:
     """Decode tok/s at one stream and at 32 (64-token prompts from the text, 64 new tokens each)."""
     import time
 
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     engine.generate([ids[:64]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
@@ -106,7 +106,7 @@ def run_hf(dtype: str, text_ids: list[int], prompts: list[list[int]], eos: list[
     import transformers
 
     from kvpilot.runtime.config import DEFAULT_MODEL
-    from kvpilot.runtime.loader import resolve_model_path
+    from kvpilot.runtime.load.loader import resolve_model_path
 
     path = resolve_model_path(DEFAULT_MODEL)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -151,8 +151,8 @@ def spawn(name: str, out: Path, inputs: Path | None = None) -> dict[str, Any]:
 
 def chat_prompts() -> tuple[list[list[int]], list[int]]:
     from kvpilot.runtime.config import DEFAULT_MODEL
-    from kvpilot.runtime.loader import resolve_model_path
-    from kvpilot.runtime.tokenizer import Tokenizer
+    from kvpilot.runtime.load.loader import resolve_model_path
+    from kvpilot.runtime.load.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(resolve_model_path(DEFAULT_MODEL))
     prompts = [

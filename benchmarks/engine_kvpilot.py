@@ -48,13 +48,13 @@ def kvpilot_speculative_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_kvpilot(args: argparse.Namespace, gguf_path: Path) -> Any:
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.engine.core import LLMEngine
 
     return LLMEngine.from_config(EngineConfig(**kvpilot_config(args, gguf_path)))
 
 
 def kvpilot_params(max_tokens: int) -> Any:
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

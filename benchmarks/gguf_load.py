@@ -40,8 +40,8 @@ def child(model: str, dtype: str, method: str, blocks: bool, threads: int) -> di
     import torch
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.loader import load_model
-    from kvpilot.runtime.quantization import linear_layers
+    from kvpilot.runtime.load.loader import load_model
+    from kvpilot.runtime.load.quantization import linear_layers
 
     torch.set_num_threads(threads)
     cfg = EngineConfig(model=model, quantization=None if method == "none" else method)  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What GPTQ act-order (desc_act) costs here, and how long converting a layer at load takes.
 
-An act-order GPTQ layer runs as x[..., perm] @ W[:, perm]^T (runtime/quant_formats.py): the
+An act-order GPTQ layer runs as x[..., perm] @ W[:, perm]^T (runtime/load/quant_formats.py): the
 quantized matmul is the same, plus one gather of the layer's input. For the linear layers of one
 decoder layer of SmolLM2-135M (group 32) and of a Llama-2-7B-sized model (group 128), this times the
 matmul with and without that gather at 1, 8 and 64 rows (1 row: the C kernel; 64: dequantize +
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from kvpilot.kernels import isa, qlinear
-from kvpilot.runtime import quant_formats
-from kvpilot.runtime.quant_formats import CheckpointQuantization
+from kvpilot.runtime.load import quant_formats
+from kvpilot.runtime.load.quant_formats import CheckpointQuantization
 
 # name -> (GPTQ group size, [(out, in)] of the fused layers of one decoder layer: qkv, o, gate_up, down);
 # SmolLM2's width 576 takes groups of 32 or 64, not 128

@@ -3,7 +3,7 @@
 
 The builtin SmolLM2 GGUF is read by transformers (float32), its linear layers quantized with a plain
 min/max quantizer (no calibration: the GPTQ/AWQ search changes values, not the format) and packed in
-each format (runtime/quant_pack.py, as tests/runtime/test_gptq_awq.py packs them), and written as Hugging Face
+each format (runtime/load/quant_pack.py, as tests/runtime/test_gptq_awq.py packs them), and written as Hugging Face
 directories next to the 16-bit one. Each directory is then served by kvpilot with `--quantization`
 unset (the checkpoint's own), beside the 16-bit directory plain and with `--quantization int4`, and
 measured like benchmarks/weight_quant.py: perplexity on the stdlib docstrings, the bytes the linear
@@ -33,10 +33,10 @@ from weight_quant import cpu_model, decode_tok_s, linear_bytes
 
 from kvpilot.kernels import isa
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import builtin_model_path, load_model
-from kvpilot.runtime.quant_formats import parse_quantization_config
-from kvpilot.runtime.quant_pack import PROJECTIONS, quantize_layer
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.load.loader import builtin_model_path, load_model
+from kvpilot.runtime.load.quant_formats import parse_quantization_config
+from kvpilot.runtime.load.quant_pack import PROJECTIONS, quantize_layer
 
 # name -> quantization_config (act_order: groups formed in decreasing column-norm order)
 FORMATS: dict[str, dict[str, Any]] = {

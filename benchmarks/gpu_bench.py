@@ -15,7 +15,7 @@ ids all exist in both vocabularies). Figures:
   16, flash-attn at block 256 when installed), the measurement behind the runtime's default.
 
 `--quantization int4|int8`: after the 16-bit figures, the 8B-shaped model's linear layers are quantized in
-place (runtime/quantization.py) and decode is measured again at the first two batch sizes: tokens/s,
+place (runtime/load/quantization.py) and decode is measured again at the first two batch sizes: tokens/s,
 the ratio to the 16-bit run, and the bytes/s a batch-1 step reads (on CUDA the matmuls are the Triton
 kernel kernels/triton_qlinear.py; on CPU the C kernel).
 
@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, build_model, hf_arch_config, resolve_model_path
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.loader import LoadedModel, build_model, hf_arch_config, resolve_model_path
+from kvpilot.runtime.load.tokenizer import Tokenizer
 
 # HBM bandwidth from the datasheets (bytes/s), matched against torch.cuda.get_device_name()
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.039e12}
@@ -291,7 +291,7 @@ def bench_quantized(
 ) -> dict[str, Any]:
     """Quantize `loaded`'s linear layers in place (its 16-bit weights are gone after), then decode."""
     from kvpilot.kernels import triton_qlinear
-    from kvpilot.runtime.quantization import linear_layers, quantize_model
+    from kvpilot.runtime.load.quantization import linear_layers, quantize_model
 
     t0 = time.perf_counter()
     report = quantize_model(loaded.model, args.quantization, args.quantization_group_size)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kvpilot.runtime.loader import builtin_model_path
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.load.loader import builtin_model_path
+from kvpilot.runtime.load.tokenizer import Tokenizer
 
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
     "flat": (

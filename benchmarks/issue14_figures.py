@@ -426,7 +426,7 @@ def write_draft(directory: str, layers: int, hidden: int) -> None:
     from spec_decode_bench import write_random_draft
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.load.loader import load_model
 
     cfg = EngineConfig.model_validate({"model": str(wl.smollm2_gguf())})
     target = load_model(cfg, torch.device("cpu"), torch.float32)

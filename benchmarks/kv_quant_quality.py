@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 
 STDLIB_MODULES = [
     "argparse",

@@ -36,11 +36,11 @@ from bench_runtime import machine_info
 from safetensors.torch import save_file
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model, resolve_dtype
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.loader import LoadedModel, load_model, resolve_dtype
 from kvpilot.runtime.lora.adapter import module_shapes
 from kvpilot.runtime.models import ModelArchConfig
-from kvpilot.runtime.sampling_params import SamplingParams
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.sequence import Sequence
 
 
 def corpus_ids(engine: LLMEngine, n: int, seed: int) -> list[int]:

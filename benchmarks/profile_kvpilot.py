@@ -65,7 +65,7 @@ def instrument(engine: Any, timers: Timers) -> None:
     import torch.nn.functional as F
 
     import kvpilot.kernels.attention as attn
-    import kvpilot.runtime.model_runner as mr
+    import kvpilot.runtime.engine.runner as mr
 
     mr.prepare_batch = timers.wrap("prepare_batch", mr.prepare_batch)
     attn.write_kv = timers.wrap("attn.write_kv", attn.write_kv)
@@ -121,8 +121,8 @@ def main() -> int:
     args = p.parse_args()
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     gguf_path = wl.smollm2_gguf()
     cfg = EngineConfig(

@@ -3,7 +3,7 @@
 
 A Q4_K sub-block's scale is d * sc (float16 d times a 6-bit integer) and its min dmin * m; gguf
 and llama.cpp form them in float32, kvpilot's int4 format stores them as float16
-(runtime/gguf_blocks.py). This quantizes SmolLM2's down projections (the only linear weights whose
+(runtime/load/gguf_blocks.py). This quantizes SmolLM2's down projections (the only linear weights whose
 input size, 1536, is a multiple of Q4_K's 256-weight super-block; 576 is not) to Q4_K with a plain
 min/max quantizer, then compares, in one run:
 - per weight: the difference between gguf's dequantization and kvpilot's, in quantization steps
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_quant_quality import perplexity, stdlib_docstrings
 from weight_quant import cpu_model
 
-from kvpilot.runtime import gguf_blocks
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import load_model
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.load import gguf_blocks
+from kvpilot.runtime.load.loader import load_model
 
 Q4_K = GGMLQuantizationType.Q4_K
 

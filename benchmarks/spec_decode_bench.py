@@ -29,10 +29,10 @@ import workload as wl
 from runtime_harness import machine_info
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model, resolve_dtype
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.loader import LoadedModel, load_model, resolve_dtype
+from kvpilot.runtime.load.tokenizer import Tokenizer
 
 
 def log(msg: str) -> None:

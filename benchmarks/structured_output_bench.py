@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from grammar_engines import cpu_model  # benchmarks/ is sys.path[0] when run as a script
 
-from kvpilot.runtime import sampler as sampler_module
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.structured_output import GrammarState, GuidedSpec
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.core import sampler as sampler_module
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.grammar.structured_output import GrammarState, GuidedSpec
 
 
 def schema(min_chars: int) -> dict[str, Any]:

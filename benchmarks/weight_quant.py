@@ -39,10 +39,10 @@ from kv_quant_quality import perplexity, stdlib_docstrings
 
 from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import load_model
-from kvpilot.runtime.quantization import linear_layers
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.loader import load_model
+from kvpilot.runtime.load.quantization import linear_layers
 
 
 def cpu_model() -> str:

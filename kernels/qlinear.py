@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers: int8 and int4 weights, dequantized inside the matmul.
 
 Formats (one `QuantizedWeight` for both; GGUF's Q8_0, Q4_0 and Q4_1 blocks are special cases, so a
-GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/quantization.py):
+GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/load/quantization.py):
 
 * int8: symmetric, one float16 scale per output channel (group = K) or per group of `group`
   weights along K (Q8_0: group 32): weight = q * scale, q in -127..127.

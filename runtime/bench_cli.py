@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     engine_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in WORKLOAD_FLAGS})
     try:

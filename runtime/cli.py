@@ -304,9 +304,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
-    from kvpilot.runtime.lifecycle import exit_deadline_on, serve
     from kvpilot.runtime.lora.access import startup_notice
-    from kvpilot.runtime.server import OpenAIServer, ServerSettings
+    from kvpilot.runtime.serving.lifecycle import exit_deadline_on, serve
+    from kvpilot.runtime.serving.server import OpenAIServer, ServerSettings
 
     settings = ServerSettings(
         model_name=cfg.model_name,
@@ -327,7 +327,7 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
             import torch
 
             torch.set_num_threads(cfg.threads)
-        from kvpilot.runtime.engine import AsyncEngine
+        from kvpilot.runtime.engine.core import AsyncEngine
 
         return AsyncEngine.from_config(cfg)
 

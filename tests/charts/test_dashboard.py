@@ -88,7 +88,7 @@ def runtime_names(names: set[str]) -> set[str]:
 
 def test_every_query_reads_known_metrics() -> None:
     """Runtime metrics must be in the contract (docs/runtime.md's metrics table) and really exposed by
-    runtime/metrics.py; the rest come from the operator, the kube-state-metrics config or the
+    runtime/serving/metrics.py; the rest come from the operator, the kube-state-metrics config or the
     recording rules. And every runtime metric of the contract shows up on some panel."""
     contract = contract_metrics()
     known = contract | operator_metrics() | ksm_metrics() | recorded()

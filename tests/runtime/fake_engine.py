@@ -17,15 +17,15 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvpilot.runtime.engine import (
+from kvpilot.runtime.engine.core import (
     CompletionOutput,
     EngineStats,
     QueueFullError,
     RequestMetrics,
     RequestOutput,
 )
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.sequence import TokenLogprob
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.sequence import TokenLogprob
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -53,7 +53,7 @@ def bpe_tokenizer(vocab_size: int = 400) -> Tokenizer:
 
 
 class FakeTokenizer:
-    """The slice of runtime/tokenizer.py's Tokenizer the server uses."""
+    """The slice of runtime/load/tokenizer.py's Tokenizer the server uses."""
 
     def __init__(self) -> None:
         self._tok = bpe_tokenizer()
@@ -219,7 +219,7 @@ class LiveServer:
         load_engine: Any = None,
         model_name: str = "fake-model",
     ) -> None:
-        from kvpilot.runtime.server import OpenAIServer, ServerSettings
+        from kvpilot.runtime.serving.server import OpenAIServer, ServerSettings
 
         self.engine = engine
         self.settings = ServerSettings(
@@ -232,7 +232,7 @@ class LiveServer:
         self.port = 0
         self.server: Any = self.call_sync(self._make_server(OpenAIServer))
         self._stop: asyncio.Event = self.call_sync(self._make_event())
-        from kvpilot.runtime.lifecycle import serve
+        from kvpilot.runtime.serving.lifecycle import serve
 
         self._done = asyncio.run_coroutine_threadsafe(
             serve(

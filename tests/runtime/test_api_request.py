@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kvpilot.request_body import MAX_JSON_DEPTH
-from kvpilot.runtime.api_errors import APIError
-from kvpilot.runtime.api_request import (
+from kvpilot.runtime.serving.errors import APIError
+from kvpilot.runtime.serving.output_processor import choice_params
+from kvpilot.runtime.serving.request import (
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,7 +17,6 @@ from kvpilot.runtime.api_request import (
     parse_chat_request,
     parse_completion_request,
 )
-from kvpilot.runtime.output_processor import choice_params
 
 
 def body(**kw: Any) -> bytes:

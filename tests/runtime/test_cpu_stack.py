@@ -13,8 +13,8 @@ import torch
 from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear
 from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.loader import load_model
-from kvpilot.runtime.model_runner import KVGeometry, allocate_kv_cache
+from kvpilot.runtime.engine.runner import KVGeometry, allocate_kv_cache
+from kvpilot.runtime.load.loader import load_model
 from kvpilot.runtime.models import cpu_stack
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
@@ -79,8 +79,8 @@ def test_stack_gives_the_python_layers_hidden_states(
 
 
 def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     _require_stack()
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", kv_cache_memory=2**26, max_num_seqs=4)

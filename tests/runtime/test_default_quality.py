@@ -22,7 +22,7 @@ from tests.needs import require_module
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.engine.core import LLMEngine
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -36,7 +36,7 @@ ASKED = QUESTIONS[:8]  # transformers' generate is the slow part of the test; th
 @pytest.fixture(scope="module")
 def float32_reference(make_engine: Callable[..., LLMEngine]) -> dict[str, Any]:
     """kvpilot's float32 choices and answers (they equal transformers' float32 ones: the parity tests)."""
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     engine = make_engine()
     tok = engine.tokenizer
@@ -60,8 +60,8 @@ def transformers_bf16(float32_reference: dict[str, Any]) -> dict[str, float]:
     """What transformers in bfloat16 gets on the same measures: the bar."""
     require_module("transformers", "pip install -e .[test]")
     from kvpilot.runtime.config import DEFAULT_MODEL
-    from kvpilot.runtime.loader import resolve_model_path
-    from kvpilot.runtime.tokenizer import Tokenizer
+    from kvpilot.runtime.load.loader import resolve_model_path
+    from kvpilot.runtime.load.tokenizer import Tokenizer
 
     eos = sorted(Tokenizer.from_gguf(resolve_model_path(DEFAULT_MODEL)).eos_token_ids)
     ref = float32_reference

@@ -1,4 +1,4 @@
-"""GGUF blocks -> QuantizedWeight (runtime/gguf_blocks.py) against gguf's own dequantization."""
+"""GGUF blocks -> QuantizedWeight (runtime/load/gguf_blocks.py) against gguf's own dequantization."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvpilot.kernels import qlinear
-from kvpilot.runtime import gguf_blocks
+from kvpilot.runtime.load import gguf_blocks
 
 ROWS, COLS = 6, 512  # two Q4_K super-blocks, sixteen 32-weight blocks a row
 
@@ -169,8 +169,8 @@ def write_mixed_gguf(path: Path) -> None:
 
 def load_mixed(path: Path, quantization: str | None) -> Any:
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.gguf_reader import GGUFFile
-    from kvpilot.runtime.loader import build_model, gguf_arch_config, load_gguf_weights, quantize_loaded
+    from kvpilot.runtime.load.gguf_reader import GGUFFile
+    from kvpilot.runtime.load.loader import build_model, gguf_arch_config, load_gguf_weights, quantize_loaded
 
     with GGUFFile(path) as f:
         arch = gguf_arch_config(f)

@@ -13,10 +13,10 @@ import torch
 
 from kvpilot.kernels import isa
 from kvpilot.kernels.attention import TorchReferenceBackend
-from kvpilot.runtime import loader
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.gguf_reader import GGUFFile
-from kvpilot.runtime.loader import (
+from kvpilot.runtime.load import loader
+from kvpilot.runtime.load.gguf_reader import GGUFFile
+from kvpilot.runtime.load.loader import (
     LoadedModel,
     gguf_arch_config,
     gguf_hf_name,
@@ -26,9 +26,9 @@ from kvpilot.runtime.loader import (
     resolve_model_path,
     unpermute_rotary,
 )
+from kvpilot.runtime.load.tokenizer import byte_to_unicode
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
 from kvpilot.runtime.models import layers as L
-from kvpilot.runtime.tokenizer import byte_to_unicode
 
 # ---------------------------------------------------------------------------------------------
 # Locating models

@@ -13,7 +13,7 @@ import torch
 
 from kvpilot.kernels.attention import TorchReferenceBackend
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.loader import LoadedModel, load_model
+from kvpilot.runtime.load.loader import LoadedModel, load_model
 from kvpilot.runtime.models.llama import last_layer_rows
 from tests.runtime.test_model_parity import PagedKV
 from tests.runtime.test_moe import TINY_VOCAB, make_tiny_moe_dir
@@ -82,8 +82,8 @@ def test_moe_model_runs_its_last_layer_on_the_logit_rows(family: str, tmp_path: 
 def test_greedy_tokens_through_the_engine_are_unchanged(smollm2_fp32: LoadedModel) -> None:
     """Chunked prefill (16-token chunks next to decodes): the engine with the last layer on the sample
     rows gives the tokens of a model that runs it on every row."""
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(
         model="smollm2",

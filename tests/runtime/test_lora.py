@@ -27,17 +27,17 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.block_manager import hash_block
 from kvpilot.runtime.config import ConfigError, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine.block_manager import hash_block
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.runner import ModelRunner
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.lora.access import refusal, startup_notice
 from kvpilot.runtime.lora.adapter import LoRAError, parse_lora_modules
 from kvpilot.runtime.lora.errors import AdapterPathError
 from kvpilot.runtime.lora.layers import build_lora_batch
 from kvpilot.runtime.lora.manager import SlotTable
-from kvpilot.runtime.model_runner import ModelRunner
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSeq
 from tests.needs import require_module
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
@@ -488,7 +488,7 @@ def test_a_runner_without_lora_on_the_same_model_is_the_base_model(
 ) -> None:
     """Engines may share one loaded model (tests, benchmarks): an adapter step of one must not leak
     into the next forward of another that serves no adapters."""
-    from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.load.loader import load_model
 
     cfg = engine_config(workdir)
     loaded = load_model(cfg, "cpu", torch.float32)

@@ -24,8 +24,8 @@ import torch
 from fake_engine import LiveServer
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import AsyncEngine, LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import AsyncEngine, LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.needs import require_module
 from tests.runtime.test_lora import ADAPTERS, random_llama, write_adapter, write_base
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvpilot.kernels import cpu_moe
-from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.tp.runner import TPModelRunner, check_tensor_parallel
 from kvpilot.runtime.models import ModelArchConfig
-from kvpilot.runtime.tp_runner import TPModelRunner, check_tensor_parallel
 from tests.runtime.test_moe import make_tiny_moe_dir
 from tests.runtime.test_tensor_parallel import compare, engine_config, run, start, tiny_prompts
 

@@ -25,11 +25,11 @@ import torch
 
 from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import ConfigError, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.tp.runner import TPModelRunner
+from kvpilot.runtime.load.loader import LoadedModel, load_model
+from kvpilot.runtime.load.quantization import expert_layers, linear_layers, quantize_model, tile_for_cpu
 from kvpilot.runtime.models.moe import FusedMoE, dequantize_experts, moe_grouped, moe_reference, route
-from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_model, tile_for_cpu
-from kvpilot.runtime.tp_runner import TPModelRunner
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV, rel_diff
 from tests.runtime.test_moe import FAMILIES, TINY_VOCAB, make_tiny_moe_dir

@@ -21,8 +21,8 @@ import torch
 
 from kvpilot.kernels import qlinear
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.needs import require_module
 from tests.runtime.greedy_reference import Reference
 from tests.runtime.test_lora import write_adapter

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.loader import LoadedModel, load_model
 
 MAX_NEW = 16
 TEXTS = [

@@ -28,13 +28,13 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.distributed import TensorParallelError
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.model_runner import ModelRunner
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.runner import ModelRunner
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.scheduler import ScheduledSeq
+from kvpilot.runtime.engine.tp.distributed import TensorParallelError
+from kvpilot.runtime.engine.tp.runner import TPModelRunner, check_tensor_parallel
 from kvpilot.runtime.models import ModelArchConfig
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSeq
-from kvpilot.runtime.tp_runner import TPModelRunner, check_tensor_parallel
 from tests.runtime.greedy_reference import Reference, assert_matches_reference
 
 # fp32; tensor parallelism only reorders sums (partial matmuls + all-reduce): measured ~1e-7 of scale
