@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload as wl
 
+from kvpilot.runtime.engine.build import build_engine
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,7 +49,6 @@ def main() -> int:
 
     from kvpilot.kernels import isa
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine.core import LLMEngine
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     gguf = wl.smollm2_gguf()
@@ -65,7 +66,7 @@ def main() -> int:
             kv_cache_memory=2**30,
             quantization=None if q == "none" else q,
         )
-        engine = LLMEngine.from_config(cfg)
+        engine = build_engine(cfg)
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         engine.generate([reqs[0].prompt_ids[:32]], greedy)  # warm-up: kernels built and loaded
         for r in reqs:

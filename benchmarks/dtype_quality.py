@@ -25,6 +25,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvpilot.runtime.engine.build import build_engine  # noqa: E402
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers  # noqa: E402
 
 # configuration name -> (engine, dtype, environment)
@@ -57,10 +58,9 @@ def run_kvpilot(dtype: str) -> dict[str, Any]:
     import torch
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine.core import LLMEngine
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(dtype=dtype, kv_cache_memory=256 * 2**20))
+    engine = build_engine(EngineConfig(dtype=dtype, kv_cache_memory=256 * 2**20))
     tok = engine.tokenizer
     ids = tok.encode(TEXT, add_special_tokens=False)
     choices = engine.next_token_choices(ids)

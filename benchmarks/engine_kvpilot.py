@@ -18,6 +18,7 @@ from runtime_loadgen import Server
 from spec_decode_bench import spec_figures
 
 from kvpilot.net import free_port
+from kvpilot.runtime.engine.build import build_engine
 
 
 def kvpilot_config(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:
@@ -48,9 +49,8 @@ def kvpilot_speculative_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_kvpilot(args: argparse.Namespace, gguf_path: Path) -> Any:
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine.core import LLMEngine
 
-    return LLMEngine.from_config(EngineConfig(**kvpilot_config(args, gguf_path)))
+    return build_engine(EngineConfig(**kvpilot_config(args, gguf_path)))
 
 
 def kvpilot_params(max_tokens: int) -> Any:

@@ -33,7 +33,7 @@ from weight_quant import cpu_model, decode_tok_s, linear_bytes
 
 from kvpilot.kernels import isa
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.load.loader import builtin_model_path, load_model
 from kvpilot.runtime.load.quant_formats import parse_quantization_config
 from kvpilot.runtime.load.quant_pack import PROJECTIONS, quantize_layer
@@ -149,7 +149,7 @@ def main() -> int:
         t0 = time.perf_counter()
         loaded = load_model(cfg, "cpu")
         load_s = time.perf_counter() - t0
-        engine = LLMEngine.from_loaded(loaded, cfg)
+        engine = engine_from_loaded(loaded, cfg)
         ids = engine.tokenizer.encode(text)
         ppl = perplexity(engine, ids[: args.tokens], args.window)
         base = base or ppl

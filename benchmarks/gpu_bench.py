@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load.loader import LoadedModel, build_model, hf_arch_config, resolve_model_path
@@ -209,7 +210,7 @@ def engine_for(loaded: LoadedModel, max_num_seqs: int, **overrides: Any) -> LLME
         enable_prefix_caching=False,
         **overrides,
     )
-    return LLMEngine.from_loaded(loaded, cfg)
+    return engine_from_loaded(loaded, cfg)
 
 
 def close(engine: LLMEngine) -> None:

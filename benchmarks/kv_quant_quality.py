@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory=args.kv_cache_memory,
             threads=args.threads,
         )
-        engine = LLMEngine.from_config(cfg)
+        engine = build_engine(cfg)
         ids = engine.tokenizer.encode(text)[: args.tokens]
         step = max(1, len(ids) // (args.prompts + 1))
         prompts = [ids[i * step : i * step + 64] for i in range(args.prompts)]

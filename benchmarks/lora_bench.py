@@ -36,6 +36,7 @@ from bench_runtime import machine_info
 from safetensors.torch import save_file
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load.loader import LoadedModel, load_model, resolve_dtype
@@ -122,7 +123,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):
             write_random_adapter(Path(tmp) / name, loaded.arch, args.rank, seed=i)
-        base = LLMEngine.from_loaded(loaded, base_cfg)
+        base = engine_from_loaded(loaded, base_cfg)
         lora_cfg = base_cfg.model_copy(
             update={
                 "lora_modules": {n: str(Path(tmp) / n) for n in names},
@@ -131,7 +132,7 @@ def main() -> int:
                 "max_lora_rank": args.rank,
             }
         )
-        with_lora = LLMEngine.from_loaded(loaded, lora_cfg)  # attaches the slots to the shared model
+        with_lora = engine_from_loaded(loaded, lora_cfg)  # attaches the slots to the shared model
         spread: list[str | None] = [names[i % args.adapters] for i in range(args.batch)]
         runs: dict[str, tuple[LLMEngine, list[str | None]]] = {
             "base": (base, [None] * args.batch),

@@ -67,6 +67,8 @@ from gpu_bench import copy_bandwidth
 from runtime_harness import cpu_probe, machine_info
 from workload import best_seconds
 
+from kvpilot.runtime.engine.build import engine_from_loaded
+
 OLMOE_1B_7B = dict(
     vocab_size=50304,
     hidden_size=2048,
@@ -123,7 +125,6 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
     from tokenizers import models
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine.core import LLMEngine
     from kvpilot.runtime.load.loader import LoadedModel, build_model, hf_arch_config
     from kvpilot.runtime.load.tokenizer import Tokenizer
 
@@ -153,7 +154,7 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
     loaded = LoadedModel(
         model.eval(), tokenizer, arch, "olmoe-shaped", 4096, Path("."), torch.device("cpu"), dtype
     )
-    return LLMEngine.from_loaded(loaded, cfg)
+    return engine_from_loaded(loaded, cfg)
 
 
 def run_kvpilot(engine: Any, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.engine.sequence import Sequence
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=1 << 30,
         )
-        engine = LLMEngine.from_config(cfg)
+        engine = build_engine(cfg)
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
         key = "caching_on" if caching else "caching_off"
         chosen = set(args.workloads.split(","))

@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload as wl
 
+from kvpilot.runtime.engine.build import build_engine
+
 
 class Timers:
     def __init__(self) -> None:
@@ -121,7 +123,6 @@ def main() -> int:
     args = p.parse_args()
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine.core import LLMEngine
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     gguf_path = wl.smollm2_gguf()
@@ -135,7 +136,7 @@ def main() -> int:
         kv_cache_memory=int(args.kv_gib * 2**30),
         quantization=args.quantization,
     )
-    engine = LLMEngine.from_config(cfg)
+    engine = build_engine(cfg)
     lo_p, hi_p = map(int, args.prompt_range.split(","))
     lo_o, hi_o = map(int, args.output_range.split(","))
     reqs = wl.make_requests(

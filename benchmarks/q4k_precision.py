@@ -36,7 +36,7 @@ from kv_quant_quality import perplexity, stdlib_docstrings
 from weight_quant import cpu_model
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.load import gguf_blocks
 from kvpilot.runtime.load.loader import load_model
 
@@ -115,12 +115,12 @@ def main() -> int:
     if args.tokens:
         ids = loaded.tokenizer.encode(stdlib_docstrings())[: args.tokens]
         result["perplexity_gguf_float32_scales"] = perplexity(
-            LLMEngine.from_loaded(loaded, cfg), ids, args.window
+            engine_from_loaded(loaded, cfg), ids, args.window
         )
         for mod, qw in zip(downs, converted, strict=True):  # model B: kvpilot's blocks
             mod.qweight, mod.weight = qw, None
         result["perplexity_kvpilot_float16_scales"] = perplexity(
-            LLMEngine.from_loaded(loaded, cfg), ids, args.window
+            engine_from_loaded(loaded, cfg), ids, args.window
         )
         result["perplexity_change_pct"] = 100 * (
             result["perplexity_kvpilot_float16_scales"] / result["perplexity_gguf_float32_scales"] - 1

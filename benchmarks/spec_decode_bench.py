@@ -29,6 +29,7 @@ import workload as wl
 from runtime_harness import machine_info
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load.loader import LoadedModel, load_model, resolve_dtype
@@ -99,7 +100,7 @@ def engine(
         max_num_seqs=max(args.batch_sizes),
         **spec,
     )
-    return LLMEngine.from_loaded(loaded, cfg, draft=draft)
+    return engine_from_loaded(loaded, cfg, draft=draft)
 
 
 def single_stream(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:

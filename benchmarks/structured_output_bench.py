@@ -24,8 +24,9 @@ import torch
 from grammar_engines import cpu_model  # benchmarks/ is sys.path[0] when run as a script
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.engine import sampler as sampler_module
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
-from kvpilot.runtime.engine.core import sampler as sampler_module
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.grammar.structured_output import GrammarState, GuidedSpec
 
@@ -100,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     cfg = EngineConfig(model=DEFAULT_MODEL, dtype=args.dtype, kv_cache_memory=512 * 2**20, max_model_len=1024)
-    engine = LLMEngine.from_config(cfg)
+    engine = build_engine(cfg)
     tok = engine.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a story as JSON."}]))
     spec = GuidedSpec.json_schema(schema(args.min_chars), "guided_json")

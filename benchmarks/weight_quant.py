@@ -39,6 +39,7 @@ from kv_quant_quality import perplexity, stdlib_docstrings
 
 from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load.loader import load_model
@@ -114,7 +115,7 @@ def main() -> int:
         )
         quantized_head = head == "quantized"
         loaded = load_model(cfg, "cpu", dtype, keep_gguf_blocks=quantized_head, quantize_head=quantized_head)
-        engine = LLMEngine.from_loaded(loaded, cfg)
+        engine = engine_from_loaded(loaded, cfg)
         ids = engine.tokenizer.encode(text)
         row: dict[str, Any] = {
             "dtype": dtype,

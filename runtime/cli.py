@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError, EngineConfig
+from kvpilot.runtime.engine.build import build_async_engine
 
 log = logging.getLogger("kvpilot.serve")
 
@@ -327,9 +328,8 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
             import torch
 
             torch.set_num_threads(cfg.threads)
-        from kvpilot.runtime.engine.core import AsyncEngine
 
-        return AsyncEngine.from_config(cfg)
+        return build_async_engine(cfg)
 
     log.info("loading model %s (device=%s, dtype=%s)", cfg.model, cfg.device, cfg.dtype)
     stop = asyncio.Event()

@@ -9,23 +9,7 @@ work (`/ready` 503) and be restarted (`/health` 503, the liveness probe). Idle w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class EngineHealth:
-    healthy: bool
-    status: str  # the probe body's "status": "ok", "engine stalled", "engine stopped"
-    reason: str | None = None  # why not healthy, in words (the probe body's "reason")
-
-    def body(self) -> dict[str, str]:
-        out = {"status": self.status}
-        if self.reason is not None:
-            out["reason"] = self.reason
-        return out
-
-
-HEALTHY = EngineHealth(True, "ok")
+from kvpilot.runtime.engine.protocol import HEALTHY, EngineHealth
 
 
 def judge_progress(heartbeat_age: float, has_work: bool, stall_timeout: float) -> EngineHealth:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from kvpilot.runtime.engine.protocol import TokenLogprob
 from kvpilot.runtime.engine.sampling_params import SamplingParams
-from kvpilot.runtime.engine.sequence import TokenLogprob
 from kvpilot.runtime.grammar.structured_output import GrammarState, apply_bitmask, new_bitmask
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).

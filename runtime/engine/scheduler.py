@@ -10,12 +10,20 @@ request for another adapter waits while others behind it may go ahead.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.protocol import TokenLogprob
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+# What sampling chose for one scheduled sequence: the tokens to append, their logprobs, and how many
+# of them are accepted speculative proposals (whose K/V this step already computed).
+SampledTokens = tuple[list[int], list[TokenLogprob | None], int]
 
 
 @dataclass
@@ -177,10 +185,72 @@ class Scheduler:
     def _prefilling(self) -> list[Sequence]:
         return [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and publish completed blocks to the prefix cache."""
+    def on_step_done(self, out: SchedulerOutput) -> int:
+        """Advance computed-token counts and publish completed blocks to the prefix cache; returns
+        the prompt tokens this step computed."""
+        prompt_tokens = 0
         for s in out.scheduled:
-            # speculative tokens are not committed here: the engine adds the accepted ones after
+            seq = s.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            # speculative tokens are not committed here: `update` adds the accepted ones after
             # verification (and releases the slots of the rejected ones)
-            s.seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
-            self.bm.cache_full_blocks(s.seq)
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
+            self.bm.cache_full_blocks(seq)
+        return prompt_tokens
+
+    def update(self, sampled: list[ScheduledSeq], tokens: list[SampledTokens], now: float) -> StepUpdate:
+        """Commit what sampling chose: append the tokens, advance each grammar, check stops, finish
+        the sequences that are done and settle speculation (accepted proposals kept, the rest of
+        their slots released). Returns the sequences that changed, in order."""
+        update = StepUpdate()
+        for s, (token_ids, lps, accepted) in zip(sampled, tokens, strict=True):
+            seq = s.seq
+            # K/V of the accepted proposals was computed this step
+            seq.num_computed_tokens += accepted
+            finished = False
+            for token_id, lp in zip(token_ids, lps, strict=True):
+                seq.append_token(token_id, lp)
+                update.num_generated += 1
+                if seq.grammar is not None and not seq.grammar.accept(token_id):
+                    # the mask allowed only tokens the grammar accepts: a bug, not the client's
+                    log.error("request %s: token %d violates its grammar", seq.seq_id, token_id)
+                    seq.finish_reason, seq.stop_reason = "abort", None
+                    finished = True
+                    break
+                if seq.check_stop():
+                    finished = True
+                    break
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if finished:
+                self.finish(seq)
+            elif s.num_spec_tokens:
+                self.commit_speculation(seq)
+            update.touched.append(seq)
+        for s in sampled:
+            s.seq.spec_token_ids = []
+            s.seq.spec_draft_probs = None
+        return update
+
+    def commit_speculation(self, seq: Sequence) -> None:
+        """After verification: release the slots past the sequence's tokens and publish blocks the
+        accepted tokens completed; the draft model's cache keeps only what is still valid."""
+        self.bm.trim(seq)
+        self.bm.cache_full_blocks(seq)
+        seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
+
+    def drop_speculation(self, out: SchedulerOutput) -> None:
+        """A failed step: forget its proposals and their slots (nothing was committed)."""
+        for s in out.scheduled:
+            if s.num_spec_tokens:
+                s.seq.spec_token_ids = []
+                s.seq.spec_draft_probs = None
+                self.bm.trim(s.seq)
+                s.seq.draft_num_computed = min(s.seq.draft_num_computed, s.seq.num_computed_tokens)
+
+
+@dataclass
+class StepUpdate:
+    touched: list[Sequence] = field(default_factory=list)  # sequences with new tokens or finished
+    num_generated: int = 0  # tokens appended

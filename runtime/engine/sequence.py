@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.runtime.engine.protocol import TokenLogprob
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.lora.request import LoRARequest
 
@@ -20,15 +20,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    """Logprob of one generated token, with the top alternatives when asked for."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Sequence:

@@ -35,13 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from kvpilot.runtime.grammar.analysis import find_dead_rule
 from kvpilot.runtime.grammar.json_limits import MAX_JSON_DEPTH, JSONDepthError, loads_limited
 from kvpilot.runtime.grammar.schema_checks import SchemaProblem, check_schema_valid, unenforced_keyword
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -356,7 +355,11 @@ class GrammarState:
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """[rows, ceil(vocab/32)] int32, every token allowed (-1 is all bits set)."""
+    """[rows, ceil(vocab/32)] int32, every token allowed (-1 is all bits set). (torch and xgrammar are
+    imported where they are used: the HTTP front end imports this module for the request checks
+    and stays free of the model stack.)"""
+    import torch
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 

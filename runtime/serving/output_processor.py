@@ -20,9 +20,9 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
-from kvpilot.runtime.engine.core import EngineDeadError, QueueFullError
+from kvpilot.runtime.engine.protocol import Engine, EngineDeadError, QueueFullError
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.serving.detokenizer import TextStream
 from kvpilot.runtime.serving.errors import APIError, engine_dead_error, queue_full_error
@@ -36,28 +36,6 @@ log = logging.getLogger("kvpilot.server")
 MIN_LOGPROB = -9999.0
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
-
-
-class Engine(Protocol):
-    """The slice of `kvpilot.runtime.engine.core.AsyncEngine` the server and the output processor use."""
-
-    tokenizer: Any
-    max_model_len: int
-    max_queue_len: int  # a request with more choices than this could never be admitted
-    kv_capacity_tokens: int  # the whole KV pool: the longest sequence that can ever run
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        lora: str | None = None,
-    ) -> AsyncIterator[Any]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    def stats(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -284,11 +262,8 @@ class RequestState:
 
     def _submit(self, c: Choice) -> AsyncIterator[Any]:
         try:
-            adapter = (
-                {"lora": c.lora} if c.lora is not None else {}
-            )  # engines without LoRA take no such argument
             return self.engine.add_request(
-                c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt, **adapter
+                c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt, lora=c.lora
             )
         except ValueError as e:  # (GuidedSpecError names its field)
             raise APIError(str(e), param=getattr(e, "param", "prompt")) from None

@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from kvpilot.runtime.engine.health import HEALTHY, EngineHealth
+from kvpilot.runtime.engine.protocol import HEALTHY, Engine, EngineHealth
 from kvpilot.runtime.grammar.service import GrammarQueueFullError
 from kvpilot.runtime.grammar.structured_output import GuidedSpecError
 from kvpilot.runtime.lora import access as lora_access
@@ -45,7 +45,7 @@ from kvpilot.runtime.serving.errors import (
     shutting_down_error,
 )
 from kvpilot.runtime.serving.metrics import ServerMetrics
-from kvpilot.runtime.serving.output_processor import Delta, Engine, OutputProcessor, RequestState
+from kvpilot.runtime.serving.output_processor import Delta, OutputProcessor, RequestState
 from kvpilot.runtime.serving.request import (
     GenerationRequest,
     ServingLimits,
@@ -83,7 +83,7 @@ class ServerSettings:
 
 def adapter_names(engine: Engine | None) -> list[str]:
     """The LoRA adapters an engine has loaded (engines without LoRA support have none)."""
-    return [a.name for a in getattr(engine, "loras", None) or []]
+    return [a.name for a in engine.loras] if engine is not None else []
 
 
 def _dumps(obj: Any) -> bytes:
@@ -120,7 +120,7 @@ def serving_limits(engine: Engine) -> ServingLimits:
         engine.max_model_len,
         engine.kv_capacity_tokens,
         engine.max_queue_len,
-        getattr(engine.tokenizer, "vocab_size", None),
+        engine.tokenizer.vocab_size,
     )
 
 
@@ -246,8 +246,7 @@ class OpenAIServer:
     # -- simple endpoints -----------------------------------------------------------------------
     def engine_health(self) -> EngineHealth:
         """The engine's own verdict (its loop's watchdog); healthy while none is attached (loading)."""
-        check = getattr(self.engine, "health", None)
-        return check() if callable(check) else HEALTHY
+        return self.engine.health() if self.engine is not None else HEALTHY
 
     async def health(self, request: web.Request) -> web.Response:
         verdict = self.engine_health()
@@ -280,7 +279,7 @@ class OpenAIServer:
         if self.engine is not None:
             card["max_model_len"] = self.engine.max_model_len
         cards = [card]
-        for adapter in getattr(self.engine, "loras", None) or []:
+        for adapter in self.engine.loras if self.engine is not None else []:
             cards.append(  # no `root`: vLLM shows the adapter's path there; clients learn no server paths
                 {
                     **card,
@@ -334,7 +333,7 @@ class OpenAIServer:
             status, kind, message = refused
             raise APIError(message, status=status, type=kind)
         engine = self._require_engine()
-        if not getattr(engine, "lora_enabled", False):
+        if not engine.lora_enabled:
             raise APIError(
                 "this server's engine does not serve LoRA adapters", status=404, type="not_found_error"
             )
@@ -374,15 +373,13 @@ class OpenAIServer:
 
     @staticmethod
     async def _compile_grammar(engine: Engine, gen: GenerationRequest) -> GenerationRequest:
-        """A constrained request's grammar, compiled before the engine sees the request (engines
-        without `compile_grammar`, the test double, compile nothing): a grammar that is refused is
-        a 400 for this request alone, and the engine loop never waits on a compile."""
-        compile_grammar = getattr(engine, "compile_grammar", None)
+        """A constrained request's grammar, compiled before the engine sees the request: a grammar
+        that is refused is a 400 for this request alone, and the engine loop never waits on a compile."""
         spec = gen.guided
-        if compile_grammar is None or spec is None:
+        if spec is None:
             return gen
         try:
-            compiled = await compile_grammar(spec)
+            compiled = await engine.compile_grammar(spec)
         except GuidedSpecError as e:
             raise APIError(str(e), param=e.param) from None
         except GrammarQueueFullError:

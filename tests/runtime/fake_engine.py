@@ -1,5 +1,5 @@
 """Test doubles for the server-protocol tests ONLY: a small byte-level BPE tokenizer and a fake engine
-that implements the `AsyncEngine` interface the server talks to. Real end-to-end tests use the real
+that implements the `Engine` contract (runtime/engine/protocol.py) the server talks to. Real end-to-end tests use the real
 engine and the SmolLM2 model.
 """
 
@@ -17,15 +17,20 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvpilot.runtime.engine.core import (
+from kvpilot.runtime.engine.protocol import (
+    HEALTHY,
     CompletionOutput,
+    EngineHealth,
     EngineStats,
     QueueFullError,
     RequestMetrics,
     RequestOutput,
+    TokenLogprob,
 )
 from kvpilot.runtime.engine.sampling_params import SamplingParams
-from kvpilot.runtime.engine.sequence import TokenLogprob
+from kvpilot.runtime.grammar.structured_output import CompiledGuided, GuidedSpec, GuidedSpecError
+from kvpilot.runtime.lora.errors import LoRAError
+from kvpilot.runtime.lora.request import LoadedAdapter
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -134,6 +139,26 @@ class FakeEngine:
             num_steps=0,
         )
 
+    def health(self) -> EngineHealth:
+        return HEALTHY
+
+    @property
+    def loras(self) -> list[LoadedAdapter]:
+        return []
+
+    @property
+    def lora_enabled(self) -> bool:
+        return False
+
+    async def add_lora(self, name: str, path: str) -> None:
+        raise LoRAError("the test engine serves no adapters")
+
+    async def remove_lora(self, name: str) -> None:
+        raise LoRAError("the test engine serves no adapters")
+
+    async def compile_grammar(self, spec: GuidedSpec) -> CompiledGuided:
+        raise GuidedSpecError("response_format", "the test engine compiles no grammars")
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         ev = self._abort_events.get(request_id)
@@ -146,7 +171,10 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if lora is not None:
+            raise ValueError(f"the test engine serves no adapter {lora!r}")
         self.last_cache_salt = cache_salt
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise ValueError("prompt too long")

@@ -13,6 +13,7 @@ import torch
 from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear
 from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.runner import KVGeometry, allocate_kv_cache
 from kvpilot.runtime.load.loader import load_model
 from kvpilot.runtime.models import cpu_stack
@@ -79,7 +80,6 @@ def test_stack_gives_the_python_layers_hidden_states(
 
 
 def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpilot.runtime.engine.core import LLMEngine
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     _require_stack()
@@ -89,10 +89,10 @@ def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytes
     calls: list[int] = []
     real = cpu_decoder.run
     monkeypatch.setattr(cpu_decoder, "run", lambda *a: calls.append(1) or real(*a))
-    on = [o.token_ids for o in LLMEngine.from_config(cfg).generate(prompts, params)]
+    on = [o.token_ids for o in build_engine(cfg).generate(prompts, params)]
     assert len(calls) >= 24  # every decode step took the stack
     monkeypatch.setattr(cpu_stack, "ENABLED", False)
-    off = [o.token_ids for o in LLMEngine.from_config(cfg).generate(prompts, params)]
+    off = [o.token_ids for o in build_engine(cfg).generate(prompts, params)]
     assert len(calls) < 24 + 24
     assert on == off
 

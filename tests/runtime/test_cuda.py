@@ -15,6 +15,7 @@ import torch
 
 from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE, cuda_backend_name
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.plan import DEFAULT_BLOCK_SIZE, kv_budget_bytes, resolve_block_size
 from kvpilot.runtime.engine.runner import (
@@ -119,7 +120,7 @@ def make_cuda_engine(smollm2_gguf_path: Any) -> Iterator[Callable[..., LLMEngine
 
     def make(**overrides: Any) -> LLMEngine:
         settings: dict[str, Any] = {"model": str(smollm2_gguf_path), "device": "cuda", **overrides}
-        engine = LLMEngine.from_config(EngineConfig(**settings))
+        engine = build_engine(EngineConfig(**settings))
         engines.append(engine)
         return engine
 

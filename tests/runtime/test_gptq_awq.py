@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load import loader, quant_formats
 from kvpilot.runtime.load.loader import LoadedModel, load_model
@@ -236,11 +236,11 @@ def test_logits_and_greedy_tokens_match_the_dequantized_model(pair: dict[str, An
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [
         s.output_token_ids
-        for s in LLMEngine.from_loaded(quantized, EngineConfig(**settings)).generate(prompts, params)
+        for s in engine_from_loaded(quantized, EngineConfig(**settings)).generate(prompts, params)
     ]
     want = [
         s.output_token_ids
-        for s in LLMEngine.from_loaded(dense, EngineConfig(**settings)).generate(prompts, params)
+        for s in engine_from_loaded(dense, EngineConfig(**settings)).generate(prompts, params)
     ]
     assert all(len(tokens) == 12 for tokens in got)
     if pair["cq"].sym:  # the very weights: the same tokens

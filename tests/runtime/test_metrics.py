@@ -133,7 +133,7 @@ def test_separate_registries() -> None:
 
 
 def test_speculative_decoding_metrics_present_only_when_it_is_on() -> None:
-    from kvpilot.runtime.engine.core import EngineStats
+    from kvpilot.runtime.engine.protocol import EngineStats
 
     base = dict(
         model_name="m",
@@ -192,7 +192,7 @@ def test_output_length_histogram_observes_each_finished_generation() -> None:
 
 @pytest.fixture(scope="module")
 def real_server(make_engine: Any) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine.core import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=256))
     engine.start()
@@ -233,7 +233,7 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
 def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     """Every metric a server exposes, with an engine attached whose every optional series is on
     (speculative decoding) and one finished request: exposed name -> (type, labels)."""
-    from kvpilot.runtime.engine.core import EngineStats
+    from kvpilot.runtime.engine.protocol import EngineStats
 
     stats = EngineStats(
         model_name="m", kv_cache_usage=0.5, num_running=1, num_waiting=2, num_blocks=10, block_size=16,

@@ -10,6 +10,7 @@ import torch
 
 from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.load.loader import LoadedModel, load_model, quantization_method
 from kvpilot.runtime.load.quantization import fitting_int4_groups, linear_layers, quantize_model, tile_for_cpu
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
@@ -190,7 +191,6 @@ def test_auto_runs_the_builtin_gguf_from_its_own_blocks(smollm2_fp32: LoadedMode
     head and embedding its Q8_0 blocks (int8 group 32), no 16-bit copy of any of them; those are the
     very values the float model was dequantized to, so greedy decoding picks the same tokens (with
     the kernel's exact float activations: int8 activation rounding moves near-ties)."""
-    from kvpilot.runtime.engine.core import LLMEngine
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="auto", dtype="float32", kv_cache_memory=64 << 20)
@@ -211,8 +211,8 @@ def test_auto_runs_the_builtin_gguf_from_its_own_blocks(smollm2_fp32: LoadedMode
     tok = smollm2_fp32.tokenizer
     prompts = [tok.encode(p) for p in (PROMPT, "def fibonacci(n):", "The capital of France is")]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    want = LLMEngine.from_loaded(smollm2_fp32, cfg.model_copy(update={"quantization": None}))
-    got = LLMEngine.from_loaded(quant, cfg)
+    want = engine_from_loaded(smollm2_fp32, cfg.model_copy(update={"quantization": None}))
+    got = engine_from_loaded(quant, cfg)
     ref_tokens = [s.output_token_ids for s in want.generate(prompts, params)]
     assert [s.output_token_ids for s in got.generate(prompts, params)] == ref_tokens
 

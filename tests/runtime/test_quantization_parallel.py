@@ -21,6 +21,7 @@ import torch
 
 from kvpilot.kernels import qlinear
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.needs import require_module
@@ -38,7 +39,7 @@ def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
     engines: list[LLMEngine] = []
 
     def make(cfg: EngineConfig) -> LLMEngine:
-        engines.append(LLMEngine.from_config(cfg))
+        engines.append(build_engine(cfg))
         return engines[-1]
 
     yield make

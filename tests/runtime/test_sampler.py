@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvpilot.runtime.engine.core import sampler as sampler_module
+from kvpilot.runtime.engine import sampler as sampler_module
 from kvpilot.runtime.engine.sampler import (
     Sampler,
     SamplingRow,

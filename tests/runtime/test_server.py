@@ -568,7 +568,7 @@ def test_cli_config_errors_name_the_field_and_exit_2(
 
 @pytest.fixture(scope="module")
 def real_live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine.core import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=512))
     engine.start()

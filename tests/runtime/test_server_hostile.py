@@ -232,7 +232,7 @@ def test_more_choices_than_the_queue_holds_is_400_naming_n() -> None:
 @pytest.fixture(scope="module")
 def small_pool(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
     """SmolLM2 with max_model_len 512 but a KV pool of 4 blocks (64 tokens)."""
-    from kvpilot.runtime.engine.core import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     per_block = make_engine(max_model_len=512).runner.geometry.bytes_per_block
     engine = AsyncEngine(make_engine(max_model_len=512, kv_cache_memory=4 * per_block))

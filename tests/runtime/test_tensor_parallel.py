@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.runner import ModelRunner
 from kvpilot.runtime.engine.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
     runners: list[weakref.ref[ModelRunner]] = []  # weak: a test may drop its engine on purpose
 
     def make(cfg: EngineConfig) -> LLMEngine:
-        engine = LLMEngine.from_config(cfg)
+        engine = build_engine(cfg)
         runners.append(weakref.ref(engine.runner))
         return engine
 
@@ -252,7 +253,7 @@ def test_smollm2_tp3_greedy_matches_tp1(
 
 def test_size_that_does_not_divide_the_heads_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 .*9 attention heads.*supports: 1, 3$"):
-        LLMEngine.from_config(engine_config("smollm2-135m-instruct", 2))
+        build_engine(engine_config("smollm2-135m-instruct", 2))
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
 
 

@@ -43,7 +43,7 @@ def get_weather(city: str, unit: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine.core import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=1024))
     engine.start()

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.runtime.engine.protocol import TokenLogprob
 from kvpilot.runtime.engine.sampler import Sampler, SamplingRow, adjusted_logits, processed_probs
-from kvpilot.runtime.engine.sequence import Sequence, TokenLogprob
+from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.engine.spec.ngram import propose_ngram
 from kvpilot.runtime.engine.spec.policy import (
     DEFAULT_SATURATION_TOKENS,
