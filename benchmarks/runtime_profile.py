@@ -7,12 +7,12 @@ linears, norms, rotary), the LM head, the sampler and the engine's own bookkeepi
 torch op is synchronous, so wall time of a wrapped call is the time it costs. Steps are split into
 decode-only and mixed (prefill chunks present). Optionally a torch.profiler op table (--torch-ops).
 
-    python benchmarks/profile_kvpilot.py --num-requests 128 --steps 300 [--torch-ops]
+    python benchmarks/runtime_profile.py --num-requests 128 --steps 300 [--torch-ops]
     KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-        python benchmarks/profile_kvpilot.py --num-requests 32 --max-num-seqs 32 \
-        --prompt-range 32,256 --output-range 32,128 --quantization int4    # issue 14's AVX2 batch
+        python benchmarks/runtime_profile.py --num-requests 32 --max-num-seqs 32 \
+        --prompt-range 32,256 --output-range 32,128 --quantization int4    # the suite's AVX2 batch
 
-Prints JSON. The workload is the same as bench_runtime.py's (benchmarks/workload.py, seed 0); the
+Prints JSON. The workload is the same as runtime_vs_peers.py's (benchmarks/workload.py, seed 0); the
 run stops after --steps steps so it profiles the start (prefill-heavy) and the steady decode phase.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_runtime.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime_vs_peers.py
 
 import torch
 
@@ -113,7 +113,7 @@ def main() -> int:
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--quantization", default=None, help="EngineConfig.quantization (int8, int4, auto)")
     p.add_argument(
-        "--prompt-range", default="32,512", help="prompt lengths, inclusive (bench_runtime's default)"
+        "--prompt-range", default="32,512", help="prompt lengths, inclusive (runtime_vs_peers.py's default)"
     )
     p.add_argument("--output-range", default="64,512", help="output lengths, inclusive")
     p.add_argument("--torch-ops", action="store_true", help="also a torch.profiler op table (slower)")

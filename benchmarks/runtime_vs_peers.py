@@ -1,5 +1,10 @@
 #!/usr/bin/env python
-"""kvpilot runtime vs Hugging Face transformers and llama.cpp's server, on CPU, in one run.
+"""How fast is the kvpilot runtime against Hugging Face transformers and llama.cpp's server, on CPU?
+
+Without a subcommand: one configuration of every engine in one run (below). Subcommands:
+    suite      the side-by-side suite: single stream at the native ISA and the batch as on an
+               AVX2-only CPU, every configuration in its own process of this script (peers/suite.py)
+    cpu-time   the batch on one thread in thread CPU time, for a shared machine (peers/cpu_time.py)
 
 Prints one JSON document: the machine (CPU model, bf16/AMX flags, cores, load average, versions), the
 configuration each engine ran with, and the figures:
@@ -16,17 +21,18 @@ configuration each engine ran with, and the figures:
   openai client) against `kvpilot serve` and llama-server.
 
 Usage:
-    python benchmarks/bench_runtime.py --engines kvpilot,hf,llamacpp --num-requests 128
-    python benchmarks/bench_runtime.py --quick          # small smoke run
-    python benchmarks/bench_runtime.py --engines kvpilot,llamacpp --skip batch,online,peak,serve \
+    python benchmarks/runtime_vs_peers.py --engines kvpilot,hf,llamacpp --num-requests 128
+    python benchmarks/runtime_vs_peers.py --quick          # small smoke run
+    python benchmarks/runtime_vs_peers.py --engines kvpilot,llamacpp --skip batch,online,peak,serve \
         --single-text quoting --single-count 3 --kvpilot-quantization int4 \
         --kvpilot-speculative-method ngram      # single stream on "repeat this text" prompts
-benchmarks/issue14_figures.py runs issue 14's whole comparison through this script.
+    python benchmarks/runtime_vs_peers.py suite --rounds 2     # the side-by-side suite
+    python benchmarks/runtime_vs_peers.py cpu-time --num-requests 16 --quantization none,int4,int8
 llama-server comes from benchmarks/build_llamacpp.sh (built once, cached in benchmarks/.build/).
 
-Layout: this file is the command line and the comparison; runtime_harness.py probes the machine,
-counts FLOPs and records phases, runtime_loadgen.py drives OpenAI-compatible servers, and
-engine_kvpilot.py, engine_hf.py and engine_llamacpp.py are the adapters of the engines under test.
+Layout: this file is the command line and the comparison; peers/measure.py probes the machine,
+counts FLOPs and records phases, peers/loadgen.py drives OpenAI-compatible servers, and
+peers/engine_kvpilot.py, peers/engine_hf.py and peers/engine_llamacpp.py are the adapters of the engines under test.
 The machine may be shared: every phase records the load average and a short matmul probe
 (`cpu_probe_gflops`) taken right before it, so figures from a noisy moment can be recognised.
 """
@@ -41,6 +47,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import dispatch
+
+SUBCOMMANDS = {"suite": "peers.suite", "cpu-time": "peers.cpu_time"}
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+    dispatch(__doc__ or "", SUBCOMMANDS)  # before the OpenMP setting and torch below: theirs are their own
 
 # OpenMP threads that spin while they wait for work are a disaster on a shared 2-core machine: a
 # barrier waits for a descheduled sibling every op (HF decode step 3.2 s active vs 0.12 s passive at
@@ -67,13 +79,12 @@ else:
     os.environ["OMP_WAIT_POLICY"] = _OMP_POLICY
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload as wl  # noqa: E402
-from engine_hf import HFGenerate  # noqa: E402
-from engine_kvpilot import KvpilotOffline, engine_matmul_dtype, kvpilot_server  # noqa: E402
-from engine_llamacpp import DEFAULT_LLAMACPP_VERSION, llamacpp_engine  # noqa: E402
-from runtime_harness import (  # noqa: E402
+from peers.engine_hf import HFGenerate  # noqa: E402
+from peers.engine_kvpilot import KvpilotOffline, engine_matmul_dtype, kvpilot_server  # noqa: E402
+from peers.engine_llamacpp import DEFAULT_LLAMACPP_VERSION, llamacpp_engine  # noqa: E402
+from peers.loadgen import HttpServer  # noqa: E402
+from peers.measure import (  # noqa: E402
     HERE,
     BenchEngine,
     keep_best,
@@ -85,7 +96,6 @@ from runtime_harness import (  # noqa: E402
     model_flops,
     phase,
 )
-from runtime_loadgen import HttpServer  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 ALL_ENGINES = ("kvpilot", "hf", "llamacpp")
@@ -138,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="corpus",
         choices=["corpus", "quoting"],
         help="single-stream prompts: a window of corpus text (--single-prompt tokens) or a chat turn "
-        "asking to repeat a passage of it (spec_decode_bench.py's quoting prompts, --single-words words)",
+        "asking to repeat a passage of it (features/speculative.py's quoting prompts, --single-words words)",
     )
     p.add_argument("--single-words", type=int, default=90, help="words per quoting passage")
     p.add_argument(
@@ -197,7 +207,7 @@ def single_prompts(args: argparse.Namespace, gguf_path: Path, corpus: list[int])
     """The single-stream prompts of every round (round r runs prompts [r * count, (r + 1) * count))."""
     n = args.rounds * args.single_count
     if args.single_text == "quoting":
-        from spec_decode_bench import quoting_prompts
+        from features.speculative import quoting_prompts
 
         from kvpilot.runtime.load.tokenizer import Tokenizer
 
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "benchmark": "kvpilot runtime vs HF transformers vs llama.cpp server (CPU)",
         "command": " ".join(
-            ["python benchmarks/bench_runtime.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python benchmarks/runtime_vs_peers.py", *(argv if argv is not None else sys.argv[1:])]
         ),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
@@ -412,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(doc, indent=2)
     print(text)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.output) if args.output else RESULTS_DIR / f"bench_runtime-{stamp}.json"
+    out = Path(args.output) if args.output else RESULTS_DIR / f"runtime_vs_peers-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n")
     log(f"wrote {out}")

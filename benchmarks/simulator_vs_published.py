@@ -2,7 +2,7 @@
 simulator predicts for the same GPU, model, dtype and request shapes, side by side with the figure and
 its citation. Prints one JSON object (and a markdown table with --markdown).
 
-    python benchmarks/published_figures.py [--markdown]
+    python benchmarks/simulator_vs_published.py [--markdown]
 
 Deterministic (no measurement here; seconds of CPU). Each prediction runs the fleet simulator with one
 static replica on a trace shaped like the published benchmark:

@@ -5,7 +5,7 @@ for the SmolLM2 tokenizer (vocabulary 49152), then walk a valid document token b
 the next-token bitmask and advancing the matcher with the document's token at every step, which is
 exactly the work the sampler adds per guided sequence and decode step. Prints one JSON object.
 
-    .venv/bin/python benchmarks/grammar_engines.py [--repeats 3]
+    .venv/bin/python benchmarks/grammar_bench.py engines [--repeats 3]
 
 An engine that is not installed is reported as such, not skipped silently.
 """
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import torch
 
 from kvpilot.runtime.load.loader import builtin_model_path
@@ -170,24 +169,13 @@ ENGINES: dict[str, Callable[[Tokenizer], _Walker]] = {
 }
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return platform.processor()
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     tok = Tokenizer.from_gguf(builtin_model_path("smollm2-135m-instruct"))
     bitmask = torch.zeros(1, (tok.vocab_size + 31) // 32, dtype=torch.int32)
-    report: dict[str, Any] = {"cpu": cpu_model(), "vocab_size": tok.vocab_size, "engines": {}}
+    report: dict[str, Any] = {"cpu": harness.cpu_model(), "vocab_size": tok.vocab_size, "engines": {}}
     for key, make in ENGINES.items():
         try:
             t0 = time.perf_counter()

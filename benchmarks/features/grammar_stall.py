@@ -10,7 +10,7 @@ server's peak memory. Prints one JSON object.
 It talks HTTP only, so it measures any version of the server: run it with PYTHONPATH at the tree
 to measure, and pass new flags with --serve-args.
 
-    .venv/bin/python benchmarks/grammar_stall_bench.py [--props 2000] [--max-wait 120] \\
+    .venv/bin/python benchmarks/grammar_bench.py stall [--props 2000] [--max-wait 120] \\
         [--serve-args "--grammar-compile-timeout 10"]
 """
 
@@ -31,7 +31,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from grammar_engines import cpu_model  # benchmarks/ is sys.path[0] when run as a script
+from harness import cpu_model
 
 
 def free_port() -> int:

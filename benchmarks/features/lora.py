@@ -17,7 +17,7 @@ the least disturbed) and every run's figure, and the ratios are given for the be
 medians. The figure of merit is adapters / base (the issue's goal: >= 0.7 for 32 requests over 8
 adapters).
 
-    python benchmarks/lora_bench.py --output benchmarks/results/lora.json
+    python benchmarks/runtime_features.py lora --output benchmarks/results/lora.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_runtime import machine_info
+from peers.measure import machine_info
 from safetensors.torch import save_file
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig

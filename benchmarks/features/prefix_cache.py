@@ -6,7 +6,7 @@ Workloads:
 - multi-turn: C conversations of T turns; each turn resends the whole history plus a new user message.
 
 Reports TTFT percentiles, output-token throughput and the prefix-cache hit rate. Prints JSON.
-    python benchmarks/prefix_cache_bench.py --requests 64 --system-tokens 1024 --question-tokens 32
+    python benchmarks/runtime_features.py prefix-cache --requests 64 --system-tokens 1024 --question-tokens 32
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ speculation, with n-gram speculation always on (K = --k) and with the adaptive r
 prompts and on plain continuation prompts (text from the same corpus, where n-gram matches are rare
 and mostly wrong).
 
-    python benchmarks/spec_decode_bench.py --output benchmarks/results/spec.json
+    python benchmarks/runtime_features.py speculative --output benchmarks/results/spec.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import workload as wl
-from runtime_harness import machine_info
+from peers.measure import machine_info
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine.core import LLMEngine
@@ -49,7 +49,7 @@ def passages(n: int, words: int, seed: int = 0) -> list[str]:
 
 def quoting_prompts(tok: Tokenizer, n: int, words: int) -> list[list[int]]:
     """n chat turns asking the model to repeat ~`words` words of text (the answer quotes the prompt).
-    bench_runtime.py's --single-text quoting runs every engine on these prompts."""
+    runtime_vs_peers.py's --single-text quoting runs every engine on these prompts."""
     out = []
     for text in passages(n, words):
         chat = tok.apply_chat_template(

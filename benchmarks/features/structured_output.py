@@ -9,7 +9,7 @@ grammar's own work (mask fill + apply in the sampler, matcher advance in the eng
 inside the guided runs, which gives its share of the step time independent of the machine's load.
 Prints one JSON object.
 
-    .venv/bin/python benchmarks/structured_output_bench.py [--batch-sizes 1 32] [--max-tokens 32] [--rounds 2]
+    .venv/bin/python benchmarks/grammar_bench.py throughput [--batch-sizes 1 32] [--max-tokens 32] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import torch
-from grammar_engines import cpu_model  # benchmarks/ is sys.path[0] when run as a script
+from harness import cpu_model
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine.core import LLMEngine

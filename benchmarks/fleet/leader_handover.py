@@ -4,14 +4,13 @@ Per run: from the SIGTERM to (a) the Lease being released (holderIdentity empty)
 exit, (c) the standby holding the Lease, (d) the standby's kvpilot_operator_leader gauge at 1. The
 terminated replica is started again as the next run's standby, so runs alternate roles.
 
-    eval "$(e2e/cluster env)"; python benchmarks/leader_handover.py --kubeconfig e2e/.state/kubeconfig --runs 3
+    eval "$(e2e/cluster env)"; python benchmarks/operator_bench.py handover --kubeconfig e2e/.state/kubeconfig --runs 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import signal
 import statistics
@@ -27,18 +26,11 @@ from kubernetes import client, config
 
 from kvpilot.net import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, also when run as a script
+import harness
+
+ROOT = Path(__file__).resolve().parents[2]
 LEASE = "kvpilot-operator"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Replica:
@@ -151,7 +143,7 @@ def main() -> int:
         json.dumps(
             {
                 "benchmark": "leader_handover_on_sigterm",
-                "cpu": cpu_model(),
+                "cpu": harness.cpu_model(),
                 "runs": runs,
                 "standby_holds_lease_s": {
                     "median": statistics.median(acquire),

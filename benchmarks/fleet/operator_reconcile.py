@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,14 +29,14 @@ from kubernetes import client, config, watch
 
 from kvpilot.net import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, also when run as a script
+import harness
+
+ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "inferencemodels"
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+percentile = harness.nearest_rank
 
 
 def manifest(name: str, replicas: int) -> dict[str, Any]:
@@ -189,11 +188,7 @@ def main() -> int:
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     result: dict[str, Any] = {
         "benchmark": "operator",
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-        },
+        "machine": harness.machine(),
         "kubernetes": client.VersionApi().get_code().git_version,
         "replicas_per_model": args.replicas,
     }

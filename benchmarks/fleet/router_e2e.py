@@ -6,10 +6,10 @@ Prometheus scraping them, the router (kvpilot.router.server.Router, discovering 
 through the API server; e2e/localrouter.py maps each pod to its local process) and, where the
 scenario scales, `kvpilot autoscaler run` (reading the router's queue with --router-url).
 
-    python benchmarks/bench_router_e2e.py wake      # scale from zero: the first request's TTFT and where it goes
-    python benchmarks/bench_router_e2e.py burst     # a burst on 1 replica (max 2): central queue vs a Service
-    python benchmarks/bench_router_e2e.py prefix    # multi-turn chats on 3 replicas, each policy in one run
-    python benchmarks/bench_router_e2e.py all
+    python benchmarks/router_bench.py e2e wake      # scale from zero: the first request's TTFT and where it goes
+    python benchmarks/router_bench.py e2e burst     # a burst on 1 replica (max 2): central queue vs a Service
+    python benchmarks/router_bench.py e2e prefix    # multi-turn chats on 3 replicas, each policy in one run
+    python benchmarks/router_bench.py e2e all
 
 wake: a model at minReplicas 0; one streamed request through the router. Time to first token split
   into decision (request sent -> spec.replicas 0 -> 1), scheduling (-> the pod Running and its process
@@ -25,7 +25,7 @@ burst: minReplicas 1, maxReplicas 2, maxNumSeqs 4, closed-loop clients for --sec
   that were sent before that (the backlog it took over), TTFT p50/p99, failures.
 prefix: 3 replicas, no autoscaler; the InferenceModel's spec.routing.policy is switched between
   phases (the router follows it), each phase a fresh salt so no phase reuses another's cache; the
-  chat workload and hit-rate reading are bench_router.py's (shared system prompts, multi-turn).
+  chat workload and hit-rate reading are fleet/router_local.py's (shared system prompts, multi-turn).
 """
 
 from __future__ import annotations
@@ -43,18 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
-
-from bench_router import compare_to_round_robin, conversations, cpu_info, pct, prefix_figures, prom_sum  # noqa: E402
 
 from e2e.harness import Cluster, release_cluster, start_cluster, wait_until  # noqa: E402
 from e2e.localpods import LocalKubelet  # noqa: E402
 from e2e.localrouter import LocalPodSource, RequestRecord, RouterThread, closed_loop, stream_completion  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 from e2e.test_autoscaler_e2e import AutoscalerProcess, Prometheus, get_model  # noqa: E402
+from fleet.router_local import compare_to_round_robin, conversations, cpu_info, pct, prefix_figures, prom_sum  # noqa: E402
 from kvpilot.router.kube_discovery import kube_source  # noqa: E402
 from kvpilot.router.pool import QueueSettings  # noqa: E402
 from kvpilot.router.server import Router, RouterSettings  # noqa: E402

@@ -12,8 +12,8 @@ prefix: 3 real `kvpilot serve` SmolLM2 processes behind the router, a multi-turn
   (from the pods' kvpilot_prefix_cache_hits_total / queries, tokens) and TTFT p50/p99, against
   round-robin.
 
-    python benchmarks/bench_router.py overhead --requests 400 --seconds 5 --concurrency 32
-    python benchmarks/bench_router.py prefix --conversations 12 --turns 3
+    python benchmarks/router_bench.py overhead --requests 400 --seconds 5 --concurrency 32
+    python benchmarks/router_bench.py prefix --conversations 12 --turns 3
 """
 
 from __future__ import annotations
@@ -36,26 +36,16 @@ import aiohttp
 
 from kvpilot.net import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, also when run as a script
+import harness
+
 MODEL = "smollm2-135m-instruct"
 
 
 def cpu_info() -> dict[str, Any]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model, flags = "unknown", set()
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        if key.strip() == "model name" and model == "unknown":
-            model = val.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(val.split())
-    wanted = ("avx512f", "avx512_bf16", "amx_tile")
-    return {
-        "cpu_model": model,
-        "flags": {f: f in flags for f in wanted},
-        "logical_cpus": os.cpu_count(),
-        # a shared machine: every hop's wake-up waits behind this many runnable processes
-        "load_average_1m": round(os.getloadavg()[0], 1),
-    }
+    """harness.machine() and the 1-minute load average (a shared machine: every hop's wake-up waits
+    behind this many runnable processes)."""
+    return harness.machine() | {"load_average_1m": round(os.getloadavg()[0], 1)}
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
@@ -108,9 +98,7 @@ def start_router(
     return url
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+pct = harness.nearest_rank
 
 
 def prefix_figures(

@@ -8,17 +8,17 @@ matmul with and without that gather at 1, 8 and 64 rows (1 row: the C kernel; 64
 torch), and the gathers alone (the two matmul timings differ by machine noise more than by the gather) and the conversion of one layer's qweight/qzeros/scales/g_idx into a QuantizedWeight.
 Prints one JSON document with the CPU.
 
-    python benchmarks/gptq_act_order.py [--repeat 200] [--threads 1]
+    python benchmarks/kernels_bench.py act-order [--repeat 200] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from typing import Any
 
+import harness
 import torch
 
 from kvpilot.kernels import isa, qlinear
@@ -31,11 +31,6 @@ SHAPES = {
     "smollm2-135m": (32, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
     "llama-2-7b": (128, [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]),
 }
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
 
 
 def gptq_tensors(n: int, k: int, group: int, seed: int) -> dict[str, torch.Tensor]:
@@ -104,7 +99,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "cpu": cpu_name(),
+                "cpu": harness.cpu_model(),
                 "isa": isa.selected(),
                 "threads": args.threads,
                 "format": "GPTQ 4-bit act-order -> int4 of the same group + input gather",

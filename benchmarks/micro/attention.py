@@ -10,7 +10,7 @@ tokens, no cached prefix), times one layer's attention call of:
     kernels reach for the same math, a practical bound for the paged versions.
 Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second.
 
-    python benchmarks/attention_micro.py [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
+    python benchmarks/kernels_bench.py attention [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
 
 --isa builds and uses the kernel for one ISA level (kernels/isa.py; the same as KVPILOT_CPU_ISA), so
 the AVX2 path can be timed on an AVX-512 machine; --kernel-only skips the torch comparisons.
@@ -26,12 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_runtime.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime_vs_peers.py
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import workload as wl
 
 HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M

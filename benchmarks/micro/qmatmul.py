@@ -19,7 +19,7 @@ the GEMM, per level) from where `gemm` beats both. Set KVPILOT_CPU_ISA=avx2 ATEN
 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 to measure the avx2 level on an AVX-512 CPU (the
 last one caps torch's float32 matmul, MKL's sgemm).
 
-    python benchmarks/qmatmul_bench.py [--rows 1,5,16,32,64,128] [--shapes qkv,gate_up,down,lm_head]
+    python benchmarks/kernels_bench.py qmatmul [--rows 1,5,16,32,64,128] [--shapes qkv,gate_up,down,lm_head]
 
 Prints JSON with the CPU and the kernel's ISA level.
 """
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_quant import cpu_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from harness import cpu_model
 
 from kvpilot.kernels import isa, qlinear
 

@@ -13,7 +13,7 @@ on every call, as a decode step's weights do; the small shapes stay cached betwe
 real model's layers do not.
 
     git show REV:kernels/csrc/qmatmul_cpu.c > /tmp/before_qmatmul_cpu.c
-    python benchmarks/qmatmul_ab.py --against /tmp/before_qmatmul_cpu.c [--threads 2] [--rounds 5]
+    python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c [--threads 2] [--rounds 5]
 
 Set KVPILOT_CPU_ISA=avx2 for the avx2 level on an AVX-512 CPU. Prints one JSON line per case.
 """
@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmoe_bench import other_build, time_calls
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from kvpilot.kernels import isa, qlinear
+from micro.qmoe import other_build, time_calls
 
 SHAPES = "50304x2048,49152x576,6144x2048,1536x576"
 

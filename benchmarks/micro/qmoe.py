@@ -15,7 +15,7 @@ FILE (another version of kernels/csrc/qmatmul_cpu.c, e.g. `git show REV:kernels/
 for the same level and times its kvpilot_qmoe in alternation with the current one, round by round
 (a before/after that load from other work disturbs alike), and checks that both give identical outputs.
 
-    python benchmarks/qmoe_bench.py [--tokens 1,8,32,128,1024] [--methods int8,int4] [--rounds 3]
+    python benchmarks/kernels_bench.py qmoe [--tokens 1,8,32,128,1024] [--methods int8,int4] [--rounds 3]
         [--against /tmp/old_qmatmul_cpu.c]
 
 Prints one JSON line per (method, T), then a summary with the CPU and the kernel's ISA level.
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_quant import cpu_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from harness import cpu_model
 
 from kvpilot.kernels import cbuild, isa, qlinear
 

@@ -3,13 +3,13 @@
 
 Wall-clock throughput on a loaded 2-core machine measures the other tenants as much as the engine
 (with OpenMP threads, a preempted thread stalls every barrier). This runs the batch of
-bench_runtime.py's workload (benchmarks/workload.py, seed 0) through one in-process engine per
+runtime_vs_peers.py's workload (benchmarks/workload.py, seed 0) through one in-process engine per
 `--quantization` value with `threads=1`, so all the work is on the calling thread, and reports
 output tokens per second of that thread's CPU time (time.thread_time), plus the wall time for
 reference; `--hf-dtype float32` adds transformers' generate the same way. Set the AVX2 caps to measure as on an AVX2-only CPU:
 
     KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        python benchmarks/batch_cpu_time.py --num-requests 16 --quantization none,int4,int8
+        python benchmarks/runtime_vs_peers.py cpu-time --num-requests 16 --quantization none,int4,int8
 
 Prints one JSON line per configuration.
 """
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import workload as wl
 
 
@@ -39,7 +39,7 @@ def main() -> int:
         "--hf-dtype",
         default="",
         help="comma list (float32, bfloat16): also transformers' generate in these dtypes, one thread, "
-        "static batches of --max-num-seqs with left padding (bench_runtime.py's adapter)",
+        "static batches of --max-num-seqs with left padding (runtime_vs_peers.py's adapter)",
     )
     args = ap.parse_args()
 
@@ -96,7 +96,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         del engine
     for name in filter(None, args.hf_dtype.split(",")):
-        from engine_hf import load_hf, run_hf_batch
+        from peers.engine_hf import load_hf, run_hf_batch
 
         torch.set_num_threads(1)
         model = load_hf(gguf, getattr(torch, name))

@@ -1,4 +1,4 @@
-"""bench_runtime.py's adapter for Hugging Face transformers: `model.generate` on static, left-padded
+"""runtime_vs_peers.py's adapter for Hugging Face transformers: `model.generate` on static, left-padded
 batches, greedy, loaded from the same GGUF (dequantized)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 import workload as wl
-from runtime_harness import BenchEngine, single_stream_figures
+
+from peers.measure import BenchEngine, single_stream_figures
 
 
 def load_hf(gguf_path: Path, dtype: torch.dtype) -> Any:

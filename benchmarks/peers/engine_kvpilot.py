@@ -1,4 +1,4 @@
-"""bench_runtime.py's adapters for kvpilot: the in-process `LLMEngine` (add_request + step) and
+"""runtime_vs_peers.py's adapters for kvpilot: the in-process `LLMEngine` (add_request + step) and
 `kvpilot serve` as a subprocess driven over HTTP (runtime_loadgen.HttpServer)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 import workload as wl
-from runtime_harness import BUILD_DIR, BenchEngine, dist, single_stream_figures
-from runtime_loadgen import Server
-from spec_decode_bench import spec_figures
+from features.speculative import spec_figures
 
 from kvpilot.net import free_port
+from peers.loadgen import Server
+from peers.measure import BUILD_DIR, BenchEngine, dist, single_stream_figures
 
 
 def kvpilot_config(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""bench_runtime.py's adapter for llama.cpp: llama-server (built by benchmarks/build_llamacpp.sh,
+"""runtime_vs_peers.py's adapter for llama.cpp: llama-server (built by benchmarks/build_llamacpp.sh,
 cached in benchmarks/.build/) with continuous batching, driven over HTTP like kvpilot serve."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime_harness import BUILD_DIR, HERE
-from runtime_loadgen import HttpServer, Server
-
 from kvpilot.net import free_port
+from peers.loadgen import HttpServer, Server
+from peers.measure import BUILD_DIR, HERE
 
 DEFAULT_LLAMACPP_VERSION = "0.3.36"
 

@@ -1,4 +1,4 @@
-"""The load generator of bench_runtime.py: an OpenAI-compatible server run as a subprocess
+"""The load generator of runtime_vs_peers.py: an OpenAI-compatible server run as a subprocess
 (`Server`), and the openai-client workloads against it: all requests at once, one stream, and
 Poisson arrivals with streaming (TTFT, inter-token latency, time per output token). `HttpServer`
 is the engine adapter for any such server (llama-server, kvpilot serve).
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import workload as wl
-from runtime_harness import BenchEngine, dist, single_stream_figures
+
+from peers.measure import BenchEngine, dist, single_stream_figures
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:

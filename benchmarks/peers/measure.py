@@ -1,8 +1,8 @@
-"""The benchmark harness of bench_runtime.py: the machine (CPU, flags, load), the model's shape and
+"""The measuring half of runtime_vs_peers.py: the machine (harness.machine() and torch), the model's shape and
 FLOPs, the matmul peak of this CPU, phases that record the machine's state around each measurement,
 percentiles, and the `BenchEngine` interface every engine adapter implements.
 
-Import it after OMP_WAIT_POLICY is set (bench_runtime.py does that first): it imports torch.
+Import it after OMP_WAIT_POLICY is set (runtime_vs_peers.py does that first): it imports torch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 import workload as wl
 
-HERE = Path(__file__).resolve().parent
+HERE = harness.HERE  # benchmarks/
 BUILD_DIR = HERE / ".build"
 
 
@@ -33,53 +33,17 @@ BUILD_DIR = HERE / ".build"
 
 
 def machine_info() -> dict[str, Any]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = "unknown"
-    flags: set[str] = set()
-    cores: set[tuple[str, str]] = set()
-    phys = core = ""
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key, val = key.strip(), val.strip()
-        if key == "model name" and model == "unknown":
-            model = val
-        elif key == "flags" and not flags:
-            flags = set(val.split())
-        elif key == "physical id":
-            phys = val
-        elif key == "core id":
-            core = val
-            cores.add((phys, core))
-    mem_gib = None
-    if Path("/proc/meminfo").exists():
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    interesting = (
-        "avx2",
-        "avx512f",
-        "avx512_bf16",
-        "avx512_vnni",
-        "avx512_fp16",
-        "amx_tile",
-        "amx_bf16",
-        "amx_int8",
+    """harness.machine() plus what the runtime figures depend on: torch, its threads, the packages."""
+    info = harness.machine()
+    info.update(
+        {
+            "kvpilot_git": info["git_commit"],
+            "torch": torch.__version__,
+            "torch_parallel": torch.__config__.parallel_info().splitlines()[-1].strip(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "mkldnn_bf16": bool(getattr(torch.backends.mkldnn, "is_available", lambda: False)()),
+        }
     )
-    info: dict[str, Any] = {
-        "cpu_model": model,
-        "flags": {f: f in flags for f in interesting},
-        "logical_cpus": os.cpu_count(),
-        "physical_cores": len(cores) or None,
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "mem_total_gib": mem_gib,
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_parallel": torch.__config__.parallel_info().splitlines()[-1].strip(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "mkldnn_bf16": bool(getattr(torch.backends.mkldnn, "is_available", lambda: False)()),
-    }
     for pkg in ("transformers", "gguf", "openai", "kvpilot"):
         try:
             import importlib.metadata as md
@@ -88,19 +52,16 @@ def machine_info() -> dict[str, Any]:
         except Exception:
             info[pkg] = None
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
-        )
-        info["kvpilot_git"] = rev.stdout.strip() or None
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "runtime", "kernels"],
-            cwd=HERE.parent,
+            cwd=harness.ROOT,
             capture_output=True,
             text=True,
+            timeout=10,
         )
         info["kvpilot_runtime_uncommitted_changes"] = bool(dirty.stdout.strip())
-    except OSError:
-        info["kvpilot_git"] = None
+    except (OSError, subprocess.SubprocessError):
+        info["kvpilot_runtime_uncommitted_changes"] = None
     return info
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Issue 14's side-by-side figures in one run: kvpilot against llama.cpp's server and transformers.
+"""The side-by-side suite in one run: kvpilot against llama.cpp's server and transformers, single
+stream at the native ISA and the batch as on an AVX2-only CPU (`runtime_vs_peers.py suite`).
 
 (a) Single stream, native ISA, every engine on the same "repeat this text" chat prompts
-    (spec_decode_bench.py's quoting prompts, one at a time, greedy, EOS ignored): kvpilot plain,
-    --quantization int8, int4, int4 + n-gram speculation, draft speculation (spec_decode_bench.py's
+    (features/speculative.py's quoting prompts, one at a time, greedy, EOS ignored): kvpilot plain,
+    --quantization int8, int4, int4 + n-gram speculation, draft speculation (features/speculative.py's
     tiny random-weight draft with SmolLM2's tokenizer: the cost of a draft that is never right), the
     native llama-server (benchmarks/build_llamacpp.sh) and transformers. Goals: int4 >= 1.3x
     llama.cpp, speculation >= 1.5x llama.cpp.
@@ -11,18 +12,18 @@
     KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
     (the last caps torch's float32 matmuls, MKL's sgemm, which the others leave at AVX-512), llama-server is the
     AVX2-only build (`build_llamacpp.sh --isa avx2`, checked for zero AVX-512 instructions) with 32
-    slots; bench_runtime.py's workload (N requests at once). kvpilot in the dtype `auto` picks there
+    slots; runtime_vs_peers.py's workload (N requests at once). kvpilot in the dtype `auto` picks there
     and with --quantization int8 / int4, transformers in the faster of float32 and bfloat16 there
-    (bench_runtime's short probe batch picks it; --hf-avx2-dtype both runs the whole batch in each).
+    (runtime_vs_peers.py's short probe batch picks it; --hf-avx2-dtype both runs the whole batch in each).
     Goals: >= 1.5x llama.cpp, >= 2x transformers in its fastest dtype.
 
-Every measurement is one bench_runtime.py process (its adapters and options; a process per
+Every measurement is one runtime_vs_peers.py process (its adapters and options; a process per
 configuration, because the ISA environment must be set before torch loads); this script plans the
 runs, merges their JSON into one document (with the CPU model, the ISA levels each environment gets,
 load averages and the git commit) and prints a markdown table.
 
-    python benchmarks/issue14_figures.py                    # the figures (~12 minutes, quiet machine)
-    python benchmarks/issue14_figures.py --smoke            # tiny settings: proves the pipeline only
+    python benchmarks/runtime_vs_peers.py suite                    # the figures (~12 minutes, quiet machine)
+    python benchmarks/runtime_vs_peers.py suite --smoke            # tiny settings: proves the pipeline only
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+import harness
+
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 BUILD_DIR = HERE / ".build"
 RESULTS_DIR = HERE / "results"
 # kvpilot's kernels, ATen's kernels, oneDNN (bf16 matmuls) and MKL (torch's float32 matmuls: without
@@ -62,13 +65,13 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class Run:
-    """One bench_runtime.py process and the figures taken from its JSON."""
+    """One runtime_vs_peers.py process and the figures taken from its JSON."""
 
     key: str
     part: str  # "single" (native ISA) or "avx2_batch"
     argv: list[str]
     env: dict[str, str]  # set on top of os.environ (native runs drop AVX2_ENV's keys instead)
-    # label -> engine name in bench_runtime's JSON ("kvpilot", "hf", "llamacpp")
+    # label -> engine name in runtime_vs_peers.py's JSON ("kvpilot", "hf", "llamacpp")
     picks: dict[str, str] = field(default_factory=dict)
 
 
@@ -77,13 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny settings: checks the pipeline, no figures")
     p.add_argument("--parts", default="single,avx2_batch", help="comma list of single,avx2_batch")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1, help="bench_runtime --rounds (best round reported)")
+    p.add_argument("--rounds", type=int, default=1, help="runtime_vs_peers.py --rounds (best round reported)")
     p.add_argument(
         "--omp-wait-policy",
         choices=["default", "PASSIVE", "ACTIVE"],
         default="default",
         help="OpenMP idle threads for kvpilot and transformers: libgomp's default (what kvpilot serve "
-        "runs with; a quiet machine), PASSIVE (a shared one: see bench_runtime.py)",
+        "runs with; a quiet machine), PASSIVE (a shared one: see runtime_vs_peers.py)",
     )
     p.add_argument("--single-prompts", type=int, default=3, help="quoting prompts per round")
     p.add_argument("--single-words", type=int, default=90, help="words each quoting prompt asks to repeat")
@@ -96,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hf-avx2-dtype",
         default="auto",
         choices=["auto", "both"],
-        help="AVX2 batch: transformers in the dtype bench_runtime's probe finds faster (auto: a short "
+        help="AVX2 batch: transformers in the dtype runtime_vs_peers.py's probe finds faster (auto: a short "
         "fp32-vs-bf16 batch, times in the JSON) or the whole batch in each of float32 and bfloat16 (both: "
         "bf16 is ~4x slower than fp32 without native bf16, minutes more)",
     )
@@ -111,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--llamacpp-avx2-bin", default=None, help="default: build_llamacpp.sh's cached --isa avx2 build"
     )
-    p.add_argument("--output", default=None, help="default benchmarks/results/issue14-<time>.json")
+    p.add_argument("--output", default=None, help="default benchmarks/results/runtime_vs_peers_suite-<time>.json")
     args = p.parse_args(argv)
     parts = {s for s in args.parts.split(",") if s}
     if not parts or parts - {"single", "avx2_batch"}:
@@ -127,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def plan(
     args: argparse.Namespace, native_bin: str | None, avx2_bin: str | None, draft_dir: str | None
 ) -> list[Run]:
-    """The bench_runtime.py processes of issue 14's comparison, in order."""
+    """The runtime_vs_peers.py processes of the suite, in order."""
     common = [
         "--threads",
         str(args.threads),
@@ -367,17 +370,6 @@ def markdown(summary: dict[str, Any], cpu: str) -> str:
 # The machine, the binaries, the draft
 
 
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def isa_levels(env: dict[str, str]) -> dict[str, Any]:
     """What kvpilot's kernels and torch's ATen pick under `env` (a child process: set before import)."""
     code = (
@@ -420,10 +412,10 @@ def llamacpp_binary(isa: str, version: str, explicit: str | None) -> tuple[str |
 
 
 def write_draft(directory: str, layers: int, hidden: int) -> None:
-    """spec_decode_bench.py's random-weight draft (SmolLM2's tokenizer and vocabulary)."""
+    """features/speculative.py's random-weight draft (SmolLM2's tokenizer and vocabulary)."""
     import torch
     import workload as wl
-    from spec_decode_bench import write_random_draft
+    from features.speculative import write_random_draft
 
     from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.load.loader import load_model
@@ -444,23 +436,23 @@ def git_commit() -> dict[str, Any]:
 
 
 def log(msg: str) -> None:
-    print(f"[issue14 {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[suite {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_path = Path(args.output) if args.output else RESULTS_DIR / f"issue14-{stamp}.json"
+    out_path = Path(args.output) if args.output else RESULTS_DIR / f"runtime_vs_peers_suite-{stamp}.json"
     run_dir = out_path.parent / f"{out_path.stem}-runs"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cpu = lscpu_model()
+    cpu = harness.cpu_model()
     native_env = child_env(Run("", "", [], {}))
     avx2_env = child_env(Run("", "", [], dict(AVX2_ENV)))
     doc: dict[str, Any] = {
-        "benchmark": "issue 14: kvpilot vs llama.cpp server vs transformers, single stream and AVX2 batch",
+        "benchmark": "runtime vs peers suite: kvpilot vs llama.cpp server vs transformers, single stream and AVX2 batch",
         "command": " ".join(
-            ["python benchmarks/issue14_figures.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python benchmarks/runtime_vs_peers.py suite", *(argv if argv is not None else sys.argv[1:])]
         ),
         "smoke": args.smoke,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -494,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         if rec["error"]:
             log(f"llama-server ({isa}) left out: {rec['error']}")
 
-    with tempfile.TemporaryDirectory(prefix="issue14-draft-") as draft_dir:
+    with tempfile.TemporaryDirectory(prefix="suite-draft-") as draft_dir:
         if "single" in args.parts:
             log("writing the random-weight draft")
             write_draft(draft_dir, args.draft_layers, args.draft_hidden)
@@ -503,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["runs"] = {}
         for i, run in enumerate(runs, 1):
             target = run_dir / f"{run.key}.json"
-            argv_run = [sys.executable, str(HERE / "bench_runtime.py"), *run.argv, "--output", str(target)]
+            argv_run = [sys.executable, str(HERE / "runtime_vs_peers.py"), *run.argv, "--output", str(target)]
             log(f"run {i}/{len(runs)}: {run.key} ({run.part}{', env ' + str(run.env) if run.env else ''})")
             t0 = time.perf_counter()
             res = subprocess.run(argv_run, env=child_env(run), stdout=subprocess.DEVNULL)

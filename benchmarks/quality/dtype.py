@@ -7,8 +7,8 @@ measures, on tests/runtime/quality.py's public-domain text and chat questions:
 Each configuration runs in its own process, because the kernel level is chosen at import from the
 environment (KVPILOT_CPU_ISA, KVPILOT_DISABLE_CPU_KERNEL). Prints one JSON document with the CPU.
 
-    python benchmarks/dtype_quality.py                 # every level this CPU has
-    python benchmarks/dtype_quality.py --configs kvpilot:auto kvpilot:auto@avx2 hf:bfloat16
+    python benchmarks/runtime_quality.py dtype                 # every level this CPU has
+    python benchmarks/runtime_quality.py dtype --configs kvpilot:auto kvpilot:auto@avx2 hf:bfloat16
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
 
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers  # noqa: E402
 
@@ -204,7 +207,7 @@ def main() -> None:
         }
     doc = {
         "cpu": platform.processor() or platform.machine(),
-        "lscpu_model": _lscpu_model(),
+        "lscpu_model": harness.cpu_model(),
         "text_tokens": len(ref["text_ids"]),
         "questions": len(QUESTIONS),
         "kvpilot_fp32_vs_hf_fp32": {
@@ -214,16 +217,6 @@ def main() -> None:
         "configs": rows,
     }
     print(json.dumps(doc, indent=2))
-
-
-def _lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return next(
-        (ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown"
-    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ allocator makes it vary from run to run): load seconds (load_model,
 the tokenizer and the C kernels' first use excluded), peak RSS during the load above the RSS
 before it, RSS after (and after glibc's malloc_trim hands back freed heap memory), and the bytes the linear layers and the LM head take. Prints JSON.
 
-    python benchmarks/gguf_load.py --dtype bfloat16 --repeat 3
+    python benchmarks/runtime_quality.py gguf-load --dtype bfloat16 --repeat 3
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def main() -> int:
                 ):
                     b[k] = max(b[k], row[k])
             print(json.dumps(row), file=sys.stderr)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from weight_quant import cpu_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+    from harness import cpu_model
 
     print(
         json.dumps(

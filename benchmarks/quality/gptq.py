@@ -6,10 +6,10 @@ min/max quantizer (no calibration: the GPTQ/AWQ search changes values, not the f
 each format (runtime/load/quant_pack.py, as tests/runtime/test_gptq_awq.py packs them), and written as Hugging Face
 directories next to the 16-bit one. Each directory is then served by kvpilot with `--quantization`
 unset (the checkpoint's own), beside the 16-bit directory plain and with `--quantization int4`, and
-measured like benchmarks/weight_quant.py: perplexity on the stdlib docstrings, the bytes the linear
+measured like benchmarks/quality/weights.py: perplexity on the stdlib docstrings, the bytes the linear
 weights take, single-stream greedy decode tokens/s, and the seconds load_model took. Prints JSON.
 
-    python benchmarks/gptq_checkpoint.py [--dtype bfloat16] [--threads 2] [--workdir /tmp/gptq-smollm2]
+    python benchmarks/runtime_quality.py gptq [--dtype bfloat16] [--threads 2] [--workdir /tmp/gptq-smollm2]
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_runtime.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime_vs_peers.py
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_quant_quality import perplexity, stdlib_docstrings
-from weight_quant import cpu_model, decode_tok_s, linear_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import harness
 
 from kvpilot.kernels import isa
 from kvpilot.runtime.config import EngineConfig
@@ -37,6 +36,8 @@ from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.load.loader import builtin_model_path, load_model
 from kvpilot.runtime.load.quant_formats import parse_quantization_config
 from kvpilot.runtime.load.quant_pack import PROJECTIONS, quantize_layer
+from quality.kv_cache import perplexity, stdlib_docstrings
+from quality.weights import decode_tok_s, linear_bytes
 
 # name -> quantization_config (act_order: groups formed in decreasing column-norm order)
 FORMATS: dict[str, dict[str, Any]] = {
@@ -170,7 +171,7 @@ def main() -> int:
         json.dumps(
             {
                 "benchmark": "gptq_checkpoint",
-                "machine": {"cpu": cpu_model(), "kernel_isa": isa.selected(), "threads": args.threads},
+                "machine": {"cpu": harness.cpu_model(), "kernel_isa": isa.selected(), "threads": args.threads},
                 "settings": vars(args) | {"model": "SmolLM2-135M-Instruct (builtin Q4_1 GGUF, dequantized)"},
                 "results": rows,
             },

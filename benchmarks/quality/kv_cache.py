@@ -6,7 +6,7 @@
 - Capacity: tokens that fit in the same KV memory budget.
 
 Prints one JSON document. Example:
-    python benchmarks/kv_quant_quality.py --tokens 4096 --prompts 16
+    python benchmarks/runtime_quality.py kv-cache --tokens 4096 --prompts 16
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ input size, 1536, is a multiple of Q4_K's 256-weight super-block; 576 is not) to
 min/max quantizer, then compares, in one run:
 - per weight: the difference between gguf's dequantization and kvpilot's, in quantization steps
   (d * sc of its sub-block), and its RMS against the RMS error of Q4_K itself;
-- perplexity (kv_quant_quality.py's text) of the float32 model with those down projections as
+- perplexity (quality/kv_cache.py's text) of the float32 model with those down projections as
   gguf's exact values, and as kvpilot's converted blocks (everything else the same).
 Prints JSON.
 
-    python benchmarks/q4k_precision.py --tokens 2048
+    python benchmarks/runtime_quality.py q4k --tokens 2048
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_quant_quality import perplexity, stdlib_docstrings
-from weight_quant import cpu_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from harness import cpu_model
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.load import gguf_blocks
 from kvpilot.runtime.load.loader import load_model
+from quality.kv_cache import perplexity, stdlib_docstrings
 
 Q4_K = GGMLQuantizationType.Q4_K
 

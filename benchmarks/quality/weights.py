@@ -2,7 +2,7 @@
 """Weight-only quantization (`--quantization`): quality, weight memory and single-stream decode speed.
 
 For each configuration (model dtype x quantization x LM head) in one run, SmolLM2 by default:
-- perplexity on the docstrings of Python's standard library (kv_quant_quality.py's text and harness),
+- perplexity on the docstrings of Python's standard library (quality/kv_cache.py's text and harness),
   and its change against the first configuration;
 - bytes the linear layers' weights take (quantized: packed weights + scales + mins);
 - single-stream greedy decode tokens/s (one 64-token prompt, --decode-tokens new tokens, EOS ignored;
@@ -13,10 +13,10 @@ the LM head was quantized and GGUF blocks were kept (load_model(keep_gguf_blocks
 quantize_head=False): every tensor dequantized at load, linear layers quantized, the LM head and
 embedding left in the model dtype).
 
-    python benchmarks/weight_quant.py --dtype bfloat16 --methods none,int8,int4
-    python benchmarks/weight_quant.py --dtype bfloat16 --methods none,int8,int4 --lm-head float,quantized
+    python benchmarks/runtime_quality.py weights --dtype bfloat16 --methods none,int8,int4
+    python benchmarks/runtime_quality.py weights --dtype bfloat16 --methods none,int8,int4 --lm-head float,quantized
     KVPILOT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
-        python benchmarks/weight_quant.py --dtype float32,bfloat16 --methods none --tokens 0
+        python benchmarks/runtime_quality.py weights --dtype float32,bfloat16 --methods none --tokens 0
 """
 
 from __future__ import annotations
@@ -24,18 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_runtime.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime_vs_peers.py
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_quant_quality import perplexity, stdlib_docstrings
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import harness
 
 from kvpilot.kernels import isa, qlinear
 from kvpilot.runtime.config import EngineConfig
@@ -43,14 +42,7 @@ from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load.loader import load_model
 from kvpilot.runtime.load.quantization import linear_layers
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown"
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+from quality.kv_cache import perplexity, stdlib_docstrings
 
 
 def linear_bytes(engine: LLMEngine) -> int:
@@ -142,7 +134,7 @@ def main() -> int:
             {
                 "benchmark": "weight_quant",
                 "machine": {
-                    "cpu": cpu_model(),
+                    "cpu": harness.cpu_model(),
                     "flags": flags,
                     "kernel_isa": isa.selected(),
                     "qmatmul_activations": "int8" if qlinear.INT8_ACTIVATIONS else "float",
@@ -150,7 +142,7 @@ def main() -> int:
                     "threads": args.threads,
                     "torch": torch.__version__,
                 },
-                "settings": vars(args) | {"text": "stdlib docstrings (kv_quant_quality.py)"},
+                "settings": vars(args) | {"text": "stdlib docstrings (quality/kv_cache.py)"},
                 "results": rows,
             },
             indent=2,

@@ -1,5 +1,6 @@
-"""benchmarks/issue14_figures.py's plan (which bench_runtime.py process runs under which ISA settings)
-and its summary, bench_runtime.py's single-stream aggregation, and build_llamacpp.sh's --isa check."""
+"""benchmarks/runtime_vs_peers.py suite's plan (benchmarks/peers/suite.py: which runtime_vs_peers.py
+process runs under which ISA settings) and its summary, runtime_vs_peers.py's single-stream
+aggregation, and build_llamacpp.sh's --isa check."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import issue14_figures as i14  # noqa: E402
+import peers.suite as i14  # noqa: E402
 
 
 def opt(argv: list[str], flag: str) -> str:
@@ -59,7 +60,7 @@ def test_plan_runs_single_streams_natively_and_batches_under_the_avx2_caps() -> 
     avx2 = by_key["avx2_peers"].argv
     assert opt(avx2, "--llamacpp-bin") == "/bin/avx2"
     assert opt(avx2, "--llamacpp-slots") == "32"
-    assert opt(avx2, "--hf-dtype") == "auto"  # bench_runtime probes fp32 and bf16, runs the faster
+    assert opt(avx2, "--hf-dtype") == "auto"  # runtime_vs_peers.py probes fp32 and bf16, runs the faster
     assert "avx2_hf_bfloat16" not in by_key
     both = {r.key: r for r in i14.plan(i14.parse_args(["--hf-avx2-dtype", "both"]), None, None, None)}
     assert opt(both["avx2_peers"].argv, "--hf-dtype") == "float32"
@@ -121,13 +122,13 @@ def test_summary_ratios_use_the_fastest_transformers_dtype_and_the_best_kvpilot(
 
 
 def test_llamacpp_version_matches_the_adapter() -> None:
-    from engine_llamacpp import DEFAULT_LLAMACPP_VERSION
+    from peers.engine_llamacpp import DEFAULT_LLAMACPP_VERSION
 
     assert i14.LLAMACPP_VERSION == DEFAULT_LLAMACPP_VERSION
 
 
 def test_combine_single_is_total_decode_tokens_over_total_decode_time() -> None:
-    from bench_runtime import combine_single
+    from runtime_vs_peers import combine_single
 
     a = {"output_tokens": 11, "decode_tok_per_s": 10.0, "steps": 11}  # 10 decode tokens in 1 s
     b = {
