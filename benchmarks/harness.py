@@ -182,10 +182,13 @@ def add_jobs_arg(ap: argparse.ArgumentParser, default: int = 2) -> None:
 # Entry points with subcommands
 
 
-def dispatch(doc: str, commands: dict[str, str], argv: Sequence[str] | None = None) -> None:
+def dispatch(
+    doc: str, commands: dict[str, str], argv: Sequence[str] | None = None, own_name: Iterable[str] = ()
+) -> None:
     """Run the subcommand named by argv[0]: `commands` maps each name to a module (a path under
-    benchmarks/, e.g. "quality.dtype") whose main() parses the rest of argv with its own flags. The
-    module is imported only when chosen, so `--help` of the entry point imports nothing heavy."""
+    benchmarks/, e.g. "quality.dtype") whose main() parses the rest of argv with its own flags (for
+    the names in `own_name`, argv with the name: that module's parser has the subcommands itself).
+    The module is imported only when chosen, so `--help` of the entry point imports nothing heavy."""
     args = list(sys.argv[1:] if argv is None else argv)
     prog = Path(sys.argv[0]).name
     if not args or args[0] in ("-h", "--help") or args[0] not in commands:
@@ -200,5 +203,5 @@ def dispatch(doc: str, commands: dict[str, str], argv: Sequence[str] | None = No
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
     module = importlib.import_module(commands[name])
-    sys.argv = [f"{prog} {name}", *rest]
+    sys.argv = [prog, name, *rest] if name in set(own_name) else [f"{prog} {name}", *rest]
     raise SystemExit(module.main())

@@ -11,8 +11,6 @@ benchmarks/simulate_adapter_routing.py.
 
 from __future__ import annotations
 
-import sys
-
 from harness import dispatch
 
 COMMANDS = {
@@ -22,8 +20,5 @@ COMMANDS = {
 }
 
 if __name__ == "__main__":
-    # router_local.py takes `overhead` / `prefix` as its own first argument: hand it on.
-    argv = sys.argv[1:]
-    if argv and argv[0] in ("overhead", "prefix"):
-        argv = [argv[0], *argv]
-    dispatch(__doc__ or "", COMMANDS, argv)
+    # fleet/router_local.py's own parser has `overhead` and `prefix`
+    dispatch(__doc__ or "", COMMANDS, own_name=("overhead", "prefix"))

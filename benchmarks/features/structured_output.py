@@ -24,8 +24,8 @@ import torch
 from harness import cpu_model
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.engine import sampler as sampler_module
 from kvpilot.runtime.engine.core import LLMEngine
-from kvpilot.runtime.engine.core import sampler as sampler_module
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.grammar.structured_output import GrammarState, GuidedSpec
 
