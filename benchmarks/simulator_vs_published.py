@@ -20,11 +20,11 @@ The figures' own settings are listed with each row. Errors are (predicted - publ
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from dataclasses import replace
 from typing import Any
+
+import harness
 
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import StaticPolicy
@@ -183,24 +183,41 @@ def main() -> None:
         "mean_abs_error_as_benchmarked": round(
             sum(abs(r.get("error_as_benchmarked", r["error"])) for r in rows) / len(rows), 3
         ),
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": harness.machine(),
         "wall_s": round(time.time() - started, 1),
     }
-    print(json.dumps(out, indent=2))
+    harness.emit(out)
     if args.markdown:
         print()
-        print(
-            "| pair | figure | published | predicted (default replica) | error | "
-            "predicted (2048 seqs, fp8 KV) | error | source |"
+        harness.print_table(
+            [
+                "pair",
+                "figure",
+                "published",
+                "predicted (default replica)",
+                "error",
+                "predicted (2048 seqs, fp8 KV)",
+                "error",
+                "source",
+            ],
+            (
+                [
+                    r["pair"],
+                    r["figure"],
+                    f"{r['published']:g}",
+                    f"{r['predicted']:g}",
+                    f"{r['error'] * 100:+.0f}%",
+                    f"{r['predicted_as_benchmarked']:g}"
+                    if r.get("predicted_as_benchmarked") is not None
+                    else "",
+                    f"{r['error_as_benchmarked'] * 100:+.0f}%"
+                    if r.get("predicted_as_benchmarked") is not None
+                    else "",
+                    r["source"],
+                ]
+                for r in rows
+            ),
         )
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            b = r.get("predicted_as_benchmarked")
-            extra = f"{b:g} | {r['error_as_benchmarked'] * 100:+.0f}%" if b is not None else "| "
-            print(
-                f"| {r['pair']} | {r['figure']} | {r['published']:g} | {r['predicted']:g} | "
-                f"{r['error'] * 100:+.0f}% | {extra} | {r['source']} |"
-            )
 
 
 def _gpu_dict(g: Gpu) -> dict[str, Any]:

@@ -114,7 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--llamacpp-avx2-bin", default=None, help="default: build_llamacpp.sh's cached --isa avx2 build"
     )
-    p.add_argument("--output", default=None, help="default benchmarks/results/runtime_vs_peers_suite-<time>.json")
+    p.add_argument(
+        "--output", default=None, help="default benchmarks/results/runtime_vs_peers_suite-<time>.json"
+    )
     args = p.parse_args(argv)
     parts = {s for s in args.parts.split(",") if s}
     if not parts or parts - {"single", "avx2_batch"}:
@@ -334,36 +336,41 @@ def markdown(summary: dict[str, Any], cpu: str) -> str:
     def cell(v: Any) -> str:
         return "" if v is None else (f"{v}x" if isinstance(v, float) and v < 20 else str(v))
 
-    lines = [
-        f"CPU: {cpu}",
-        "",
-        "| single stream (quoting prompts, native ISA) | decode tok/s | vs llama.cpp | acceptance |",
-    ]
-    lines.append("|---|---|---|---|")
-    for label, row in summary["single_stream_decode_tok_per_s"].items():
-        err = " (errors: see JSON)" if row.get("errors") else ""
-        lines.append(
-            f"| {label}{err} | {row['decode_tok_per_s'] or ''} | {cell(row['vs_llamacpp'])} | "
-            f"{row['acceptance_rate'] if row['acceptance_rate'] is not None else ''} |"
-        )
-    lines += [
-        "",
-        "| batch, AVX2 (emulated) | output tok/s | vs llama.cpp | vs fastest transformers |",
-        "|---|---|---|---|",
-    ]
-    for label, row in summary["avx2_batch_output_tok_per_s"].items():
-        err = " (errors: see JSON)" if row.get("errors") else ""
-        lines.append(
-            f"| {label}{err} | {row['output_tok_per_s'] or ''} | {cell(row['vs_llamacpp'])} | "
-            f"{cell(row['vs_hf_fastest'])} |"
-        )
-    lines += ["", "| ratio | measured | goal | met |", "|---|---|---|---|"]
-    for key, goal in summary["targets"].items():
-        met = summary["targets_met"][key]
-        lines.append(
-            f"| {key} | {cell(summary['ratios'][key])} | >= {goal}x | {'' if met is None else met} |"
-        )
-    return "\n".join(lines)
+    def errors(row: dict[str, Any]) -> str:
+        return " (errors: see JSON)" if row.get("errors") else ""
+
+    single = harness.markdown_table(
+        ["single stream (quoting prompts, native ISA)", "decode tok/s", "vs llama.cpp", "acceptance"],
+        (
+            [
+                label + errors(row),
+                row["decode_tok_per_s"] or "",
+                cell(row["vs_llamacpp"]),
+                row["acceptance_rate"],
+            ]
+            for label, row in summary["single_stream_decode_tok_per_s"].items()
+        ),
+    )
+    batch = harness.markdown_table(
+        ["batch, AVX2 (emulated)", "output tok/s", "vs llama.cpp", "vs fastest transformers"],
+        (
+            [
+                label + errors(row),
+                row["output_tok_per_s"] or "",
+                cell(row["vs_llamacpp"]),
+                cell(row["vs_hf_fastest"]),
+            ]
+            for label, row in summary["avx2_batch_output_tok_per_s"].items()
+        ),
+    )
+    goals = harness.markdown_table(
+        ["ratio", "measured", "goal", "met"],
+        (
+            [key, cell(summary["ratios"][key]), f">= {goal}x", summary["targets_met"][key]]
+            for key, goal in summary["targets"].items()
+        ),
+    )
+    return "\n\n".join([f"CPU: {cpu}", single, batch, goals])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,7 +171,11 @@ def main() -> int:
         json.dumps(
             {
                 "benchmark": "gptq_checkpoint",
-                "machine": {"cpu": harness.cpu_model(), "kernel_isa": isa.selected(), "threads": args.threads},
+                "machine": {
+                    "cpu": harness.cpu_model(),
+                    "kernel_isa": isa.selected(),
+                    "threads": args.threads,
+                },
                 "settings": vars(args) | {"model": "SmolLM2-135M-Instruct (builtin Q4_1 GGUF, dequantized)"},
                 "results": rows,
             },
