@@ -43,7 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a shared machine: never spin (bench_runtime.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a shared machine: never spin (runtime_vs_peers.py)
 
 import numpy as np
 

@@ -48,6 +48,9 @@ from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.load.loader import LoadedModel, build_model, hf_arch_config, resolve_model_path
 from kvpilot.runtime.load.tokenizer import Tokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
+import harness
+
 # HBM bandwidth from the datasheets (bytes/s), matched against torch.cuda.get_device_name()
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.039e12}
 
@@ -332,7 +335,11 @@ def bench_quantized(
 def machine(device: torch.device) -> dict[str, Any]:
     import platform
 
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    info: dict[str, Any] = {
+        "host": harness.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     try:
         import triton
 
@@ -349,7 +356,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = harness.cpu_model()
     return info
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see bench_runtime.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see runtime_vs_peers.py)
 
 import argparse
 import json
@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import copy_bandwidth
-from runtime_harness import cpu_probe, machine_info
+from peers.measure import cpu_probe, machine_info
 from workload import best_seconds
 
 from kvpilot.runtime.engine.build import engine_from_loaded

@@ -5,7 +5,7 @@ answered "What is the capital of France?" with "L'Étoile, la Marseillaise, la f
 Each level runs in its own process (kernels/isa.py reads KVPILOT_CPU_ISA at import; the avx2 level
 also caps torch's ATen, oneDNN and MKL, as an AVX2-only CPU). Measured on tests/runtime/quality.py's
 public-domain text (teacher-forced next-token agreement over ~670 tokens) and chat questions (greedy
-answers identical to float32's); benchmarks/dtype_quality.py prints the same figures for every path.
+answers identical to float32's); benchmarks/runtime_quality.py dtype prints the same figures for every path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import dtype_quality  # noqa: E402
+from quality import dtype as dtype_quality  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ASKED = QUESTIONS[:8]  # transformers' generate is the slow part of the test; the benchmark asks all
