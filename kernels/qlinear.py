@@ -53,9 +53,9 @@ GEMM_SOURCE = Path(__file__).parent / "csrc" / "qgemm_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
-SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/qmatmul_bench.py)
+SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/kernels_bench.py qmatmul)
 # rows up to which a tiled weight takes the kernel where it beats every other path at any row count
-# (one thread, benchmarks/qmatmul_bench.py, docs/benchmarks.md): avx512 with VNNI (~2x the GEMM and
+# (one thread, benchmarks/kernels_bench.py qmatmul, docs/benchmarks.md): avx512 with VNNI (~2x the GEMM and
 # torch's bf16 matmul at 8-512 rows), and int8 at avx2 (1.2-1.5x the GEMM, 1.2x torch's float32);
 # elsewhere (int4 at avx2: the GEMM is faster from 64 rows) SMALL_M, then the GEMM on a row-layout copy
 TILED_MAX_M = 8192
@@ -278,8 +278,8 @@ GEMM_EXTENSION = cbuild.Extension(
     GEMM_SOURCE, CFLAGS, _declare_gemm, "dequantize + torch matmul for many rows"
 )
 # Per ISA level and weight bits, the row count from which the int8-activation GEMM beats both the
-# small-M kernel and dequantize + torch's matmul (benchmarks/qmatmul_bench.py --gemm, SmolLM2's
-# shapes, one thread; docs/benchmarks.md "Issue 14"). Levels or formats not listed never take it.
+# small-M kernel and dequantize + torch's matmul (benchmarks/kernels_bench.py qmatmul --gemm, SmolLM2's
+# shapes, one thread; docs/benchmarks.md, kernels). Levels or formats not listed never take it.
 GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 8, 8: 8}, "avx512": {4: 8, 8: 32}}
 GEMM_MAX_K = 8 * ACT_BLOCK * (1024 - 3)  # the widest input the GEMM's chunk table holds (MAXC in the C)
 

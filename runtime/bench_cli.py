@@ -1,7 +1,7 @@
 """`kvpilot bench`: offline throughput of the engine on synthetic requests (all submitted at once).
 
 Takes the same engine flags as `kvpilot serve`. For the comparison against other engines, see
-benchmarks/bench_runtime.py.
+benchmarks/runtime_vs_peers.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Three parts, one job each:
   token. The sampler asks every guided row of the batch for its allowed-token bits into one
   [rows, vocab/32] int32 bitmask and applies it to the logits at once (`apply_bitmask`).
 
-Why xgrammar: measured per-token mask cost on the SmolLM2 tokenizer (benchmarks/grammar_engines.py,
+Why xgrammar: measured per-token mask cost on the SmolLM2 tokenizer (benchmarks/grammar_bench.py engines,
 docs/runtime.md) was ~5 us against ~35-60 us for llguidance and ~240 us for outlines-core, it ships
 CPU wheels for Python 3.11, and its matcher rolls back tokens, which speculative decoding needs.
 

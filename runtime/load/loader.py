@@ -512,7 +512,7 @@ def resolve_weight_dtype(name: str | torch.dtype, device: str | torch.device) ->
     kernels' ISA level): bf16 weights, each matmul's input rounded to bf16 and its output back to
     float32, as llama.cpp runs a bf16 GGUF; the rest of the model stays float32. Whole-model bf16
     (`--dtype bfloat16`) rounds the residual stream at every layer and tracks float32 less well
-    (docs/runtime.md, "Precision"; benchmarks/dtype_quality.py)."""
+    (docs/runtime.md, "Precision"; benchmarks/runtime_quality.py dtype)."""
     if name != "auto" or resolve_device(device).type != "cpu":
         return None
     native = cpu_supports_bf16()
@@ -778,8 +778,8 @@ def load_model(
     """Resolve cfg.model, build the model on `device` in `dtype` (default: cfg.dtype) and load it.
 
     `keep_gguf_blocks=False` dequantizes every GGUF tensor at load and quantizes afterwards (the
-    path before blocks were kept; benchmarks/gguf_load.py compares the two); `quantize_head=False`
-    leaves a float LM head in the model dtype (benchmarks/weight_quant.py --lm-head float,quantized).
+    path before blocks were kept; benchmarks/runtime_quality.py gguf-load compares the two); `quantize_head=False`
+    leaves a float LM head in the model dtype (benchmarks/runtime_quality.py weights --lm-head float,quantized).
     Both exist to measure what they switch off; serving always takes the defaults."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)

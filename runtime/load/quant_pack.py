@@ -1,6 +1,6 @@
 """Writing GPTQ and AWQ checkpoint tensors: the inverse of runtime/load/quant_formats.py's unpacking.
 
-The runtime reads these formats; tests/runtime/test_gptq_awq.py and benchmarks/gptq_checkpoint.py
+The runtime reads these formats; tests/runtime/test_gptq_awq.py and benchmarks/runtime_quality.py gptq
 write checkpoints in them with the functions here. The packing libraries are not used: auto-gptq
 0.7.1, gptqmodel 7.7.0 and autoawq 0.2.9 are source-only on PyPI, build CUDA extensions or pull
 datasets/triton, and AutoAWQ (deprecated, "last tested with transformers 4.51") and auto-gptq do

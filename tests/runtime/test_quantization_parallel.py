@@ -35,7 +35,7 @@ VOCAB = 97
 
 @pytest.fixture
 def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
-    """LLMEngine.from_config; every engine is closed at teardown, whatever happened."""
+    """build_engine; every engine is closed at teardown, whatever happened."""
     engines: list[LLMEngine] = []
 
     def make(cfg: EngineConfig) -> LLMEngine:

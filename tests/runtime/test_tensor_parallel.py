@@ -59,7 +59,7 @@ def engine_config(model: str, tp: int, **overrides: Any) -> EngineConfig:
 
 @pytest.fixture
 def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
-    """LLMEngine.from_config; every runner still alive at teardown is closed, whatever happened."""
+    """build_engine; every runner still alive at teardown is closed, whatever happened."""
     runners: list[weakref.ref[ModelRunner]] = []  # weak: a test may drop its engine on purpose
 
     def make(cfg: EngineConfig) -> LLMEngine:

@@ -21,7 +21,7 @@ a = (accepted + 1) / (accepted + rejected + 2), so a new request starts at 0.5.
 from __future__ import annotations
 
 # Saturation sizes per device kind. CPU: measured with SmolLM2-135M in bf16 on the 2-core AVX-512
-# test machine (benchmarks/spec_decode_bench.py, docs/benchmarks.md): a step of 8 tokens costs ~3x a
+# test machine (benchmarks/runtime_features.py speculative, docs/benchmarks.md): a step of 8 tokens costs ~3x a
 # one-token step, of 32 tokens ~6x, so S ~ 4-6. GPU: an unmeasured estimate (a GPU saturates far later).
 DEFAULT_SATURATION_TOKENS = {"cpu": 6.0, "cuda": 256.0}
 
