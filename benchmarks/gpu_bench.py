@@ -45,7 +45,8 @@ from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
-from kvpilot.runtime.load.loader import LoadedModel, build_model, hf_arch_config, resolve_model_path
+from kvpilot.runtime.load.hf_checkpoint import hf_arch_config
+from kvpilot.runtime.load.loader import LoadedModel, build_model, resolve_model_path
 from kvpilot.runtime.load.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)

@@ -125,7 +125,8 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
     from tokenizers import models
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.load.loader import LoadedModel, build_model, hf_arch_config
+    from kvpilot.runtime.load.hf_checkpoint import hf_arch_config
+    from kvpilot.runtime.load.loader import LoadedModel, build_model
     from kvpilot.runtime.load.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,7 +53,9 @@ GEMM_SOURCE = Path(__file__).parent / "csrc" / "qgemm_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
-SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/kernels_bench.py qmatmul)
+SMALL_M = (
+    32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/kernels_bench.py qmatmul)
+)
 # rows up to which a tiled weight takes the kernel where it beats every other path at any row count
 # (one thread, benchmarks/kernels_bench.py qmatmul, docs/benchmarks.md): avx512 with VNNI (~2x the GEMM and
 # torch's bf16 matmul at 8-512 rows), and int8 at avx2 (1.2-1.5x the GEMM, 1.2x torch's float32);

@@ -169,8 +169,9 @@ def write_mixed_gguf(path: Path) -> None:
 
 def load_mixed(path: Path, quantization: str | None) -> Any:
     from kvpilot.runtime.config import EngineConfig
+    from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config
     from kvpilot.runtime.load.gguf_reader import GGUFFile
-    from kvpilot.runtime.load.loader import build_model, gguf_arch_config, load_gguf_weights, quantize_loaded
+    from kvpilot.runtime.load.loader import build_model, load_gguf_weights, quantize_loaded
 
     with GGUFFile(path) as f:
         arch = gguf_arch_config(f)

@@ -248,8 +248,9 @@ def test_the_lm_head_of_a_16_bit_model_becomes_int8() -> None:
 
 def test_which_layers_load_from_blocks(smollm2_gguf_path: Path) -> None:
     """Blocks go straight in when the method takes their format; otherwise the layer is dequantized."""
+    from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config
     from kvpilot.runtime.load.gguf_reader import GGUFFile
-    from kvpilot.runtime.load.loader import build_model, gguf_arch_config, gguf_blocks_plan
+    from kvpilot.runtime.load.loader import build_model, gguf_blocks_plan
 
     with GGUFFile(smollm2_gguf_path) as f:
         arch = gguf_arch_config(f)

@@ -91,8 +91,9 @@ def check_tensor_parallel(arch: ModelArchConfig, tp: int, expert_parallel: bool 
 
 def read_arch(path: Path) -> ModelArchConfig:
     """The architecture of a resolved model path, without loading weights."""
+    from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config
     from kvpilot.runtime.load.gguf_reader import GGUFFile
-    from kvpilot.runtime.load.loader import gguf_arch_config, hf_arch_config
+    from kvpilot.runtime.load.hf_checkpoint import hf_arch_config
 
     if path.is_file():
         with GGUFFile(path) as f:
