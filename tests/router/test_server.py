@@ -309,11 +309,13 @@ async def test_all_pods_failing_is_502_not_a_hang() -> None:
         assert status == 502 and body["error"]["type"] == "upstream_error"
 
 
-async def test_pod_dying_mid_stream_ends_with_error_event_and_no_retry(pods: list[FakePod]) -> None:
+async def test_a_guided_stream_whose_pod_dies_ends_with_an_error_event_and_no_retry(
+    pods: list[FakePod],
+) -> None:
     pods[0].mode = "die_mid_stream"
     async with live({MODEL: eps(pods[:2])}) as lr:
         async with aiohttp.ClientSession() as s:
-            body = {"model": MODEL, "prompt": "x", "stream": True}
+            body = {"model": MODEL, "prompt": "x", "stream": True, "guided_regex": "p[0-9]"}
             async with s.post(lr.url + "/v1/completions", json=body) as r:
                 assert r.status == 200 and r.headers[POD_HEADER] == "p0"
                 raw = await r.read()
@@ -324,6 +326,10 @@ async def test_pod_dying_mid_stream_ends_with_error_event_and_no_retry(pods: lis
         pool = lr.router.pools[MODEL]
         assert pool.pods["p0"] not in pool.routable()
         assert metric(lr, "kvpilot_router_upstream_failures_total", model_name=MODEL) == 1
+        assert metric(lr, "kvpilot_router_stream_migrations_total", model_name=MODEL) == 0
+        await until(
+            lambda: metric(lr, "kvpilot_router_slo_requests_total", model_name=MODEL, outcome="failed") == 1
+        )
         # the next request goes to the healthy pod
         status, _, headers = await post(lr, {"model": MODEL, "prompt": "y"})
         assert status == 200 and headers[POD_HEADER] == "p1"
