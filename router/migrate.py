@@ -71,6 +71,8 @@ def _lowered(value: Any, by: int) -> Any:
 def continuation(body: dict[str, Any], chat: bool, text: str, tokens: int) -> dict[str, Any] | None:
     """The body that continues a migratable request after `text` (`tokens` output tokens) went out;
     None when nothing is left to generate (max_tokens reached)."""
+    if not text and tokens == 0:
+        return body  # nothing went out yet (a chat's opening chunk at most): the request as it was
     out = copy.deepcopy(body)
     for name in ("max_tokens", "max_completion_tokens"):
         if name in out:
