@@ -37,7 +37,14 @@ from kvpilot.router.measure import QUANTILES, SloMeter, estimate_tokens
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.migrate import continuation, migratable, rewrite_event
 from kvpilot.router.outlier import Ejection, OutlierSettings
-from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
+from kvpilot.router.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AdapterAffinity,
+    RouteKey,
+    make_policy,
+    stable_hash,
+)
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
 from kvpilot.router.sse import DONE, StreamTally, encode_event, event_data, split_events
 
@@ -49,6 +56,7 @@ PRIORITY_HEADER = "X-Kvpilot-Priority"  # high | normal | low: the request's cla
 POD_HEADER = "X-Kvpilot-Pod"
 FALLBACK_HEADER = "X-Kvpilot-Fallback"  # set when another model served the request (overload spill-over)
 REJECT_HEADER = "X-Kvpilot-Reject-Reason"  # why the router answered a 429/502/503/504 itself
+QUEUE_TIMEOUT_HEADER = "X-Kvpilot-Queue-Timeout"  # seconds the client lets it wait (at most its class's)
 # Only what the pod needs from the client's request; hop-by-hop headers stay here.
 FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "OpenAI-Organization")
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -123,6 +131,9 @@ class RouterSettings:
     adapter_slots: int = 4  # adapters remembered per pod (the runtime's --max-loras default)
     session_header: str = SESSION_HEADER
     priority_header: str = PRIORITY_HEADER
+    tenant_header: str | None = (
+        None  # fairness between tenants named by this header (Authorization: API keys)
+    )
     block_chars: int = BLOCK_CHARS
     scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
     # Deadlines of a request to a pod (docs/router.md, "Deadlines and outlier ejection"):
@@ -156,6 +167,8 @@ class _Call:
     sent_at: float = 0.0  # when it went to the pod that answers
     answered_at: float | None = None  # an answer in one body: when it was read
     tally: StreamTally = field(default_factory=StreamTally)
+    tenant: str = ""
+    queue_timeout_s: float | None = None  # the client's own time to live in the queue
     unmigratable: str | None = field(init=False)  # why its stream cannot move to another pod (None: it can)
     keep_usage: bool = field(init=False)  # the client asked for usage in its stream
 
@@ -444,6 +457,13 @@ class Router:
             priority = priority_class(request.headers.get(self.settings.priority_header))
         except ValueError as e:
             return error_response(400, f"header {self.settings.priority_header}: {e}")
+        ttl = request.headers.get(QUEUE_TIMEOUT_HEADER)
+        try:
+            queue_timeout = None if ttl is None else float(ttl)
+        except ValueError:
+            queue_timeout = -1.0
+        if queue_timeout is not None and not 0 < queue_timeout < float("inf"):
+            return error_response(400, f"header {QUEUE_TIMEOUT_HEADER}: must be seconds > 0, got {ttl!r}")
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
@@ -451,6 +471,7 @@ class Router:
             key = replace(key, adapter=adapter)
             model = pool.model  # counted under the adapter's model
         call = _Call(request, model, chat, body, raw, key, priority, len(prompt_text(body, chat)))
+        call.tenant, call.queue_timeout_s = self._tenant(request), queue_timeout
         if not self.settings.migrate_streams:
             call.unmigratable = "stream migration is off (--stream-migration off)"
         options = body.get("stream_options")
@@ -475,6 +496,13 @@ class Router:
         self._judge(call, response.status)
         return response
 
+    def _tenant(self, request: web.Request) -> str:
+        """The request's tenant for fair queueing: a hash of the tenant header's value (an API key
+        is not kept), "" without fairness or without the header."""
+        name = self.settings.tenant_header
+        value = request.headers.get(name, "") if name else ""
+        return f"{stable_hash(value.encode('utf-8', 'replace')):016x}" if value else ""
+
     def _reject(
         self, call: _Call, status: int, message: str, reason: str, type_: str, retry_after: bool = False
     ) -> web.Response:
@@ -489,7 +517,9 @@ class Router:
         tried: set[str] = set()
         while True:
             try:
-                pod = await pool.acquire(call.key, frozenset(tried), call.priority)
+                pod = await pool.acquire(
+                    call.key, frozenset(tried), call.priority, call.tenant, call.queue_timeout_s
+                )
             except Overloaded as e:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
                 spilled = await self._spill(call, pool)

@@ -51,6 +51,20 @@ def router_cmd(*args: str) -> list[str]:
             "--endpoints and --namespace exclude each other",
         ),
         ([], "--namespace is required without --endpoints"),
+        (
+            ["--endpoints", "m=http://x", "--max-queue-per-priority", "urgent=3"],
+            "--max-queue-per-priority 'urgent=3': expected CLASS=VALUE",
+        ),
+        (
+            ["--endpoints", "m=http://x", "--queue-timeout-per-priority", "low=0"],
+            "--queue-timeout-per-priority 'low=0': expected CLASS=VALUE",
+        ),
+        (
+            ["--endpoints", "m=http://x", "--max-queue-per-tenant", "3"],
+            "--max-queue-per-tenant needs --tenant-header",
+        ),
+        (["--endpoints", "m=http://x", "--slo-tpot-seconds", "0"], "--slo-tpot-seconds must be > 0"),
+        (["--endpoints", "m=http://x", "--slo-window", "nan"], "--slo-window must be > 0"),
         (["--endpoints", "m=http://x", "--fallback", "m=small"], "'small' is not a model of --endpoints"),
         (["--endpoints", "m=http://x", "--adapters", "n=sql"], "--adapters 'n=sql': 'n' is not a model"),
         (["--namespace", "ml", "--adapters", "m=sql"], "--adapters needs --endpoints"),
