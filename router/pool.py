@@ -52,6 +52,9 @@ class Pod:
     unhealthy_until: float = 0.0
     sent_total: int = 0
     answered_at: float = 0.0  # monotonic time the router last heard from the pod (a response, a probe)
+    ttft_s: float | None = None  # what the router measured of it (measure.PodLatency), for routing
+    tpot_s: float | None = None
+    error_rate: float = 0.0
 
     def view(self) -> PodView:
         return PodView(
@@ -61,6 +64,9 @@ class Pod:
             kv_usage=self.kv_usage,
             waiting=self.waiting,
             active_blocks=self.active_blocks,
+            ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s,
+            error_rate=self.error_rate,
         )
 
 

@@ -646,7 +646,7 @@ class Router:
             if isinstance(usage, dict):
                 call.tally.usage = usage
         per_token = (call.answered_at - call.sent_at) / max(1, call.tally.output_tokens)
-        self.meter.observe_pod(pool.model, pod.name, None, per_token)
+        self._observe(pool, pod, None, per_token)
 
     async def _read_body(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
         parts: list[bytes] = []
@@ -677,7 +677,7 @@ class Router:
                     tpot = request_tpot(
                         tally.first_content_s, tally.last_content_s or 0.0, tally.output_tokens
                     )
-                    self.meter.observe_pod(pool.model, pod.name, ttft, tpot)
+                    self._observe(pool, pod, ttft, tpot)
             tried = [pod.name]
             while failure is not None:
                 self._stream_broke(pool, pod, failure)
@@ -837,6 +837,16 @@ class Router:
             outcome = self.meter.record(model, now, None if tally.error else ttft, tpot, prompt)
         self.metrics.slo_requests.labels(model, outcome).inc()
 
+    def _observe(self, pool: ModelPool, pod: Pod, ttft_s: float | None, tpot_s: float | None) -> None:
+        self.meter.observe_pod(pool.model, pod.name, ttft_s, tpot_s)
+        self._sync_latency(pool, pod)
+
+    def _sync_latency(self, pool: ModelPool, pod: Pod) -> None:
+        """The pod's latency averages where the routing policies read them (its PodView)."""
+        lat = self.meter.pod_latency(pool.model, pod.name)
+        if lat is not None:
+            pod.ttft_s, pod.tpot_s, pod.error_rate = lat.ttft_s, lat.tpot_s, lat.error_rate
+
     def _export_slo(self, now: float) -> None:
         """The window gauges and the pods' averages, as of now (at each scrape of /metrics)."""
         m = self.metrics
@@ -918,6 +928,7 @@ class Router:
         if timeout_phase is not None:
             self.metrics.timeouts.labels(pool.model, timeout_phase).inc()
         self.meter.pod_error(pool.model, pod.name)
+        self._sync_latency(pool, pod)
         ejection = pool.failed(pod)
         if ejection is not None:
             self._ejected(pool, ejection, why)

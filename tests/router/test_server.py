@@ -703,3 +703,24 @@ async def test_consecutive_5xx_eject_a_pod_but_never_the_last(pods: list[FakePod
             text = await r.text()
         assert 'kvpilot_router_ejected_pods{model_name="m"} 1.0' in text
         assert 'kvpilot_router_pod_ejections_total{model_name="m",pod="p0"} 1.0' in text
+
+
+async def test_the_router_measures_its_pods_and_routes_around_the_slow_one(pods: list[FakePod]) -> None:
+    pods[1].chunk_delay_s = 0.05  # p1 streams its tokens slowly
+    async with live({MODEL: eps(pods[:2])}, policy="least-loaded") as lr:
+        body = {"model": MODEL, "prompt": "x", "stream": True}
+        first = [(await post(lr, body))[2][POD_HEADER] for _ in range(2)]  # idle pods in turn: one each
+        assert sorted(first) == ["p0", "p1"]
+        later = [(await post(lr, body))[2][POD_HEADER] for _ in range(6)]
+        assert later == ["p0"] * 6  # both idle, p1 measured slow: p0 every time
+        pool = lr.router.pools[MODEL]
+        assert pool.pods["p1"].tpot_s is not None and pool.pods["p0"].tpot_s is not None
+        assert pool.pods["p1"].tpot_s > pool.pods["p0"].tpot_s
+        await until(
+            lambda: metric(lr, "kvpilot_router_time_per_output_token_seconds_count", model_name=MODEL) == 8
+        )
+        async with aiohttp.ClientSession() as s, s.get(lr.url + "/metrics") as r:
+            text = await r.text()
+        assert 'kvpilot_router_pod_tpot_ewma_seconds{model_name="m",pod="p1"}' in text
+        assert 'kvpilot_router_slo_attainment_ratio{model_name="m"}' in text
+        assert metric(lr, "kvpilot_router_slo_window_requests", model_name=MODEL) == 8
