@@ -29,13 +29,24 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.api.slo import SloTargets, request_tpot
 from kvpilot.request_body import BodyError, error_body, parse_json_object
 from kvpilot.router.deadline import PodDeadline, Silent
-from kvpilot.router.keys import BLOCK_CHARS, request_key
+from kvpilot.router.keys import BLOCK_CHARS, prompt_text, request_key
+from kvpilot.router.measure import QUANTILES, SloMeter, estimate_tokens
 from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.migrate import continuation, migratable, rewrite_event
 from kvpilot.router.outlier import Ejection, OutlierSettings
-from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
+from kvpilot.router.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AdapterAffinity,
+    RouteKey,
+    make_policy,
+    stable_hash,
+)
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
+from kvpilot.router.sse import DONE, StreamTally, encode_event, event_data, split_events
 
 log = logging.getLogger("kvpilot.router")
 
@@ -44,6 +55,8 @@ SESSION_HEADER = "X-Session-ID"
 PRIORITY_HEADER = "X-Kvpilot-Priority"  # high | normal | low: the request's class in the central queue
 POD_HEADER = "X-Kvpilot-Pod"
 FALLBACK_HEADER = "X-Kvpilot-Fallback"  # set when another model served the request (overload spill-over)
+REJECT_HEADER = "X-Kvpilot-Reject-Reason"  # why the router answered a 429/502/503/504 itself
+QUEUE_TIMEOUT_HEADER = "X-Kvpilot-Queue-Timeout"  # seconds the client lets it wait (at most its class's)
 # Only what the pod needs from the client's request; hop-by-hop headers stay here.
 FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "OpenAI-Organization")
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -88,14 +101,15 @@ class UpdateEndpoints(Protocol):
         policy: str | None = None,
         fallback: str | None = None,
         adapters: Sequence[str] | None = None,
+        slo: SloTargets | None = None,
     ) -> None: ...
 
 
 class EndpointSource(Protocol):
     """Feeds the router the Ready pods of each model it serves (static list, Kubernetes watch...).
 
-    `run` calls `update(model, endpoints, policy, fallback, adapters)` whenever a model's pods (or its
-    routing policy, fallback model or LoRA adapter names)
+    `run` calls `update(model, endpoints, policy, fallback, adapters, slo)` whenever a model's pods (or
+    its routing policy, fallback model, LoRA adapter names or SLO targets)
     change (endpoints None: the model is gone), `synced()` once every model is known, and returns only when cancelled. An error while
     watching must not drop the endpoints already known: keep them until the source sees otherwise.
     """
@@ -117,6 +131,9 @@ class RouterSettings:
     adapter_slots: int = 4  # adapters remembered per pod (the runtime's --max-loras default)
     session_header: str = SESSION_HEADER
     priority_header: str = PRIORITY_HEADER
+    tenant_header: str | None = (
+        None  # fairness between tenants named by this header (Authorization: API keys)
+    )
     block_chars: int = BLOCK_CHARS
     scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
     # Deadlines of a request to a pod (docs/router.md, "Deadlines and outlier ejection"):
@@ -126,6 +143,43 @@ class RouterSettings:
     probe_timeout_s: float = 2.0  # a pod past one of those two deadlines must answer GET /health by then
     silence_limit_s: float = 600.0  # the most a pod that answers its probes may stay silent
     outliers: OutlierSettings = field(default_factory=OutlierSettings)
+    # The SLO (docs/router.md, "Measured SLO"): targets of models that name none, the window of the
+    # attainment and quantile gauges, the weight of a new sample in a pod's latency averages
+    slo: SloTargets = field(default_factory=SloTargets)
+    slo_window_s: float = 300.0
+    latency_alpha: float = 0.2
+    migrate_streams: bool = True  # continue a plain stream on another pod when its pod dies
+
+
+@dataclass
+class _Call:
+    """One client request on its way through the router, and what it measured."""
+
+    request: web.Request
+    model: str  # the name it is counted under
+    chat: bool
+    body: dict[str, Any]  # as the pods get it
+    raw: bytes
+    key: RouteKey
+    priority: int
+    prompt_chars: int
+    started: float = field(default_factory=time.monotonic)
+    sent_at: float = 0.0  # when it went to the pod that answers
+    answered_at: float | None = None  # an answer in one body: when it was read
+    tally: StreamTally = field(default_factory=StreamTally)
+    tenant: str = ""
+    queue_timeout_s: float | None = None  # the client's own time to live in the queue
+    unmigratable: str | None = field(init=False)  # why its stream cannot move to another pod (None: it can)
+    keep_usage: bool = field(init=False)  # the client asked for usage in its stream
+
+    def __post_init__(self) -> None:
+        self.unmigratable = migratable(self.body, self.chat)
+        options = self.body.get("stream_options")
+        self.keep_usage = isinstance(options, dict) and options.get("include_usage") is True
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
 
 
 class _Retry(Exception):
@@ -152,6 +206,7 @@ class Router:
             make_policy(self.settings.policy), self.settings.adapter_eps, self.settings.adapter_slots
         )
         self.metrics = metrics or RouterMetrics()
+        self.meter = SloMeter(self.settings.slo, self.settings.slo_window_s, self.settings.latency_alpha)
         self.pools: dict[str, ModelPool] = {}
         self._policy_of: dict[str, str] = {}
         self._fallback_of: dict[str, str] = {}
@@ -185,10 +240,12 @@ class Router:
         policy: str | None = None,
         fallback: str | None = None,
         adapters: Sequence[str] | None = None,
+        slo: SloTargets | None = None,
     ) -> None:
         """Set a model's Ready pods, its routing policy (None = the router's default), the model
-        that takes its requests instead of a 429 (None = the static --fallback, if any) and the names
-        of its LoRA adapters (None = the static --adapters, if any).
+        that takes its requests instead of a 429 (None = the static --fallback, if any), the names
+        of its LoRA adapters (None = the static --adapters, if any) and its SLO targets (None = the
+        router's --slo-* flags).
 
         endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
         """
@@ -224,7 +281,14 @@ class Router:
         if is_new or self._adapters_of.get(model) != declared:  # a new model may shadow an adapter
             self._adapters_of[model] = declared
             self._index_adapters()
+        self.meter.set_targets(model, slo)
+        gone = pool.pods.keys() - {e.name for e in endpoints}
         pool.set_endpoints(endpoints)
+        for name in gone:
+            self.meter.forget_pod(model, name)
+            for gauge in (self.metrics.pod_ttft, self.metrics.pod_tpot, self.metrics.pod_errors):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model, name)
         self.metrics.ready_pods.labels(model).set(len(pool.pods))
 
     def _index_adapters(self) -> None:
@@ -253,6 +317,7 @@ class Router:
         self._fallback_of.pop(model, None)
         self._adapters_of.pop(model, None)
         self._index_adapters()  # its adapters leave; an adapter it shadowed may come back
+        self.meter.forget_model(model)
         if pool is not None:
             pool.set_endpoints([])
             self.metrics.ready_pods.labels(model).set(0)
@@ -342,6 +407,7 @@ class Router:
         for pool in list(self.pools.values()):
             self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
             self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+        self._export_slo(time.monotonic())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -391,103 +457,125 @@ class Router:
             priority = priority_class(request.headers.get(self.settings.priority_header))
         except ValueError as e:
             return error_response(400, f"header {self.settings.priority_header}: {e}")
+        ttl = request.headers.get(QUEUE_TIMEOUT_HEADER)
+        try:
+            queue_timeout = None if ttl is None else float(ttl)
+        except ValueError:
+            queue_timeout = -1.0
+        if queue_timeout is not None and not 0 < queue_timeout < float("inf"):
+            return error_response(400, f"header {QUEUE_TIMEOUT_HEADER}: must be seconds > 0, got {ttl!r}")
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
         if adapter is not None:
             key = replace(key, adapter=adapter)
             model = pool.model  # counted under the adapter's model
+        call = _Call(request, model, chat, body, raw, key, priority, len(prompt_text(body, chat)))
+        call.tenant, call.queue_timeout_s = self._tenant(request), queue_timeout
+        if not self.settings.migrate_streams:
+            call.unmigratable = "stream migration is off (--stream-migration off)"
+        options = body.get("stream_options")
+        if call.stream and not call.keep_usage and isinstance(options, dict | None):
+            # exact token counts for the SLO: the pod reports usage at the stream's end, the router
+            # keeps that chunk to itself (the client did not ask for it)
+            body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+            call.body, call.raw = body, json.dumps(body).encode()
         try:
-            response = await self._route(request, pool, key, raw, priority)
+            response = await self._route(call, pool)
         except asyncio.CancelledError:
             # The client left. A stream whose status line had gone out was answered: count it (a
             # client that stops reading after `data: [DONE]` leaves before the pod's stream ends).
             status = self._sent_status.get(id(request))
             if status is not None:
                 self.metrics.requests.labels(model, str(status)).inc()
+            self._judge(call, status)
             raise
         finally:
             self._sent_status.pop(id(request), None)
         self.metrics.requests.labels(model, str(response.status)).inc()
+        self._judge(call, response.status)
         return response
 
-    async def _route(
-        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes, priority: int
-    ) -> web.StreamResponse:
+    def _tenant(self, request: web.Request) -> str:
+        """The request's tenant for fair queueing: a hash of the tenant header's value (an API key
+        is not kept), "" without fairness or without the header."""
+        name = self.settings.tenant_header
+        value = request.headers.get(name, "") if name else ""
+        return f"{stable_hash(value.encode('utf-8', 'replace')):016x}" if value else ""
+
+    def _reject(
+        self, call: _Call, status: int, message: str, reason: str, type_: str, retry_after: bool = False
+    ) -> web.Response:
+        """An answer the router gives itself, naming its reason in a header and the error's code."""
+        self.metrics.rejections.labels(call.model, reason).inc()
+        headers = {REJECT_HEADER: reason}
+        if retry_after:
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+        return error_response(status, message, type_, code=reason, headers=headers)
+
+    async def _route(self, call: _Call, pool: ModelPool) -> web.StreamResponse:
         tried: set[str] = set()
-        started = time.monotonic()
         while True:
             try:
-                pod = await pool.acquire(key, frozenset(tried), priority)
+                pod = await pool.acquire(
+                    call.key, frozenset(tried), call.priority, call.tenant, call.queue_timeout_s
+                )
             except Overloaded as e:
-                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
-                spilled = await self._spill(request, pool, key, raw)
+                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
+                spilled = await self._spill(call, pool)
                 if spilled is not None:
                     return spilled
-                return error_response(
-                    429, str(e), "rate_limit_error", code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}
-                )
+                status = 503 if e.code == "no_endpoints" else 429
+                kind = "service_unavailable" if status == 503 else "rate_limit_error"
+                return self._reject(call, status, str(e), e.code, kind, retry_after=True)
             if not tried:
-                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
+                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
             try:
-                return await self._forward(request, pool, pod, raw, adapter=key.adapter)
+                return await self._forward(call, pool, pod, call.raw)
             except _Retry as e:
                 tried.add(pod.name)
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
                     if e.answer is not None:
                         return e.answer
                     if e.timeout:
-                        return error_response(
-                            504,
-                            f"no pod of model {pool.model!r} answered in time: {e}",
-                            "upstream_error",
-                            code="upstream_timeout",
-                        )
-                    return error_response(
-                        502, f"no pod of model {pool.model!r} could take the request: {e}", "upstream_error"
-                    )
+                        message = f"no pod of model {pool.model!r} answered in time: {e}"
+                        return self._reject(call, 504, message, "upstream_timeout", "upstream_error")
+                    message = f"no pod of model {pool.model!r} could take the request: {e}"
+                    return self._reject(call, 502, message, "upstream_failed", "upstream_error")
                 self.metrics.retries.labels(pool.model).inc()
                 log.info("retrying %s on another pod after %s failed: %s", pool.model, pod.name, e)
             finally:
-                pool.release(pod, key)
+                pool.release(pod, call.key)
 
-    async def _spill(
-        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes
-    ) -> web.StreamResponse | None:
+    async def _spill(self, call: _Call, pool: ModelPool) -> web.StreamResponse | None:
         """Serve an overloaded model's request on its fallback model when a pod there has room now
         (no queueing there, no retries); None when there is no fallback or it has no room either."""
         name = self._fallback_of.get(pool.model)
         # an adapter lives only on its own model's pods: the fallback model cannot serve it
-        target = self.pools.get(name) if name and key.adapter is None else None
+        target = self.pools.get(name) if name and call.key.adapter is None else None
         if target is None:
             return None
-        pod = target.try_acquire(key)
+        pod = target.try_acquire(call.key)
         if pod is None:
             return None
         self.metrics.fallbacks.labels(pool.model, target.model).inc()
-        body = json.loads(raw)
-        body["model"] = target.model  # the fallback's pods serve their own name
+        body = {**call.body, "model": target.model}  # the fallback's pods serve their own name
         try:
-            return await self._forward(request, target, pod, json.dumps(body).encode(), fallback=target.model)
+            return await self._forward(call, target, pod, json.dumps(body).encode(), fallback=target.model)
         except _Retry as e:
-            status, code = (504, "upstream_timeout") if e.timeout else (502, None)
-            return error_response(
-                status, f"fallback model {target.model!r} failed too: {e}", "upstream_error", code=code
-            )
+            status, reason = (504, "upstream_timeout") if e.timeout else (502, "upstream_failed")
+            message = f"fallback model {target.model!r} failed too: {e}"
+            return self._reject(call, status, message, reason, "upstream_error")
         finally:
-            target.release(pod, key)
+            target.release(pod, call.key)
 
-    async def _forward(
-        self,
-        request: web.Request,
-        pool: ModelPool,
-        pod: Pod,
-        raw: bytes,
-        fallback: str | None = None,
-        adapter: str | None = None,
-    ) -> web.StreamResponse:
+    async def _open(self, call: _Call, pool: ModelPool, pod: Pod, raw: bytes) -> aiohttp.ClientResponse:
+        """Send the request to the pod and wait for its response headers; _Retry when it could not
+        take it (refused, reset, past a deadline, a 503) and nothing reached the client."""
         assert self._session is not None
+        request = call.request
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
+        call.sent_at = time.monotonic()
         try:
             async with self._deadline(pod, "first_byte"):
                 upstream = await self._session.post(pod.url + request.path, data=raw, headers=headers)
@@ -500,11 +588,19 @@ class Router:
             self._failed(pool, pod, str(e), e.phase)
             raise _Retry(f"{pod.name}: {e}", timeout=True) from None
         pod.answered_at = time.monotonic()
+        if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
+            upstream.close()
+            pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
+            self._failed(pool, pod, f"answered 503 {upstream.reason}")
+            raise _Retry(f"{pod.name}: 503 {upstream.reason}")
+        return upstream
+
+    async def _forward(
+        self, call: _Call, pool: ModelPool, pod: Pod, raw: bytes, fallback: str | None = None
+    ) -> web.StreamResponse:
+        upstream = await self._open(call, pool, pod, raw)
+        adapter = call.key.adapter
         try:
-            if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
-                pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
-                self._failed(pool, pod, f"answered 503 {upstream.reason}")
-                raise _Retry(f"{pod.name}: 503 {upstream.reason}")
             if upstream.status == 404 and adapter is not None:
                 # a pod that does not serve the adapter yet (the pods roll after spec.adapters changed):
                 # another pod may; the pod stays healthy for every other request
@@ -535,10 +631,22 @@ class Router:
                     self._failed(pool, pod, f"{type(e).__name__}: {e}", phase)
                     raise _Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
                 self._answered(pool, pod, upstream.status)
+                if upstream.status == 200:
+                    self._whole_answer(call, pool, pod, data)
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
-            return await self._stream(request, pool, pod, upstream, out_headers)
+            return await self._stream(call, pool, pod, upstream, out_headers)
         finally:
             upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
+
+    def _whole_answer(self, call: _Call, pool: ModelPool, pod: Pod, data: bytes) -> None:
+        """A body answered at once: its usage for the SLO, and the pod's time per output token."""
+        call.answered_at = time.monotonic()
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            usage = json.loads(data).get("usage")
+            if isinstance(usage, dict):
+                call.tally.usage = usage
+        per_token = (call.answered_at - call.sent_at) / max(1, call.tally.output_tokens)
+        self._observe(pool, pod, None, per_token)
 
     async def _read_body(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
         parts: list[bytes] = []
@@ -550,50 +658,214 @@ class Router:
 
     async def _stream(
         self,
-        request: web.Request,
+        call: _Call,
         pool: ModelPool,
         pod: Pod,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        self._sent_status[id(request)] = upstream.status
-        failure: BaseException | None = None
+        await out.prepare(call.request)
+        self._sent_status[id(call.request)] = upstream.status
+        tally = call.tally
         try:
-            while True:
-                try:
-                    chunk = await self._next_chunk(pod, upstream)
-                except (*UPSTREAM_ERRORS, Silent) as e:
-                    failure = e
+            failure = await self._pipe(call, pod, upstream, out, continued=False)
+            if failure is None:
+                self._answered(pool, pod, upstream.status)
+                if upstream.status == 200 and tally.first_content_s is not None:
+                    ttft = tally.first_content_s - call.sent_at
+                    tpot = request_tpot(
+                        tally.first_content_s, tally.last_content_s or 0.0, tally.output_tokens
+                    )
+                    self._observe(pool, pod, ttft, tpot)
+            tried = [pod.name]
+            while failure is not None:
+                self._stream_broke(pool, pod, failure)
+                upstream.close()
+                if tally.finish_reason is not None and not tally.error:  # only [DONE] was missing
+                    await out.write(DONE + b"\n\n")
+                    failure = None
                     break
-                if not chunk:
+                if upstream.status != 200 or call.unmigratable is not None:
                     break
-                await out.write(chunk)
+                moved = await self._continue(call, pool, out, tried)
+                if moved is None:
+                    break
+                pod, failure = moved
+            if failure is not None:
+                tally.error = True
+                await self._error_event(out, failure)
         except ConnectionError:  # the client went away (its write failed): not the pod's fault
             return out
-        if failure is None:
-            self._answered(pool, pod, upstream.status)
-        else:
-            silent = isinstance(failure, Silent)
-            if not silent:
-                pool.mark_unhealthy(pod)
-            self.metrics.stream_failures.labels(pool.model).inc()
-            self._failed(
-                pool, pod, f"broke a stream: {type(failure).__name__}: {failure}", "idle" if silent else None
-            )
-            if silent:
-                message = f"the pod serving this request went silent mid-stream ({failure}); the output is incomplete"
-                code = "upstream_timeout"
-            else:
-                message = f"the pod serving this request failed mid-stream ({type(failure).__name__}); the output is incomplete"
-                code = "upstream_disconnected"
-            event = error_body(message, "upstream_error", code=code)
-            with contextlib.suppress(ConnectionError):
-                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         with contextlib.suppress(ConnectionError):
             await out.write_eof()
         return out
+
+    async def _pipe(
+        self,
+        call: _Call,
+        pod: Pod,
+        upstream: aiohttp.ClientResponse,
+        out: web.StreamResponse,
+        continued: bool,
+    ) -> BaseException | None:
+        """Pass the pod's stream to the client, whole events at a time, until its end (None) or the
+        pod fails (the exception). `continued`: a continuation after a migration, rewritten into the
+        client's stream (migrate.rewrite_event)."""
+        tokens_before = call.tally.output_tokens
+        buffer = b""
+        while True:
+            try:
+                chunk = await self._next_chunk(pod, upstream)
+            except (*UPSTREAM_ERRORS, Silent) as e:
+                return e
+            if not chunk:
+                if buffer.strip():
+                    await out.write(buffer)  # a last event without its blank line
+                return None
+            events, buffer = split_events(buffer + chunk)
+            payload = [self._outgoing(call, e, continued, tokens_before) for e in events]
+            data = b"".join(p for p in payload if p)
+            if data:
+                await out.write(data)
+
+    def _outgoing(self, call: _Call, event: bytes, continued: bool, tokens_before: int) -> bytes | None:
+        """What of one whole event of a pod's stream goes to the client (None: nothing), measured."""
+        if continued:
+            data = event_data(event)
+            if isinstance(data, dict):
+                tally = call.tally
+                rewritten = rewrite_event(data, tally.stream_id, tally.created, tokens_before, True)
+                if rewritten is None:
+                    return None
+                event = encode_event(rewritten)
+        data = call.tally.see(event, time.monotonic())
+        if not call.keep_usage and isinstance(data, dict) and "usage" in data and not data.get("choices"):
+            return None  # the usage chunk the router asked for itself
+        return event
+
+    async def _continue(
+        self, call: _Call, pool: ModelPool, out: web.StreamResponse, tried: list[str]
+    ) -> tuple[Pod, BaseException | None] | None:
+        """Continue a broken stream on another pod (migrate.py): the pod that took it and how its
+        stream ended (None: to its end), or None when no pod could take it."""
+        tally = call.tally
+        body = continuation(call.body, call.chat, tally.delivered_text, tally.output_tokens)
+        if body is None:
+            return None
+        raw = json.dumps(body).encode()
+        while len(tried) <= self.settings.max_retries:
+            try:  # ahead of every queued request: this one's client is waiting mid-answer
+                pod = await pool.acquire(call.key, frozenset(tried), priority=0)
+            except Overloaded:
+                return None
+            tried.append(pod.name)
+            try:
+                upstream = await self._open(call, pool, pod, raw)
+            except _Retry:
+                pool.release(pod, call.key)
+                continue
+            try:
+                if upstream.status != 200:
+                    why = f"answered {upstream.status} to a continuation"
+                    if upstream.status >= 500:
+                        self._failed(pool, pod, why)
+                        continue
+                    log.warning("%s of %s %s; the stream ends", pod.name, pool.model, why)
+                    return None
+                self.metrics.migrations.labels(pool.model).inc()
+                log.info("continuing a stream of %s on %s", pool.model, pod.name)
+                failure = await self._pipe(call, pod, upstream, out, continued=True)
+                if failure is None:
+                    self._answered(pool, pod, 200)
+                return pod, failure
+            finally:
+                upstream.close()
+                pool.release(pod, call.key)
+        return None
+
+    def _stream_broke(self, pool: ModelPool, pod: Pod, failure: BaseException) -> None:
+        silent = isinstance(failure, Silent)
+        if not silent:
+            pool.mark_unhealthy(pod)
+        self.metrics.stream_failures.labels(pool.model).inc()
+        self._failed(
+            pool, pod, f"broke a stream: {type(failure).__name__}: {failure}", "idle" if silent else None
+        )
+
+    async def _error_event(self, out: web.StreamResponse, failure: BaseException) -> None:
+        if isinstance(failure, Silent):
+            message = (
+                f"the pod serving this request went silent mid-stream ({failure}); the output is incomplete"
+            )
+            code = "upstream_timeout"
+        else:
+            message = f"the pod serving this request failed mid-stream ({type(failure).__name__}); the output is incomplete"
+            code = "upstream_disconnected"
+        with contextlib.suppress(ConnectionError):
+            await out.write(encode_event(error_body(message, "upstream_error", code=code)))
+
+    # -- the SLO ----------------------------------------------------------------------------------
+
+    def _judge(self, call: _Call, status: int | None) -> None:
+        """Judge the request against its model's SLO (api/slo.py). An answer in the 4xx other than
+        429 is the client's error, not judged; none (the client left before an answer), a 429 or a
+        5xx is `failed`; a stream that ended with an error event too."""
+        if status is not None and 400 <= status < 500 and status != 429:
+            return
+        now, tally, model = time.monotonic(), call.tally, call.model
+        prompt = tally.prompt_tokens
+        if prompt is None:
+            prompt = estimate_tokens(call.prompt_chars)
+        if status is None or status >= 400:
+            outcome = self.meter.record(model, now, None, None, prompt)
+        elif not call.stream:
+            total = (call.answered_at or now) - call.started
+            outcome = self.meter.record_whole(model, now, total, tally.output_tokens, prompt)
+        else:
+            first = tally.first_content_s
+            ttft = None if first is None else first - call.started
+            tpot = (
+                None
+                if first is None
+                else request_tpot(first, tally.last_content_s or first, tally.output_tokens)
+            )
+            if ttft is not None:
+                self.metrics.ttft.labels(model).observe(ttft)
+            if tpot is not None:
+                self.metrics.tpot.labels(model).observe(tpot)
+            outcome = self.meter.record(model, now, None if tally.error else ttft, tpot, prompt)
+        self.metrics.slo_requests.labels(model, outcome).inc()
+
+    def _observe(self, pool: ModelPool, pod: Pod, ttft_s: float | None, tpot_s: float | None) -> None:
+        self.meter.observe_pod(pool.model, pod.name, ttft_s, tpot_s)
+        self._sync_latency(pool, pod)
+
+    def _sync_latency(self, pool: ModelPool, pod: Pod) -> None:
+        """The pod's latency averages where the routing policies read them (its PodView)."""
+        lat = self.meter.pod_latency(pool.model, pod.name)
+        if lat is not None:
+            pod.ttft_s, pod.tpot_s, pod.error_rate = lat.ttft_s, lat.tpot_s, lat.error_rate
+
+    def _export_slo(self, now: float) -> None:
+        """The window gauges and the pods' averages, as of now (at each scrape of /metrics)."""
+        m = self.metrics
+        for model in self.meter.models():
+            w = self.meter.window(model, now)
+            m.slo_attainment.labels(model).set(w.attainment)
+            m.slo_window_requests.labels(model).set(w.requests)
+            for q in QUANTILES:
+                m.ttft_window.labels(model, str(q)).set(w.ttft_s[q])
+                m.tpot_window.labels(model, str(q)).set(w.tpot_s[q])
+        for model, pool in list(self.pools.items()):
+            for name, lat in self.meter.pods(model).items():
+                if name not in pool.pods:
+                    continue
+                m.pod_errors.labels(model, name).set(lat.error_rate)
+                if lat.ttft_s is not None:
+                    m.pod_ttft.labels(model, name).set(lat.ttft_s)
+                if lat.tpot_s is not None:
+                    m.pod_tpot.labels(model, name).set(lat.tpot_s)
 
     # -- deadlines, probes, ejection --------------------------------------------------------------
 
@@ -655,6 +927,8 @@ class Router:
     def _failed(self, pool: ModelPool, pod: Pod, why: str, timeout_phase: str | None = None) -> None:
         if timeout_phase is not None:
             self.metrics.timeouts.labels(pool.model, timeout_phase).inc()
+        self.meter.pod_error(pool.model, pod.name)
+        self._sync_latency(pool, pod)
         ejection = pool.failed(pod)
         if ejection is not None:
             self._ejected(pool, ejection, why)

@@ -146,7 +146,6 @@ REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "add_special_tokens": ("special-token control of the prompt", (None,)),
     "chat_template": ("a per-request chat template", (None,)),
     "chat_template_kwargs": ("chat template arguments", (None, {})),
-    "continue_final_message": ("continuing the last message", (None, False)),
     "documents": ("documents for the chat template", (None, [])),
     "mm_processor_kwargs": ("multimodal input", (None, {})),
     "prompt_embeds": ("prompt embeddings", (None,)),
@@ -470,6 +469,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) turn stays open and goes on
     echo: bool = False  # vLLM's: prepend the last message; not implemented, refused when true
     _tools: list[Tool] = PrivateAttr(default_factory=list)  # set by validate_request()
     _tool_choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
@@ -495,6 +495,17 @@ class ChatCompletionRequest(_SamplingFields):
         self._check_tools()
         if self.echo:
             raise APIError("'echo' is not supported for chat completions", param="echo")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError(
+                    "'continue_final_message' needs 'add_generation_prompt' false",
+                    param="continue_final_message",
+                )
+            if self.messages[-1].role != "assistant" or self.uses_tools:
+                raise APIError(
+                    "'continue_final_message' continues a final assistant message, without tools",
+                    param="continue_final_message",
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
 
@@ -704,6 +715,19 @@ def prepare_completion(
     )
 
 
+_OPEN_TURN = "\x00kvpilot-open-turn\x00"
+
+
+def _render_open_turn(tokenizer: ChatTokenizer, messages: list[dict[str, Any]]) -> str:
+    """The conversation rendered up to the end of its last message's text: what follows it in the
+    template (the end-of-turn tokens) is cut, so the model goes on with that message."""
+    last = {**messages[-1], "content": messages[-1]["content"] + _OPEN_TURN}
+    rendered = tokenizer.apply_chat_template([*messages[:-1], last], add_generation_prompt=False)
+    if _OPEN_TURN not in rendered:
+        raise ValueError("the template does not render the final message's text as given")
+    return rendered[: rendered.rindex(_OPEN_TURN)]
+
+
 def prepare_chat(
     body: bytes,
     tokenizer: ChatTokenizer,
@@ -719,6 +743,8 @@ def prepare_chat(
     try:
         if req.uses_tools:  # the tools (and tool turns) through the template, or the fallback block
             rendered = render_chat(tokenizer, messages, tools, tool_choice, req.add_generation_prompt)
+        elif req.continue_final_message:
+            rendered = _render_open_turn(tokenizer, messages)
         else:
             rendered = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt
