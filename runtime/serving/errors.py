@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.request_body import error_body
+
 RETRY_AFTER_S = 1
 
 
@@ -32,7 +34,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, self.code, self.param)
 
 
 def _unavailable(message: str, close: bool = False) -> APIError:
