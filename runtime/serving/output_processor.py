@@ -27,7 +27,7 @@ from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.serving.detokenizer import TextStream
 from kvpilot.runtime.serving.errors import APIError, engine_dead_error, queue_full_error
 from kvpilot.runtime.serving.metrics import ServerMetrics
-from kvpilot.runtime.serving.request import GenerationRequest
+from kvpilot.runtime.serving.prepare import GenerationRequest
 from kvpilot.runtime.serving.tool_calls import ToolCall, ToolCallStreamer
 
 log = logging.getLogger("kvpilot.server")

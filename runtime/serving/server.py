@@ -46,13 +46,8 @@ from kvpilot.runtime.serving.errors import (
 )
 from kvpilot.runtime.serving.metrics import ServerMetrics
 from kvpilot.runtime.serving.output_processor import Delta, OutputProcessor, RequestState
-from kvpilot.runtime.serving.request import (
-    GenerationRequest,
-    ServingLimits,
-    parse_json_body,
-    prepare_chat,
-    prepare_completion,
-)
+from kvpilot.runtime.serving.prepare import GenerationRequest, ServingLimits, prepare_chat, prepare_completion
+from kvpilot.runtime.serving.request import parse_json_body
 from kvpilot.runtime.serving.response import RENDERERS, now, usage
 
 log = logging.getLogger("kvpilot.server")
