@@ -14,6 +14,7 @@ from kvpilot.runtime.grammar.structured_output import CompiledGuided, GuidedSpec
 from kvpilot.runtime.serving.errors import APIError
 from kvpilot.runtime.serving.request import (
     ChatTokenizer,
+    SamplingFields,
     check_token_ids,
     parse_chat_request,
     parse_completion_request,

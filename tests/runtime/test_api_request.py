@@ -648,7 +648,7 @@ def test_tools_and_tool_choice_are_parsed_and_checked() -> None:
 def test_continue_final_message_renders_the_open_turn_the_generation_prompt_would_start() -> None:
     """vLLM's continue_final_message: the prompt is the conversation up to the end of the final
     assistant text, which is the generation prompt followed by that text (the router's migration)."""
-    from kvpilot.runtime.api_request import ServingLimits, prepare_chat
+    from kvpilot.runtime.serving.prepare import ServingLimits, prepare_chat
     from tests.runtime.fake_engine import FakeTokenizer
 
     tok = FakeTokenizer()
