@@ -1,13 +1,14 @@
 """The router's HTTP shell: one OpenAI endpoint that proxies each request to a pod of its model.
 
-Decisions live in `policy` and admission in `pool`; this module reads the request, asks the model's
-pool for a pod (queueing when none has room), forwards the body as is, and passes the answer back:
-server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection,
-a missed connect or first-byte deadline, or a 503 (a draining pod) before any byte reached the client
-is retried on another pod; after the first byte nothing is retried, and a pod that dies or goes
-silent mid-stream ends the stream with an error event. Each wait on a pod runs under a `PodDeadline`
-(deadline.py: past it the pod must answer /health); each exchange's outcome goes to the pool's
-outlier detector (outlier.py), which ejects pods that fail in a row.
+Decisions live in `policy` and admission in `pool`; this module keeps the models' pools, reads the
+request, asks the model's pool for a pod (queueing when none has room) and has `upstream` forward the
+body as is and pass the answer back: server-sent events as they arrive, other bodies whole. A
+refused or reset connection, a missed connect or first-byte deadline, or a 503 (a draining pod)
+before any byte reached the client is retried here on another pod (upstream raises `call.Retry`);
+after the first byte nothing is retried, and a pod that dies or goes silent mid-stream continues on
+another pod or ends the stream with an error event (upstream). Each wait on a pod runs under a
+deadline and each exchange's outcome goes to the pool's outlier detector (`health`); each request is
+judged against its model's SLO (`judge`). The request's record is `call.Call`.
 A client that goes away cancels the handler (handler_cancellation), which closes the upstream
 connection, and the pod aborts the request.
 """
