@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from kvpilot.api.models import API_VERSION, KIND, MODEL_LABEL, PLURAL
 from kvpilot.api.slo import SloTargets
 from kvpilot.router.pool import Endpoint
-from kvpilot.router.server import UpdateEndpoints
+from kvpilot.router.source import UpdateEndpoints
 
 log = logging.getLogger("kvpilot.router.kube")
 
