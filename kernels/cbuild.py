@@ -112,6 +112,7 @@ class Extension:
         with self._lock:
             if level not in self._libraries:
                 lib = ctypes.CDLL(str(self.build(level)))
+                lib.kvpilot_isa.argtypes = []
                 lib.kvpilot_isa.restype = ctypes.c_char_p
                 self.declare(lib)
                 self._built_isa[level] = self._ask_isa(lib)
