@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_quant_quality import perplexity, stdlib_docstrings
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import isa, qlinear, switches
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.sampling_params import SamplingParams
@@ -145,7 +145,7 @@ def main() -> int:
                     "cpu": cpu_model(),
                     "flags": flags,
                     "kernel_isa": isa.selected(),
-                    "qmatmul_activations": "int8" if qlinear.INT8_ACTIVATIONS else "float",
+                    "qmatmul_activations": switches.current().qmatmul_activations,
                     "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
                     "threads": args.threads,
                     "torch": torch.__version__,

@@ -29,7 +29,7 @@ from kvpilot.runtime.engine.plan import (
     pool_blocks,
     with_block_size,
 )
-from kvpilot.runtime.engine.runner import KVGeometry, ModelRunner, kv_geometry
+from kvpilot.runtime.engine.runner import KVGeometry, ModelRunner, apply_kernel_switches, kv_geometry
 from kvpilot.runtime.engine.sampler import Sampler, SamplingRow
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -228,6 +228,7 @@ class LLMEngine:
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
         from kvpilot.runtime.load.loader import load_model, resolve_device
 
+        apply_kernel_switches(cfg)  # before anything is loaded: the weights' layout follows them
         cfg = with_block_size(cfg, resolve_device(cfg.device))
         if cfg.tensor_parallel_size > 1:
             runner = start_tensor_parallel(cfg)  # checks the size, spawns ranks 1.., loads rank 0's shard
