@@ -63,6 +63,20 @@ def apply_kernel_switches(cfg: EngineConfig) -> KernelSwitches:
     return resolved
 
 
+class Forward(Protocol):
+    """A step's forward: the model's own, or one the runner compiled (runtime/models/cpu_stack.py)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 class CausalLM(Protocol):
     """What the runner needs from a model (see runtime/models/llama.py)."""
 
@@ -424,7 +438,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch.meta):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
             return hidden if logit_rows is None else hidden.index_select(0, logit_rows)
-        forward: CausalLM = self.model
+        forward: Forward = self.model
         if self.compiled is not None and self.compiled.fits(batch.input_ids.shape[0]):
             forward = self.compiled
         return forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend, logit_rows)
