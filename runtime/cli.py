@@ -234,6 +234,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let those endpoints answer when no API key is set: anyone who reaches the port can then "
         "load adapters from this machine's disk (implies --enable-lora-runtime-updates)",
     )
+    ks = parser.add_argument_group("kernel switches (environment variables override them: docs/runtime.md)")
+    ks.add_argument(
+        "--cpu-isa",
+        choices=["auto", "avx512", "avx2", "generic"],
+        default=s,
+        help="ISA level the CPU kernels are built for (default auto: the best this CPU runs; KVPILOT_CPU_ISA)",
+    )
+    ks.add_argument(
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=s,
+        help="the C kernels on CPU (default on; off: the torch paths; KVPILOT_DISABLE_CPU_KERNEL=1)",
+    )
+    ks.add_argument(
+        "--qmatmul-activations",
+        choices=["int8", "float"],
+        default=s,
+        help="quantized matmuls on CPU: int8 activations (default) or float, the exact product, slower "
+        "(KVPILOT_QMATMUL_ACTIVATIONS)",
+    )
+    ks.add_argument(
+        "--cpu-decoder-stack",
+        action=argparse.BooleanOptionalAction,
+        default=s,
+        help="a CPU decode step's decoder layers in one C call where the model allows (default on; "
+        "KVPILOT_CPU_DECODER_STACK)",
+    )
+    ks.add_argument(
+        "--kernel-cache-dir",
+        default=s,
+        metavar="DIR",
+        help="where built CPU kernels are cached (default ~/.cache/kvpilot/kernels; KVPILOT_KERNEL_CACHE)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

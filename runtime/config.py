@@ -143,6 +143,23 @@ class EngineConfig(BaseModel):
         False,
         description="let those endpoints answer when no API key is set (implies enable_lora_runtime_updates)",
     )
+    # kernel switches (kernels/switches.py; docs/runtime.md, "Kernel switches"): the environment
+    # variables named there override these, read once when the engine is built
+    cpu_isa: Literal["auto", "avx512", "avx2", "generic"] = Field(
+        "auto", description="ISA level the CPU kernels are built for; auto: the best this CPU runs"
+    )
+    cpu_kernels: bool = Field(True, description="use the C kernels on CPU (off: the torch paths)")
+    qmatmul_activations: Literal["int8", "float"] = Field(
+        "int8",
+        description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products) "
+        "or float (the exact product, slower)",
+    )
+    cpu_decoder_stack: bool = Field(
+        True, description="run a CPU decode step's decoder layers in one C call where the model allows"
+    )
+    kernel_cache_dir: str | None = Field(
+        None, description="where built CPU kernels are cached (default ~/.cache/kvpilot/kernels)"
+    )
 
     @field_validator("lora_modules")
     @classmethod

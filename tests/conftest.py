@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,10 +39,21 @@ def smollm2_fp32(smollm2_gguf_path: Path) -> LoadedModel:
     return load_model(EngineConfig(model=DEFAULT_MODEL), torch.device("cpu"), torch.float32)
 
 
-@pytest.fixture
-def exact_qmatmul(monkeypatch: pytest.MonkeyPatch) -> None:
-    """qlinear's C kernel multiplies dequantized weights in float32 (KVPILOT_QMATMUL_ACTIVATIONS=float)
-    instead of rounding the activations to int8: tests of the plumbing around it compare exactly."""
-    from kvpilot.kernels import qlinear
+@pytest.fixture(autouse=True)
+def kernel_switches_restored() -> Iterator[None]:
+    """Every test leaves the kernel switches (kernels/switches.py) as it found them: an engine a test
+    builds from its config puts that config's in force for the process."""
+    from kvpilot.kernels import switches
 
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    before = switches.current()
+    yield
+    switches.use(before)
+
+
+@pytest.fixture
+def exact_qmatmul() -> None:
+    """qlinear's C kernel multiplies dequantized weights in float32 (--qmatmul-activations float)
+    instead of rounding the activations to int8: tests of the plumbing around it compare exactly."""
+    from kvpilot.kernels import switches
+
+    switches.use(switches.changed(qmatmul_activations="float"))  # restored by kernel_switches_restored

@@ -8,7 +8,7 @@ avx2 level), rows M = 1 (single-stream decode), 5 (a speculative verification wi
 - `bf16` (or `f32`): torch's F.linear on the unquantized weight in that dtype (the peer);
 - `kernel`: the small-M C kernel on int8 / int4 weights in the row layout, int8 activation blocks;
 - `tiled`: the same arithmetic on the tiled layout (16 rows a code vector; what loaded CPU models use);
-- `kernel_float_act`: the same kernel with KVPILOT_QMATMUL_ACTIVATIONS=float (exact product);
+- `kernel_float_act`: the same kernel with float activations (`--qmatmul-activations float`) (exact product);
 - `dequant_mm`: C dequantization to the activations' dtype then torch's matmul (the many-row path
   with float activations, and where the GEMM below does not apply);
 - `gemm` (`--gemm`): the int8-activation GEMM of kernels/csrc/qgemm_cpu.c (many rows).
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from harness import cpu_model
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import isa, qlinear, switches
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -65,9 +65,8 @@ def measure(
         row["kernel_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, qw), calls)
         tiled = qlinear.tile(qw)
         row["tiled_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
-        qlinear.INT8_ACTIVATIONS = False
-        row["kernel_float_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, qw), calls)
-        qlinear.INT8_ACTIVATIONS = True
+        with switches.using(qmatmul_activations="float"):
+            row["kernel_float_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, qw), calls)
     row["dequant_mm_us"] = cpu_time_us(lambda: qlinear.dequantize_matmul(x, qw), calls)
     if gemm:
         row["gemm_us"] = cpu_time_us(lambda: qlinear.gemm_matmul(x, qw), calls)

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import harness
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import isa, qlinear, switches
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
@@ -138,7 +138,7 @@ def main() -> int:
                     "cpu": harness.cpu_model(),
                     "flags": flags,
                     "kernel_isa": isa.selected(),
-                    "qmatmul_activations": "int8" if qlinear.INT8_ACTIVATIONS else "float",
+                    "qmatmul_activations": switches.current().qmatmul_activations,
                     "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
                     "threads": args.threads,
                     "torch": torch.__version__,

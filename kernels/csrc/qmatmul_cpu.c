@@ -23,6 +23,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 #include "moe_combine.h"
 #include "vmath.h"
 

@@ -22,7 +22,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.plan import blocks_for_budget, cuda_graph_sizes, pool_blocks, with_block_size
-from kvpilot.runtime.engine.runner import KVGeometry, ModelRunner, kv_geometry
+from kvpilot.runtime.engine.runner import KVGeometry, ModelRunner, apply_kernel_switches, kv_geometry
 from kvpilot.runtime.engine.spec.speculative import make_speculator
 from kvpilot.runtime.grammar.service import GrammarLimits
 
@@ -38,6 +38,9 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     from kvpilot.runtime.engine.tp.runner import start_tensor_parallel
     from kvpilot.runtime.load.loader import load_model, resolve_device
 
+    # the kernel switches (ISA, C kernels, int8 activations, C decoder stack) are in force before the
+    # weights load: their tiled layout depends on them
+    apply_kernel_switches(cfg)
     device = resolve_device(cfg.device)
     cfg = with_block_size(cfg, device)
     if cfg.tensor_parallel_size > 1:

@@ -1,5 +1,11 @@
 """Turns a scheduled batch into flat tensors, runs the model, returns the logits to sample from.
 
+The runner, not the model, chooses how a step executes: the model's own forward, a decode CUDA
+graph (runtime/engine/cuda_graphs.py) on a GPU, or on a CPU the decoder stack in one C call
+(runtime/models/cpu_stack.py), each picked once at construction from the attention backend (one
+choice: kernels/attention.choose_backend) and the kernel switches (kernels/switches.py), and used for
+the steps it fits.
+
 Flat batch layout (one row per new token across all scheduled sequences):
 input ids, positions, slot mapping; per sequence: query start offsets, context lengths and the
 block table. Only the last token of a sequence that reaches its end this step is turned into logits
@@ -14,8 +20,10 @@ from typing import Any, Protocol
 
 import torch
 
-from kvpilot.kernels import quant
+from kvpilot.kernels import isa, quant, switches
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
+from kvpilot.kernels.switches import KernelSwitches
+from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.cuda_graphs import DecodeGraphRunner
 from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.lora.manager import LoRAState, SlotTable
@@ -23,6 +31,50 @@ from kvpilot.runtime.lora.manager import LoRAState, SlotTable
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def kernel_switches(cfg: EngineConfig) -> KernelSwitches:
+    """The kernel switches `cfg` sets, with the environment's overrides (kernels/switches.py).
+    Raises ConfigError naming the flag for an ISA level this CPU cannot run."""
+    configured = KernelSwitches(
+        cpu_isa=None if cfg.cpu_isa == "auto" else cfg.cpu_isa,
+        cpu_kernels=cfg.cpu_kernels,
+        qmatmul_activations=cfg.qmatmul_activations,
+        cpu_decoder_stack=cfg.cpu_decoder_stack,
+        kernel_cache=cfg.kernel_cache_dir,
+    )
+    try:
+        resolved = switches.resolve(configured)
+    except ValueError as e:  # names the environment variable
+        raise ConfigError(str(e)) from None
+    if resolved.cpu_isa is not None:
+        try:
+            isa.choose(isa.cpu_features(), resolved.cpu_isa, isa.is_x86())
+        except ValueError as e:
+            raise ConfigError(f"--cpu-isa {resolved.cpu_isa}: {e}") from None
+    return resolved
+
+
+def apply_kernel_switches(cfg: EngineConfig) -> KernelSwitches:
+    """Put `cfg`'s kernel switches in force for this process (before the model is loaded: the
+    weights' layout follows them); returns them."""
+    resolved = kernel_switches(cfg)
+    switches.use(resolved)
+    return resolved
+
+
+class Forward(Protocol):
+    """A step's forward: the model's own, or one the runner compiled (runtime/models/cpu_stack.py)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 class CausalLM(Protocol):
@@ -282,9 +334,13 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         cuda_graph_sizes: list[int] | None = None,
         max_model_len: int | None = None,
+        kernels: KernelSwitches | None = None,
     ) -> None:
         """`cuda_graph_sizes`: capture decode CUDA graphs for these batch sizes (None: eager, as with
-        --enforce-eager); needs a CUDA device, a capture-safe backend and `max_model_len`."""
+        --enforce-eager); needs a CUDA device, a capture-safe backend and `max_model_len`.
+        `kernels`: the kernel switches (default: those in force, kernels/switches.current())."""
+        from kvpilot.runtime.models.cpu_stack import CompiledStack, compile_stack
+
         self.model = model
         self.geometry = geometry
         self.num_blocks = num_blocks
@@ -315,6 +371,12 @@ class ModelRunner:
                 self.graphs = DecodeGraphRunner(
                     model, self.kv_caches, self.backend, cuda_graph_sizes, max_blocks, device
                 )
+        # the decoder stack in one C call: CPU steps of few tokens (runtime/models/cpu_stack.py)
+        self.compiled: CompiledStack | None = None
+        if device.type == "cpu":
+            enabled = (kernels or switches.current()).cpu_decoder_stack
+            self.compiled, why = compile_stack(model, self.kv_caches, self.backend, enabled)
+            log.info("decoder stack in one C call: %s", "yes, " + why if self.compiled else "no, " + why)
 
     # -- LoRA ----------------------------------------------------------------------------------
     lora: LoRAState | None = None
@@ -324,6 +386,7 @@ class ModelRunner:
         """Serve adapters through `state` (attached to this runner's model before the KV pool was sized)."""
         if self.graphs is not None:
             raise ValueError("LoRA serving runs eagerly: build the runner without CUDA graphs")
+        self.compiled = None  # the C stack has no LoRA path
         self.lora = state
         self.lora_slots = SlotTable(state.num_slots)
 
@@ -370,13 +433,15 @@ class ModelRunner:
         return scheduled
 
     def _run_model(self, batch: PreparedBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The final hidden states of every row, or of `logit_rows` only (CausalLM.forward)."""
+        """The final hidden states of every row, or of `logit_rows` only (CausalLM.forward): a CUDA
+        graph or the compiled C stack for the steps they fit, else the model's own forward."""
         if self.graphs is not None and self.graphs.fits(batch.meta):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
             return hidden if logit_rows is None else hidden.index_select(0, logit_rows)
-        return self.model(
-            batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend, logit_rows
-        )
+        forward: Forward = self.model
+        if self.compiled is not None and self.compiled.fits(batch.input_ids.shape[0]):
+            forward = self.compiled
+        return forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend, logit_rows)
 
     def close(self) -> None:
         """Release what the runner holds besides memory: nothing here; the tensor-parallel runner

@@ -2,7 +2,7 @@
 does, at every CPU kernel level this machine can run (issue 22: the AVX-512 BF16 default once
 answered "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme, ...").
 
-Each level runs in its own process (kernels/isa.py reads KVPILOT_CPU_ISA at import; the avx2 level
+Each level runs in its own process (KVPILOT_CPU_ISA, read once in kernels/switches.py; the avx2 level
 also caps torch's ATen, oneDNN and MKL, as an AVX2-only CPU). Measured on tests/runtime/quality.py's
 public-domain text (teacher-forced next-token agreement over ~670 tokens) and chat questions (greedy
 answers identical to float32's); benchmarks/runtime_quality.py dtype prints the same figures for every path.

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import isa, qlinear, switches
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from kvpilot.runtime.engine.build import engine_from_loaded
 from kvpilot.runtime.load.loader import LoadedModel, load_model, quantization_method
@@ -67,7 +67,7 @@ def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
     assert rel < max_rel
     assert int(got[0].argmax()) == fed[0]  # the prompt's next token
     if method == "int4":  # the same weights: with float activations the kernel gives the same logits
-        monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+        switches.use(switches.changed(qmatmul_activations="float"))
         exact = _prefill_then_decode(quant, ids, fed)
         assert float((exact - want).abs().max() / want.abs().max()) < 1e-3
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import qlinear
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
@@ -119,8 +118,7 @@ def test_smollm2_gguf_blocks_tp3_match_tp1(
 ) -> None:
     # the shards' plumbing, compared to float rounding: exact activations in this process and the
     # workers (with int8 activations a rank's slightly different input can flip an activation code)
-    monkeypatch.setenv(qlinear.ACTIVATIONS_ENV, "float")
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    monkeypatch.setenv("KVPILOT_QMATMUL_ACTIVATIONS", "float")  # the override every engine build reads
     settings: dict[str, Any] = {"quantization": "auto", "kv_cache_memory": 16 << 20}
     one = start(engine_config("smollm2-135m-instruct", 1, **settings))
     tok = one.tokenizer

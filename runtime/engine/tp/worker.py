@@ -52,10 +52,11 @@ def worker_main(rank: int, conn: Connection, spec: GroupSpec, plan: RankPlan) ->
 def _start(rank: int, conn: Connection, spec: GroupSpec, plan: RankPlan) -> ModelRunner:
     import torch
 
-    from kvpilot.runtime.engine.runner import ModelRunner
+    from kvpilot.runtime.engine.runner import ModelRunner, apply_kernel_switches
     from kvpilot.runtime.engine.tp.distributed import decode, encode, join_group
     from kvpilot.runtime.engine.tp.runner import bind_rank_device, load_shard
 
+    apply_kernel_switches(plan.cfg)  # as rank 0's engine build: before the shard is loaded
     torch.set_num_threads(plan.threads)
     torch.manual_seed(plan.cfg.seed)
     device = bind_rank_device(torch.device(plan.device_type), rank)
