@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from e2e.harness import Cluster, Kubectl, wait_until
 from e2e.processes import OperatorProcess
 from e2e.test_operator import condition, crds, get, model, wait_condition  # noqa: F401  (crds: a fixture)
@@ -22,11 +24,9 @@ def pods_of(kubectl: Kubectl, match_labels: dict[str, str]) -> list[dict[str, An
     return list(kubectl.json("get", "pods", "-l", selector)["items"])
 
 
+@pytest.mark.usefixtures("crds")  # kvpilot's own CRD (the fixture imported above)
 def test_inference_pool_is_created_for_an_enabled_model_when_its_crd_exists(
-    cluster: Cluster,
-    crds: None,
-    kubectl: Kubectl,
-    tmp_path: Path,  # noqa: F811
+    cluster: Cluster, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     ns = kubectl.namespace or ""
     spec = {"replicas": 2, "inferencePool": {"enabled": True, "endpointPicker": {"service": "pooled-epp"}}}
