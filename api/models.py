@@ -362,6 +362,61 @@ class Routing(_Model):
     )
 
 
+# spec.inferencePool: a Gateway API Inference Extension InferencePool for the model's pods.
+DNS1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+EPP_SERVICE_HELP = (
+    "spec.inferencePool.endpointPicker.service must be the name of a Service in this namespace "
+    "(a DNS-1035 label: lowercase letters, digits and '-', starting with a letter)"
+)
+INFERENCE_POOL_ENABLED_HELP = (
+    "spec.inferencePool.endpointPicker is only used when spec.inferencePool.enabled is true: set "
+    "enabled: true to create the InferencePool, or remove endpointPicker"
+)
+
+
+class EndpointPicker(_Model):
+    """The endpoint picker (EPP) a gateway asks which pod of the pool takes each request."""
+
+    service: str = Field(
+        max_length=63,
+        description="Name of the endpoint picker's Service in this namespace (the pool's endpointPickerRef).",
+        json_schema_extra=_validations(_rule(f"self.matches('{DNS1035_PATTERN}')", EPP_SERVICE_HELP)),
+    )
+    port: int = Field(
+        9002,
+        ge=1,
+        le=65535,
+        description="The Service port of the picker's ext-proc gRPC server (9002: the GIE default).",
+    )
+
+
+class InferencePoolSettings(_Model):
+    """Create a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) for this
+    model, so a GIE-conformant gateway can front it."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _rule("self.enabled || !has(self.endpointPicker)", INFERENCE_POOL_ENABLED_HELP)
+        )
+    )
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Create an InferencePool named after the model that selects its pods (kvpilot.dev/model) on the "
+            "runtime's port 8000, when the cluster serves the InferencePool API (condition InferencePoolReady "
+            "says when it does not); false removes the pool the operator created."
+        ),
+    )
+    endpoint_picker: EndpointPicker | None = Field(
+        None,
+        description=(
+            "The pool's endpointPickerRef (a Service). Optional from GIE v1.6; the InferencePool CRDs of "
+            "v1.0 to v1.5 require it and refuse a pool without it (condition InferencePoolReady says so)."
+        ),
+    )
+
+
 class RuntimeSettings(_Model):
     """Engine settings rendered into the runtime's config file; unset fields use the runtime's defaults."""
 
@@ -549,6 +604,9 @@ class InferenceModelSpec(_Model):
         default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
     )
     routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
+    inference_pool: InferencePoolSettings | None = Field(
+        None, description="A Gateway API Inference Extension InferencePool for this model (opt-in)."
+    )
     adapters: list[LoRAAdapter] | None = Field(
         None,
         max_length=MAX_ADAPTERS,
@@ -605,6 +663,12 @@ class InferenceModelSpec(_Model):
                 problems.append(ADAPTER_NAME_HELP)
         if len(set(names)) != len(names):
             problems.append(ADAPTERS_UNIQUE_HELP)
+        pool = self.inference_pool
+        if pool is not None and pool.endpoint_picker is not None:
+            if not pool.enabled:
+                problems.append(INFERENCE_POOL_ENABLED_HELP)
+            if not re.match(DNS1035_PATTERN, pool.endpoint_picker.service):
+                problems.append(EPP_SERVICE_HELP)
         return problems
 
 
@@ -619,7 +683,8 @@ class Condition(_Model):
     """A standard Kubernetes condition."""
 
     type: str = Field(
-        max_length=64, description="Ready, Progressing, Degraded, ScalingLimited or AdaptersLoaded."
+        max_length=64,
+        description="Ready, Progressing, Degraded, ScalingLimited, AdaptersLoaded or InferencePoolReady.",
     )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=128, description="CamelCase reason.")

@@ -6,13 +6,18 @@ engine loop's watchdog) are read from `engine.stats()` when Prometheus scrapes, 
 current. While no engine is attached (the model is still loading) the engine-side series are
 absent, not zero: the autoscaler treats a missing metric as "hold", and a zero as a real reading.
 
+The same engine readings are also exposed under the names of the Gateway API Inference Extension's
+Model Server Protocol (`vllm:*`, see MSP_* below), so a standard endpoint picker can route to a pod.
+
 Each server gets its own `CollectorRegistry`, so tests (or two servers in one process) don't clash.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -149,15 +154,119 @@ ENGINE_COUNTERS = (
     ),
 )
 
+# The Gateway API Inference Extension's Model Server Protocol: the metrics an endpoint picker (EPP)
+# reads from every model server, under the names vLLM gives them ("Metrics Reporting" and "LoRA Adapter
+# Serving" in gateway-api-inference-extension docs/proposals/003-model-server-protocol/README.md).
+# They repeat readings kvpilot already exposes under its own names, from the same `stats()` call, so
+# both names agree within a scrape. vLLM's `vllm:kv_cache_usage_perc` is a fraction (0..1, "1 means 100
+# percent usage") despite its name, and the protocol names that metric, so it is the fraction here too.
+MSP_GAUGES = (
+    (
+        "vllm:num_requests_waiting",
+        "Model Server Protocol TotalQueuedRequests: requests admitted and not running "
+        "(= kvpilot_num_requests_waiting).",
+        "num_waiting",
+    ),
+    (
+        "vllm:num_requests_running",
+        "Model Server Protocol TotalRunningRequests: requests in the running batch "
+        "(= kvpilot_num_requests_running).",
+        "num_running",
+    ),
+    (
+        "vllm:kv_cache_usage_perc",
+        "Model Server Protocol KVCacheUtilization: fraction of KV-cache blocks in use, 0..1 as in vLLM "
+        "(= kvpilot_kv_cache_usage_ratio).",
+        "kv_cache_usage",
+    ),
+)
+MSP_CACHE_CONFIG = "vllm:cache_config_info"
+MSP_LORA = "vllm:lora_requests_info"
+
 StatsSource = Callable[[], Any]
 
 
+@dataclass(frozen=True)
+class LoRAActivity:
+    """What `vllm:lora_requests_info` reports: the adapter slots and the adapters requests use."""
+
+    max_loras: int  # adapters the running batch may use at once (--max-loras, the device slots)
+    running: tuple[str, ...]  # adapters of the running batch's requests, sorted
+    waiting: tuple[str, ...]  # adapters of the scheduler's queued requests, sorted
+
+
+LoRASource = Callable[[], LoRAActivity | None]
+
+
+def engine_lora_activity(engine: Any) -> LoRAActivity | None:
+    """The LoRA activity of a serving engine (an AsyncEngine, or an LLMEngine), read from its scheduler;
+    None when it serves no adapters (its scheduler has no `max_loras` then; vLLM exposes no
+    `vllm:lora_requests_info` without LoRA either)."""
+    scheduler = getattr(getattr(engine, "engine", engine), "scheduler", None)
+    max_loras = getattr(scheduler, "max_loras", None)
+    if scheduler is None or max_loras is None:
+        return None
+    # Another thread (the engine loop) changes the queues; a copy of a list or deque is taken under the
+    # GIL in one go, and a deque changed while it is copied raises RuntimeError: this scrape skips it.
+    running, waiting = tuple(scheduler.running), tuple(scheduler.waiting)
+
+    def names(seqs: tuple[Any, ...]) -> tuple[str, ...]:
+        return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
+
+    return LoRAActivity(int(max_loras), names(running), names(waiting))
+
+
+def bound_lora_source(stats: StatsSource | None) -> LoRASource | None:
+    """The LoRA activity of the engine whose bound `stats` method the server attached (the server passes
+    `engine.stats`); None for any other callable."""
+    engine = getattr(stats, "__self__", None)
+    if engine is None:
+        return None
+    return lambda: engine_lora_activity(engine)
+
+
+def msp_metrics(model_name: str, stats: Any, lora: LoRAActivity | None, now: float) -> Iterator[Metric]:
+    """The Model Server Protocol families from one engine reading (values absent from `stats` are left
+    out, like kvpilot's own). `vllm:cache_config_info` and `vllm:lora_requests_info` carry their values in
+    labels (strings), as vLLM's do; the info gauge's value is 1, the LoRA gauge's the time of the reading
+    (seconds since the epoch: the protocol's "last updated timestamp", which a picker uses to take the
+    newest sample)."""
+    for name, help_text, attr in MSP_GAUGES:
+        value = getattr(stats, attr, None)
+        if value is not None:
+            g = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            g.add_metric([model_name], float(value))
+            yield g
+    block_size, num_blocks = getattr(stats, "block_size", None), getattr(stats, "num_blocks", None)
+    if block_size is not None and num_blocks is not None:
+        g = GaugeMetricFamily(
+            MSP_CACHE_CONFIG,
+            "Model Server Protocol BlockSize and NumGPUBlocks: the KV cache's tokens per block and blocks "
+            "in the pool (on every device kvpilot runs on), in labels; value 1.",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
+        g.add_metric([model_name, str(int(block_size)), str(int(num_blocks))], 1.0)
+        yield g
+    if lora is not None:
+        g = GaugeMetricFamily(
+            MSP_LORA,
+            "Model Server Protocol LoRA adapters: max_lora (adapters the running batch may use at once), "
+            "running_lora_adapters and waiting_lora_adapters (comma-separated adapters of running and "
+            "queued requests); the value is when this was read (seconds since the epoch).",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        g.add_metric([model_name, str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)], now)
+        yield g
+
+
 class EngineStatsCollector(Collector):
-    """Reads `stats()` at scrape time and reports its values under the contract names."""
+    """Reads `stats()` at scrape time and reports its values under the contract names, and under the
+    Model Server Protocol's."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.source: StatsSource | None = None
+        self.lora: LoRASource | None = None
 
     def collect(self) -> Iterator[Metric]:
         if self.source is None:
@@ -167,6 +276,11 @@ class EngineStatsCollector(Collector):
         except Exception:  # a scrape must never take the server down
             log.exception("engine stats unavailable")
             return
+        lora = None
+        try:
+            lora = self.lora() if self.lora is not None else None
+        except Exception:  # e.g. the engine loop changed a queue while it was read: skip this scrape
+            log.debug("LoRA activity unavailable", exc_info=True)
         for name, help_text, attr in ENGINE_GAUGES:
             value = getattr(stats, attr, None)
             if value is not None:
@@ -179,6 +293,7 @@ class EngineStatsCollector(Collector):
                 c = CounterMetricFamily(name, help_text, labels=["model_name"])
                 c.add_metric([self.model_name], float(value))
                 yield c
+        yield from msp_metrics(self.model_name, stats, lora, time.time())
 
 
 class ServerMetrics:
@@ -238,9 +353,12 @@ class ServerMetrics:
             registry=r,
         ).labels(model_name)
 
-    def attach_engine(self, stats: StatsSource | None) -> None:
-        """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable."""
+    def attach_engine(self, stats: StatsSource | None, lora: LoRASource | None = None) -> None:
+        """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable.
+        `lora`: where `vllm:lora_requests_info` comes from; by default the engine `stats` is a bound
+        method of (the server passes `engine.stats`)."""
         self._engine.source = stats
+        self._engine.lora = lora if lora is not None else bound_lora_source(stats)
 
     def request_finished(self, finish_reason: str, output_tokens: int | None = None) -> None:
         """A generation finished; with `output_tokens`, its length goes into the output-length histogram."""

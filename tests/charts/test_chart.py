@@ -202,6 +202,7 @@ OPERATOR_RULES = {
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
     ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
 }
 AUTOSCALER_RULES = {
     ("kvpilot.dev", "inferencemodels"): {"list"},
@@ -268,6 +269,13 @@ def test_secret_access_only_by_name() -> None:
 def test_service_monitor_rule_can_be_left_out() -> None:
     r = template("rbac.serviceMonitors=false")
     assert ("monitoring.coreos.com", "servicemonitors") not in flatten(
+        r.one("ClusterRole", "-operator")["rules"]
+    )
+
+
+def test_inference_pool_rule_can_be_left_out() -> None:
+    r = template("rbac.inferencePools=false")
+    assert ("inference.networking.k8s.io", "inferencepools") not in flatten(
         r.one("ClusterRole", "-operator")["rules"]
     )
 

@@ -9,7 +9,7 @@ import pytest
 from fake_engine import FakeEngine, FakeStats, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
+from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, LoRAActivity, ServerMetrics
 from tests.metrics_doc import documented_metrics
 
 CONTRACT = {
@@ -232,7 +232,7 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
 
 def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     """Every metric a server exposes, with an engine attached whose every optional series is on
-    (speculative decoding) and one finished request: exposed name -> (type, labels)."""
+    (speculative decoding, LoRA) and one finished request: exposed name -> (type, labels)."""
     from kvpilot.runtime.engine.protocol import EngineStats
 
     stats = EngineStats(
@@ -243,7 +243,7 @@ def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         engine_heartbeat_age_seconds=0.1,
     )  # fmt: skip
     m = ServerMetrics("m")
-    m.attach_engine(lambda: stats)
+    m.attach_engine(lambda: stats, lora=lambda: LoRAActivity(2, ("sql",), ("chat",)))
     m.request_finished("stop", 4)
     out: dict[str, tuple[str, frozenset[str]]] = {}
     for fam in m.registry.collect():
