@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.core import LLMEngine, lora_activity
 from kvpilot.runtime.engine.health import engine_stopped, judge_progress
 from kvpilot.runtime.engine.protocol import (
     EngineDeadError,
@@ -139,8 +139,13 @@ class AsyncEngine:
         with self._inbox.lock:
             snapshot, unfinished = self._stats, self._num_unfinished
         running = len(self.engine.scheduler.running)
+        try:
+            lora = lora_activity(self.engine.scheduler)
+        except RuntimeError:  # the engine loop changed the queue while it was copied: the last snapshot
+            lora = snapshot.lora
         return dataclasses.replace(
             snapshot,
+            lora=lora,
             num_running=running,
             num_waiting=max(0, unfinished - running),
             engine_stalled=int(not self.health().healthy),

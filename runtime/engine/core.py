@@ -25,6 +25,7 @@ from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.protocol import (
     CompletionOutput,
     EngineStats,
+    LoRAActivity,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
@@ -323,6 +324,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
+            lora=lora_activity(self.scheduler),
             **self._spec_stats(),
         )
 
@@ -401,3 +403,17 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return [seqs[rid] for rid in ids]
+
+
+def lora_activity(scheduler: Scheduler) -> LoRAActivity | None:
+    """Which adapters the running batch and the queue use; None while LoRA serving is off. Safe to call
+    from another thread than the engine loop's: a copy of a list or deque is taken under the GIL in one
+    go (a deque changed while it is copied raises RuntimeError, which the caller handles)."""
+    if scheduler.max_loras is None:
+        return None
+    running, waiting = tuple(scheduler.running), tuple(scheduler.waiting)
+
+    def names(seqs: tuple[Sequence, ...]) -> tuple[str, ...]:
+        return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
+
+    return LoRAActivity(scheduler.max_loras, names(running), names(waiting))

@@ -77,6 +77,15 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return RequestOutput(b.request_id, b.prompt_token_ids, merged, b.finished, b.num_cached_tokens, b.metrics)
 
 
+@dataclass(frozen=True)
+class LoRAActivity:
+    """The adapter slots and the adapters requests use (the Model Server Protocol's lora_requests_info)."""
+
+    max_loras: int  # adapters the running batch may use at once (--max-loras, the device slots)
+    running: tuple[str, ...]  # adapters of the running batch's requests, sorted
+    waiting: tuple[str, ...]  # adapters of the scheduler's queued requests, sorted
+
+
 @dataclass
 class EngineStats:
     model_name: str
@@ -100,6 +109,7 @@ class EngineStats:
     # the engine loop's watchdog (AsyncEngine only: None offline, so the metrics are absent)
     engine_stalled: int | None = None  # 1 while /health fails (the loop is stuck or stopped)
     engine_heartbeat_age_seconds: float | None = None  # since the loop last made progress
+    lora: LoRAActivity | None = None  # None while LoRA serving is off
 
     @property
     def spec_acceptance_rate(self) -> float | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -186,46 +185,7 @@ MSP_LORA = "vllm:lora_requests_info"
 StatsSource = Callable[[], Any]
 
 
-@dataclass(frozen=True)
-class LoRAActivity:
-    """What `vllm:lora_requests_info` reports: the adapter slots and the adapters requests use."""
-
-    max_loras: int  # adapters the running batch may use at once (--max-loras, the device slots)
-    running: tuple[str, ...]  # adapters of the running batch's requests, sorted
-    waiting: tuple[str, ...]  # adapters of the scheduler's queued requests, sorted
-
-
-LoRASource = Callable[[], LoRAActivity | None]
-
-
-def engine_lora_activity(engine: Any) -> LoRAActivity | None:
-    """The LoRA activity of a serving engine (an AsyncEngine, or an LLMEngine), read from its scheduler;
-    None when it serves no adapters (its scheduler has no `max_loras` then; vLLM exposes no
-    `vllm:lora_requests_info` without LoRA either)."""
-    scheduler = getattr(getattr(engine, "engine", engine), "scheduler", None)
-    max_loras = getattr(scheduler, "max_loras", None)
-    if scheduler is None or max_loras is None:
-        return None
-    # Another thread (the engine loop) changes the queues; a copy of a list or deque is taken under the
-    # GIL in one go, and a deque changed while it is copied raises RuntimeError: this scrape skips it.
-    running, waiting = tuple(scheduler.running), tuple(scheduler.waiting)
-
-    def names(seqs: tuple[Any, ...]) -> tuple[str, ...]:
-        return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
-
-    return LoRAActivity(int(max_loras), names(running), names(waiting))
-
-
-def bound_lora_source(stats: StatsSource | None) -> LoRASource | None:
-    """The LoRA activity of the engine whose bound `stats` method the server attached (the server passes
-    `engine.stats`); None for any other callable."""
-    engine = getattr(stats, "__self__", None)
-    if engine is None:
-        return None
-    return lambda: engine_lora_activity(engine)
-
-
-def msp_metrics(model_name: str, stats: Any, lora: LoRAActivity | None, now: float) -> Iterator[Metric]:
+def msp_metrics(model_name: str, stats: Any, now: float) -> Iterator[Metric]:
     """The Model Server Protocol families from one engine reading (values absent from `stats` are left
     out, like kvpilot's own). `vllm:cache_config_info` and `vllm:lora_requests_info` carry their values in
     labels (strings), as vLLM's do; the info gauge's value is 1, the LoRA gauge's the time of the reading
@@ -247,6 +207,7 @@ def msp_metrics(model_name: str, stats: Any, lora: LoRAActivity | None, now: flo
         )
         g.add_metric([model_name, str(int(block_size)), str(int(num_blocks))], 1.0)
         yield g
+    lora = getattr(stats, "lora", None)
     if lora is not None:
         g = GaugeMetricFamily(
             MSP_LORA,
@@ -266,7 +227,6 @@ class EngineStatsCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.source: StatsSource | None = None
-        self.lora: LoRASource | None = None
 
     def collect(self) -> Iterator[Metric]:
         if self.source is None:
@@ -276,11 +236,6 @@ class EngineStatsCollector(Collector):
         except Exception:  # a scrape must never take the server down
             log.exception("engine stats unavailable")
             return
-        lora = None
-        try:
-            lora = self.lora() if self.lora is not None else None
-        except Exception:  # e.g. the engine loop changed a queue while it was read: skip this scrape
-            log.debug("LoRA activity unavailable", exc_info=True)
         for name, help_text, attr in ENGINE_GAUGES:
             value = getattr(stats, attr, None)
             if value is not None:
@@ -293,7 +248,7 @@ class EngineStatsCollector(Collector):
                 c = CounterMetricFamily(name, help_text, labels=["model_name"])
                 c.add_metric([self.model_name], float(value))
                 yield c
-        yield from msp_metrics(self.model_name, stats, lora, time.time())
+        yield from msp_metrics(self.model_name, stats, time.time())
 
 
 class ServerMetrics:
@@ -353,12 +308,9 @@ class ServerMetrics:
             registry=r,
         ).labels(model_name)
 
-    def attach_engine(self, stats: StatsSource | None, lora: LoRASource | None = None) -> None:
-        """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable.
-        `lora`: where `vllm:lora_requests_info` comes from; by default the engine `stats` is a bound
-        method of (the server passes `engine.stats`)."""
+    def attach_engine(self, stats: StatsSource | None) -> None:
+        """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable."""
         self._engine.source = stats
-        self._engine.lora = lora if lora is not None else bound_lora_source(stats)
 
     def request_finished(self, finish_reason: str, output_tokens: int | None = None) -> None:
         """A generation finished; with `output_tokens`, its length goes into the output-length histogram."""

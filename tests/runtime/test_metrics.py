@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -9,7 +10,8 @@ import pytest
 from fake_engine import FakeEngine, FakeStats, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, LoRAActivity, ServerMetrics
+from kvpilot.runtime.engine.protocol import LoRAActivity
+from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 from tests.metrics_doc import documented_metrics
 
 CONTRACT = {
@@ -243,7 +245,7 @@ def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         engine_heartbeat_age_seconds=0.1,
     )  # fmt: skip
     m = ServerMetrics("m")
-    m.attach_engine(lambda: stats, lora=lambda: LoRAActivity(2, ("sql",), ("chat",)))
+    m.attach_engine(lambda: dataclasses.replace(stats, lora=LoRAActivity(2, ("sql",), ("chat",))))
     m.request_finished("stop", 4)
     out: dict[str, tuple[str, frozenset[str]]] = {}
     for fam in m.registry.collect():

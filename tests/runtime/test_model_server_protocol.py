@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.build import build_engine
-from kvpilot.runtime.engine.protocol import EngineStats
+from kvpilot.runtime.engine.protocol import EngineStats, LoRAActivity
 from kvpilot.runtime.engine.scheduler import SchedulerOutput
-from kvpilot.runtime.serving.metrics import LoRAActivity, ServerMetrics
+from kvpilot.runtime.serving.metrics import ServerMetrics
 from tests.needs import require_module
 from tests.runtime.test_engine_health import wait_for
 from tests.runtime.test_lora import ADAPTERS, random_llama, write_adapter, write_base
@@ -276,7 +276,7 @@ def stats(**values: Any) -> EngineStats:
 def test_protocol_series_are_absent_while_the_model_loads() -> None:
     m = ServerMetrics("m")
     assert "vllm:" not in m.render().decode()
-    m.attach_engine(lambda: stats(), lora=lambda: LoRAActivity(4, ("a", "b"), ("c",)))
+    m.attach_engine(lambda: stats(lora=LoRAActivity(4, ("a", "b"), ("c",))))
     text = m.render().decode()
     assert 'vllm:num_requests_waiting{model_name="m"} 5.0' in text
     assert 'vllm:num_requests_running{model_name="m"} 3.0' in text
@@ -285,11 +285,19 @@ def test_protocol_series_are_absent_while_the_model_loads() -> None:
     assert 'max_lora="4",model_name="m",running_lora_adapters="a,b",waiting_lora_adapters="c"}' in text
 
 
-def test_a_failing_lora_reading_leaves_the_rest_of_the_scrape() -> None:
-    def broken() -> LoRAActivity:
+def test_a_queue_changed_while_read_keeps_the_last_lora_snapshot(
+    lora_server: tuple[LiveServer, AsyncEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine loop may change a queue while a scrape copies it (RuntimeError): the reading falls
+    back to the engine thread's last snapshot instead of failing the scrape."""
+    from kvpilot.runtime.engine import async_engine
+
+    _, engine = lora_server
+    last = engine.stats().lora
+    assert last is not None
+
+    def changed(scheduler: Any) -> None:
         raise RuntimeError("deque mutated during iteration")
 
-    m = ServerMetrics("m")
-    m.attach_engine(lambda: stats(), lora=broken)
-    text = m.render().decode()
-    assert "vllm:lora_requests_info" not in text and 'vllm:num_requests_waiting{model_name="m"} 5.0' in text
+    monkeypatch.setattr(async_engine, "lora_activity", changed)
+    assert engine.stats().lora == engine._stats.lora
