@@ -353,7 +353,7 @@ def test_the_written_status_block_is_pinned_and_declared_by_the_crd():
         "decidedBy": "autoscaler-0_1",
         "heldKind": "not-reporting",
     }
-    assert d.reason.endswith("-> 4 (hold)")
+    assert d.reason.endswith("-> 4 (hold) [signal: replicas not reporting]")
     assert json.dumps(block) == json.dumps(expected)  # the text, so 0 vs 0.0 and key order count too
     crd = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     schema = crd["properties"]["status"]["properties"]["autoscaler"]
