@@ -841,6 +841,10 @@ class SloStatus(_Model):
         None,
         description="The last feedback step takes effect from here: measurements before it do not count.",
     )
+    last_backlog: Lenient[MilliTime] = Field(
+        None, description="The last sync with requests waiting beyond the queue target."
+    )
+    router_time: Lenient[MilliTime] = Field(None, description="When the router counters below were read.")
     router_counts: Lenient[SloCountsStatus] = Field(
         None, description="The routers' cumulative counters at the last sync (differenced at the next)."
     )

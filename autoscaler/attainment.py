@@ -177,11 +177,18 @@ def pods_interval_counts(
     return total
 
 
+@dataclass(frozen=True)
+class Window:
+    counts: SloCounts
+    seconds: float
+    load_per_replica: float | None  # time-weighted over the intervals that know it
+
+
 def window(
     intervals: Sequence[SloInterval], now: float, window_s: float, since: float | None = None
-) -> tuple[SloCounts, float, float | None]:
-    """(counts, seconds covered, time-weighted load per replica) of the intervals that ended within
-    the last `window_s` and began at or after `since` (when given)."""
+) -> Window:
+    """The intervals that ended within the last `window_s` and began at or after `since` (when
+    given), added up."""
     counts, seconds, load_s, weight = SloCounts(), 0.0, 0.0, 0.0
     for i in intervals:
         if now - i.time >= window_s or i.time > now:
@@ -193,4 +200,4 @@ def window(
         if i.load_per_replica is not None:
             load_s += i.load_per_replica * i.seconds
             weight += i.seconds
-    return counts, seconds, (load_s / weight if weight > 0 else None)
+    return Window(counts, seconds, load_s / weight if weight > 0 else None)

@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from kvpilot.api.slo import SloTargets as JudgeTargets
 from kvpilot.autoscaler.arrivals import (
     MAX_COUNTER_AGE_S,
     MIN_INFORMATIVE_LOAD,
@@ -147,6 +148,9 @@ class Decision:
     feedback_recommendation: int | None = None
     capacity_factor: float | None = None
     signal: str = ""  # the signal that set the size: named at the end of the reason's first clause
+    # What requests are judged with (api/slo.judge), published in status.autoscaler.slo for the router.
+    judge_targets: JudgeTargets | None = None
+    attainment_target: float | None = None
     burst: bool = False
     avg_kv_cache_usage: float | None = None
     avg_utilization: float | None = None  # max(KV use, batch-slot use), averaged over reporting replicas
@@ -281,7 +285,14 @@ def decide(
             )
         load = arrival_rate / ready if arrival_rate is not None and ready > 0 else None
         slo_state = record_interval(
-            slo_state, now, snapshot.router_slo, pods_now, pods_before, load, b.attainment_window_s
+            slo_state,
+            now,
+            snapshot.router_slo,
+            pods_now,
+            pods_before,
+            load,
+            b.attainment_window_s,
+            backlog=snapshot.total_waiting > targets.target_queue_depth * max(1, snapshot.reporting),
         )
     fb: Feedback | None = None
     signal = ""
@@ -365,7 +376,10 @@ def decide(
             model_capacity = planner.capacity(*arrivals.token_mix)
         if loop is not None:
             settle = startup if startup is not None else b.arrival_lead_s
-            fb = evaluate(slo_state, now, current, ready, _feedback_settings(loop, b), model_capacity, settle)
+            last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
+            fb = evaluate(
+                slo_state, now, current, ready, _feedback_settings(loop, b), model_capacity, settle, last_up
+            )
             slo_state = fb.state
         if model_capacity is not None:
             # The replica model's capacity, corrected by what replicas were measured to sustain.
@@ -597,6 +611,8 @@ def decide(
         feedback_recommendation=None if fb is None else fb.recommendation,
         capacity_factor=slo_state.capacity_factor if loop is not None else None,
         signal=signal,
+        judge_targets=None if targets.slo is None else targets.slo.slo.judge_targets(targets.slo.calibration),
+        attainment_target=None if targets.slo is None else targets.slo.attainment_target,
     )
 
 

@@ -94,7 +94,7 @@ class Behavior:
     feedback_gain: float = 0.1
     feedback_max_step: float = 0.5
     attainment_headroom: float = 0.5
-    capacity_relax: float = 0.01
+    capacity_relax: float = 0.03
 
     def __post_init__(self) -> None:
         if self.attainment_window_s <= 0 or self.attainment_min_requests < 1:
