@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpilot.api.slo import OUTCOMES
+from kvpilot.api.slo import OUTCOMES, Outcome
 
 SOURCE_ROUTER = "router"
 SOURCE_PODS = "pods"
@@ -43,7 +43,7 @@ class SloCounts:
     failed: float = 0.0
 
     @classmethod
-    def from_outcomes(cls, by_outcome: Mapping[str, float]) -> SloCounts:
+    def from_outcomes(cls, by_outcome: Mapping[str, float] | Mapping[Outcome, int]) -> SloCounts:
         """From {outcome: count}; outcomes api/slo does not know are ignored."""
         return cls(**{o: float(by_outcome.get(o, 0.0)) for o in OUTCOMES})
 

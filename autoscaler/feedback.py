@@ -26,8 +26,9 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvpilot.autoscaler.attainment import (
     SOURCE_PODS,
@@ -35,9 +36,15 @@ from kvpilot.autoscaler.attainment import (
     PodLatency,
     SloCounts,
     SloInterval,
+    pod_latency,
     pods_interval_counts,
     window,
 )
+from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.spec import Behavior, SloTargets
+
+if TYPE_CHECKING:
+    from kvpilot.autoscaler.arrivals import PodCounter
 
 CAPACITY_FACTOR_MIN = 0.05
 CAPACITY_FACTOR_MAX = 2.0
@@ -83,6 +90,42 @@ class Feedback:
     recommendation: int | None  # replicas the measured attainment asks for; None: no opinion
     allow_scale_down: bool
     text: str  # for the decision's reason
+
+
+def feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
+    return FeedbackSettings(
+        target=slo.attainment_target,
+        window_s=b.attainment_window_s,
+        min_requests=b.attainment_min_requests,
+        gain=b.feedback_gain,
+        max_step=b.feedback_max_step,
+        headroom=b.attainment_headroom,
+        relax=b.capacity_relax,
+    )
+
+
+def measure_slo(
+    state: SloState,
+    counters_before: Sequence[PodCounter],
+    snapshot: MetricsSnapshot,
+    slo: SloTargets,
+    now: float,
+    load_per_replica: float | None,
+    backlog: bool,
+    b: Behavior,
+) -> tuple[SloState, dict[str, PodLatency]]:
+    """This sync's measurement recorded (record_interval), and the pods' latency counts at the SLO's
+    targets (kept with their counters, for the next sync's difference)."""
+    now_by_pod: dict[str, PodLatency] = {}
+    for s in snapshot.samples:
+        lat = pod_latency(s.ttft_buckets, s.itl_buckets, slo.ttft_s, slo.tpot_s)
+        if lat is not None:
+            now_by_pod[s.pod] = lat
+    before = {c.pod: c.latency for c in counters_before if c.latency is not None}
+    state = record_interval(
+        state, now, snapshot.router_slo, now_by_pod, before, load_per_replica, b.attainment_window_s, backlog
+    )
+    return state, now_by_pod
 
 
 def record_interval(

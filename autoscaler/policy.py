@@ -55,11 +55,10 @@ from kvpilot.autoscaler.arrivals import (
     smooth_token_mix,
     token_totals,
 )
-from kvpilot.autoscaler.attainment import PodLatency, pod_latency
-from kvpilot.autoscaler.feedback import Feedback, FeedbackSettings, SloState, evaluate, record_interval
+from kvpilot.autoscaler.feedback import Feedback, SloState, evaluate, feedback_settings, measure_slo
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
-from kvpilot.autoscaler.spec import Behavior, ScalingRule, ScalingTargets, SloTargets
+from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
 from kvpilot.autoscaler.startup import (
     STARTUP_AWARE_MIN_S,
     backlog_replicas,
@@ -272,28 +271,16 @@ def decide(
         )
     loop = targets.slo if targets.slo is not None and b.slo_feedback else None
     slo_state = history.slo
-    pods_now: dict[str, PodLatency] = {}
     if loop is not None:
-        for s in snapshot.samples:
-            lat = pod_latency(s.ttft_buckets, s.itl_buckets, loop.ttft_s, loop.tpot_s)
-            if lat is not None:
-                pods_now[s.pod] = lat
-        pods_before = {c.pod: c.latency for c in history.arrivals.counters if c.latency is not None}
+        load = arrival_rate / ready if arrival_rate is not None and ready > 0 else None
+        backlog = snapshot.total_waiting > targets.target_queue_depth * max(1, n)
+        slo_state, latency = measure_slo(
+            history.slo, history.arrivals.counters, snapshot, loop, now, load, backlog, b
+        )
         if n > 0:  # the counters were just taken: they carry the pods' histograms too
             arrivals = replace(
-                arrivals, counters=tuple(replace(c, latency=pods_now.get(c.pod)) for c in arrivals.counters)
+                arrivals, counters=tuple(replace(c, latency=latency.get(c.pod)) for c in arrivals.counters)
             )
-        load = arrival_rate / ready if arrival_rate is not None and ready > 0 else None
-        slo_state = record_interval(
-            slo_state,
-            now,
-            snapshot.router_slo,
-            pods_now,
-            pods_before,
-            load,
-            b.attainment_window_s,
-            backlog=snapshot.total_waiting > targets.target_queue_depth * max(1, snapshot.reporting),
-        )
     fb: Feedback | None = None
     signal = ""
     if current == 0 and snapshot.router_queue:
@@ -378,7 +365,7 @@ def decide(
             settle = startup if startup is not None else b.arrival_lead_s
             last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
             fb = evaluate(
-                slo_state, now, current, ready, _feedback_settings(loop, b), model_capacity, settle, last_up
+                slo_state, now, current, ready, feedback_settings(loop, b), model_capacity, settle, last_up
             )
             slo_state = fb.state
         if model_capacity is not None:
@@ -613,18 +600,6 @@ def decide(
         signal=signal,
         judge_targets=None if targets.slo is None else targets.slo.slo.judge_targets(targets.slo.calibration),
         attainment_target=None if targets.slo is None else targets.slo.attainment_target,
-    )
-
-
-def _feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
-    return FeedbackSettings(
-        target=slo.attainment_target,
-        window_s=b.attainment_window_s,
-        min_requests=b.attainment_min_requests,
-        gain=b.feedback_gain,
-        max_step=b.feedback_max_step,
-        headroom=b.attainment_headroom,
-        relax=b.capacity_relax,
     )
 
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from kvpilot.autoscaler.attainment import SloCounts
 
 
+class MetricsParseError(ValueError):
+    """A /metrics page that is not Prometheus text format."""
+
+
 @dataclass(frozen=True)
 class ReplicaSample:
     """Load of one replica at one moment."""

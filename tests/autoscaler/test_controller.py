@@ -535,7 +535,7 @@ def test_status_numbers_read_back_as_json_carries_them():
 async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     import aiohttp
 
-    from kvpilot.autoscaler.sources import parse_router_queue
+    from kvpilot.autoscaler.router_source import parse_router_queue
     from kvpilot.router.pool import QueueSettings
     from kvpilot.router.server import Router, RouterSettings
 
