@@ -83,7 +83,8 @@ def runtime_names(names: set[str]) -> set[str]:
     return {
         n
         for n in names
-        if n.startswith("kvpilot_") and not n.startswith(("kvpilot_operator_", "kvpilot_inferencemodel_"))
+        if n.startswith("kvpilot_")
+        and not n.startswith(("kvpilot_operator_", "kvpilot_autoscaler_", "kvpilot_inferencemodel_"))
     }
 
 
