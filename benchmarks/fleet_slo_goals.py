@@ -40,7 +40,7 @@ from typing import Any
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, StaticPolicy
 from kvpilot.autoscaler.replica_model import resolve_calibration
 from kvpilot.autoscaler.simulator import ROUTERS, simulate
-from kvpilot.autoscaler.slo import Slo
+from kvpilot.autoscaler.slo import Slo, replica_capacity
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets, SloTargets
 from kvpilot.autoscaler.trace import TraceRequest, load_trace, scale_trace
 
@@ -68,6 +68,15 @@ def _run(job: Job) -> dict[str, Any]:
     trace = _load(spec)
     if kind == "static":
         policy: Any = StaticPolicy(params["n"])
+    elif kind.startswith("reactive oracle"):
+        from simulate_policies import ReactiveOraclePolicy
+
+        mix = (
+            sum(r.prompt_tokens for r in trace) / len(trace),
+            sum(r.output_tokens for r in trace) / len(trace),
+        )
+        rps = replica_capacity(cal, SLO, *mix) * params["f"]
+        policy = ReactiveOraclePolicy(trace, rps, 1, params["max_replicas"])
     else:
         planner = SloTargets(cal, params["calibration"], SLO.ttft_s, SLO.tpot_s, SLO.ttft_prefill_factor)
         behavior = Behavior(slo_feedback=kind == "kvpilot")
@@ -104,6 +113,17 @@ def main() -> None:
     parser.add_argument("--startups", default="10,60")
     parser.add_argument("--calibration", default="h100/llama-3.1-8b")
     parser.add_argument("--max-replicas", type=int, default=40)
+    parser.add_argument(
+        "--static-range",
+        help="LO,HI: search the smallest fixed fleet between these sizes (HI must reach 99%% or be "
+        "--max-replicas); default 1,--max-replicas",
+    )
+    parser.add_argument(
+        "--oracle",
+        default="",
+        help="F,...: also run the reactive oracle (benchmarks/simulate_policies.py: the true arrival "
+        "rate of the last minute, acted on at once) at F x the replica's SLO capacity; a reference",
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -113,6 +133,14 @@ def main() -> None:
         if not Path(spec.partition("@")[0]).is_file():
             parser.error(f"--trace: no file {spec.partition('@')[0]}")
     startups = [float(s) for s in args.startups.split(",")]
+    lo0, hi0 = 1, args.max_replicas
+    if args.static_range:
+        try:
+            lo0, hi0 = (int(x) for x in args.static_range.split(","))
+        except ValueError:
+            parser.error("--static-range: expected LO,HI, e.g. 4,10")
+        if not 1 <= lo0 <= hi0 <= args.max_replicas:
+            parser.error("--static-range: need 1 <= LO <= HI <= --max-replicas")
     stationary = {s for s in args.stationary.split(",") if s}
     common = {"calibration": args.calibration, "max_replicas": args.max_replicas}
     started = time.time()
@@ -126,19 +154,36 @@ def main() -> None:
             for key, res in zip(todo, pool.map(_run, jobs), strict=True):
                 static[key] = res
 
+        try:
+            fractions = [float(f) for f in args.oracle.split(",") if f]
+        except ValueError:
+            parser.error("--oracle: expected fractions, e.g. 0.6,0.4")
         policy_jobs = [
             (t, args.router, kind, s, common)
             for t in args.trace
             for s in startups
             for kind in ("kvpilot", "kvpilot (open loop)")
+        ] + [
+            (t, args.router, f"reactive oracle {f:g}", s, {**common, "f": f})
+            for t in args.trace
+            for s in startups
+            for f in fractions
         ]
         runs_future = [pool.submit(_run, j) for j in policy_jobs]
         # Binary search for the smallest fixed fleet >= GOAL, every trace at once.
-        bounds = {t: [1, args.max_replicas] for t in args.trace}
-        statics({(t, args.max_replicas) for t in args.trace})
+        bounds = {t: [lo0, hi0] for t in args.trace}
+        statics({(t, hi0) for t in args.trace})
         for t in args.trace:
-            if static[(t, args.max_replicas)]["slo_attainment"] < GOAL:
-                bounds[t] = [args.max_replicas, args.max_replicas]
+            if static[(t, hi0)]["slo_attainment"] < GOAL:
+                if hi0 < args.max_replicas:
+                    parser.error(f"--static-range: {hi0} replicas do not reach {GOAL:.0%} on {t}; raise HI")
+                bounds[t] = [hi0, hi0]
+            elif lo0 > 1:
+                statics({(t, lo0 - 1)})
+                if static[(t, lo0 - 1)]["slo_attainment"] >= GOAL:
+                    parser.error(
+                        f"--static-range: {lo0 - 1} replicas already reach {GOAL:.0%} on {t}; lower LO"
+                    )
         while any(lo < hi for lo, hi in bounds.values()):
             mids = {t: (lo + hi) // 2 for t, (lo, hi) in bounds.items() if lo < hi}
             statics({(t, m) for t, m in mids.items()})
