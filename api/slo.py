@@ -55,7 +55,9 @@ def request_tpot(first_token_s: float, finish_s: float, output_tokens: int) -> f
     return max(0.0, finish_s - first_token_s) / (output_tokens - 1)
 
 
-def judge(targets: SloTargets, ttft_s: float | None, tpot_s: float | None, prompt_tokens: int) -> Outcome:
+def judge(
+    targets: SloTargets, ttft_s: float | None, tpot_s: float | None, prompt_tokens: int
+) -> Outcome:
     """The request's outcome. No first token (rejected, failed, cut off) is `failed`: it misses.
     A TTFT miss is reported before a TPOT miss; a request with one output token has no TPOT."""
     if ttft_s is None:
