@@ -53,6 +53,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S = 300
 DEFAULT_TTFT_S = 2.0
 DEFAULT_TPOT_S = 0.05
 DEFAULT_TTFT_PREFILL_FACTOR = 2.0
+DEFAULT_ATTAINMENT_TARGET = 0.99
 
 MAX_REPLICAS = 1000
 SOURCE_PATTERN = (
@@ -237,6 +238,16 @@ class SloPlanner(_Model):
         ge=0.0,
         le=100.0,
         description="The TTFT target grows by this many times the prompt's prefill time on an idle replica.",
+    )
+    attainment_target: float = Field(
+        DEFAULT_ATTAINMENT_TARGET,
+        ge=0.5,
+        lt=1.0,
+        description=(
+            "Share of requests that must meet the SLO. The autoscaler measures it (the router's "
+            "kvpilot_router_slo_requests_total, else the pods' latency histograms) and grows the fleet "
+            "when the measured share is below it; it scales down only while the share has headroom."
+        ),
     )
     tpot_tail_budget: float | None = Field(
         None,
@@ -805,6 +816,14 @@ class PodCounters(_Model):
     in_flight: Count = Field(description="Waiting plus running requests.")
     prompt_tokens: Amount | None = None
     generation_tokens: Amount | None = None
+    # The pod's own latency histograms, as cumulative counts at the SLO targets' bucket bounds (the
+    # measured-attainment fallback without a router; autoscaler/attainment.py).
+    ttft_within: Amount | None = Field(None, description="First tokens within the TTFT target (a counter).")
+    ttft_count: Amount | None = Field(None, description="First tokens (a counter).")
+    itl_within: Amount | None = Field(
+        None, description="Inter-token gaps within the TPOT target (a counter)."
+    )
+    itl_count: Amount | None = Field(None, description="Inter-token gaps (a counter).")
 
 
 class RatePoint(_Model):
@@ -831,6 +850,72 @@ class ArrivalsStatus(_Model):
     token_mix: Lenient[TokenMix] = None
 
 
+class SloCountsStatus(_Model):
+    """Requests judged by api/slo.judge, by outcome."""
+
+    met: Amount = 0.0
+    missed_ttft: Amount = 0.0
+    missed_tpot: Amount = 0.0
+    failed: Amount = 0.0
+
+
+class SloInterval(_Model):
+    """The requests judged between two syncs (ending at `time`) and the load then."""
+
+    time: MilliTime
+    seconds: Amount
+    counts: SloCountsStatus
+    load_per_replica: Amount | None = Field(
+        None,
+        description="Arrivals/s per Ready replica over the interval (the capacity estimator's evidence).",
+    )
+
+
+class SloStatus(_Model):
+    """The SLO as measured, and the numbers the router judges requests with."""
+
+    prefill_seconds_per_token: Lenient[Amount] = Field(
+        None,
+        description=(
+            "The TTFT target's prefill floor, linear term: ttft target = ttftSeconds + ttftPrefillFactor x "
+            "(this x prompt tokens + prefillSecondsPerTokenSquared x prompt tokens^2). Fitted to the "
+            "calibration's idle prefill time; the router judges with it (api/slo.py)."
+        ),
+    )
+    prefill_seconds_per_token_squared: Lenient[Amount] = Field(
+        None, description="The prefill floor's quadratic term (attention over long prompts)."
+    )
+    attainment: Lenient[Amount] = Field(
+        None, description="Share of the requests judged in the window that met the SLO; absent: unknown."
+    )
+    window_seconds: Lenient[Amount] = None
+    requests: Lenient[Amount] = Field(None, description="Requests judged in the window.")
+    source: str | None = Field(
+        None,
+        description="router (kvpilot_router_slo_requests_total) or pods (the pods' histograms: a bound).",
+    )
+    target: Lenient[Amount] = None
+    capacity_factor: Lenient[Amount] = Field(
+        None,
+        description=(
+            "Online correction of the replica model: the per-replica capacity the planner uses is the "
+            "model's times this (estimated from the load replicas sustain within the SLO)."
+        ),
+    )
+    fresh_since: Lenient[MilliTime] = Field(
+        None,
+        description="The last feedback step takes effect from here: measurements before it do not count.",
+    )
+    last_backlog: Lenient[MilliTime] = Field(
+        None, description="The last sync with requests waiting beyond the queue target."
+    )
+    router_time: Lenient[MilliTime] = Field(None, description="When the router counters below were read.")
+    router_counts: Lenient[SloCountsStatus] = Field(
+        None, description="The routers' cumulative counters at the last sync (differenced at the next)."
+    )
+    intervals: ValidItems[SloInterval] = None
+
+
 class AutoscalerStatus(_Model):
     """Written by the autoscaler (field manager kvpilot-autoscaler), never by the operator."""
 
@@ -844,6 +929,7 @@ class AutoscalerStatus(_Model):
     last_scale_time: Lenient[Time] = None
     arrivals: Lenient[ArrivalsStatus] = None
     decided_by: str | None = Field(None, description="Identity of the autoscaler replica that decided.")
+    slo: Lenient[SloStatus] = None
     held_kind: str | None = Field(
         None,
         description="Why the last hold is noteworthy: no-metrics, not-reporting, scaling-limited, stabilization.",

@@ -97,6 +97,9 @@ def autoscaler_metrics() -> frozenset[str]:
     m.desired.labels("ns", "model").set(1)  # per-model gauges have no sample until a decision
     m.current.labels("ns", "model").set(1)
     m.reporting.labels("ns", "model").set(1)
+    m.attainment.labels("ns", "model").set(1)
+    m.attainment_target.labels("ns", "model").set(1)
+    m.capacity_factor.labels("ns", "model").set(1)
     names = set()
     for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
         names |= {s.name for s in family.samples}

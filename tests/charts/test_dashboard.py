@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from tests.charts.metric_names import (
+    autoscaler_metrics,
     contract_metrics,
     ksm_metrics,
     operator_metrics,
@@ -82,16 +83,17 @@ def runtime_names(names: set[str]) -> set[str]:
     return {
         n
         for n in names
-        if n.startswith("kvpilot_") and not n.startswith(("kvpilot_operator_", "kvpilot_inferencemodel_"))
+        if n.startswith("kvpilot_")
+        and not n.startswith(("kvpilot_operator_", "kvpilot_autoscaler_", "kvpilot_inferencemodel_"))
     }
 
 
 def test_every_query_reads_known_metrics() -> None:
     """Runtime metrics must be in the contract (docs/runtime.md's metrics table) and really exposed by
-    runtime/serving/metrics.py; the rest come from the operator, the kube-state-metrics config or the
+    runtime/serving/metrics.py; the rest come from the operator, the autoscaler, the kube-state-metrics config or the
     recording rules. And every runtime metric of the contract shows up on some panel."""
     contract = contract_metrics()
-    known = contract | operator_metrics() | ksm_metrics() | recorded()
+    known = contract | operator_metrics() | autoscaler_metrics() | ksm_metrics() | recorded()
     used: set[str] = set()
     for title, expr in queries():
         names = promql_metric_names(expr)

@@ -151,6 +151,7 @@ def test_the_chart_drops_the_autoscaler_alerts_without_an_autoscaler() -> None:
         "KvpilotAutoscalerDown",
         "KvpilotAutoscalerNoLeader",
         "KvpilotAutoscalerNotSyncing",
+        "KvpilotSloAttainmentLow",
     }
 
     def names(*sets: str) -> set[str]:
