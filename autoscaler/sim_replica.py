@@ -10,12 +10,10 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from kvpilot.api.pod_metrics import OUTPUT_TOKENS_BUCKETS
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.samples import ReplicaSample
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS
-
-# Output-length histogram bounds (tokens), as the runtime exports them (runtime/serving/metrics.py).
-OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.api import pod_metrics as pm
 from kvpilot.autoscaler.attainment import SloCounts
 from kvpilot.autoscaler.router_source import (  # noqa: F401 (re-exported: the router's e2e reads queues)
     ROUTER_SLO_QUERY,
@@ -34,69 +35,42 @@ from kvpilot.autoscaler.samples import MetricsParseError, MetricsSnapshot, Repli
 log = logging.getLogger(__name__)
 _Parsed = TypeVar("_Parsed")
 
-# In order of preference: the first family a pod exports wins.
-KV_METRICS = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-WAITING_METRICS = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
-RUNNING_METRICS = ("kvpilot_num_requests_running", "vllm:num_requests_running")
+# In order of preference: the first family a pod exports wins (the names: api/pod_metrics.py).
+KV_METRICS = pm.KV_CACHE_USAGE.names
+WAITING_METRICS = pm.REQUESTS_WAITING.names
+RUNNING_METRICS = pm.REQUESTS_RUNNING.names
 # Finished requests (a counter, one series per finish reason; summed).
-COMPLETED_METRICS = ("kvpilot_request_success_total", "vllm:request_success_total")
+COMPLETED_METRICS = pm.REQUEST_SUCCESS.names
 # Token counters: the token mix the SLO planner sizes for (spec.autoscaling.slo).
-PROMPT_TOKEN_METRICS = ("kvpilot_prompt_tokens_total", "vllm:prompt_tokens_total")
-GENERATION_TOKEN_METRICS = ("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
+PROMPT_TOKEN_METRICS = pm.PROMPT_TOKENS.names
+GENERATION_TOKEN_METRICS = pm.GENERATION_TOKENS.names
 # Output length per finished request (a histogram's cumulative buckets): the TPOT tail rule's
 # output-length distribution (spec.autoscaling.slo.tpotTailBudget).
-OUTPUT_TOKENS_BUCKET_METRICS = (
-    "kvpilot_request_generation_tokens_bucket",
-    "vllm:request_generation_tokens_bucket",
-)
+OUTPUT_TOKENS_BUCKET_METRICS = pm.REQUEST_GENERATION_TOKENS.buckets
 # The pods' latency histograms: the measured-attainment fallback without a router (attainment.py).
-TTFT_BUCKET_METRICS = (
-    "kvpilot_time_to_first_token_seconds_bucket",
-    "vllm:time_to_first_token_seconds_bucket",
-)
-ITL_BUCKET_METRICS = (
-    "kvpilot_inter_token_latency_seconds_bucket",
-    "vllm:time_per_output_token_seconds_bucket",
-)
+TTFT_BUCKET_METRICS = pm.TIME_TO_FIRST_TOKEN.buckets
+ITL_BUCKET_METRICS = pm.INTER_TOKEN_LATENCY.buckets
 
 # Series are selected by namespace and the model's Ready pods ({pods}: a regex of their names), not by
 # model_name: vLLM labels model_name with whatever --model / --served-model-name it was given (often
 # the Hugging Face path), which need not be the InferenceModel's served name. The pods are the model's
 # own (the controller lists them by the kvpilot.dev/model label), so their series are the model's.
 _SELECT = '{namespace="{namespace}",pod=~"{pods}"}'
-DEFAULT_KV_QUERY = (
-    f"max by (pod) (kvpilot_kv_cache_usage_ratio{_SELECT}"
-    f" or vllm:kv_cache_usage_perc{_SELECT}"
-    f" or vllm:gpu_cache_usage_perc{_SELECT})"
-)
-DEFAULT_QUEUE_QUERY = (
-    f"sum by (pod) (kvpilot_num_requests_waiting{_SELECT} or vllm:num_requests_waiting{_SELECT})"
-)
-DEFAULT_RUNNING_QUERY = (
-    f"sum by (pod) (kvpilot_num_requests_running{_SELECT} or vllm:num_requests_running{_SELECT})"
-)
+DEFAULT_KV_QUERY = f"max by (pod) ({pm.promql_any(KV_METRICS, _SELECT)})"
+DEFAULT_QUEUE_QUERY = f"sum by (pod) ({pm.promql_any(WAITING_METRICS, _SELECT)})"
+DEFAULT_RUNNING_QUERY = f"sum by (pod) ({pm.promql_any(RUNNING_METRICS, _SELECT)})"
 
 # Completions per second over the last minute (the arrival-rate signal; see policy.measure_arrivals).
 # Not in the CRD: a failed or empty answer only leaves the arrival rate out.
-DEFAULT_COMPLETIONS_QUERY = (
-    f"sum by (pod) (rate(kvpilot_request_success_total{_SELECT}[1m])"
-    f" or rate(vllm:request_success_total{_SELECT}[1m]))"
-)
+DEFAULT_COMPLETIONS_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT, 'rate({}[1m])')})"
 # The counters themselves (instant values, not rates): the SLO planner's token mix is the change in
 # prompt / generated tokens over the change in finished requests between two syncs, as from the pod
 # scrape (policy.measure_token_mix).
-DEFAULT_COMPLETED_TOTAL_QUERY = (
-    f"sum by (pod) (kvpilot_request_success_total{_SELECT} or vllm:request_success_total{_SELECT})"
-)
-DEFAULT_PROMPT_TOKENS_QUERY = (
-    f"sum by (pod) (kvpilot_prompt_tokens_total{_SELECT} or vllm:prompt_tokens_total{_SELECT})"
-)
-DEFAULT_GENERATION_TOKENS_QUERY = (
-    f"sum by (pod) (kvpilot_generation_tokens_total{_SELECT} or vllm:generation_tokens_total{_SELECT})"
-)
+DEFAULT_COMPLETED_TOTAL_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT)})"
+DEFAULT_PROMPT_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(PROMPT_TOKEN_METRICS, _SELECT)})"
+DEFAULT_GENERATION_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(GENERATION_TOKEN_METRICS, _SELECT)})"
 DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY = (
-    f"sum by (pod, le) (kvpilot_request_generation_tokens_bucket{_SELECT}"
-    f" or vllm:request_generation_tokens_bucket{_SELECT})"
+    f"sum by (pod, le) ({pm.promql_any(OUTPUT_TOKENS_BUCKET_METRICS, _SELECT)})"
 )
 DEFAULT_TTFT_BUCKETS_QUERY = " or ".join(f"sum by (pod, le) ({m}{_SELECT})" for m in TTFT_BUCKET_METRICS)
 DEFAULT_ITL_BUCKETS_QUERY = " or ".join(f"sum by (pod, le) ({m}{_SELECT})" for m in ITL_BUCKET_METRICS)

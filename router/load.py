@@ -8,6 +8,7 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.api.pod_metrics import KV_CACHE_USAGE, REQUESTS_WAITING
 from kvpilot.router.call import UPSTREAM_ERRORS
 from kvpilot.router.pool import Pod
 
@@ -28,8 +29,7 @@ async def scrape(session: aiohttp.ClientSession, pod: Pod, model: str, interval_
 
 def parse_load(text: str, model: str) -> tuple[float | None, int | None]:
     """KV use and waiting count of a pod's /metrics page (kvpilot's or vLLM's names), None if absent."""
-    kv_names = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-    waiting_names = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
+    kv_names, waiting_names = KV_CACHE_USAGE.names, REQUESTS_WAITING.names
     found: dict[str, list[float]] = {}
     try:
         for family in text_string_to_metric_families(text):

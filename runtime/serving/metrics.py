@@ -23,6 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpilot.api import pod_metrics as pm
+from kvpilot.api.pod_metrics import OUTPUT_TOKENS_BUCKETS
+
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = (
@@ -89,16 +92,15 @@ QUEUE_BUCKETS = (
     160.0,
 )
 
-# Output lengths (tokens per finished generation): powers of two, the points the autoscaler's TPOT
-# tail rule reads the distribution at (slo.output_share_at_most).
-OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))  # 1 .. 32768
+# Output lengths (tokens per finished generation): api/pod_metrics.OUTPUT_TOKENS_BUCKETS, the points
+# the autoscaler's TPOT tail rule reads the distribution at.
 
 # (metric name, help, EngineStats attribute)
 ENGINE_GAUGES = (
-    ("kvpilot_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
-    ("kvpilot_num_requests_running", "Requests (sequences) in the running batch.", "num_running"),
+    (pm.KV_CACHE_USAGE.kvpilot, "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
+    (pm.REQUESTS_RUNNING.kvpilot, "Requests (sequences) in the running batch.", "num_running"),
     (
-        "kvpilot_num_requests_waiting",
+        pm.REQUESTS_WAITING.kvpilot,
         "Requests (sequences) admitted and not running: the engine's inbox, requests being prepared "
         "and the scheduler's queue.",
         "num_waiting",
@@ -161,19 +163,19 @@ ENGINE_COUNTERS = (
 # percent usage") despite its name, and the protocol names that metric, so it is the fraction here too.
 MSP_GAUGES = (
     (
-        "vllm:num_requests_waiting",
+        pm.REQUESTS_WAITING.vllm[0],
         "Model Server Protocol TotalQueuedRequests: requests admitted and not running "
         "(= kvpilot_num_requests_waiting).",
         "num_waiting",
     ),
     (
-        "vllm:num_requests_running",
+        pm.REQUESTS_RUNNING.vllm[0],
         "Model Server Protocol TotalRunningRequests: requests in the running batch "
         "(= kvpilot_num_requests_running).",
         "num_running",
     ),
     (
-        "vllm:kv_cache_usage_perc",
+        pm.KV_CACHE_USAGE.vllm[0],
         "Model Server Protocol KVCacheUtilization: fraction of KV-cache blocks in use, 0..1 as in vLLM "
         "(= kvpilot_kv_cache_usage_ratio).",
         "kv_cache_usage",
@@ -260,26 +262,29 @@ class ServerMetrics:
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter(
-            "kvpilot_prompt_tokens", "Prompt tokens received (once per prompt).", labels, registry=r
+            pm.PROMPT_TOKENS.counter_base, "Prompt tokens received (once per prompt).", labels, registry=r
         ).labels(model_name)
         self.generation_tokens = Counter(
-            "kvpilot_generation_tokens", "Tokens generated and delivered to clients.", labels, registry=r
+            pm.GENERATION_TOKENS.counter_base,
+            "Tokens generated and delivered to clients.",
+            labels,
+            registry=r,
         ).labels(model_name)
         self._success = Counter(
-            "kvpilot_request_success",
+            pm.REQUEST_SUCCESS.counter_base,
             "Finished generations (one per choice) by finish reason.",
             ["model_name", "finished_reason"],
             registry=r,
         )
         self.ttft = Histogram(
-            "kvpilot_time_to_first_token_seconds",
+            pm.TIME_TO_FIRST_TOKEN.kvpilot,
             "Time from request arrival to the first generated token.",
             labels,
             buckets=TTFT_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.itl = Histogram(
-            "kvpilot_inter_token_latency_seconds",
+            pm.INTER_TOKEN_LATENCY.kvpilot,
             "Time between consecutive generated tokens of one sequence.",
             labels,
             buckets=ITL_BUCKETS,
@@ -301,7 +306,7 @@ class ServerMetrics:
         ).labels(model_name)
 
         self.output_tokens = Histogram(
-            "kvpilot_request_generation_tokens",
+            pm.REQUEST_GENERATION_TOKENS.kvpilot,
             "Tokens generated per finished generation (one per choice; aborted ones are not counted).",
             labels,
             buckets=OUTPUT_TOKENS_BUCKETS,
