@@ -53,6 +53,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S = 300
 DEFAULT_TTFT_S = 2.0
 DEFAULT_TPOT_S = 0.05
 DEFAULT_TTFT_PREFILL_FACTOR = 2.0
+DEFAULT_ATTAINMENT_TARGET = 0.99
 
 MAX_REPLICAS = 1000
 SOURCE_PATTERN = (
@@ -238,6 +239,16 @@ class SloPlanner(_Model):
         le=100.0,
         description="The TTFT target grows by this many times the prompt's prefill time on an idle replica.",
     )
+    attainment_target: float = Field(
+        DEFAULT_ATTAINMENT_TARGET,
+        ge=0.5,
+        lt=1.0,
+        description=(
+            "Share of requests that must meet the SLO. The autoscaler measures it (the router's "
+            "kvpilot_router_slo_requests_total, else the pods' latency histograms) and grows the fleet "
+            "when the measured share is below it; it scales down only while the share has headroom."
+        ),
+    )
     tpot_tail_budget: float | None = Field(
         None,
         gt=0.0,
@@ -358,6 +369,61 @@ class Routing(_Model):
         description=(
             "Served name of another model in the namespace that takes this model's requests when they "
             "would get 429 (queue full or waited too long) and it has a pod with room."
+        ),
+    )
+
+
+# spec.inferencePool: a Gateway API Inference Extension InferencePool for the model's pods.
+DNS1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+EPP_SERVICE_HELP = (
+    "spec.inferencePool.endpointPicker.service must be the name of a Service in this namespace "
+    "(a DNS-1035 label: lowercase letters, digits and '-', starting with a letter)"
+)
+INFERENCE_POOL_ENABLED_HELP = (
+    "spec.inferencePool.endpointPicker is only used when spec.inferencePool.enabled is true: set "
+    "enabled: true to create the InferencePool, or remove endpointPicker"
+)
+
+
+class EndpointPicker(_Model):
+    """The endpoint picker (EPP) a gateway asks which pod of the pool takes each request."""
+
+    service: str = Field(
+        max_length=63,
+        description="Name of the endpoint picker's Service in this namespace (the pool's endpointPickerRef).",
+        json_schema_extra=_validations(_rule(f"self.matches('{DNS1035_PATTERN}')", EPP_SERVICE_HELP)),
+    )
+    port: int = Field(
+        9002,
+        ge=1,
+        le=65535,
+        description="The Service port of the picker's ext-proc gRPC server (9002: the GIE default).",
+    )
+
+
+class InferencePoolSettings(_Model):
+    """Create a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) for this
+    model, so a GIE-conformant gateway can front it."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _rule("self.enabled || !has(self.endpointPicker)", INFERENCE_POOL_ENABLED_HELP)
+        )
+    )
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Create an InferencePool named after the model that selects its pods (kvpilot.dev/model) on the "
+            "runtime's port 8000, when the cluster serves the InferencePool API (condition InferencePoolReady "
+            "says when it does not); false removes the pool the operator created."
+        ),
+    )
+    endpoint_picker: EndpointPicker | None = Field(
+        None,
+        description=(
+            "The pool's endpointPickerRef (a Service). Optional from GIE v1.6; the InferencePool CRDs of "
+            "v1.0 to v1.5 require it and refuse a pool without it (condition InferencePoolReady says so)."
         ),
     )
 
@@ -549,6 +615,9 @@ class InferenceModelSpec(_Model):
         default_factory=lambda: RuntimeSettings.model_validate({}), json_schema_extra={"default": {}}
     )
     routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
+    inference_pool: InferencePoolSettings | None = Field(
+        None, description="A Gateway API Inference Extension InferencePool for this model (opt-in)."
+    )
     adapters: list[LoRAAdapter] | None = Field(
         None,
         max_length=MAX_ADAPTERS,
@@ -605,6 +674,12 @@ class InferenceModelSpec(_Model):
                 problems.append(ADAPTER_NAME_HELP)
         if len(set(names)) != len(names):
             problems.append(ADAPTERS_UNIQUE_HELP)
+        pool = self.inference_pool
+        if pool is not None and pool.endpoint_picker is not None:
+            if not pool.enabled:
+                problems.append(INFERENCE_POOL_ENABLED_HELP)
+            if not re.match(DNS1035_PATTERN, pool.endpoint_picker.service):
+                problems.append(EPP_SERVICE_HELP)
         return problems
 
 
@@ -619,7 +694,8 @@ class Condition(_Model):
     """A standard Kubernetes condition."""
 
     type: str = Field(
-        max_length=64, description="Ready, Progressing, Degraded, ScalingLimited or AdaptersLoaded."
+        max_length=64,
+        description="Ready, Progressing, Degraded, ScalingLimited, AdaptersLoaded or InferencePoolReady.",
     )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=128, description="CamelCase reason.")
@@ -740,6 +816,14 @@ class PodCounters(_Model):
     in_flight: Count = Field(description="Waiting plus running requests.")
     prompt_tokens: Amount | None = None
     generation_tokens: Amount | None = None
+    # The pod's own latency histograms, as cumulative counts at the SLO targets' bucket bounds (the
+    # measured-attainment fallback without a router; autoscaler/attainment.py).
+    ttft_within: Amount | None = Field(None, description="First tokens within the TTFT target (a counter).")
+    ttft_count: Amount | None = Field(None, description="First tokens (a counter).")
+    itl_within: Amount | None = Field(
+        None, description="Inter-token gaps within the TPOT target (a counter)."
+    )
+    itl_count: Amount | None = Field(None, description="Inter-token gaps (a counter).")
 
 
 class RatePoint(_Model):
@@ -766,6 +850,72 @@ class ArrivalsStatus(_Model):
     token_mix: Lenient[TokenMix] = None
 
 
+class SloCountsStatus(_Model):
+    """Requests judged by api/slo.judge, by outcome."""
+
+    met: Amount = 0.0
+    missed_ttft: Amount = 0.0
+    missed_tpot: Amount = 0.0
+    failed: Amount = 0.0
+
+
+class SloInterval(_Model):
+    """The requests judged between two syncs (ending at `time`) and the load then."""
+
+    time: MilliTime
+    seconds: Amount
+    counts: SloCountsStatus
+    load_per_replica: Amount | None = Field(
+        None,
+        description="Arrivals/s per Ready replica over the interval (the capacity estimator's evidence).",
+    )
+
+
+class SloStatus(_Model):
+    """The SLO as measured, and the numbers the router judges requests with."""
+
+    prefill_seconds_per_token: Lenient[Amount] = Field(
+        None,
+        description=(
+            "The TTFT target's prefill floor, linear term: ttft target = ttftSeconds + ttftPrefillFactor x "
+            "(this x prompt tokens + prefillSecondsPerTokenSquared x prompt tokens^2). Fitted to the "
+            "calibration's idle prefill time; the router judges with it (api/slo.py)."
+        ),
+    )
+    prefill_seconds_per_token_squared: Lenient[Amount] = Field(
+        None, description="The prefill floor's quadratic term (attention over long prompts)."
+    )
+    attainment: Lenient[Amount] = Field(
+        None, description="Share of the requests judged in the window that met the SLO; absent: unknown."
+    )
+    window_seconds: Lenient[Amount] = None
+    requests: Lenient[Amount] = Field(None, description="Requests judged in the window.")
+    source: str | None = Field(
+        None,
+        description="router (kvpilot_router_slo_requests_total) or pods (the pods' histograms: a bound).",
+    )
+    target: Lenient[Amount] = None
+    capacity_factor: Lenient[Amount] = Field(
+        None,
+        description=(
+            "Online correction of the replica model: the per-replica capacity the planner uses is the "
+            "model's times this (estimated from the load replicas sustain within the SLO)."
+        ),
+    )
+    fresh_since: Lenient[MilliTime] = Field(
+        None,
+        description="The last feedback step takes effect from here: measurements before it do not count.",
+    )
+    last_backlog: Lenient[MilliTime] = Field(
+        None, description="The last sync with requests waiting beyond the queue target."
+    )
+    router_time: Lenient[MilliTime] = Field(None, description="When the router counters below were read.")
+    router_counts: Lenient[SloCountsStatus] = Field(
+        None, description="The routers' cumulative counters at the last sync (differenced at the next)."
+    )
+    intervals: ValidItems[SloInterval] = None
+
+
 class AutoscalerStatus(_Model):
     """Written by the autoscaler (field manager kvpilot-autoscaler), never by the operator."""
 
@@ -779,6 +929,7 @@ class AutoscalerStatus(_Model):
     last_scale_time: Lenient[Time] = None
     arrivals: Lenient[ArrivalsStatus] = None
     decided_by: str | None = Field(None, description="Identity of the autoscaler replica that decided.")
+    slo: Lenient[SloStatus] = None
     held_kind: str | None = Field(
         None,
         description="Why the last hold is noteworthy: no-metrics, not-reporting, scaling-limited, stabilization.",

@@ -254,6 +254,9 @@ class ScalingController:
         )
         if self._router is not None:
             snapshot = replace(snapshot, router_queue=await self._router.queue_depth(served))
+            slo = (self._router.last_slo or {}).get(served)
+            if slo is not None:  # read from every router pod; preferred to a Prometheus answer
+                snapshot = replace(snapshot, router_slo=slo)
 
         previous = status.get("autoscaler") or {}
         now = self.clock()

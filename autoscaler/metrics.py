@@ -71,6 +71,22 @@ class AutoscalerMetrics(SyncObserver):
             labels,
             registry=r,
         )
+        self.attainment = Gauge(
+            f"{PREFIX}slo_attainment",
+            "Share of the requests judged in the attainment window that met the SLO (status.autoscaler.slo; "
+            "absent while unknown)",
+            labels,
+            registry=r,
+        )
+        self.attainment_target = Gauge(
+            f"{PREFIX}slo_attainment_target", "spec.autoscaling.slo.attainmentTarget", labels, registry=r
+        )
+        self.capacity_factor = Gauge(
+            f"{PREFIX}slo_capacity_factor",
+            "The planner's per-replica capacity correction measured online (1: the replica model as is)",
+            labels,
+            registry=r,
+        )
         # Labelled series appear at 0 from the start, so rate() and absent() work before the first error.
         for stage in STAGES:
             self.sync_errors.labels(stage)
@@ -105,6 +121,17 @@ class AutoscalerMetrics(SyncObserver):
         self.desired.labels(*key).set(result.decision.desired)
         self.current.labels(*key).set(result.decision.current)
         self.reporting.labels(*key).set(result.decision.reporting)
+        d = result.decision
+        for gauge, value in (
+            (self.attainment, d.attainment),
+            (self.attainment_target, d.attainment_target),
+            (self.capacity_factor, d.capacity_factor),
+        ):
+            if value is None:  # unknown is no series, never a number
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*key)
+            else:
+                gauge.labels(*key).set(value)
 
     def scaled(self, namespace: str, name: str, from_replicas: int, to_replicas: int) -> None:
         if to_replicas != from_replicas:
@@ -112,7 +139,14 @@ class AutoscalerMetrics(SyncObserver):
 
     def _forget(self, keys: set[tuple[str, str]]) -> None:
         for key in keys:
-            for gauge in (self.desired, self.current, self.reporting):
+            for gauge in (
+                self.desired,
+                self.current,
+                self.reporting,
+                self.attainment,
+                self.attainment_target,
+                self.capacity_factor,
+            ):
                 with contextlib.suppress(KeyError):
                     gauge.remove(*key)
             self._models.discard(key)

@@ -38,6 +38,24 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from kvpilot.api.slo import SloTargets as JudgeTargets
+from kvpilot.autoscaler.arrivals import (
+    MAX_COUNTER_AGE_S,
+    MIN_INFORMATIVE_LOAD,
+    MIN_MIX_REQUESTS,
+    SERVICE_RATE_SMOOTHING,
+    TOKEN_MIX_WINDOW_REQUESTS,
+    ArrivalState,
+    PodCounter,
+    RateSample,
+    forecast_arrivals,
+    measure_arrivals,
+    measure_token_mix,
+    service_rate_at_target,
+    smooth_token_mix,
+    token_totals,
+)
+from kvpilot.autoscaler.feedback import Feedback, SloState, evaluate, feedback_settings, measure_slo
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
@@ -47,6 +65,31 @@ from kvpilot.autoscaler.startup import (
     forecast_lead_s,
     scale_down_hold_s,
 )
+
+# The arrival-rate estimate lives in arrivals.py; its names are re-exported for the callers of decide().
+__all__ = [
+    "MAX_COUNTER_AGE_S",
+    "MIN_INFORMATIVE_LOAD",
+    "MIN_MIX_REQUESTS",
+    "SERVICE_RATE_SMOOTHING",
+    "TOKEN_MIX_WINDOW_REQUESTS",
+    "ArrivalState",
+    "Decision",
+    "History",
+    "PodCounter",
+    "RateSample",
+    "Recommendation",
+    "ScaleEvent",
+    "decide",
+    "forecast_arrivals",
+    "measure_arrivals",
+    "measure_token_mix",
+    "scale_down_limit",
+    "scale_up_limit",
+    "service_rate_at_target",
+    "smooth_token_mix",
+    "token_totals",
+]
 
 _EPS = 1e-9
 
@@ -65,38 +108,6 @@ class ScaleEvent:
 
 
 @dataclass(frozen=True)
-class PodCounter:
-    """One replica at the previous sync: its completed-requests counter (None when its source gave a
-    rate instead) and its requests in flight (waiting + running)."""
-
-    pod: str
-    completed: float | None
-    in_flight: int
-    prompt_tokens: float | None = None  # the replica's prompt / generated token counters
-    generation_tokens: float | None = None
-
-
-@dataclass(frozen=True)
-class RateSample:
-    time: float
-    rate: float  # requests/s arriving at the fleet
-
-
-@dataclass(frozen=True)
-class ArrivalState:
-    """What the arrival-rate estimate remembers between syncs."""
-
-    time: float | None = None  # of the counters below
-    counters: tuple[PodCounter, ...] = ()
-    rates: tuple[RateSample, ...] = ()  # within Behavior.arrival_trend_window_s
-    service_rate: float | None = None  # requests/s one replica sustains at the target (smoothed)
-    token_mix: tuple[float, float] | None = None  # (prompt, output) tokens per request (smoothed)
-    # Finished requests behind token_mix (capped at TOKEN_MIX_WINDOW_REQUESTS); the planner waits for
-    # MIN_MIX_REQUESTS. Not written to the status: a mix read back from it counts as established.
-    mix_requests: float = 0.0
-
-
-@dataclass(frozen=True)
 class History:
     """What the policy remembers between calls (bounded by targets.history_horizon_s)."""
 
@@ -104,7 +115,10 @@ class History:
     events: tuple[ScaleEvent, ...] = ()
     # (time, total waiting) at the previous sync with metrics, for the queue growth rate.
     last_queue: tuple[float, int] | None = None
-    arrivals: ArrivalState = ArrivalState()
+    arrivals: ArrivalState = field(default_factory=ArrivalState)
+    slo: SloState = field(
+        default_factory=SloState
+    )  # the closed loop's measurements and capacity correction (feedback.py)
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,18 @@ class Decision:
     arrival_forecast: float | None = None  # requests/s expected Behavior.arrival_lead_s ahead
     service_rate: float | None = None  # requests/s one replica sustains at the target
     startup_s: float | None = None  # replica startup the decision assumed (measured, else declared)
+    # The closed loop (feedback.py): measured attainment over the window, the requests it judged, where
+    # it came from, what it asked for, and the planner's capacity correction.
+    attainment: float | None = None
+    attainment_requests: float = 0.0
+    attainment_window_s: float = 0.0
+    attainment_source: str | None = None
+    feedback_recommendation: int | None = None
+    capacity_factor: float | None = None
+    signal: str = ""  # the signal that set the size: named at the end of the reason's first clause
+    # What requests are judged with (api/slo.judge), published in status.autoscaler.slo for the router.
+    judge_targets: JudgeTargets | None = None
+    attainment_target: float | None = None
     burst: bool = False
     avg_kv_cache_usage: float | None = None
     avg_utilization: float | None = None  # max(KV use, batch-slot use), averaged over reporting replicas
@@ -184,166 +210,6 @@ def _kv_text(avg: float, target: float, tol: float) -> str:
 
 
 # Counters older than this are not differenced (an autoscaler that was down for a while starts over).
-MAX_COUNTER_AGE_S = 300.0
-# The service-rate estimate is only updated when replicas are at least this share of the target busy:
-# at lower load, completions per replica are a few noisy requests and the extrapolation is long.
-MIN_INFORMATIVE_LOAD = 0.25
-SERVICE_RATE_SMOOTHING = 0.5  # weight of the new estimate
-
-
-def measure_arrivals(
-    snapshot: MetricsSnapshot, previous: ArrivalState, now: float
-) -> tuple[float | None, float | None, tuple[PodCounter, ...]]:
-    """(arrivals/s, completions/s per reporting replica, counters to remember) since the last sync.
-
-    A replica's arrivals over the interval are the requests it finished (counter difference, or its
-    reported completion rate x the interval) plus the change in its requests in flight. A replica
-    not seen at the last sync started empty (it became Ready since), so its counter and in-flight
-    count are all new; that is capped at the busiest known replica's arrivals, in case it was only
-    missing from the last scrape. A counter that went down was reset (the process restarted).
-    A replica without a counter (Prometheus has no rate for a series a few seconds old) is counted
-    like a new one, with no completions. Ready replicas that did not report are assumed to get the
-    average replica's share. None when no replica has a counter, there is no previous sync or it is
-    too old, or no replica was seen both times.
-    """
-    samples = snapshot.samples
-    have_any = any(s.completed_total is not None or s.completion_rate is not None for s in samples)
-    counters = tuple(
-        PodCounter(
-            s.pod,
-            s.completed_total,
-            s.num_running + s.num_waiting,
-            s.prompt_tokens_total,
-            s.generation_tokens_total,
-        )
-        for s in samples
-        if s.completion_rate is not None or s.completed_total is not None
-    )
-    t0 = previous.time
-    if not have_any or t0 is None or not 0.0 < now - t0 <= MAX_COUNTER_AGE_S:
-        return None, None, counters
-    dt = now - t0
-    before = {c.pod: c for c in previous.counters}
-    known_arrivals: list[float] = []
-    known_done: list[float] = []
-    new_arrivals: list[float] = []
-    for s in samples:
-        in_flight = s.num_running + s.num_waiting
-        prev = before.get(s.pod)
-        if s.completion_rate is not None:
-            done = max(0.0, s.completion_rate) * dt
-        elif prev is not None and prev.completed is not None and s.completed_total is not None:
-            diff = s.completed_total - prev.completed
-            done = s.completed_total if diff < 0 else diff
-        else:  # no counter, or none to difference it with: count it as a new replica
-            prev, done = None, s.completed_total or 0.0
-        if prev is None:
-            new_arrivals.append(max(0.0, done + in_flight))
-        else:
-            known_arrivals.append(max(0.0, done + in_flight - prev.in_flight))
-            known_done.append(done)
-    if not known_arrivals:
-        return None, None, counters
-    cap = max(known_arrivals)
-    total = sum(known_arrivals) + sum(min(a, cap) for a in new_arrivals)
-    if snapshot.missing:
-        total *= snapshot.ready_replicas / len(samples)
-    return total / dt, sum(known_done) / dt / len(known_done), counters
-
-
-# The token mix is a running mean over about this many finished requests: prompt lengths are
-# heavy-tailed (Mooncake: 15k mean, up to 120k), so one sync's few dozen requests give a mean that
-# swings by half, and the SLO planner's capacity (steeper still with the TPOT tail rule) with it.
-TOKEN_MIX_WINDOW_REQUESTS = 200.0
-# The planner sizes from the mix only once this many requests finished: the first ones to finish are
-# the short ones (a 15 s window after a cold start sees outputs of ~10 tokens where the mean is 150), and
-# sizing for them asked for 33 replicas where 5-10 serve Mooncake (docs/autoscaler.md).
-MIN_MIX_REQUESTS = TOKEN_MIX_WINDOW_REQUESTS
-
-
-def measure_token_mix(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float] | None:
-    """(prompt, output) tokens per finished request since the last sync, from the replicas seen both
-    times with completion and token counters; None when none finished a request (or a counter went
-    down: a restart)."""
-    totals = token_totals(snapshot, previous)
-    if totals is None:
-        return None
-    done, prompt, output = totals
-    return prompt / done, output / done
-
-
-def smooth_token_mix(
-    previous: tuple[float, float] | None, totals: tuple[float, float, float]
-) -> tuple[float, float]:
-    """The running token mix after `totals` = (requests, prompt tokens, output tokens) finished: the new
-    requests weigh in as done / (done + TOKEN_MIX_WINDOW_REQUESTS), so the mix follows the last ~200
-    requests whatever the sync interval and load."""
-    done, prompt, output = totals
-    mix = (prompt / done, output / done)
-    if previous is None:
-        return mix
-    w = done / (done + TOKEN_MIX_WINDOW_REQUESTS)
-    return (w * mix[0] + (1.0 - w) * previous[0], w * mix[1] + (1.0 - w) * previous[1])
-
-
-def token_totals(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float, float] | None:
-    """(requests finished, their prompt tokens, their output tokens) since the last sync; see
-    measure_token_mix."""
-    before = {c.pod: c for c in previous.counters}
-    done = prompt = output = 0.0
-    for s in snapshot.samples:
-        prev = before.get(s.pod)
-        if (
-            prev is None
-            or None in (prev.completed, prev.prompt_tokens, prev.generation_tokens)
-            or None in (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total)
-        ):
-            continue
-        d = (s.completed_total or 0.0) - (prev.completed or 0.0)
-        p = (s.prompt_tokens_total or 0.0) - (prev.prompt_tokens or 0.0)
-        g = (s.generation_tokens_total or 0.0) - (prev.generation_tokens or 0.0)
-        if d < 0 or p < 0 or g < 0:
-            continue
-        done, prompt, output = done + d, prompt + p, output + g
-    if done <= 0:
-        return None
-    return done, prompt, output
-
-
-def forecast_arrivals(rates: tuple[RateSample, ...], now: float, lead_s: float, max_growth: float) -> float:
-    """The arrival rate lead_s ahead: the latest rate plus the least-squares slope of `rates` (the
-    latest included, last) times lead_s. Only rising trends count (a falling one would only speed up
-    scale-down, which the down window is there to slow), and the forecast is at most max_growth x the
-    latest rate."""
-    latest = rates[-1].rate
-    if len(rates) < 2 or lead_s <= 0:
-        return latest
-    n = len(rates)
-    mt = sum(r.time for r in rates) / n
-    mr = sum(r.rate for r in rates) / n
-    var = sum((r.time - mt) ** 2 for r in rates)
-    if var <= 0:
-        return latest
-    slope = sum((r.time - mt) * (r.rate - mr) for r in rates) / var
-    return min(latest + max(0.0, slope) * lead_s, latest * max_growth)
-
-
-def service_rate_at_target(
-    completions_per_replica: float, utilization: float, target: float, exponent_below: float
-) -> float | None:
-    """Requests/s one replica sustains at the target utilization, from what it does now.
-
-    Above the target (queueing, a full batch) throughput is about proportional to utilization. Below
-    it, utilization grows faster than load (as for Behavior.scale_down_exponent): load at the target
-    is load now x (target / u) ** exponent_below (Behavior.arrival_service_exponent). None when the
-    replicas are too idle to say.
-    """
-    if completions_per_replica <= 0 or utilization < MIN_INFORMATIVE_LOAD * target:
-        return None
-    ratio = target / utilization
-    return completions_per_replica * ratio ** (1.0 if ratio < 1.0 else exponent_below)
-
-
 def decide(
     current: int,
     snapshot: MetricsSnapshot,
@@ -403,12 +269,28 @@ def decide(
         arrivals = ArrivalState(
             now if counters else None, counters, rates, service_rate, token_mix, mix_requests
         )
+    loop = targets.slo if targets.slo is not None and b.slo_feedback else None
+    slo_state = history.slo
+    if loop is not None:
+        load = arrival_rate / ready if arrival_rate is not None and ready > 0 else None
+        backlog = snapshot.total_waiting > targets.target_queue_depth * max(1, n)
+        slo_state, latency = measure_slo(
+            history.slo, history.arrivals.counters, snapshot, loop, now, load, backlog, b
+        )
+        if n > 0:  # the counters were just taken: they carry the pods' histograms too
+            arrivals = replace(
+                arrivals, counters=tuple(replace(c, latency=latency.get(c.pod)) for c in arrivals.counters)
+            )
+    fb: Feedback | None = None
+    signal = ""
     if current == 0 and snapshot.router_queue:
         # Scale from zero: nothing runs, so nothing reports; the router holding requests is the signal.
         raw = 1
+        signal = "scale from zero"
         driver = f"scale from zero: {snapshot.router_queue} requests held by the router"
     elif n == 0 or avg_kv is None or avg_util is None:
         raw = current
+        signal = "no metrics"
         driver = f"no metrics from 0/{ready} ready replicas" if ready else "no ready replica reports metrics"
     else:
         target_kv = targets.target_kv_cache_utilization
@@ -476,8 +358,19 @@ def decide(
                     planner = replace(planner, output_cdf=measured)
                     source = "measured"
             tail_text = f", TPOT tail within {planner.tpot_tail_budget:.1%} ({source} output lengths)"
+        model_capacity: float | None = None
         if planner_on and planner is not None and arrivals.token_mix is not None:
-            slo_capacity = planner.capacity(*arrivals.token_mix)
+            model_capacity = planner.capacity(*arrivals.token_mix)
+        if loop is not None:
+            settle = startup if startup is not None else b.arrival_lead_s
+            last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
+            fb = evaluate(
+                slo_state, now, current, ready, feedback_settings(loop, b), model_capacity, settle, last_up
+            )
+            slo_state = fb.state
+        if model_capacity is not None:
+            # The replica model's capacity, corrected by what replicas were measured to sustain.
+            slo_capacity = model_capacity * slo_state.capacity_factor
         # Startup-aware queue rule: with the startup known and a per-replica rate (the planner's
         # capacity, else the measured service rate at the target), size for the forecast rate plus
         # the backlog expected when the pods asked for now are Ready, drained within DRAIN_STARTUPS
@@ -530,6 +423,8 @@ def decide(
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
                 f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
             )
+            if slo_state.capacity_factor != 1.0 and loop is not None:
+                a_part += f" (model x {slo_state.capacity_factor:.2f}, measured)"
             arrival_rec = slo_rec
             if slo_rec > raw:
                 raw = slo_rec
@@ -563,9 +458,15 @@ def decide(
                 if arrival_rec == raw and raw > max(kv_rec, queue_rec)
                 else f"{driver}, {a_part}"
             )
+        signal = _winner(raw, kv_rec, queue_rec, arrival_rec, targets.slo is not None and planner_on)
+        if fb is not None and fb.recommendation is not None and fb.recommendation > raw:
+            raw = fb.recommendation
+            signal = "measured attainment"
+            driver = f"{fb.text}; {driver}"
         if missing:
             driver += f" ({missing} not reporting, held)"
-            raw = max(raw, current)
+            if current > raw:
+                raw, signal = current, "replicas not reporting"
 
         # Burst: saturated and queueing, or the queue growing fast. Only matters when scaling up.
         burst_note = ""
@@ -630,6 +531,18 @@ def decide(
             )
             desired = limit
 
+    fb_noted = fb is None or fb.recommendation is not None  # the feedback's text is in the reason
+    if desired < current and fb is not None and not fb.allow_scale_down:
+        unknown = fb.attainment is None
+        extra = "" if unknown else " (scale down only with attainment headroom)"
+        notes.append(f"scale-down held: {fb.text}{extra}")
+        desired, fb_noted = current, True
+        signal = "attainment unknown" if unknown else "attainment headroom"
+    elif desired < current and loop is not None and fb is None:
+        notes.append("scale-down held: attainment unknown (no SLO measurement)")
+        desired = current
+        signal = "attainment unknown"
+
     if snapshot.scaling_limited and desired > current:
         notes.append(f"ScalingLimited (pods unschedulable): holding {current} instead of {desired}")
         desired = current
@@ -643,10 +556,16 @@ def decide(
     if desired != current:
         events = (*events, ScaleEvent(now, current, desired))
     last_queue = (now, waiting) if n > 0 else None
-    new_history = History(recommendations=recs, events=events, last_queue=last_queue, arrivals=arrivals)
+    new_history = History(
+        recommendations=recs, events=events, last_queue=last_queue, arrivals=arrivals, slo=slo_state
+    )
 
     verb = "hold" if desired == current else ("up" if desired > current else "down")
     reason = f"{driver} -> {desired}" if desired != current else f"{driver} -> {desired} ({verb})"
+    if signal:
+        reason += f" [signal: {signal}]"
+    if fb is not None and not fb_noted:
+        notes.append(fb.text)
     if notes:
         reason += "; " + "; ".join(notes)
     return Decision(
@@ -672,4 +591,27 @@ def decide(
         reporting=n,
         ready=ready,
         notes=tuple(notes),
+        attainment=None if fb is None else fb.attainment,
+        attainment_requests=0.0 if fb is None else fb.requests,
+        attainment_window_s=0.0 if fb is None else fb.window_s,
+        attainment_source=slo_state.source if loop is not None else None,
+        feedback_recommendation=None if fb is None else fb.recommendation,
+        capacity_factor=slo_state.capacity_factor if loop is not None else None,
+        signal=signal,
+        judge_targets=None if targets.slo is None else targets.slo.slo.judge_targets(targets.slo.calibration),
+        attainment_target=None if targets.slo is None else targets.slo.attainment_target,
     )
+
+
+def _winner(
+    raw: int, kv_rec: int | None, queue_rec: int | None, arrival_rec: int | None, planner: bool
+) -> str:
+    """The signal whose recommendation is the raw one (the first, in this order, on a tie)."""
+    for name, rec in (
+        ("slo planner" if planner else "arrivals", arrival_rec),
+        ("queue", queue_rec),
+        ("utilization", kv_rec),
+    ):
+        if rec is not None and rec == raw:
+            return name
+    return "utilization"

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.autoscaler.attainment import SloCounts
+
+
+class MetricsParseError(ValueError):
+    """A /metrics page that is not Prometheus text format."""
+
 
 @dataclass(frozen=True)
 class ReplicaSample:
@@ -34,6 +40,12 @@ class ReplicaSample:
     # (le, count) pairs since the process started, +Inf included. None when not exported. The TPOT
     # tail rule (spec.autoscaling.slo.tpotTailBudget) reads the output-length distribution from it.
     output_tokens_buckets: tuple[tuple[float, float], ...] | None = None
+    # Its latency histograms (cumulative (le, count) pairs, +Inf included): kvpilot's
+    # kvpilot_time_to_first_token_seconds and kvpilot_inter_token_latency_seconds, vLLM's
+    # time_to_first_token_seconds and time_per_output_token_seconds. The measured-attainment fallback
+    # when no router reports the model (attainment.py: a bound). None when not exported.
+    ttft_buckets: tuple[tuple[float, float], ...] | None = None
+    itl_buckets: tuple[tuple[float, float], ...] | None = None
 
     @property
     def load(self) -> float:
@@ -60,6 +72,9 @@ class MetricsSnapshot:
     # Replica startup (pod created -> Ready), seconds: the median over the model's recent pods
     # (startup.pod_startup_seconds), None when no pod's is known. The policy plans one startup ahead.
     startup_s: float | None = None
+    # The routers' kvpilot_router_slo_requests_total for this model, by outcome, summed over the router
+    # replicas (cumulative counters); None when no router reports the model.
+    router_slo: SloCounts | None = None
 
     @property
     def reporting(self) -> int:

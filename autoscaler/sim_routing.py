@@ -31,7 +31,7 @@ from kvpilot.router.keys import chain_hashes
 from kvpilot.router.policy import POLICIES, PodView, Policy, RouteKey, make_policy, route
 
 if TYPE_CHECKING:
-    from kvpilot.autoscaler.simulator import ReplicaView, RequestView
+    from kvpilot.autoscaler.sim_replica import ReplicaView, RequestView
 
 PREFIX = "router:"
 ROUTER_POLICY_NAMES = tuple(PREFIX + p for p in POLICIES)

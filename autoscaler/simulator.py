@@ -40,25 +40,47 @@ Deterministic: no randomness, no wall clock; the same inputs give the same numbe
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
+from kvpilot.api.slo import OUTCOMES, Outcome, judge, request_tpot
+from kvpilot.autoscaler.attainment import SloCounts
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.sim_replica import (
+    OUTPUT_TOKENS_BUCKETS,
+    Replica,
+    ReplicaView,
+    RequestView,
+    SimRequest,
+)
+from kvpilot.autoscaler.sim_result import SimResult, _percentile
 from kvpilot.autoscaler.sim_routing import PREFIX, PolicyRouter
 from kvpilot.autoscaler.slo import Slo
 from kvpilot.autoscaler.startup import STARTUP_SAMPLE_PODS, measured_startup_s
-from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
+from kvpilot.autoscaler.trace import TraceRequest
 from kvpilot.router.policy import POLICIES
 
-# Output-length histogram bounds (tokens), as the runtime exports them (runtime/metrics.py).
-OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))
+__all__ = [
+    "OUTPUT_TOKENS_BUCKETS",
+    "ROUTERS",
+    "FleetSimulator",
+    "LeastLoaded",
+    "Replica",
+    "ReplicaView",
+    "RequestView",
+    "RoundRobin",
+    "Router",
+    "SimRequest",
+    "SimResult",
+    "simulate",
+    "size_static_for_slo",
+]
+
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 
 # Event kinds, in the order they are handled at equal times.
@@ -76,30 +98,6 @@ class FleetPolicy(Protocol):
 
 
 # -- routing -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestView:
-    prompt_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    """One Ready, non-draining replica as a router sees it."""
-
-    replica_id: int
-    waiting: int  # queued on the replica, not yet in the batch
-    running: int  # in the batch
-    max_num_seqs: int
-    free_kv_tokens: int  # free KV minus what its waiting requests' prompts will take
-    kv_capacity_tokens: int
-    prefix_hit_tokens: int  # of this request's prompt, cached on this replica
-
-    @property
-    def in_flight(self) -> int:
-        return self.waiting + self.running
 
 
 class Router(Protocol):
@@ -151,357 +149,6 @@ ROUTERS: dict[str, Callable[[], Router]] = {
 }
 
 
-@dataclass(eq=False)
-class SimRequest:
-    arrival: float
-    prompt: int
-    output: int
-    hash_ids: tuple[int, ...] = ()
-    ttft_target: float = math.inf
-    cached_tokens: int | None = None  # prefix-cache hit at first admission
-    generated: int = 0
-    computed: int = 0  # tokens whose KV is in the cache
-    prefill_target: int = 0  # tokens to have computed before the next token comes out
-    blocks: int = 0
-    first_token: float | None = None
-    finish: float | None = None
-    rejected: bool = False
-    preemptions: int = 0
-
-
-@dataclass(eq=False)
-class Replica:
-    rid: int
-    cal: Calibration
-    created: float
-    ready_at: float
-    free_blocks: int
-    ready: bool = False
-    draining: bool = False
-    gone_at: float | None = None
-    started_ready: bool = False  # there at the start, Ready at once: no startup to measure
-    waiting: deque[SimRequest] = field(default_factory=deque)
-    running: list[SimRequest] = field(default_factory=list)
-    # The step (or jump of `jump` decode steps) in progress.
-    busy: bool = False
-    step_start: float = 0.0
-    step_dur: float = 0.0
-    jump: int = 0  # > 0: a decode-only jump of this many steps; 0: one mixed step (`batch`)
-    batch: list[tuple[SimRequest, int]] = field(default_factory=list)
-    version: int = 0
-    preemptions: int = 0
-    completed: int = 0  # requests finished: the runtime's request_success counter
-    prompt_tokens_done: int = 0  # prompt and output tokens of the finished requests (counters)
-    output_tokens_done: int = 0
-    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # prompt block ids, LRU first
-    waiting_tokens: int = 0  # prompt tokens of the waiting requests (for routers' free-KV view)
-    # Finished requests per output-length bucket (OUTPUT_TOKENS_BUCKETS), as the runtime's
-    # kvpilot_request_generation_tokens histogram counts them.
-    output_hist: list[int] = field(default_factory=lambda: [0] * (len(OUTPUT_TOKENS_BUCKETS) + 1))
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.cal.num_kv_blocks
-
-    def sample(self) -> ReplicaSample:
-        return ReplicaSample(
-            f"r{self.rid}",
-            self.kv_usage,
-            len(self.waiting),
-            len(self.running),
-            float(self.completed),
-            prompt_tokens_total=float(self.prompt_tokens_done),
-            generation_tokens_total=float(self.output_tokens_done),
-            output_tokens_buckets=self._buckets(),
-        )
-
-    def _buckets(self) -> tuple[tuple[float, float], ...]:
-        cumulative, out = 0, []
-        for le, n in zip((*OUTPUT_TOKENS_BUCKETS, math.inf), self.output_hist, strict=True):
-            cumulative += n
-            out.append((le, float(cumulative)))
-        return tuple(out)
-
-    def view(self, req: SimRequest) -> ReplicaView:
-        return ReplicaView(
-            self.rid,
-            len(self.waiting),
-            len(self.running),
-            self.cal.max_num_seqs,
-            self.free_blocks * self.cal.block_size - self.waiting_tokens,
-            self.cal.kv_capacity_tokens,
-            min(req.prompt, self.prefix_hit(req.hash_ids) * HASH_BLOCK_TOKENS) if req.hash_ids else 0,
-        )
-
-    # -- scheduling ----------------------------------------------------------------------------------
-
-    def prefix_hit(self, hash_ids: tuple[int, ...]) -> int:
-        """Cached blocks at the start of this prompt."""
-        n = 0
-        for h in hash_ids:
-            if h not in self.cache:
-                break
-            n += 1
-        return n
-
-    def _admit_prefix(self, req: SimRequest) -> None:
-        """On admission with nothing computed: skip the cached leading blocks, record the prompt's."""
-        if not req.hash_ids:
-            if req.cached_tokens is None:
-                req.cached_tokens = 0
-            return
-        hit = min(self.prefix_hit(req.hash_ids) * HASH_BLOCK_TOKENS, req.prompt - 1)
-        if req.cached_tokens is None:
-            req.cached_tokens = hit
-        req.computed = hit
-        cache = self.cache
-        for h in req.hash_ids:
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                cache[h] = None
-        cap = max(1, self.cal.kv_capacity_tokens // HASH_BLOCK_TOKENS)
-        while len(cache) > cap:
-            cache.popitem(last=False)
-
-    def _admissible(self) -> bool:
-        return bool(self.waiting) and len(self.running) < self.cal.max_num_seqs and self.free_blocks >= 1
-
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.cal.block_size)
-
-    def _jump_blocks(self, k: int) -> int:
-        return sum(self._blocks_for(r.computed + k) - r.blocks for r in self.running)
-
-    def plan(self, now: float) -> float | None:
-        """Start the next step at `now`; returns its end time, or None when idle."""
-        self.busy = False
-        if not self.running and not self.waiting:
-            return None
-        if (
-            self.running
-            and not self._admissible()
-            and all(r.computed >= r.prefill_target for r in self.running)
-        ):
-            cap = min(r.output - r.generated for r in self.running)
-            if cap >= 1 and self._jump_blocks(1) <= self.free_blocks:
-                k = cap
-                if self._jump_blocks(k) > self.free_blocks:
-                    lo, hi = 1, k  # largest k that fits: needed(k) is monotone
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        if self._jump_blocks(mid) <= self.free_blocks:
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                    k = lo
-                self.jump = k
-                self.batch = []
-                self.step_start = now
-                d = len(self.running)
-                ctx = sum(r.computed for r in self.running) + d + d * (k - 1) / 2.0
-                self.step_dur = self.cal.step_seconds(d, 0, ctx, ctx)
-                self.busy = True
-                return now + k * self.step_dur
-        return self._plan_mixed(now)
-
-    def _preempt_last(self) -> SimRequest:
-        victim = self.running.pop()
-        self.free_blocks += victim.blocks
-        victim.blocks = 0
-        victim.computed = 0
-        victim.prefill_target = victim.prompt + victim.generated
-        victim.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(victim)
-        self.waiting_tokens += victim.prompt
-        return victim
-
-    def _plan_mixed(self, now: float) -> float | None:
-        cal = self.cal
-        budget = cal.max_num_batched_tokens
-        batch: list[tuple[SimRequest, int]] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = 1 if req.computed >= req.prefill_target else min(req.prefill_target - req.computed, budget)
-            need = self._blocks_for(req.computed + n) - req.blocks
-            victim = None
-            while need > self.free_blocks and self.running:
-                preempted = True
-                victim = self._preempt_last()
-                if victim is req:
-                    break
-            if victim is req:
-                break
-            self.free_blocks -= need
-            req.blocks += need
-            batch.append((req, n))
-            budget -= n
-            i += 1
-        if not preempted:
-            while self._admissible() and budget > 0:
-                req = self.waiting[0]
-                if req.prefill_target == 0:
-                    req.prefill_target = req.prompt
-                if req.computed == 0 and req.blocks == 0:
-                    self._admit_prefix(req)
-                n = min(req.prefill_target - req.computed, budget)
-                need = self._blocks_for(req.computed + n) - req.blocks
-                if need > self.free_blocks:
-                    break
-                self.waiting.popleft()
-                self.waiting_tokens -= req.prompt
-                self.running.append(req)
-                self.free_blocks -= need
-                req.blocks += need
-                batch.append((req, n))
-                budget -= n
-        if not batch:
-            return None  # nothing fits (cannot happen with requests that fit the pool); stay idle
-        decoding = prefill = 0
-        context = pairs = 0.0
-        for r, n in batch:
-            if r.computed >= r.prefill_target:
-                decoding += 1
-            else:
-                prefill += n
-            context += r.computed + n
-            pairs += n * (r.computed + (n + 1) / 2.0)
-        self.jump = 0
-        self.batch = batch
-        self.step_start = now
-        self.step_dur = cal.step_seconds(decoding, prefill, context, pairs)
-        self.busy = True
-        return now + self.step_dur
-
-    def _advance_jump(self, steps: int) -> None:
-        for r in self.running:
-            r.computed += steps
-            r.generated += steps
-            nb = self._blocks_for(r.computed)
-            self.free_blocks -= nb - r.blocks
-            r.blocks = nb
-
-    def _finish_done(self, now: float) -> list[SimRequest]:
-        done = [r for r in self.running if r.generated >= r.output]
-        if done:
-            self.running = [r for r in self.running if r.generated < r.output]
-            self.completed += len(done)
-            for r in done:
-                r.finish = now
-                self.prompt_tokens_done += r.prompt
-                self.output_tokens_done += r.output
-                self.output_hist[bisect.bisect_left(OUTPUT_TOKENS_BUCKETS, r.output)] += 1
-                self.free_blocks += r.blocks
-                r.blocks = 0
-        return done
-
-    def end_step(self, now: float) -> list[SimRequest]:
-        """Apply the finished step (or jump); returns the requests that completed."""
-        if self.jump:
-            self._advance_jump(self.jump)
-            self.jump = 0
-        else:
-            for r, n in self.batch:
-                r.computed += n
-                if r.computed >= r.prefill_target:
-                    r.generated += 1
-                    if r.first_token is None:
-                        r.first_token = now
-            self.batch = []
-        self.busy = False
-        return self._finish_done(now)
-
-    def materialize(self, now: float, truncate: bool) -> float | None:
-        """Bring a jump up to `now` (whole steps); with truncate, replan at the next step boundary.
-        Returns the new end time of the step in progress, or None if nothing changed."""
-        if not self.busy or not self.jump:
-            return None
-        done = min(self.jump - 1, int((now - self.step_start) / self.step_dur))
-        if done > 0:
-            self._advance_jump(done)
-            self.step_start += done * self.step_dur
-            self.jump -= done
-        if truncate and self.jump > 1:
-            self.jump = 1
-        elif done == 0:
-            return None
-        return self.step_start + self.jump * self.step_dur
-
-
-@dataclass
-class SimResult:
-    policy: str
-    slo: Slo
-    slo_attainment: float
-    replica_hours: float
-    scale_events: int
-    requests: int
-    rejected: int
-    ttft_p50_s: float
-    ttft_p95_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    tpot_p99_s: float
-    prefix_hit_rate: float  # share of the measured requests' prompt tokens found in a prefix cache
-    ttft_attainment: float  # share meeting the TTFT target alone
-    preemptions: int
-    peak_replicas: int
-    mean_replicas: float
-    window_s: tuple[float, float]
-    settings: dict[str, Any]
-    # The lowest SLO attainment of any minute (with at least MIN_MINUTE_REQUESTS requests) after the
-    # warmup: what "provisioned for the peak" is held to.
-    worst_minute_attainment: float = 1.0
-    throughput_tokens_s: float = 0.0  # output tokens of requests finished in the window, per second
-    last_finish_s: float = 0.0  # when the last measured request finished (a batch's makespan)
-
-    @property
-    def slo_ttft_s(self) -> float:
-        return self.slo.ttft_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy,
-            "slo_ttft_s": self.slo.ttft_s,
-            "slo_tpot_s": self.slo.tpot_s,
-            "slo_ttft_prefill_factor": self.slo.ttft_prefill_factor,
-            "slo_attainment": round(self.slo_attainment, 5),
-            "ttft_attainment": round(self.ttft_attainment, 5),
-            "replica_hours": round(self.replica_hours, 3),
-            "scale_events": self.scale_events,
-            "requests": self.requests,
-            "rejected": self.rejected,
-            "ttft_p50_s": round(self.ttft_p50_s, 3),
-            "ttft_p95_s": round(self.ttft_p95_s, 3),
-            "ttft_p99_s": round(self.ttft_p99_s, 3),
-            "tpot_p50_s": round(self.tpot_p50_s, 4),
-            "tpot_p99_s": round(self.tpot_p99_s, 4),
-            "prefix_hit_rate": round(self.prefix_hit_rate, 4),
-            "throughput_tokens_s": round(self.throughput_tokens_s, 1),
-            "last_finish_s": round(self.last_finish_s, 3),
-            "preemptions": self.preemptions,
-            "peak_replicas": self.peak_replicas,
-            "mean_replicas": round(self.mean_replicas, 2),
-            "worst_minute_attainment": round(self.worst_minute_attainment, 5),
-            "window_s": [round(self.window_s[0], 3), round(self.window_s[1], 3)],
-            "settings": self.settings,
-        }
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    idx = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[idx]
-
-
 class FleetSimulator:
     def __init__(
         self,
@@ -525,6 +172,10 @@ class FleetSimulator:
         if slo is None:
             slo = Slo(ttft_s=slo_ttft_s, tpot_s=math.inf, ttft_prefill_factor=0.0) if slo_ttft_s else Slo()
         self.slo = slo
+        # Every request is judged as the router judges it (api/slo.judge), with the prefill terms the
+        # autoscaler publishes for this calibration; the counts are the router's SLO counter.
+        self.judge_targets = slo.judge_targets(self.cal)
+        self._outcomes: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
         self.warmup_s = warmup_s
         self.router: Router = router or RoundRobin()
         self.replicas: list[Replica] = []
@@ -603,7 +254,7 @@ class FleetSimulator:
 
     def _assign(self, rep: Replica, req: SimRequest, now: float) -> bool:
         if len(rep.waiting) >= self.cal.max_queue_len:
-            req.rejected = True
+            self._reject(req)
             return False
         rep.waiting.append(req)
         rep.waiting_tokens += req.prompt
@@ -623,11 +274,11 @@ class FleetSimulator:
     def _route(self, req: SimRequest, now: float) -> None:
         ready = self._routable()
         if not ready or req.prompt + req.output > self.cal.kv_capacity_tokens:
-            req.rejected = True
+            self._reject(req)
             return
         if self._queue:  # FIFO: nobody overtakes the central queue
             if len(self._queue) >= self.cal.max_queue_len * len(ready):
-                req.rejected = True
+                self._reject(req)
                 return
             self._queue.append(req)
             self._dispatch(now)
@@ -685,19 +336,18 @@ class FleetSimulator:
             key=lambda r: r.created,
         )
         startup = measured_startup_s(r.ready_at - r.created for r in started[-STARTUP_SAMPLE_PODS:])
-        snapshot = MetricsSnapshot(ready_replicas=len(samples), samples=tuple(samples), startup_s=startup)
+        snapshot = MetricsSnapshot(
+            ready_replicas=len(samples),
+            samples=tuple(samples),
+            startup_s=startup,
+            router_slo=SloCounts.from_outcomes(self._outcomes),
+        )
         return snapshot, in_flight
 
     # -- run -----------------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        cal, slo = self.cal, self.slo
         requests = [SimRequest(r.t, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in self.trace]
-        targets: dict[int, float] = {}
-        for req in requests:  # prompt lengths repeat: one solo-prefill per distinct length
-            if req.prompt not in targets:
-                targets[req.prompt] = slo.ttft_target(req.prompt, cal)
-            req.ttft_target = targets[req.prompt]
         t_end = requests[-1].arrival
         for _ in range(max(0, self.policy.initial_replicas())):
             self._add_replica(0.0, ready_now=True)
@@ -711,7 +361,8 @@ class FleetSimulator:
                 rep = self.replicas[a]
                 if b != rep.version or rep.gone_at is not None:
                     continue
-                rep.end_step(t)
+                for done in rep.end_step(t):
+                    self._outcomes[self._judge(done)] += 1
                 self._schedule(rep, t)
                 if self._queue:
                     self._dispatch(t)
@@ -734,20 +385,21 @@ class FleetSimulator:
                 if t + self.sync_interval_s <= t_end:
                     self._push(t + self.sync_interval_s, _SYNC)
         for req in self._queue:  # still held when the trace ended with no replica left to take it
-            req.rejected = True
+            self._reject(req)
         return self._result(requests, t_end)
 
-    def _meets(self, r: SimRequest) -> tuple[bool, bool]:
-        """(TTFT met, TTFT and TPOT met)."""
+    def _judge(self, r: SimRequest) -> Outcome:
+        """api/slo.judge on what the router would have seen; a request still decoding at the end of the
+        trace is judged on what it did so far (its TTFT)."""
         if r.rejected or r.first_token is None:
-            return False, False
-        ttft_ok = r.first_token - r.arrival <= r.ttft_target + 1e-9
-        if not ttft_ok:
-            return False, False
-        if r.finish is None:  # still decoding at the end of the trace: judged on what it did so far
-            return True, True
-        tpot = (r.finish - r.first_token) / (r.output - 1) if r.output > 1 else 0.0
-        return True, tpot <= self.slo.tpot_s + 1e-9
+            return "failed"
+        ttft = r.first_token - r.arrival
+        tpot = None if r.finish is None else request_tpot(r.first_token, r.finish, r.output)
+        return judge(self.judge_targets, ttft, tpot, r.prompt)
+
+    def _reject(self, r: SimRequest) -> None:
+        r.rejected = True
+        self._outcomes["failed"] += 1
 
     def _result(self, requests: Sequence[SimRequest], t_end: float) -> SimResult:
         w0 = min(self.warmup_s, t_end)
@@ -763,7 +415,8 @@ class FleetSimulator:
         ok = ok_ttft = 0
         minutes: dict[int, list[int]] = {}
         for r in measured:
-            t_ok, met = self._meets(r)
+            outcome = self._judge(r)
+            met, t_ok = outcome == "met", outcome in ("met", "missed_tpot")
             ok += met
             ok_ttft += t_ok
             counts = minutes.setdefault(int((r.arrival - w0) // 60.0), [0, 0])
@@ -811,7 +464,9 @@ class FleetSimulator:
                     "ttft_s": self.slo.ttft_s,
                     "tpot_s": self.slo.tpot_s,
                     "ttft_prefill_factor": self.slo.ttft_prefill_factor,
-                    "ttft_target": "ttft_s + ttft_prefill_factor x the prompt's prefill time on an idle replica",
+                    "ttft_target": "ttft_s + ttft_prefill_factor x (a x prompt + b x prompt^2)",
+                    "prefill_s_per_token": self.judge_targets.prefill_s_per_token,
+                    "prefill_s_per_token_sq": self.judge_targets.prefill_s_per_token_sq,
                 },
             },
         )

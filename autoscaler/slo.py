@@ -24,17 +24,22 @@ lands among its few decode steps, however short the mean step.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvpilot.api.models import DEFAULT_TPOT_S, DEFAULT_TTFT_PREFILL_FACTOR, DEFAULT_TTFT_S
+from kvpilot.api.slo import SloTargets as JudgeTargets
 from kvpilot.autoscaler.calibration import Calibration
 
 
 @dataclass(frozen=True)
 class Slo:
+    """The targets of spec.autoscaling.slo. Requests are judged by kvpilot.api.slo.judge (the router's
+    judgement) with `judge_targets(cal)`: the prefill floor's terms fitted to this calibration."""
+
     ttft_s: float = DEFAULT_TTFT_S
     tpot_s: float = DEFAULT_TPOT_S
     ttft_prefill_factor: float = DEFAULT_TTFT_PREFILL_FACTOR
@@ -43,10 +48,13 @@ class Slo:
         if not self.ttft_s > 0 or not self.tpot_s > 0 or self.ttft_prefill_factor < 0:
             raise ValueError("SLO: ttft_s and tpot_s must be > 0, ttft_prefill_factor >= 0")
 
+    def judge_targets(self, cal: Calibration) -> JudgeTargets:
+        """What api/slo.judge needs, the prefill terms from the calibration (prefill_terms)."""
+        per_token, per_token_sq = prefill_terms(cal) if self.ttft_prefill_factor > 0 else (0.0, 0.0)
+        return JudgeTargets(self.ttft_s, self.tpot_s, self.ttft_prefill_factor, per_token, per_token_sq)
+
     def ttft_target(self, prompt_tokens: int, cal: Calibration) -> float:
-        if self.ttft_prefill_factor == 0:
-            return self.ttft_s
-        return self.ttft_s + self.ttft_prefill_factor * solo_prefill_s(cal, prompt_tokens)
+        return self.judge_targets(cal).ttft_target(prompt_tokens)
 
 
 def solo_prefill_s(cal: Calibration, prompt_tokens: int) -> float:
@@ -57,6 +65,44 @@ def solo_prefill_s(cal: Calibration, prompt_tokens: int) -> float:
         t += cal.step_seconds(0, n, done + n, n * (done + (n + 1) / 2.0))
         done += n
     return t
+
+
+# The prompt lengths the prefill fit is made over: log-spaced from 256 tokens to the KV pool (at most
+# 128k), every point weighted by its relative error.
+_FIT_MIN_TOKENS = 256
+_FIT_MAX_TOKENS = 131072
+_FIT_POINTS = 40
+
+
+@functools.lru_cache(maxsize=256)
+def prefill_terms(cal: Calibration) -> tuple[float, float]:
+    """(seconds per prompt token, seconds per prompt token squared), both >= 0: the least-squares fit
+    of a x n + b x n^2 to solo_prefill_s(cal, n) in relative error over the prompt range above. The
+    router cannot run the step-time model, so the autoscaler publishes these two numbers in
+    status.autoscaler.slo and everything (router, simulator, planner) judges TTFT with them. The
+    chunked prefill's fixed per-step cost is not linear in n; on the calibrations shipped the fit is
+    within a few percent of solo_prefill_s from 1k tokens up (tests/autoscaler/test_slo_planner.py)."""
+    top = max(_FIT_MIN_TOKENS * 2, min(_FIT_MAX_TOKENS, cal.kv_capacity_tokens))
+    ratio = (top / _FIT_MIN_TOKENS) ** (1.0 / (_FIT_POINTS - 1))
+    grid = sorted({round(_FIT_MIN_TOKENS * ratio**i) for i in range(_FIT_POINTS)})
+    # Minimise sum ((a n + b n^2 - y) / y)^2: normal equations in x1 = n / y, x2 = n^2 / y.
+    s11 = s12 = s22 = t1 = t2 = 0.0
+    for n in grid:
+        y = solo_prefill_s(cal, n)
+        if y <= 0:
+            continue
+        x1, x2 = n / y, n * n / y
+        s11, s12, s22 = s11 + x1 * x1, s12 + x1 * x2, s22 + x2 * x2
+        t1, t2 = t1 + x1, t2 + x2
+    det = s11 * s22 - s12 * s12
+    if s11 <= 0:
+        return 0.0, 0.0
+    a, b = ((t1 * s22 - t2 * s12) / det, (t2 * s11 - t1 * s12) / det) if det > 0 else (t1 / s11, 0.0)
+    if b < 0:
+        a, b = t1 / s11, 0.0
+    if a < 0:
+        a, b = 0.0, (t2 / s22 if s22 > 0 else 0.0)
+    return max(0.0, a), max(0.0, b)
 
 
 P99_WAIT_FACTOR = 4.6  # ln(100): the 99th percentile of an exponential-tailed wait over its mean

@@ -16,75 +16,64 @@ import asyncio
 import logging
 import math
 import re
-import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.api import pod_metrics as pm
+from kvpilot.autoscaler.attainment import SloCounts
+from kvpilot.autoscaler.router_source import (  # noqa: F401 (re-exported: the router's e2e reads queues)
+    ROUTER_SLO_QUERY,
+    RouterQueueSource,
+    parse_router_queue,
+)
+from kvpilot.autoscaler.samples import MetricsParseError, MetricsSnapshot, ReplicaSample
 
 log = logging.getLogger(__name__)
 _Parsed = TypeVar("_Parsed")
 
-# In order of preference: the first family a pod exports wins.
-KV_METRICS = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-WAITING_METRICS = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
-RUNNING_METRICS = ("kvpilot_num_requests_running", "vllm:num_requests_running")
+# In order of preference: the first family a pod exports wins (the names: api/pod_metrics.py).
+KV_METRICS = pm.KV_CACHE_USAGE.names
+WAITING_METRICS = pm.REQUESTS_WAITING.names
+RUNNING_METRICS = pm.REQUESTS_RUNNING.names
 # Finished requests (a counter, one series per finish reason; summed).
-COMPLETED_METRICS = ("kvpilot_request_success_total", "vllm:request_success_total")
+COMPLETED_METRICS = pm.REQUEST_SUCCESS.names
 # Token counters: the token mix the SLO planner sizes for (spec.autoscaling.slo).
-PROMPT_TOKEN_METRICS = ("kvpilot_prompt_tokens_total", "vllm:prompt_tokens_total")
-GENERATION_TOKEN_METRICS = ("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
+PROMPT_TOKEN_METRICS = pm.PROMPT_TOKENS.names
+GENERATION_TOKEN_METRICS = pm.GENERATION_TOKENS.names
 # Output length per finished request (a histogram's cumulative buckets): the TPOT tail rule's
 # output-length distribution (spec.autoscaling.slo.tpotTailBudget).
-OUTPUT_TOKENS_BUCKET_METRICS = (
-    "kvpilot_request_generation_tokens_bucket",
-    "vllm:request_generation_tokens_bucket",
-)
+OUTPUT_TOKENS_BUCKET_METRICS = pm.REQUEST_GENERATION_TOKENS.buckets
+# The pods' latency histograms: the measured-attainment fallback without a router (attainment.py).
+TTFT_BUCKET_METRICS = pm.TIME_TO_FIRST_TOKEN.buckets
+ITL_BUCKET_METRICS = pm.INTER_TOKEN_LATENCY.buckets
 
 # Series are selected by namespace and the model's Ready pods ({pods}: a regex of their names), not by
 # model_name: vLLM labels model_name with whatever --model / --served-model-name it was given (often
 # the Hugging Face path), which need not be the InferenceModel's served name. The pods are the model's
 # own (the controller lists them by the kvpilot.dev/model label), so their series are the model's.
 _SELECT = '{namespace="{namespace}",pod=~"{pods}"}'
-DEFAULT_KV_QUERY = (
-    f"max by (pod) (kvpilot_kv_cache_usage_ratio{_SELECT}"
-    f" or vllm:kv_cache_usage_perc{_SELECT}"
-    f" or vllm:gpu_cache_usage_perc{_SELECT})"
-)
-DEFAULT_QUEUE_QUERY = (
-    f"sum by (pod) (kvpilot_num_requests_waiting{_SELECT} or vllm:num_requests_waiting{_SELECT})"
-)
-DEFAULT_RUNNING_QUERY = (
-    f"sum by (pod) (kvpilot_num_requests_running{_SELECT} or vllm:num_requests_running{_SELECT})"
-)
+DEFAULT_KV_QUERY = f"max by (pod) ({pm.promql_any(KV_METRICS, _SELECT)})"
+DEFAULT_QUEUE_QUERY = f"sum by (pod) ({pm.promql_any(WAITING_METRICS, _SELECT)})"
+DEFAULT_RUNNING_QUERY = f"sum by (pod) ({pm.promql_any(RUNNING_METRICS, _SELECT)})"
 
 # Completions per second over the last minute (the arrival-rate signal; see policy.measure_arrivals).
 # Not in the CRD: a failed or empty answer only leaves the arrival rate out.
-DEFAULT_COMPLETIONS_QUERY = (
-    f"sum by (pod) (rate(kvpilot_request_success_total{_SELECT}[1m])"
-    f" or rate(vllm:request_success_total{_SELECT}[1m]))"
-)
+DEFAULT_COMPLETIONS_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT, 'rate({}[1m])')})"
 # The counters themselves (instant values, not rates): the SLO planner's token mix is the change in
 # prompt / generated tokens over the change in finished requests between two syncs, as from the pod
 # scrape (policy.measure_token_mix).
-DEFAULT_COMPLETED_TOTAL_QUERY = (
-    f"sum by (pod) (kvpilot_request_success_total{_SELECT} or vllm:request_success_total{_SELECT})"
-)
-DEFAULT_PROMPT_TOKENS_QUERY = (
-    f"sum by (pod) (kvpilot_prompt_tokens_total{_SELECT} or vllm:prompt_tokens_total{_SELECT})"
-)
-DEFAULT_GENERATION_TOKENS_QUERY = (
-    f"sum by (pod) (kvpilot_generation_tokens_total{_SELECT} or vllm:generation_tokens_total{_SELECT})"
-)
+DEFAULT_COMPLETED_TOTAL_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT)})"
+DEFAULT_PROMPT_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(PROMPT_TOKEN_METRICS, _SELECT)})"
+DEFAULT_GENERATION_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(GENERATION_TOKEN_METRICS, _SELECT)})"
 DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY = (
-    f"sum by (pod, le) (kvpilot_request_generation_tokens_bucket{_SELECT}"
-    f" or vllm:request_generation_tokens_bucket{_SELECT})"
+    f"sum by (pod, le) ({pm.promql_any(OUTPUT_TOKENS_BUCKET_METRICS, _SELECT)})"
 )
+DEFAULT_TTFT_BUCKETS_QUERY = " or ".join(f"sum by (pod, le) ({m}{_SELECT})" for m in TTFT_BUCKET_METRICS)
+DEFAULT_ITL_BUCKETS_QUERY = " or ".join(f"sum by (pod, le) ({m}{_SELECT})" for m in ITL_BUCKET_METRICS)
 
 
 @dataclass(frozen=True)
@@ -109,10 +98,6 @@ class MetricSource(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-class MetricsParseError(ValueError):
-    pass
 
 
 def _series(
@@ -161,6 +146,7 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     """
     wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS) | set(COMPLETED_METRICS)
     wanted |= set(PROMPT_TOKEN_METRICS) | set(GENERATION_TOKEN_METRICS) | set(OUTPUT_TOKENS_BUCKET_METRICS)
+    wanted |= set(TTFT_BUCKET_METRICS) | set(ITL_BUCKET_METRICS)
     values: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -187,6 +173,8 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
         prompt_tokens_total=None if prompt_tokens is None else max(0.0, sum(prompt_tokens)),
         generation_tokens_total=None if generation_tokens is None else max(0.0, sum(generation_tokens)),
         output_tokens_buckets=_buckets(values, OUTPUT_TOKENS_BUCKET_METRICS, model),
+        ttft_buckets=_buckets(values, TTFT_BUCKET_METRICS, model),
+        itl_buckets=_buckets(values, ITL_BUCKET_METRICS, model),
     )
 
 
@@ -355,6 +343,11 @@ class PrometheusSource:
         )
         # The output-length histogram for the TPOT tail rule (optional, like the counters).
         self.buckets_query: str | None = DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY if token_counters else None
+        # The latency histograms (the measured-attainment fallback) and the routers' SLO counter.
+        self.latency_queries: tuple[str, ...] = (
+            (DEFAULT_TTFT_BUCKETS_QUERY, DEFAULT_ITL_BUCKETS_QUERY) if token_counters else ()
+        )
+        self.router_slo_query: str | None = ROUTER_SLO_QUERY if token_counters else None
         self.timeout_s = timeout_s
         self.pod_label = pod_label
         self._session = session
@@ -410,13 +403,25 @@ class PrometheusSource:
             return None
 
     async def _optional_buckets(
-        self, model: ModelRef, pods: Sequence[PodTarget]
+        self, model: ModelRef, pods: Sequence[PodTarget], query: str | None = None
     ) -> dict[str, tuple[tuple[float, float], ...]]:
-        """The output-length histograms by pod ({} when the query is off or fails)."""
+        """A histogram by pod, the output lengths by default ({} when the query is off or fails)."""
         got = await self._optional(
-            model, self.buckets_query, pods, parse_bucket_response, "output-length query"
+            model, query or self.buckets_query, pods, parse_bucket_response, "histogram query"
         )
         return got or {}
+
+    async def router_slo(self, model: ModelRef) -> SloCounts | None:
+        """The routers' kvpilot_router_slo_requests_total for the model, by outcome; None when no
+        router reports it (or the query fails)."""
+        got = await self._optional(
+            model,
+            self.router_slo_query,
+            (),
+            lambda body, _label: parse_query_response(body, "outcome"),
+            "router SLO query",
+        )
+        return None if not got else SloCounts.from_outcomes(got)
 
     async def _optional_query(
         self, model: ModelRef, template: str | None, pods: Sequence[PodTarget]
@@ -433,11 +438,13 @@ class PrometheusSource:
         names = [p.name for p in pods]
         rendered = [render_query(q, model.namespace, model.served_name, names) for q in queries]
         try:
-            results, completions, counters, buckets = await asyncio.gather(
+            results, completions, counters, buckets, latency, router_slo = await asyncio.gather(
                 asyncio.gather(*(self.query(q) for q in rendered)),
                 self._optional_query(model, self.completions_query, pods),
                 asyncio.gather(*(self._optional_query(model, q, pods) for q in self.counter_queries)),
                 self._optional_buckets(model, pods),
+                asyncio.gather(*(self._optional_buckets(model, pods, q) for q in self.latency_queries)),
+                self.router_slo(model),
             )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.warning(
@@ -451,6 +458,7 @@ class PrometheusSource:
         kv, waiting = results[0], results[1]
         running = results[2] if len(results) > 2 else {}
         done, prompt, generated = counters if counters else ({}, {}, {})
+        ttft, itl = latency if latency else ({}, {})
         samples = []
         for p in pods:
             if p.name in kv and p.name in waiting:
@@ -465,95 +473,13 @@ class PrometheusSource:
                         prompt_tokens_total=prompt.get(p.name),
                         generation_tokens_total=generated.get(p.name),
                         output_tokens_buckets=buckets.get(p.name),
+                        ttft_buckets=ttft.get(p.name),
+                        itl_buckets=itl.get(p.name),
                     )
                 )
-        return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples))
+        return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples), router_slo=router_slo)
 
     async def close(self) -> None:
         if self._session is not None and self._own_session:
-            await self._session.close()
-        self._session = None
-
-
-ROUTER_QUEUE_METRIC = "kvpilot_router_queue_depth"
-
-
-def parse_router_queues(text: str) -> dict[str, int]:
-    """{model_name: queue depth} from a router's /metrics page (the models it serves)."""
-    depths: dict[str, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                model = s.labels.get("model_name")
-                if s.name == ROUTER_QUEUE_METRIC and model and math.isfinite(s.value):
-                    depths[model] = depths.get(model, 0.0) + float(s.value)
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsParseError(f"router: not Prometheus text format: {exc}") from exc
-    return {m: max(0, round(d)) for m, d in depths.items()}
-
-
-def parse_router_queue(text: str, model: str) -> int | None:
-    """The router's queue depth for `model` from its /metrics page; None when it does not serve it."""
-    return parse_router_queues(text).get(model)
-
-
-class RouterQueueSource:
-    """Requests held by `kvpilot router` replicas for a model: the sum over the routers that serve it.
-
-    Every router replica has its own queue, so every replica is read: a URL's host is resolved to all
-    its addresses (a headless Service's name gives each router pod) and each is scraped. None when no
-    router answered or none serves the model: unknown, never zero.
-    """
-
-    def __init__(self, urls: Sequence[str], timeout_s: float = 2.0) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
-        self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self.last: dict[str, int] | None = None  # the last depths read (the baseline for "grew")
-
-    async def _one(self, url: str) -> dict[str, int] | None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        try:
-            async with self._session.get(url + "/metrics") as resp:
-                if resp.status != 200:
-                    return None
-                return parse_router_queues(await resp.text())
-        except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
-            log.info("router %s: scrape failed (%s)", url, exc or type(exc).__name__)
-            return None
-
-    async def _expand(self, url: str) -> list[str]:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-        if not host:
-            return [url]
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            log.info("router %s: cannot resolve %s (%s)", url, host, exc)
-            return []
-        addresses = sorted({str(info[4][0]) for info in infos})
-        return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses]
-
-    async def depths(self) -> dict[str, int] | None:
-        """{model_name: requests held} summed over every router replica that answered; None if none did."""
-        urls = [u for group in await asyncio.gather(*(self._expand(u) for u in self.urls)) for u in group]
-        pages = [d for d in await asyncio.gather(*(self._one(u) for u in urls)) if d is not None]
-        if not pages:
-            return None
-        total: dict[str, int] = {}
-        for page in pages:
-            for model, depth in page.items():
-                total[model] = total.get(model, 0) + depth
-        self.last = total
-        return total
-
-    async def queue_depth(self, model: str) -> int | None:
-        depths = await self.depths()
-        return None if depths is None else depths.get(model)
-
-    async def close(self) -> None:
-        if self._session is not None:
             await self._session.close()
         self._session = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from kvpilot.api.models import (
+    DEFAULT_ATTAINMENT_TARGET,
     DEFAULT_MIN_REPLICAS,
     DEFAULT_SCALE_DOWN_STABILIZATION_S,
     DEFAULT_SCALE_UP_STABILIZATION_S,
@@ -83,7 +84,25 @@ class Behavior:
     # scale_down_exponent, quadratic).
     arrival_service_exponent: float = 0.5
 
+    # The closed loop on measured SLO attainment (feedback.py; with spec.autoscaling.slo): the window
+    # the attainment is measured over, the fewest requests it judges on, the growth per budget of
+    # shortfall and at most, the share of the miss budget kept free before scaling down, and how fast
+    # the capacity correction relaxes toward the replica model per sync.
+    slo_feedback: bool = True
+    attainment_window_s: float = 120.0
+    attainment_min_requests: float = 20.0
+    feedback_gain: float = 0.1
+    feedback_max_step: float = 0.5
+    attainment_headroom: float = 0.5
+    capacity_relax: float = 0.03
+
     def __post_init__(self) -> None:
+        if self.attainment_window_s <= 0 or self.attainment_min_requests < 1:
+            raise ValueError("attainment_window_s must be > 0 and attainment_min_requests >= 1")
+        if not (self.feedback_gain > 0 and 0 < self.feedback_max_step <= 4):
+            raise ValueError("feedback_gain must be > 0 and feedback_max_step in (0, 4]")
+        if not (0 <= self.attainment_headroom < 1 and 0 <= self.capacity_relax <= 1):
+            raise ValueError("attainment_headroom must be in [0, 1) and capacity_relax in [0, 1]")
         if self.arrival_lead_s < 0 or self.arrival_trend_window_s < 0:
             raise ValueError("arrival_lead_s and arrival_trend_window_s must be >= 0")
         if self.arrival_headroom <= 0 or self.arrival_max_growth < 1:
@@ -115,6 +134,9 @@ class SloTargets:
     ttft_s: float = DEFAULT_TTFT_S
     tpot_s: float = DEFAULT_TPOT_S
     ttft_prefill_factor: float = DEFAULT_TTFT_PREFILL_FACTOR
+    # Share of requests that must meet the SLO (spec.autoscaling.slo.attainmentTarget): what the
+    # closed loop holds the measured attainment to.
+    attainment_target: float = DEFAULT_ATTAINMENT_TARGET
     # Steps are held to tpot_s x utilization: the rest absorbs bursts between syncs.
     utilization: float = 0.85
     # The share of requests the TPOT tail of short outputs may cost (slo.tpot_tail_share, e.g.
@@ -137,6 +159,8 @@ class SloTargets:
 
             output_share_at_most(1.0, self.output_cdf)  # validates it
         Slo(self.ttft_s, self.tpot_s, self.ttft_prefill_factor)  # validates the targets
+        if not 0.5 <= self.attainment_target < 1.0:
+            raise ValueError("slo attainment_target must be in [0.5, 1)")
 
     @property
     def slo(self) -> Slo:
@@ -162,7 +186,7 @@ class SloTargets:
     @classmethod
     def from_spec(cls, block: Mapping[str, Any]) -> SloTargets:
         """spec.autoscaling.slo: {calibration: GPU/MODEL[/DTYPE][/tpN], ttftSeconds, tpotSeconds,
-        ttftPrefillFactor, tpotTailBudget}. An unknown calibration name raises ValueError listing the known ones."""
+        ttftPrefillFactor, attainmentTarget, tpotTailBudget}. An unknown calibration name raises ValueError listing the known ones."""
         from kvpilot.autoscaler.replica_model import calibration_by_name
 
         name = str(block.get("calibration", ""))
@@ -173,6 +197,7 @@ class SloTargets:
             ttft_s=float(block.get("ttftSeconds", DEFAULT_TTFT_S)),
             tpot_s=float(block.get("tpotSeconds", DEFAULT_TPOT_S)),
             ttft_prefill_factor=float(block.get("ttftPrefillFactor", DEFAULT_TTFT_PREFILL_FACTOR)),
+            attainment_target=float(block.get("attainmentTarget", DEFAULT_ATTAINMENT_TARGET)),
             tpot_tail_budget=None if budget is None else float(budget),
         )
 

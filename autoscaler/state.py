@@ -32,8 +32,15 @@ from kvpilot.api.models import (
     RatePoint,
     ScaleEventEntry,
     ScalingDecision,
+    SloCountsStatus,
+    SloStatus,
     TokenMix,
 )
+from kvpilot.api.models import (
+    SloInterval as SloIntervalStatus,
+)
+from kvpilot.autoscaler.attainment import PodLatency, SloCounts, SloInterval
+from kvpilot.autoscaler.feedback import SloState
 from kvpilot.autoscaler.policy import (
     TOKEN_MIX_WINDOW_REQUESTS,
     ArrivalState,
@@ -59,9 +66,16 @@ def arrivals_from_status(block: Any) -> ArrivalState:
     return _arrivals(parsed) if parsed is not None else ArrivalState()
 
 
+def _latency(p: PodCounters) -> PodLatency | None:
+    values = (p.ttft_within, p.ttft_count, p.itl_within, p.itl_count)
+    if any(v is None for v in values):
+        return None
+    return PodLatency(*(float(v or 0.0) for v in values))
+
+
 def _arrivals(a: ArrivalsStatus) -> ArrivalState:
     pods = tuple(
-        PodCounter(p.pod, p.completed, p.in_flight, p.prompt_tokens, p.generation_tokens)
+        PodCounter(p.pod, p.completed, p.in_flight, p.prompt_tokens, p.generation_tokens, _latency(p))
         for p in a.pods or []
     )
     rates = sorted((RateSample(r.time.timestamp(), r.rate) for r in a.rates or []), key=lambda r: r.time)
@@ -91,12 +105,84 @@ def _arrivals_model(state: ArrivalState) -> ArrivalsStatus:
                 in_flight=c.in_flight,
                 prompt_tokens=c.prompt_tokens,
                 generation_tokens=c.generation_tokens,
+                **(
+                    {}
+                    if c.latency is None
+                    else {
+                        "ttft_within": c.latency.ttft_within,
+                        "ttft_count": c.latency.ttft_count,
+                        "itl_within": c.latency.itl_within,
+                        "itl_count": c.latency.itl_count,
+                    }
+                ),
             )
             for c in state.counters
         ],
         rates=[RatePoint(time=_at(r.time), rate=round(r.rate, 4)) for r in state.rates],
         service_rate=None if state.service_rate is None else round(state.service_rate, 4),
         token_mix=None if mix is None else TokenMix(prompt=round(mix[0], 1), output=round(mix[1], 1)),
+    )
+
+
+def _counts(c: SloCountsStatus) -> SloCounts:
+    return SloCounts(c.met, c.missed_ttft, c.missed_tpot, c.failed)
+
+
+def _counts_model(c: SloCounts) -> SloCountsStatus:
+    return SloCountsStatus(
+        met=round(c.met, 3),
+        missed_ttft=round(c.missed_ttft, 3),
+        missed_tpot=round(c.missed_tpot, 3),
+        failed=round(c.failed, 3),
+    )
+
+
+def _slo_state(s: SloStatus) -> SloState:
+    return SloState(
+        time=_seconds(s.router_time),
+        router_counts=None if s.router_counts is None else _counts(s.router_counts),
+        intervals=tuple(
+            sorted(
+                (
+                    SloInterval(i.time.timestamp(), i.seconds, _counts(i.counts), i.load_per_replica)
+                    for i in s.intervals or []
+                ),
+                key=lambda i: i.time,
+            )
+        ),
+        capacity_factor=s.capacity_factor if s.capacity_factor else 1.0,
+        fresh_since=_seconds(s.fresh_since),
+        source=s.source,
+        last_backlog=_seconds(s.last_backlog),
+    )
+
+
+def _slo_model(decision: Decision) -> SloStatus | None:
+    state, targets = decision.history.slo, decision.judge_targets
+    if targets is None:
+        return None
+    return SloStatus(
+        prefill_seconds_per_token=targets.prefill_s_per_token,
+        prefill_seconds_per_token_squared=targets.prefill_s_per_token_sq,
+        attainment=None if decision.attainment is None else round(decision.attainment, 5),
+        window_seconds=round(decision.attainment_window_s, 3),
+        requests=round(decision.attainment_requests, 3),
+        source=state.source,
+        target=decision.attainment_target,
+        capacity_factor=round(state.capacity_factor, 4),
+        fresh_since=_time(state.fresh_since),
+        last_backlog=_time(state.last_backlog),
+        router_time=_time(state.time),
+        router_counts=None if state.router_counts is None else _counts_model(state.router_counts),
+        intervals=[
+            SloIntervalStatus(
+                time=_at(i.time),
+                seconds=round(i.seconds, 3),
+                counts=_counts_model(i.counts),
+                load_per_replica=None if i.load_per_replica is None else round(i.load_per_replica, 5),
+            )
+            for i in state.intervals
+        ],
     )
 
 
@@ -144,6 +230,7 @@ def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:
         events=tuple(events),
         last_queue=last_queue,
         arrivals=_arrivals(status.arrivals) if status.arrivals is not None else ArrivalState(),
+        slo=_slo_state(status.slo) if status.slo is not None else SloState(),
     )
 
 
@@ -191,6 +278,7 @@ def decision_to_status(
         arrivals=_arrivals_model(h.arrivals),
         decided_by=decided_by,
         held_kind=held_kind,
+        slo=_slo_model(decision),
     )
     block = status.dump()
     # a merge patch keeps what it does not name: an unknown KV usage is written as null, clearing the last one

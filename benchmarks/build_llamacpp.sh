@@ -7,7 +7,7 @@
 #                 Cached in <build>/llama.cpp-<version>/bin/llama-server.
 #   --isa avx2    GGML_NATIVE=OFF with only AVX, AVX2, FMA, F16C and BMI2 (no AVX-512, no AVX-VNNI,
 #                 no AVX512-VNNI/BF16, no AMX): the llama-server an AVX2-only CPU gets, for the fair
-#                 AVX2 comparison of issue 14 on an AVX-512 machine. Cached in
+#                 AVX2 comparison (runtime_vs_peers.py suite) on an AVX-512 machine. Cached in
 #                 <build>/llama.cpp-<version>-avx2/bin/llama-server.
 #
 # <build> is benchmarks/.build (gitignored) unless LLAMACPP_BUILD_DIR names another folder.

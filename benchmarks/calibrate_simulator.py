@@ -4,7 +4,7 @@ replaying Poisson arrivals through the real engine and through the simulator.
     python benchmarks/calibrate_simulator.py [--model roofline|linear] [--threads 1] [--max-num-seqs 32]
         [--kv-cache-memory 256MiB] [--out FILE] [--validate-seconds 90] [--validate-with serve|engine]
 
-1. Step times of the real engine (`LLMEngine.from_config(EngineConfig(...))`, SmolLM2 on CPU or --device cuda, prefix
+1. Step times of the real engine (`build_engine(EngineConfig(...))`, SmolLM2 on CPU or --device cuda, prefix
    caching off, EOS ignored): decode-only steps at batch sizes 1..max_num_seqs (context 256; the
    largest batch is prefilled once and aborted down to each smaller size), prefill steps of 64..2048
    tokens, and steps mixing 8 decodes with a prefill. A least-squares fit (relative error) gives the
@@ -43,7 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a shared machine: never spin (bench_runtime.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a shared machine: never spin (runtime_vs_peers.py)
 
 import numpy as np
 
@@ -51,6 +51,7 @@ from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import StaticPolicy
 from kvpilot.autoscaler.simulator import simulate
 from kvpilot.autoscaler.trace import TraceRequest
+from kvpilot.runtime.engine.build import build_engine
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = {
@@ -63,7 +64,6 @@ CONTEXT = 256  # decode points are taken at this context length (attention cost 
 
 def _engine(args: argparse.Namespace) -> Any:
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
 
     cfg = EngineConfig(
         device=args.device,
@@ -74,11 +74,11 @@ def _engine(args: argparse.Namespace) -> Any:
         enable_prefix_caching=False,
         seed=0,
     )
-    return LLMEngine.from_config(cfg)
+    return build_engine(cfg)
 
 
 def _params(max_tokens: int) -> Any:
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

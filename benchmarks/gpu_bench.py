@@ -15,7 +15,7 @@ ids all exist in both vocabularies). Figures:
   16, flash-attn at block 256 when installed), the measurement behind the runtime's default.
 
 `--quantization int4|int8`: after the 16-bit figures, the 8B-shaped model's linear layers are quantized in
-place (runtime/quantization.py) and decode is measured again at the first two batch sizes: tokens/s,
+place (runtime/load/quantization.py) and decode is measured again at the first two batch sizes: tokens/s,
 the ratio to the 16-bit run, and the bytes/s a batch-1 step reads (on CUDA the matmuls are the Triton
 kernel kernels/triton_qlinear.py; on CPU the C kernel).
 
@@ -42,10 +42,15 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, build_model, hf_arch_config, resolve_model_path
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.engine.build import engine_from_loaded
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.hf_checkpoint import hf_arch_config
+from kvpilot.runtime.load.loader import LoadedModel, build_model, resolve_model_path
+from kvpilot.runtime.load.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
+import harness
 
 # HBM bandwidth from the datasheets (bytes/s), matched against torch.cuda.get_device_name()
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.039e12}
@@ -209,7 +214,7 @@ def engine_for(loaded: LoadedModel, max_num_seqs: int, **overrides: Any) -> LLME
         enable_prefix_caching=False,
         **overrides,
     )
-    return LLMEngine.from_loaded(loaded, cfg)
+    return engine_from_loaded(loaded, cfg)
 
 
 def close(engine: LLMEngine) -> None:
@@ -291,7 +296,7 @@ def bench_quantized(
 ) -> dict[str, Any]:
     """Quantize `loaded`'s linear layers in place (its 16-bit weights are gone after), then decode."""
     from kvpilot.kernels import triton_qlinear
-    from kvpilot.runtime.quantization import linear_layers, quantize_model
+    from kvpilot.runtime.load.quantization import linear_layers, quantize_model
 
     t0 = time.perf_counter()
     report = quantize_model(loaded.model, args.quantization, args.quantization_group_size)
@@ -331,7 +336,11 @@ def bench_quantized(
 def machine(device: torch.device) -> dict[str, Any]:
     import platform
 
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    info: dict[str, Any] = {
+        "host": harness.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     try:
         import triton
 
@@ -348,7 +357,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = harness.cpu_model()
     return info
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see bench_runtime.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see runtime_vs_peers.py)
 
 import argparse
 import json
@@ -64,8 +64,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import copy_bandwidth
-from runtime_harness import cpu_probe, machine_info
+from peers.measure import cpu_probe, machine_info
 from workload import best_seconds
+
+from kvpilot.runtime.engine.build import engine_from_loaded
 
 OLMOE_1B_7B = dict(
     vocab_size=50304,
@@ -123,9 +125,9 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
     from tokenizers import models
 
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.loader import LoadedModel, build_model, hf_arch_config
-    from kvpilot.runtime.tokenizer import Tokenizer
+    from kvpilot.runtime.load.hf_checkpoint import hf_arch_config
+    from kvpilot.runtime.load.loader import LoadedModel, build_model
+    from kvpilot.runtime.load.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         hf.config.architectures = ["OlmoeForCausalLM"]
@@ -153,11 +155,11 @@ def build_kvpilot(hf: Any, dtype: torch.dtype, args: argparse.Namespace) -> Any:
     loaded = LoadedModel(
         model.eval(), tokenizer, arch, "olmoe-shaped", 4096, Path("."), torch.device("cpu"), dtype
     )
-    return LLMEngine.from_loaded(loaded, cfg)
+    return engine_from_loaded(loaded, cfg)
 
 
 def run_kvpilot(engine: Any, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     t0 = time.perf_counter()
@@ -513,7 +515,7 @@ def prefill_profile(args: argparse.Namespace, dtype: torch.dtype, methods: list[
     block, router, experts and LM head."""
     import collections
 
-    from kvpilot.runtime.quantization import quantize_lm_head, quantize_model, tile_for_cpu
+    from kvpilot.runtime.load.quantization import quantize_lm_head, quantize_model, tile_for_cpu
 
     torch.set_num_threads(1)
     args.threads = 1
@@ -620,7 +622,7 @@ def quantize_engine(engine: Any, method: str, group: int, sequences: list[list[i
     """Quantize the engine's model in place as --quantization does at load (experts and linear
     layers, then the LM head, then the CPU kernel's tiled layout) and measure what it costs: the
     log-probability the model gives `sequences` before and after."""
-    from kvpilot.runtime.quantization import quantize_lm_head, quantize_model, tile_for_cpu
+    from kvpilot.runtime.load.quantization import quantize_lm_head, quantize_model, tile_for_cpu
 
     before = [engine.score(s) for s in sequences]
     model = engine.runner.model

@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
-import platform
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import harness
 
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, MovingAveragePolicy, StaticPolicy
@@ -275,25 +275,42 @@ def main() -> None:
         "calibration": cal,
         "max_replicas": max_replicas,
         "sync_interval_s": args.sync_interval,
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": harness.machine(),
         "wall_s": round(time.time() - started, 1),
         "rows": rows,
     }
-    print(json.dumps(out, indent=2))
+    harness.emit(out)
     if args.markdown:
         print()
-        print(
-            "| trace | policy | SLO attainment | worst minute | replica-hours | vs static-min | "
-            "vs static-peak | scale events | peak | p99 TTFT s |"
+        harness.print_table(
+            [
+                "trace",
+                "policy",
+                "SLO attainment",
+                "worst minute",
+                "replica-hours",
+                "vs static-min",
+                "vs static-peak",
+                "scale events",
+                "peak",
+                "p99 TTFT s",
+            ],
+            (
+                [
+                    r["trace"],
+                    r["policy"],
+                    f"{r['slo_attainment'] * 100:.2f}%",
+                    f"{r['worst_minute_attainment'] * 100:.0f}%",
+                    f"{r['replica_hours']:.2f}",
+                    f"{r['replica_hours_vs_static_min'] * 100:.0f}%",
+                    f"{r['replica_hours_vs_static_peak'] * 100:.0f}%",
+                    r["scale_events"],
+                    r["peak_replicas"],
+                    f"{r['ttft_p99_s']:.1f}",
+                ]
+                for r in rows
+            ),
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r['trace']} | {r['policy']} | {r['slo_attainment'] * 100:.2f}% | "
-                f"{r['worst_minute_attainment'] * 100:.0f}% | {r['replica_hours']:.2f} | "
-                f"{r['replica_hours_vs_static_min'] * 100:.0f}% | {r['replica_hours_vs_static_peak'] * 100:.0f}% | "
-                f"{r['scale_events']} | {r['peak_replicas']} | {r['ttft_p99_s']:.1f} |"
-            )
 
 
 def _per_replica_rps(cal: Calibration) -> float:

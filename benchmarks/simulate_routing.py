@@ -23,14 +23,14 @@ prefix-affinity and kv-aware run there only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import harness
 
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy
 from kvpilot.autoscaler.replica_model import resolve_calibration
@@ -137,26 +137,44 @@ def main() -> None:
         "startup_s": args.startup_s,
         "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s, "ttft_prefill_factor": SLO.ttft_prefill_factor},
         "notes": notes,
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": harness.machine(),
         "wall_s": round(time.time() - started, 1),
         "rows": rows,
     }
-    print(json.dumps(out, indent=2))
+    harness.emit(out)
     if args.markdown:
         print()
-        print(
-            "| trace (replica) | router | SLO attainment | TTFT only | replica-h | vs round-robin | mean / peak replicas "
-            "| TTFT p50 / p99 s | TPOT p99 s | prefix hit | rejected |"
+        harness.print_table(
+            [
+                "trace (replica)",
+                "router",
+                "SLO attainment",
+                "TTFT only",
+                "replica-h",
+                "vs round-robin",
+                "mean / peak replicas",
+                "TTFT p50 / p99 s",
+                "TPOT p99 s",
+                "prefix hit",
+                "rejected",
+            ],
+            (
+                [
+                    f"{r['trace']} ({r['calibration']})",
+                    r["router"],
+                    f"{r['slo_attainment'] * 100:.2f}%",
+                    f"{r['ttft_attainment'] * 100:.2f}%",
+                    f"{r['replica_hours']:.2f}",
+                    f"{r['replica_hours_vs_round_robin'] * 100:.0f}%",
+                    f"{r['mean_replicas']:.1f} / {r['peak_replicas']}",
+                    f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}",
+                    f"{r['tpot_p99_s']:.3f}",
+                    f"{r['prefix_hit_rate'] * 100:.1f}%",
+                    r["rejected"],
+                ]
+                for r in rows
+            ),
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r['trace']} ({r['calibration']}) | {r['router']} | {r['slo_attainment'] * 100:.2f}% | "
-                f"{r['ttft_attainment'] * 100:.2f}% | {r['replica_hours']:.2f} | "
-                f"{r['replica_hours_vs_round_robin'] * 100:.0f}% | {r['mean_replicas']:.1f} / {r['peak_replicas']} | "
-                f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['tpot_p99_s']:.3f} | "
-                f"{r['prefix_hit_rate'] * 100:.1f}% | {r['rejected']} |"
-            )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,8 @@ every trace; at 60 s, kvpilot never more replica-hours than static at the same a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -57,6 +55,7 @@ from kvpilot.autoscaler.trace import TraceRequest, load_per_minute, load_trace, 
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
 from simulate_policies import ClairvoyantPolicy, ReactiveOraclePolicy  # noqa: E402
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.05, ttft_prefill_factor=2.0)
@@ -342,28 +341,52 @@ def main() -> None:
             for t in traces
         },
         "notes": notes,
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": harness.machine(),
         "wall_s": round(time.time() - started, 1),
         "verdicts": verdicts,
         "rows": rows,
     }
-    print(json.dumps(out, indent=2))
+    harness.emit(out)
     if args.markdown:
         scale = f" x{rs:g}" if rs != 1.0 else ""
         print()
-        print(
-            "| trace | router | startup | policy | attainment | TTFT-only | replica-h | vs static "
-            "| vs static at the same attainment | events | peak | TTFT p99 s | TPOT p99 s | prefix hit |"
+        harness.print_table(
+            [
+                "trace",
+                "router",
+                "startup",
+                "policy",
+                "attainment",
+                "TTFT-only",
+                "replica-h",
+                "vs static",
+                "vs static at the same attainment",
+                "events",
+                "peak",
+                "TTFT p99 s",
+                "TPOT p99 s",
+                "prefix hit",
+            ],
+            (
+                [
+                    f"{r['trace']}{scale}",
+                    r["router"],
+                    f"{r['startup_s']:g} s",
+                    r["policy"],
+                    f"{r['slo_attainment'] * 100:.2f}%",
+                    f"{r['ttft_attainment'] * 100:.2f}%",
+                    f"{r['replica_hours']:.2f}",
+                    f"{r['vs_static'] * 100:.0f}%",
+                    f"{r['vs_static_same_attainment'] * 100:.0f}%",
+                    r["scale_events"],
+                    r["peak_replicas"],
+                    f"{r['ttft_p99_s']:.2f}",
+                    f"{r['tpot_p99_s']:.3f}",
+                    f"{r['prefix_hit_rate'] * 100:.1f}%",
+                ]
+                for r in rows
+            ),
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r['trace']}{scale} | {r['router']} | {r['startup_s']:g} s | {r['policy']} | "
-                f"{r['slo_attainment'] * 100:.2f}% | {r['ttft_attainment'] * 100:.2f}% | {r['replica_hours']:.2f} | "
-                f"{r['vs_static'] * 100:.0f}% | {r['vs_static_same_attainment'] * 100:.0f}% | "
-                f"{r['scale_events']} | {r['peak_replicas']} | "
-                f"{r['ttft_p99_s']:.2f} | {r['tpot_p99_s']:.3f} | {r['prefix_hit_rate'] * 100:.1f}% |"
-            )
         print()
         for name, by_router in sweeps.items():
             for router, sweep in by_router.items():

@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import harness
+
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy
 from kvpilot.autoscaler.simulator import simulate
@@ -46,8 +48,8 @@ def main() -> None:
     parser.add_argument("--startup-s", default="60,15", help="comma-separated pod startup times")
     args = parser.parse_args()
     traces = {name: load_trace(HERE / "traces" / f"{name}.csv") for name in TRACES}
-    print("| startup | settings (vs default) | " + " | ".join(f"{t} SLO | {t} rh" for t in TRACES) + " |")
-    print("|---|---|" + "---|---|" * len(TRACES))
+    headers = ["startup", "settings (vs default)"] + [h for t in TRACES for h in (f"{t} SLO", f"{t} rh")]
+    print(harness.table_header(headers), flush=True)
     for startup in (float(x) for x in args.startup_s.split(",")):
         cal = replace(Calibration(), startup_s=startup)
         for cfg in CONFIGS:
@@ -57,9 +59,9 @@ def main() -> None:
                 spec = {"minReplicas": 2, "maxReplicas": 40}
                 targets = ScalingTargets.from_spec(spec, behavior, max_num_seqs=cal.max_num_seqs)
                 r = simulate(trace, KvpilotPolicy(targets), cal, slo_ttft_s=2.0, sync_interval_s=15.0)
-                cells.append(f"{r.slo_attainment * 100:.2f}% | {r.replica_hours:.2f}")
+                cells += [f"{r.slo_attainment * 100:.2f}%", f"{r.replica_hours:.2f}"]
             label = ", ".join(f"{k}={v:g}" if not isinstance(v, bool) else f"{k}={v}" for k, v in cfg.items())
-            print(f"| {startup:g} s | {label or 'default'} | " + " | ".join(cells) + " |", flush=True)
+            print(harness.table_row([f"{startup:g} s", label or "default", *cells]), flush=True)
 
 
 if __name__ == "__main__":

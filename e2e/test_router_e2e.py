@@ -11,7 +11,7 @@ absorbed by a replica added mid-burst, with real parts only.
 
 Asserted: behaviour, not timings. Figures (the first request's time to first token and where it
 went) are printed as one JSON line starting with ROUTER_E2E_FIGURES (run with -s); the bigger runs
-are benchmarks/bench_router_e2e.py.
+are benchmarks/router_bench.py e2e.
 """
 
 from __future__ import annotations

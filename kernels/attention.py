@@ -1,7 +1,8 @@
 """Paged attention: write new K/V into the block pool, then attend through block tables.
 
 The torch reference path here is the specification: it runs everywhere (and in CPU tests); faster
-backends must agree with it. `select_backend()` is the one place that chooses a backend.
+backends must agree with it. `choose_backend()` is the one place that chooses a backend (pure;
+`select_backend()` makes the one it names).
 
 KV pool layout per layer (the flash-attn block-table layout):
     k, v: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -324,29 +325,71 @@ def cuda_backend_name(kv_dtype: torch.dtype, block_size: int, have_flash: bool, 
     return "torch"
 
 
+@dataclass(frozen=True)
+class Installed:
+    """What this process can run attention with besides torch (`installed` probes it)."""
+
+    flash_attn: bool = False  # flash-attn importable and a CUDA device present
+    triton: bool = False  # the Triton paged kernel (CUDA)
+    cpu_kernel: bool = False  # the C paged-attention kernel built at the selected ISA level
+
+
+def installed(device_type: str) -> Installed:
+    """Probe what `device_type` can run (on CPU this builds the C kernel for the selected ISA level)."""
+    if device_type == "cuda":
+        from kvpilot.kernels import triton_attention
+
+        return Installed(flash_attn=flash_attn_available(), triton=triton_attention.available())
+    if device_type == "cpu":
+        from kvpilot.kernels import cpu_attention
+
+        return Installed(cpu_kernel=cpu_attention.available())
+    return Installed()
+
+
+def choose_backend(
+    device_type: str, kv_dtype: torch.dtype, block_size: int, have: Installed, cpu_kernels: bool = True
+) -> str:
+    """Pure: the name of the backend attention runs on, the one choice every caller makes through
+    (`select_backend`; the runner's CPU decoder stack and the block size follow from it).
+    `kv_dtype`: the pool's storage dtype; `cpu_kernels`: the kernel switch (kernels/switches.py)."""
+    if device_type == "cuda":
+        return cuda_backend_name(kv_dtype, block_size, have.flash_attn, have.triton)
+    if device_type == "cpu" and cpu_kernels and have.cpu_kernel:
+        return "cpu-paged"
+    return "torch"
+
+
+def flash_reads_in_place(device_type: str, kv_dtype: torch.dtype, have: Installed) -> bool:
+    """Pure: whether flash-attn would page a pool of `kv_dtype` in place at a block size of
+    FLASH_PAGE_MULTIPLE (what the default block size follows: runtime/engine/plan.py)."""
+    return choose_backend(device_type, kv_dtype, FLASH_PAGE_MULTIPLE, have) == "flash-attn"
+
+
 def select_backend(
     device: torch.device,
     kv_quantized: bool = False,
     block_size: int = 16,
     kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """The one place that chooses how attention runs (`kv_dtype`: the pool's storage dtype; on CUDA it
-    decides whether flash-attn can read it)."""
-    if device.type == "cuda":
+    """The backend `choose_backend` names for this device and pool, made (`kv_dtype`: the pool's
+    storage dtype; on CUDA it decides whether flash-attn can read it)."""
+    from kvpilot.kernels import switches
+
+    dtype = kv_dtype if kv_dtype is not None else (torch.int8 if kv_quantized else torch.float16)
+    name = choose_backend(
+        device.type, dtype, block_size, installed(device.type), switches.current().cpu_kernels
+    )
+    if name == "flash-attn":
+        return FlashAttentionBackend()
+    if name == "triton":
         from kvpilot.kernels import triton_attention
 
-        dtype = kv_dtype if kv_dtype is not None else (torch.int8 if kv_quantized else torch.float16)
-        name = cuda_backend_name(dtype, block_size, flash_attn_available(), triton_attention.available())
-        if name == "flash-attn":
-            return FlashAttentionBackend()
-        if name == "triton":
-            return triton_attention.TritonPagedAttentionBackend()
-        return TorchReferenceBackend()
-    if device.type == "cpu":
+        return triton_attention.TritonPagedAttentionBackend()
+    if name == "cpu-paged":
         from kvpilot.kernels import cpu_attention
 
-        if cpu_attention.available():
-            return cpu_attention.CPUPagedAttentionBackend()
+        return cpu_attention.CPUPagedAttentionBackend()
     return TorchReferenceBackend()
 
 

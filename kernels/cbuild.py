@@ -1,7 +1,7 @@
 """Build the C extensions in kernels/csrc on first use, with the system C compiler, and cache them.
 
 A library is compiled once per source, flags, compiler and CPU into ~/.cache/kvpilot/kernels (or
-$KVPILOT_KERNEL_CACHE) and loaded with ctypes by its module (cpu_attention.py, cpu_ops.py); without a
+the `kernel_cache` switch: --kernel-cache-dir, $KVPILOT_KERNEL_CACHE; kernels/switches.py) and loaded with ctypes by its module (cpu_attention.py, cpu_ops.py); without a
 C compiler those modules report themselves unavailable and the runtime uses its torch paths.
 """
 
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvpilot.kernels import isa
+from kvpilot.kernels import isa, switches
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -44,7 +44,7 @@ class KernelBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVPILOT_KERNEL_CACHE") or Path.home() / ".cache" / "kvpilot" / "kernels")
+    return Path(switches.current().kernel_cache or Path.home() / ".cache" / "kvpilot" / "kernels")
 
 
 def _cpu_signature() -> str:
@@ -58,7 +58,7 @@ def _cpu_signature() -> str:
 
 def build(source: Path, flags: Sequence[str], compiler: str | None = None) -> Path:
     """The shared library of `source` built with `flags`: from the cache, or compiled now."""
-    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = compiler or switches.current().compiler or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise KernelBuildError("no C compiler (gcc/cc) on PATH")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
@@ -85,8 +85,8 @@ def build(source: Path, flags: Sequence[str], compiler: str | None = None) -> Pa
 class Extension:
     """One C extension: built per ISA level (kernels/isa.py) on first use, loaded with ctypes, its
     functions declared by `declare`. `available()` is False, with one warning saying what runs
-    instead (`fallback`), when it cannot be built or KVPILOT_DISABLE_CPU_KERNEL=1 (read when the
-    extension is created, at import)."""
+    instead (`fallback`), when it cannot be built or the `cpu_kernels` switch is off
+    (--no-cpu-kernels, KVPILOT_DISABLE_CPU_KERNEL=1; kernels/switches.py)."""
 
     def __init__(
         self, source: Path, cflags: Sequence[str], declare: Callable[[ctypes.CDLL], None], fallback: str
@@ -99,7 +99,6 @@ class Extension:
         self.isa_queries = 0  # how many times the C code was asked its ISA: once per level loaded
         self._failed: dict[str, str] = {}  # level -> why it cannot be built (tried once)
         self._lock = threading.Lock()
-        self._disabled = os.environ.get("KVPILOT_DISABLE_CPU_KERNEL") == "1"  # read once: a per-call cost
 
     def build(self, level: str | None = None, compiler: str | None = None) -> Path:
         return build(self.source, [*self.cflags, *isa.flags_for(level or isa.selected())], compiler)
@@ -112,6 +111,7 @@ class Extension:
         with self._lock:
             if level not in self._libraries:
                 lib = ctypes.CDLL(str(self.build(level)))
+                lib.kvpilot_isa.argtypes = []
                 lib.kvpilot_isa.restype = ctypes.c_char_p
                 self.declare(lib)
                 self._built_isa[level] = self._ask_isa(lib)
@@ -134,7 +134,7 @@ class Extension:
         return built
 
     def available(self, level: str | None = None) -> bool:
-        if self._disabled:
+        if not switches.current().cpu_kernels:
             return False
         level = level or isa.selected()
         if level in self._libraries:

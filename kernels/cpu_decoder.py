@@ -2,8 +2,9 @@
 
 The C code only orders the calls: it runs the very kernels the Python layers run (fused RMSNorm,
 rotary, KV write, paged attention, silu(g) * u, the tiled quantized matmul), passed to it as
-function pointers from their own libraries. This module holds the C structs and the call; which
-models and steps may take it is runtime/models/cpu_stack.py's decision.
+function pointers from their own libraries. This module holds the C structs (as
+kernels/csrc/kvpilot_kernels.h declares them; tests/kernels/test_c_abi.py compares the two) and the
+call; which models and steps may take it is runtime/models/cpu_stack.py's decision.
 """
 
 from __future__ import annotations

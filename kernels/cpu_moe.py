@@ -16,7 +16,7 @@ Where it applies (`max_rows_per_expert`): bfloat16 experts on a build with the n
 (AVX512-BF16) at every row count, prefill included; float32 experts, and bfloat16 widened to float32
 (AVX2, AVX-512 without BF16), up to MAX_ROWS_PER_EXPERT assignments per held expert on average,
 above which torch's GEMMs (MKL float32; oneDNN bf16) are faster in CPU time. Measured on OLMoE's
-shapes (benchmarks/moe_bench.py --cpu-kernel, docs/benchmarks.md runs 6 and 7): with native bf16
+shapes (benchmarks/moe_bench.py --cpu-kernel, docs/benchmarks.md, MoE): with native bf16
 the fused call and the per-expert torch loop spend the same CPU time at prefill sizes (128 rows per
 expert: both compute-bound), but with more than one thread the loop's 2 x (active experts) separate
 parallel matmuls each end in a barrier, while the fused call is two dynamically scheduled parallel

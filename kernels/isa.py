@@ -9,24 +9,26 @@ execute:
   * ``avx2``: AVX2 + FMA + F16C (x86-64-v3), the AMD EPYC / laptop class without AVX-512;
   * ``generic``: the portable C loops (x86-64 baseline SSE2, or the compiler's default elsewhere).
 
-`selected()` picks the best level the CPU runs; ``KVPILOT_CPU_ISA=avx512|avx2|generic`` forces one
-(tests and benchmarks force the lower paths on an AVX-512 machine), and a level the CPU cannot run is
-refused with an error naming the variable. The choice is logged once.
+`selected()` picks the best level the CPU runs; the `cpu_isa` kernel switch (``--cpu-isa`` or
+``KVPILOT_CPU_ISA=avx512|avx2|generic``, kernels/switches.py) forces one (tests and benchmarks force
+the lower paths on an AVX-512 machine), and a level the CPU cannot run is refused with an error
+naming the switch. The choice is logged once per level.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import platform
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
+from kvpilot.kernels import switches
+
 log = logging.getLogger(__name__)
 
 ENV = "KVPILOT_CPU_ISA"
-LEVELS = ("avx512", "avx2", "generic")  # best first
+LEVELS = switches.ISA_LEVELS  # best first
 _NEEDS = {
     "avx512": frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx2", "fma", "f16c"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
@@ -86,11 +88,16 @@ def compile_flags(level: str, features: Iterable[str], x86: bool = True) -> list
     raise ValueError(f"unknown ISA level {level!r}")
 
 
-@cache
 def selected() -> str:
-    """The level the kernels use in this process (KVPILOT_CPU_ISA or the CPU's best), logged once."""
-    level = choose(cpu_features(), os.environ.get(ENV) or None, is_x86())
-    how = f"forced by {ENV}" if os.environ.get(ENV) else "the best this CPU runs"
+    """The level the kernels use in this process: the `cpu_isa` switch (kernels/switches.py) or the
+    CPU's best."""
+    return _selected(switches.current().cpu_isa)
+
+
+@cache
+def _selected(forced: str | None) -> str:
+    level = choose(cpu_features(), forced, is_x86())
+    how = "forced by --cpu-isa / KVPILOT_CPU_ISA" if forced else "the best this CPU runs"
     log.info("CPU kernels: ISA %s (%s; this CPU runs %s)", level, how, ", ".join(runnable()))
     return level
 

@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers: int8 and int4 weights, dequantized inside the matmul.
 
 Formats (one `QuantizedWeight` for both; GGUF's Q8_0, Q4_0 and Q4_1 blocks are special cases, so a
-GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/quantization.py):
+GGUF file's quantized tensors load into them without a 16-bit copy; see runtime/load/quantization.py):
 
 * int8: symmetric, one float16 scale per output channel (group = K) or per group of `group`
   weights along K (Q8_0: group 32): weight = q * scale, q in -127..127.
@@ -28,15 +28,15 @@ the group's activation sum, is exact; see quantize_rows in the C source), so the
 as small as int8's. `reference_q8_matmul` is that
 arithmetic in torch (the kernel's specification, tested to float rounding); against the float
 product `reference_matmul` it differs by the activation rounding (half a step of amax / 127 per
-element). The generic level, widths that are not a multiple of 32, and
-KVPILOT_QMATMUL_ACTIVATIONS=float dequantize in float32 instead (the exact product, slower).
+element). The generic level, widths that are not a multiple of 32, and `--qmatmul-activations float`
+(KVPILOT_QMATMUL_ACTIVATIONS=float, kernels/switches.py) dequantize in float32 instead (the exact
+product, slower).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, env, isa, triton_qlinear
+from kvpilot.kernels import cbuild, isa, switches, triton_qlinear
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +53,24 @@ GEMM_SOURCE = Path(__file__).parent / "csrc" / "qgemm_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 METHODS = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128)
-SMALL_M = 32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/qmatmul_bench.py)
+SMALL_M = (
+    32  # rows up to which the C kernel beats dequantize + torch matmul (benchmarks/kernels_bench.py qmatmul)
+)
 # rows up to which a tiled weight takes the kernel where it beats every other path at any row count
-# (one thread, benchmarks/qmatmul_bench.py, docs/benchmarks.md): avx512 with VNNI (~2x the GEMM and
+# (one thread, benchmarks/kernels_bench.py qmatmul, docs/benchmarks.md): avx512 with VNNI (~2x the GEMM and
 # torch's bf16 matmul at 8-512 rows), and int8 at avx2 (1.2-1.5x the GEMM, 1.2x torch's float32);
 # elsewhere (int4 at avx2: the GEMM is faster from 64 rows) SMALL_M, then the GEMM on a row-layout copy
 TILED_MAX_M = 8192
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
-ACTIVATIONS_ENV = "KVPILOT_QMATMUL_ACTIVATIONS"
 
 
-def activations_setting(value: str | None) -> bool:
-    """KVPILOT_QMATMUL_ACTIVATIONS: `int8` (default: integer dot products) or `float` (the kernel
-    multiplies the dequantized weights in float32: the exact product, slower)."""
-    return env.switch(ACTIVATIONS_ENV, value, {"int8": True, "float": False})
+def int8_activations() -> bool:
+    """The `qmatmul_activations` switch (kernels/switches.py): True for `int8` (the default: integer
+    dot products), False for `float` (the kernel multiplies the dequantized weights in float32: the
+    exact product, slower)."""
+    return switches.current().int8_activations
 
 
-INT8_ACTIVATIONS = activations_setting(os.environ.get(ACTIVATIONS_ENV))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -137,7 +138,7 @@ def _tile_view(qw: QuantizedWeight) -> tuple[int, int, int]:
 def tile_applies(qw: QuantizedWeight) -> bool:
     """Whether the kernel loaded here takes `qw` in the tiled layout: on CPU, rows a multiple of
     TILE_ROWS, a format with the int8-activation path (the tiled kernel has no float-activation
-    variant; KVPILOT_QMATMUL_ACTIVATIONS=float keeps the row layout)."""
+    variant; float activations keep the row layout)."""
     return (
         not qw.tiled
         and qw.packed.device.type == "cpu"
@@ -278,8 +279,8 @@ GEMM_EXTENSION = cbuild.Extension(
     GEMM_SOURCE, CFLAGS, _declare_gemm, "dequantize + torch matmul for many rows"
 )
 # Per ISA level and weight bits, the row count from which the int8-activation GEMM beats both the
-# small-M kernel and dequantize + torch's matmul (benchmarks/qmatmul_bench.py --gemm, SmolLM2's
-# shapes, one thread; docs/benchmarks.md "Issue 14"). Levels or formats not listed never take it.
+# small-M kernel and dequantize + torch's matmul (benchmarks/kernels_bench.py qmatmul --gemm, SmolLM2's
+# shapes, one thread; docs/benchmarks.md, kernels). Levels or formats not listed never take it.
 GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 8, 8: 8}, "avx512": {4: 8, 8: 32}}
 GEMM_MAX_K = 8 * ACT_BLOCK * (1024 - 3)  # the widest input the GEMM's chunk table holds (MAXC in the C)
 
@@ -304,7 +305,7 @@ def gemm_applies(x: torch.Tensor, qw: QuantizedWeight, level: str | None = None)
     lv = level or isa.selected()
     min_rows = GEMM_MIN_ROWS.get(lv, {}).get(qw.bits)
     return (
-        INT8_ACTIVATIONS
+        int8_activations()
         and min_rows is not None
         and x.device.type == "cpu"
         and x.dtype in _DTYPES
@@ -343,7 +344,7 @@ def gemm_matmul(
 def max_kernel_rows(qw: QuantizedWeight) -> int:
     """The most rows `matmul` gives the small-M / tiled C kernel for this weight (more: the GEMM or
     dequantize + torch)."""
-    if not (qw.tiled and INT8_ACTIVATIONS):
+    if not (qw.tiled and int8_activations()):
         return SMALL_M
     level = built_isa()  # read from the library once per level (cbuild.Extension), not a ctypes call
     vnni = level == "avx512" and "avx512_vnni" in isa.cpu_features()
@@ -371,12 +372,13 @@ def kernel_matmul(
     x2 = x.reshape(-1, qw.in_features).contiguous()
     out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    tiled = qw.tiled and INT8_ACTIVATIONS
+    int8 = int8_activations()
+    tiled = qw.tiled and int8
     if not tiled:
         qw = untile(qw)  # float activations: the row kernel's exact product (a copy of the codes)
     lib = _library(level)
     # the tiled kernel always uses int8 activations; the row kernel takes the setting as its last argument
-    fn, extra = (lib.kvpilot_qmatmul_tiled, ()) if tiled else (lib.kvpilot_qmatmul, (int(INT8_ACTIVATIONS),))
+    fn, extra = (lib.kvpilot_qmatmul_tiled, ()) if tiled else (lib.kvpilot_qmatmul, (int(int8),))
     rc = fn(*_kernel_args(x2, out, b, qw), *extra)
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
@@ -438,7 +440,7 @@ def q8_path_applies(qw: QuantizedWeight, level: str | None = None) -> bool:
     """Whether the kernel at `level` (default: the one loaded) takes the int8-activation path."""
     groups = qw.in_features // qw.group
     shape_ok = qw.group % ACT_BLOCK == 0 and (groups == 1 or (qw.group // ACT_BLOCK).bit_count() == 1)
-    return INT8_ACTIVATIONS and shape_ok and (level or built_isa()) in ("avx512", "avx2")
+    return int8_activations() and shape_ok and (level or built_isa()) in ("avx512", "avx2")
 
 
 def reference_q8_matmul(
@@ -534,7 +536,7 @@ def fused_experts(
     if not (
         x.device.type == "cpu"
         and x.dtype in _DTYPES
-        and INT8_ACTIVATIONS
+        and int8_activations()
         and t * k <= max_kernel_rows(table.experts[0][0]) * experts
         and available()
         and built_isa() in ("avx512", "avx2")

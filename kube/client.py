@@ -1,6 +1,6 @@
 """The one door to the Kubernetes API for the operator, the autoscaler and the router: get, list,
-server-side apply, merge patches (status, scale, pod annotations), create (Events), ask whether an API
-group exists.
+server-side apply, merge patches (status, scale, pod annotations), create (Events), delete (an
+InferencePool the operator no longer wants), ask whether an API group exists.
 
 It speaks plain dicts (the manifests the builders produce) over the official client's ApiClient, so
 there is no model conversion, and every call is retried with backoff on conflicts, throttling and
@@ -65,6 +65,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+        Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         Kind("coordination.k8s.io/v1", "Lease", "leases"),
         Kind(API_VERSION, KIND, PLURAL),
     ]
@@ -103,6 +104,8 @@ class Kube(Protocol):
     ) -> dict[str, Any]: ...
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
 
     def has_api(self, group_version: str) -> bool: ...
 
@@ -222,6 +225,15 @@ class ApiKube:
         path = kind_of(obj["apiVersion"], obj["kind"]).path(md.get("namespace"))
         query = [("fieldManager", field_manager)] if field_manager else []
         return self.request("POST", path, query=query, body=obj, content_type="application/json")
+
+    @_retry
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete an object (gone already is fine); its dependents go through garbage collection."""
+        try:
+            self.request("DELETE", kind_of(api_version, kind).path(namespace, name))
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def has_api(self, group_version: str) -> bool:
         try:

@@ -3,7 +3,7 @@
 `parse_json_object(raw)` turns a request body into a dict or raises `BodyError` (always an HTTP 400):
 not UTF-8, empty, not JSON, an integer literal past Python's digit limit, not an object, nested
 deeper than `MAX_JSON_DEPTH`, or a string holding a lone surrogate ("\\ud800" decodes to a string
-that is not valid Unicode). The checks and messages are the runtime's (runtime/api_request.py
+that is not valid Unicode). The checks and messages are the runtime's (runtime/serving/request.py
 `parse_json_body`), so a client gets the same answer from the router as from a pod. `error_body` is the
 OpenAI error body, {"error": {"message", "type", "param", "code"}}.
 

@@ -124,7 +124,7 @@ def owner_reference(im: InferenceModel) -> dict[str, Any]:
     }
 
 
-def _metadata(im: InferenceModel, name: str, settings: OperatorSettings) -> dict[str, Any]:
+def child_metadata(im: InferenceModel, name: str, settings: OperatorSettings) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": im.namespace,
@@ -265,7 +265,7 @@ def render_config_map(im: InferenceModel, settings: OperatorSettings, config_yam
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(im, config_map_name(im.name), settings),
+        "metadata": child_metadata(im, config_map_name(im.name), settings),
         "data": {CONFIG_FILE: config_yaml},
     }
 
@@ -495,7 +495,7 @@ def render_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(im, im.name, settings),
+        "metadata": child_metadata(im, im.name, settings),
         "spec": {
             "replicas": desired_replicas(im),
             "selector": {"matchLabels": selector_labels(im.name)},
@@ -527,7 +527,7 @@ def render_service(im: InferenceModel, settings: OperatorSettings) -> dict[str, 
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(im, im.name, settings),
+        "metadata": child_metadata(im, im.name, settings),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(im.name),
@@ -540,7 +540,7 @@ def render_pdb(im: InferenceModel, settings: OperatorSettings) -> dict[str, Any]
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(im, im.name, settings),
+        "metadata": child_metadata(im, im.name, settings),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(im.name)}},
     }
 
@@ -549,7 +549,7 @@ def render_service_monitor(im: InferenceModel, settings: OperatorSettings) -> di
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(im, im.name, settings),
+        "metadata": child_metadata(im, im.name, settings),
         "spec": {
             "selector": {"matchLabels": {**selector_labels(im.name), MANAGED_BY_LABEL: MANAGED_BY}},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],

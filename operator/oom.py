@@ -41,7 +41,7 @@ CAMEL = {
     "memory": "memory",
 }
 DEFAULT_MIN_KV_CACHE_MEMORY = "128Mi"
-# The runtime's KV pool on a CPU when kv_cache_memory is unset (kvpilot.runtime.model_runner, which
+# The runtime's KV pool on a CPU when kv_cache_memory is unset (kvpilot.runtime.engine.runner, which
 # imports torch; the operator does not). tests/operator/test_runtime_contract.py keeps them equal.
 CPU_DEFAULT_KV_BYTES = 1 << 30
 

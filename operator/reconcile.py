@@ -29,6 +29,7 @@ from kvpilot.api.models import (
 )
 from kvpilot.kube.client import Kube
 from kvpilot.kube.events import event_manifest
+from kvpilot.operator import inferencepool as pool
 from kvpilot.operator import metrics, oom
 from kvpilot.operator.adapters import AdapterClient, AdapterSync, HttpAdapterClient, api_key_of, sync_adapters
 from kvpilot.operator.apply import apply_child
@@ -41,6 +42,7 @@ from kvpilot.operator.builders import (
 )
 from kvpilot.operator.podstate import all_problems
 from kvpilot.operator.status import (
+    Cond,
     EventSpec,
     compute_status,
     condition_events,
@@ -50,7 +52,7 @@ from kvpilot.operator.status import (
 
 log = logging.getLogger(__name__)
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
-SERVICE_MONITOR_TTL_S = 300.0
+API_RECHECK_S = 300.0  # how long a discovery answer (an optional API exists or not) is trusted
 
 
 def utcnow() -> datetime:
@@ -63,13 +65,14 @@ class Outcome:
 
     applied: list[str] = field(default_factory=list)  # "Kind/name" written
     skipped: list[str] = field(default_factory=list)  # "Kind/name" already as desired
+    deleted: list[str] = field(default_factory=list)  # "Kind/name" removed (a disabled InferencePool)
     status_patch: dict[str, Any] | None = None
     events: list[EventSpec] = field(default_factory=list)
     invalid: str | None = None
 
     @property
     def wrote(self) -> bool:
-        return bool(self.applied or self.status_patch or self.events)
+        return bool(self.applied or self.deleted or self.status_patch or self.events)
 
 
 def spec_problem(spec: dict[str, Any]) -> tuple[InferenceModelSpec | None, str | None]:
@@ -128,22 +131,26 @@ class Reconciler:
         self.settings = settings
         self.clock = clock
         self.identity = identity
-        self._sm_checked_at = -1e9
-        self._sm_available = False
+        self._apis: dict[str, tuple[float, bool]] = {}  # group/version -> (checked at, available)
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def service_monitor_available(self) -> bool:
-        """Whether the monitoring.coreos.com API exists (re-checked every few minutes)."""
+    def api_available(self, group_version: str) -> bool:
+        """Whether an optional API (monitoring.coreos.com, inference.networking.k8s.io) is served,
+        re-checked every few minutes."""
         now = time.monotonic()
-        if now - self._sm_checked_at > SERVICE_MONITOR_TTL_S:
+        checked_at, available = self._apis.get(group_version, (-1e9, False))
+        if now - checked_at > API_RECHECK_S:
             try:
-                self._sm_available = self.kube.has_api(SERVICE_MONITOR_API)
+                available = self.kube.has_api(group_version)
             except Exception:  # discovery trouble must not block the reconcile
-                log.warning("could not check for %s; assuming absent", SERVICE_MONITOR_API, exc_info=True)
-                self._sm_available = False
-            self._sm_checked_at = now
-        return self._sm_available
+                log.warning("could not check for %s; assuming absent", group_version, exc_info=True)
+                available = False
+            self._apis[group_version] = (now, available)
+        return available
+
+    def service_monitor_available(self) -> bool:
+        return self.api_available(SERVICE_MONITOR_API)
 
     def post_event(self, body: dict[str, Any], event: EventSpec) -> None:
         md = body["metadata"]
@@ -220,8 +227,9 @@ class Reconciler:
             extra_events.append(EventSpec("Warning", "OOMAdaptationExhausted", oom.describe(decision)))
 
         settings = self.settings
-        if self.service_monitor_available() != settings.service_monitor:
-            settings = dataclasses.replace(settings, service_monitor=self._sm_available)
+        service_monitor = self.service_monitor_available()
+        if service_monitor != settings.service_monitor:
+            settings = dataclasses.replace(settings, service_monitor=service_monitor)
         deployment: dict[str, Any] | None = None
         apply_errors: list[str] = []
         refused: set[str] = set()
@@ -240,6 +248,7 @@ class Reconciler:
             if child["kind"] == "Deployment":
                 deployment = result.obj
 
+        pool_condition = self.sync_inference_pool(im, settings, live_status, outcome)
         adapter_sync = None
         if spec.adapters:
             applied_hash = config_hash(rollout_config_yaml(im, decision.overrides), decision.overrides)
@@ -258,11 +267,51 @@ class Reconciler:
             router_endpoint=settings.router_endpoints.get(namespace),
             refused=frozenset(refused),
             adapters=adapter_sync,
+            inference_pool=pool_condition,
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:
             log.info("%s/%s: applied %s", namespace, name, ", ".join(outcome.applied))
         return outcome
+
+    def sync_inference_pool(
+        self, im: InferenceModel, settings: OperatorSettings, live_status: dict[str, Any], outcome: Outcome
+    ) -> Cond | None:
+        """Apply the model's InferencePool while spec.inferencePool.enabled (and the API exists); delete
+        the one it made once disabled. The condition to report, None while disabled."""
+        ref = f"{pool.INFERENCE_POOL_KIND}/{im.name}"
+        if not pool.pool_enabled(im):
+            had_pool = any(c.get("type") == pool.CONDITION for c in live_status.get("conditions") or [])
+            if had_pool and self.api_available(pool.INFERENCE_POOL_API):
+                self._delete_pool(im, outcome)
+            return None
+        if not self.api_available(pool.INFERENCE_POOL_API):
+            return pool.pool_api_missing()
+        try:
+            live = self.kube.get(pool.INFERENCE_POOL_API, pool.INFERENCE_POOL_KIND, im.namespace, im.name)
+            if live is not None and not pool.owned_by(live, im):
+                return pool.pool_name_in_use(im)
+            result = apply_child(self.kube, pool.render_inference_pool(im, settings), live)
+        except ApiException as e:
+            if e.status == 403:
+                return pool.pool_forbidden()
+            if e.status in (400, 422):
+                return pool.pool_refused(im, api_message(e))
+            raise  # transient: the work queue retries with backoff
+        (outcome.applied if result.applied else outcome.skipped).append(ref)
+        metrics.APPLIES.labels(pool.INFERENCE_POOL_KIND, "applied" if result.applied else "skipped").inc()
+        return pool.pool_ready(im)
+
+    def _delete_pool(self, im: InferenceModel, outcome: Outcome) -> None:
+        try:
+            live = self.kube.get(pool.INFERENCE_POOL_API, pool.INFERENCE_POOL_KIND, im.namespace, im.name)
+            if live is not None and pool.owned_by(live, im):
+                self.kube.delete(pool.INFERENCE_POOL_API, pool.INFERENCE_POOL_KIND, im.namespace, im.name)
+                outcome.deleted.append(f"{pool.INFERENCE_POOL_KIND}/{im.name}")
+        except ApiException as e:
+            if e.status != 403:
+                raise
+            log.warning("%s/%s: may not delete its InferencePool (RBAC)", im.namespace, im.name)
 
     def sync_adapters(self, im: InferenceModel, pods: list[dict[str, Any]], chash: str) -> AdapterSync:
         """Load and unload adapters in the running pods; trouble ends up in the result, not raised."""

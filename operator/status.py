@@ -208,6 +208,7 @@ def compute_status(
     router_endpoint: str | None = None,
     refused: frozenset[str] = frozenset(),
     adapters: AdapterSync | None = None,
+    inference_pool: Cond | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status of `im` (camelCase keys, as written to the API).
 
@@ -219,6 +220,8 @@ def compute_status(
     )
     if adapters is not None:
         conds.append(adapters_condition(adapters))
+    if inference_pool is not None:  # only with spec.inferencePool.enabled (operator/inferencepool.py)
+        conds.append(inference_pool)
     status: dict[str, Any] = {
         "observedGeneration": im.generation,
         "replicas": int(st.get("replicas") or 0),
@@ -298,6 +301,10 @@ def condition_events(previous: list[dict[str, Any]] | None, current: list[dict[s
             and c["status"] == "True"
         ):
             events.append(EventSpec("Normal", "AdaptersLoaded", c["message"]))
+        elif c["type"] == "InferencePoolReady" and c["status"] == "False":
+            events.append(EventSpec("Warning", f"InferencePool{c['reason']}", c["message"]))
+        elif c["type"] == "InferencePoolReady" and old.get("status") == "False":
+            events.append(EventSpec("Normal", "InferencePoolCreated", c["message"]))
         elif c["type"] == "Ready" and c["status"] == "True" and old.get("status") != "True":
             events.append(EventSpec("Normal", "Ready", c["message"]))
         elif c["type"] == "Ready" and old.get("status") == "True":

@@ -2,5 +2,7 @@
 
 `policy` holds the pure routing decisions (usable without aiohttp, e.g. from the fleet simulator),
 `keys` turns a request body into its routing key, `pool` keeps a model's pods and its central queue,
-`server` is the aiohttp shell, `discovery` feeds the pools from a static list or Kubernetes.
+`server` is the aiohttp shell (`Router`), which sends requests to pods through `upstream`, watches
+their health with `health` and judges the SLO with `judge`; `discovery` feeds the pools from a static
+list or Kubernetes (`source` is the protocol it follows).
 """

@@ -11,9 +11,11 @@ import sys
 
 from aiohttp import web
 
+from kvpilot.api.models import DEFAULT_TPOT_S, DEFAULT_TTFT_S
+from kvpilot.api.slo import SloTargets
 from kvpilot.router.outlier import OutlierSettings
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES
-from kvpilot.router.pool import QueueSettings
+from kvpilot.router.pool import PRIORITIES, QueueSettings
 from kvpilot.router.server import Router, RouterSettings
 
 log = logging.getLogger("kvpilot.router")
@@ -47,6 +49,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a request waits for a model with no Ready pod (scale from zero)",
     )
     parser.add_argument("--max-retries", type=int, default=2, help="other pods tried before the first byte")
+    flow = parser.add_argument_group("flow control (docs/router.md, Flow control)")
+    flow.add_argument(
+        "--max-queue-per-priority",
+        action="append",
+        default=[],
+        metavar="CLASS=N[,CLASS=N...]",
+        help=f"a priority class's own bound on queued requests ({', '.join(PRIORITIES)}); more get 429 "
+        "queue_full (default: --max-queue alone)",
+    )
+    flow.add_argument(
+        "--queue-timeout-per-priority",
+        action="append",
+        default=[],
+        metavar="CLASS=SECONDS[,CLASS=SECONDS...]",
+        help="a priority class's time to live in the queue (default: --queue-timeout); a client may "
+        "ask for less with the X-Kvpilot-Queue-Timeout header",
+    )
+    flow.add_argument(
+        "--tenant-header",
+        default=None,
+        help="fair queueing between tenants named by this header (Authorization: by API key): each "
+        "priority class serves its tenants in turn (default: off, one FIFO per class)",
+    )
+    flow.add_argument(
+        "--max-queue-per-tenant",
+        type=int,
+        default=None,
+        help="requests one tenant may hold in a model's queue (needs --tenant-header); more get 429 "
+        "tenant_queue_full",
+    )
+    slo = parser.add_argument_group("the measured SLO (docs/router.md, Measured SLO)")
+    slo.add_argument(
+        "--slo-ttft-seconds",
+        type=float,
+        default=DEFAULT_TTFT_S,
+        help="TTFT target of models whose InferenceModel sets no spec.autoscaling.slo",
+    )
+    slo.add_argument(
+        "--slo-tpot-seconds",
+        type=float,
+        default=DEFAULT_TPOT_S,
+        help="TPOT target of models whose InferenceModel sets no spec.autoscaling.slo",
+    )
+    slo.add_argument(
+        "--slo-window",
+        type=float,
+        default=300.0,
+        help="seconds of requests behind the attainment and quantile gauges",
+    )
+    parser.add_argument(
+        "--stream-migration",
+        choices=("on", "off"),
+        default="on",
+        help="continue a plain stream (n=1, not guided) on another pod when its pod dies mid-stream",
+    )
     deadlines = parser.add_argument_group(
         "deadlines to the pods (docs/router.md, Deadlines and outlier ejection)"
     )
@@ -149,6 +206,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
 
 
+def parse_class_values(flag: str, specs: list[str], kind: type[int] | type[float]) -> dict[str, float]:
+    """`CLASS=VALUE[,CLASS=VALUE...]` (repeatable) -> {class: value}; ValueError naming the flag."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        for item in spec.split(","):
+            name, sep, value = item.partition("=")
+            name = name.strip().lower()
+            try:
+                number = kind(value)
+            except ValueError:
+                number = 0
+            if not sep or name not in PRIORITIES or not number > 0:
+                raise ValueError(
+                    f"{flag} {item!r}: expected CLASS=VALUE with CLASS one of {', '.join(PRIORITIES)} "
+                    "and VALUE > 0"
+                )
+            out[name] = number
+    return out
+
+
 def build_router(args: argparse.Namespace) -> Router:
     """The router the flags describe; raises ValueError naming a bad flag."""
     from kvpilot.router.discovery import StaticSource, parse_adapters, parse_endpoints
@@ -191,6 +268,20 @@ def build_router(args: argparse.Namespace) -> Router:
         raise ValueError(f"--adapter-affinity-eps must be >= 0, got {args.adapter_affinity_eps}")
     if args.adapters and not args.endpoints:
         raise ValueError("--adapters needs --endpoints (with Kubernetes the adapters are spec.adapters)")
+    class_max = parse_class_values("--max-queue-per-priority", args.max_queue_per_priority, int)
+    class_ttl = parse_class_values("--queue-timeout-per-priority", args.queue_timeout_per_priority, float)
+    if args.max_queue_per_tenant is not None:
+        if args.max_queue_per_tenant < 1:
+            raise ValueError(f"--max-queue-per-tenant must be >= 1, got {args.max_queue_per_tenant}")
+        if not args.tenant_header:
+            raise ValueError("--max-queue-per-tenant needs --tenant-header (what names a tenant)")
+    for flag, fvalue in (
+        ("--slo-ttft-seconds", args.slo_ttft_seconds),
+        ("--slo-tpot-seconds", args.slo_tpot_seconds),
+        ("--slo-window", args.slo_window),
+    ):
+        if not 0 < fvalue < float("inf"):
+            raise ValueError(f"{flag} must be > 0, got {fvalue:g}")
     endpoints = parse_endpoints(args.endpoints, args.pod_capacity) if args.endpoints else {}
     adapters = parse_adapters(args.adapters, list(endpoints))
     options = {"eps": args.prefix_affinity_eps} if args.policy == "prefix-affinity" else {}
@@ -207,7 +298,14 @@ def build_router(args: argparse.Namespace) -> Router:
             max_queue=args.max_queue,
             queue_timeout_s=args.queue_timeout,
             cold_start_timeout_s=args.cold_start_timeout,
+            class_max_queue={k: int(v) for k, v in class_max.items()},
+            class_timeout_s=class_ttl,
+            max_queue_per_tenant=args.max_queue_per_tenant,
         ),
+        tenant_header=args.tenant_header or None,
+        slo=SloTargets(ttft_s=args.slo_ttft_seconds, tpot_s=args.slo_tpot_seconds),
+        slo_window_s=args.slo_window,
+        migrate_streams=args.stream_migration == "on",
         max_retries=args.max_retries,
         fallbacks=fallbacks,
         adapters=adapters,

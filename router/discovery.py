@@ -1,7 +1,7 @@
 """Endpoint sources: where the router learns each model's Ready pods.
 
 `StaticSource` is the `--endpoints MODEL=URL[,URL...]` list; the Kubernetes source (`kube_discovery`)
-watches the namespace's pods. Both follow `server.EndpointSource`.
+watches the namespace's pods. Both follow `source.EndpointSource`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from kvpilot.router.pool import Endpoint
-from kvpilot.router.server import UpdateEndpoints
+from kvpilot.router.source import UpdateEndpoints
 
 
 def parse_endpoints(specs: Sequence[str], capacity: int = 64) -> dict[str, list[Endpoint]]:

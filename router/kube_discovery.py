@@ -1,7 +1,7 @@
 """Kubernetes discovery: each InferenceModel's Ready pods in a namespace, and its routing policy.
 
 `model_endpoints()` is the pure part: InferenceModels + pods -> {served name: (endpoints, policy,
-fallback model, LoRA adapter names)}.
+fallback model, LoRA adapter names, SLO targets)}.
 `KubeSource` lists both through the Kube adapter and tells the router what changed. With watches
 (`Watch`: the namespace's pods and InferenceModels; `ApiWatch` on the API server's watch) it lists again
 as soon as either changes, and every `resync_s` in any case; while a watch fails (API server down, a
@@ -22,15 +22,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvpilot.api.models import API_VERSION, KIND, MODEL_LABEL, PLURAL
+from kvpilot.api.slo import SloTargets
 from kvpilot.router.pool import Endpoint
-from kvpilot.router.server import UpdateEndpoints
+from kvpilot.router.source import UpdateEndpoints
 
 log = logging.getLogger("kvpilot.router.kube")
 
 HTTP_PORT = 8000
 DEFAULT_CAPACITY = 64  # the runtime's default --max-num-seqs
 
-ModelTable = dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...]]]
+ModelTable = dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...], SloTargets | None]]
 
 
 class Lister(Protocol):
@@ -56,13 +57,42 @@ def _port(pod: Mapping[str, Any]) -> int:
     return HTTP_PORT
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def slo_targets(im: Mapping[str, Any]) -> SloTargets | None:
+    """The model's SLO: spec.autoscaling.slo's targets with the prefill terms the autoscaler
+    publishes in status.autoscaler.slo (absent: 0). None without spec.autoscaling.slo (the router's
+    --slo-* flags then), or when the values are not valid targets (logged)."""
+    slo = ((im.get("spec") or {}).get("autoscaling") or {}).get("slo")
+    if not isinstance(slo, Mapping):
+        return None
+    published = ((im.get("status") or {}).get("autoscaler") or {}).get("slo")
+    published = published if isinstance(published, Mapping) else {}
+    fields = {
+        "ttft_s": _number(slo.get("ttftSeconds")),
+        "tpot_s": _number(slo.get("tpotSeconds")),
+        "ttft_prefill_factor": _number(slo.get("ttftPrefillFactor")),
+        "prefill_s_per_token": _number(published.get("prefillSecondsPerToken")),
+        "prefill_s_per_token_sq": _number(published.get("prefillSecondsPerTokenSquared")),
+    }
+    try:
+        return SloTargets(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        log.warning(
+            "InferenceModel %s: %s; judged with the router's --slo-* targets", im["metadata"]["name"], e
+        )
+        return None
+
+
 def model_endpoints(
     models: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
     default_capacity: int = DEFAULT_CAPACITY,
 ) -> ModelTable:
     """{served model name: (Ready pods as endpoints, spec.routing.policy, spec.routing.fallbackModel,
-    the names of spec.adapters in order)}."""
+    the names of spec.adapters in order, the SLO targets or None)}."""
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for pod in pods:
         owner = (pod.get("metadata", {}).get("labels") or {}).get(MODEL_LABEL)
@@ -87,7 +117,13 @@ def model_endpoints(
         )
         routing = spec.get("routing") or {}
         adapters = tuple(str(a["name"]) for a in spec.get("adapters") or [] if a.get("name"))
-        table[served] = (endpoints, routing.get("policy"), routing.get("fallbackModel"), adapters)
+        table[served] = (
+            endpoints,
+            routing.get("policy"),
+            routing.get("fallbackModel"),
+            adapters,
+            slo_targets(im),
+        )
     return table
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# dense around the usual targets: TPOT 0.02-0.2 s, TTFT 0.2-5 s
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3,
+    0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
 
 
 class RouterMetrics:
@@ -78,5 +83,82 @@ class RouterMetrics:
             "kvpilot_router_ready_pods",
             "Pods the router can route the model to",
             ["model_name"],
+            registry=r,
+        )
+        # -- the SLO as the clients get it (docs/router.md, "Measured SLO"; the autoscaler reads these)
+        self.slo_requests = Counter(
+            "kvpilot_router_slo_requests_total",
+            "Requests judged against the model's SLO (api/slo.py): met, missed_ttft, missed_tpot, failed",
+            ["model_name", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvpilot_router_time_to_first_token_seconds",
+            "Streamed requests: from the request's arrival at the router to its first output token "
+            "going out to the client",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvpilot_router_time_per_output_token_seconds",
+            "Streamed requests: (last token - first token) / (output tokens - 1), as the client got them",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.slo_attainment = Gauge(
+            "kvpilot_router_slo_attainment_ratio",
+            "Share of the requests judged over the last --slo-window seconds that met the SLO",
+            ["model_name"],
+            registry=r,
+        )
+        self.slo_window_requests = Gauge(
+            "kvpilot_router_slo_window_requests",
+            "Requests judged over the last --slo-window seconds",
+            ["model_name"],
+            registry=r,
+        )
+        self.ttft_window = Gauge(
+            "kvpilot_router_ttft_window_seconds",
+            "TTFT quantiles of the streamed requests over the last --slo-window seconds",
+            ["model_name", "quantile"],
+            registry=r,
+        )
+        self.tpot_window = Gauge(
+            "kvpilot_router_tpot_window_seconds",
+            "TPOT quantiles of the streamed requests over the last --slo-window seconds",
+            ["model_name", "quantile"],
+            registry=r,
+        )
+        self.pod_ttft = Gauge(
+            "kvpilot_router_pod_ttft_ewma_seconds",
+            "Moving average of a pod's TTFT (from the request's sending to the pod), which routing reads",
+            ["model_name", "pod"],
+            registry=r,
+        )
+        self.pod_tpot = Gauge(
+            "kvpilot_router_pod_tpot_ewma_seconds",
+            "Moving average of a pod's TPOT, which routing reads",
+            ["model_name", "pod"],
+            registry=r,
+        )
+        self.pod_errors = Gauge(
+            "kvpilot_router_pod_error_rate",
+            "Moving average of a pod's failed exchanges (0..1), which routing reads",
+            ["model_name", "pod"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "kvpilot_router_stream_migrations_total",
+            "Streams continued on another pod after theirs died mid-stream (docs/router.md)",
+            ["model_name"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kvpilot_router_rejections_total",
+            "Requests the router answered itself with 429/503/502/504, by the reason it named "
+            "(x-kvpilot-reject-reason)",
+            ["model_name", "reason"],
             registry=r,
         )

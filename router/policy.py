@@ -15,8 +15,9 @@ a replica that just became Ready takes the head of the queue.
 
 Policies:
 - `round-robin`: the next pod with room after the last one chosen.
-- `least-loaded`: the lowest load per slot, load being the router's in-flight count plus the pod's
-  scraped waiting count; the scraped KV use breaks ties, then rotation.
+- `least-loaded`: the lowest (load + 1) per slot times the pod's slowness (below), load being the
+  router's in-flight count plus the pod's scraped waiting count; the scraped KV use breaks ties, then
+  rotation.
 - `prefix-affinity`: consistent hashing with bounded loads (CHWBL): the key's affinity hash (session
   id, else the prompt's first `affinity_blocks` blocks) picks a point on a ring of virtual nodes; the
   first pod clockwise whose load after taking the request stays within ceil((1 + eps) x average load)
@@ -24,7 +25,14 @@ Policies:
 - `kv-aware`: estimates each pod's cached prefix from the blocks the router itself sent there (an LRU
   of block hashes per pod, bounded like a pod's cache) and picks the lowest
   cost = prefill_weight x (prompt blocks not cached there) + (KV blocks its in-flight requests hold),
-  like Dynamo's KV router (prefill blocks to compute + decode blocks in use).
+  like Dynamo's KV router (prefill blocks to compute + decode blocks in use), plus the request's own
+  blocks, times the pod's slowness.
+
+Slowness (`slowness()`): what the router measured of each pod, moving averages of its TTFT and TPOT
+and of its failed exchanges (router/measure.py): the larger of its TTFT and TPOT over the median of
+the model's measured pods, divided by its success rate, within [1/4, 8]; 1 for a pod not measured
+yet. So a pod that answers twice as slowly as its peers takes a request only when it has half
+their load, and an equally fast fleet is routed exactly as by load alone.
 
 LoRA adapters (`AdapterAffinity`, wrapped around every model's policy by the router): a request whose
 key names an adapter goes to the least loaded pod that holds it (the router sent that adapter there
@@ -96,6 +104,9 @@ class PodView:
     kv_usage: float | None = None
     waiting: int | None = None
     active_blocks: int = 0
+    ttft_s: float | None = None  # moving averages of what the router measured (None: not yet)
+    tpot_s: float | None = None
+    error_rate: float = 0.0
 
     @property
     def has_room(self) -> bool:
@@ -104,6 +115,29 @@ class PodView:
     @property
     def load(self) -> int:
         return self.in_flight + (self.waiting or 0)
+
+
+SLOWNESS_RANGE = (0.25, 8.0)
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def slowness(pods: Sequence[PodView]) -> list[float]:
+    """Each pod's measured slowness relative to its peers (see the module docstring)."""
+    ttft_ref = _median([p.ttft_s for p in pods if p.ttft_s is not None and p.ttft_s > 0])
+    tpot_ref = _median([p.tpot_s for p in pods if p.tpot_s is not None and p.tpot_s > 0])
+    out: list[float] = []
+    for p in pods:
+        ratios = [v / ref for v, ref in ((p.ttft_s, ttft_ref), (p.tpot_s, tpot_ref)) if v is not None and ref]
+        ratio = max(ratios, default=1.0) / max(0.05, 1.0 - min(1.0, max(0.0, p.error_rate)))
+        out.append(min(SLOWNESS_RANGE[1], max(SLOWNESS_RANGE[0], ratio)))
+    return out
 
 
 class Policy(Protocol):
@@ -138,14 +172,17 @@ class _Base:
         """Distance from the rotating cursor: spreads ties instead of always taking pod 0."""
         return (i - self._cursor) % n
 
-    def _least_loaded(self, pods: Sequence[PodView]) -> int | None:
+    def _least_loaded(self, pods: Sequence[PodView], measured: bool = False) -> int | None:
+        """The pod with the least load per slot (`measured`: times its slowness)."""
         n = len(pods)
         best: tuple[float, float, int] | None = None
         choice: int | None = None
+        slow = slowness(pods) if measured else [1.0] * n
         for i, p in enumerate(pods):
             if not p.has_room:
                 continue
-            score = (p.load / max(1, p.capacity), p.kv_usage or 0.0, self._rotation(i, n))
+            load = (p.load + 1) * slow[i] if measured else p.load
+            score = (load / max(1, p.capacity), p.kv_usage or 0.0, self._rotation(i, n))
             if best is None or score < best:
                 best, choice = score, i
         if choice is not None:
@@ -170,7 +207,7 @@ class LeastLoaded(_Base):
     name = "least-loaded"
 
     def choose(self, key: RouteKey, pods: Sequence[PodView]) -> int | None:
-        return self._least_loaded(pods)
+        return self._least_loaded(pods, measured=True)
 
 
 def load_bound(pods: Sequence[PodView], eps: float) -> int:
@@ -267,12 +304,13 @@ class KvAware(_Base):
         n = len(pods)
         choice: int | None = None
         best_kv: tuple[float, int, float, int] | None = None
+        slow = slowness(pods)
         for i, p in enumerate(pods):
             if not p.has_room:
                 continue
             # equal cost: the pod holding more of the prefix (its cache stays warm), then the lighter
             score = (
-                self.cost(p, key),
+                (self.cost(p, key) + key.footprint) * slow[i],
                 -self.cached_blocks(p.name, key),
                 p.load / max(1, p.capacity),
                 self._rotation(i, n),

@@ -5,6 +5,12 @@ class, so a `high` request waits only behind earlier `high` ones; a request goes
 only when nothing of its class or a higher one is queued. Lower classes wait longer (up to their
 deadline, then 429); nothing is preempted on a pod.
 
+Flow control (docs/router.md, "Flow control"): the queue holds at most `max_queue` requests, and each
+class at most its own bound; a request waits at most its class's time to live (or less, when its
+client asks), then gets 429; a model with no Ready pod holds requests for the cold-start time, then
+503. With tenants (an API key or a header, the server decides), a class serves its tenants in turn
+(fairqueue.py) and a tenant may hold at most `max_queue_per_tenant` requests of the queue.
+
 No I/O: the server asks `acquire()` for a pod (waiting in the queue when no pod has room, or when the
 model has no Ready pod yet: scale from zero), sends the request, then `release()`s it. Every release,
 pod change and periodic `pump()` hands the head of the queue to the first pod with room, so a replica
@@ -16,12 +22,11 @@ a 503 are not routable until their time is up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvpilot.router.fairqueue import FairQueue
 from kvpilot.router.outlier import Ejection, OutlierDetector, OutlierSettings
 from kvpilot.router.policy import PodView, Policy, RouteKey
 
@@ -47,6 +52,9 @@ class Pod:
     unhealthy_until: float = 0.0
     sent_total: int = 0
     answered_at: float = 0.0  # monotonic time the router last heard from the pod (a response, a probe)
+    ttft_s: float | None = None  # what the router measured of it (measure.PodLatency), for routing
+    tpot_s: float | None = None
+    error_rate: float = 0.0
 
     def view(self) -> PodView:
         return PodView(
@@ -56,15 +64,23 @@ class Pod:
             kv_usage=self.kv_usage,
             waiting=self.waiting,
             active_blocks=self.active_blocks,
+            ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s,
+            error_rate=self.error_rate,
         )
 
 
 class Overloaded(Exception):
-    """The request cannot be queued (queue full) or waited past its deadline: the client gets 429."""
+    """The request cannot be queued or waited past its deadline: the client gets 429, or 503 when
+    the model had no pod to send it to (`code` no_endpoints). `code` names the reason."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+PRIORITIES = ("high", "normal", "low")  # served in this order from the central queue
+DEFAULT_PRIORITY = "normal"
 
 
 @dataclass(frozen=True)
@@ -73,10 +89,28 @@ class QueueSettings:
     queue_timeout_s: float = 30.0  # how long a request waits for room on a model that has pods
     cold_start_timeout_s: float = 300.0  # how long it waits for a model with no Ready pod (from zero)
     unhealthy_s: float = 10.0  # a pod that refused or dropped a connection is passed over this long
+    # per class (a PRIORITIES name): its own bound on requests queued, its own time to live
+    class_max_queue: dict[str, int] = field(default_factory=dict)
+    class_timeout_s: dict[str, float] = field(default_factory=dict)
+    max_queue_per_tenant: int | None = None  # requests one tenant may hold queued (None: no bound)
 
+    def __post_init__(self) -> None:
+        for name, table in (("queue bound", self.class_max_queue), ("time to live", self.class_timeout_s)):
+            for cls, value in table.items():
+                if cls not in PRIORITIES:
+                    raise ValueError(
+                        f"{name}: unknown priority class {cls!r} (one of {', '.join(PRIORITIES)})"
+                    )
+                if not value > 0:
+                    raise ValueError(f"{name} of class {cls} must be > 0, got {value}")
+        if self.max_queue_per_tenant is not None and self.max_queue_per_tenant < 1:
+            raise ValueError(f"the per-tenant queue bound must be >= 1, got {self.max_queue_per_tenant}")
 
-PRIORITIES = ("high", "normal", "low")  # served in this order from the central queue
-DEFAULT_PRIORITY = "normal"
+    def timeout_s(self, priority: int) -> float:
+        return self.class_timeout_s.get(PRIORITIES[priority], self.queue_timeout_s)
+
+    def class_bound(self, priority: int) -> int:
+        return self.class_max_queue.get(PRIORITIES[priority], self.max_queue)
 
 
 def priority_class(value: str | None) -> int:
@@ -95,6 +129,7 @@ class _Waiter:
     exclude: frozenset[str]
     future: asyncio.Future[Pod]
     priority: int = 1  # index into PRIORITIES: lower is served first
+    tenant: str = ""
     since: float = field(default_factory=time.monotonic)
 
 
@@ -113,7 +148,7 @@ class ModelPool:
         self.settings = settings or QueueSettings()
         self.outliers = OutlierDetector(outliers)
         self.pods: dict[str, Pod] = {}
-        self._queue: deque[_Waiter] = deque()
+        self._queue: FairQueue[_Waiter] = FairQueue(len(PRIORITIES))
         self._on_queue_change = on_queue_change
         self._clock = clock
 
@@ -189,29 +224,51 @@ class ModelPool:
         self.policy.dispatched(pod.name, key)
         return pod
 
-    async def acquire(self, key: RouteKey, exclude: frozenset[str] = frozenset(), priority: int = 1) -> Pod:
+    async def acquire(
+        self,
+        key: RouteKey,
+        exclude: frozenset[str] = frozenset(),
+        priority: int = 1,
+        tenant: str = "",
+        timeout_s: float | None = None,
+    ) -> Pod:
         """A pod with a slot reserved for this request, waiting behind earlier requests of its
-        priority class and every request of a higher class (`priority`: index into PRIORITIES).
+        priority class (its tenant's, and one of each other tenant's in turn) and every request of a
+        higher class (`priority`: index into PRIORITIES). `timeout_s`: the client's own time to
+        live, at most its class's.
 
-        Raises Overloaded when the queue is full or the wait passes its deadline.
+        Raises Overloaded when the queue (or the class's or tenant's share) is full or the wait
+        passes its deadline.
         """
-        if not self._queue or self._queue[0].priority > priority:  # nobody queued ahead of it
+        head = self._queue.head_band()
+        if head is None or head > priority:  # nobody queued ahead of it
             pod = self.try_acquire(key, exclude)
             if pod is not None:
                 return pod
         s = self.settings
+        name = PRIORITIES[priority]
         if len(self._queue) >= s.max_queue:
             raise Overloaded(
                 f"model {self.model!r} is overloaded: {len(self._queue)} requests already queued; retry later",
                 "queue_full",
             )
+        if self._queue.band_len(priority) >= s.class_bound(priority):
+            raise Overloaded(
+                f"model {self.model!r} is overloaded: {self._queue.band_len(priority)} {name}-priority "
+                "requests already queued; retry later",
+                "queue_full",
+            )
+        if s.max_queue_per_tenant is not None and self._queue.tenant_len(tenant) >= s.max_queue_per_tenant:
+            raise Overloaded(
+                f"model {self.model!r}: your {self._queue.tenant_len(tenant)} requests already queued "
+                "are your share of the queue; retry later",
+                "tenant_queue_full",
+            )
         cold = not self.routable(exclude)
-        timeout = s.cold_start_timeout_s if cold else s.queue_timeout_s
-        waiter = _Waiter(key, exclude, asyncio.get_running_loop().create_future(), priority)
-        at = len(self._queue)
-        while at > 0 and self._queue[at - 1].priority > priority:  # behind its class, ahead of lower ones
-            at -= 1
-        self._queue.insert(at, waiter)
+        ttl = s.timeout_s(priority) if timeout_s is None else min(timeout_s, s.timeout_s(priority))
+        timeout = s.cold_start_timeout_s if cold else ttl
+        waiter = _Waiter(key, exclude, asyncio.get_running_loop().create_future(), priority, tenant)
+        self._queue.push(waiter, priority, tenant)
         self._changed()
         try:
             await asyncio.wait({waiter.future}, timeout=timeout)
@@ -221,9 +278,14 @@ class ModelPool:
         if waiter.future.done():
             return waiter.future.result()
         self._drop(waiter)
-        what = "no Ready pod came up" if cold and not self.routable(exclude) else "no pod had room"
+        if cold and not self.routable(exclude):
+            raise Overloaded(
+                f"model {self.model!r} has no Ready pod: none came up within {timeout:g}s; retry later",
+                "no_endpoints",
+            )
         raise Overloaded(
-            f"model {self.model!r} is overloaded: {what} within {timeout:g}s; retry later", "queue_timeout"
+            f"model {self.model!r} is overloaded: no pod had room within {timeout:g}s; retry later",
+            "queue_timeout",
         )
 
     def _drop(self, waiter: _Waiter) -> None:
@@ -231,8 +293,7 @@ class ModelPool:
             self.release(waiter.future.result(), waiter.key)  # handed a pod in the same tick: give it back
         else:
             waiter.future.cancel()
-            with contextlib.suppress(ValueError):
-                self._queue.remove(waiter)
+            self._queue.remove(waiter, waiter.priority, waiter.tenant)
             self._changed()
             self.pump()  # the head may have been this waiter
 
@@ -244,23 +305,22 @@ class ModelPool:
     def pump(self) -> None:
         """Hand queued requests, oldest first, to pods with room."""
         changed = False
-        while self._queue:
-            head = self._queue[0]
+        while (head := self._queue.peek()) is not None:
             if head.future.done():
-                self._queue.popleft()
+                self._queue.pop()
                 changed = True
                 continue
             pod = self.try_acquire(head.key, head.exclude)
             if pod is None:
                 break
-            self._queue.popleft()
+            self._queue.pop()
             head.future.set_result(pod)
             changed = True
         if changed:
             self._changed()
 
     def oldest_wait_s(self) -> float:
-        return time.monotonic() - self._queue[0].since if self._queue else 0.0
+        return time.monotonic() - min(w.since for w in self._queue) if len(self._queue) else 0.0
 
     def _changed(self) -> None:
         if self._on_queue_change is not None:

@@ -1,13 +1,14 @@
 """The router's HTTP shell: one OpenAI endpoint that proxies each request to a pod of its model.
 
-Decisions live in `policy` and admission in `pool`; this module reads the request, asks the model's
-pool for a pod (queueing when none has room), forwards the body as is, and passes the answer back:
-server-sent events chunk by chunk as they arrive, other bodies whole. A refused or reset connection,
-a missed connect or first-byte deadline, or a 503 (a draining pod) before any byte reached the client
-is retried on another pod; after the first byte nothing is retried, and a pod that dies or goes
-silent mid-stream ends the stream with an error event. Each wait on a pod runs under a `PodDeadline`
-(deadline.py: past it the pod must answer /health); each exchange's outcome goes to the pool's
-outlier detector (outlier.py), which ejects pods that fail in a row.
+Decisions live in `policy` and admission in `pool`; this module keeps the models' pools, reads the
+request, asks the model's pool for a pod (queueing when none has room) and has `upstream` forward the
+body as is and pass the answer back: server-sent events as they arrive, other bodies whole. A
+refused or reset connection, a missed connect or first-byte deadline, or a 503 (a draining pod)
+before any byte reached the client is retried here on another pod (upstream raises `call.Retry`);
+after the first byte nothing is retried, and a pod that dies or goes silent mid-stream continues on
+another pod or ends the stream with an error event (upstream). Each wait on a pod runs under a
+deadline and each exchange's outcome goes to the pool's outlier detector (`health`); each request is
+judged against its model's SLO (`judge`). The request's record is `call.Call`.
 A client that goes away cancels the handler (handler_cancellation), which closes the upstream
 connection, and the pod aborts the request.
 """
@@ -16,128 +17,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Awaitable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.request_body import BodyError, error_body, parse_json_object
-from kvpilot.router.deadline import PodDeadline, Silent
-from kvpilot.router.keys import BLOCK_CHARS, request_key
+from kvpilot.api.slo import SloTargets
+from kvpilot.request_body import BodyError, parse_json_object
+from kvpilot.router.call import (
+    FALLBACK_HEADER,
+    POD_HEADER,
+    QUEUE_TIMEOUT_HEADER,
+    REJECT_HEADER,
+    RETRY_AFTER_S,
+    Call,
+    Retry,
+)
+from kvpilot.router.errors import error_response, openai_errors
+from kvpilot.router.health import PodHealth
+from kvpilot.router.judge import SloBook
+from kvpilot.router.keys import prompt_text, request_key
+from kvpilot.router.load import parse_load, scrape
+from kvpilot.router.measure import SloMeter
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.outlier import Ejection, OutlierSettings
-from kvpilot.router.policy import DEFAULT_POLICY, POLICIES, AdapterAffinity, RouteKey, make_policy
-from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Pod, QueueSettings, priority_class
+from kvpilot.router.policy import POLICIES, AdapterAffinity, make_policy, stable_hash
+from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, priority_class
+from kvpilot.router.settings import PRIORITY_HEADER, SESSION_HEADER, RouterSettings
+from kvpilot.router.source import EndpointSource, UpdateEndpoints
+from kvpilot.router.upstream import Upstream
+
+# the names the router's users import from here (cli.py, discovery, tests, e2e)
+__all__ = [
+    "FALLBACK_HEADER",
+    "POD_HEADER",
+    "PRIORITY_HEADER",
+    "QUEUE_TIMEOUT_HEADER",
+    "REJECT_HEADER",
+    "SESSION_HEADER",
+    "EndpointSource",
+    "Router",
+    "RouterSettings",
+    "UpdateEndpoints",
+    "error_response",
+    "parse_load",
+]
 
 log = logging.getLogger("kvpilot.router")
-
-RETRY_AFTER_S = 1
-SESSION_HEADER = "X-Session-ID"
-PRIORITY_HEADER = "X-Kvpilot-Priority"  # high | normal | low: the request's class in the central queue
-POD_HEADER = "X-Kvpilot-Pod"
-FALLBACK_HEADER = "X-Kvpilot-Fallback"  # set when another model served the request (overload spill-over)
-# Only what the pod needs from the client's request; hop-by-hop headers stay here.
-FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "OpenAI-Organization")
-UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
-
-
-def error_response(
-    status: int,
-    message: str,
-    type_: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.json_response(error_body(message, type_, code, param), status=status, headers=headers)
-
-
-@web.middleware
-async def openai_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Every error the router answers is an OpenAI error body: aiohttp's own (unknown path, wrong
-    method, body over the size limit) and an unexpected exception (500, logged, no traceback sent)."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return error_response(e.status, f"{e.reason}: {request.method} {request.path}", kind)
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:
-        log.exception("internal error while handling %s %s", request.method, request.path)
-        return error_response(500, "internal error in the router", "internal_server_error")
-
-
-class UpdateEndpoints(Protocol):
-    def __call__(
-        self,
-        model: str,
-        endpoints: list[Endpoint] | None,
-        policy: str | None = None,
-        fallback: str | None = None,
-        adapters: Sequence[str] | None = None,
-    ) -> None: ...
-
-
-class EndpointSource(Protocol):
-    """Feeds the router the Ready pods of each model it serves (static list, Kubernetes watch...).
-
-    `run` calls `update(model, endpoints, policy, fallback, adapters)` whenever a model's pods (or its
-    routing policy, fallback model or LoRA adapter names)
-    change (endpoints None: the model is gone), `synced()` once every model is known, and returns only when cancelled. An error while
-    watching must not drop the endpoints already known: keep them until the source sees otherwise.
-    """
-
-    async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None: ...
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    policy: str = DEFAULT_POLICY
-    policy_options: dict[str, float] = field(default_factory=dict)
-    queue: QueueSettings = field(default_factory=QueueSettings)
-    max_retries: int = 2  # other pods tried after a refused/reset connection or a 503
-    # model -> model that takes its requests instead of a 429 (static mode; spec.routing.fallbackModel)
-    fallbacks: dict[str, str] = field(default_factory=dict)
-    # model -> its LoRA adapters' names (static mode; spec.adapters with Kubernetes)
-    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    adapter_eps: float = 0.25  # an adapter's holder keeps it while within ceil((1 + eps) x avg load)
-    adapter_slots: int = 4  # adapters remembered per pod (the runtime's --max-loras default)
-    session_header: str = SESSION_HEADER
-    priority_header: str = PRIORITY_HEADER
-    block_chars: int = BLOCK_CHARS
-    scrape_interval_s: float = 2.0  # pods' /metrics for KV use and waiting counts; 0 turns it off
-    # Deadlines of a request to a pod (docs/router.md, "Deadlines and outlier ejection"):
-    connect_timeout_s: float = 5.0  # the TCP connection
-    first_byte_timeout_s: float = 10.0  # the response headers, from sending the request
-    idle_timeout_s: float = 10.0  # between two chunks of the response body
-    probe_timeout_s: float = 2.0  # a pod past one of those two deadlines must answer GET /health by then
-    silence_limit_s: float = 600.0  # the most a pod that answers its probes may stay silent
-    outliers: OutlierSettings = field(default_factory=OutlierSettings)
-
-
-class _Retry(Exception):
-    """The pod could not take the request and nothing reached the client: try another pod.
-
-    `answer`: what to send the client when no other pod can take it either (else a 502, or a 504 after
-    a missed deadline)."""
-
-    def __init__(self, message: str, answer: web.Response | None = None, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.answer = answer
-        self.timeout = timeout  # the pod missed a deadline: a 504 when no other pod can take it
 
 
 class Router:
@@ -152,6 +83,10 @@ class Router:
             make_policy(self.settings.policy), self.settings.adapter_eps, self.settings.adapter_slots
         )
         self.metrics = metrics or RouterMetrics()
+        self.meter = SloMeter(self.settings.slo, self.settings.slo_window_s, self.settings.latency_alpha)
+        self.slo = SloBook(self.meter, self.metrics)
+        self.pod_health = PodHealth(self.settings, self.metrics, self.slo, self._client)
+        self.upstream = Upstream(self.settings, self.metrics, self.pod_health, self.slo, self._client)
         self.pools: dict[str, ModelPool] = {}
         self._policy_of: dict[str, str] = {}
         self._fallback_of: dict[str, str] = {}
@@ -160,8 +95,6 @@ class Router:
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._sent_status: dict[int, int] = {}  # id(request) -> status line a stream has sent
-        self._probes: dict[str, asyncio.Task[bool]] = {}  # pod URL -> its health probe in flight
         self.app = web.Application(client_max_size=64 * 2**20, middlewares=[openai_errors])
         self.app.add_routes(
             [
@@ -185,10 +118,12 @@ class Router:
         policy: str | None = None,
         fallback: str | None = None,
         adapters: Sequence[str] | None = None,
+        slo: SloTargets | None = None,
     ) -> None:
         """Set a model's Ready pods, its routing policy (None = the router's default), the model
-        that takes its requests instead of a 429 (None = the static --fallback, if any) and the names
-        of its LoRA adapters (None = the static --adapters, if any).
+        that takes its requests instead of a 429 (None = the static --fallback, if any), the names
+        of its LoRA adapters (None = the static --adapters, if any) and its SLO targets (None = the
+        router's --slo-* flags).
 
         endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
         """
@@ -224,7 +159,14 @@ class Router:
         if is_new or self._adapters_of.get(model) != declared:  # a new model may shadow an adapter
             self._adapters_of[model] = declared
             self._index_adapters()
+        self.meter.set_targets(model, slo)
+        gone = pool.pods.keys() - {e.name for e in endpoints}
         pool.set_endpoints(endpoints)
+        for name in gone:
+            self.meter.forget_pod(model, name)
+            for gauge in (self.metrics.pod_ttft, self.metrics.pod_tpot, self.metrics.pod_errors):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model, name)
         self.metrics.ready_pods.labels(model).set(len(pool.pods))
 
     def _index_adapters(self) -> None:
@@ -253,6 +195,7 @@ class Router:
         self._fallback_of.pop(model, None)
         self._adapters_of.pop(model, None)
         self._index_adapters()  # its adapters leave; an adapter it shadowed may come back
+        self.meter.forget_model(model)
         if pool is not None:
             pool.set_endpoints([])
             self.metrics.ready_pods.labels(model).set(0)
@@ -280,6 +223,11 @@ class Router:
 
         self._tasks.append(asyncio.create_task(guarded()))
 
+    def _client(self) -> aiohttp.ClientSession:
+        """The session to the pods (made at startup)."""
+        assert self._session is not None
+        return self._session
+
     async def _startup(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -289,7 +237,7 @@ class Router:
             await self._spawn(self._scrape_loop())
 
     async def _cleanup(self, app: web.Application) -> None:
-        probes = list(self._probes.values())
+        probes = list(self.pod_health.probes.values())
         for task in [*self._tasks, *probes]:
             task.cancel()
         for task in [*self._tasks, *probes]:
@@ -310,21 +258,9 @@ class Router:
     async def _scrape_loop(self) -> None:
         while True:
             pods = [(pool, pod) for pool in list(self.pools.values()) for pod in list(pool.pods.values())]
-            await asyncio.gather(*(self._scrape(pool, pod) for pool, pod in pods))
+            interval = self.settings.scrape_interval_s
+            await asyncio.gather(*(scrape(self._client(), pod, pool.model, interval) for pool, pod in pods))
             await asyncio.sleep(self.settings.scrape_interval_s)
-
-    async def _scrape(self, pool: ModelPool, pod: Pod) -> None:
-        assert self._session is not None
-        try:
-            timeout = aiohttp.ClientTimeout(total=max(0.5, self.settings.scrape_interval_s))
-            async with self._session.get(pod.url + "/metrics", timeout=timeout) as resp:
-                text = await resp.text() if resp.status == 200 else ""
-        except (*UPSTREAM_ERRORS, UnicodeDecodeError):
-            pod.kv_usage, pod.waiting = None, None  # unknown, not zero
-            return
-        pod.answered_at = time.monotonic()
-        kv, waiting = parse_load(text, pool.model)
-        pod.kv_usage, pod.waiting = kv, waiting
 
     # -- handlers -------------------------------------------------------------------------------
 
@@ -342,6 +278,7 @@ class Router:
         for pool in list(self.pools.values()):
             self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
             self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+        self.slo.export(time.monotonic(), self.pools)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -391,304 +328,116 @@ class Router:
             priority = priority_class(request.headers.get(self.settings.priority_header))
         except ValueError as e:
             return error_response(400, f"header {self.settings.priority_header}: {e}")
+        ttl = request.headers.get(QUEUE_TIMEOUT_HEADER)
+        try:
+            queue_timeout = None if ttl is None else float(ttl)
+        except ValueError:
+            queue_timeout = -1.0
+        if queue_timeout is not None and not 0 < queue_timeout < float("inf"):
+            return error_response(400, f"header {QUEUE_TIMEOUT_HEADER}: must be seconds > 0, got {ttl!r}")
         key = request_key(
             body, chat, request.headers.get(self.settings.session_header), self.settings.block_chars
         )
         if adapter is not None:
             key = replace(key, adapter=adapter)
             model = pool.model  # counted under the adapter's model
+        call = Call(request, model, chat, body, raw, key, priority, len(prompt_text(body, chat)))
+        call.tenant, call.queue_timeout_s = self._tenant(request), queue_timeout
+        if not self.settings.migrate_streams:
+            call.unmigratable = "stream migration is off (--stream-migration off)"
+        options = body.get("stream_options")
+        if call.stream and not call.keep_usage and isinstance(options, dict | None):
+            # exact token counts for the SLO: the pod reports usage at the stream's end, the router
+            # keeps that chunk to itself (the client did not ask for it)
+            body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+            call.body, call.raw = body, json.dumps(body).encode()
         try:
-            response = await self._route(request, pool, key, raw, priority)
+            response = await self._route(call, pool)
         except asyncio.CancelledError:
             # The client left. A stream whose status line had gone out was answered: count it (a
             # client that stops reading after `data: [DONE]` leaves before the pod's stream ends).
-            status = self._sent_status.get(id(request))
+            status = self.upstream.sent_status.get(id(request))
             if status is not None:
                 self.metrics.requests.labels(model, str(status)).inc()
+            self.slo.judge(call, status)
             raise
         finally:
-            self._sent_status.pop(id(request), None)
+            self.upstream.sent_status.pop(id(request), None)
         self.metrics.requests.labels(model, str(response.status)).inc()
+        self.slo.judge(call, response.status)
         return response
 
-    async def _route(
-        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes, priority: int
-    ) -> web.StreamResponse:
+    def _tenant(self, request: web.Request) -> str:
+        """The request's tenant for fair queueing: a hash of the tenant header's value (an API key
+        is not kept), "" without fairness or without the header."""
+        name = self.settings.tenant_header
+        value = request.headers.get(name, "") if name else ""
+        return f"{stable_hash(value.encode('utf-8', 'replace')):016x}" if value else ""
+
+    def _reject(
+        self, call: Call, status: int, message: str, reason: str, type_: str, retry_after: bool = False
+    ) -> web.Response:
+        """An answer the router gives itself, naming its reason in a header and the error's code."""
+        self.metrics.rejections.labels(call.model, reason).inc()
+        headers = {REJECT_HEADER: reason}
+        if retry_after:
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+        return error_response(status, message, type_, code=reason, headers=headers)
+
+    async def _route(self, call: Call, pool: ModelPool) -> web.StreamResponse:
         tried: set[str] = set()
-        started = time.monotonic()
         while True:
             try:
-                pod = await pool.acquire(key, frozenset(tried), priority)
+                pod = await pool.acquire(
+                    call.key, frozenset(tried), call.priority, call.tenant, call.queue_timeout_s
+                )
             except Overloaded as e:
-                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
-                spilled = await self._spill(request, pool, key, raw)
+                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
+                spilled = await self._spill(call, pool)
                 if spilled is not None:
                     return spilled
-                return error_response(
-                    429, str(e), "rate_limit_error", code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}
-                )
+                status = 503 if e.code == "no_endpoints" else 429
+                kind = "service_unavailable" if status == 503 else "rate_limit_error"
+                return self._reject(call, status, str(e), e.code, kind, retry_after=True)
             if not tried:
-                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - started)
+                self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
             try:
-                return await self._forward(request, pool, pod, raw, adapter=key.adapter)
-            except _Retry as e:
+                return await self.upstream.forward(call, pool, pod, call.raw)
+            except Retry as e:
                 tried.add(pod.name)
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
                     if e.answer is not None:
                         return e.answer
                     if e.timeout:
-                        return error_response(
-                            504,
-                            f"no pod of model {pool.model!r} answered in time: {e}",
-                            "upstream_error",
-                            code="upstream_timeout",
-                        )
-                    return error_response(
-                        502, f"no pod of model {pool.model!r} could take the request: {e}", "upstream_error"
-                    )
+                        message = f"no pod of model {pool.model!r} answered in time: {e}"
+                        return self._reject(call, 504, message, "upstream_timeout", "upstream_error")
+                    message = f"no pod of model {pool.model!r} could take the request: {e}"
+                    return self._reject(call, 502, message, "upstream_failed", "upstream_error")
                 self.metrics.retries.labels(pool.model).inc()
                 log.info("retrying %s on another pod after %s failed: %s", pool.model, pod.name, e)
             finally:
-                pool.release(pod, key)
+                pool.release(pod, call.key)
 
-    async def _spill(
-        self, request: web.Request, pool: ModelPool, key: RouteKey, raw: bytes
-    ) -> web.StreamResponse | None:
+    async def _spill(self, call: Call, pool: ModelPool) -> web.StreamResponse | None:
         """Serve an overloaded model's request on its fallback model when a pod there has room now
         (no queueing there, no retries); None when there is no fallback or it has no room either."""
         name = self._fallback_of.get(pool.model)
         # an adapter lives only on its own model's pods: the fallback model cannot serve it
-        target = self.pools.get(name) if name and key.adapter is None else None
+        target = self.pools.get(name) if name and call.key.adapter is None else None
         if target is None:
             return None
-        pod = target.try_acquire(key)
+        pod = target.try_acquire(call.key)
         if pod is None:
             return None
         self.metrics.fallbacks.labels(pool.model, target.model).inc()
-        body = json.loads(raw)
-        body["model"] = target.model  # the fallback's pods serve their own name
+        body = {**call.body, "model": target.model}  # the fallback's pods serve their own name
         try:
-            return await self._forward(request, target, pod, json.dumps(body).encode(), fallback=target.model)
-        except _Retry as e:
-            status, code = (504, "upstream_timeout") if e.timeout else (502, None)
-            return error_response(
-                status, f"fallback model {target.model!r} failed too: {e}", "upstream_error", code=code
+            return await self.upstream.forward(
+                call, target, pod, json.dumps(body).encode(), fallback=target.model
             )
+        except Retry as e:
+            status, reason = (504, "upstream_timeout") if e.timeout else (502, "upstream_failed")
+            message = f"fallback model {target.model!r} failed too: {e}"
+            return self._reject(call, status, message, reason, "upstream_error")
         finally:
-            target.release(pod, key)
-
-    async def _forward(
-        self,
-        request: web.Request,
-        pool: ModelPool,
-        pod: Pod,
-        raw: bytes,
-        fallback: str | None = None,
-        adapter: str | None = None,
-    ) -> web.StreamResponse:
-        assert self._session is not None
-        headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
-        try:
-            async with self._deadline(pod, "first_byte"):
-                upstream = await self._session.post(pod.url + request.path, data=raw, headers=headers)
-        except UPSTREAM_ERRORS as e:  # refused, reset, or the connect deadline passed
-            pool.mark_unhealthy(pod)
-            phase = "connect" if isinstance(e, asyncio.TimeoutError) else None
-            self._failed(pool, pod, f"{type(e).__name__}: {e}", phase)
-            raise _Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
-        except Silent as e:  # nothing was sent to the client: another pod may take it
-            self._failed(pool, pod, str(e), e.phase)
-            raise _Retry(f"{pod.name}: {e}", timeout=True) from None
-        pod.answered_at = time.monotonic()
-        try:
-            if upstream.status == 503:  # draining or still loading: another pod, and not this one for now
-                pool.mark_unhealthy(pod, min(2.0, pool.settings.unhealthy_s))
-                self._failed(pool, pod, f"answered 503 {upstream.reason}")
-                raise _Retry(f"{pod.name}: 503 {upstream.reason}")
-            if upstream.status == 404 and adapter is not None:
-                # a pod that does not serve the adapter yet (the pods roll after spec.adapters changed):
-                # another pod may; the pod stays healthy for every other request
-                if isinstance(pool.policy, AdapterAffinity):
-                    pool.policy.lacks(pod.name, adapter)
-                with contextlib.suppress(*UPSTREAM_ERRORS, Silent):
-                    data = await self._read_body(pod, upstream)
-                    pool.succeeded(pod)
-                    ctype = upstream.headers.get("Content-Type", "application/json")
-                    answer = web.Response(
-                        status=404, body=data, headers={"Content-Type": ctype, POD_HEADER: pod.name}
-                    )
-                    raise _Retry(f"{pod.name}: does not serve adapter {adapter!r} (404)", answer)
-                raise _Retry(f"{pod.name}: does not serve adapter {adapter!r} (404)")
-            content_type = upstream.headers.get("Content-Type", "application/json")
-            out_headers = {"Content-Type": content_type, POD_HEADER: pod.name}
-            if fallback is not None:
-                out_headers[FALLBACK_HEADER] = fallback
-            if "Retry-After" in upstream.headers:
-                out_headers["Retry-After"] = upstream.headers["Retry-After"]
-            if not content_type.startswith("text/event-stream"):
-                try:
-                    data = await self._read_body(pod, upstream)
-                except (*UPSTREAM_ERRORS, Silent) as e:  # nothing reached the client yet
-                    if not isinstance(e, Silent):
-                        pool.mark_unhealthy(pod)
-                    phase = e.phase if isinstance(e, Silent) else None
-                    self._failed(pool, pod, f"{type(e).__name__}: {e}", phase)
-                    raise _Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
-                self._answered(pool, pod, upstream.status)
-                return web.Response(status=upstream.status, body=data, headers=out_headers)
-            return await self._stream(request, pool, pod, upstream, out_headers)
-        finally:
-            upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
-
-    async def _read_body(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
-        parts: list[bytes] = []
-        while True:
-            chunk = await self._next_chunk(pod, upstream)
-            if not chunk:
-                return b"".join(parts)
-            parts.append(chunk)
-
-    async def _stream(
-        self,
-        request: web.Request,
-        pool: ModelPool,
-        pod: Pod,
-        upstream: aiohttp.ClientResponse,
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        self._sent_status[id(request)] = upstream.status
-        failure: BaseException | None = None
-        try:
-            while True:
-                try:
-                    chunk = await self._next_chunk(pod, upstream)
-                except (*UPSTREAM_ERRORS, Silent) as e:
-                    failure = e
-                    break
-                if not chunk:
-                    break
-                await out.write(chunk)
-        except ConnectionError:  # the client went away (its write failed): not the pod's fault
-            return out
-        if failure is None:
-            self._answered(pool, pod, upstream.status)
-        else:
-            silent = isinstance(failure, Silent)
-            if not silent:
-                pool.mark_unhealthy(pod)
-            self.metrics.stream_failures.labels(pool.model).inc()
-            self._failed(
-                pool, pod, f"broke a stream: {type(failure).__name__}: {failure}", "idle" if silent else None
-            )
-            if silent:
-                message = f"the pod serving this request went silent mid-stream ({failure}); the output is incomplete"
-                code = "upstream_timeout"
-            else:
-                message = f"the pod serving this request failed mid-stream ({type(failure).__name__}); the output is incomplete"
-                code = "upstream_disconnected"
-            event = error_body(message, "upstream_error", code=code)
-            with contextlib.suppress(ConnectionError):
-                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
-        return out
-
-    # -- deadlines, probes, ejection --------------------------------------------------------------
-
-    async def _next_chunk(self, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
-        """The body's bytes that came since the last call (b"" at its end), within the idle deadline;
-        bytes already buffered are taken without arming it."""
-        content = upstream.content
-        chunk = content.read_nowait()
-        if chunk or content.at_eof():
-            return chunk
-        async with self._deadline(pod, "idle"):
-            return await content.readany()
-
-    def _deadline(self, pod: Pod, phase: str) -> PodDeadline:
-        """The deadline of one wait on `pod`: its response headers (first_byte) or its next chunk (idle)."""
-        s = self.settings
-        timeout, what = (
-            (s.first_byte_timeout_s, "response headers")
-            if phase == "first_byte"
-            else (s.idle_timeout_s, "chunk")
-        )
-        return PodDeadline(functools.partial(self._alive, pod), timeout, s.silence_limit_s, phase, what)
-
-    async def _alive(self, pod: Pod, since: float) -> bool:
-        """The pod answered anything since `since`, or answers a health probe now (one per pod at a
-        time: every request waiting on the pod shares it)."""
-        if pod.answered_at >= since:
-            return True
-        probe = self._probes.get(pod.url)
-        if probe is None:
-            probe = asyncio.create_task(self._probe(pod))
-            self._probes[pod.url] = probe
-            probe.add_done_callback(functools.partial(self._probe_done, pod.url))
-        return await asyncio.shield(probe)
-
-    def _probe_done(self, url: str, task: asyncio.Task[bool]) -> None:
-        if self._probes.get(url) is task:
-            del self._probes[url]
-
-    async def _probe(self, pod: Pod) -> bool:
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
-        try:
-            async with self._session.get(pod.url + "/health", timeout=timeout) as resp:
-                alive = resp.status == 200
-        except UPSTREAM_ERRORS:
-            return False
-        if alive:
-            pod.answered_at = time.monotonic()
-        return alive
-
-    def _answered(self, pool: ModelPool, pod: Pod, status: int) -> None:
-        """The pod's whole answer went through: a 5xx counts as a failure, anything else as a success."""
-        if status >= 500:
-            self._failed(pool, pod, f"answered {status}")
-        else:
-            pool.succeeded(pod)
-
-    def _failed(self, pool: ModelPool, pod: Pod, why: str, timeout_phase: str | None = None) -> None:
-        if timeout_phase is not None:
-            self.metrics.timeouts.labels(pool.model, timeout_phase).inc()
-        ejection = pool.failed(pod)
-        if ejection is not None:
-            self._ejected(pool, ejection, why)
-
-    def _ejected(self, pool: ModelPool, ejection: Ejection, why: str) -> None:
-        self.metrics.ejections.labels(pool.model, ejection.pod).inc()
-        self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
-        log.warning(
-            "ejected pod %s of %s for %gs (ejection %d) after %d failures in a row; last: %s",
-            ejection.pod,
-            pool.model,
-            ejection.seconds,
-            ejection.count,
-            ejection.failures,
-            why,
-        )
-
-
-def parse_load(text: str, model: str) -> tuple[float | None, int | None]:
-    """KV use and waiting count of a pod's /metrics page (kvpilot's or vLLM's names), None if absent."""
-    kv_names = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-    waiting_names = ("kvpilot_num_requests_waiting", "vllm:num_requests_waiting")
-    found: dict[str, list[float]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                # the pod was chosen by its model already; a differing served name still counts
-                if s.name in kv_names or s.name in waiting_names:
-                    found.setdefault(s.name, []).append(float(s.value))
-    except (ValueError, TypeError, IndexError):
-        return None, None
-    kv = next((found[n] for n in kv_names if n in found), None)
-    waiting = next((found[n] for n in waiting_names if n in found), None)
-    return (
-        None if kv is None else min(1.0, max(0.0, sum(kv) / len(kv))),
-        None if waiting is None else max(0, round(sum(waiting))),
-    )
+            target.release(pod, call.key)

@@ -1,7 +1,7 @@
 """`kvpilot bench`: offline throughput of the engine on synthetic requests (all submitted at once).
 
 Takes the same engine flags as `kvpilot serve`. For the comparison against other engines, see
-benchmarks/bench_runtime.py.
+benchmarks/runtime_vs_peers.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import time
 
 from kvpilot.runtime import cli as serve_cli
+from kvpilot.runtime.engine.build import build_engine
 
 WORKLOAD_FLAGS = {"num_prompts", "input_len", "output_len", "bench_seed"}
 
@@ -33,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     engine_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in WORKLOAD_FLAGS})
     try:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvpilot bench: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine.from_config(cfg)
+    engine = build_engine(cfg)
     rng = random.Random(args.bench_seed)
     vocab = engine.tokenizer.vocab_size
     special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])

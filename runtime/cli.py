@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError, EngineConfig
+from kvpilot.runtime.engine.build import build_async_engine
 
 log = logging.getLogger("kvpilot.serve")
 
@@ -233,6 +234,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let those endpoints answer when no API key is set: anyone who reaches the port can then "
         "load adapters from this machine's disk (implies --enable-lora-runtime-updates)",
     )
+    ks = parser.add_argument_group("kernel switches (environment variables override them: docs/runtime.md)")
+    ks.add_argument(
+        "--cpu-isa",
+        choices=["auto", "avx512", "avx2", "generic"],
+        default=s,
+        help="ISA level the CPU kernels are built for (default auto: the best this CPU runs; KVPILOT_CPU_ISA)",
+    )
+    ks.add_argument(
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=s,
+        help="the C kernels on CPU (default on; off: the torch paths; KVPILOT_DISABLE_CPU_KERNEL=1)",
+    )
+    ks.add_argument(
+        "--qmatmul-activations",
+        choices=["int8", "float"],
+        default=s,
+        help="quantized matmuls on CPU: int8 activations (default) or float, the exact product, slower "
+        "(KVPILOT_QMATMUL_ACTIVATIONS)",
+    )
+    ks.add_argument(
+        "--cpu-decoder-stack",
+        action=argparse.BooleanOptionalAction,
+        default=s,
+        help="a CPU decode step's decoder layers in one C call where the model allows (default on; "
+        "KVPILOT_CPU_DECODER_STACK)",
+    )
+    ks.add_argument(
+        "--kernel-cache-dir",
+        default=s,
+        metavar="DIR",
+        help="where built CPU kernels are cached (default ~/.cache/kvpilot/kernels; KVPILOT_KERNEL_CACHE)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -304,9 +338,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
-    from kvpilot.runtime.lifecycle import exit_deadline_on, serve
     from kvpilot.runtime.lora.access import startup_notice
-    from kvpilot.runtime.server import OpenAIServer, ServerSettings
+    from kvpilot.runtime.serving.lifecycle import exit_deadline_on, serve
+    from kvpilot.runtime.serving.server import OpenAIServer, ServerSettings
 
     settings = ServerSettings(
         model_name=cfg.model_name,
@@ -327,9 +361,8 @@ async def _serve(cfg: EngineConfig, api_key: str | None) -> int:
             import torch
 
             torch.set_num_threads(cfg.threads)
-        from kvpilot.runtime.engine import AsyncEngine
 
-        return AsyncEngine.from_config(cfg)
+        return build_async_engine(cfg)
 
     log.info("loading model %s (device=%s, dtype=%s)", cfg.model, cfg.device, cfg.dtype)
     stop = asyncio.Event()

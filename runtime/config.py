@@ -20,7 +20,7 @@ SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
 Quantization = Literal["int8", "int4", "auto"]
 # `kvpilot serve` ends at most this many seconds after --shutdown-timeout has run out, even with its
-# engine stuck (runtime/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
+# engine stuck (runtime/serving/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
 EXIT_GRACE_S = 10.0
 
 
@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
         ge=1,
         le=256,
         description="tokens per KV block; default: 256 on CUDA with flash-attn installed (its paged kernel "
-        "reads pages of a multiple of 256), else 16 (see runtime.engine_plan.resolve_block_size)",
+        "reads pages of a multiple of 256), else 16 (see runtime.engine.plan.resolve_block_size)",
     )
     kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
@@ -83,7 +83,7 @@ class EngineConfig(BaseModel):
         60.0,
         ge=0.0,
         description="seconds the engine loop may go without progress (a step or an idle wait) while "
-        "it has work before /health and /ready answer 503; 0: never (runtime/health.py)",
+        "it has work before /health and /ready answer 503; 0: never (runtime/engine/health.py)",
     )
     # structured output: limits on compiling a request's grammar (docs/runtime.md, "Structured output")
     grammar_compile_timeout: float = Field(
@@ -142,6 +142,23 @@ class EngineConfig(BaseModel):
     allow_lora_updates_without_api_key: bool = Field(
         False,
         description="let those endpoints answer when no API key is set (implies enable_lora_runtime_updates)",
+    )
+    # kernel switches (kernels/switches.py; docs/runtime.md, "Kernel switches"): the environment
+    # variables named there override these, read once when the engine is built
+    cpu_isa: Literal["auto", "avx512", "avx2", "generic"] = Field(
+        "auto", description="ISA level the CPU kernels are built for; auto: the best this CPU runs"
+    )
+    cpu_kernels: bool = Field(True, description="use the C kernels on CPU (off: the torch paths)")
+    qmatmul_activations: Literal["int8", "float"] = Field(
+        "int8",
+        description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products) "
+        "or float (the exact product, slower)",
+    )
+    cpu_decoder_stack: bool = Field(
+        True, description="run a CPU decode step's decoder layers in one C call where the model allows"
+    )
+    kernel_cache_dir: str | None = Field(
+        None, description="where built CPU kernels are cached (default ~/.cache/kvpilot/kernels)"
     )
 
     @field_validator("lora_modules")

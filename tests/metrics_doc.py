@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "runtime.md"
-DOC_ROW = re.compile(r"^\| `(kvpilot_\w+)` \| (\w+) \| ([^|]+) \| [^|]*\S[^|]* \|$")
+# kvpilot's own names, and the Model Server Protocol's `vllm:*` names (with a colon)
+DOC_ROW = re.compile(r"^\| `((?:kvpilot_|vllm:)[\w:]+)` \| (\w+) \| ([^|]+) \| [^|]*\S[^|]* \|$")
 
 
 def documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:

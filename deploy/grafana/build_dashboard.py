@@ -616,6 +616,34 @@ def build() -> dict[str, Any]:
     )
     g.add(
         timeseries(
+            "SLO attainment (measured)",
+            "Share of requests that met the SLO over the autoscaler's window (status.autoscaler.slo: the "
+            "router's kvpilot_router_slo_requests_total, else a bound from the pods' latency histograms), "
+            "against spec.autoscaling.slo.attainmentTarget. Below target, the autoscaler grows the fleet; "
+            "it scales down only with headroom. Absent: not measured (never read as 100%).",
+            [
+                target(
+                    f"max by (namespace, model) (kvpilot_autoscaler_slo_attainment{{{KSM_SEL}}})", "{{model}}"
+                ),
+                target(
+                    f"max by (namespace, model) (kvpilot_autoscaler_slo_attainment_target{{{KSM_SEL}}})",
+                    "target {{model}}",
+                    "B",
+                ),
+                target(
+                    f"max by (namespace, model) (kvpilot_autoscaler_slo_capacity_factor{{{KSM_SEL}}})",
+                    "capacity factor {{model}}",
+                    "C",
+                ),
+            ],
+            "percentunit",
+            min_=None,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
             "Operator reconciles",
             "The operator's reconciles per second by result, and whether a replica leads.",
             [

@@ -19,6 +19,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 #include "vmath.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };

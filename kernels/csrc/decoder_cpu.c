@@ -23,55 +23,11 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-typedef int (*rms_norm_fn)(const void *, const void *, void *, void *, const void *, int, long, int, float, int);
-typedef int (*rotary_fn)(void *, void *, long, long, const int64_t *, const float *, int, long, int, int, int, int,
-                         long, int);
-typedef int (*write_kv_fn)(const void *, const void *, long, long, void *, void *, const long *, const long *,
-                           const int64_t *, int, long, int, int, int, long);
-typedef int (*attention_fn)(const void *, int, void *, const void *, const void *, int, int, int, const uint16_t *,
-                            const uint16_t *, const int32_t *, int, const int32_t *, const int32_t *, int, int, int,
-                            int, int, float, int, int);
-typedef int (*silu_mul_fn)(const void *, void *, int, long, long, int);
-typedef int (*qmatmul_fn)(const void *, int, void *, const void *, long, long, long, const uint8_t *, int, int,
-                          const uint16_t *, const uint16_t *, int);
-
-/* one quantized linear layer (tiled layout) */
-typedef struct {
-    const uint8_t *codes;
-    const uint16_t *scales, *mins;
-    const void *bias;
-    long out_features, in_features;
-    int bits, group;
-} kv_linear;
-
-/* one decoder layer: its weights and its slice of the KV pool */
-typedef struct {
-    const void *norm1, *norm2; /* RMSNorm weights, in the activations' dtype */
-    float eps1, eps2;
-    kv_linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;
-    long k_strides[4], v_strides[4]; /* elements, of the logical [blocks, block_size, Hk, D] cache */
-} kv_layer;
-
-/* what every layer of one step shares */
-typedef struct {
-    rms_norm_fn rms_norm;
-    rotary_fn rotary;
-    write_kv_fn write_kv;
-    attention_fn attention;
-    silu_mul_fn silu_mul;
-    qmatmul_fn qmatmul;
-    int dtype, num_heads, num_kv_heads, head_dim, rotary_dim, kv_dtype, k_transposed, v_head_major;
-    int block_size, max_blocks, num_seqs, num_threads, allow_fast;
-    long num_slots, max_position;
-    float sm_scale;
-    const int64_t *positions, *slots;
-    const float *cos_sin;
-    const int32_t *block_tables, *query_start_loc, *seq_lens;
-} kv_step;
+/* kv_linear, kv_layer and kv_step: kvpilot_kernels.h */
 
 static int linear(const kv_step *s, const kv_linear *l, const void *x, void *out, long T) {
     return s->qmatmul(x, s->dtype, out, l->bias, T, l->in_features, l->out_features, l->codes, l->bits, l->group,

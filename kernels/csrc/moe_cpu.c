@@ -28,6 +28,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 #include "moe_combine.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };

@@ -27,6 +27,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3, DT_FP8 = 4 };
 

@@ -34,6 +34,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 

@@ -23,6 +23,7 @@
 
 #include "dtypes.h"
 #include "isa.h"
+#include "kvpilot_kernels.h"
 #include "moe_combine.h"
 #include "vmath.h"
 
@@ -467,7 +468,7 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
 #define TR 16 /* weight rows per tile */
 /* software prefetch distance in a stream of tiles (the tiles of one weight are consecutive): with a
  * few activation rows a tile (MoE experts at decode) the kernel is bound by reading the weights, and
- * the hardware prefetcher alone kept one core at about half its read bandwidth (benchmarks/qmoe_bench.py) */
+ * the hardware prefetcher alone kept one core at about half its read bandwidth (benchmarks/kernels_bench.py qmoe) */
 #define PF_BYTES 4096
 /* activation rows per pass over a tile: a speculative verification (5 rows) in one pass; AVX2 has 16
  * vector registers for 2 accumulators a row */

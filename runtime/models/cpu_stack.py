@@ -1,50 +1,44 @@
-"""Which Llama-family models and steps run their decoder layers in one C call on the CPU.
+"""Which Llama-family models run their decoder layers in one C call on the CPU: a compiled forward
+the runner picks (runtime/engine/runner.py), as it picks CUDA graphs on a GPU.
 
 A decode step of a small model on a CPU spends more time dispatching ~15 torch ops and kernel calls
 per layer from Python than in the arithmetic (docs/benchmarks.md, "Decode step out of Python"):
 kernels/cpu_decoder.py runs the whole stack of layers in one call, through the same kernels the
-layers call. It applies when every layer is exactly the Llama layer (no family override of its
-projections, norms or MLP), every linear weight is quantized in the CPU kernel's tiled layout
-without LoRA, tensor parallelism or an input permutation, the step has at most qlinear.SMALL_M
-tokens in float32 or bfloat16, and the KV cache is the CPU backend's unquantized one. Everything
-else runs the Python layers, which stay the reference (tests compare the two).
+layers call. `compile_stack` gives the runner a `CompiledStack` when every layer is exactly the Llama
+layer (no family override of its projections, norms or MLP), every linear weight is quantized in
+the CPU kernel's tiled layout without LoRA, tensor parallelism or an input permutation, the
+attention backend is the CPU kernel's and the KV cache its unquantized one in the activations'
+dtype; the runner then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything
+else runs the model's own forward, which stays the reference (tests compare the two).
 
-KVPILOT_CPU_DECODER_STACK=0 turns it off (benchmarks compare the two); any other value than 0 or 1
-is refused naming the variable.
+The `cpu_decoder_stack` kernel switch (--no-cpu-decoder-stack, KVPILOT_CPU_DECODER_STACK=0;
+kernels/switches.py) turns it off (benchmarks compare the two).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, env, qlinear
+from kvpilot.kernels import cpu_attention, cpu_decoder, qlinear
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
+from kvpilot.runtime.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    last_layer_rows,
+)
 
-if TYPE_CHECKING:
-    from kvpilot.runtime.models.llama import LlamaModel
-
-ENV = "KVPILOT_CPU_DECODER_STACK"
-
-
-def enabled(value: str | None) -> bool:
-    """KVPILOT_CPU_DECODER_STACK: unset or 1 (the default: on where it applies), or 0 (off)."""
-    return env.switch(ENV, value, {"0": False, "1": True})
-
-
-ENABLED = enabled(os.environ.get(ENV))
+OFF = "the cpu_decoder_stack switch is off (--no-cpu-decoder-stack or KVPILOT_CPU_DECODER_STACK=0)"
 
 
 def unsupported(model: LlamaModel) -> str | None:
     """Why the model's layers cannot run as one C stack (None when they can)."""
-    from kvpilot.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
-    if not ENABLED:
-        return f"{ENV}=0"
     if not cpu_decoder.available():
         return "the CPU kernels are unavailable or have no tiled quantized path here"
     for layer in model.layers:
@@ -62,6 +56,72 @@ def unsupported(model: LlamaModel) -> str | None:
     return None
 
 
+def unsupported_step(
+    dtype: torch.dtype, device: torch.device, kv_caches: list[KVCacheLayer], backend: AttentionBackend
+) -> str | None:
+    """Pure: why steps of activations in `dtype` on `device`, with this KV pool and attention backend,
+    cannot take the stack (None when they can)."""
+    first = kv_caches[0]
+    if backend.name != cpu_attention.CPUPagedAttentionBackend.name:
+        return f"attention backend {backend.name}"
+    if device.type != "cpu" or dtype not in cpu_decoder.DTYPES:
+        return f"activations {dtype} on {device.type}"
+    if first.k_scale is not None or first.k.dtype != dtype or first.v.dtype != dtype:
+        return f"a {first.k.dtype} KV cache for {dtype} activations"
+    return None
+
+
+def compile_stack(
+    model: Any, kv_caches: list[KVCacheLayer], backend: AttentionBackend, enabled: bool
+) -> tuple[CompiledStack | None, str]:
+    """The runner's compiled forward for `model` with this KV pool and backend, or None and why not."""
+    if not enabled:
+        return None, OFF
+    inner = getattr(model, "model", None)
+    if type(model) is not LlamaForCausalLM or type(inner) is not LlamaModel:
+        return None, f"model class {type(model).__name__}"
+    assert isinstance(inner, LlamaModel)
+    why = unsupported(inner)
+    if why is None:
+        # the activations' dtype: the rows the embedding hands out (a quantized table has no weight)
+        probe = inner.embed_tokens(torch.zeros(1, dtype=torch.int64, device=kv_caches[0].k.device))
+        why = unsupported_step(probe.dtype, probe.device, kv_caches, backend)
+    if why is not None:
+        return None, why
+    return CompiledStack(inner), f"one C call for steps of at most {qlinear.SMALL_M} tokens"
+
+
+class CompiledStack:
+    """LlamaForCausalLM's forward with the decoder layers in one C call (the same hidden states)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.stack = CpuDecoderStack(model)
+
+    @staticmethod
+    def fits(num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` takes the stack: at most qlinear.SMALL_M (more, a prefill:
+        the model's layers)."""
+        return 0 < num_tokens <= qlinear.SMALL_M
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As LlamaModel.forward: final hidden states [T, hidden], or those of `logit_rows`."""
+        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.stack.forward(hidden, positions, kv_caches, meta)  # one C call
+        keep = last_layer_rows(logit_rows, hidden.shape[0])
+        if keep is not None:
+            hidden, residual = hidden.index_select(0, keep), residual.index_select(0, keep)
+        return self.model.final_norm(hidden, residual)
+
+
 @dataclass
 class _Layers:
     key: tuple[int, ...]  # the KV cache storage it was built for
@@ -76,27 +136,6 @@ class CpuDecoderStack:
         self.model = model
         self.kernels = cpu_decoder.kernels()
         self._layers: _Layers | None = None
-
-    @classmethod
-    def for_model(cls, model: LlamaModel) -> CpuDecoderStack | None:
-        """The model's stack, built on first use (None when unsupported: checked once)."""
-        cached = model.__dict__.get("_cpu_stack", False)
-        if cached is False:
-            cached = cls(model) if unsupported(model) is None else None
-            model.__dict__["_cpu_stack"] = cached
-        return cached
-
-    def applies(self, hidden: torch.Tensor, kv_caches: list[KVCacheLayer], backend: AttentionBackend) -> bool:
-        first = kv_caches[0]
-        return (
-            isinstance(backend, cpu_attention.CPUPagedAttentionBackend)
-            and hidden.device.type == "cpu"
-            and hidden.dtype in cpu_decoder.DTYPES
-            and 0 < hidden.shape[0] <= qlinear.SMALL_M
-            and first.k_scale is None
-            and first.k.dtype == hidden.dtype
-            and first.v.dtype == hidden.dtype
-        )
 
     def layers(self, kv_caches: list[KVCacheLayer], dtype: torch.dtype) -> ctypes.Array[cpu_decoder.Layer]:
         key = (*(c.k.data_ptr() for c in kv_caches), *(c.v.data_ptr() for c in kv_caches), id(dtype))

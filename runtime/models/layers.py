@@ -19,7 +19,13 @@ from torch import nn
 
 from kvpilot.kernels import cpu_ops, qlinear
 from kvpilot.kernels.qlinear import QuantizedWeight
-from kvpilot.runtime.parallel import divide, get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
+from kvpilot.runtime.models.parallel import (
+    divide,
+    get_tp_rank,
+    get_tp_world_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
 
 WeightLoader = Callable[..., None]
 
@@ -53,7 +59,7 @@ _defer_linear_weights = False
 @contextmanager
 def deferred_linear_weights() -> Iterator[None]:
     """Build linear layers with their weight on the meta device (no memory): a GPTQ/AWQ checkpoint
-    then sets each layer's quantized weight instead (runtime/loader.py)."""
+    then sets each layer's quantized weight instead (runtime/load/loader.py)."""
     global _defer_linear_weights
     before, _defer_linear_weights = _defer_linear_weights, True
     try:
@@ -344,7 +350,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora: Any = None  # runtime/lora/layers.LoRALinear once LoRA serving attaches one
         self.weight = _new_linear_weight(self.output_size_per_rank, input_size)
         set_weight_loader(self.weight, self.weight_loader)
-        self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
+        self.qweight: QuantizedWeight | None = None  # set by runtime/load/quantization.py
         self.input_perm: torch.Tensor | None = None  # GPTQ act-order: qweight's input feature order
         self.bias: nn.Parameter | None = None
         if bias:
@@ -441,7 +447,7 @@ class RowParallelLinear(nn.Module):
         self.lora: Any = None  # runtime/lora/layers.LoRALinear once LoRA serving attaches one
         self.weight = _new_linear_weight(output_size, self.input_size_per_rank)
         set_weight_loader(self.weight, self.weight_loader)
-        self.qweight: QuantizedWeight | None = None  # set by runtime/quantization.py
+        self.qweight: QuantizedWeight | None = None  # set by runtime/load/quantization.py
         self.input_perm: torch.Tensor | None = None  # GPTQ act-order: qweight's input feature order
         self.bias: nn.Parameter | None = None
         if bias:  # replicated: added once, after the reduction
@@ -493,7 +499,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _new_param(self.rows_per_rank, embedding_dim)
         set_weight_loader(self.weight, self.weight_loader)
         self.dtype = self.weight.dtype  # of the embeddings handed out, whatever the storage
-        # Set by runtime/quantization.py (the quantized LM head; the tied embedding shares it):
+        # Set by runtime/load/quantization.py (the quantized LM head; the tied embedding shares it):
         # a lookup then dequantizes only the rows it reads.
         self.qweight: QuantizedWeight | None = None
 

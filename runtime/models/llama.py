@@ -18,7 +18,6 @@ from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCac
 from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.models.arch_config import ModelArchConfig
 from kvpilot.runtime.models.base import CausalLM
-from kvpilot.runtime.models.cpu_stack import CpuDecoderStack
 from kvpilot.runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -174,16 +173,14 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         keep = last_layer_rows(logit_rows, hidden.shape[0])
         residual: torch.Tensor | None = None
-        stack = CpuDecoderStack.for_model(self)
-        if stack is not None and stack.applies(hidden, kv_caches, backend):
-            hidden, residual = stack.forward(hidden, positions, kv_caches, meta)  # one C call
-            if keep is not None:
-                hidden, residual = hidden.index_select(0, keep), residual.index_select(0, keep)
-        else:
-            last = len(self.layers) - 1
-            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                rows = keep if i == last else None
-                hidden, residual = layer(positions, hidden, residual, cache, meta, backend, rows)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rows = keep if i == last else None
+            hidden, residual = layer(positions, hidden, residual, cache, meta, backend, rows)
+        return self.final_norm(hidden, residual)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final RMSNorm of the last layer's output plus the residual (an empty batch as it is)."""
         if not hidden.shape[0]:
             return hidden
         hidden, _ = self.norm(hidden, residual)

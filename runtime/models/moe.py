@@ -54,7 +54,7 @@ from torch import nn
 from kvpilot.kernels import cpu_moe, qlinear
 from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.models.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
-from kvpilot.runtime.parallel import (
+from kvpilot.runtime.models.parallel import (
     divide,
     expert_parallel_enabled,
     get_tp_rank,
@@ -282,7 +282,7 @@ class FusedMoE(nn.Module):
         self.w2 = _new_param(self.num_local_experts, hidden_size, i)
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        # set by `quantize` (runtime/quantization.py), which frees w13 and w2
+        # set by `quantize` (runtime/load/quantization.py), which frees w13 and w2
         self.q13: list[QuantizedWeight] | None = None
         self.q2: list[QuantizedWeight] | None = None
         self._table: tuple[int, qlinear.ExpertTable | None] | None = None  # (id of q13, its table)

@@ -34,7 +34,7 @@ from kvpilot.runtime.models.llama import (
     LlamaModel,
 )
 from kvpilot.runtime.models.moe import SparseMoeBlock
-from kvpilot.runtime.parallel import get_tp_world_size, tp_all_reduce
+from kvpilot.runtime.models.parallel import get_tp_world_size, tp_all_reduce
 
 # checkpoint expert piece -> ours (w1 gate, w3 up, w2 down)
 _EXPERT_PIECES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}

@@ -57,6 +57,9 @@ VALID = [
         ],
         "runtime": {"maxLoras": 2, "maxLoraRank": 64},
     },
+    {"model": BUILTIN, "inferencePool": {"enabled": True}},
+    {"model": BUILTIN, "inferencePool": {"enabled": True, "endpointPicker": {"service": "llama-epp"}}},
+    {"model": BUILTIN, "inferencePool": {"enabled": False}},
 ]
 
 INVALID = [
@@ -123,6 +126,15 @@ INVALID = [
             "adapters": [{"name": "sql", "source": "pvc://a/sql"}, {"name": "sql", "source": "pvc://a/sql2"}],
         },
         "spec.adapters[].name must be unique",
+    ),
+    (
+        {"model": BUILTIN, "inferencePool": {"endpointPicker": {"service": "epp"}}},
+        "spec.inferencePool.endpointPicker is only used when spec.inferencePool.enabled is true: set "
+        "enabled: true",
+    ),
+    (
+        {"model": BUILTIN, "inferencePool": {"enabled": True, "endpointPicker": {"service": "EPP.svc"}}},
+        "spec.inferencePool.endpointPicker.service must be the name of a Service in this namespace",
     ),
 ]
 

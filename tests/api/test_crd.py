@@ -138,6 +138,7 @@ def test_status_schema_keeps_autoscaler_fields_and_conditions_are_a_map() -> Non
         "arrivals",
         "decidedBy",
         "heldKind",
+        "slo",
     }
     assert status["conditions"]["x-kubernetes-list-type"] == "map"
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]

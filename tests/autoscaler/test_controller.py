@@ -353,7 +353,7 @@ def test_the_written_status_block_is_pinned_and_declared_by_the_crd():
         "decidedBy": "autoscaler-0_1",
         "heldKind": "not-reporting",
     }
-    assert d.reason.endswith("-> 4 (hold)")
+    assert d.reason.endswith("-> 4 (hold) [signal: replicas not reporting]")
     assert json.dumps(block) == json.dumps(expected)  # the text, so 0 vs 0.0 and key order count too
     crd = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     schema = crd["properties"]["status"]["properties"]["autoscaler"]
@@ -535,7 +535,7 @@ def test_status_numbers_read_back_as_json_carries_them():
 async def test_a_request_held_by_a_real_router_scales_a_model_from_zero():
     import aiohttp
 
-    from kvpilot.autoscaler.sources import parse_router_queue
+    from kvpilot.autoscaler.router_source import parse_router_queue
     from kvpilot.router.pool import QueueSettings
     from kvpilot.router.server import Router, RouterSettings
 

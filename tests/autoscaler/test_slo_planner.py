@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from kvpilot.autoscaler.attainment import SloCounts
+from kvpilot.autoscaler.feedback import SloState
 from kvpilot.autoscaler.policy import (
     MIN_MIX_REQUESTS,
     TOKEN_MIX_WINDOW_REQUESTS,
@@ -97,8 +99,16 @@ def test_planner_scales_down_when_traffic_falls_but_kv_rule_is_a_floor():
     quiet = tuple(
         sample(f"p{i}", 1001, 2_000_000 + 2000, 200_000 + 200, kv=0.05, running=1) for i in range(8)
     )
-    d = decide(8, MetricsSnapshot(8, quiet), targets, previous(8, mix=(2000.0, 200.0)), NOW)
+    history = previous(8, mix=(2000.0, 200.0))
+    # Without a measured attainment, scale-down waits: missing metrics are never perfect attainment.
+    d = decide(8, MetricsSnapshot(8, quiet), targets, history, NOW)
+    assert d.slo_recommendation in (0, 1) and d.desired == 8
+    assert "scale-down held: attainment unknown" in d.reason and d.signal == "attainment unknown"
+    # The routers judged 400 requests since the last sync, all within the SLO: headroom.
+    history = replace(history, slo=SloState(time=NOW - 15.0, router_counts=SloCounts(met=1000)))
+    d = decide(8, MetricsSnapshot(8, quiet, router_slo=SloCounts(met=1400)), targets, history, NOW)
     assert d.slo_recommendation in (0, 1) and d.desired == 7  # the scale-down rate limit: -1 per 60 s
+    assert d.attainment == 1.0 and d.attainment_source == "router"
     # KV far above target: the reactive rule keeps the fleet (and asks for more).
     full = tuple(
         sample(f"p{i}", 1001, 2_000_000 + 2000, 200_000 + 200, kv=0.99, running=200) for i in range(8)

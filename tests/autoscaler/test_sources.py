@@ -40,7 +40,7 @@ def kvpilot_page(
     Gauge("kvpilot_num_requests_waiting", "w", ["model_name"], registry=reg).labels(model).set(waiting)
     Gauge("kvpilot_num_requests_running", "r", ["model_name"], registry=reg).labels(model).set(running)
     if finished is not None:
-        # As runtime/metrics.py declares it: one series per finish reason.
+        # As runtime/serving/metrics.py declares it: one series per finish reason.
         c = Counter("kvpilot_request_success", "done", ["model_name", "finished_reason"], registry=reg)
         for reason, n in finished.items():
             c.labels(model, reason).inc(n)
@@ -410,7 +410,7 @@ async def test_prometheus_custom_templates_and_failure_means_not_reporting(prome
 def test_parse_output_length_histogram_from_the_runtime_exporter():
     """The runtime's own ServerMetrics page: its kvpilot_request_generation_tokens buckets become the
     sample's cumulative (le, count) pairs; a page without the histogram gives None."""
-    from kvpilot.runtime.metrics import ServerMetrics
+    from kvpilot.runtime.serving.metrics import ServerMetrics
 
     m = ServerMetrics("llama")
     m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.25, "num_running": 2, "num_waiting": 1})())

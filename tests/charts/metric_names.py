@@ -44,10 +44,10 @@ def contract_metrics() -> frozenset[str]:
 
 @cache
 def runtime_metrics() -> frozenset[str]:
-    """Sample names the runtime really exposes (runtime/metrics.py, with every engine value present)."""
+    """Sample names the runtime really exposes (runtime/serving/metrics.py, with every engine value present)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvpilot.runtime.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
+    from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 
     m = ServerMetrics("m")
     stats = SimpleNamespace(**{attr: 1 for _, _, attr in ENGINE_GAUGES + ENGINE_COUNTERS})
@@ -97,6 +97,9 @@ def autoscaler_metrics() -> frozenset[str]:
     m.desired.labels("ns", "model").set(1)  # per-model gauges have no sample until a decision
     m.current.labels("ns", "model").set(1)
     m.reporting.labels("ns", "model").set(1)
+    m.attainment.labels("ns", "model").set(1)
+    m.attainment_target.labels("ns", "model").set(1)
+    m.capacity_factor.labels("ns", "model").set(1)
     names = set()
     for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
         names |= {s.name for s in family.samples}

@@ -25,6 +25,10 @@ EVERYTHING = (
     "autoscaler.metricsSource=prometheus",
     "autoscaler.prometheusURL=http://prometheus.monitoring.svc:9090",
     "router.enabled=true",
+    "router.flowControl.maxQueuePerPriority.low=8",
+    "router.flowControl.queueTimeoutPerPrioritySeconds.low=5",
+    "router.flowControl.tenantHeader=Authorization",
+    "router.flowControl.maxQueuePerTenant=16",
 )
 
 
@@ -136,6 +140,29 @@ def test_rendered_command_lines_parse_with_the_real_cli(sets: tuple[str, ...]) -
     assert auto.health_port == 8081 and auto.metrics_port == 8080
 
 
+def test_router_flow_control_slo_and_migration_args_follow_values() -> None:
+    from kvpilot.router.cli import parse_class_values
+
+    r = template(*EVERYTHING, "router.streamMigration=false", "router.slo.tpotSeconds=1")
+    args = _cli_args(r.one("Deployment", "-router")["spec"]["template"]["spec"]["containers"][0])
+    assert parse_class_values("--max-queue-per-priority", args.max_queue_per_priority, int) == {"low": 8}
+    assert parse_class_values("--queue-timeout-per-priority", args.queue_timeout_per_priority, float) == {
+        "low": 5.0
+    }
+    assert (args.tenant_header, args.max_queue_per_tenant) == ("Authorization", 16)
+    assert (args.slo_ttft_seconds, args.slo_tpot_seconds, args.slo_window) == (2.0, 1.0, 300.0)
+    assert args.stream_migration == "off"
+    args = _cli_args(
+        template("router.enabled=true").one("Deployment", "-router")["spec"]["template"]["spec"][
+            "containers"
+        ][0]
+    )
+    assert (
+        args.max_queue_per_priority == [] and args.tenant_header is None and args.max_queue_per_tenant is None
+    )
+    assert args.stream_migration == "on"
+
+
 def test_operator_args_follow_values() -> None:
     r = template("watchNamespaces={ml,research}", "autoscaler.enabled=false", "operator.replicas=2")
     c = r.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
@@ -175,6 +202,7 @@ OPERATOR_RULES = {
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
     ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
 }
 AUTOSCALER_RULES = {
     ("kvpilot.dev", "inferencemodels"): {"list"},
@@ -241,6 +269,13 @@ def test_secret_access_only_by_name() -> None:
 def test_service_monitor_rule_can_be_left_out() -> None:
     r = template("rbac.serviceMonitors=false")
     assert ("monitoring.coreos.com", "servicemonitors") not in flatten(
+        r.one("ClusterRole", "-operator")["rules"]
+    )
+
+
+def test_inference_pool_rule_can_be_left_out() -> None:
+    r = template("rbac.inferencePools=false")
+    assert ("inference.networking.k8s.io", "inferencepools") not in flatten(
         r.one("ClusterRole", "-operator")["rules"]
     )
 

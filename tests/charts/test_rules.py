@@ -101,7 +101,7 @@ def test_the_issue_s_alerts_are_all_there() -> None:
 
 def test_slo_threshold_is_a_runtime_histogram_bucket() -> None:
     """A bucket boundary that the runtime does not have would make every request a miss (or none)."""
-    from kvpilot.runtime.metrics import TTFT_BUCKETS
+    from kvpilot.runtime.serving.metrics import TTFT_BUCKETS
 
     les = set(re.findall(r'le="([0-9.]+)"', RULES.read_text()))
     assert les == {"2.5"}
@@ -151,6 +151,7 @@ def test_the_chart_drops_the_autoscaler_alerts_without_an_autoscaler() -> None:
         "KvpilotAutoscalerDown",
         "KvpilotAutoscalerNoLeader",
         "KvpilotAutoscalerNotSyncing",
+        "KvpilotSloAttainmentLow",
     }
 
     def names(*sets: str) -> set[str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, isa, qlinear
+from kvpilot.kernels import cbuild, isa, qlinear, switches
 from tests.needs import missing
 
 
@@ -151,16 +151,9 @@ def test_kernel_takes_batched_leading_dims_and_large_m_falls_back_to_the_referen
         qlinear.kernel_matmul(torch.randn(1, 255), qw)
 
 
-def test_activations_setting_is_checked() -> None:
-    assert qlinear.activations_setting(None) and qlinear.activations_setting("int8")
-    assert not qlinear.activations_setting("float")
-    with pytest.raises(ValueError, match="KVPILOT_QMATMUL_ACTIVATIONS='fp8': expected int8 or float"):
-        qlinear.activations_setting("fp8")
-
-
 @pytest.mark.usefixtures("exact_qmatmul")
 def test_float_activations_give_the_exact_product() -> None:
-    """KVPILOT_QMATMUL_ACTIVATIONS=float: every level multiplies the dequantized weights in float32."""
+    """--qmatmul-activations float: every level multiplies the dequantized weights in float32."""
     torch.manual_seed(3)
     x = torch.randn(3, 256)
     for level in isa.runnable():
@@ -262,7 +255,7 @@ def test_tiling_applies_where_the_tiled_kernel_exists(monkeypatch: pytest.Monkey
     assert qlinear.tile_applies(qw) == (qlinear.built_isa() in ("avx512", "avx2"))
     assert not qlinear.tile_applies(qlinear.quantize_int4(weight(40, 256), 32))  # 40 rows: no whole tiles
     assert not qlinear.tile_applies(qlinear.tile(qw))  # already tiled
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    switches.use(switches.changed(qmatmul_activations="float"))
     assert not qlinear.tile_applies(qw)  # float activations: the row kernel's exact product
 
 
@@ -287,7 +280,7 @@ def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch
     i8 = qlinear.tile(qlinear.quantize_int8(weight(48, 256)))
     avx2 = qlinear.built_isa() == "avx2"
     assert qlinear.max_kernel_rows(i8) == (qlinear.TILED_MAX_M if vnni or avx2 else qlinear.SMALL_M)
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    switches.use(switches.changed(qmatmul_activations="float"))
     few = torch.randn(2, 256).to(dtype)
     torch.testing.assert_close(qlinear.matmul(few, t), qlinear.matmul(few, qw), rtol=0, atol=0)
 
@@ -300,7 +293,7 @@ def test_routing_at_each_level_reads_the_isa_without_asking_the_library(
     C code is asked its ISA once, when a level's library is loaded."""
     if not qlinear.available(cpu_isa):
         missing("a C compiler for the CPU kernels", "install gcc or clang")
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", True)
+    switches.use(switches.changed(qmatmul_activations="int8"))
     vnni = cpu_isa == "avx512" and "avx512_vnni" in isa.cpu_features()
     i4, i8 = qlinear.quantize_int4(weight(48, 256), 32), qlinear.quantize_int8(weight(48, 256))
     small, tiled = qlinear.SMALL_M, qlinear.TILED_MAX_M

@@ -129,8 +129,8 @@ def test_a_quantized_model_layer_through_qlinear_matmul_takes_the_kernel(
     """The wiring: with `applies` true (on a GPU it is for CUDA tensors; here it is made true for the
     interpreter), a tiny int4 Llama's MLP runs its matmuls through the kernel and computes what float
     weights equal to the dequantized ones compute."""
+    from kvpilot.runtime.load.quantization import linear_layers, quantize_model
     from kvpilot.runtime.models import ModelArchConfig, get_model_class
-    from kvpilot.runtime.quantization import linear_layers, quantize_model
 
     arch = ModelArchConfig(
         architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=64,

@@ -90,5 +90,9 @@ class FakeKube:
         self.events.append(copy.deepcopy(obj))
         return obj
 
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.writes.append(("delete", f"{kind}/{name}"))
+        self.objects.pop(self._key(api_version, kind, namespace, name), None)
+
     def has_api(self, group_version: str) -> bool:
         return group_version in self.apis

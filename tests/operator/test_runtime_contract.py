@@ -51,6 +51,6 @@ def test_serve_accepts_the_rendered_config(path: Path, doc: dict[str, Any], tmp_
 def test_the_operator_knows_the_runtimes_cpu_kv_pool_default() -> None:
     """oom.py halves the CPU KV pool from the runtime's default without importing torch."""
     from kvpilot.operator import oom
-    from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES
+    from kvpilot.runtime.engine.runner import CPU_DEFAULT_KV_BYTES
 
     assert oom.CPU_DEFAULT_KV_BYTES == CPU_DEFAULT_KV_BYTES

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.api.slo import SloTargets
 from kvpilot.router.kube_discovery import KubeSource, model_endpoints
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.server import Router, RouterSettings
@@ -80,8 +81,15 @@ def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
         "kv-aware",
         "qwen-chat",
         (),
+        None,
     )
-    assert table["qwen-chat"] == ([], None, None, ())  # scaled to zero: routable, requests wait for a pod
+    assert table["qwen-chat"] == (
+        [],
+        None,
+        None,
+        (),
+        None,
+    )  # scaled to zero: routable, requests wait for a pod
 
 
 def test_adapters_come_from_spec_adapters_in_order() -> None:
@@ -105,6 +113,27 @@ async def test_adapters_reach_the_router_and_follow_spec_changes() -> None:
     lister.objects.remove(m)  # the InferenceModel was deleted: its adapters leave with it
     source.apply(source._list(), router.update)
     assert router.adapter_parent == {} and "llama" not in router.pools
+
+
+async def test_the_slo_comes_from_spec_and_the_autoscalers_published_prefill_terms() -> None:
+    slo = {"calibration": "h100/llama-3.1-8b", "ttftSeconds": 0.5, "tpotSeconds": 0.04}
+    m = im("llama", autoscaling={"slo": slo})
+    lister = Lister([m, im("plain"), pod("llama-a", "llama")])
+    router = Router(RouterSettings(scrape_interval_s=0, slo=SloTargets(ttft_s=9.0, tpot_s=0.9)))
+    source = KubeSource(lister, "ml")
+    source.apply(source._list(), router.update)
+    assert router.meter.targets("llama") == SloTargets(ttft_s=0.5, tpot_s=0.04)  # factor: the default
+    assert router.meter.targets("plain") == SloTargets(ttft_s=9.0, tpot_s=0.9)  # the router's flags
+    m["spec"]["autoscaling"]["slo"]["ttftPrefillFactor"] = 3
+    m["status"] = {
+        "autoscaler": {"slo": {"prefillSecondsPerToken": 1e-4, "prefillSecondsPerTokenSquared": 2e-9}}
+    }
+    source.apply(source._list(), router.update)
+    assert router.meter.targets("llama") == SloTargets(0.5, 0.04, 3.0, 1e-4, 2e-9)
+    m["status"]["autoscaler"]["slo"]["prefillSecondsPerToken"] = -1  # not a valid target: the flags'
+    assert model_endpoints([m], [])["llama"][4] is None
+    m["status"]["autoscaler"]["slo"] = "garbage"  # read defensively: absent terms are 0
+    assert model_endpoints([m], [])["llama"][4] == SloTargets(0.5, 0.04, 3.0)
 
 
 def test_oom_adaptation_caps_capacity() -> None:

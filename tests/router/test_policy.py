@@ -275,3 +275,32 @@ def test_adapter_holder_choice_respects_room_and_the_bound(
         assert not ok
     else:
         assert i in ok and pods[i].load == min(pods[j].load for j in ok)
+
+
+def test_slowness_is_relative_to_the_measured_peers_and_counts_errors() -> None:
+    from kvpilot.router.policy import slowness
+
+    views = [
+        PodView("fast", 0, 8, ttft_s=0.2, tpot_s=0.02),
+        PodView("typical", 0, 8, ttft_s=0.2, tpot_s=0.04),
+        PodView("slow", 0, 8, ttft_s=0.2, tpot_s=0.12),
+        PodView("new", 0, 8),
+        PodView("failing", 0, 8, ttft_s=0.2, tpot_s=0.04, error_rate=0.5),
+    ]
+    assert slowness(views) == pytest.approx([1.0, 1.0, 3.0, 1.0, 2.0])
+    assert slowness(pods_of([0, 5])) == [1.0, 1.0]  # nothing measured: load alone decides
+
+
+@pytest.mark.parametrize("name", ["least-loaded", "kv-aware"])
+def test_a_pod_measured_slow_gets_less_until_the_fast_ones_are_loaded(name: str) -> None:
+    policy = make_policy(name)
+    key = RouteKey(blocks=(), size_blocks=1)
+
+    def views(loads: list[int]) -> list[PodView]:
+        tpot = [0.03, 0.03, 0.09]  # pod-2 answers three times as slowly
+        return [PodView(f"pod-{i}", n, 8, active_blocks=n, tpot_s=tpot[i]) for i, n in enumerate(loads)]
+
+    picks = collections.Counter(policy.choose(key, views([0, 0, 0])) for _ in range(4))
+    assert picks[2] == 0  # idle fast pods first
+    assert policy.choose(key, views([1, 1, 0])) in (0, 1)  # still: 2 x 1 < 1 x 3
+    assert policy.choose(key, views([3, 3, 0])) == 2  # 4 x 1 > 1 x 3: the slow pod takes its share

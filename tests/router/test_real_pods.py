@@ -26,11 +26,11 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 
 
-def start_pod(port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_pod(port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--threads", "1", "--max-num-seqs", "2", "--kv-cache-memory", "64MiB",
-        "--enable-prefix-caching",
+        "--enable-prefix-caching", *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen(

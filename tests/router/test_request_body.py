@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvpilot.request_body import MAX_JSON_DEPTH, BodyError, parse_json_object
-from kvpilot.runtime import api_request
-from kvpilot.runtime.api_errors import APIError
+from kvpilot.runtime.serving import request as api_request
+from kvpilot.runtime.serving.errors import APIError
 
 BODIES = [
     b"[" * 1000 + b"]" * 1000,
@@ -54,7 +54,7 @@ def test_the_router_imports_neither_torch_nor_the_runtime() -> None:
 
 
 def test_one_depth_limit() -> None:
-    from kvpilot.runtime import json_limits
+    from kvpilot.runtime.grammar import json_limits
 
     assert json_limits.MAX_JSON_DEPTH is MAX_JSON_DEPTH == 64  # bodies and schema strings alike
 

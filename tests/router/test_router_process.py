@@ -51,6 +51,20 @@ def router_cmd(*args: str) -> list[str]:
             "--endpoints and --namespace exclude each other",
         ),
         ([], "--namespace is required without --endpoints"),
+        (
+            ["--endpoints", "m=http://x", "--max-queue-per-priority", "urgent=3"],
+            "--max-queue-per-priority 'urgent=3': expected CLASS=VALUE",
+        ),
+        (
+            ["--endpoints", "m=http://x", "--queue-timeout-per-priority", "low=0"],
+            "--queue-timeout-per-priority 'low=0': expected CLASS=VALUE",
+        ),
+        (
+            ["--endpoints", "m=http://x", "--max-queue-per-tenant", "3"],
+            "--max-queue-per-tenant needs --tenant-header",
+        ),
+        (["--endpoints", "m=http://x", "--slo-tpot-seconds", "0"], "--slo-tpot-seconds must be > 0"),
+        (["--endpoints", "m=http://x", "--slo-window", "nan"], "--slo-window must be > 0"),
         (["--endpoints", "m=http://x", "--fallback", "m=small"], "'small' is not a model of --endpoints"),
         (["--endpoints", "m=http://x", "--adapters", "n=sql"], "--adapters 'n=sql': 'n' is not a model"),
         (["--namespace", "ml", "--adapters", "m=sql"], "--adapters needs --endpoints"),
@@ -240,22 +254,31 @@ async def test_a_frozen_pod_costs_a_client_one_deadline_is_ejected_and_comes_bac
             assert sample(m, "kvpilot_router_ejected_pods", model_name="m") == 0
 
 
-async def test_a_pod_frozen_mid_stream_ends_the_stream_with_an_error_event() -> None:
+async def stream_and_freeze(
+    session: aiohttp.ClientSession, url: str, by_url: dict[str, subprocess.Popen[bytes]], **extra: Any
+) -> tuple[str, list[Any], float]:
+    """A stream whose pod is frozen after its first event: (that pod, the events after it, the
+    seconds from the freeze to the stream's end)."""
+    body = {"model": "m", "prompt": "x", "stream": True, **extra}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        first = await r.content.readuntil(b"\n\n")
+        os.kill(by_url[r.headers["X-Kvpilot-Pod"]].pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        rest = await r.read()  # ends: the router closes the stream
+        took = time.monotonic() - frozen_at
+    assert r.status == 200 and json.loads(first[len(b"data: ") :])["choices"][0]["text"]
+    events = [e[len("data: ") :] for e in rest.decode().strip().split("\n\n")]
+    return r.headers["X-Kvpilot-Pod"], [e if e == "[DONE]" else json.loads(e) for e in events], took
+
+
+async def test_a_pod_frozen_mid_stream_ends_a_guided_stream_with_an_error_event() -> None:
     with pod_processes(2, "--chunks", "40", "--chunk-delay", "0.1") as pods:
         by_url = dict(pods)
         async with (
             router_process(",".join(by_url), *DEADLINE_FLAGS) as (url, _),
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
         ):
-            body = {"model": "m", "prompt": "x", "stream": True}
-            async with session.post(url + "/v1/completions", json=body) as r:
-                first = await r.content.readuntil(b"\n\n")
-                os.kill(by_url[r.headers["X-Kvpilot-Pod"]].pid, signal.SIGSTOP)
-                frozen_at = time.monotonic()
-                rest = await r.read()  # ends: the router closes the stream
-                took = time.monotonic() - frozen_at
-            assert r.status == 200 and json.loads(first[len(b"data: ") :])["choices"][0]["text"]
-            events = [json.loads(e[len("data: ") :]) for e in rest.decode().strip().split("\n\n")]
+            frozen, events, took = await stream_and_freeze(session, url, by_url, guided_regex="p.*")
             assert events[-1]["error"]["code"] == "upstream_timeout"
             assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
             assert all("choices" in e for e in events[:-1]) and len(events) < 40
@@ -263,6 +286,30 @@ async def test_a_pod_frozen_mid_stream_ends_the_stream_with_an_error_event() -> 
             m = await router_metrics(session, url)
             assert sample(m, "kvpilot_router_upstream_timeouts_total", model_name="m", phase="idle") == 1
             assert sample(m, "kvpilot_router_upstream_failures_total", model_name="m") == 1
+            assert sample(m, "kvpilot_router_stream_migrations_total", model_name="m") == 0
             # the next request is served by the other pod
             status, pod, data, _ = await ask(session, url, True)
-            assert status == 200 and pod != r.headers["X-Kvpilot-Pod"] and complete(data, True)
+            assert status == 200 and pod != frozen and complete(data, True)
+
+
+async def test_a_pod_frozen_mid_stream_hands_a_plain_stream_to_another_pod() -> None:
+    with pod_processes(2, "--chunks", "40", "--chunk-delay", "0.1") as pods:
+        by_url = dict(pods)
+        async with (
+            router_process(",".join(by_url), *DEADLINE_FLAGS) as (url, _),
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        ):
+            frozen, events, _ = await stream_and_freeze(session, url, by_url)
+            (other,) = set(by_url) - {frozen}
+            frozen_name, other_name = (f"p{list(by_url).index(u)}" for u in (frozen, other))
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+            texts = [e["choices"][0]["text"] for e in events[:-1]]
+            # the frozen pod's events, then the other pod's whole answer (a fake pod ignores the prompt)
+            cut = next(i for i, t in enumerate(texts) if t.startswith(other_name))
+            assert all(t.startswith(frozen_name) for t in texts[:cut])
+            assert texts[cut:] == [f"{other_name}-{i} " for i in range(40)]
+            assert {e["id"] for e in events[:-1]} == {"cmpl-test"}
+            m = await router_metrics(session, url)
+            assert sample(m, "kvpilot_router_stream_migrations_total", model_name="m") == 1
+            assert sample(m, "kvpilot_router_upstream_timeouts_total", model_name="m", phase="idle") == 1
+            assert sample(m, "kvpilot_router_slo_requests_total", model_name="m", outcome="failed") == 0

@@ -20,6 +20,8 @@ from kvpilot.router.server import (
     FALLBACK_HEADER,
     POD_HEADER,
     PRIORITY_HEADER,
+    QUEUE_TIMEOUT_HEADER,
+    REJECT_HEADER,
     Router,
     RouterSettings,
     parse_load,
@@ -280,14 +282,75 @@ async def test_overload_is_429_with_retry_after_never_5xx(pods: list[FakePod]) -
         waiting = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "b"}))
         await until(lambda: lr.router.pools[MODEL].queue_depth == 1)
         status, body, headers = await post(lr, {"model": MODEL, "prompt": "c"})
-        assert status == 429 and headers["Retry-After"] == "1"
+        assert status == 429 and headers["Retry-After"] == "1" and headers[REJECT_HEADER] == "queue_full"
         assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
         status, body, headers = await waiting  # its deadline passed while the pod stayed busy
         assert status == 429 and body["error"]["code"] == "queue_timeout" and "Retry-After" in headers
+        assert headers[REJECT_HEADER] == "queue_timeout"
         gate.set()
         assert (await running)[0] == 200
         assert metric(lr, "kvpilot_router_requests_total", model_name=MODEL, code="429") == 2
         assert len(pods[0].bodies) == 1
+
+
+async def test_each_class_has_its_own_bound_and_time_to_live_and_a_client_may_ask_less(
+    pods: list[FakePod],
+) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    queue = {"class_max_queue": {"low": 1}, "class_timeout_s": {"low": 0.3}, "queue_timeout_s": 30}
+    async with live({MODEL: eps(pods[:1], capacity=1)}, **queue) as lr:
+        pool = lr.router.pools[MODEL]
+        low = {PRIORITY_HEADER: "low"}
+        running = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "a"}))
+        await until(lambda: pods[0].active == 1)
+        waiting_low = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "b"}, headers=low))
+        await until(lambda: pool.queue_depth == 1)
+        status, body, headers = await post(lr, {"model": MODEL, "prompt": "c"}, headers=low)
+        assert (
+            status == 429
+            and headers[REJECT_HEADER] == "queue_full"
+            and "low-priority" in body["error"]["message"]
+        )
+        # a normal request still has room in the queue; this one's client lets it wait 0.2 s only
+        short = {QUEUE_TIMEOUT_HEADER: "0.2"}
+        status, _, headers = await post(lr, {"model": MODEL, "prompt": "d"}, headers=short)
+        assert status == 429 and headers[REJECT_HEADER] == "queue_timeout"
+        status, _, headers = await waiting_low  # low's time to live is 0.3 s, normal's 30 s
+        assert status == 429 and headers[REJECT_HEADER] == "queue_timeout"
+        status, body, _ = await post(lr, {"model": MODEL, "prompt": "e"}, headers={QUEUE_TIMEOUT_HEADER: "x"})
+        assert status == 400 and QUEUE_TIMEOUT_HEADER in body["error"]["message"]
+        gate.set()
+        assert (await running)[0] == 200
+
+
+async def test_tenants_take_turns_so_a_burst_does_not_starve_the_others(pods: list[FakePod]) -> None:
+    gate = asyncio.Event()
+    pods[0].gate = gate
+    queue = {"max_queue_per_tenant": 4}
+    settings = {"tenant_header": "Authorization"}
+    async with live({MODEL: eps(pods[:1], capacity=1)}, router_settings=settings, **queue) as lr:
+        pool = lr.router.pools[MODEL]
+        running = asyncio.create_task(post(lr, {"model": MODEL, "prompt": "first"}))
+        await until(lambda: pods[0].active == 1)
+
+        def ask(tenant: str, i: int) -> asyncio.Task[Any]:
+            headers = {"Authorization": f"Bearer {tenant}"}
+            return asyncio.create_task(post(lr, {"model": MODEL, "prompt": f"{tenant}{i}"}, headers=headers))
+
+        burst = [ask("key-a", i) for i in range(4)]
+        await until(lambda: pool.queue_depth == 4)
+        status, _, headers = await post(
+            lr, {"model": MODEL, "prompt": "a-more"}, headers={"Authorization": "Bearer key-a"}
+        )
+        assert status == 429 and headers[REJECT_HEADER] == "tenant_queue_full"
+        others = [ask("key-b", 0), ask("key-c", 0)]
+        await until(lambda: pool.queue_depth == 6)
+        gate.set()
+        await asyncio.gather(running, *burst, *others)
+        order = [b["prompt"] for b in pods[0].bodies[1:]]
+        # one of a's, then b and c in turn, then the rest of a's burst
+        assert order == ["key-a0", "key-b0", "key-c0", "key-a1", "key-a2", "key-a3"]
 
 
 async def test_refused_and_503_are_retried_on_another_pod(pods: list[FakePod]) -> None:
@@ -309,11 +372,13 @@ async def test_all_pods_failing_is_502_not_a_hang() -> None:
         assert status == 502 and body["error"]["type"] == "upstream_error"
 
 
-async def test_pod_dying_mid_stream_ends_with_error_event_and_no_retry(pods: list[FakePod]) -> None:
+async def test_a_guided_stream_whose_pod_dies_ends_with_an_error_event_and_no_retry(
+    pods: list[FakePod],
+) -> None:
     pods[0].mode = "die_mid_stream"
     async with live({MODEL: eps(pods[:2])}) as lr:
         async with aiohttp.ClientSession() as s:
-            body = {"model": MODEL, "prompt": "x", "stream": True}
+            body = {"model": MODEL, "prompt": "x", "stream": True, "guided_regex": "p[0-9]"}
             async with s.post(lr.url + "/v1/completions", json=body) as r:
                 assert r.status == 200 and r.headers[POD_HEADER] == "p0"
                 raw = await r.read()
@@ -324,6 +389,10 @@ async def test_pod_dying_mid_stream_ends_with_error_event_and_no_retry(pods: lis
         pool = lr.router.pools[MODEL]
         assert pool.pods["p0"] not in pool.routable()
         assert metric(lr, "kvpilot_router_upstream_failures_total", model_name=MODEL) == 1
+        assert metric(lr, "kvpilot_router_stream_migrations_total", model_name=MODEL) == 0
+        await until(
+            lambda: metric(lr, "kvpilot_router_slo_requests_total", model_name=MODEL, outcome="failed") == 1
+        )
         # the next request goes to the healthy pod
         status, _, headers = await post(lr, {"model": MODEL, "prompt": "y"})
         assert status == 200 and headers[POD_HEADER] == "p1"
@@ -341,10 +410,14 @@ async def test_scale_from_zero_holds_until_a_pod_is_ready(pods: list[FakePod]) -
         assert metric(lr, "kvpilot_router_queue_depth", model_name=MODEL) == 0
 
 
-async def test_scale_from_zero_deadline_is_429(pods: list[FakePod]) -> None:
+async def test_scale_from_zero_deadline_is_503_naming_no_endpoints(pods: list[FakePod]) -> None:
     async with live({MODEL: []}, cold_start_timeout_s=0.2) as lr:
-        status, body, _ = await post(lr, {"model": MODEL, "prompt": "x"})
-        assert status == 429 and "no Ready pod" in body["error"]["message"]
+        status, body, headers = await post(lr, {"model": MODEL, "prompt": "x"})
+        assert status == 503 and "no Ready pod" in body["error"]["message"]
+        assert headers[REJECT_HEADER] == body["error"]["code"] == "no_endpoints"
+        assert body["error"]["type"] == "service_unavailable" and "Retry-After" in headers
+        assert metric(lr, "kvpilot_router_rejections_total", model_name=MODEL, reason="no_endpoints") == 1
+        assert metric(lr, "kvpilot_router_slo_requests_total", model_name=MODEL, outcome="failed") == 1
 
 
 async def test_session_header_sticks_to_one_pod(pods: list[FakePod]) -> None:
@@ -630,3 +703,24 @@ async def test_consecutive_5xx_eject_a_pod_but_never_the_last(pods: list[FakePod
             text = await r.text()
         assert 'kvpilot_router_ejected_pods{model_name="m"} 1.0' in text
         assert 'kvpilot_router_pod_ejections_total{model_name="m",pod="p0"} 1.0' in text
+
+
+async def test_the_router_measures_its_pods_and_routes_around_the_slow_one(pods: list[FakePod]) -> None:
+    pods[1].chunk_delay_s = 0.05  # p1 streams its tokens slowly
+    async with live({MODEL: eps(pods[:2])}, policy="least-loaded") as lr:
+        body = {"model": MODEL, "prompt": "x", "stream": True}
+        first = [(await post(lr, body))[2][POD_HEADER] for _ in range(2)]  # idle pods in turn: one each
+        assert sorted(first) == ["p0", "p1"]
+        later = [(await post(lr, body))[2][POD_HEADER] for _ in range(6)]
+        assert later == ["p0"] * 6  # both idle, p1 measured slow: p0 every time
+        pool = lr.router.pools[MODEL]
+        assert pool.pods["p1"].tpot_s is not None and pool.pods["p0"].tpot_s is not None
+        assert pool.pods["p1"].tpot_s > pool.pods["p0"].tpot_s
+        await until(
+            lambda: metric(lr, "kvpilot_router_time_per_output_token_seconds_count", model_name=MODEL) == 8
+        )
+        async with aiohttp.ClientSession() as s, s.get(lr.url + "/metrics") as r:
+            text = await r.text()
+        assert 'kvpilot_router_pod_tpot_ewma_seconds{model_name="m",pod="p1"}' in text
+        assert 'kvpilot_router_slo_attainment_ratio{model_name="m"}' in text
+        assert metric(lr, "kvpilot_router_slo_window_requests", model_name=MODEL) == 8

@@ -129,6 +129,15 @@ class FakePod:
                     assert request.transport is not None
                     request.transport.abort()  # the pod dies: the connection drops mid-stream
                     return resp
+            options = body.get("stream_options") or {}
+            if options.get("include_usage"):  # as the runtime: a last chunk with no choices
+                usage = {
+                    "prompt_tokens": 3,
+                    "completion_tokens": self.chunks,
+                    "total_tokens": 3 + self.chunks,
+                }
+                last = {**make("", body["model"]), "choices": [], "usage": usage}
+                await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1
             return resp

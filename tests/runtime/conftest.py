@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvpilot.runtime.engine.build import engine_from_loaded
 from tests.needs import require_module
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.loader import LoadedModel
+    from kvpilot.runtime.engine.core import LLMEngine
+    from kvpilot.runtime.load.loader import LoadedModel
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +32,11 @@ def hf_smollm2(smollm2_gguf_path: Path) -> Any:
 def make_engine(smollm2_fp32: LoadedModel) -> Callable[..., LLMEngine]:
     """Build an engine with its own KV pool and scheduler around the session's fp32 model."""
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine import LLMEngine
 
     def make(**overrides: Any) -> LLMEngine:
         settings: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": 256 * 2**20, **overrides}
         cfg = EngineConfig(**settings)
-        return LLMEngine.from_loaded(smollm2_fp32, cfg)
+        return engine_from_loaded(smollm2_fp32, cfg)
 
     return make
 

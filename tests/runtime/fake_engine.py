@@ -1,5 +1,5 @@
 """Test doubles for the server-protocol tests ONLY: a small byte-level BPE tokenizer and a fake engine
-that implements the `AsyncEngine` interface the server talks to. Real end-to-end tests use the real
+that implements the `Engine` contract (runtime/engine/protocol.py) the server talks to. Real end-to-end tests use the real
 engine and the SmolLM2 model.
 """
 
@@ -17,15 +17,20 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvpilot.runtime.engine import (
+from kvpilot.runtime.engine.protocol import (
+    HEALTHY,
     CompletionOutput,
+    EngineHealth,
     EngineStats,
     QueueFullError,
     RequestMetrics,
     RequestOutput,
+    TokenLogprob,
 )
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.sequence import TokenLogprob
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.grammar.structured_output import CompiledGuided, GuidedSpec, GuidedSpecError
+from kvpilot.runtime.lora.errors import LoRAError
+from kvpilot.runtime.lora.request import LoadedAdapter
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -53,7 +58,7 @@ def bpe_tokenizer(vocab_size: int = 400) -> Tokenizer:
 
 
 class FakeTokenizer:
-    """The slice of runtime/tokenizer.py's Tokenizer the server uses."""
+    """The slice of runtime/load/tokenizer.py's Tokenizer the server uses."""
 
     def __init__(self) -> None:
         self._tok = bpe_tokenizer()
@@ -134,6 +139,26 @@ class FakeEngine:
             num_steps=0,
         )
 
+    def health(self) -> EngineHealth:
+        return HEALTHY
+
+    @property
+    def loras(self) -> list[LoadedAdapter]:
+        return []
+
+    @property
+    def lora_enabled(self) -> bool:
+        return False
+
+    async def add_lora(self, name: str, path: str) -> None:
+        raise LoRAError("the test engine serves no adapters")
+
+    async def remove_lora(self, name: str) -> None:
+        raise LoRAError("the test engine serves no adapters")
+
+    async def compile_grammar(self, spec: GuidedSpec) -> CompiledGuided:
+        raise GuidedSpecError("response_format", "the test engine compiles no grammars")
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         ev = self._abort_events.get(request_id)
@@ -146,7 +171,10 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if lora is not None:
+            raise ValueError(f"the test engine serves no adapter {lora!r}")
         self.last_cache_salt = cache_salt
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise ValueError("prompt too long")
@@ -219,7 +247,7 @@ class LiveServer:
         load_engine: Any = None,
         model_name: str = "fake-model",
     ) -> None:
-        from kvpilot.runtime.server import OpenAIServer, ServerSettings
+        from kvpilot.runtime.serving.server import OpenAIServer, ServerSettings
 
         self.engine = engine
         self.settings = ServerSettings(
@@ -232,7 +260,7 @@ class LiveServer:
         self.port = 0
         self.server: Any = self.call_sync(self._make_server(OpenAIServer))
         self._stop: asyncio.Event = self.call_sync(self._make_event())
-        from kvpilot.runtime.lifecycle import serve
+        from kvpilot.runtime.serving.lifecycle import serve
 
         self._done = asyncio.run_coroutine_threadsafe(
             serve(

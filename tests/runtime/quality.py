@@ -1,7 +1,7 @@
 """Answer quality against a float32 reference: a fixed corpus and the two measures on it.
 
 Used by tests/runtime/test_default_quality.py (the default dtype at every ISA level must track
-float32 at least as well as transformers' bfloat16 does) and by benchmarks/dtype_quality.py (the
+float32 at least as well as transformers' bfloat16 does) and by benchmarks/runtime_quality.py dtype (the
 figures). The text is public domain (the Gettysburg Address, the opening of the Declaration of
 Independence, the Preamble and Article I, Section 1-2 of the US Constitution), so it ships with the
 repository and nothing is read from outside it.

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kvpilot.request_body import MAX_JSON_DEPTH
-from kvpilot.runtime.api_errors import APIError
-from kvpilot.runtime.api_request import (
+from kvpilot.runtime.serving.errors import APIError
+from kvpilot.runtime.serving.output_processor import choice_params
+from kvpilot.runtime.serving.request import (
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,7 +17,6 @@ from kvpilot.runtime.api_request import (
     parse_chat_request,
     parse_completion_request,
 )
-from kvpilot.runtime.output_processor import choice_params
 
 
 def body(**kw: Any) -> bytes:
@@ -434,7 +434,6 @@ MEANINGFUL = {  # a value that asks for something, per refused field
     "add_special_tokens": False,
     "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True},
-    "continue_final_message": True,
     "documents": [{"text": "d"}],
     "mm_processor_kwargs": {"a": 1},
     "prompt_embeds": "AAAA",
@@ -644,3 +643,31 @@ def test_tools_and_tool_choice_are_parsed_and_checked() -> None:
         ),
     ]:
         assert chat_error(raw).param == param
+
+
+def test_continue_final_message_renders_the_open_turn_the_generation_prompt_would_start() -> None:
+    """vLLM's continue_final_message: the prompt is the conversation up to the end of the final
+    assistant text, which is the generation prompt followed by that text (the router's migration)."""
+    from kvpilot.runtime.serving.prepare import ServingLimits, prepare_chat
+    from tests.runtime.fake_engine import FakeTokenizer
+
+    tok = FakeTokenizer()
+    limits = ServingLimits(max_model_len=512, kv_capacity_tokens=4096, max_queue_len=8, vocab_size=None)
+    user = [{"role": "user", "content": "Hi"}]
+    fresh = prepare_chat(json.dumps({"messages": user}).encode(), tok, limits, "m")
+    body = {
+        "messages": [*user, {"role": "assistant", "content": "Hello the"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    cont = prepare_chat(json.dumps(body).encode(), tok, limits, "m")
+    expected = tok.encode(tok.apply_chat_template(user) + "Hello the", add_special_tokens=False)
+    assert cont.prompts[0].token_ids == expected
+    assert cont.prompts[0].token_ids[: len(fresh.prompts[0].token_ids)] == fresh.prompts[0].token_ids
+    for wrong, message in (
+        ({**body, "add_generation_prompt": True}, "needs 'add_generation_prompt' false"),
+        ({**body, "messages": user}, "continues a final assistant message"),
+    ):
+        with pytest.raises(APIError, match=message) as e:
+            prepare_chat(json.dumps(wrong).encode(), tok, limits, "m")
+        assert e.value.param == "continue_final_message"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.block_manager import BlockManager, hash_block
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.block_manager import BlockManager, hash_block
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.sequence import Sequence
 
 
 def make_seq(sid: str, tokens: list[int], salt: str | None = None) -> Sequence:

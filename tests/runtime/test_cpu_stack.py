@@ -1,6 +1,6 @@
-"""The decoder stack in one C call (runtime/models/cpu_stack.py, kernels/csrc/decoder_cpu.c) against
-the Python layers it replaces: same kernels, same order, so the same hidden states bit for bit, on
-the real SmolLM2 with int4 weights."""
+"""The decoder stack in one C call (runtime/models/cpu_stack.py, kernels/csrc/decoder_cpu.c), the
+compiled forward the runner picks, against the model's own forward: same kernels, same order, so the
+same hidden states bit for bit, on the real SmolLM2 with int4 weights."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear
-from kvpilot.kernels.attention import KVCacheLayer
+from kvpilot.kernels.attention import KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.loader import load_model
-from kvpilot.runtime.model_runner import KVGeometry, allocate_kv_cache
+from kvpilot.runtime.engine.build import build_engine
+from kvpilot.runtime.engine.runner import KVGeometry, allocate_kv_cache
+from kvpilot.runtime.load.loader import load_model
 from kvpilot.runtime.models import cpu_stack
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
@@ -39,23 +40,31 @@ def int4_model() -> Any:
 
 
 def _caches(loaded: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
-    arch = loaded.arch
+    return _caches_for(loaded.arch, dtype)
+
+
+def _caches_for(arch: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
     geo = KVGeometry(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, 16, dtype)
     return allocate_kv_cache(geo, 64, torch.device("cpu"), tiled=True)
 
 
 def _run(model: Any, loaded: Any, dtype: torch.dtype, stack: bool) -> list[torch.Tensor]:
-    """Hidden states of three steps (two prompts' prefill, then mixed prefill + decode, then decodes)."""
-    model.model.__dict__["_cpu_stack"] = cpu_stack.CpuDecoderStack(model.model) if stack else None
+    """Hidden states of three steps (two prompts' prefill, then mixed prefill + decode, then decodes),
+    by the compiled stack or by the model's own forward."""
     kv = PagedKV(loaded.arch)
     kv.caches = _caches(loaded, dtype)
     backend = cpu_attention.CPUPagedAttentionBackend()
+    forward = model
+    if stack:
+        forward, why = cpu_stack.compile_stack(model, kv.caches, backend, enabled=True)
+        assert isinstance(forward, cpu_stack.CompiledStack), why
     ids = loaded.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     outs = []
     with torch.inference_mode():
         for batch in ([(0, ids[:9]), (1, ids[:5])], [(0, ids[9:12]), (1, [ids[5]])], [(0, [7]), (1, [11])]):
             tokens, positions, meta = kv.step(batch)
-            outs.append(model(tokens, positions, kv.caches, meta, backend))
+            assert cpu_stack.CompiledStack.fits(tokens.shape[0])
+            outs.append(forward(tokens, positions, kv.caches, meta, backend))
     return outs
 
 
@@ -79,8 +88,7 @@ def test_stack_gives_the_python_layers_hidden_states(
 
 
 def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     _require_stack()
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", kv_cache_memory=2**26, max_num_seqs=4)
@@ -89,30 +97,41 @@ def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytes
     calls: list[int] = []
     real = cpu_decoder.run
     monkeypatch.setattr(cpu_decoder, "run", lambda *a: calls.append(1) or real(*a))
-    on = [o.token_ids for o in LLMEngine.from_config(cfg).generate(prompts, params)]
+    engine = build_engine(cfg)
+    assert engine.runner.compiled is not None  # the runner picked it
+    on = [o.token_ids for o in engine.generate(prompts, params)]
     assert len(calls) >= 24  # every decode step took the stack
-    monkeypatch.setattr(cpu_stack, "ENABLED", False)
-    off = [o.token_ids for o in LLMEngine.from_config(cfg).generate(prompts, params)]
+    engine = build_engine(cfg.model_copy(update={"cpu_decoder_stack": False}))
+    assert engine.runner.compiled is None
+    off = [o.token_ids for o in engine.generate(prompts, params)]
     assert len(calls) < 24 + 24
     assert on == off
 
 
-def test_what_does_not_take_the_stack_says_why(int4_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_does_not_take_the_stack_says_why(int4_model: Any) -> None:
+    caches = _caches(int4_model, torch.float32)
+    backend = cpu_attention.CPUPagedAttentionBackend()
     model = copy.deepcopy(int4_model.model)
     layer = model.model.layers[3]
     layer.mlp.down_proj.qweight = qlinear.untile(layer.mlp.down_proj.qweight)
-    assert cpu_stack.unsupported(model.model) == "a linear weight not quantized in the tiled layout"
-    assert cpu_stack.CpuDecoderStack.for_model(model.model) is None
-    monkeypatch.setattr(cpu_stack, "ENABLED", False)
-    assert cpu_stack.unsupported(int4_model.model.model) == "KVPILOT_CPU_DECODER_STACK=0"
-    with pytest.raises(ValueError, match="KVPILOT_CPU_DECODER_STACK='yes': expected 0 or 1"):
-        cpu_stack.enabled("yes")
-    stack = cpu_stack.CpuDecoderStack(int4_model.model.model)
-    caches = _caches(int4_model, torch.float32)
-    backend = cpu_attention.CPUPagedAttentionBackend()
-    assert stack.applies(torch.zeros(4, 576), caches, backend)
-    assert not stack.applies(torch.zeros(qlinear.SMALL_M + 1, 576), caches, backend)  # prefill: the layers
-    assert not stack.applies(torch.zeros(4, 576, dtype=torch.bfloat16), caches, backend)  # cache dtype
+    untiled = "a linear weight not quantized in the tiled layout"
+    assert cpu_stack.unsupported(model.model) == untiled
+    assert cpu_stack.compile_stack(model, caches, backend, enabled=True) == (None, untiled)
+    assert cpu_stack.compile_stack(int4_model.model, caches, backend, enabled=False) == (None, cpu_stack.OFF)
+    reference = TorchReferenceBackend()
+    assert cpu_stack.compile_stack(int4_model.model, caches, reference, True) == (
+        None,
+        "attention backend torch",
+    )
+    cpu = torch.device("cpu")
+    assert cpu_stack.unsupported_step(torch.float32, cpu, caches, backend) is None
+    assert cpu_stack.unsupported_step(torch.bfloat16, cpu, caches, backend) == (
+        "a torch.float32 KV cache for torch.bfloat16 activations"
+    )
+    fits = cpu_stack.CompiledStack.fits
+    assert (
+        fits(4) and fits(qlinear.SMALL_M) and not fits(qlinear.SMALL_M + 1) and not fits(0)
+    )  # prefill: the layers
 
 
 def test_generic_level_refuses_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,4 +145,8 @@ def test_generic_level_refuses_the_stack(monkeypatch: pytest.MonkeyPatch) -> Non
     model = load_model(cfg, torch.device("cpu"), torch.float32).model
     reason = cpu_stack.unsupported(model.model)
     assert reason == "the CPU kernels are unavailable or have no tiled quantized path here"
-    assert cpu_stack.CpuDecoderStack.for_model(model.model) is None
+    caches = _caches_for(model.config, torch.float32)
+    assert cpu_stack.compile_stack(model, caches, cpu_attention.CPUPagedAttentionBackend(), True) == (
+        None,
+        reason,
+    )

@@ -15,9 +15,10 @@ import torch
 
 from kvpilot.kernels.attention import FLASH_PAGE_MULTIPLE, cuda_backend_name
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.engine_plan import DEFAULT_BLOCK_SIZE, kv_budget_bytes, resolve_block_size
-from kvpilot.runtime.model_runner import (
+from kvpilot.runtime.engine.build import build_engine
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.plan import DEFAULT_BLOCK_SIZE, kv_budget_bytes, resolve_block_size
+from kvpilot.runtime.engine.runner import (
     CPU_DEFAULT_KV_BYTES,
     MemoryProfile,
     kv_budget_from_profile,
@@ -25,7 +26,7 @@ from kvpilot.runtime.model_runner import (
     warmup_batch,
     warmup_forward,
 )
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
 GIB = 2**30
@@ -119,7 +120,7 @@ def make_cuda_engine(smollm2_gguf_path: Any) -> Iterator[Callable[..., LLMEngine
 
     def make(**overrides: Any) -> LLMEngine:
         settings: dict[str, Any] = {"model": str(smollm2_gguf_path), "device": "cuda", **overrides}
-        engine = LLMEngine.from_config(EngineConfig(**settings))
+        engine = build_engine(EngineConfig(**settings))
         engines.append(engine)
         return engine
 
@@ -278,7 +279,7 @@ def test_int4_on_cuda_takes_the_triton_kernel_and_matches_hf(
     float32 greedy decoding through the quantized Triton matmul (kernels/triton_qlinear.py, prefill
     and decode rows, CUDA graphs) gives HF's tokens. bfloat16 int8 serves a batch to completion."""
     from kvpilot.kernels import triton_qlinear
-    from kvpilot.runtime.quantization import linear_layers
+    from kvpilot.runtime.load.quantization import linear_layers
 
     prompts, refs = prompts_and_refs
     engine = make_cuda_engine(dtype="float32", kv_cache_memory=GIB, quantization="int4")
@@ -296,8 +297,8 @@ def test_int4_on_cuda_takes_the_triton_kernel_and_matches_hf(
 
 @cuda
 def test_measured_profile_on_cuda_sees_the_weights_and_a_step_peak(smollm2_gguf_path: Any) -> None:
-    from kvpilot.runtime.loader import load_model
-    from kvpilot.runtime.model_runner import profile_memory
+    from kvpilot.runtime.engine.runner import profile_memory
+    from kvpilot.runtime.load.loader import load_model
 
     loaded = load_model(EngineConfig(model=str(smollm2_gguf_path)), torch.device("cuda"), torch.bfloat16)
     geo = kv_geometry(loaded.arch, 16, torch.bfloat16)

@@ -17,9 +17,9 @@ import torch
 from kvpilot.kernels import triton_attention
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.cuda_graphs import PAD_SLOT, DecodeGraphRunner, bucket_for, graph_batch_sizes
-from kvpilot.runtime.engine_plan import cuda_graph_sizes
-from kvpilot.runtime.model_runner import ModelRunner, allocate_kv_cache, kv_geometry
+from kvpilot.runtime.engine.cuda_graphs import PAD_SLOT, DecodeGraphRunner, bucket_for, graph_batch_sizes
+from kvpilot.runtime.engine.plan import cuda_graph_sizes
+from kvpilot.runtime.engine.runner import ModelRunner, allocate_kv_cache, kv_geometry
 
 BS = 16
 MAX_BLOCKS = 4

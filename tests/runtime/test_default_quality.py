@@ -2,10 +2,10 @@
 does, at every CPU kernel level this machine can run (issue 22: the AVX-512 BF16 default once
 answered "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme, ...").
 
-Each level runs in its own process (kernels/isa.py reads KVPILOT_CPU_ISA at import; the avx2 level
+Each level runs in its own process (KVPILOT_CPU_ISA, read once in kernels/switches.py; the avx2 level
 also caps torch's ATen, oneDNN and MKL, as an AVX2-only CPU). Measured on tests/runtime/quality.py's
 public-domain text (teacher-forced next-token agreement over ~670 tokens) and chat questions (greedy
-answers identical to float32's); benchmarks/dtype_quality.py prints the same figures for every path.
+answers identical to float32's); benchmarks/runtime_quality.py dtype prints the same figures for every path.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from tests.needs import require_module
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.engine.core import LLMEngine
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import dtype_quality  # noqa: E402
+from quality import dtype as dtype_quality  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ASKED = QUESTIONS[:8]  # transformers' generate is the slow part of the test; the benchmark asks all
@@ -36,7 +36,7 @@ ASKED = QUESTIONS[:8]  # transformers' generate is the slow part of the test; th
 @pytest.fixture(scope="module")
 def float32_reference(make_engine: Callable[..., LLMEngine]) -> dict[str, Any]:
     """kvpilot's float32 choices and answers (they equal transformers' float32 ones: the parity tests)."""
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     engine = make_engine()
     tok = engine.tokenizer
@@ -60,8 +60,8 @@ def transformers_bf16(float32_reference: dict[str, Any]) -> dict[str, float]:
     """What transformers in bfloat16 gets on the same measures: the bar."""
     require_module("transformers", "pip install -e .[test]")
     from kvpilot.runtime.config import DEFAULT_MODEL
-    from kvpilot.runtime.loader import resolve_model_path
-    from kvpilot.runtime.tokenizer import Tokenizer
+    from kvpilot.runtime.load.loader import resolve_model_path
+    from kvpilot.runtime.load.tokenizer import Tokenizer
 
     eos = sorted(Tokenizer.from_gguf(resolve_model_path(DEFAULT_MODEL)).eos_token_ids)
     ref = float32_reference

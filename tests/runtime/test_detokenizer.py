@@ -8,14 +8,14 @@ from fake_engine import FakeTokenizer, bpe_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.detokenizer import (
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.tokenizer import Tokenizer
+from kvpilot.runtime.serving.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,
     TextStream,
 )
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
 
 TOK = FakeTokenizer()
 VOCAB = bpe_tokenizer().get_vocab_size()

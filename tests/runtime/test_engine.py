@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.runtime.greedy_reference import (
     Reference,
     assert_matches_reference,

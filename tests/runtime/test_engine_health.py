@@ -25,10 +25,11 @@ from fake_engine import LiveServer
 
 from kvpilot.net import free_port
 from kvpilot.runtime.config import EXIT_GRACE_S
-from kvpilot.runtime.engine import AsyncEngine, LLMEngine
-from kvpilot.runtime.health import judge_progress
-from kvpilot.runtime.lifecycle import EXIT_STUCK
-from kvpilot.runtime.scheduler import SchedulerOutput
+from kvpilot.runtime.engine.async_engine import AsyncEngine
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.health import judge_progress
+from kvpilot.runtime.engine.scheduler import SchedulerOutput
+from kvpilot.runtime.serving.lifecycle import EXIT_STUCK
 
 pytestmark = pytest.mark.timeout(240)
 

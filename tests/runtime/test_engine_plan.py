@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import ConfigError, EngineConfig
-from kvpilot.runtime.engine_plan import blocks_for_budget, plan_ranks, pool_blocks
-from kvpilot.runtime.model_runner import CPU_DEFAULT_KV_BYTES, KVGeometry
+from kvpilot.runtime.engine.plan import blocks_for_budget, plan_ranks, pool_blocks
+from kvpilot.runtime.engine.runner import CPU_DEFAULT_KV_BYTES, KVGeometry
 
 GEO = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype=torch.float32)
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""GGUF blocks -> QuantizedWeight (runtime/gguf_blocks.py) against gguf's own dequantization."""
+"""GGUF blocks -> QuantizedWeight (runtime/load/gguf_blocks.py) against gguf's own dequantization."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvpilot.kernels import qlinear
-from kvpilot.runtime import gguf_blocks
+from kvpilot.kernels import qlinear, switches
+from kvpilot.runtime.load import gguf_blocks
 
 ROWS, COLS = 6, 512  # two Q4_K super-blocks, sixteen 32-weight blocks a row
 
@@ -98,11 +98,8 @@ def test_converted_weights_multiply_like_their_dequantized_form(name: str) -> No
         spec = qlinear.reference_q8_matmul(x, qw)
         torch.testing.assert_close(qlinear.matmul(x, qw), spec, rtol=1e-4, atol=1e-4)
         assert float((spec - want).norm() / want.norm()) < 0.01
-    qlinear.INT8_ACTIVATIONS = False
-    try:
+    with switches.using(qmatmul_activations="float"):
         torch.testing.assert_close(qlinear.matmul(x, qw), want, rtol=1e-4, atol=1e-4)
-    finally:
-        qlinear.INT8_ACTIVATIONS = True
 
 
 def test_bad_blocks_are_refused() -> None:
@@ -169,8 +166,9 @@ def write_mixed_gguf(path: Path) -> None:
 
 def load_mixed(path: Path, quantization: str | None) -> Any:
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.gguf_reader import GGUFFile
-    from kvpilot.runtime.loader import build_model, gguf_arch_config, load_gguf_weights, quantize_loaded
+    from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config
+    from kvpilot.runtime.load.gguf_reader import GGUFFile
+    from kvpilot.runtime.load.loader import build_model, load_gguf_weights, quantize_loaded
 
     with GGUFFile(path) as f:
         arch = gguf_arch_config(f)

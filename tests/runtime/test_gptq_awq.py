@@ -1,7 +1,7 @@
-"""GPTQ and AWQ checkpoints (runtime/quant_formats.py, runtime/quantized_checkpoint.py).
+"""GPTQ and AWQ checkpoints (runtime/load/quant_formats.py, runtime/load/quantized_checkpoint.py).
 
 Tiny random-weight Llama checkpoints are quantized and packed here in the formats' own layouts,
-by runtime/quant_pack.py (its docstring describes the layouts and where they were read).
+by runtime/load/quant_pack.py (its docstring describes the layouts and where they were read).
 
 Published layout: a Llama-2-7B q_proj (4096 x 4096) in a 4-bit group-128 GPTQ checkpoint (the
 settings TheBloke/Llama-2-7B-GPTQ's model card lists for its main branch: bits 4, GS 128) holds
@@ -26,13 +26,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvpilot.runtime import loader, quant_formats
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model
-from kvpilot.runtime.models import layers as L
-from kvpilot.runtime.quant_formats import AWQ_ORDER, CheckpointQuantization, UnsupportedQuantization
-from kvpilot.runtime.quant_pack import (
+from kvpilot.runtime.engine.build import engine_from_loaded
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load import loader, quant_formats
+from kvpilot.runtime.load.loader import LoadedModel, load_model
+from kvpilot.runtime.load.quant_formats import AWQ_ORDER, CheckpointQuantization, UnsupportedQuantization
+from kvpilot.runtime.load.quant_pack import (
     PROJECTIONS,
     dequantize,
     pack_columns,
@@ -40,8 +40,8 @@ from kvpilot.runtime.quant_pack import (
     quantize_layer,
     to_int32,
 )
-from kvpilot.runtime.quantized_checkpoint import linear_modules
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.load.quantized_checkpoint import linear_modules
+from kvpilot.runtime.models import layers as L
 from tests.runtime.test_model_parity import TINY_VOCAB, PagedKV, _write_tiny_tokenizer, rel_diff
 
 # Logit differences, as a fraction of the largest reference logit, float32: symmetric checkpoints give
@@ -54,7 +54,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------
-# The packer (runtime/quant_pack.py) with act-order
+# The packer (runtime/load/quant_pack.py) with act-order
 
 
 def pack_layer(
@@ -236,11 +236,11 @@ def test_logits_and_greedy_tokens_match_the_dequantized_model(pair: dict[str, An
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [
         s.output_token_ids
-        for s in LLMEngine.from_loaded(quantized, EngineConfig(**settings)).generate(prompts, params)
+        for s in engine_from_loaded(quantized, EngineConfig(**settings)).generate(prompts, params)
     ]
     want = [
         s.output_token_ids
-        for s in LLMEngine.from_loaded(dense, EngineConfig(**settings)).generate(prompts, params)
+        for s in engine_from_loaded(dense, EngineConfig(**settings)).generate(prompts, params)
     ]
     assert all(len(tokens) == 12 for tokens in got)
     if pair["cq"].sym:  # the very weights: the same tokens

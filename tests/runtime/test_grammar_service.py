@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from kvpilot.runtime.grammar_analysis import find_dead_rule
-from kvpilot.runtime.grammar_service import GrammarLimits, GrammarQueueFullError, GrammarService
-from kvpilot.runtime.loader import builtin_model_path
-from kvpilot.runtime.structured_output import (
+from kvpilot.runtime.grammar.analysis import find_dead_rule
+from kvpilot.runtime.grammar.service import GrammarLimits, GrammarQueueFullError, GrammarService
+from kvpilot.runtime.grammar.structured_output import (
     GrammarCompiler,
     GuidedSpec,
     GuidedSpecError,
     LazyGrammarCompiler,
 )
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.load.loader import builtin_model_path
+from kvpilot.runtime.load.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

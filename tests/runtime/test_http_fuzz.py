@@ -23,7 +23,7 @@ from fake_engine import LiveServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.api_request import REFUSED_FIELDS
+from kvpilot.runtime.serving.request import REFUSED_FIELDS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -218,7 +218,7 @@ def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     llm = make_engine(max_model_len=32, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20)
     engine = AsyncEngine(llm, max_queue_len=4)

@@ -13,22 +13,20 @@ import torch
 
 from kvpilot.kernels import isa
 from kvpilot.kernels.attention import TorchReferenceBackend
-from kvpilot.runtime import loader
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
-from kvpilot.runtime.gguf_reader import GGUFFile
-from kvpilot.runtime.loader import (
+from kvpilot.runtime.load import gguf_checkpoint, hf_checkpoint, loader
+from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config, gguf_hf_name, unpermute_rotary
+from kvpilot.runtime.load.gguf_reader import GGUFFile
+from kvpilot.runtime.load.loader import (
     LoadedModel,
-    gguf_arch_config,
-    gguf_hf_name,
     load_model,
     resolve_dtype,
     resolve_max_model_len,
     resolve_model_path,
-    unpermute_rotary,
 )
+from kvpilot.runtime.load.tokenizer import byte_to_unicode
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
 from kvpilot.runtime.models import layers as L
-from kvpilot.runtime.tokenizer import byte_to_unicode
 
 # ---------------------------------------------------------------------------------------------
 # Locating models
@@ -61,7 +59,7 @@ def test_resolve_errors_name_the_path(tmp_path: Path) -> None:
 def test_unsupported_hf_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        loader.hf_arch_config(tmp_path)
+        hf_checkpoint.hf_arch_config(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +179,7 @@ def write_llama_gguf(path: Path, hf: Any, vocab: int) -> None:
     w.add_eos_token_id(2)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     names["lm_head.weight"] = "output.weight"
-    pieces = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
+    pieces = {v: k for k, v in gguf_checkpoint._GGUF_LAYER_NAMES.items()}
     for name, tensor in hf.state_dict().items():
         arr = tensor.float().numpy()
         if name.startswith("model.layers."):

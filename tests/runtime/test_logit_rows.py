@@ -13,7 +13,8 @@ import torch
 
 from kvpilot.kernels.attention import TorchReferenceBackend
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.loader import LoadedModel, load_model
+from kvpilot.runtime.engine.build import engine_from_loaded
+from kvpilot.runtime.load.loader import LoadedModel, load_model
 from kvpilot.runtime.models.llama import last_layer_rows
 from tests.runtime.test_model_parity import PagedKV
 from tests.runtime.test_moe import TINY_VOCAB, make_tiny_moe_dir
@@ -82,8 +83,7 @@ def test_moe_model_runs_its_last_layer_on_the_logit_rows(family: str, tmp_path: 
 def test_greedy_tokens_through_the_engine_are_unchanged(smollm2_fp32: LoadedModel) -> None:
     """Chunked prefill (16-token chunks next to decodes): the engine with the last layer on the sample
     rows gives the tokens of a model that runs it on every row."""
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(
         model="smollm2",
@@ -94,7 +94,7 @@ def test_greedy_tokens_through_the_engine_are_unchanged(smollm2_fp32: LoadedMode
     )
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[1, *range(300, 340)], [1, 2683, 9139, 30]]  # 41 tokens: three chunks
-    on = [o.output_token_ids for o in LLMEngine.from_loaded(smollm2_fp32, cfg).generate(prompts, params)]
+    on = [o.output_token_ids for o in engine_from_loaded(smollm2_fp32, cfg).generate(prompts, params)]
     every_row = copy.copy(smollm2_fp32)
     every_row.model = copy.deepcopy(smollm2_fp32.model)
     forward = every_row.model.forward
@@ -104,7 +104,7 @@ def test_greedy_tokens_through_the_engine_are_unchanged(smollm2_fp32: LoadedMode
         return hidden if args[5] is None else hidden.index_select(0, args[5])
 
     every_row.model.forward = on_every_row  # type: ignore[method-assign]
-    engine = LLMEngine.from_loaded(every_row, cfg)
+    engine = engine_from_loaded(every_row, cfg)
     off = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert on == off
 

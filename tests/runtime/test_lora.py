@@ -27,17 +27,18 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.block_manager import hash_block
 from kvpilot.runtime.config import ConfigError, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine.block_manager import hash_block
+from kvpilot.runtime.engine.build import build_engine, engine_from_loaded
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.runner import ModelRunner
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.lora.access import refusal, startup_notice
 from kvpilot.runtime.lora.adapter import LoRAError, parse_lora_modules
 from kvpilot.runtime.lora.errors import AdapterPathError
 from kvpilot.runtime.lora.layers import build_lora_batch
 from kvpilot.runtime.lora.manager import SlotTable
-from kvpilot.runtime.model_runner import ModelRunner
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSeq
 from tests.needs import require_module
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
@@ -180,7 +181,7 @@ def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
     engines: list[LLMEngine] = []
 
     def make(cfg: EngineConfig) -> LLMEngine:
-        engine = LLMEngine.from_config(cfg)
+        engine = build_engine(cfg)
         engines.append(engine)
         return engine
 
@@ -364,7 +365,7 @@ def test_bad_adapter_is_refused_and_serving_goes_on(
 def test_bad_adapter_at_start_names_it(workdir: Path, tmp_path: Path) -> None:
     bad = adapter_variant(workdir, tmp_path, "rank")
     with pytest.raises(ConfigError, match=r"--lora-modules big=.*'big'.*rank 32 is over the limit of 16"):
-        LLMEngine.from_config(engine_config(workdir, lora_modules={"big": str(bad)}))
+        build_engine(engine_config(workdir, lora_modules={"big": str(bad)}))
 
 
 BAD_NAMES = ["../evil name", "a/b", ".hidden", "x" * 64, "naïve"]
@@ -488,14 +489,14 @@ def test_a_runner_without_lora_on_the_same_model_is_the_base_model(
 ) -> None:
     """Engines may share one loaded model (tests, benchmarks): an adapter step of one must not leak
     into the next forward of another that serves no adapters."""
-    from kvpilot.runtime.loader import load_model
+    from kvpilot.runtime.load.loader import load_model
 
     cfg = engine_config(workdir)
     loaded = load_model(cfg, "cpu", torch.float32)
-    plain = LLMEngine.from_loaded(loaded, cfg.model_copy(update={"lora_modules": {}, "enable_lora": False}))
+    plain = engine_from_loaded(loaded, cfg.model_copy(update={"lora_modules": {}, "enable_lora": False}))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     before = plain.generate([prompts()[1]], params)[0].output_token_ids
-    with_lora = LLMEngine.from_loaded(loaded, cfg)  # attaches the slots to the shared model
+    with_lora = engine_from_loaded(loaded, cfg)  # attaches the slots to the shared model
     with_lora.generate([prompts()[0]] * 4, params, loras=["chat", "sql", "math", "chat"])
     assert plain.generate([prompts()[1]], params)[0].output_token_ids == before
 

@@ -24,8 +24,9 @@ import torch
 from fake_engine import LiveServer
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import AsyncEngine, LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.async_engine import AsyncEngine
+from kvpilot.runtime.engine.build import build_engine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.needs import require_module
 from tests.runtime.test_lora import ADAPTERS, random_llama, write_adapter, write_base
 
@@ -65,7 +66,7 @@ def config(workdir: Path) -> EngineConfig:
 @pytest.fixture(scope="module")
 def live(workdir: Path) -> Iterator[LiveServer]:
     torch.set_num_threads(1)
-    engine = AsyncEngine(LLMEngine.from_config(config(workdir)))
+    engine = AsyncEngine(build_engine(config(workdir)))
     engine.start()
     server = LiveServer(engine, api_key=KEY, model_name="tiny")
     server.server.settings.lora_runtime_updates = True  # what --enable-lora-runtime-updates sets
@@ -94,7 +95,7 @@ def complete(live: LiveServer, model: str) -> tuple[int, Any]:
 
 
 def offline_words(workdir: Path, lora: str | None) -> list[str]:
-    engine = LLMEngine.from_config(
+    engine = build_engine(
         config(workdir).model_copy(update={"lora_modules": {n: str(workdir / n) for n in ("sql", "chat")}})
     )
     seq = engine.generate(

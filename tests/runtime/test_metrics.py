@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -9,7 +10,8 @@ import pytest
 from fake_engine import FakeEngine, FakeStats, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.runtime.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
+from kvpilot.runtime.engine.protocol import LoRAActivity
+from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 from tests.metrics_doc import documented_metrics
 
 CONTRACT = {
@@ -133,7 +135,7 @@ def test_separate_registries() -> None:
 
 
 def test_speculative_decoding_metrics_present_only_when_it_is_on() -> None:
-    from kvpilot.runtime.engine import EngineStats
+    from kvpilot.runtime.engine.protocol import EngineStats
 
     base = dict(
         model_name="m",
@@ -192,7 +194,7 @@ def test_output_length_histogram_observes_each_finished_generation() -> None:
 
 @pytest.fixture(scope="module")
 def real_server(make_engine: Any) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=256))
     engine.start()
@@ -232,8 +234,8 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
 
 def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     """Every metric a server exposes, with an engine attached whose every optional series is on
-    (speculative decoding) and one finished request: exposed name -> (type, labels)."""
-    from kvpilot.runtime.engine import EngineStats
+    (speculative decoding, LoRA) and one finished request: exposed name -> (type, labels)."""
+    from kvpilot.runtime.engine.protocol import EngineStats
 
     stats = EngineStats(
         model_name="m", kv_cache_usage=0.5, num_running=1, num_waiting=2, num_blocks=10, block_size=16,
@@ -243,7 +245,7 @@ def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         engine_heartbeat_age_seconds=0.1,
     )  # fmt: skip
     m = ServerMetrics("m")
-    m.attach_engine(lambda: stats)
+    m.attach_engine(lambda: dataclasses.replace(stats, lora=LoRAActivity(2, ("sql",), ("chat",))))
     m.request_finished("stop", 4)
     out: dict[str, tuple[str, frozenset[str]]] = {}
     for fam in m.registry.collect():

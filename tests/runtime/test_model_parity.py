@@ -21,7 +21,7 @@ import torch
 
 from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.loader import LoadedModel, load_model
+from kvpilot.runtime.load.loader import LoadedModel, load_model
 from kvpilot.runtime.models import CausalLM, ModelArchConfig
 
 # Logits may differ from transformers by at most this fraction of the largest reference logit

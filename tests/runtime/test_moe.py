@@ -24,10 +24,10 @@ import torch
 
 from kvpilot.kernels import cpu_moe
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.loader import LoadedModel, load_model
+from kvpilot.runtime.load.loader import LoadedModel, load_model
+from kvpilot.runtime.load.quantization import expert_layers
 from kvpilot.runtime.models import get_model_class
 from kvpilot.runtime.models.moe import FusedMoE, moe_grouped, moe_grouped_mm, moe_reference, route
-from kvpilot.runtime.quantization import expert_layers
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV, _write_tiny_tokenizer, rel_diff
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.gguf_reader import GGUFFile
-from kvpilot.runtime.loader import build_model, gguf_arch_config, iter_gguf_weights, load_model
+from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config, iter_gguf_weights
+from kvpilot.runtime.load.gguf_reader import GGUFFile
+from kvpilot.runtime.load.loader import build_model, load_model
 from kvpilot.runtime.models import CausalLM, ModelArchConfig
 from tests.runtime.test_model_parity import PagedKV, rel_diff
 from tests.runtime.test_moe import FAMILIES, make_tiny_moe_dir

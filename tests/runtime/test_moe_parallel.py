@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from kvpilot.kernels import cpu_moe
-from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine.build import build_engine
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.tp.runner import TPModelRunner, check_tensor_parallel
 from kvpilot.runtime.models import ModelArchConfig
-from kvpilot.runtime.tp_runner import TPModelRunner, check_tensor_parallel
 from tests.runtime.test_moe import make_tiny_moe_dir
 from tests.runtime.test_tensor_parallel import compare, engine_config, run, start, tiny_prompts
 
@@ -120,10 +121,10 @@ def test_check_moe_widths() -> None:
 def test_expert_parallel_refusals_before_any_process_starts(tmp_path: Path) -> None:
     make_tiny_moe_dir("mixtral", tmp_path)  # 8 experts of width 32, 4 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 .*sizes this model supports: 1, 2, 4$"):
-        LLMEngine.from_config(engine_config(str(tmp_path), 3, enable_expert_parallel=True))
+        build_engine(engine_config(str(tmp_path), 3, enable_expert_parallel=True))
     dense = _moe_arch(num_experts=0, architecture="LlamaForCausalLM")
     with pytest.raises(ValueError, match=r"--enable-expert-parallel needs a Mixture-of-Experts model"):
         check_tensor_parallel(dense, 2, expert_parallel=True)
     with pytest.raises(ValueError, match=r"--enable-expert-parallel needs a Mixture-of-Experts model"):
-        LLMEngine.from_config(engine_config("smollm2-135m-instruct", 1, enable_expert_parallel=True))
+        build_engine(engine_config("smollm2-135m-instruct", 1, enable_expert_parallel=True))
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import isa, qlinear, switches
 from kvpilot.runtime.config import ConfigError, EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.tp.runner import TPModelRunner
+from kvpilot.runtime.load.loader import LoadedModel, load_model
+from kvpilot.runtime.load.quantization import expert_layers, linear_layers, quantize_model, tile_for_cpu
 from kvpilot.runtime.models.moe import FusedMoE, dequantize_experts, moe_grouped, moe_reference, route
-from kvpilot.runtime.quantization import expert_layers, linear_layers, quantize_model, tile_for_cpu
-from kvpilot.runtime.tp_runner import TPModelRunner
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV, rel_diff
 from tests.runtime.test_moe import FAMILIES, TINY_VOCAB, make_tiny_moe_dir
@@ -67,7 +67,7 @@ def test_quantized_grouped_matches_dequantized_reference(
     ref = moe_reference(x, dequantize_experts(q13), dequantize_experts(q2), weights, ids)
     q8 = moe_grouped(x, q13, q2, weights, ids)  # int8 activations where the kernel runs
     assert float((q8 - ref).norm() / ref.norm()) < 0.02
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    switches.use(switches.changed(qmatmul_activations="float"))
     got = moe_grouped(x, q13, q2, weights, ids)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # the quantized weights are not the float ones: the comparison above could fail
@@ -299,7 +299,7 @@ def test_fused_experts_declines_where_the_loop_is_faster_or_exact(monkeypatch: p
     else:
         assert prefill is None
     assert qlinear.expert_table(q13, _quantize(w2, "int4", 32)) is None  # mixed formats
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    switches.use(switches.changed(qmatmul_activations="float"))
     assert qlinear.fused_experts(x, table, weights, ids) is None  # exact products: the loop's kernel calls
 
 

@@ -28,7 +28,7 @@ from tests.needs import require_module
 require_module("triton", "it comes with torch's Linux wheels (pip install triton)")
 
 from kvpilot.runtime.config import EngineConfig  # noqa: E402
-from kvpilot.runtime.loader import load_model  # noqa: E402
+from kvpilot.runtime.load.loader import load_model  # noqa: E402
 from kvpilot.runtime.models.moe import (  # noqa: E402
     FusedMoE,
     moe_backend_name,

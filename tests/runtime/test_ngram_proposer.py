@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.runtime.ngram_proposer import propose_ngram
+from kvpilot.runtime.engine.spec.ngram import propose_ngram
 
 
 def test_continues_the_longest_match() -> None:

@@ -1,4 +1,4 @@
-"""Weight-only quantization of whole models (runtime/quantization.py, `--quantization`)."""
+"""Weight-only quantization of whole models (runtime/load/quantization.py, `--quantization`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import isa, qlinear
+from kvpilot.kernels import isa, qlinear, switches
 from kvpilot.runtime.config import DEFAULT_MODEL, ConfigError, EngineConfig
-from kvpilot.runtime.loader import LoadedModel, load_model, quantization_method
+from kvpilot.runtime.engine.build import engine_from_loaded
+from kvpilot.runtime.load.loader import LoadedModel, load_model, quantization_method
+from kvpilot.runtime.load.quantization import fitting_int4_groups, linear_layers, quantize_model, tile_for_cpu
 from kvpilot.runtime.models import ModelArchConfig, get_model_class
-from kvpilot.runtime.quantization import fitting_int4_groups, linear_layers, quantize_model, tile_for_cpu
 from tests.needs import missing
 from tests.runtime.test_model_parity import PagedKV
 
@@ -66,7 +67,7 @@ def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
     assert rel < max_rel
     assert int(got[0].argmax()) == fed[0]  # the prompt's next token
     if method == "int4":  # the same weights: with float activations the kernel gives the same logits
-        monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+        switches.use(switches.changed(qmatmul_activations="float"))
         exact = _prefill_then_decode(quant, ids, fed)
         assert float((exact - want).abs().max() / want.abs().max()) < 1e-3
 
@@ -190,8 +191,7 @@ def test_auto_runs_the_builtin_gguf_from_its_own_blocks(smollm2_fp32: LoadedMode
     head and embedding its Q8_0 blocks (int8 group 32), no 16-bit copy of any of them; those are the
     very values the float model was dequantized to, so greedy decoding picks the same tokens (with
     the kernel's exact float activations: int8 activation rounding moves near-ties)."""
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=DEFAULT_MODEL, quantization="auto", dtype="float32", kv_cache_memory=64 << 20)
     quant = load_model(cfg, torch.device("cpu"), torch.float32)
@@ -211,8 +211,8 @@ def test_auto_runs_the_builtin_gguf_from_its_own_blocks(smollm2_fp32: LoadedMode
     tok = smollm2_fp32.tokenizer
     prompts = [tok.encode(p) for p in (PROMPT, "def fibonacci(n):", "The capital of France is")]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    want = LLMEngine.from_loaded(smollm2_fp32, cfg.model_copy(update={"quantization": None}))
-    got = LLMEngine.from_loaded(quant, cfg)
+    want = engine_from_loaded(smollm2_fp32, cfg.model_copy(update={"quantization": None}))
+    got = engine_from_loaded(quant, cfg)
     ref_tokens = [s.output_token_ids for s in want.generate(prompts, params)]
     assert [s.output_token_ids for s in got.generate(prompts, params)] == ref_tokens
 
@@ -222,7 +222,7 @@ def test_the_lm_head_of_a_16_bit_model_becomes_int8() -> None:
     """A float LM head becomes int8 with a scale per 32 weights; the tied embedding shares it and a
     lookup dequantizes just the rows it reads. (The float model here holds the GGUF's dequantized
     Q8_0 head, which group 32 reproduces; the bound below is the quantizer's, whatever the input.)"""
-    from kvpilot.runtime.quantization import quantize_lm_head
+    from kvpilot.runtime.load.quantization import quantize_lm_head
 
     loaded = load_model(EngineConfig(model=DEFAULT_MODEL), torch.device("cpu"), torch.float32)
     model: Any = loaded.model
@@ -248,8 +248,9 @@ def test_the_lm_head_of_a_16_bit_model_becomes_int8() -> None:
 
 def test_which_layers_load_from_blocks(smollm2_gguf_path: Path) -> None:
     """Blocks go straight in when the method takes their format; otherwise the layer is dequantized."""
-    from kvpilot.runtime.gguf_reader import GGUFFile
-    from kvpilot.runtime.loader import build_model, gguf_arch_config, gguf_blocks_plan
+    from kvpilot.runtime.load.gguf_checkpoint import gguf_arch_config
+    from kvpilot.runtime.load.gguf_reader import GGUFFile
+    from kvpilot.runtime.load.loader import build_model, gguf_blocks_plan
 
     with GGUFFile(smollm2_gguf_path) as f:
         arch = gguf_arch_config(f)

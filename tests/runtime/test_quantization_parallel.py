@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import qlinear
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.build import build_engine
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.needs import require_module
 from tests.runtime.greedy_reference import Reference
 from tests.runtime.test_lora import write_adapter
@@ -34,11 +34,11 @@ VOCAB = 97
 
 @pytest.fixture
 def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
-    """LLMEngine.from_config; every engine is closed at teardown, whatever happened."""
+    """build_engine; every engine is closed at teardown, whatever happened."""
     engines: list[LLMEngine] = []
 
     def make(cfg: EngineConfig) -> LLMEngine:
-        engines.append(LLMEngine.from_config(cfg))
+        engines.append(build_engine(cfg))
         return engines[-1]
 
     yield make
@@ -118,8 +118,7 @@ def test_smollm2_gguf_blocks_tp3_match_tp1(
 ) -> None:
     # the shards' plumbing, compared to float rounding: exact activations in this process and the
     # workers (with int8 activations a rank's slightly different input can flip an activation code)
-    monkeypatch.setenv(qlinear.ACTIVATIONS_ENV, "float")
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", False)
+    monkeypatch.setenv("KVPILOT_QMATMUL_ACTIVATIONS", "float")  # the override every engine build reads
     settings: dict[str, Any] = {"quantization": "auto", "kv_cache_memory": 16 << 20}
     one = start(engine_config("smollm2-135m-instruct", 1, **settings))
     tok = one.tokenizer

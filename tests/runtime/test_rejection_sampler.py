@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.runtime.rejection_sampler import greedy_verify, rejection_sample
+from kvpilot.runtime.engine.spec.rejection import greedy_verify, rejection_sample
 
 # chi-square critical value for 4 degrees of freedom at p = 0.001 (a correct sampler fails 1 in 1000)
 CHI2_4_999 = 18.467

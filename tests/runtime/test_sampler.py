@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kvpilot.runtime import sampler as sampler_module
-from kvpilot.runtime.sampler import (
+from kvpilot.runtime.engine import sampler as sampler_module
+from kvpilot.runtime.engine.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
@@ -14,7 +14,7 @@ from kvpilot.runtime.sampler import (
     processed_probs,
     sample_from_probs,
 )
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 
 V = 64
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import Scheduler
-from kvpilot.runtime.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.scheduler import Scheduler
+from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(sid: str, n: int, max_tokens: int = 4, base: int = 0) -> Sequence:

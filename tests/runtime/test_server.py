@@ -24,9 +24,9 @@ from fake_engine import FakeEngine, LiveServer
 
 from kvpilot.runtime import cli
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.lifecycle import serve
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.server import OpenAIServer, ServerSettings
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.serving.lifecycle import serve
+from kvpilot.runtime.serving.server import OpenAIServer, ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -568,7 +568,7 @@ def test_cli_config_errors_name_the_field_and_exit_2(
 
 @pytest.fixture(scope="module")
 def real_live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=512))
     engine.start()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, LiveServer
 
-from kvpilot.runtime.server import INLINE_BODY_BYTES, body_limit
+from kvpilot.runtime.serving.server import INLINE_BODY_BYTES, body_limit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,7 +232,7 @@ def test_more_choices_than_the_queue_holds_is_400_naming_n() -> None:
 @pytest.fixture(scope="module")
 def small_pool(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
     """SmolLM2 with max_model_len 512 but a KV pool of 4 blocks (64 tokens)."""
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     per_block = make_engine(max_model_len=512).runner.geometry.bytes_per_block
     engine = AsyncEngine(make_engine(max_model_len=512, kv_cache_memory=4 * per_block))
@@ -246,7 +246,7 @@ def test_small_kv_pool_warns_at_start(
     make_engine: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     probe = make_engine(max_model_len=512)
-    caplog.set_level(logging.WARNING, logger="kvpilot.runtime.engine")
+    caplog.set_level(logging.WARNING, logger="kvpilot.runtime.engine.core")
     engine = make_engine(max_model_len=512, kv_cache_memory=4 * probe.runner.geometry.bytes_per_block)
     assert engine.kv_capacity_tokens == 64
     lines = [r.getMessage() for r in caplog.records if "KV pool" in r.getMessage()]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.runtime.spec_policy import (
+from kvpilot.runtime.engine.spec.policy import (
     acceptance_estimate,
     choose_num_spec_tokens,
     expected_tokens,

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.loader import LoadedModel, load_model
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.build import engine_from_loaded
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.load.loader import LoadedModel, load_model
 
 MAX_NEW = 16
 TEXTS = [
@@ -102,7 +103,7 @@ def draft_engine(
         "speculative_adaptive": False,
         **overrides,
     }
-    return LLMEngine.from_loaded(target, EngineConfig(**settings), draft=draft)
+    return engine_from_loaded(target, EngineConfig(**settings), draft=draft)
 
 
 def finish(engine: LLMEngine) -> None:
@@ -132,7 +133,7 @@ def test_the_target_as_its_own_draft_is_almost_always_accepted(
 ) -> None:
     """Acceptance stays near 1 only if the draft's K/V is exactly the context: catch-up after
     a rejection, after a full acceptance (two tokens) and after preemption all have to be right."""
-    probe = LLMEngine.from_loaded(smollm2_fp32, EngineConfig(dtype="float32", kv_cache_memory=256 * 2**20))
+    probe = engine_from_loaded(smollm2_fp32, EngineConfig(dtype="float32", kv_cache_memory=256 * 2**20))
     prompt = prompts[1][:18]  # 2 blocks; its last computed position (18 + 16 - 2) needs a 3rd
     want = probe.generate([prompt], greedy())[0].output_token_ids
     grown = probe.block_manager.blocks_needed(len(prompt) + MAX_NEW - 1)
@@ -176,7 +177,7 @@ def test_a_draft_with_another_vocabulary_is_refused(smollm2_fp32: LoadedModel, t
         num_speculative_tokens=3,
     )
     with pytest.raises(ValueError, match=r"--speculative-model .*tokenizer is not the target model's"):
-        LLMEngine.from_loaded(smollm2_fp32, cfg)
+        engine_from_loaded(smollm2_fp32, cfg)
     cfg.speculative_model = str(tmp_path / "missing")
     with pytest.raises(ValueError, match="--speculative-model"):
-        LLMEngine.from_loaded(smollm2_fp32, cfg)
+        engine_from_loaded(smollm2_fp32, cfg)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvpilot.runtime.cli import add_arguments, build_config
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampling_params import SamplingParams
 from tests.runtime.greedy_reference import Reference, assert_matches_reference, hf_greedy
 
 MAX_NEW = 16

@@ -29,7 +29,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about Paris as JSON."}]
 
 @pytest.fixture(scope="module")
 def live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=1024))
     engine.start()

@@ -27,7 +27,7 @@ from fake_engine import LiveServer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.grammar_service import GrammarLimits
+from kvpilot.runtime.grammar.service import GrammarLimits
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -228,7 +228,7 @@ class ShortRequests:
 
 @pytest.fixture(scope="module")
 def live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     llm = make_engine(max_model_len=256, max_num_seqs=8, kv_cache_memory=16 << 20)
     engine = AsyncEngine(llm, grammar_limits=GrammarLimits(timeout_s=2.0, memory_bytes=1 << 30, queue=8))

@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 import torch
 
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.sampler import Sampler, SamplingRow
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.structured_output import (
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.sampler import Sampler, SamplingRow
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.grammar.structured_output import (
     GuidedSpec,
     GuidedSpecError,
     apply_bitmask,

@@ -28,13 +28,14 @@ import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.distributed import TensorParallelError
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.model_runner import ModelRunner
+from kvpilot.runtime.engine.build import build_engine
+from kvpilot.runtime.engine.core import LLMEngine
+from kvpilot.runtime.engine.runner import ModelRunner
+from kvpilot.runtime.engine.sampling_params import SamplingParams
+from kvpilot.runtime.engine.scheduler import ScheduledSeq
+from kvpilot.runtime.engine.tp.distributed import TensorParallelError
+from kvpilot.runtime.engine.tp.runner import TPModelRunner, check_tensor_parallel
 from kvpilot.runtime.models import ModelArchConfig
-from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSeq
-from kvpilot.runtime.tp_runner import TPModelRunner, check_tensor_parallel
 from tests.runtime.greedy_reference import Reference, assert_matches_reference
 
 # fp32; tensor parallelism only reorders sums (partial matmuls + all-reduce): measured ~1e-7 of scale
@@ -58,11 +59,11 @@ def engine_config(model: str, tp: int, **overrides: Any) -> EngineConfig:
 
 @pytest.fixture
 def start() -> Iterator[Callable[[EngineConfig], LLMEngine]]:
-    """LLMEngine.from_config; every runner still alive at teardown is closed, whatever happened."""
+    """build_engine; every runner still alive at teardown is closed, whatever happened."""
     runners: list[weakref.ref[ModelRunner]] = []  # weak: a test may drop its engine on purpose
 
     def make(cfg: EngineConfig) -> LLMEngine:
-        engine = LLMEngine.from_config(cfg)
+        engine = build_engine(cfg)
         runners.append(weakref.ref(engine.runner))
         return engine
 
@@ -252,7 +253,7 @@ def test_smollm2_tp3_greedy_matches_tp1(
 
 def test_size_that_does_not_divide_the_heads_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 .*9 attention heads.*supports: 1, 3$"):
-        LLMEngine.from_config(engine_config("smollm2-135m-instruct", 2))
+        build_engine(engine_config("smollm2-135m-instruct", 2))
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp")]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from kvpilot.runtime.tokenizer import (
+from kvpilot.runtime.load.tokenizer import (
     Tokenizer,
     byte_to_unicode,
     compile_chat_template,

@@ -10,10 +10,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kvpilot.runtime.loader import builtin_model_path
-from kvpilot.runtime.structured_output import GrammarCompiler, check_spec
-from kvpilot.runtime.tokenizer import Tokenizer
-from kvpilot.runtime.tool_calls import (
+from kvpilot.runtime.grammar.structured_output import GrammarCompiler, check_spec
+from kvpilot.runtime.load.loader import builtin_model_path
+from kvpilot.runtime.load.tokenizer import Tokenizer
+from kvpilot.runtime.serving.tool_calls import (
     CALL_OPEN,
     Tool,
     ToolCallStreamer,

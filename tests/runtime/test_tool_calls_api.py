@@ -13,7 +13,7 @@ import openai
 import pytest
 from fake_engine import LiveServer
 
-from kvpilot.runtime.tool_calls import ToolChoice, parse_tools, render_chat
+from kvpilot.runtime.serving.tool_calls import ToolChoice, parse_tools, render_chat
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,7 +43,7 @@ def get_weather(city: str, unit: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def live(make_engine: Callable[..., Any]) -> Iterator[tuple[LiveServer, Any]]:
-    from kvpilot.runtime.engine import AsyncEngine
+    from kvpilot.runtime.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_engine(max_model_len=1024))
     engine.start()

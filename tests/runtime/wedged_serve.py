@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from kvpilot.cli import main
-from kvpilot.runtime.model_runner import ModelRunner
+from kvpilot.runtime.engine.runner import ModelRunner
 
 _NEVER = threading.Event()
 

@@ -1,0 +1,64 @@
+"""The metric names a model server's /metrics page carries and the control plane reads: the contract
+between a pod (kvpilot's runtime, or vLLM) and the router and autoscaler. The runtime registers its
+metrics under the `kvpilot` names below (runtime/serving/metrics.py), the router reads a pod's load
+with them (router/load.py) and the autoscaler scrapes or queries them (autoscaler/sources.py).
+docs/runtime.md's metrics table is the full list a pod exposes; this module holds the ones read by
+other parts, each with the vLLM names that mean the same (so the fleet works with vLLM pods too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PodMetric:
+    """One signal: kvpilot's name and vLLM's equivalents, in order of preference (the first family a
+    pod exports wins). Counters carry `_total`; histograms are named without `_bucket`."""
+
+    kvpilot: str
+    vllm: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.kvpilot, *self.vllm)
+
+    @property
+    def buckets(self) -> tuple[str, ...]:
+        """A histogram's bucket series names."""
+        return tuple(f"{n}_bucket" for n in self.names)
+
+    @property
+    def counter_base(self) -> str:
+        """kvpilot's name as prometheus_client registers a counter (it appends `_total` itself)."""
+        return self.kvpilot.removesuffix("_total")
+
+
+KV_CACHE_USAGE = PodMetric(
+    "kvpilot_kv_cache_usage_ratio", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+)
+REQUESTS_WAITING = PodMetric("kvpilot_num_requests_waiting", ("vllm:num_requests_waiting",))
+REQUESTS_RUNNING = PodMetric("kvpilot_num_requests_running", ("vllm:num_requests_running",))
+# finished requests (one series per finish reason; summed)
+REQUEST_SUCCESS = PodMetric("kvpilot_request_success_total", ("vllm:request_success_total",))
+PROMPT_TOKENS = PodMetric("kvpilot_prompt_tokens_total", ("vllm:prompt_tokens_total",))
+GENERATION_TOKENS = PodMetric("kvpilot_generation_tokens_total", ("vllm:generation_tokens_total",))
+# histograms: output length per finished request, and the latencies
+REQUEST_GENERATION_TOKENS = PodMetric(
+    "kvpilot_request_generation_tokens", ("vllm:request_generation_tokens",)
+)
+TIME_TO_FIRST_TOKEN = PodMetric("kvpilot_time_to_first_token_seconds", ("vllm:time_to_first_token_seconds",))
+INTER_TOKEN_LATENCY = PodMetric(
+    "kvpilot_inter_token_latency_seconds", ("vllm:time_per_output_token_seconds",)
+)
+
+# The output-length histogram's bounds (tokens per finished generation): powers of two, the points the
+# autoscaler's TPOT tail rule reads the distribution at (autoscaler/slo.output_share_at_most).
+OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))  # 1 .. 32768
+
+
+def promql_any(names: tuple[str, ...], select: str, around: str = "{}") -> str:
+    """`around` applied to each name's selected series, joined with `or` (the first family a pod
+    exports wins): promql_any(("a", "b"), '{pod="x"}', "rate({}[1m])") is
+    'rate(a{pod="x"}[1m]) or rate(b{pod="x"}[1m])'."""
+    return " or ".join(around.replace("{}", n + select) for n in names)

@@ -1,0 +1,257 @@
+"""The closed loop: what the measured SLO attainment asks of the fleet. Pure; policy.decide() calls it
+(in the controller and in the simulator alike) when spec.autoscaling.slo is set.
+
+Every sync, the requests judged since the last one become an SloInterval (attainment.py); the
+window is the intervals of the last Behavior.attainment_window_s. Three rules:
+
+1. **Grow on a miss.** When the attainment of the *fresh* intervals (those that began after the last
+   step took effect: a step's new replicas need a startup before they can change anything) is below
+   the target over at least attainment_min_requests requests, the fleet grows to
+   ceil(ready x (1 + step)), step = min(feedback_max_step, feedback_gain x shortfall / budget), where
+   budget = 1 - target: 98% against a 99% target (one budget short) asks for 10% more, 90% for the
+   most, 50%. This is the feedback term of desired = max(feed-forward, feedback).
+2. **Correct the model.** The planner's per-replica capacity is the replica model's times
+   `capacity_factor` (1 to start with). A miss at a load per Ready replica L that the planner thought
+   within capacity (L < factor x model) proves the model optimistic: the factor drops to
+   L / model x (1 - step). Attainment with headroom at load L proves the replica sustains L, so the
+   factor is at least L / model, and it relaxes toward 1 by capacity_relax of the gap per sync (the
+   model gets the benefit of the doubt back slowly; rule 3 keeps that from costing the SLO). The
+   factor is in status.autoscaler.slo, so a restarted autoscaler keeps it.
+3. **Scale down only with headroom.** A smaller fleet is allowed only while the window's misses are
+   within (1 - attainment_headroom) of the budget (with the defaults: attainment >= 99.5% against a
+   99% target), or when too few requests were judged to say (low traffic: little to lose). With no
+   measurement at all, scale-down is held: missing metrics are never read as perfect attainment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from kvpilot.autoscaler.attainment import (
+    SOURCE_PODS,
+    SOURCE_ROUTER,
+    PodLatency,
+    SloCounts,
+    SloInterval,
+    pod_latency,
+    pods_interval_counts,
+    window,
+)
+from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.spec import Behavior, SloTargets
+
+if TYPE_CHECKING:
+    from kvpilot.autoscaler.arrivals import PodCounter
+
+CAPACITY_FACTOR_MIN = 0.05
+CAPACITY_FACTOR_MAX = 2.0
+MAX_INTERVAL_S = 300.0  # an older baseline is not differenced (as the arrival counters)
+MIN_MISSES = 2  # one unlucky request is not a trend
+# A miss count is "below target" when it exceeds the budget's expectation by this many of its standard
+# deviations (Poisson): 5 misses in 480 requests is 99.0%, noise at a 99% target; 10 is not.
+SIGNIFICANCE_Z = 2.0
+
+
+@dataclass(frozen=True)
+class SloState:
+    """What the closed loop remembers between syncs (status.autoscaler.slo)."""
+
+    time: float | None = None  # of the last measurement (the baseline of the next interval)
+    router_counts: SloCounts | None = None  # the routers' cumulative counters then
+    intervals: tuple[SloInterval, ...] = ()
+    capacity_factor: float = 1.0
+    fresh_since: float | None = None  # intervals that began before this do not trigger a step
+    source: str | None = None  # of the latest interval
+    last_backlog: float | None = None  # the last sync with requests waiting beyond the queue target
+
+
+@dataclass(frozen=True)
+class FeedbackSettings:
+    target: float  # share of requests that must meet the SLO
+    window_s: float
+    min_requests: float
+    gain: float
+    max_step: float
+    headroom: float
+    relax: float
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """The loop's view at one sync."""
+
+    state: SloState
+    attainment: float | None  # over the window; None: no request judged, or no source
+    requests: float
+    window_s: float
+    recommendation: int | None  # replicas the measured attainment asks for; None: no opinion
+    allow_scale_down: bool
+    text: str  # for the decision's reason
+
+
+def feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
+    return FeedbackSettings(
+        target=slo.attainment_target,
+        window_s=b.attainment_window_s,
+        min_requests=b.attainment_min_requests,
+        gain=b.feedback_gain,
+        max_step=b.feedback_max_step,
+        headroom=b.attainment_headroom,
+        relax=b.capacity_relax,
+    )
+
+
+def measure_slo(
+    state: SloState,
+    counters_before: Sequence[PodCounter],
+    snapshot: MetricsSnapshot,
+    slo: SloTargets,
+    now: float,
+    load_per_replica: float | None,
+    backlog: bool,
+    b: Behavior,
+) -> tuple[SloState, dict[str, PodLatency]]:
+    """This sync's measurement recorded (record_interval), and the pods' latency counts at the SLO's
+    targets (kept with their counters, for the next sync's difference)."""
+    now_by_pod: dict[str, PodLatency] = {}
+    for s in snapshot.samples:
+        lat = pod_latency(s.ttft_buckets, s.itl_buckets, slo.ttft_s, slo.tpot_s)
+        if lat is not None:
+            now_by_pod[s.pod] = lat
+    before = {c.pod: c.latency for c in counters_before if c.latency is not None}
+    state = record_interval(
+        state, now, snapshot.router_slo, now_by_pod, before, load_per_replica, b.attainment_window_s, backlog
+    )
+    return state, now_by_pod
+
+
+def record_interval(
+    state: SloState,
+    now: float,
+    router_counts: SloCounts | None,
+    pods_now: Mapping[str, PodLatency],
+    pods_before: Mapping[str, PodLatency],
+    load_per_replica: float | None,
+    window_s: float,
+    backlog: bool = False,
+) -> SloState:
+    """The state after this sync's measurement: the routers' counters differenced (preferred), else
+    the pods' histograms; intervals older than the window dropped."""
+    dt = None if state.time is None else now - state.time
+    fresh_baseline = dt is not None and 0.0 < dt <= MAX_INTERVAL_S
+    counts: SloCounts | None = None
+    source: str | None = None
+    if router_counts is not None:
+        source = SOURCE_ROUTER
+        if fresh_baseline and state.router_counts is not None:
+            counts = router_counts.since(state.router_counts)
+    elif pods_now:
+        source = SOURCE_PODS
+        if fresh_baseline:
+            counts = pods_interval_counts(pods_now, pods_before)
+    intervals = tuple(i for i in state.intervals if now - i.time < window_s and i.time < now)
+    if counts is not None and dt is not None:
+        intervals = (*intervals, SloInterval(now, dt, counts, load_per_replica))
+    measured = router_counts is not None or bool(pods_now)
+    return replace(
+        state,
+        time=now if measured else state.time,
+        router_counts=router_counts if router_counts is not None else state.router_counts,
+        intervals=intervals,
+        source=source or state.source,
+        last_backlog=now if backlog else state.last_backlog,
+    )
+
+
+def evaluate(
+    state: SloState,
+    now: float,
+    current: int,
+    ready: int,
+    settings: FeedbackSettings,
+    model_capacity: float | None,
+    settle_s: float,
+    last_scale_up: float | None = None,
+) -> Feedback:
+    """Apply the three rules (module doc). `model_capacity`: requests/s per replica the replica model
+    gives at the current token mix (None: the planner is not sizing yet, the factor is left alone);
+    `settle_s`: how long a step takes to show (a startup); `last_scale_up`: when the fleet last grew
+    for any reason (the intervals before its replicas could serve are not fresh either: their misses
+    are the shortfall that scale-up answered). A backlog (requests waiting beyond the queue target)
+    is answered by the queue rule: for a window after one, nothing here grows the fleet or corrects
+    the capacity: a backlog's misses, also those judged after it drained, say the fleet was short
+    for a while, not that the model is wrong."""
+    s = settings
+    budget = 1.0 - s.target
+    w = window(state.intervals, now, s.window_s)
+    win, win_s, win_load = w.counts, w.seconds, w.load_per_replica
+    since = state.fresh_since
+    if last_scale_up is not None:
+        since = max(since or 0.0, last_scale_up + settle_s)
+    if state.last_backlog is not None:  # its queued requests finish (and are judged) for a while after
+        since = max(since or 0.0, state.last_backlog + s.window_s)
+    f = window(state.intervals, now, s.window_s, since=since)
+    fresh, fresh_load = f.counts, f.load_per_replica
+    factor = state.capacity_factor
+    attainment = win.attainment
+    src = state.source or "no source"
+    where = f"({src}, {win_s:.0f}s, {win.total:.0f} requests)"
+    rec: int | None = None
+    fresh_since = state.fresh_since
+    fresh_att = fresh.attainment
+    if (
+        fresh_att is not None
+        and fresh.total >= s.min_requests
+        and fresh.missed >= MIN_MISSES
+        and fresh.missed > budget * fresh.total + SIGNIFICANCE_Z * math.sqrt(budget * fresh.total)
+        and ready > 0
+    ):
+        shortfall = (s.target - fresh_att) / budget
+        step = min(s.max_step, s.gain * shortfall)
+        rec = max(current, math.ceil(ready * (1.0 + step) - 1e-9), ready + 1)
+        recent_backlog = state.last_backlog is not None and now - state.last_backlog < s.window_s
+        if model_capacity and fresh_load is not None and not recent_backlog:
+            # Missed at a load the planner thought within capacity: the model is optimistic. (Missed
+            # above it: the fleet was short of the planner's own size; nothing learnt.)
+            proven_short = fresh_load / model_capacity
+            if proven_short <= factor:
+                factor = proven_short * (1.0 - step)
+        fresh_since = now + settle_s
+        text = (
+            f"measured attainment {fresh_att:.3f} < target {s.target:.3f} "
+            f"({src}, {fresh.total:.0f} requests since the last step) -> {rec} (+{step:.0%})"
+        )
+        allow = False
+    elif attainment is None:
+        # No request judged in the window: with a source that reports, the fleet was idle (nothing to
+        # lose); without one, unknown, and never read as perfect.
+        allow = state.source is not None and state.time is not None and now - state.time < MAX_INTERVAL_S
+        text = (
+            f"attainment: no requests judged {where}" if allow else "attainment unknown (no SLO measurement)"
+        )
+    elif win.total < s.min_requests:
+        allow = True
+        text = f"attainment {attainment:.3f} {where}: too few requests to judge"
+    else:
+        allow = win.missed <= (1.0 - s.headroom) * budget * win.total + 1e-9
+        text = f"attainment {attainment:.3f} {where}"
+        if attainment >= s.target:
+            if allow and model_capacity and win_load is not None:
+                factor = max(factor, min(1.0, win_load / model_capacity))
+            if allow and factor < 1.0:
+                factor += s.relax * (1.0 - factor)
+        else:
+            text += f" < target {s.target:.3f}, waiting {max(0.0, (fresh_since or now) - now):.0f}s for the last step"
+    factor = min(CAPACITY_FACTOR_MAX, max(CAPACITY_FACTOR_MIN, factor))
+    return Feedback(
+        state=replace(state, capacity_factor=factor, fresh_since=fresh_since),
+        attainment=attainment,
+        requests=win.total,
+        window_s=win_s,
+        recommendation=rec,
+        allow_scale_down=allow,
+        text=text,
+    )

@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""Paged attention on CPU in isolation: kvpilot's backends against dense torch SDPA, SmolLM2 shapes.
+
+For a decode step (B sequences, one new token each, context L) and a prefill (one sequence of P
+tokens, no cached prefix), times one layer's attention call of:
+  * cpu-paged: kernels/cpu_attention.py's C kernel reading K/V through the block tables (its
+    AVX-512 path where the CPU has it; cpu-paged-generic: the portable loop of the same kernel),
+  * torch-ref: kernels/attention.py's reference backend (gather the blocks, then SDPA),
+  * dense-sdpa: torch SDPA over contiguous K/V (no paging at all): what torch's own fused CPU
+    kernels reach for the same math, a practical bound for the paged versions.
+Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second.
+
+    python benchmarks/kernels_bench.py attention [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
+
+--isa builds and uses the kernel for one ISA level (kernels/isa.py; the same as KVPILOT_CPU_ISA), so
+the AVX2 path can be timed on an AVX-512 machine; --kernel-only skips the torch comparisons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime_vs_peers.py
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import workload as wl
+
+HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M
+
+
+def best_ms(fn: Callable[[], Any], seconds: float = 1.0, repeats: int = 5) -> float:
+    return wl.best_seconds(fn, seconds, repeats) * 1000
+
+
+def make_case(
+    qlens: list[int], seq_lens: list[int], dtype: torch.dtype, tiled: bool
+) -> tuple[torch.Tensor, Any, Any]:
+    from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer
+    from kvpilot.kernels.cpu_attention import head_major_v_cache, transposed_k_cache
+
+    nblocks = [(s + BS - 1) // BS for s in seq_lens]
+    total = sum(nblocks)
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    tables, start = [], 0
+    width = max(nblocks)
+    for nb in nblocks:
+        row = perm[start : start + nb].tolist()
+        tables.append(row + [0] * (width - nb))
+        start += nb
+    if tiled:  # the layout the engine allocates for the CPU kernel
+        k = transposed_k_cache(total, BS, HKV, D, dtype=dtype)
+        k.copy_(torch.randn(total, BS, HKV, D).to(dtype))
+        v = head_major_v_cache(total, BS, HKV, D, dtype=dtype)
+        v.copy_(torch.randn(total, BS, HKV, D).to(dtype))
+    else:
+        k = torch.randn(total, BS, HKV, D).to(dtype)
+        v = torch.randn(total, BS, HKV, D).to(dtype)
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=qlens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(qlens),
+        max_seq_len=max(seq_lens),
+    )
+    q = torch.randn(qsl[-1], HQ, D).to(dtype)
+    return q, KVCacheLayer(k, v), meta
+
+
+def figures(ms: float, pairs: int, kv_bytes: int) -> dict[str, float]:
+    return {
+        "ms": round(ms, 3),
+        "gflops": round(4 * HQ * D * pairs / (ms / 1000) / 1e9, 1),
+        "kv_gb_per_s": round(kv_bytes / (ms / 1000) / 1e9, 2),
+    }
+
+
+def run_case(
+    name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtype, kernel_only: bool = False
+) -> dict[str, Any]:
+    from kvpilot.kernels import cpu_attention
+    from kvpilot.kernels.attention import TorchReferenceBackend
+
+    scale = D**-0.5
+    # (query, key) pairs under the causal mask, and K/V bytes each query token reads
+    pairs = sum(sum(s - q + j + 1 for j in range(q)) for q, s in zip(qlens, seq_lens, strict=True))
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * HKV * D * elem * pairs
+    out: dict[str, Any] = {
+        "case": name,
+        "seqs": len(qlens),
+        "new_tokens": sum(qlens),
+        "max_ctx": max(seq_lens),
+    }
+    with torch.inference_mode():
+        if cpu_attention.available():
+            q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=True)
+            out["cpu-paged"] = figures(
+                best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale)), pairs, kv_bytes
+            )
+            out["cpu-paged"]["vectorized_path"] = cpu_attention.fast_path(HQ, cache)
+            out["cpu-paged-generic"] = figures(
+                best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale, generic=True)),
+                pairs,
+                kv_bytes,
+            )
+        if kernel_only:
+            return out
+        q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=False)
+        ref = TorchReferenceBackend()
+        fn = ref._decode if meta.decode_only else ref._varlen
+        out["torch-ref"] = figures(best_ms(lambda: fn(q, cache, meta, scale)), pairs, kv_bytes)
+        # dense: contiguous per-sequence K/V, one SDPA call over the batch (same lengths only)
+        if len(set(seq_lens)) == 1 and len(set(qlens)) == 1:
+            b, s, ql = len(seq_lens), seq_lens[0], qlens[0]
+            qq = torch.randn(b, HQ, ql, D).to(dtype)
+            kk = torch.randn(b, HKV, s, D).to(dtype)
+            vv = torch.randn(b, HKV, s, D).to(dtype)
+            causal = ql == s
+
+            def dense() -> torch.Tensor:
+                return F.scaled_dot_product_attention(
+                    qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=True
+                )
+
+            out["dense-sdpa"] = figures(best_ms(dense), pairs, kv_bytes)
+            kr = kk.repeat_interleave(HQ // HKV, 1)
+            vr = vv.repeat_interleave(HQ // HKV, 1)
+
+            def dense_rep() -> torch.Tensor:
+                return F.scaled_dot_product_attention(qq, kr, vr, is_causal=causal, scale=scale)
+
+            out["dense-sdpa-kv-repeated"] = figures(best_ms(dense_rep), pairs, kv_bytes)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", choices=["avx512", "avx2", "generic"], help="force the kernel's ISA level")
+    p.add_argument("--kernel-only", action="store_true", help="time only the C kernel's two paths")
+    args = p.parse_args()
+    if args.isa:
+        os.environ["KVPILOT_CPU_ISA"] = args.isa
+    from kvpilot.kernels import isa
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    cases = [
+        ("decode B=128 ctx=512", [1] * 128, [512] * 128),
+        ("decode B=32 ctx=1024", [1] * 32, [1024] * 32),
+        ("prefill P=512", [512], [512]),
+        ("prefill 4 x P=256", [256] * 4, [256] * 4),
+    ]
+    doc = {
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "isa": isa.selected(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
+        "results": [run_case(name, ql, sl, dtype, args.kernel_only) for name, ql, sl in cases],
+    }
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""The tiled quantized matmul (kvpilot_qmatmul_tiled, the CPU kernel of every `--quantization`
+linear layer and LM head after load) of this tree against another version of its C source, in
+alternation: a before/after that load from other work disturbs alike.
+
+For each weight shape (default: OLMoE's / a 2048-wide model's LM head 50304 x 2048, SmolLM2's head
+49152 x 576, a fused QKV 6144 x 2048 and a small 1536 x 576) and format (int8 per channel, int4
+group 32, both tiled as at load) and each row count M (1: single stream, 5: a speculative
+verification, 32: a batch), it times one call of each build, round by round (`--rounds`), one
+thread by default with the thread's CPU time, or `--threads N` with wall time, and checks that
+both builds give identical outputs. A weight larger than the last-level cache streams from memory
+on every call, as a decode step's weights do; the small shapes stay cached between calls, which a
+real model's layers do not.
+
+    git show REV:kernels/csrc/qmatmul_cpu.c > /tmp/before_qmatmul_cpu.c
+    python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c [--threads 2] [--rounds 5]
+
+Set KVPILOT_CPU_ISA=avx2 for the avx2 level on an AVX-512 CPU. Prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from kvpilot.kernels import isa, qlinear
+from micro.qmoe import other_build, time_calls
+
+SHAPES = "50304x2048,49152x576,6144x2048,1536x576"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", type=Path, required=True, help="another qmatmul_cpu.c (the 'before')")
+    ap.add_argument("--shapes", default=SHAPES, help="comma list of NxK weight shapes")
+    ap.add_argument("--rows", default="1,5,32", help="comma list of activation row counts M")
+    ap.add_argument("--methods", default="int8,int4")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        rows = [int(m) for m in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--shapes / --rows: expected NxK,... and M,...; got {args.shapes!r}, {args.rows!r}")
+    if any(len(s) != 2 or s[0] % 16 for s in shapes):
+        ap.error("--shapes: each NxK needs N a multiple of 16 (the tiled layout)")
+    if not args.against.is_file():
+        ap.error(f"--against: no such file {args.against}")
+    torch.set_num_threads(args.threads)
+    before = other_build(args.against, Path(tempfile.mkdtemp()))
+    after = qlinear._library()
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        for method in args.methods.split(","):
+            qw = qlinear.tile(qlinear.quantize(w, method, 0 if method == "int8" else 32))
+            for m in rows:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                outs = [torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2)]
+
+                def call(lib: object, out: torch.Tensor, x: torch.Tensor = x, qw: object = qw) -> None:
+                    rc = lib.kvpilot_qmatmul_tiled(*qlinear._kernel_args(x, out, None, qw))  # type: ignore[attr-defined,arg-type]
+                    if rc != 0:
+                        raise SystemExit(f"kvpilot_qmatmul_tiled returned {rc}")
+
+                secs = time_calls(
+                    [partial(call, before, outs[0]), partial(call, after, outs[1])],
+                    args.rounds,
+                    wall=args.threads > 1,
+                    budget_s=0.2,
+                )
+                if not torch.equal(outs[0], outs[1]):
+                    raise SystemExit(f"{n}x{k} {method} M={m}: the two builds' outputs differ")
+                print(
+                    json.dumps(
+                        {
+                            "shape": f"{n}x{k}",
+                            "method": method,
+                            "rows": m,
+                            "before_ms": round(secs[0] * 1e3, 3),
+                            "after_ms": round(secs[1] * 1e3, 3),
+                            "speedup": round(secs[0] / secs[1], 2),
+                            "weight_gb_s_after": round(qw.packed.numel() / secs[1] / 1e9, 1),
+                        }
+                    ),
+                    flush=True,
+                )
+    print(
+        json.dumps(
+            {
+                "level": isa.selected(),
+                "threads": args.threads,
+                "clock": "wall" if args.threads > 1 else "thread CPU time",
+                "rounds": args.rounds,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

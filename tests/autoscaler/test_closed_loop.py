@@ -1,0 +1,310 @@
+"""The closed loop on measured SLO attainment (attainment.py, feedback.py, policy.decide, state.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvpilot.api.models import AutoscalerStatus
+from kvpilot.autoscaler.attainment import (
+    PodLatency,
+    SloCounts,
+    SloInterval,
+    count_within,
+    counts_from_latency,
+    pod_latency,
+    pods_interval_counts,
+    window,
+)
+from kvpilot.autoscaler.feedback import FeedbackSettings, SloState, evaluate, record_interval
+from kvpilot.autoscaler.policy import ArrivalState, History, PodCounter, decide
+from kvpilot.autoscaler.replica_model import calibration_by_name
+from kvpilot.autoscaler.router_source import parse_router_slo
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.slo import prefill_terms
+from kvpilot.autoscaler.sources import parse_metrics_text
+from kvpilot.autoscaler.spec import ScalingTargets
+from kvpilot.autoscaler.state import decision_to_status, history_from_status
+
+NOW = 1_000_000.0
+SLO = {"calibration": "h100/llama-3.1-8b", "ttftSeconds": 2, "tpotSeconds": 0.05}
+SETTINGS = FeedbackSettings(
+    target=0.99, window_s=120.0, min_requests=20, gain=0.1, max_step=0.5, headroom=0.5, relax=0.03
+)
+
+
+def _targets(**autoscaling: object) -> ScalingTargets:
+    spec = {"minReplicas": 1, "maxReplicas": 20, "slo": SLO, "scaleDownStabilizationSeconds": 0}
+    return ScalingTargets.from_spec({**spec, **autoscaling}, max_num_seqs=64)
+
+
+def _history(pods: int, router_met: float, *, mix: bool = True, **slo: object) -> History:
+    counters = tuple(PodCounter(f"p{i}", 1000.0, 4, 1000.0 * 2000, 1000.0 * 200) for i in range(pods))
+    arrivals = ArrivalState(
+        time=NOW - 15.0,
+        counters=counters,
+        token_mix=(2000.0, 200.0) if mix else None,
+        mix_requests=200.0 if mix else 0.0,
+    )
+    state = SloState(time=NOW - 15.0, router_counts=SloCounts(met=router_met), **slo)  # type: ignore[arg-type]
+    return History(arrivals=arrivals, slo=state)
+
+
+def _samples(pods: int, done: float = 1010.0, kv: float = 0.2) -> tuple[ReplicaSample, ...]:
+    return tuple(
+        ReplicaSample(
+            f"p{i}", kv, 0, 4, done, prompt_tokens_total=done * 2000, generation_tokens_total=done * 200
+        )
+        for i in range(pods)
+    )
+
+
+# -- attainment.py -------------------------------------------------------------------------------
+
+
+def test_counts_difference_and_reset():
+    before = SloCounts(met=100, missed_ttft=2)
+    assert SloCounts(met=150, missed_ttft=4, failed=1).since(before) == SloCounts(50, 2, 0, 1)
+    assert SloCounts(met=10).since(before) is None  # a router restarted: no interval, not a guess
+    assert SloCounts().attainment is None  # no requests is unknown, never perfect
+    assert SloCounts(met=99, missed_tpot=1).attainment == pytest.approx(0.99)
+    assert SloCounts.from_outcomes({"met": 3, "missed_ttft": 1, "bogus": 7}).total == 4
+
+
+def test_histogram_bound_takes_the_bucket_below_the_target():
+    buckets = ((0.5, 10.0), (1.0, 30.0), (2.5, 45.0), (math.inf, 50.0))
+    assert count_within(buckets, 2.0) == (30.0, 50.0)  # 2.0 s is not a bound: the 1.0 bucket counts
+    assert count_within(buckets, 2.5) == (45.0, 50.0)
+    assert count_within(((1.0, 3.0),), 2.0) is None  # no +Inf bucket: not a histogram
+    lat = pod_latency(buckets, ((0.05, 900.0), (math.inf, 1000.0)), 2.0, 0.05)
+    assert lat == PodLatency(30.0, 50.0, 900.0, 1000.0)
+    # 20 first tokens late; of the 30 in time, 10% of the gaps were slow.
+    got = counts_from_latency(lat)
+    assert (got.met, got.missed_ttft, got.missed_tpot) == pytest.approx((27.0, 20.0, 3.0))
+
+
+def test_pods_interval_counts_difference_new_and_restarted_pods():
+    before = {"a": PodLatency(10, 10, 100, 100), "b": PodLatency(50, 60, 0, 0)}
+    now = {
+        "a": PodLatency(20, 30, 200, 200),  # +10 in time of +20
+        "b": PodLatency(5, 5, 0, 0),  # restarted: what it has since
+        "c": PodLatency(4, 4, 10, 10),  # new since the last sync: all of it
+    }
+    got = pods_interval_counts(now, before)
+    assert got == SloCounts(met=19.0, missed_ttft=10.0)
+    assert pods_interval_counts(now, {}) is None  # no baseline: nothing to difference
+
+
+def test_window_keeps_recent_intervals_and_fresh_ones():
+    ivs = (
+        SloInterval(NOW - 200, 15, SloCounts(met=5, missed_ttft=5), 1.0),
+        SloInterval(NOW - 30, 15, SloCounts(met=90, missed_ttft=10), 2.0),
+        SloInterval(NOW, 15, SloCounts(met=100), 4.0),
+    )
+    w = window(ivs, NOW, 120.0)
+    assert w.counts == SloCounts(met=190, missed_ttft=10) and w.load_per_replica == pytest.approx(3.0)
+    assert window(ivs, NOW, 120.0, since=NOW - 20).counts == SloCounts(met=100)
+
+
+# -- feedback.py ---------------------------------------------------------------------------------
+
+
+def _state(*intervals: tuple[float, SloCounts, float | None], **kw: object) -> SloState:
+    ivs = tuple(SloInterval(t, 15.0, c, load) for t, c, load in intervals)
+    return SloState(time=NOW, intervals=ivs, source="router", **kw)  # type: ignore[arg-type]
+
+
+def test_a_significant_miss_grows_the_fleet_and_corrects_the_capacity():
+    state = _state((NOW, SloCounts(met=180, missed_tpot=20), 2.0))  # 90% at 2 req/s per replica
+    fb = evaluate(state, NOW, current=5, ready=5, settings=SETTINGS, model_capacity=4.0, settle_s=10)
+    # 9 budgets short: the largest step, +50%
+    assert fb.recommendation == 8 and not fb.allow_scale_down
+    assert "measured attainment 0.900 < target 0.990" in fb.text
+    # missed at half the model's capacity: the model is optimistic, the factor drops below 0.5
+    assert fb.state.capacity_factor == pytest.approx(0.5 * 0.5)
+    assert fb.state.fresh_since == NOW + 10
+    # the next sync sees only what began after the step took effect: no second step on old misses
+    later = evaluate(fb.state, NOW + 15, 8, 5, SETTINGS, 4.0, 10)
+    assert later.recommendation is None and not later.allow_scale_down
+
+
+def test_noise_within_the_budget_is_not_a_miss():
+    # 5 misses in 480 requests: 98.96%, but within two standard deviations of a 1% budget
+    state = _state((NOW, SloCounts(met=475, missed_ttft=5), 2.0))
+    fb = evaluate(state, NOW, 5, 5, SETTINGS, 4.0, 10)
+    assert fb.recommendation is None and fb.state.capacity_factor == 1.0 and not fb.allow_scale_down
+
+
+def test_a_backlog_is_left_to_the_queue_rule():
+    state = _state((NOW, SloCounts(met=100, missed_ttft=100), 2.0), last_backlog=NOW - 30)
+    fb = evaluate(state, NOW, 5, 5, SETTINGS, 4.0, 10)
+    assert fb.recommendation is None and fb.state.capacity_factor == 1.0
+
+
+def test_scale_down_needs_headroom_and_a_measurement():
+    full = _state((NOW, SloCounts(met=1000), 3.0))
+    fb = evaluate(replace(full, capacity_factor=0.5), NOW, 5, 5, SETTINGS, 4.0, 10)
+    assert fb.allow_scale_down and fb.attainment == 1.0
+    # headroom at 3 req/s per replica proves 0.75 of the model, then relaxes toward it
+    assert fb.state.capacity_factor == pytest.approx(0.75 + 0.03 * 0.25)
+    tight = _state((NOW, SloCounts(met=992, missed_ttft=8), 3.0))  # 99.2%: met, but no headroom
+    assert not evaluate(tight, NOW, 5, 5, SETTINGS, 4.0, 10).allow_scale_down
+    few = _state((NOW, SloCounts(met=5, failed=1), 3.0))  # low traffic: little to lose
+    assert evaluate(few, NOW, 5, 5, SETTINGS, 4.0, 10).allow_scale_down
+    unknown = evaluate(SloState(), NOW, 5, 5, SETTINGS, 4.0, 10)
+    assert unknown.attainment is None and not unknown.allow_scale_down
+
+
+def test_record_interval_differences_router_counters_and_skips_resets():
+    s = record_interval(SloState(), NOW, SloCounts(met=100), {}, {}, 2.0, 120.0)
+    assert s.intervals == () and s.source == "router"  # the first read is a baseline
+    s = record_interval(s, NOW + 15, SloCounts(met=150, missed_ttft=5), {}, {}, 2.0, 120.0)
+    assert s.intervals[-1].counts == SloCounts(met=50, missed_ttft=5)
+    s2 = record_interval(s, NOW + 30, SloCounts(met=3), {}, {}, 2.0, 120.0)
+    assert len(s2.intervals) == 1  # went down: a router restarted, no interval
+    s3 = record_interval(s, NOW + 30, None, {}, {}, 2.0, 120.0, backlog=True)
+    assert s3.last_backlog == NOW + 30 and s3.time == s.time  # nothing measured: baseline kept
+
+
+# -- policy.decide -------------------------------------------------------------------------------
+
+
+def test_below_target_grows_even_when_the_planner_says_enough():
+    targets = _targets()
+    history = _history(4, router_met=1000.0)
+    # 10 requests per replica in 15 s at 2000+200 tokens: the planner is content with 4 (or fewer),
+    # but the routers judged 60 of the last 200 requests as late.
+    content = decide(
+        4, MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1200)), targets, history, NOW
+    )
+    assert content.slo_recommendation is not None and content.desired <= 4  # the model says enough
+    snap = MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1140, missed_ttft=60))
+    d = decide(4, snap, targets, history, NOW)
+    assert d.desired == 6 and d.signal == "measured attainment"
+    assert d.reason.startswith("measured attainment 0.700 < target 0.990 (router")
+    assert "[signal: measured attainment]" in d.reason
+    assert d.capacity_factor is not None and d.capacity_factor < 1.0
+
+
+def test_missing_router_counters_are_not_perfect_attainment():
+    targets = _targets()
+    history = History(arrivals=_history(6, 0.0).arrivals)  # no SLO measurement so far
+    quiet = MetricsSnapshot(6, _samples(6, done=1001.0, kv=0.01))
+    d = decide(6, quiet, targets, history, NOW)
+    assert d.desired == 6 and d.signal == "attainment unknown" and d.attainment is None
+
+
+def test_pods_histograms_are_the_fallback():
+    targets = _targets()
+
+    def pod(i: int, ttft_ok: float, total: float) -> ReplicaSample:
+        return replace(
+            _samples(1)[0],
+            pod=f"p{i}",
+            ttft_buckets=((1.0, ttft_ok), (2.5, ttft_ok), (math.inf, total)),
+            itl_buckets=((0.05, total * 10), (math.inf, total * 10)),
+        )
+
+    before = _history(2, 0.0, mix=False)  # the planner is not sizing yet: the loop alone
+    counters = tuple(
+        replace(c, latency=PodLatency(100.0, 100.0, 1000.0, 1000.0)) for c in before.arrivals.counters
+    )
+    history = replace(
+        before, arrivals=replace(before.arrivals, counters=counters), slo=SloState(time=NOW - 15.0)
+    )
+    snap = MetricsSnapshot(2, (pod(0, 120.0, 150.0), pod(1, 120.0, 150.0)))  # 40 of 100 late
+    d = decide(2, snap, targets, history, NOW)
+    assert d.attainment_source == "pods" and d.attainment == pytest.approx(0.4)
+    assert d.desired == 3 and d.signal == "measured attainment"
+
+
+def test_status_round_trip_keeps_the_loop_and_publishes_the_prefill_terms():
+    targets = _targets()
+    snap = MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1140, missed_ttft=60))
+    d = decide(4, snap, targets, _history(4, router_met=1000.0), NOW)
+    block = decision_to_status(d, NOW, None)
+    slo = block["slo"]
+    a, b = prefill_terms(calibration_by_name("h100/llama-3.1-8b"))
+    assert slo["prefillSecondsPerToken"] == a and slo["prefillSecondsPerTokenSquared"] == b
+    assert slo["attainment"] == pytest.approx(0.7) and slo["source"] == "router" and slo["target"] == 0.99
+    assert AutoscalerStatus.model_validate(block).slo is not None  # declared by the shared model
+    back = history_from_status(block).slo
+    assert back.capacity_factor == pytest.approx(d.history.slo.capacity_factor, abs=1e-4)
+    assert back.router_counts == SloCounts(met=1140, missed_ttft=60)
+    assert back.fresh_since == pytest.approx(d.history.slo.fresh_since or 0, abs=1e-3)
+    assert [i.counts for i in back.intervals] == [i.counts for i in d.history.slo.intervals]
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+def test_router_slo_counters_and_pod_histograms_parse():
+    text = (
+        "# TYPE kvpilot_router_slo_requests_total counter\n"
+        'kvpilot_router_slo_requests_total{model_name="chat",outcome="met"} 90\n'
+        'kvpilot_router_slo_requests_total{model_name="chat",outcome="missed_tpot"} 10\n'
+        'kvpilot_router_slo_requests_total{model_name="other",outcome="met"} 5\n'
+    )
+    got = parse_router_slo(text)
+    assert SloCounts.from_outcomes(got["chat"]) == SloCounts(met=90, missed_tpot=10)
+    page = (
+        'kvpilot_kv_cache_usage_ratio{model_name="m"} 0.5\n'
+        'kvpilot_num_requests_waiting{model_name="m"} 0\n'
+        "# TYPE kvpilot_time_to_first_token_seconds histogram\n"
+        'kvpilot_time_to_first_token_seconds_bucket{model_name="m",le="1.0"} 8\n'
+        'kvpilot_time_to_first_token_seconds_bucket{model_name="m",le="+Inf"} 10\n'
+        'kvpilot_time_to_first_token_seconds_count{model_name="m"} 10\n'
+        'kvpilot_time_to_first_token_seconds_sum{model_name="m"} 5\n'
+        "# TYPE kvpilot_inter_token_latency_seconds histogram\n"
+        'kvpilot_inter_token_latency_seconds_bucket{model_name="m",le="0.05"} 70\n'
+        'kvpilot_inter_token_latency_seconds_bucket{model_name="m",le="+Inf"} 100\n'
+        'kvpilot_inter_token_latency_seconds_count{model_name="m"} 100\n'
+        'kvpilot_inter_token_latency_seconds_sum{model_name="m"} 3\n'
+    )
+    sample = parse_metrics_text(page, "p0", "m")
+    assert sample is not None and sample.ttft_buckets == ((1.0, 8.0), (math.inf, 10.0))
+    assert pod_latency(sample.ttft_buckets, sample.itl_buckets, 2.0, 0.05) == PodLatency(8, 10, 70, 100)
+
+
+# -- the simulator runs the same loop ---------------------------------------------------------------
+
+
+def test_the_simulated_fleet_closes_the_loop_where_the_model_is_optimistic():
+    """The Mooncake head (long prompts: prefill chunks stretch the decodes' TPOT) tiled to 15 minutes:
+    the planner alone sizes for its model and misses; with the loop, the measured attainment (the
+    simulated router's counter, judged with api/slo.judge) grows the fleet to the target."""
+    from kvpilot.autoscaler.fleet_policies import KvpilotPolicy
+    from kvpilot.autoscaler.simulator import ROUTERS, FleetSimulator
+    from kvpilot.autoscaler.slo import Slo
+    from kvpilot.autoscaler.spec import Behavior, SloTargets
+    from kvpilot.autoscaler.trace import load_trace
+
+    cal = replace(calibration_by_name("h100/llama-3.1-8b"), startup_s=10)
+    head = load_trace(str(Path(__file__).parent / "data" / "mooncake_synthetic_head200.jsonl"))
+    span = head[-1].t + 1.0
+    trace = [
+        replace(r, t=r.t + k * span, hash_ids=tuple(h + 100_000 * k for h in r.hash_ids))
+        for k in range(int(900 // span))
+        for r in head
+    ]
+    results = {}
+    for loop in (False, True):
+        targets = ScalingTargets(
+            min_replicas=1,
+            max_replicas=30,
+            max_num_seqs=cal.max_num_seqs,
+            slo=SloTargets(cal, "h100/llama-3.1-8b"),
+            behavior=Behavior(slo_feedback=loop),
+        )
+        sim = FleetSimulator(
+            trace, KvpilotPolicy(targets), cal, slo=Slo(), router=ROUTERS["router:kv-aware"]()
+        )
+        results[loop] = sim.run()
+        # the router's counter saw every request, judged as the result judges them
+        assert sum(sim._outcomes.values()) == len(trace)
+    assert results[False].slo_attainment < 0.95
+    assert results[True].slo_attainment >= 0.99
+    assert results[True].replica_hours > results[False].replica_hours  # it paid for it, knowingly

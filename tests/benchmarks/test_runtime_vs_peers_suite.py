@@ -1,0 +1,172 @@
+"""benchmarks/runtime_vs_peers.py suite's plan (benchmarks/peers/suite.py: which runtime_vs_peers.py
+process runs under which ISA settings) and its summary, runtime_vs_peers.py's single-stream
+aggregation, and build_llamacpp.sh's --isa check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import peers.suite as i14  # noqa: E402
+
+
+def opt(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_plan_runs_single_streams_natively_and_batches_under_the_avx2_caps() -> None:
+    args = i14.parse_args([])
+    runs = i14.plan(args, "/bin/native", "/bin/avx2", "/tmp/draft")
+    by_key = {r.key: r for r in runs}
+    assert [r.key for r in runs if r.part == "single"] == [
+        "single_peers",
+        "single_int8",
+        "single_int4",
+        "single_int4_ngram",
+        "single_draft",
+        "single_int4_python_layers",
+    ]
+    for r in runs:
+        if r.key == "single_int4_python_layers":  # the decoder stack off: what it saves
+            assert r.env == {"KVPILOT_CPU_DECODER_STACK": "0"}
+        else:
+            assert r.env == (i14.AVX2_ENV if r.part == "avx2_batch" else {})
+        assert r.picks, r.key
+    peers = by_key["single_peers"].argv
+    assert opt(peers, "--engines") == "kvpilot,hf,llamacpp"
+    assert opt(peers, "--llamacpp-bin") == "/bin/native"
+    assert opt(peers, "--llamacpp-slots") == "1"
+    # every single-stream run uses the same quoting prompts and lengths
+    single_opts = {
+        tuple(
+            opt(r.argv, f) for f in ("--single-text", "--single-count", "--single-words", "--single-output")
+        )
+        for r in runs
+        if r.part == "single"
+    }
+    assert single_opts == {("quoting", "3", "90", "64")}
+    ngram = by_key["single_int4_ngram"].argv
+    assert opt(ngram, "--kvpilot-quantization") == "int4"
+    assert opt(ngram, "--kvpilot-speculative-method") == "ngram"
+    draft = by_key["single_draft"].argv
+    assert opt(draft, "--kvpilot-speculative-model") == "/tmp/draft"
+    avx2 = by_key["avx2_peers"].argv
+    assert opt(avx2, "--llamacpp-bin") == "/bin/avx2"
+    assert opt(avx2, "--llamacpp-slots") == "32"
+    assert opt(avx2, "--hf-dtype") == "auto"  # runtime_vs_peers.py probes fp32 and bf16, runs the faster
+    assert "avx2_hf_bfloat16" not in by_key
+    both = {r.key: r for r in i14.plan(i14.parse_args(["--hf-avx2-dtype", "both"]), None, None, None)}
+    assert opt(both["avx2_peers"].argv, "--hf-dtype") == "float32"
+    assert opt(both["avx2_hf_bfloat16"].argv, "--hf-dtype") == "bfloat16"
+    assert both["avx2_hf_bfloat16"].env == i14.AVX2_ENV
+
+
+def test_plan_leaves_llamacpp_out_without_a_binary_and_honours_parts() -> None:
+    args = i14.parse_args(["--parts", "avx2_batch", "--smoke"])
+    runs = i14.plan(args, None, None, None)
+    assert {r.part for r in runs} == {"avx2_batch"}
+    assert opt(runs[0].argv, "--engines") == "kvpilot,hf"
+    assert "--llamacpp-bin" not in runs[0].argv
+    with pytest.raises(SystemExit):
+        i14.parse_args(["--parts", "single,gpu"])
+
+
+def test_native_runs_drop_inherited_avx2_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_CPU_ISA", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    native = i14.child_env(i14.Run("a", "single", [], {}))
+    assert not {"KVPILOT_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"} & set(native)
+    capped = i14.child_env(i14.Run("b", "avx2_batch", [], dict(i14.AVX2_ENV)))
+    assert all(capped[k] == v for k, v in i14.AVX2_ENV.items())
+
+
+def _doc(engines: dict[str, Any]) -> dict[str, Any]:
+    return {"engines": engines}
+
+
+def test_summary_ratios_use_the_fastest_transformers_dtype_and_the_best_kvpilot() -> None:
+    args = i14.parse_args(["--smoke", "--hf-avx2-dtype", "both"])
+    runs = i14.plan(args, "/n", "/a", "/d")
+    single = lambda v: {"single_stream": {"decode_tok_per_s": v}}  # noqa: E731
+    batch = lambda v: {"batch": {"output_tok_per_s": v}}  # noqa: E731
+    docs: dict[str, dict[str, Any] | None] = {
+        "single_peers": _doc({"kvpilot": single(20.0), "hf": single(10.0), "llamacpp": single(40.0)}),
+        "single_int8": _doc({"kvpilot": single(30.0)}),
+        "single_int4": _doc({"kvpilot": single(52.0)}),
+        "single_int4_ngram": _doc({"kvpilot": single(80.0)}),
+        "single_draft": None,  # a failed run leaves its row out
+        "avx2_peers": _doc({"kvpilot": batch(150.0), "hf": batch(40.0), "llamacpp": batch(100.0)}),
+        "avx2_int8": _doc({"kvpilot": batch(120.0)}),
+        "avx2_int4": _doc({"kvpilot": batch(160.0)}),
+        "avx2_hf_bfloat16": _doc({"hf": batch(64.0)}),
+    }
+    s = i14.summarize(runs, docs)
+    assert s["ratios"] == {
+        "single_int4_vs_llamacpp": 1.3,
+        "single_speculative_vs_llamacpp": 2.0,
+        "avx2_batch_vs_llamacpp": 1.6,
+        "avx2_batch_vs_hf_fastest": 2.5,  # 160 / 64 (bf16 beat fp32 here)
+    }
+    assert s["targets_met"] == dict.fromkeys(s["ratios"], True)
+    assert "kvpilot draft (random 2-layer)" not in s["single_stream_decode_tok_per_s"]
+    table = i14.markdown(s, "test CPU")
+    assert "| kvpilot int4 | 52.0 | 1.3x |" in table
+
+
+def test_llamacpp_version_matches_the_adapter() -> None:
+    from peers.engine_llamacpp import DEFAULT_LLAMACPP_VERSION
+
+    assert i14.LLAMACPP_VERSION == DEFAULT_LLAMACPP_VERSION
+
+
+def test_combine_single_is_total_decode_tokens_over_total_decode_time() -> None:
+    from runtime_vs_peers import combine_single
+
+    a = {"output_tokens": 11, "decode_tok_per_s": 10.0, "steps": 11}  # 10 decode tokens in 1 s
+    b = {
+        "output_tokens": 31,
+        "decode_tok_per_s": 30.0,
+        "steps": 7,
+        "proposed_tokens": 8,
+        "accepted_tokens": 6,
+    }
+    out = combine_single([a, b])
+    assert out["decode_tok_per_s"] == 20.0  # 40 tokens / 2 s, not the mean of rates either way
+    assert out["per_prompt_decode_tok_per_s"] == [10.0, 30.0]
+    assert out["steps"] == 18
+    assert "acceptance_rate" not in out  # not every prompt reported speculation
+    assert combine_single([a]) is a
+    assert "error" in combine_single([a, {"error": "fewer than 2 tokens"}])
+
+
+def test_build_script_refuses_an_unknown_isa() -> None:
+    res = subprocess.run(
+        ["bash", str(BENCH / "build_llamacpp.sh"), "--isa", "avx512"], capture_output=True, text=True
+    )
+    assert res.returncode == 2
+    assert "--isa must be native or avx2" in res.stderr
+
+
+def test_avx512_instruction_count_tells_an_avx2_build_from_an_avx512_one(tmp_path: Path) -> None:
+    src = tmp_path / "v.c"
+    src.write_text(
+        "void add(float *a, const float *b, int n) { for (int i = 0; i < n; i++) a[i] += b[i] * 3.0f; }\n"
+        "int main(void) { float a[64] = {0}, b[64] = {1}; add(a, b, 64); return (int)a[0]; }\n"
+    )
+    counts = {}
+    for name, flags in (
+        ("avx512", ["-mavx512f", "-mprefer-vector-width=512"]),
+        ("avx2", ["-mavx2", "-mfma"]),
+    ):
+        subprocess.run(["cc", "-O3", *flags, str(src), "-o", str(tmp_path / name)], check=True)
+        counts[name] = i14.avx512_instruction_count(str(tmp_path / name))
+    assert counts["avx2"] == 0
+    assert counts["avx512"] is not None and counts["avx512"] > 0
