@@ -2,6 +2,9 @@
 
 decide(current, snapshot, targets, history, now) -> Decision(desired, reason, history)
 
+(Slightly past 600 lines on purpose: the steps below are one decision, read in order; the arrival-rate
+measurement, the closed loop and the simulator live in their own modules.)
+
 No I/O, no clock, no randomness: the controller and the fleet simulator call the same function, and a
 restarted controller continues from the history it wrote into the InferenceModel's status.
 
