@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -45,7 +44,7 @@ from kvpilot.autoscaler.spec import Behavior, ScalingTargets, SloTargets
 from kvpilot.autoscaler.trace import TraceRequest, load_trace, scale_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from issue14_figures import lscpu_model
+from harness import machine, print_table
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.05, ttft_prefill_factor=2.0)
 GOAL = 0.99
@@ -249,24 +248,33 @@ def main() -> None:
             for t in args.trace
         },
         "seconds": round(time.time() - started, 1),
-        "machine": {"cpu": lscpu_model(), "python": platform.python_version()},
+        "machine": machine(),
     }
     print(json.dumps(out, indent=1))
     if args.markdown:
-        print(
-            "\n| trace | policy | startup | attainment | replica-hours (vs static) | static (n, attainment) "
-            "| same-hours static | goals |\n|---|---|---|---|---|---|---|---|"
-        )
+        headers = [
+            "trace", "policy", "startup", "attainment", "replica-hours (vs static)", "static (n, attainment)",
+            "same-hours static", "goals",
+        ]  # fmt: skip
+        table = []
         for r in rows:
             g = ", ".join(
                 f"{k} {'met' if v else 'MISSED'}" for k, v in r["goals_met"].items() if v is not None
             )
-            print(
-                f"| {r['trace']} | {r['policy']} | {r['startup_s']:g} s | {r['slo_attainment']:.2%} "
-                f"| {r['replica_hours']:.2f} ({r['vs_static_replica_hours']:.0%}) "
-                f"| {r['static_replicas']}, {r['static_attainment']:.2%} "
-                f"| {r['same_hours_static_attainment']:.2%} | {g} |"
+            table.append(
+                [
+                    r["trace"],
+                    r["policy"],
+                    f"{r['startup_s']:g} s",
+                    f"{r['slo_attainment']:.2%}",
+                    f"{r['replica_hours']:.2f} ({r['vs_static_replica_hours']:.0%})",
+                    f"{r['static_replicas']}, {r['static_attainment']:.2%}",
+                    f"{r['same_hours_static_attainment']:.2%}",
+                    g,
+                ]
             )
+        print()
+        print_table(headers, table)
 
 
 if __name__ == "__main__":
