@@ -71,7 +71,8 @@ def run_lm_eval(lm_eval: str, model: str, model_args: str, out: Path, timeout: f
         "--include_path", TASK_DIR, "--batch_size", "1", "--output_path", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=timeout)
+    # its tables and progress go to stderr: stdout is this script's JSON
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=timeout, stdout=sys.stderr)
     (path,) = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
     results = json.loads(Path(path).read_text())["results"][TASK]
     metrics = {k.split(",")[0]: v for k, v in results.items() if k.startswith(("acc,", "acc_norm,"))}
