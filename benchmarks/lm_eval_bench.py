@@ -67,7 +67,7 @@ def start_serve(port: int, threads: int) -> subprocess.Popen[bytes]:
 def run_lm_eval(lm_eval: str, model: str, model_args: str, out: Path, timeout: float) -> dict[str, Any]:
     """One lm_eval run of the task; returns the command and the task's metrics."""
     cmd = [
-        lm_eval, "--model", model, "--model_args", model_args, "--tasks", TASK,
+        lm_eval, "--model", model, "--model_args", model_args, "--tasks", TASK, "--device", "cpu",
         "--include_path", TASK_DIR, "--batch_size", "1", "--output_path", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -114,7 +114,7 @@ def main() -> None:
         ref = run_lm_eval(
             args.lm_eval,
             "hf",
-            f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32,device=cpu",
+            f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32",
             Path(tmp) / "hf",
             args.timeout,
         )
