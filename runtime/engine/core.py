@@ -49,6 +49,7 @@ class _Tracked:
     seq: Sequence
     emitted: int = 0  # output tokens already reported
     emitted_logprobs: int = 0
+    emitted_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -214,7 +215,7 @@ class LLMEngine:
                 spec.draft.propose([s for s in sched.scheduled if s.num_spec_tokens])
             if self.before_execute is not None:
                 self.before_execute(sched)
-            logits, sampled = self.runner.execute(sched.scheduled)
+            step = self.runner.execute(sched.scheduled)
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
@@ -228,6 +229,8 @@ class LLMEngine:
             self.token_budget = min(self.cfg.max_num_batched_tokens, self.token_budget * 2)
             self._steps_since_oom = 0
         self.num_steps += 1
+        logits, sampled = step.logits, step.sampled
+        self.scheduler.add_prompt_logprobs(step.prompt_logprobs)
         self.prompt_tokens += self.scheduler.on_step_done(sched)
         sampled_tokens = self._sample(logits, sampled) if sampled else []
         update = self.scheduler.update(sampled, sampled_tokens, time.monotonic())
@@ -297,6 +300,11 @@ class LLMEngine:
             lps = seq.logprobs[tracked.emitted_logprobs :]
             tracked.emitted_logprobs = len(seq.logprobs)
         finished = seq.is_finished
+        plps: list[TokenLogprob | None] | None = None
+        want_prompt = seq.params.prompt_logprobs is not None and not tracked.emitted_prompt_logprobs
+        if want_prompt and not seq.needs_prompt_logprobs:  # all of them, once
+            plps = [None, *seq.prompt_logprobs]
+            tracked.emitted_prompt_logprobs = True
         if finished:
             del self.requests[seq.seq_id]
         return RequestOutput(
@@ -306,6 +314,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time),
+            prompt_logprobs=plps,
         )
 
     def stats(self) -> EngineStats:

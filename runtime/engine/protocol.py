@@ -32,11 +32,12 @@ class EngineDeadError(Exception):
 
 @dataclass
 class TokenLogprob:
-    """Logprob of one generated token, with the top alternatives when asked for."""
+    """Logprob of one token (generated, or of the prompt), with the top alternatives when asked for."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = field(default_factory=list)  # best first
+    rank: int | None = None  # 1 + how many tokens the model ranked above it (prompt logprobs only)
 
 
 @dataclass
@@ -65,6 +66,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it); sent once, on the request's first output with a token (or its last)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -74,7 +78,10 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     if ca.logprobs is not None or cb.logprobs is not None:
         lps = (ca.logprobs or []) + (cb.logprobs or [])
     merged = CompletionOutput(ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason)
-    return RequestOutput(b.request_id, b.prompt_token_ids, merged, b.finished, b.num_cached_tokens, b.metrics)
+    plps = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
+    return RequestOutput(
+        b.request_id, b.prompt_token_ids, merged, b.finished, b.num_cached_tokens, b.metrics, plps
+    )
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ the steps it fits.
 Flat batch layout (one row per new token across all scheduled sequences):
 input ids, positions, slot mapping; per sequence: query start offsets, context lengths and the
 block table. Only the last token of a sequence that reaches its end this step is turned into logits
-(plus one row per speculative token of a sequence whose proposals are verified in this step).
+(plus one row per speculative token of a sequence whose proposals are verified in this step, and
+the prompt rows of a sequence that asked for prompt logprobs: runtime/engine/prompt_logprobs.py).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -25,7 +26,10 @@ from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCac
 from kvpilot.kernels.switches import KernelSwitches
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.cuda_graphs import DecodeGraphRunner
+from kvpilot.runtime.engine.prompt_logprobs import PromptRows, split, token_logprobs
+from kvpilot.runtime.engine.protocol import TokenLogprob
 from kvpilot.runtime.engine.scheduler import ScheduledSeq
+from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.lora.manager import LoRAState, SlotTable
 
 log = logging.getLogger(__name__)
@@ -264,8 +268,26 @@ class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_indices: torch.Tensor  # rows of the flat batch whose logits are needed
+    sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled from
     sampled: list[ScheduledSeq]  # a sequence with K speculative tokens owns K + 1 consecutive rows
+    prompt: PromptRows = field(default_factory=PromptRows)  # rows that give prompt logprobs
+
+    @property
+    def logit_rows(self) -> torch.Tensor:
+        """Every row whose final hidden state is needed: the prompt rows, then the sample rows."""
+        if not self.prompt.rows:
+            return self.sample_indices
+        prompt = torch.tensor(self.prompt.rows, dtype=torch.int64, device=self.sample_indices.device)
+        return torch.cat([prompt, self.sample_indices])
+
+
+@dataclass
+class StepLogits:
+    """What a step's model run gives the engine."""
+
+    logits: torch.Tensor  # float32 [rows, vocab] of `sampled`
+    sampled: list[ScheduledSeq]
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)
 
 
 def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> PreparedBatch:
@@ -277,10 +299,14 @@ def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.
     seq_lens: list[int] = []
     sample_rows: list[int] = []
     sampled: list[ScheduledSeq] = []
+    prompt = PromptRows()
     max_blocks = 0
     for s in scheduled:
         seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
         end = start + n
+        lp_positions = s.prompt_logprob_positions
+        if lp_positions:
+            prompt.add(seq, len(input_ids) + lp_positions.start - start, lp_positions)
         input_ids.extend(seq.token_ids[start:end])
         if s.num_spec_tokens:  # the proposals follow the sequence's own tokens
             input_ids.extend(seq.spec_token_ids[: s.num_spec_tokens])
@@ -319,6 +345,7 @@ def prepare_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.
         meta=meta,
         sample_indices=t(sample_rows, torch.int64),
         sampled=sampled,
+        prompt=prompt,
     )
 
 
@@ -459,12 +486,13 @@ class ModelRunner:
                 self.lora.clear()
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """Run one step; returns float32 logits [rows, vocab] and the sequences they belong to (one row
-        each, 1 + num_spec_tokens for a sequence with speculative tokens)."""
+        each, 1 + num_spec_tokens for a sequence with speculative tokens), and the prompt logprobs
+        the step's prefill chunks gave."""
         scheduled = self._apply_lora(scheduled, reorder=True)  # `sampled` says the order
         batch = prepare_batch(scheduled, self.geometry.block_size, self.device)
-        rows = batch.sample_indices
+        rows = batch.logit_rows
         try:
             if self.lora is None:
                 hidden = self._run_model(batch, rows)  # the last layer runs these rows only
@@ -473,6 +501,16 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear()
+        return self.step_logits(hidden, batch)
+
+    def step_logits(self, hidden: torch.Tensor, batch: PreparedBatch) -> StepLogits:
+        """`hidden`: the final hidden states of `batch.logit_rows` -> the step's logits and prompt
+        logprobs (through `self.model.compute_logits`, which a tensor-parallel group runs together)."""
+        n = len(batch.prompt)
+        prompt: list[tuple[Sequence, list[TokenLogprob]]] = []
+        if n:
+            p = batch.prompt
+            prompt = split(p, token_logprobs(hidden[:n], p.targets, p.top_k, self.model.compute_logits))
         if not batch.sampled:
-            return torch.empty(0, 0), []
-        return self.model.compute_logits(hidden).float(), batch.sampled
+            return StepLogits(torch.empty(0, 0), [], prompt)
+        return StepLogits(self.model.compute_logits(hidden[n:]).float(), batch.sampled, prompt)

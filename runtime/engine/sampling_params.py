@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus k alternatives
+    # None: none; k >= 0: each prompt token's logprob (from the second on) plus k alternatives. Such a
+    # request does not read the prefix cache (a cached position has no logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided: GuidedSpec | None = None  # structured output: the grammar the output must follow

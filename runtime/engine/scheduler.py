@@ -34,10 +34,24 @@ class ScheduledSeq:
     # speculative tokens (seq.spec_token_ids) computed after the sequence's own tokens; the step then
     # returns logits for the last 1 + num_spec_tokens rows so that the proposals can be verified
     num_spec_tokens: int = 0
+    # prompt logprobs: the positions of this chunk whose logits score the prompt token after them
+    prompt_logprob_positions: range = range(0)
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        return cls(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        return cls(seq, num_new_tokens, samples, 0, prompt_logprob_positions(seq, num_new_tokens))
+
+
+def prompt_logprob_positions(seq: Sequence, num_new_tokens: int) -> range:
+    """Pure: the positions of a chunk of `num_new_tokens` tokens from `seq.num_computed_tokens` whose
+    logits give prompt logprobs still missing (position p scores prompt token p + 1; a recomputed
+    chunk after preemption skips those already recorded)."""
+    if not seq.needs_prompt_logprobs:
+        return range(0)
+    first = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+    end = min(seq.num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1)
+    return range(first, max(first, end))
 
 
 @dataclass
@@ -131,7 +145,9 @@ class Scheduler:
                     break
             else:
                 num_spec = len(seq.spec_token_ids)
-                out.scheduled.append(ScheduledSeq(seq, num_new, num_spec > 0 or num_new == pending, num_spec))
+                samples = num_spec > 0 or num_new == pending
+                positions = prompt_logprob_positions(seq, num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new, samples, num_spec, positions))
                 budget -= num_new
                 i += 1
                 continue
@@ -159,11 +175,13 @@ class Scheduler:
             ):
                 deferred.append(self.waiting.popleft())  # every slot is taken by running adapters
                 continue
-            first = self.bm.first_block_hash(seq) if not seq.block_table else None
+            # prompt logprobs need the logits of every prompt position: no prefix-cache reads
+            reads_cache = not seq.block_table and not seq.needs_prompt_logprobs
+            first = self.bm.first_block_hash(seq) if reads_cache else None
             if first is not None and first in inflight and not self.bm.is_cached(first):
                 deferred.append(self.waiting.popleft())
                 continue
-            cached = self.bm.match_prefix(seq) if not seq.block_table else []
+            cached = self.bm.match_prefix(seq) if reads_cache else []
             remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
             num_new = min(remaining, budget)
             if not self.bm.allocate(seq, num_new, cached):
@@ -184,6 +202,12 @@ class Scheduler:
 
     def _prefilling(self) -> list[Sequence]:
         return [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
+
+    def add_prompt_logprobs(self, computed: list[tuple[Sequence, list[TokenLogprob]]]) -> None:
+        """Record the prompt logprobs a step computed (before `on_step_done` advances the counts)."""
+        for seq, lps in computed:
+            assert seq.num_computed_tokens <= len(seq.prompt_logprobs), "prompt logprobs out of order"
+            seq.prompt_logprobs.extend(lps)
 
     def on_step_done(self, out: SchedulerOutput) -> int:
         """Advance computed-token counts and publish completed blocks to the prefix cache; returns

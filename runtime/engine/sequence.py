@@ -48,6 +48,8 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
+        # params.prompt_logprobs: the logprob of prompt token i + 1 at index i, filled chunk by chunk
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None
@@ -86,6 +88,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asks for prompt logprobs and some are still to be computed (its prefill must then run
+        every prompt position through the model: it does not read the prefix cache)."""
+        return (
+            self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -46,7 +46,8 @@ class TokenText:
     bytes: list[int]
 
 
-LogprobEntry = tuple[TokenText, float, list[tuple[TokenText, float]]]  # (token, logprob, top alternatives)
+# (token, logprob, top alternatives); None, None for the first token of an echoed prompt
+LogprobEntry = tuple[TokenText, float | None, list[tuple[TokenText, float]] | None]
 
 
 def clamp_logprob(lp: float) -> float:
@@ -78,8 +79,12 @@ class Choice:
     queue_time_seen: bool = False
     output_tokens: int = 0  # tokens generated so far (the output-length histogram)
     text_offset: int = 0  # where the next logprob token's text starts (completions' text_offset)
-    logprobs: list[LogprobEntry] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # echo's first when echo_logprobs
     tools: ToolCallStreamer | None = None  # chat with tools: splits the text into content and calls
+    echo_logprobs: bool = False  # completions' echo with logprobs
+    prompt_logprobs_k: int | None = None  # vLLM's prompt_logprobs
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # their response entries, once known
+    prompt_only: bool = False  # max_tokens 0: the generated token is left out
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -104,6 +109,7 @@ class Delta:
     text_offset: int  # where the first logprob token's text starts
     finished: bool
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool_calls delta entries
+    echo: str = ""  # a stream's echo with logprobs: the prompt, sent with its logprobs
 
 
 class OutputMerger:
@@ -193,6 +199,37 @@ class OutputProcessor:
             for lp in logprobs
         ]
 
+    def echo_entries(self, prompt: Sequence[int], lps: Sequence[Any], k: int) -> list[LogprobEntry]:
+        """An echoed prompt's logprob entries (the engine's prompt logprobs, `k` alternatives each)."""
+        text = self.token_text
+        return [
+            (text(t), None, None)
+            if lp is None
+            else (text(t), clamp_logprob(lp.logprob), [(text(a), clamp_logprob(v)) for a, v in lp.top[:k]])
+            for t, lp in zip(prompt, lps, strict=True)
+        ]
+
+    def prompt_logprob_dicts(self, lps: Sequence[Any], k: int) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} with the prompt token first, then its top `k` alternatives."""
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            d = {str(lp.token_id): self._vllm_logprob(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (t, v) in enumerate(lp.top[:k], start=1):
+                d.setdefault(str(t), self._vllm_logprob(t, v, rank))
+            out.append(d)
+        return out
+
+    def _vllm_logprob(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {
+            "logprob": clamp_logprob(logprob),
+            "rank": rank,
+            "decoded_token": self.token_text(token_id).text,
+        }
+
     def token_text(self, token_id: int) -> TokenText:
         t = self._token_text.get(token_id)
         if t is None:
@@ -229,8 +266,11 @@ class RequestState:
                         echo_text=prompt.echo_text,
                         cache_salt=gen.cache_salt,
                         lora=gen.lora,
-                        text_offset=len(prompt.echo_text),
+                        text_offset=0 if gen.echo_logprobs else len(prompt.echo_text),
                         tools=ToolCallStreamer(gen.tools, gen.tool_choice) if gen.tool_choice else None,
+                        echo_logprobs=gen.echo_logprobs,
+                        prompt_logprobs_k=gen.prompt_logprobs,
+                        prompt_only=gen.prompt_only,
                     )
                 )
         self._streams: dict[int, AsyncIterator[Any]] = {}
@@ -304,7 +344,18 @@ class RequestState:
         """One engine output of one choice -> its delta (the per-request hook point)."""
         metrics = self.processor.metrics
         co = out.output
-        new: list[int] = list(co.new_token_ids)
+        new: list[int] = [] if c.prompt_only else list(co.new_token_ids)
+        entries: list[LogprobEntry] = []
+        echo = ""
+        if out.prompt_logprobs is not None:
+            if c.prompt_logprobs_k is not None:
+                c.prompt_logprobs = self.processor.prompt_logprob_dicts(
+                    out.prompt_logprobs, c.prompt_logprobs_k
+                )
+            if c.echo_logprobs:
+                k = c.params.logprobs or 0
+                entries = self.processor.echo_entries(c.prompt_token_ids, out.prompt_logprobs, k)
+                echo = c.echo_text
         now = time.monotonic()
         m = out.metrics
         if not c.queue_time_seen and m is not None and m.first_scheduled_time is not None:
@@ -323,9 +374,12 @@ class RequestState:
                     metrics.itl.observe(per_token)
             c.last_token_time = now
         text = c.stream.push(new)
-        entries = self.processor.logprob_entries(co.logprobs) if c.want_logprobs else []
+        if c.want_logprobs and not c.prompt_only:
+            entries += self.processor.logprob_entries(co.logprobs)
         if c.stream.stop_str is not None:
             self._finish(c, "stop", c.stream.stop_str, engine_done=co.finish_reason is not None)
+        elif co.finish_reason is not None and c.prompt_only:
+            self._finish(c, "length", None, engine_done=True)
         elif co.finish_reason is not None:
             text += c.stream.finish()
             self._finish(c, co.finish_reason, co.stop_reason, engine_done=True)
@@ -341,7 +395,7 @@ class RequestState:
                 text, calls = text + end.content, calls + end.tool_calls
                 if c.tools.calls and c.finish_reason == "stop":
                     c.finish_reason = "tool_calls"
-        return Delta(c, text, entries, offset, c.finished, calls)
+        return Delta(c, text, entries, offset, c.finished, calls, echo)
 
     def _finish(self, c: Choice, reason: str, stop_reason: int | str | None, engine_done: bool) -> None:
         c.finish_reason = reason

@@ -61,6 +61,10 @@ class GenerationRequest:
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice | None = None
     lora: str | None = None  # the LoRA adapter named in `model` (None: the base model)
+    # completions: echo's tokens lead the logprobs; vLLM's prompt_logprobs (k); max_tokens 0
+    echo_logprobs: bool = False
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -132,6 +136,9 @@ def prepare_completion(
         req.continuous_usage,
         req.cache_salt,
         lora=lora,
+        echo_logprobs=req.echo_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        prompt_only=req.max_tokens == 0,
     )
 
 

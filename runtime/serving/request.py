@@ -123,7 +123,8 @@ class StreamOptions(_Strict):
 # vLLM request fields whose meaning this server does not implement. A client that sends one expects
 # it to act (constrain, adapt, truncate, reshape the output); dropping it silently would return
 # plausible but wrong results, so a request carrying one with a value other than those listed as
-# neutral is refused with a 400 naming the field. Keep this the single list; docs/runtime.md mirrors it.
+# neutral is refused with a 400 naming the field, unless the request's model implements it.
+# Keep this the single list; docs/runtime.md mirrors it.
 REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     # name: (what it is, values that ask for nothing and are accepted)
     # guided_json/regex/choice/grammar and response_format are implemented (runtime/grammar/request.py)
@@ -132,7 +133,7 @@ REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "structured_outputs": ("vLLM's structured_outputs object (use guided_* or response_format)", (None,)),
     "logits_processors": ("custom logits processors", (None, [])),
     "lora_request": ("a vLLM LoRARequest object; name the adapter in 'model' instead", (None,)),
-    "prompt_logprobs": ("prompt logprobs", (None,)),
+    "prompt_logprobs": ("prompt logprobs on chat completions; /v1/completions has them", (None,)),
     "allowed_token_ids": ("allowed token ids", (None,)),
     "bad_words": ("bad words", (None, [])),
     "use_beam_search": ("beam search", (None, False)),
@@ -229,6 +230,9 @@ class SamplingFields(_Strict):
 
     def _logprobs(self) -> int | None:
         raise NotImplementedError
+
+    def _prompt_logprobs(self) -> int | None:
+        return None
 
     def check_model(self, served_name: str, adapters: Collection[str] = ()) -> str | None:
         """The LoRA adapter the request names in `model` (None: the base model); 404 for others."""
@@ -341,6 +345,7 @@ class SamplingFields(_Strict):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             guided=self._guided,
@@ -349,8 +354,10 @@ class SamplingFields(_Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked in prompt_list()
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (scoring it)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     suffix: str | None = None
     best_of: int | None = None
 
@@ -361,13 +368,26 @@ class CompletionRequest(SamplingFields):
             raise APIError("'suffix' is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("'best_of' is not supported (use 'n')", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(
-                "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo"
-            )
+        if self.max_tokens == 0 and not (self.echo and self.min_tokens == 0):
+            raise APIError("'max_tokens' 0 asks for the prompt alone: it needs 'echo'", param="max_tokens")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise APIError("'prompt_logprobs' is not available with 'stream'", param="prompt_logprobs")
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Echo with logprobs: the prompt's tokens come first in the choice's logprobs."""
+        return self.echo and self.logprobs is not None
+
+    def _requested_max_tokens(self) -> tuple[int | None, str]:
+        # max_tokens 0: the engine generates one token, which the response leaves out
+        return (1 if self.max_tokens == 0 else self.max_tokens), "max_tokens"
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        ks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(ks) if ks else None
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts as given: each is text or token ids. Each becomes n choices."""
@@ -574,7 +594,7 @@ class ChatCompletionRequest(SamplingFields):
 
 def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
     data = parse_json_body(body)
-    check_refused_fields(data)
+    check_refused_fields({k: v for k, v in data.items() if k not in kind.model_fields})
     try:
         req = kind.model_validate(data)
     except ValidationError as e:

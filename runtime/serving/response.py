@@ -37,7 +37,7 @@ def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int) -> di
     return {
         "tokens": [tok.text for tok, _, _ in entries],
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{t.text: v for t, v in top} for _, _, top in entries],
+        "top_logprobs": [None if top is None else {t.text: v for t, v in top} for _, _, top in entries],
         "text_offset": offsets,
     }
 
@@ -49,7 +49,7 @@ def chat_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
                 "token": tok.text,
                 "logprob": lp,
                 "bytes": tok.bytes,
-                "top_logprobs": [{"token": t.text, "logprob": v, "bytes": t.bytes} for t, v in top],
+                "top_logprobs": [{"token": t.text, "logprob": v, "bytes": t.bytes} for t, v in top or []],
             }
             for tok, lp, top in entries
         ],
@@ -124,18 +124,24 @@ class CompletionRenderer:
         }
 
     def choice(self, c: Choice, text: str) -> dict[str, Any]:
-        lps = completion_logprobs(c.logprobs, len(c.echo_text)) if c.want_logprobs else None
-        return self._choice(c.index, text, lps, c.finish_reason, c.stop_reason)
+        start = 0 if c.echo_logprobs else len(c.echo_text)
+        lps = completion_logprobs(c.logprobs, start) if c.want_logprobs else None
+        out = self._choice(c.index, text, lps, c.finish_reason, c.stop_reason)
+        if c.prompt_logprobs_k is not None:
+            out["prompt_logprobs"] = c.prompt_logprobs
+        return out
 
     def opening_choice(self, c: Choice) -> dict[str, Any] | None:
-        return self._choice(c.index, c.echo_text, None, None, None) if c.echo_text else None
+        if not c.echo_text or c.echo_logprobs:  # echo with logprobs comes with them (delta_choice)
+            return None
+        return self._choice(c.index, c.echo_text, None, None, None)
 
     def delta_choice(self, d: Delta) -> dict[str, Any]:
         c = d.choice
         lps = completion_logprobs(d.logprobs, d.text_offset) if c.want_logprobs and d.logprobs else None
         if d.finished:
-            return self._choice(c.index, d.text, lps, c.finish_reason, c.stop_reason)
-        return self._choice(c.index, d.text, lps, None, None)
+            return self._choice(c.index, d.echo + d.text, lps, c.finish_reason, c.stop_reason)
+        return self._choice(c.index, d.echo + d.text, lps, None, None)
 
 
 class ChatRenderer:

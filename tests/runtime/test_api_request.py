@@ -272,7 +272,9 @@ def test_unsupported_features_are_400_with_param() -> None:
     for raw, param in [
         (body(prompt="x", suffix="y"), "suffix"),
         (body(prompt="x", best_of=3), "best_of"),
-        (body(prompt="x", echo=True, logprobs=1), "echo"),
+        (body(prompt="x", max_tokens=0), "max_tokens"),
+        (body(prompt="x", stream=True, prompt_logprobs=1), "prompt_logprobs"),
+        (body(prompt="x", prompt_logprobs=-1), "prompt_logprobs"),
         (body(prompt="x", stream_options={"include_usage": True}), "stream_options"),
     ]:
         assert completion_error(raw).param == param
@@ -453,8 +455,9 @@ def test_every_refused_field_has_a_case() -> None:
 @pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
 def test_refused_fields_are_400_naming_the_field(field: str) -> None:
     value = MEANINGFUL[field]
-    e = completion_error(json.dumps({"prompt": "x", field: value}).encode())
-    assert e.status == 400 and e.param == field and "not supported" in e.message
+    if field not in CompletionRequest.model_fields:  # prompt_logprobs: completions implement it
+        e = completion_error(json.dumps({"prompt": "x", field: value}).encode())
+        assert e.status == 400 and e.param == field and "not supported" in e.message
     e = chat_error(json.dumps({"messages": [{"role": "user", "content": "x"}], field: value}).encode())
     assert e.param == field
     if field == "priority":  # true == 1 in Python; it is still not the neutral 0
@@ -465,6 +468,24 @@ def test_refused_fields_are_400_naming_the_field(field: str) -> None:
 def test_refused_fields_accept_their_neutral_values(field: str) -> None:
     for value in REFUSED_FIELDS[field][1]:
         assert parse_completion_request(json.dumps({"prompt": "x", field: value}).encode()).prompt == "x"
+
+
+def test_prompt_logprobs_requests() -> None:
+    """echo + logprobs asks the engine for prompt logprobs (the larger k when prompt_logprobs also
+    does); max_tokens 0 with echo runs one token, which the response leaves out."""
+    req = parse_completion_request(body(prompt=[1, 2, 3], echo=True, logprobs=2, max_tokens=0))
+    params = req.to_sampling_params(3, 100)
+    assert (
+        req.echo_logprobs and params.prompt_logprobs == 2 and params.logprobs == 2 and params.max_tokens == 1
+    )
+    req = parse_completion_request(body(prompt="x", echo=True, logprobs=1, prompt_logprobs=4))
+    assert req.to_sampling_params(1, 100).prompt_logprobs == 4
+    req = parse_completion_request(body(prompt="x", logprobs=3))
+    assert not req.echo_logprobs and req.to_sampling_params(1, 100).prompt_logprobs is None
+    assert (
+        parse_completion_request(body(prompt="x", echo=True)).to_sampling_params(1, 100).prompt_logprobs
+        is None
+    )
 
 
 def test_chat_echo_is_refused() -> None:

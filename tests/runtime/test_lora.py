@@ -31,7 +31,7 @@ from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.block_manager import hash_block
 from kvpilot.runtime.engine.build import build_engine, engine_from_loaded
 from kvpilot.runtime.engine.core import LLMEngine
-from kvpilot.runtime.engine.runner import ModelRunner
+from kvpilot.runtime.engine.runner import ModelRunner, StepLogits
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.lora.access import refusal, startup_notice
@@ -196,12 +196,12 @@ def run_batch(engine: LLMEngine) -> tuple[list[Reference], list[set[str | None]]
     steps: list[set[str | None]] = []
     execute = engine.runner.execute
 
-    def recording(scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def recording(scheduled: list[ScheduledSeq]) -> StepLogits:
         steps.append({s.seq.lora.name if s.seq.lora else None for s in scheduled})
-        logits, sampled = execute(scheduled)
-        for row, s in zip(logits, sampled, strict=True):
+        step = execute(scheduled)
+        for row, s in zip(step.logits, step.sampled, strict=True):
             seen.setdefault(s.seq.seq_id, []).append(row.clone())
-        return logits, sampled
+        return step
 
     engine.runner.execute = recording  # type: ignore[method-assign]
     ps = prompts()

@@ -30,7 +30,7 @@ import torch
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.build import build_engine
 from kvpilot.runtime.engine.core import LLMEngine
-from kvpilot.runtime.engine.runner import ModelRunner
+from kvpilot.runtime.engine.runner import ModelRunner, StepLogits
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.engine.tp.distributed import TensorParallelError
@@ -79,11 +79,11 @@ def record_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
     seen: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording(scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        logits, sampled = execute(scheduled)
-        for row, s in zip(logits, sampled, strict=True):
+    def recording(scheduled: list[ScheduledSeq]) -> StepLogits:
+        step = execute(scheduled)
+        for row, s in zip(step.logits, step.sampled, strict=True):
             seen.setdefault(s.seq.seq_id, []).append(row.clone())
-        return logits, sampled
+        return step
 
     engine.runner.execute = recording
     return seen
@@ -194,6 +194,12 @@ def test_tiny_model_tp2_matches_tp1(
         f"\n{kind}: tp=2 vs tp=1 logits {worst:.2e} of scale; score() log-probs max |diff| {score_diff:.2e}"
     )
     assert score_diff <= 1e-4
+    # prompt logprobs: the prompt rows' logits slice by slice through the workers, in 32-token chunks
+    plp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    (seq,) = two.generate([scored], plp)
+    got = torch.tensor([lp.logprob for lp in seq.prompt_logprobs])
+    assert len(seq.prompt_logprobs) == len(scored) - 1 and all(len(lp.top) == 2 for lp in seq.prompt_logprobs)
+    assert float((got - ref_score).abs().max()) <= 1e-4
 
     pids = two.runner.workers.pids
     if kind == "kv-split":  # an explicit close

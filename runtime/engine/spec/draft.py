@@ -93,7 +93,7 @@ class DraftProposer:
                 )
                 for i in active
             ]
-            logits, _ = self.runner.execute(batch)
+            logits = self.runner.execute(batch).logits
             rows = [
                 SamplingRow(
                     seqs[i].params,

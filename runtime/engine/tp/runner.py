@@ -28,6 +28,7 @@ from kvpilot.runtime.engine.runner import (
     KVGeometry,
     ModelRunner,
     PreparedBatch,
+    StepLogits,
     kv_geometry,
     prepare_batch,
 )
@@ -265,10 +266,10 @@ class TPModelRunner(ModelRunner):
 
     def _inputs(
         self, scheduled: list[ScheduledSeq], reorder: bool = True
-    ) -> tuple[StepInputs, list[ScheduledSeq]]:
+    ) -> tuple[StepInputs, PreparedBatch]:
         scheduled, loads, token_slots = self.lora_plan(scheduled, reorder)
         batch = prepare_batch(scheduled, self.geometry.block_size, torch.device("cpu"))
-        return StepInputs.from_batch(batch, (loads, token_slots)), batch.sampled
+        return StepInputs.from_batch(batch, (loads, token_slots)), batch
 
     def _forward(self, inputs: StepInputs, logits: bool) -> torch.Tensor:
         """Every row's final hidden state, or with `logits` the sample rows' (as tp_worker's)."""
@@ -291,15 +292,22 @@ class TPModelRunner(ModelRunner):
             return self._forward(inputs, logits=False)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        inputs, sampled = self._inputs(scheduled)
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepLogits:
+        inputs, batch = self._inputs(scheduled)
+        if len(batch.prompt):
+            # prompt logprobs: every row's hidden state, then the logits slice by slice through
+            # ShardedModel.compute_logits (each slice's vocabulary all-gather brings the workers along)
+            with self.workers.step():
+                self.workers.send("hidden", inputs)
+                hidden = self._forward(inputs, logits=False)
+            return self.step_logits(hidden.index_select(0, batch.logit_rows.to(self.device)), batch)
         with self.workers.step():
             self.workers.send("execute", inputs)
             hidden = self._forward(inputs, logits=True)
-            if not sampled:
-                return torch.empty(0, 0), []
+            if not batch.sampled:
+                return StepLogits(torch.empty(0, 0), [])
             logits = self.shard.compute_logits(hidden)
-        return logits.float(), sampled
+        return StepLogits(logits.float(), batch.sampled)
 
 
 # ---------------------------------------------------------------------------------------------
