@@ -9,8 +9,8 @@ import torch
 from kvpilot.request_body import MAX_JSON_DEPTH
 from kvpilot.runtime.serving.errors import APIError
 from kvpilot.runtime.serving.output_processor import choice_params
+from kvpilot.runtime.serving.refused_fields import REFUSED_FIELDS
 from kvpilot.runtime.serving.request import (
-    REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     check_token_ids,

@@ -23,7 +23,7 @@ from fake_engine import LiveServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.serving.request import REFUSED_FIELDS
+from kvpilot.runtime.serving.refused_fields import REFUSED_FIELDS
 
 pytestmark = pytest.mark.timeout(300)
 
