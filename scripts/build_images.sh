@@ -34,6 +34,7 @@ BASE_PACKAGES="python3,python3-venv,python-is-python3,ca-certificates"
 EXTRA_CA_DIR="${KVPILOT_EXTRA_CA_DIR-/usr/local/share/ca-certificates}"
 PIP_INDEX="${KVPILOT_PIP_INDEX_URL:-https://pypi.org/simple}"
 REGISTRY="ghcr.io/kvpilot"
+LABEL="dev.kvpilot.built-by-build-images" # on what this script builds, so it prunes only its own leftovers
 BASE_RECIPE_VERSION=1 # bump when make_base changes what it puts in the rootfs
 
 log() { echo "build_images: $*" >&2; }
@@ -170,15 +171,20 @@ build_image() { # $1: runtime-cpu | operator
   esac
   log "building $tag from deploy/docker/$name.Dockerfile on $BASE_IMAGE ..."
   start="$(now)"
-  context_tar "$name" | docker build \
-    -f "deploy/docker/$name.Dockerfile" \
-    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" \
-    --build-arg "PIP_INDEX_URL=$PIP_INDEX" \
-    --build-arg "VERSION=$VERSION" \
-    -t "$tag" - >"$CACHE/build-$name.log" 2>&1 || {
-    tail -n 40 "$CACHE/build-$name.log" >&2
-    die "docker build of $name failed (log: $CACHE/build-$name.log)"
-  }
+  : >"$CACHE/build-$name.log"
+  # The build stage is tagged too (kvpilot-build:NAME), so it stays in Docker's cache as long as it is
+  # current; what a rebuild replaces (untagged, labelled by this script) is pruned afterwards.
+  local target args
+  for target in build final; do
+    args=(-f "deploy/docker/$name.Dockerfile" --build-arg "PYTHON_IMAGE=$BASE_IMAGE"
+      --build-arg "PIP_INDEX_URL=$PIP_INDEX" --build-arg "VERSION=$VERSION" --label "$LABEL=$name")
+    if [ "$target" = build ]; then args+=(--target build -t "kvpilot-build:$name"); else args+=(-t "$tag"); fi
+    context_tar "$name" | docker build --force-rm "${args[@]}" - >>"$CACHE/build-$name.log" 2>&1 || {
+      tail -n 40 "$CACHE/build-$name.log" >&2
+      die "docker build of $name failed (log: $CACHE/build-$name.log)"
+    }
+  done
+  docker image prune -f --filter "label=$LABEL=$name" >/dev/null
   size="$(docker image inspect -f '{{.Size}}' "$tag")"
   log "$tag: $(awk -v s="$size" 'BEGIN { printf "%.2f GB", s / 1e9 }') in $(elapsed "$start") s"
   if [ -n "$save_dir" ]; then
