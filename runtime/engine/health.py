@@ -1,6 +1,6 @@
 """Is the engine alive? The decision behind `/health`, `/ready` and `kvpilot_engine_stalled`.
 
-The engine loop (runtime/engine/core.py, `AsyncEngine`) records a monotonic heartbeat at every turn: each
+The engine loop (runtime/engine/async_engine.py, `AsyncEngine`) records a monotonic heartbeat at every turn: each
 step and each idle wait (at most 0.5 s apart while idle). A loop that has work (requests admitted
 and unfinished, or a turn under way) and no heartbeat for `--engine-stall-timeout` seconds is stuck
 (a pathological kernel, a deadlock, a grammar compiling for minutes): the pod should stop getting
