@@ -25,6 +25,7 @@ import aiohttp
 
 from e2e.harness import wait_until
 from e2e.localpods import LocalKubelet
+from kvpilot.api.slo import SloTargets
 from kvpilot.net import free_port
 from kvpilot.router.cli import serve
 from kvpilot.router.pool import Endpoint
@@ -41,16 +42,17 @@ class LocalPodSource:
         self.poll_s = poll_s
 
     async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None:
-        listed: dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...] | None]] = {}
-        pushed: dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...] | None]] = {}
+        Listed = tuple[list[Endpoint], str | None, str | None, tuple[str, ...] | None, SloTargets | None]
+        listed: dict[str, Listed] = {}
+        pushed: dict[str, Listed] = {}
 
         def push(model: str) -> None:
-            endpoints, policy, fallback, adapters = listed[model]
+            endpoints, policy, fallback, adapters, slo = listed[model]
             local = self.kubelet.ready_urls()
             mapped = [Endpoint(e.name, local[e.name], e.capacity) for e in endpoints if e.name in local]
-            if pushed.get(model) != (mapped, policy, fallback, adapters):
-                pushed[model] = (mapped, policy, fallback, adapters)
-                update(model, mapped, policy, fallback, adapters)
+            if pushed.get(model) != (mapped, policy, fallback, adapters, slo):
+                pushed[model] = (mapped, policy, fallback, adapters, slo)
+                update(model, mapped, policy, fallback, adapters, slo)
 
         def record(
             model: str,
@@ -58,13 +60,20 @@ class LocalPodSource:
             policy: str | None = None,
             fallback: str | None = None,
             adapters: Sequence[str] | None = None,
+            slo: SloTargets | None = None,
         ) -> None:
             if endpoints is None:
                 listed.pop(model, None)
                 pushed.pop(model, None)
                 update(model, None)
                 return
-            listed[model] = (list(endpoints), policy, fallback, None if adapters is None else tuple(adapters))
+            listed[model] = (
+                list(endpoints),
+                policy,
+                fallback,
+                None if adapters is None else tuple(adapters),
+                slo,
+            )
             push(model)
 
         task = asyncio.create_task(self.inner.run(record, synced))
