@@ -26,27 +26,11 @@ def test_each_kvpilot_name_is_one_the_runtime_documents(metric: pm.PodMetric) ->
 
 
 def test_the_runtime_registers_them() -> None:
-    from kvpilot.runtime.engine.protocol import EngineStats
     from kvpilot.runtime.serving.metrics import ServerMetrics
+    from tests.runtime.fake_engine import FakeEngine
 
     m = ServerMetrics("m")
-    m.attach_engine(
-        lambda: EngineStats(
-            model_name="m",
-            kv_cache_usage=0.5,
-            num_running=1,
-            num_waiting=2,
-            num_blocks=10,
-            block_size=16,
-            num_preemptions=0,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            oom_recoveries=0,
-            prompt_tokens=0,
-            generation_tokens=0,
-            num_steps=0,
-        )
-    )
+    m.attach_engine(FakeEngine().stats)
     m.request_finished("stop", 3)
     exposed = {s.name for fam in m.registry.collect() for s in fam.samples}
     for metric in SIGNALS:
