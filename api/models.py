@@ -46,6 +46,9 @@ SHORT_NAMES = ["im"]
 # Labels on the objects the operator creates, which the autoscaler and the router select by.
 MODEL_LABEL = f"{GROUP}/model"  # every pod of a model: kvpilot.dev/model=<metadata.name>
 GPU_TYPE_LABEL = f"{GROUP}/gpu-type"  # node label that spec.resources.gpuType selects
+KV_ROLE_LABEL = (
+    f"{GROUP}/kv-role"  # pods of a disaggregated model: prefill or decode (docs/disaggregation.md)
+)
 
 # Defaults of spec.autoscaling (the CRD stores them; the autoscaler applies them to objects stored
 # without them) and of spec.autoscaling.slo.
@@ -377,6 +380,64 @@ class Routing(_Model):
     )
 
 
+# spec.disaggregation: prefill/decode (P/D) roles, one Deployment each (docs/disaggregation.md).
+KvRole = Literal["prefill", "decode"]
+KV_ROLES: tuple[KvRole, ...] = ("prefill", "decode")
+DEFAULT_PD_MIN_PROMPT_TOKENS = 512
+DEFAULT_KV_TRANSFER_TIMEOUT_S = 10.0
+
+
+class DisaggregationRole(_Model):
+    """One role's pods: how many, what each asks of its node, and engine settings over spec.runtime."""
+
+    replicas: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Replicas of this role (default 1). Leave unset with autoscaling: the autoscaler owns it.",
+    )
+    min_replicas: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Fewest replicas with autoscaling; spec.autoscaling's by default.",
+    )
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="Most replicas with autoscaling; spec.autoscaling's by default.",
+    )
+    resources: Resources | None = Field(
+        None, description="What each pod of the role asks; spec.resources by default."
+    )
+    runtime: RuntimeSettings | None = Field(
+        None, description="Engine settings for this role, each set field over spec.runtime's."
+    )
+
+
+class Disaggregation(_Model):
+    """Prefill/decode disaggregation: prefill pods run prompts and hand their KV blocks to decode pods."""
+
+    prefill: DisaggregationRole = Field(default_factory=lambda: DisaggregationRole.model_validate({}))
+    decode: DisaggregationRole = Field(default_factory=lambda: DisaggregationRole.model_validate({}))
+    min_prompt_tokens: int = Field(
+        DEFAULT_PD_MIN_PROMPT_TOKENS,
+        ge=0,
+        le=1 << 20,
+        description="Prompts shorter than this many tokens skip the prefill pool and run on a decode pod.",
+    )
+    transfer_timeout_seconds: float = Field(
+        DEFAULT_KV_TRANSFER_TIMEOUT_S,
+        gt=0.0,
+        le=600.0,
+        description="Deadline of one KV transfer; past it the decode pod recomputes the prompt.",
+    )
+
+    def role(self, name: KvRole) -> DisaggregationRole:
+        return self.prefill if name == "prefill" else self.decode
+
+
 # spec.inferencePool: a Gateway API Inference Extension InferencePool for the model's pods.
 DNS1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 EPP_SERVICE_HELP = (
@@ -621,6 +682,11 @@ class InferenceModelSpec(_Model):
     routing: Routing | None = Field(None, description="Request routing through kvpilot router.")
     inference_pool: InferencePoolSettings | None = Field(
         None, description="A Gateway API Inference Extension InferencePool for this model (opt-in)."
+    )
+    disaggregation: Disaggregation | None = Field(
+        None,
+        description="Prefill/decode disaggregation: a prefill and a decode Deployment behind the model's "
+        "router entry (docs/disaggregation.md).",
     )
     adapters: list[LoRAAdapter] | None = Field(
         None,
@@ -976,6 +1042,21 @@ class AdapterStatus(_Model):
     )
 
 
+class RoleStatus(_Model):
+    """One P/D role's pods (spec.disaggregation)."""
+
+    replicas: int = Field(0, ge=0, description="Pods of this role.")
+    ready_replicas: int = Field(0, ge=0, description="Ready pods of this role.")
+    desired_replicas: int | None = Field(None, ge=0, description="Replicas the spec asks for this role.")
+
+
+class RolesStatus(_Model):
+    """Per-role replicas of a disaggregated model."""
+
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+
+
 class InferenceModelStatus(_Model):
     """Observed state of an InferenceModel."""
 
@@ -1000,6 +1081,7 @@ class InferenceModelStatus(_Model):
         None, alias="kvCacheUsage", description='Mean KV-cache usage, e.g. "42%".'
     )
     autoscaler: AutoscalerStatus | None = None
+    roles: RolesStatus | None = Field(None, description="Per-role replicas when spec.disaggregation is set.")
     oom_adaptation: OOMAdaptation | None = Field(None, alias="oomAdaptation")
     adapters: list[AdapterStatus] | None = Field(
         None,
