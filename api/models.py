@@ -35,6 +35,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from kvpilot.api import disaggregation as pd
+
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -387,6 +389,14 @@ DEFAULT_PD_MIN_PROMPT_TOKENS = 512
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 10.0
 
 
+class RoleResources(Resources):
+    """What each pod of one role asks of its node; each set field over spec.resources."""
+
+    gpus: int | None = Field(  # type: ignore[assignment]  # unset: spec.resources.gpus (no default here)
+        None, ge=0, le=16, description="Must equal spec.resources.gpus when set (both roles shard alike)."
+    )
+
+
 class DisaggregationRole(_Model):
     """One role's pods: how many, what each asks of its node, and engine settings over spec.runtime."""
 
@@ -408,8 +418,8 @@ class DisaggregationRole(_Model):
         le=MAX_REPLICAS,
         description="Most replicas with autoscaling; spec.autoscaling's by default.",
     )
-    resources: Resources | None = Field(
-        None, description="What each pod of the role asks; spec.resources by default."
+    resources: RoleResources | None = Field(
+        None, description="What each pod of the role asks, each set field over spec.resources."
     )
     runtime: RuntimeSettings | None = Field(
         None, description="Engine settings for this role, each set field over spec.runtime's."
@@ -419,8 +429,12 @@ class DisaggregationRole(_Model):
 class Disaggregation(_Model):
     """Prefill/decode disaggregation: prefill pods run prompts and hand their KV blocks to decode pods."""
 
-    prefill: DisaggregationRole = Field(default_factory=lambda: DisaggregationRole.model_validate({}))
-    decode: DisaggregationRole = Field(default_factory=lambda: DisaggregationRole.model_validate({}))
+    prefill: DisaggregationRole = Field(
+        default_factory=lambda: DisaggregationRole.model_validate({}), json_schema_extra={"default": {}}
+    )
+    decode: DisaggregationRole = Field(
+        default_factory=lambda: DisaggregationRole.model_validate({}), json_schema_extra={"default": {}}
+    )
     min_prompt_tokens: int = Field(
         DEFAULT_PD_MIN_PROMPT_TOKENS,
         ge=0,
@@ -630,6 +644,7 @@ _SPEC_RULES = _validations(
         " || self.resources.gpus == self.runtime.tensorParallelSize",
         TP_HELP,
     ),
+    *pd.cel_rules(),
 )
 
 # metadata.name becomes the kvpilot.dev/model label value (at most 63 characters) and the Service name
@@ -750,6 +765,7 @@ class InferenceModelSpec(_Model):
                 problems.append(INFERENCE_POOL_ENABLED_HELP)
             if not re.match(DNS1035_PATTERN, pool.endpoint_picker.service):
                 problems.append(EPP_SERVICE_HELP)
+        problems += pd.problems(self)
         return problems
 
 
