@@ -1064,6 +1064,11 @@ class RoleStatus(_Model):
     replicas: int = Field(0, ge=0, description="Pods of this role.")
     ready_replicas: int = Field(0, ge=0, description="Ready pods of this role.")
     desired_replicas: int | None = Field(None, ge=0, description="Replicas the spec asks for this role.")
+    oom_adaptation: OOMAdaptation | None = Field(
+        None,
+        alias="oomAdaptation",
+        description="What the operator changed after this role's out-of-memory kills (spec.oomPolicy, per role).",
+    )
 
 
 class RolesStatus(_Model):

@@ -22,8 +22,10 @@ from pydantic import ValidationError
 from kvpilot.api.models import (
     API_VERSION,
     KIND,
+    KV_ROLES,
     InferenceModel,
     InferenceModelSpec,
+    KvRole,
     OOMAdaptation,
     name_problems,
 )
@@ -40,7 +42,18 @@ from kvpilot.operator.builders import (
     rollout_config_yaml,
     selector_string,
 )
-from kvpilot.operator.podstate import all_problems
+from kvpilot.operator.podstate import PodProblem, all_problems
+from kvpilot.operator.roles import (
+    ROLE_KINDS,
+    controller_elsewhere,
+    merge_adapter_syncs,
+    pod_role,
+    render_role_children,
+    role_model,
+    role_name,
+    stale_children,
+)
+from kvpilot.operator.rolestatus import compute_roles_status
 from kvpilot.operator.status import (
     Cond,
     EventSpec,
@@ -95,6 +108,24 @@ def api_message(e: ApiException) -> str:
         return str(json.loads(e.body or "{}").get("message") or e.reason)
     except (ValueError, AttributeError):
         return str(e.reason)
+
+
+def oom_events(decision: oom.OOMDecision) -> list[EventSpec]:
+    if decision.adapted:
+        metrics.OOM_ADAPTATIONS.inc()
+        return [EventSpec("Warning", "OOMAdapted", oom.describe(decision))]
+    if decision.exhausted:
+        return [EventSpec("Warning", "OOMAdaptationExhausted", oom.describe(decision))]
+    return []
+
+
+@dataclass
+class Applied:
+    """The children one reconcile applied (live objects), and what the API server refused."""
+
+    objects: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    refused: set[str] = field(default_factory=set)
 
 
 def oom_note(spec: InferenceModelSpec, decision: oom.OOMDecision) -> str:
@@ -208,45 +239,31 @@ class Reconciler:
             return outcome
 
         im = InferenceModel(metadata=md, spec=spec)
+        pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
+        settings = self.settings
+        service_monitor = self.service_monitor_available()
+        if service_monitor != settings.service_monitor:
+            settings = dataclasses.replace(settings, service_monitor=service_monitor)
+        if spec.disaggregation is not None:
+            self._reconcile_roles(body, im, settings, pods, live_status, now, outcome)
+            return outcome
         state = (
             OOMAdaptation.model_validate(live_status["oomAdaptation"])
             if live_status.get("oomAdaptation")
             else None
         )
-        pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
         problems = all_problems(pods, now)
 
         current = oom.current_overrides(spec, state)
         chash = config_hash(rollout_config_yaml(im, current), current)
         decision = oom.decide(spec, state, problems, chash)
-        extra_events: list[EventSpec] = []
-        if decision.adapted:
-            metrics.OOM_ADAPTATIONS.inc()
-            extra_events.append(EventSpec("Warning", "OOMAdapted", oom.describe(decision)))
-        elif decision.exhausted:
-            extra_events.append(EventSpec("Warning", "OOMAdaptationExhausted", oom.describe(decision)))
+        extra_events = oom_events(decision)
 
-        settings = self.settings
-        service_monitor = self.service_monitor_available()
-        if service_monitor != settings.service_monitor:
-            settings = dataclasses.replace(settings, service_monitor=service_monitor)
-        deployment: dict[str, Any] | None = None
-        apply_errors: list[str] = []
-        refused: set[str] = set()
-        for child in render_children(im, settings, decision.overrides):
-            ref = f"{child['kind']}/{child['metadata']['name']}"
-            try:
-                result = apply_child(self.kube, child)
-            except ApiException as e:
-                if e.status not in (400, 422):
-                    raise  # transient: the work queue retries with backoff
-                apply_errors.append(f"{ref} was rejected: {api_message(e)}")
-                refused.add(child["kind"])
-                continue
-            (outcome.applied if result.applied else outcome.skipped).append(ref)
-            metrics.APPLIES.labels(child["kind"], "applied" if result.applied else "skipped").inc()
-            if child["kind"] == "Deployment":
-                deployment = result.obj
+        children = render_children(im, settings, decision.overrides)
+        applied = self._apply_children(im, children, outcome)
+        deployment = next((obj for obj in applied.objects if obj["kind"] == "Deployment"), None)
+        if live_status.get("roles"):  # it was disaggregated: remove the roles' children
+            self._delete_stale(im, children, outcome)
 
         pool_condition = self.sync_inference_pool(im, settings, live_status, outcome)
         adapter_sync = None
@@ -263,9 +280,9 @@ class Reconciler:
             previous=live_status,
             oom=decision.state,
             oom_note=oom_note(spec, decision),
-            apply_error="; ".join(apply_errors) or None,
+            apply_error="; ".join(applied.errors) or None,
             router_endpoint=settings.router_endpoints.get(namespace),
-            refused=frozenset(refused),
+            refused=frozenset(applied.refused),
             adapters=adapter_sync,
             inference_pool=pool_condition,
         )
@@ -273,6 +290,131 @@ class Reconciler:
         if outcome.applied:
             log.info("%s/%s: applied %s", namespace, name, ", ".join(outcome.applied))
         return outcome
+
+    def _reconcile_roles(
+        self,
+        body: dict[str, Any],
+        im: InferenceModel,
+        settings: OperatorSettings,
+        pods: list[dict[str, Any]],
+        live_status: dict[str, Any],
+        now: datetime,
+        outcome: Outcome,
+    ) -> None:
+        """A disaggregated model (operator/roles.py): each role's pods, OOM adaptation and status as an
+        aggregated model's, one Service over both."""
+        live_roles = live_status.get("roles") or {}
+        decisions: dict[KvRole, oom.OOMDecision] = {}
+        problems: dict[KvRole, list[PodProblem]] = {}
+        hashes: dict[KvRole, str] = {}
+        extra_events: list[EventSpec] = []
+        for role in KV_ROLES:
+            rim = role_model(im, role)
+            raw = (live_roles.get(role) or {}).get("oomAdaptation")
+            state = OOMAdaptation.model_validate(raw) if raw else None
+            problems[role] = all_problems([p for p in pods if pod_role(p) == role], now)
+            current = oom.current_overrides(rim.spec, state)
+            chash = config_hash(rollout_config_yaml(rim, current), current)
+            decisions[role] = oom.decide(rim.spec, state, problems[role], chash)
+            overrides = decisions[role].overrides
+            hashes[role] = config_hash(rollout_config_yaml(rim, overrides), overrides)
+            extra_events += [
+                EventSpec(e.type, e.reason, f"{role}: {e.message}") for e in oom_events(decisions[role])
+            ]
+
+        children = render_role_children(im, settings, {r: d.overrides for r, d in decisions.items()})
+        applied = self._apply_children(im, children, outcome)
+        deployments: dict[KvRole, dict[str, Any] | None] = {
+            role: next(
+                (
+                    o
+                    for o in applied.objects
+                    if o["kind"] == "Deployment" and o["metadata"]["name"] == role_name(im.name, role)
+                ),
+                None,
+            )
+            for role in KV_ROLES
+        }
+        if not live_status.get("roles"):  # new, or it was aggregated: remove the aggregated children
+            self._delete_stale(im, children, outcome)
+
+        pool_condition = self.sync_inference_pool(im, settings, live_status, outcome)
+        adapter_sync = None
+        if im.spec.adapters:
+            adapter_sync = merge_adapter_syncs(
+                [
+                    self.sync_adapters(
+                        role_model(im, role), [p for p in pods if pod_role(p) == role], hashes[role]
+                    )
+                    for role in KV_ROLES
+                ]
+            )
+        desired = compute_roles_status(
+            im,
+            deployments,
+            problems,
+            now=now,
+            previous=live_status,
+            oom={role: d.state for role, d in decisions.items()},
+            oom_notes={role: oom_note(role_model(im, role).spec, d) for role, d in decisions.items()},
+            apply_error="; ".join(applied.errors) or None,
+            router_endpoint=settings.router_endpoints.get(im.namespace),
+            refused=frozenset(applied.refused),
+            adapters=adapter_sync,
+            inference_pool=pool_condition,
+        )
+        self._write_status(body, live_status, desired, outcome, extra_events)
+        if outcome.applied or outcome.deleted:
+            log.info(
+                "%s/%s: applied %s; deleted %s",
+                im.namespace,
+                im.name,
+                ", ".join(outcome.applied) or "nothing",
+                ", ".join(outcome.deleted) or "nothing",
+            )
+
+    def _apply_children(
+        self, im: InferenceModel, children: list[dict[str, Any]], outcome: Outcome
+    ) -> Applied:
+        """Apply each child that differs; the API server's refusals (and a child another InferenceModel
+        controls) are collected for the status, not raised."""
+        applied = Applied()
+        for child in children:
+            md = child["metadata"]
+            ref = f"{child['kind']}/{md['name']}"
+            try:
+                live = self.kube.get(child["apiVersion"], child["kind"], md["namespace"], md["name"])
+                other = controller_elsewhere(live, im)
+                if other is not None:
+                    applied.errors.append(
+                        f"{ref} belongs to InferenceModel {other}: rename one of the two models"
+                    )
+                    applied.refused.add(child["kind"])
+                    continue
+                result = apply_child(self.kube, child, live)
+            except ApiException as e:
+                if e.status not in (400, 422):
+                    raise  # transient: the work queue retries with backoff
+                applied.errors.append(f"{ref} was rejected: {api_message(e)}")
+                applied.refused.add(child["kind"])
+                continue
+            (outcome.applied if result.applied else outcome.skipped).append(ref)
+            metrics.APPLIES.labels(child["kind"], "applied" if result.applied else "skipped").inc()
+            applied.objects.append(result.obj)
+        return applied
+
+    def _delete_stale(self, im: InferenceModel, children: list[dict[str, Any]], outcome: Outcome) -> None:
+        """Delete what the other mode (aggregated or disaggregated) left: this model's Deployments,
+        budgets and ConfigMaps that it no longer renders."""
+        live = [
+            obj
+            for api_version, kind in ROLE_KINDS
+            for obj in self.kube.list(api_version, kind, im.namespace, selector_string(im.name))
+        ]
+        for obj in stale_children(im, live, children):
+            md = obj["metadata"]
+            self.kube.delete(obj["apiVersion"], obj["kind"], im.namespace, md["name"])
+            outcome.deleted.append(f"{obj['kind']}/{md['name']}")
 
     def sync_inference_pool(
         self, im: InferenceModel, settings: OperatorSettings, live_status: dict[str, Any], outcome: Outcome

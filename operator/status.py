@@ -29,6 +29,7 @@ OPERATOR_STATUS_KEYS = (
     "conditions",
     "oomAdaptation",
     "adapters",
+    "roles",
 )
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
 # Degraded reasons, most important first.
@@ -218,15 +219,44 @@ def compute_status(
     conds = compute_conditions(
         im, deployment, problems, oom_note=oom_note, apply_error=apply_error, refused=refused
     )
+    counts = {key: int(st.get(key) or 0) for key in ("replicas", "readyReplicas", "updatedReplicas")}
+    status = assemble_status(
+        im,
+        counts,
+        conds,
+        now=now,
+        previous=previous,
+        router_endpoint=router_endpoint,
+        refused=refused,
+        adapters=adapters,
+        inference_pool=inference_pool,
+    )
+    if oom is not None:
+        status["oomAdaptation"] = oom.dump()
+    return status
+
+
+def assemble_status(
+    im: InferenceModel,
+    counts: dict[str, int],
+    conds: list[Cond],
+    *,
+    now: datetime,
+    previous: dict[str, Any] | None,
+    router_endpoint: str | None,
+    refused: frozenset[str],
+    adapters: AdapterSync | None,
+    inference_pool: Cond | None,
+) -> dict[str, Any]:
+    """The status dict from the replica counts and the four conditions (shared with operator/rolestatus.py)."""
+    conds = list(conds)
     if adapters is not None:
         conds.append(adapters_condition(adapters))
     if inference_pool is not None:  # only with spec.inferencePool.enabled (operator/inferencepool.py)
         conds.append(inference_pool)
     status: dict[str, Any] = {
         "observedGeneration": im.generation,
-        "replicas": int(st.get("replicas") or 0),
-        "readyReplicas": int(st.get("readyReplicas") or 0),
-        "updatedReplicas": int(st.get("updatedReplicas") or 0),
+        **counts,
         "selector": selector_string(im.name),
         "conditions": merge_conditions(conds, (previous or {}).get("conditions"), now, im.generation),
     }
@@ -234,8 +264,6 @@ def compute_status(
         status["endpoint"] = endpoint(im.name, im.namespace)
     if router_endpoint:
         status["routerEndpoint"] = router_endpoint
-    if oom is not None:
-        status["oomAdaptation"] = oom.dump()
     if adapters is not None:
         status["adapters"] = adapters_status(im, adapters)
     return status
@@ -341,7 +369,7 @@ def invalid_status(
         Cond("ScalingLimited", False, "AsExpected"),
     ]
     prev = previous or {}
-    kept = ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation", "endpoint")
+    kept = ("replicas", "readyReplicas", "updatedReplicas", "oomAdaptation", "endpoint", "roles")
     status: dict[str, Any] = {k: prev[k] for k in kept if k in prev}
     status.update(
         {
