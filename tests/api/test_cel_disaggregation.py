@@ -23,11 +23,11 @@ VALID: list[dict[str, Any]] = [
     },
     {
         "model": BUILTIN,
-        "resources": {"gpus": 2, "memory": "64Gi"},
-        "runtime": {"tensorParallelSize": 2, "blockSize": 16, "kvCacheDtype": "fp8"},
+        "resources": {"gpus": 1, "memory": "64Gi"},
+        "runtime": {"tensorParallelSize": 1, "blockSize": 16, "kvCacheDtype": "fp8"},
         "disaggregation": {
             "prefill": {
-                "resources": {"gpus": 2, "gpuType": "h100"},
+                "resources": {"gpus": 1, "gpuType": "h100"},
                 "runtime": {"maxNumBatchedTokens": 8192, "maxNumSeqs": 8},
             },
             "decode": {"resources": {"gpuType": "l40s", "memory": "32Gi"}, "runtime": {"maxNumSeqs": 256}},
@@ -39,6 +39,16 @@ VALID: list[dict[str, Any]] = [
 
 INVALID: list[tuple[dict[str, Any], str]] = [
     ({"model": BUILTIN, "replicas": 2, "disaggregation": {}}, pd.REPLICAS_HELP),
+    ({"model": BUILTIN, "resources": {"gpus": 2}, "disaggregation": {}}, pd.TENSOR_PARALLEL_HELP),
+    (
+        {
+            "model": BUILTIN,
+            "resources": {"gpus": 0},
+            "runtime": {"tensorParallelSize": 2},
+            "disaggregation": {},
+        },
+        pd.TENSOR_PARALLEL_HELP,
+    ),
     (
         {"model": BUILTIN, "disaggregation": {"decode": {"minReplicas": 1, "maxReplicas": 4}}},
         pd.bounds_without_autoscaling_help("decode"),
@@ -148,12 +158,12 @@ def test_switching_an_aggregated_model_needs_replicas_removed() -> None:
 def test_role_values_merge_over_spec() -> None:
     spec = InferenceModelSpec.model_validate(VALID[4])
     prefill, decode = pd.role_spec(spec, "prefill"), pd.role_spec(spec, "decode")
-    assert prefill.resources.dump() == {"gpus": 2, "gpuType": "h100", "memory": "64Gi"}
-    assert decode.resources.dump() == {"gpus": 2, "gpuType": "l40s", "memory": "32Gi"}
+    assert prefill.resources.dump() == {"gpus": 1, "gpuType": "h100", "memory": "64Gi"}
+    assert decode.resources.dump() == {"gpus": 1, "gpuType": "l40s", "memory": "32Gi"}
     assert prefill.runtime.dump() == {
         "blockSize": 16,
         "kvCacheDtype": "fp8",
-        "tensorParallelSize": 2,
+        "tensorParallelSize": 1,
         "maxNumSeqs": 8,
         "maxNumBatchedTokens": 8192,
     }
