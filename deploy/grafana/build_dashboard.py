@@ -197,6 +197,123 @@ def variables() -> list[dict[str, Any]]:
     ]
 
 
+# A pod's P/D role (docs/disaggregation.md): the runtime's kvpilot_engine_info{kv_role}, joined by pod.
+ROLE = f' * on (namespace, pod) group_left (kv_role) kvpilot_engine_info{{{SEL}, kv_role=~"prefill|decode"}}'
+BY_ROLE = f"{BY_MODEL}, kv_role"
+KSM_ROLE = (
+    f" * on (namespace, name) group_left (model_name) kvpilot:inferencemodel_info:by_model_name{{{SEL}}}"
+)
+
+
+def disaggregation_row(g: Layout) -> None:
+    """Per-role panels of disaggregated models (spec.disaggregation) and their KV transfers."""
+    g.row("Prefill/decode disaggregation")
+    g.add(
+        timeseries(
+            "Replicas by role",
+            "Ready and desired replicas of each role (status.roles), for models with spec.disaggregation. "
+            "Ready needs a Ready pod in both roles.",
+            [
+                target(
+                    f"kvpilot_inferencemodel_status_role_ready_replicas{{{KSM_SEL}}}{KSM_ROLE}",
+                    "ready {{role}} {{model_name}}",
+                ),
+                target(
+                    f"kvpilot_inferencemodel_status_role_desired_replicas{{{KSM_SEL}}}{KSM_ROLE}",
+                    "desired {{role}} {{model_name}}",
+                    "B",
+                ),
+            ],
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "KV cache usage by role",
+            "Average share of KV-cache blocks in use per role: decode pods hold every running request's KV, "
+            "prefill pods only prompts until their blocks are pulled (the autoscaler's decode signal).",
+            [
+                target(
+                    f"avg by ({BY_ROLE}) (kvpilot_kv_cache_usage_ratio{{{SEL}}}{ROLE})",
+                    "{{kv_role}} {{model_name}}",
+                )
+            ],
+            "percentunit",
+            max_=1,
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Requests waiting by role",
+            "Requests queued for admission per role: a prefill backlog delays first tokens, a decode "
+            "backlog every token.",
+            [
+                target(
+                    f"sum by ({BY_ROLE}) (kvpilot_num_requests_waiting{{{SEL}}}{ROLE})",
+                    "{{kv_role}} {{model_name}}",
+                )
+            ],
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "KV transfer throughput",
+            "Block bytes per second prefill pods sent and decode pods pulled (kvpilot_kv_transfer_bytes_total).",
+            [
+                target(
+                    f"sum by ({BY_MODEL}, direction) (rate(kvpilot_kv_transfer_bytes_total{{{SEL}}}[$__rate_interval]))",
+                    "{{direction}} {{model_name}}",
+                )
+            ],
+            "Bps",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "KV transfer time (one pull)",
+            "Decode side: one KV pull from the prefill pod until its blocks are checked (p50, p90, p99); "
+            "past spec.disaggregation.transferTimeoutSeconds the decode pod recomputes the prompt.",
+            quantiles("kvpilot_kv_transfer_seconds"),
+            "s",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "KV transfer failures and fallbacks",
+            "Transfers that failed and prompts a decode pod recomputed instead (fallbacks), by reason, per "
+            "second; and transfers pinned on prefill pods waiting for a pull. KvpilotKVTransferFallbacks "
+            "fires above 5% of pulls for 10 minutes.",
+            [
+                target(
+                    f"sum by ({BY_MODEL}, reason) (rate(kvpilot_kv_transfer_fallbacks_total{{{SEL}}}[$__rate_interval]))",
+                    "fallback {{reason}} {{model_name}}",
+                ),
+                target(
+                    f"sum by ({BY_MODEL}, reason) (rate(kvpilot_kv_transfer_failures_total{{{SEL}}}[$__rate_interval]))",
+                    "failure {{reason}} {{model_name}}",
+                    "B",
+                ),
+                target(
+                    f"sum by ({BY_MODEL}) (kvpilot_kv_transfers_pending{{{SEL}}})",
+                    "pending {{model_name}}",
+                    "C",
+                ),
+            ],
+        ),
+        8,
+        8,
+    )
+
+
 def build() -> dict[str, Any]:
     g = Layout()
 
@@ -658,6 +775,8 @@ def build() -> dict[str, Any]:
         12,
         8,
     )
+
+    disaggregation_row(g)
 
     return {
         "__inputs": [],
