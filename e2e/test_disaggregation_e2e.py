@@ -251,7 +251,7 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
         os.kill(prefill.proc.pid, signal.SIGSTOP)  # it takes the prompt and never answers
         result: dict[str, Any] = {}
         client = threading.Thread(
-            target=lambda: result.update(zip(("code", "body", "pod"), complete(rt.url)))
+            target=lambda: result.update(zip(("code", "body", "pod"), complete(rt.url), strict=True))
         )
         client.start()
         wait_until(

@@ -11,6 +11,7 @@ import yaml
 
 from kvpilot.api.models import InferenceModel
 from kvpilot.operator.podstate import PodProblem
+from kvpilot.operator.rolestatus import compute_roles_status
 from kvpilot.operator.status import compute_status, invalid_status
 from tests.charts.lua_health import HEALTH_DIR, health
 from tests.charts.tools import ROOT
@@ -168,6 +169,46 @@ def test_health_of_operator_statuses(
     model: InferenceModel, dep: dict[str, Any] | None, problems: list[PodProblem], expected: str, reason: str
 ) -> None:
     status = compute_status(model, dep, problems, now=NOW)
+    result = health(obj_for(model, status))
+    assert result["status"] == expected, (result, status["conditions"])
+    assert reason in result["message"]
+
+
+PD = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+
+
+@pytest.mark.parametrize(
+    ("disaggregation", "prefill", "decode", "expected", "reason"),
+    [
+        (PD, (1, 1), (1, 1), "Healthy", "prefill 1/1, decode 1/1 replicas ready"),
+        (PD, (1, 1), (1, 0), "Progressing", "decode: 0/1 replicas ready"),  # one role is not enough
+        (
+            {"prefill": {"replicas": 0}, "decode": {"replicas": 1}},
+            (0, 0),
+            (1, 1),
+            "Suspended",
+            "RoleScaledToZero",
+        ),
+        (
+            {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},
+            (0, 0),
+            (0, 0),
+            "Suspended",
+            "ScaledToZero",
+        ),
+    ],
+)
+def test_health_of_a_disaggregated_model(
+    disaggregation: dict[str, Any],
+    prefill: tuple[int, int],
+    decode: tuple[int, int],
+    expected: str,
+    reason: str,
+) -> None:
+    model = im(disaggregation=disaggregation)
+    status = compute_roles_status(
+        model, {"prefill": deployment(*prefill), "decode": deployment(*decode)}, {}, now=NOW
+    )
     result = health(obj_for(model, status))
     assert result["status"] == expected, (result, status["conditions"])
     assert reason in result["message"]

@@ -3,6 +3,8 @@
 --   Degraded=True                                    -> Degraded    (invalid spec, OOMKilled, CrashLoopBackOff,
 --                                                                     ImagePullBackOff, rollout past its deadline)
 --   Ready=False, reason ScaledToZero                 -> Suspended   (replicas is 0 on purpose)
+--   Ready=False, reason RoleScaledToZero             -> Suspended   (a disaggregated model with one role at
+--                                                                     0 replicas on purpose: it needs both roles)
 --   Ready=True and ScalingLimited=True               -> Healthy     (serving; more replicas wanted than fit)
 --   Ready=True and Progressing=True                  -> Progressing (rolling out or scaling)
 --   Ready=True                                       -> Healthy
@@ -56,7 +58,9 @@ local ready = find_condition(status.conditions, "Ready")
 local progressing = find_condition(status.conditions, "Progressing")
 local limited = find_condition(status.conditions, "ScalingLimited")
 
-if ready ~= nil and ready.status == "False" and ready.reason == "ScaledToZero" then
+-- A disaggregated model (spec.disaggregation) is Ready only while both roles serve (operator/rolestatus.py);
+-- its conditions already combine the roles, so nothing here reads status.roles.
+if ready ~= nil and ready.status == "False" and (ready.reason == "ScaledToZero" or ready.reason == "RoleScaledToZero") then
   hs.status = "Suspended"
   hs.message = describe(ready)
   return hs
