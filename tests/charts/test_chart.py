@@ -195,17 +195,17 @@ def test_autoscaler_args_follow_values() -> None:
 OPERATOR_RULES = {
     ("kvpilot.dev", "inferencemodels"): {"get", "list", "watch"},
     ("kvpilot.dev", "inferencemodels/status"): {"patch"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch"},
-    ("", "configmaps"): {"get", "create", "patch"},
-    ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
+    ("", "configmaps"): {"get", "list", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
     ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
     ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
 }
 AUTOSCALER_RULES = {
-    ("kvpilot.dev", "inferencemodels"): {"list"},
+    ("kvpilot.dev", "inferencemodels"): {"list", "patch"},
     ("kvpilot.dev", "inferencemodels/scale"): {"patch"},
     ("kvpilot.dev", "inferencemodels/status"): {"patch"},
     ("", "pods"): {"list", "patch"},
