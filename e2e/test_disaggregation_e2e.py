@@ -43,6 +43,8 @@ RUNTIME_FLAGS = ("--device", "cpu", "--kv-cache-memory", "48MiB", "--threads", "
 MIN_PROMPT_TOKENS = 16
 # ~100 tokens: well over minPromptTokens (the router estimates 4 characters a token), several KV blocks
 PROMPT = "The lighthouse keeper climbed the stairs every evening to light the lamp. " * 6
+# Another prompt for the decode-side fallback: a decode pod pulls only the blocks its prefix cache lacks
+OTHER_PROMPT = "A fisherman mended his nets on the pier while the gulls circled above the harbour. " * 6
 MAX_TOKENS = 12
 
 
@@ -96,9 +98,11 @@ def pod_metrics(pod: LocalPod) -> str:
         return str(resp.read().decode())
 
 
-def complete(base_url: str, extra: dict[str, Any] | None = None) -> tuple[int, dict[str, Any], str | None]:
+def complete(
+    base_url: str, extra: dict[str, Any] | None = None, prompt: str = PROMPT
+) -> tuple[int, dict[str, Any], str | None]:
     """A greedy, non-streaming /v1/completions: (status, body, the X-Kvpilot-Pod header)."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, **(extra or {})}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **(extra or {})}
     req = urllib.request.Request(
         f"{base_url}/v1/completions",
         data=json.dumps(body).encode(),
@@ -180,11 +184,11 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
             what="the router's prefill pool",
         )
         wait_until(lambda: router.pools[MODEL].routable(), timeout=60, what="the router's decode pool")
-        code, plain, _ = complete(decode.url)  # the aggregated answer (a plain request on one pod)
-        assert code == 200, plain
         code, answer, served_by = complete(rt.url)
         assert code == 200, answer
         assert served_by == decode.name
+        code, plain, _ = complete(decode.url)  # the aggregated answer (a plain request on one pod)
+        assert code == 200, plain
         assert text_of(answer) == text_of(plain)
         assert samples(rt.metrics_text(), "kvpilot_router_pd_requests_total")["path=disaggregated"] == 1
         sent = samples(pod_metrics(prefill), "kvpilot_kv_transfer_bytes_total")["direction=sent"]
@@ -219,15 +223,16 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
         # (4) The prefill pod is killed between the two legs: the decode pod cannot pull, recomputes the
         # prompt, answers the same, and counts the fallback.
         code, first_leg, _ = complete(
-            prefill.url, {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
+            prefill.url, {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}, OTHER_PROMPT
         )
         assert code == 200, first_leg
         params = {"remote_url": prefill.url, **first_leg["kv_transfer_params"]}
         os.kill(prefill.proc.pid, signal.SIGKILL)
         prefill.proc.wait(timeout=30)
-        code, answer, _ = complete(decode.url, {"kv_transfer_params": params})
+        code, answer, _ = complete(decode.url, {"kv_transfer_params": params}, OTHER_PROMPT)
         assert code == 200, answer
-        assert text_of(answer) == text_of(plain)
+        code, other_plain, _ = complete(decode.url, prompt=OTHER_PROMPT)
+        assert code == 200 and text_of(answer) == text_of(other_plain)
         fallbacks = samples(pod_metrics(decode), "kvpilot_kv_transfer_fallbacks_total")
         assert sum(fallbacks.values()) == 1, fallbacks
         figures["decode_fallback_reasons"] = {k: v for k, v in fallbacks.items() if v}
