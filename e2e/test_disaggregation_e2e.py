@@ -260,7 +260,7 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
         )
         client.start()
         wait_until(
-            lambda: router.prefill_pools[MODEL].in_flight() == 1, timeout=30, what="the prefill leg sent"
+            lambda: router.prefill_pools[MODEL].in_flight == 1, timeout=30, what="the prefill leg sent"
         )
         os.kill(prefill.proc.pid, signal.SIGKILL)
         client.join(timeout=300)

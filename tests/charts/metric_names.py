@@ -50,7 +50,8 @@ def runtime_metrics() -> frozenset[str]:
     from kvpilot.runtime.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 
     m = ServerMetrics("m")
-    stats = SimpleNamespace(**{attr: 1 for _, _, attr in ENGINE_GAUGES + ENGINE_COUNTERS})
+    # kv_role: a disaggregated pod's kvpilot_engine_info{kv_role} (docs/disaggregation.md)
+    stats = SimpleNamespace(**{attr: 1 for _, _, attr in ENGINE_GAUGES + ENGINE_COUNTERS}, kv_role="decode")
     m.attach_engine(lambda: stats)
     m.request_finished("stop")
     for h in (m.ttft, m.itl, m.e2e, m.queue_time):
