@@ -140,6 +140,20 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Reason of the Ready condition",
         "priority": 1,
     },
+    {
+        "name": "Prefill",
+        "type": "integer",
+        "jsonPath": ".status.roles.prefill.readyReplicas",
+        "description": "Ready prefill pods (spec.disaggregation)",
+        "priority": 1,
+    },
+    {
+        "name": "Decode",
+        "type": "integer",
+        "jsonPath": ".status.roles.decode.readyReplicas",
+        "description": "Ready decode pods (spec.disaggregation)",
+        "priority": 1,
+    },
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

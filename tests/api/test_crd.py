@@ -67,6 +67,10 @@ def test_printer_columns() -> None:
     assert columns["Replicas"]["jsonPath"] == ".status.replicas"
     assert columns["Ready"]["jsonPath"] == ".status.readyReplicas"
     assert columns["KV"]["jsonPath"] == ".status.kvCacheUsage"
+    # a disaggregated model's roles, in `kubectl get im -o wide`; Replicas and Ready count both roles
+    assert columns["Prefill"]["jsonPath"] == ".status.roles.prefill.readyReplicas"
+    assert columns["Decode"]["jsonPath"] == ".status.roles.decode.readyReplicas"
+    assert columns["Prefill"]["priority"] == columns["Decode"]["priority"] == 1
     assert columns["Age"]["type"] == "date"
 
 
