@@ -228,6 +228,7 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
         assert code == 200, first_leg
         params = {"remote_url": prefill.url, **first_leg["kv_transfer_params"]}
         os.kill(prefill.proc.pid, signal.SIGKILL)
+        killed = [prefill.name]
         prefill.proc.wait(timeout=30)
         code, answer, _ = complete(decode.url, {"kv_transfer_params": params}, OTHER_PROMPT)
         assert code == 200, answer
@@ -263,6 +264,7 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
             lambda: router.prefill_pools[MODEL].in_flight == 1, timeout=30, what="the prefill leg sent"
         )
         os.kill(prefill.proc.pid, signal.SIGKILL)
+        killed.append(prefill.name)
         client.join(timeout=300)
         assert result["code"] == 200, result
         assert text_of(result["body"]) == text_of(plain)
@@ -270,7 +272,10 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
         assert paths["path=prefill_failed"] == 1, paths
         assert paths["path=disaggregated"] == 1, paths
         figures["router_paths"] = paths
-        assert kubelet.errors == []
+        # the shim's only complaints: the two runtimes this test killed
+        assert sorted(kubelet.errors) == sorted(
+            f"pod {name}: runtime exited -9 while its pod existed" for name in killed
+        )
     finally:
         stop_all(rt.stop, kubelet.stop, operator.stop)
         print("PD_E2E_FIGURES " + json.dumps(figures))
