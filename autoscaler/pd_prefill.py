@@ -103,10 +103,10 @@ def measure(
             tokens = s.prompt_tokens_total - b.prompt_tokens
             reqs = max(0.0, (s.completed_total or 0.0) - (b.completed or 0.0))
             b_in_flight = b.in_flight
-            rate = tokens / dt
-            fastest = max(fastest, rate)
+            pod_rate = tokens / dt
+            fastest = max(fastest, pod_rate)
             if b.in_flight >= SATURATED_IN_FLIGHT and in_flight >= SATURATED_IN_FLIGHT:
-                saturated.append(rate)
+                saturated.append(pod_rate)
         known = True
         done_tokens += tokens
         done_requests += reqs
@@ -125,7 +125,7 @@ def measure(
         )
     if throughput is not None and fastest > throughput:
         throughput = fastest  # a pod did that much: it can
-    rate = None
+    rate: float | None = None
     if known and dt is not None:
         rate = max(0.0, (done_tokens + in_flight_change * (mean or 0.0)) / dt)
     return rate, mean, throughput, tuple(counters)

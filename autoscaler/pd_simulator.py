@@ -259,7 +259,7 @@ class PdFleetSimulator(FleetSimulator):
 
     def role_replica_hours(self, window: tuple[float, float]) -> dict[str, float]:
         w0, t_end = window
-        out = {PREFILL: 0.0, DECODE: 0.0}
+        out: dict[str, float] = {PREFILL: 0.0, DECODE: 0.0}
         for rep in self.replicas:
             start = max(rep.created, w0)
             stop = min(rep.gone_at if rep.gone_at is not None else t_end, t_end)
