@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from kvpilot.autoscaler.attainment import SloCounts
@@ -18,6 +19,7 @@ from kvpilot.autoscaler.pd_policy import (
 )
 from kvpilot.autoscaler.pd_state import pd_decision_to_status, pd_state_from_status
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.sources import ModelRef, PodTarget
 from tests.autoscaler.test_controller import T0, FakeKube, FakeSource, calls
 
 SLO = {"calibration": "h100/llama-3.1-8b", "ttftSeconds": 2, "tpotSeconds": 0.05}
@@ -175,7 +177,7 @@ async def test_the_controller_splits_pods_by_role_and_patches_both_roles_once():
     src = FakeSource()
     collect = src.collect
 
-    async def spy(model, pods):  # noqa: ANN001
+    async def spy(model: ModelRef, pods: Sequence[PodTarget]) -> MetricsSnapshot:
         seen.append(sorted(p.name for p in pods))
         return await collect(model, pods)
 
@@ -199,4 +201,5 @@ async def test_the_controller_splits_pods_by_role_and_patches_both_roles_once():
     (again,) = await ScalingController(
         kube, ControllerConfig(namespace="ml"), clock=lambda: T0 + 15, pod_source=src
     ).sync_all()
+    assert again.decision.reason.startswith("prefill ")
     assert kube.model["status"]["autoscaler"]["disaggregation"]["prefill"]["pods"][0]["pod"] == "p0"

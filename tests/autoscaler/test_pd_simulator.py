@@ -11,6 +11,7 @@ from kvpilot.autoscaler.fleet_policies import StaticPolicy
 from kvpilot.autoscaler.pd_policy import PdKvpilotPolicy, PdTargets
 from kvpilot.autoscaler.pd_simulator import PdFleetSimulator, PdStaticPolicy, pulled_tokens, simulate_pd
 from kvpilot.autoscaler.replica_model import calibration_by_name
+from kvpilot.autoscaler.sim_result import SimResult
 from kvpilot.autoscaler.simulator import simulate
 from kvpilot.autoscaler.slo import Slo
 from kvpilot.autoscaler.spec import ScalingTargets, SloTargets
@@ -21,7 +22,7 @@ CAL = calibration_by_name("h100/llama-3.1-8b")
 SLO = Slo(ttft_s=2.0, tpot_s=0.05, ttft_prefill_factor=2.0)
 
 
-def tpot_missed_share(r) -> float:  # noqa: ANN001 (a SimResult)
+def tpot_missed_share(r: SimResult) -> float:
     """Requests that met the TTFT target but missed TPOT."""
     return r.ttft_attainment - r.slo_attainment
 
