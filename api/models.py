@@ -1002,6 +1002,47 @@ class SloStatus(_Model):
     intervals: ValidItems[SloInterval] = None
 
 
+class PdRoleAutoscaling(_Model):
+    """One P/D role in the autoscaler's last decision."""
+
+    from_replicas: Lenient[Int] = None
+    to_replicas: Lenient[Int] = None
+    signal: str | None = Field(None, max_length=64, description="The signal that set the role's size.")
+    demand: Lenient[Amount] = Field(
+        None, description="Replicas of the role its measured load needs at its target (fractional)."
+    )
+    fresh_since: Lenient[MilliTime] = Field(
+        None, description="The role's last measured-attainment step takes effect from here."
+    )
+
+
+class PdPrefillAutoscaling(PdRoleAutoscaling):
+    """The prefill role's estimate (autoscaler/pd_prefill.py): its counters, token-rate trend, learned
+    throughput and its own recommendations and scale events."""
+
+    throughput: Lenient[Amount] = Field(
+        None, description="Prompt tokens/s one prefill replica sustains, measured at saturation."
+    )
+    mean_prompt: Lenient[Amount] = Field(None, description="Prompt tokens per request (smoothed).")
+    time: Lenient[MilliTime] = None
+    pods: ValidItems[PodCounters] = None
+    rates: ValidItems[RatePoint] = Field(None, description="Prompt tokens/s arriving, by sync.")
+    history: ValidItems[HistoryEntry] = Field(None, max_length=10000)
+    scale_events: ValidItems[ScaleEventEntry] = None
+
+
+class PdAutoscalerStatus(_Model):
+    """A disaggregated model's P/D decision (autoscaler/pd_policy.py); the aggregated fields of
+    status.autoscaler hold the decode role's history, lastDecision both roles' totals."""
+
+    ratio: Lenient[Amount] = Field(
+        None, description="P:D ratio (prefill replicas per decode replica) learned from measured saturation."
+    )
+    ratio_samples: Lenient[Count] = None
+    prefill: Lenient[PdPrefillAutoscaling] = None
+    decode: Lenient[PdRoleAutoscaling] = None
+
+
 class AutoscalerStatus(_Model):
     """Written by the autoscaler (field manager kvpilot-autoscaler), never by the operator."""
 
@@ -1020,6 +1061,8 @@ class AutoscalerStatus(_Model):
         None,
         description="Why the last hold is noteworthy: no-metrics, not-reporting, scaling-limited, stabilization.",
     )
+    # Both roles of a disaggregated model (spec.disaggregation), decided together.
+    disaggregation: Lenient[PdAutoscalerStatus] = None
 
 
 class OOMOverrides(_Model):

@@ -49,6 +49,13 @@ class Calibration:
     num_kv_blocks: int = 2048
     startup_s: float = 60.0
     max_queue_len: int = 1024
+    # P/D disaggregation (pd_simulator.py): the KV bytes of one prompt token (K and V of every layer,
+    # all tensor-parallel shards; the default is an 8B GQA model's, 2 x 32 layers x 8 KV heads x 128 x
+    # 2 bytes) and the link a decode pod pulls them over. Default 25 GB/s: one 200 Gb/s RDMA NIC
+    # (InfiniBand HDR / RoCE), what P/D deployments run on; 100 GbE is 12.5 GB/s, NVLink within a
+    # node several times more.
+    kv_bytes_per_token: float = 131072.0
+    kv_link_bytes_s: float = 25e9
     source: str = "assumed defaults (8B fp16 on one 48 GB GPU); replace with the runtime's measurements"
 
     def __post_init__(self) -> None:
@@ -56,6 +63,8 @@ class Calibration:
             value = getattr(self, f.name)
             if f.name != "source" and (not isinstance(value, int | float) or value < 0):
                 raise ValueError(f"calibration {f.name} must be a number >= 0, got {value!r}")
+        if self.kv_link_bytes_s <= 0:
+            raise ValueError("calibration kv_link_bytes_s must be > 0")
         if self.step_overhead_s <= 0 and self.decode_s_per_seq <= 0:
             raise ValueError("calibration: a step must take time (step_overhead_s or decode_s_per_seq > 0)")
         for name in (

@@ -226,6 +226,10 @@ class ScalingController:
         ns, name = meta["namespace"], meta["name"]
         if not is_leader(self.elector):  # lost the Lease during this sync: a standby writes nothing
             return None
+        if spec.get("disaggregation"):  # two roles, one decision (pd_controller.py)
+            from kvpilot.autoscaler.pd_controller import sync_disaggregated
+
+            return await sync_disaggregated(self, obj)
         max_seqs = runtime_max_num_seqs(spec, status)
         try:
             targets = ScalingTargets.from_spec(autoscaling, self.config.behavior, max_num_seqs=max_seqs)

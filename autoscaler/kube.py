@@ -21,12 +21,20 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 Obj = dict[str, Any]
 
 
+def roles_patch(prefill: int, decode: int) -> Obj:
+    """The merge patch that sizes both roles of a disaggregated model at once (one write: the two
+    Deployments move as one unit; spec.replicas is not the autoscaler's there)."""
+    return {"spec": {"disaggregation": {"prefill": {"replicas": prefill}, "decode": {"replicas": decode}}}}
+
+
 class KubeApi(Protocol):
     async def list_models(self, namespace: str | None) -> list[Obj]: ...
 
     async def list_pods(self, namespace: str, selector: str) -> list[Obj]: ...
 
     async def patch_scale(self, namespace: str, name: str, replicas: int) -> None: ...
+
+    async def patch_roles(self, namespace: str, name: str, prefill: int, decode: int) -> None: ...
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
 
@@ -59,6 +67,17 @@ class KubernetesApi:
             name,
             {"spec": {"replicas": replicas}},
             subresource="scale",
+            field_manager=FIELD_MANAGER,
+        )
+
+    async def patch_roles(self, namespace: str, name: str, prefill: int, decode: int) -> None:
+        await asyncio.to_thread(
+            self.kube.merge_patch,
+            API_VERSION,
+            KIND,
+            namespace,
+            name,
+            roles_patch(prefill, decode),
             field_manager=FIELD_MANAGER,
         )
 

@@ -263,6 +263,7 @@ def calibration_for(
         block_size=BLOCK_SIZE,
         num_kv_blocks=pool // BLOCK_SIZE,
         startup_s=startup_s,
+        kv_bytes_per_token=float(kv_bytes_per_token(model, kv_dtype)),
         source=(
             f"roofline {name or model.name + ' on ' + gpu.name}: {model.name} {dtype} (KV {kv_dtype}), "
             f"tp={tp} x {gpu.name}; bandwidth x {gpu.bandwidth_efficiency}, FLOP/s x "

@@ -68,6 +68,7 @@ class Replica:
     draining: bool = False
     gone_at: float | None = None
     started_ready: bool = False  # there at the start, Ready at once: no startup to measure
+    role: str = "both"  # "prefill" or "decode" in a P/D fleet (pd_simulator.py)
     waiting: deque[SimRequest] = field(default_factory=deque)
     running: list[SimRequest] = field(default_factory=list)
     # The step (or jump of `jump` decode steps) in progress.
@@ -146,8 +147,12 @@ class Replica:
         if req.cached_tokens is None:
             req.cached_tokens = hit
         req.computed = hit
+        self.remember_prefix(req.hash_ids)
+
+    def remember_prefix(self, hash_ids: tuple[int, ...]) -> None:
+        """Record a prompt's blocks as cached here (most recent last), evicting the oldest over capacity."""
         cache = self.cache
-        for h in req.hash_ids:
+        for h in hash_ids:
             if h in cache:
                 cache.move_to_end(h)
             else:

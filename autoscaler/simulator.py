@@ -83,8 +83,11 @@ __all__ = [
 
 MIN_MINUTE_REQUESTS = 10  # minutes with fewer requests do not count for worst_minute_attainment
 
-# Event kinds, in the order they are handled at equal times.
-_STEP_END, _READY, _ARRIVAL, _SYNC = 0, 1, 2, 3
+# Event kinds, in the order they are handled at equal times (_HANDOFF: a subclass's own, e.g. the P/D
+# simulator's KV transfers landing on a decode replica).
+_STEP_END, _READY, _HANDOFF, _ARRIVAL, _SYNC = 0, 1, 2, 3, 4
+# The role of an aggregated replica (pd_simulator.py adds "prefill" and "decode" pools).
+BOTH = "both"
 
 
 class FleetPolicy(Protocol):
@@ -178,13 +181,15 @@ class FleetSimulator:
         self._outcomes: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
         self.warmup_s = warmup_s
         self.router: Router = router or RoundRobin()
+        self.routers: dict[str, Router] = {BOTH: self.router}  # by replica role
         self.replicas: list[Replica] = []
         self.scale_events = 0
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._peak = 0
-        self._queue: deque[SimRequest] = deque()  # the central queue (requests the router held)
-        self._ready_cache: list[Replica] | None = None
+        # The central queue (requests the router held), one per replica role.
+        self._queues: dict[str, deque[SimRequest]] = {BOTH: deque()}
+        self._ready_cache: dict[str, list[Replica]] = {}
 
     # -- events --------------------------------------------------------------------------------------
 
@@ -206,18 +211,25 @@ class FleetSimulator:
 
     # -- fleet ---------------------------------------------------------------------------------------
 
-    def _active(self) -> list[Replica]:
-        """Replicas the Deployment counts: starting or Ready, not draining."""
-        return [r for r in self.replicas if r.gone_at is None and not r.draining]
+    def _active(self, role: str | None = BOTH) -> list[Replica]:
+        """Replicas the Deployment counts: starting or Ready, not draining (of `role`; None: all)."""
+        return [r for r in self.replicas if r.gone_at is None and not r.draining and role in (None, r.role)]
 
-    def _routable(self) -> list[Replica]:
-        if self._ready_cache is None:
-            self._ready_cache = [r for r in self.replicas if r.ready and not r.draining and r.gone_at is None]
-        return self._ready_cache
+    def _routable(self, role: str = BOTH) -> list[Replica]:
+        cached = self._ready_cache.get(role)
+        if cached is None:
+            cached = [
+                r
+                for r in self.replicas
+                if r.ready and not r.draining and r.gone_at is None and r.role == role
+            ]
+            self._ready_cache[role] = cached
+        return cached
 
-    def _add_replica(self, now: float, ready_now: bool = False) -> None:
+    def _add_replica(self, now: float, ready_now: bool = False, role: str = BOTH) -> None:
         rep = Replica(
             rid=len(self.replicas),
+            role=role,
             cal=self.cal,
             created=now,
             ready_at=now if ready_now else now + self.cal.startup_s,
@@ -226,20 +238,20 @@ class FleetSimulator:
             started_ready=ready_now,
         )
         self.replicas.append(rep)
-        self._ready_cache = None
+        self._ready_cache.clear()
         if not ready_now:
             self._push(rep.ready_at, _READY, rep.rid)
 
     def _retire(self, rep: Replica, now: float) -> None:
         rep.gone_at = now
         rep.version += 1
-        self._ready_cache = None
+        self._ready_cache.clear()
 
-    def _scale_to(self, now: float, desired: int) -> None:
-        active = self._active()
+    def _scale_to(self, now: float, desired: int, role: str = BOTH) -> None:
+        active = self._active(role)
         if desired > len(active):
             for _ in range(desired - len(active)):
-                self._add_replica(now)
+                self._add_replica(now, role=role)
         elif desired < len(active):
             excess = len(active) - desired
             # ReplicaSet order: not-ready pods first (newest first), then the lowest deletion cost.
@@ -249,8 +261,8 @@ class FleetSimulator:
                 rep.draining = True
                 if not rep.ready or (not rep.busy and rep.in_flight == 0):
                     self._retire(rep, now)
-            self._ready_cache = None
-        self._peak = max(self._peak, len(self._active()))
+            self._ready_cache.clear()
+        self._peak = max(self._peak, len(self._active(None)))
 
     def _assign(self, rep: Replica, req: SimRequest, now: float) -> bool:
         if len(rep.waiting) >= self.cal.max_queue_len:
@@ -266,45 +278,55 @@ class FleetSimulator:
                 self._reschedule(rep, end)
         return True
 
-    def _offer(self, req: SimRequest, ready: list[Replica]) -> Replica | None:
+    def _offer(self, req: SimRequest, ready: list[Replica], role: str = BOTH) -> Replica | None:
         view = RequestView(req.prompt, req.output, req.hash_ids)
-        idx = self.router(view, [r.view(req) for r in ready])
+        idx = self.routers[role](view, [r.view(req) for r in ready])
         return None if idx is None else ready[idx]
 
-    def _route(self, req: SimRequest, now: float) -> None:
-        ready = self._routable()
+    def _route(self, req: SimRequest, now: float, role: str = BOTH) -> None:
+        ready = self._routable(role)
+        queue = self._queues[role]
         if not ready or req.prompt + req.output > self.cal.kv_capacity_tokens:
             self._reject(req)
             return
-        if self._queue:  # FIFO: nobody overtakes the central queue
-            if len(self._queue) >= self.cal.max_queue_len * len(ready):
+        if queue:  # FIFO: nobody overtakes the central queue
+            if len(queue) >= self.cal.max_queue_len * len(ready):
                 self._reject(req)
                 return
-            self._queue.append(req)
-            self._dispatch(now)
+            queue.append(req)
+            self._dispatch(now, role)
             return
-        rep = self._offer(req, ready)
+        rep = self._offer(req, ready, role)
         if rep is None:
-            self._queue.append(req)
+            queue.append(req)
         else:
             self._assign(rep, req, now)
 
-    def _dispatch(self, now: float) -> None:
+    def _dispatch(self, now: float, role: str = BOTH) -> None:
         """Offer the central queue to the router, oldest first, until it holds one."""
-        while self._queue:
-            ready = self._routable()
+        queue = self._queues[role]
+        while queue:
+            ready = self._routable(role)
             if not ready:
                 return
-            rep = self._offer(self._queue[0], ready)
+            rep = self._offer(queue[0], ready, role)
             if rep is None:
                 return
-            self._assign(rep, self._queue.popleft(), now)
+            self._assign(rep, queue.popleft(), now)
 
-    def _snapshot(self, now: float) -> tuple[MetricsSnapshot, int]:
+    def _dispatch_all(self, now: float) -> None:
+        for role, queue in self._queues.items():
+            if queue:
+                self._dispatch(now, role)
+
+    def _snapshot(self, now: float, role: str = BOTH) -> tuple[MetricsSnapshot, int]:
+        """What the controller would read of `role`'s replicas (the role's central queue spread over
+        them as waiting), and the requests in flight there."""
         samples = []
-        in_flight = len(self._queue)
+        queue = self._queues[role]
+        in_flight = len(queue)
         for rep in self.replicas:
-            if rep.gone_at is not None or not rep.ready:
+            if rep.gone_at is not None or not rep.ready or rep.role != role:
                 continue
             if rep.jump:
                 end = rep.materialize(now, truncate=False)
@@ -315,8 +337,8 @@ class FleetSimulator:
                 samples.append(rep.sample())
         # The central queue is the router's: reported as waiting, spread over the replicas (a
         # router exports its queue depth; the policy reads it as the fleet's waiting requests).
-        if self._queue and samples:
-            extra, rest = divmod(len(self._queue), len(samples))
+        if queue and samples:
+            extra, rest = divmod(len(queue), len(samples))
             samples = [
                 ReplicaSample(
                     s.pod,
@@ -332,7 +354,11 @@ class FleetSimulator:
             ]
         # Startup as the controller measures it from the pods (creation -> Ready, the most recent ones).
         started = sorted(
-            (r for r in self.replicas if r.ready and r.gone_at is None and not r.started_ready),
+            (
+                r
+                for r in self.replicas
+                if r.ready and r.gone_at is None and not r.started_ready and r.role == role
+            ),
             key=lambda r: r.created,
         )
         startup = measured_startup_s(r.ready_at - r.created for r in started[-STARTUP_SAMPLE_PODS:])
@@ -361,32 +387,47 @@ class FleetSimulator:
                 rep = self.replicas[a]
                 if b != rep.version or rep.gone_at is not None:
                     continue
-                for done in rep.end_step(t):
-                    self._outcomes[self._judge(done)] += 1
+                self._finished(rep, rep.end_step(t), t)
                 self._schedule(rep, t)
-                if self._queue:
-                    self._dispatch(t)
+                self._dispatch_all(t)
             elif kind == _ARRIVAL:
-                self._route(requests[a], t)
+                self._arrive(requests[a], t)
+            elif kind == _HANDOFF:
+                self._handoff(t, a)
             elif kind == _READY:
                 rep = self.replicas[a]
                 if rep.gone_at is None:
                     rep.ready = True
-                    self._ready_cache = None
-                    if self._queue:
-                        self._dispatch(t)
+                    self._ready_cache.clear()
+                    self._dispatch_all(t)
             elif kind == _SYNC:
-                snapshot, in_flight = self._snapshot(t)
-                current = len(self._active())
-                desired = self.policy.decide(t, current, snapshot, in_flight)
-                if desired != current:
-                    self.scale_events += 1
-                    self._scale_to(t, desired)
+                self._sync(t)
                 if t + self.sync_interval_s <= t_end:
                     self._push(t + self.sync_interval_s, _SYNC)
-        for req in self._queue:  # still held when the trace ended with no replica left to take it
-            self._reject(req)
+        for queue in self._queues.values():  # still held when the trace ended with no replica to take it
+            for req in queue:
+                self._reject(req)
         return self._result(requests, t_end)
+
+    # -- hooks (pd_simulator.PdFleetSimulator overrides them) ------------------------------------------
+
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        self._route(req, now)
+
+    def _finished(self, rep: Replica, done: list[SimRequest], now: float) -> None:
+        for r in done:
+            self._outcomes[self._judge(r)] += 1
+
+    def _handoff(self, now: float, index: int) -> None:
+        raise NotImplementedError("an aggregated fleet has no hand-offs")
+
+    def _sync(self, now: float) -> None:
+        snapshot, in_flight = self._snapshot(now)
+        current = len(self._active())
+        desired = self.policy.decide(now, current, snapshot, in_flight)
+        if desired != current:
+            self.scale_events += 1
+            self._scale_to(now, desired)
 
     def _judge(self, r: SimRequest) -> Outcome:
         """api/slo.judge on what the router would have seen; a request still decoding at the end of the

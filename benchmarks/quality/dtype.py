@@ -9,6 +9,11 @@ environment (KVPILOT_CPU_ISA, KVPILOT_DISABLE_CPU_KERNEL). Prints one JSON docum
 
     python benchmarks/runtime_quality.py dtype                 # every level this CPU has
     python benchmarks/runtime_quality.py dtype --configs kvpilot:auto kvpilot:auto@avx2 hf:bfloat16
+    python benchmarks/runtime_quality.py dtype --configs kvpilot:auto+quantization=auto \
+        kvpilot:auto+quantization=auto+qmatmul=float kvpilot:auto+quantization=none hf:bfloat16
+
+A kvpilot configuration may set engine options after the dtype: `+quantization=none|auto|int8|int4`
+(none: the checkpoint dequantized at load) and `+qmatmul=int8|float` (--qmatmul-activations).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,22 +54,51 @@ LEVEL_ENV = {
 }
 
 
+OPTIONS = {"quantization": ("none", "auto", "int8", "int4"), "qmatmul": ("int8", "float")}
+
+
 def parse_config(name: str) -> tuple[str, str, dict[str, str]]:
     """'kvpilot:auto@avx2' -> ('kvpilot', 'auto', {'KVPILOT_CPU_ISA': 'avx2'})."""
     engine, _, rest = name.partition(":")
-    dtype, _, level = rest.partition("@")
+    spec, _, level = rest.partition("@")
+    dtype, *_ = spec.split("+")
     if engine not in ("kvpilot", "hf") or not dtype or level not in LEVEL_ENV:
-        raise SystemExit(f"--configs: bad configuration {name!r} (engine:dtype[@avx2|generic|torch])")
+        raise SystemExit(
+            f"--configs: bad configuration {name!r} (engine:dtype[+option=value...][@avx2|generic|torch])"
+        )
+    engine_options(name)  # refuse bad options before any process starts
     return engine, dtype, LEVEL_ENV[level]
 
 
-def run_kvpilot(dtype: str) -> dict[str, Any]:
+def engine_options(name: str) -> dict[str, str]:
+    """'kvpilot:auto+quantization=auto+qmatmul=float@avx2' -> {'quantization': 'auto', 'qmatmul': 'float'}."""
+    engine, _, rest = name.partition(":")
+    _, *pairs = rest.partition("@")[0].split("+")
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if engine != "kvpilot" or value not in OPTIONS.get(key, ()):
+            raise SystemExit(
+                f"--configs: bad option {pair!r} in {name!r} (kvpilot only: "
+                + ", ".join(f"{k}={'|'.join(v)}" for k, v in OPTIONS.items())
+                + ")"
+            )
+        options[key] = value
+    return options
+
+
+def run_kvpilot(dtype: str, options: dict[str, str]) -> dict[str, Any]:
     import torch
 
     from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
-    engine = build_engine(EngineConfig(dtype=dtype, kv_cache_memory=256 * 2**20))
+    settings: dict[str, Any] = {"dtype": dtype, "kv_cache_memory": 256 * 2**20}
+    if "quantization" in options:
+        settings["quantization"] = None if options["quantization"] == "none" else options["quantization"]
+    if "qmatmul" in options:
+        settings["qmatmul_activations"] = options["qmatmul"]
+    engine = build_engine(EngineConfig(**settings))
     tok = engine.tokenizer
     ids = tok.encode(TEXT, add_special_tokens=False)
     choices = engine.next_token_choices(ids)
@@ -135,7 +170,7 @@ def run_hf(dtype: str, text_ids: list[int], prompts: list[list[int]], eos: list[
 def worker(args: argparse.Namespace) -> None:
     engine, dtype, _ = parse_config(args.worker)
     if engine == "kvpilot":
-        out = run_kvpilot(dtype)
+        out = run_kvpilot(dtype, engine_options(args.worker))
     else:
         ref = json.loads(Path(args.inputs).read_text())
         out = run_hf(dtype, ref["text_ids"], ref["prompts"], ref["eos"])
@@ -195,7 +230,7 @@ def main() -> None:
     hf32 = spawn("hf:float32", work / "hf-float32.json", inputs)
     rows: dict[str, Any] = {}
     for name in configs:
-        res = spawn(name, work / f"{name.replace(':', '-').replace('@', '-')}.json", inputs)
+        res = spawn(name, work / f"{re.sub('[^A-Za-z0-9_.-]', '-', name)}.json", inputs)
         rows[name] = {
             "dtype": res["dtype"],
             "teacher_forced_vs_kvpilot_fp32": round(agreement(res["choices"], ref["choices"]), 4),

@@ -143,7 +143,11 @@ def test_status_schema_keeps_autoscaler_fields_and_conditions_are_a_map() -> Non
         "decidedBy",
         "heldKind",
         "slo",
+        "disaggregation",
     }
+    pd = status["autoscaler"]["properties"]["disaggregation"]["properties"]
+    assert set(pd) == {"ratio", "ratioSamples", "prefill", "decode"}
+    assert {"throughput", "pods", "history", "scaleEvents", "signal"} <= set(pd["prefill"]["properties"])
     assert status["conditions"]["x-kubernetes-list-type"] == "map"
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     for key in ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "kvCacheUsage"):

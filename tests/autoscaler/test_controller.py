@@ -50,6 +50,12 @@ class FakeKube:
         self.calls.append(("scale", replicas))
         self.model["spec"]["replicas"] = replicas
 
+    async def patch_roles(self, namespace: str, name: str, prefill: int, decode: int) -> None:
+        self.calls.append(("roles", (prefill, decode)))
+        roles = self.model["spec"]["disaggregation"]
+        roles.setdefault("prefill", {})["replicas"] = prefill
+        roles.setdefault("decode", {})["replicas"] = decode
+
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self.calls.append(("status", status))
         merged = self.model.setdefault("status", {})

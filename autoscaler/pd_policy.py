@@ -1,0 +1,428 @@
+"""The P/D policy: both roles of a disaggregated model sized in one decision. Pure; the controller
+(pd_controller.py) and the P/D fleet simulator (pd_simulator.py) call the same function.
+
+decide_pd((prefill, decode), PdSnapshot, PdTargets, PdState, now) -> PdDecision
+
+Per role, its own signals (docs/disaggregation.md, "Autoscaler"):
+- **decode** pods run every request's decode steps (and the short prompts the router sends them
+  directly): they are sized by policy.decide(), the aggregated policy, on the decode pods alone: KV
+  use and batch slots against the target, the queue, the request arrival rate at the measured
+  per-replica service rate; its stabilization, rate limits and scale from zero. (The SLO planner's
+  replica model is an aggregated replica's, so it is off for the role; the closed loop below is the
+  role's SLO signal.)
+- **prefill** pods are sized by their prompt token rate and backlog over the measured per-replica
+  prefill throughput (pd_prefill.py).
+
+Joint:
+1. **Measured attainment per role** (spec.autoscaling.slo, the router's SLO counter; feedback.py's
+   rules, in a per-role view of the same measurement): TTFT misses are the prefill role's, TPOT misses
+   the decode role's, failed requests both's. A role whose own misses exceed the budget grows
+   (feedback.evaluate's step) and may shrink only with headroom in its view; when the misses together
+   exceed the budget but neither role's alone does, the role with more of them takes the step.
+2. **The P:D ratio** (prefill replicas per decode replica) is learned from measured saturation: at
+   every sync where both roles carry load (each at least MIN_RATIO_DEMAND replicas of demand), the
+   prefill demand (its token rate over its measured throughput at target) over the decode demand
+   (reporting decode replicas x utilization / target) is one sample, smoothed (RATIO_SMOOTHING). Once
+   MIN_RATIO_SAMPLES are in, a growing prefill role brings the decode role along: the load reaching
+   prefill now reaches decode a TTFT later, so decode is asked for at least prefill demand / ratio in
+   the same decision (signal "P:D ratio"). Only that direction: decode load that grows by itself
+   (short direct requests, longer outputs) needs no prefill. The ratio is in the status, so a
+   restarted autoscaler keeps it.
+3. **Scale from zero of both**: a request held by the router wakes both roles (decide() wakes decode,
+   the prefill rule wakes prefill); a prefill role above zero keeps at least one decode replica (every
+   request ends on one).
+4. Each role is clamped to its [minReplicas, maxReplicas] (spec.disaggregation.<role>, else
+   spec.autoscaling's).
+The reason names the winning signal per role: `prefill 2 -> 3: ... [signal: token rate]; decode ...`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvpilot.api.models import KV_ROLES
+from kvpilot.autoscaler.attainment import SloCounts, window
+from kvpilot.autoscaler.feedback import Feedback, SloState, evaluate, feedback_settings, record_interval
+from kvpilot.autoscaler.pd_prefill import (
+    DEFAULT_PREFILL_TARGET_UTILIZATION,
+    PrefillDecision,
+    PrefillState,
+    decide_prefill,
+)
+from kvpilot.autoscaler.policy import Decision, History, decide
+from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.spec import Behavior, ScalingTargets
+
+PREFILL, DECODE = KV_ROLES
+MIN_RATIO_DEMAND = 0.25  # replicas of demand each role needs before a ratio sample counts
+MIN_RATIO_SAMPLES = 3
+RATIO_SMOOTHING = 0.2  # weight of a new sample
+RATIO_BOUNDS = (0.02, 50.0)
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class PdSnapshot:
+    """Everything the P/D policy knows at one sync: each role's pods (selected by kvpilot.dev/kv-role)
+    and what the router reports for the model."""
+
+    prefill: MetricsSnapshot
+    decode: MetricsSnapshot
+    router_queue: int | None = None  # requests the router holds for the model
+    router_slo: SloCounts | None = None  # the routers' SLO counter (cumulative, by outcome)
+    startup_s: float | None = None  # measured over the model's pods; None: declared or unknown
+    scaling_limited: bool = False
+
+
+@dataclass(frozen=True)
+class PdTargets:
+    base: ScalingTargets  # spec.autoscaling: targets, behavior, the SLO (slo.calibration, slo.slo)
+    prefill_min: int
+    prefill_max: int
+    decode_min: int
+    decode_max: int
+    prefill_target_utilization: float = DEFAULT_PREFILL_TARGET_UTILIZATION
+    ratio_coupling: bool = True
+
+    def __post_init__(self) -> None:
+        for role, lo, hi in (
+            (PREFILL, self.prefill_min, self.prefill_max),
+            (DECODE, self.decode_min, self.decode_max),
+        ):
+            if lo < 0 or hi < max(1, lo):
+                raise ValueError(
+                    f"spec.disaggregation.{role}: need 0 <= minReplicas <= maxReplicas, maxReplicas >= 1"
+                )
+        if not 0.0 < self.prefill_target_utilization <= 1.0:
+            raise ValueError("prefill_target_utilization must be in (0, 1]")
+
+    def role_targets(self, role: str) -> ScalingTargets:
+        lo, hi = (
+            (self.prefill_min, self.prefill_max) if role == PREFILL else (self.decode_min, self.decode_max)
+        )
+        return self.base.with_overrides(min_replicas=lo, max_replicas=hi, slo=None)
+
+    @classmethod
+    def from_spec(
+        cls,
+        autoscaling: Mapping[str, Any],
+        disaggregation: Mapping[str, Any],
+        behavior: Behavior | None = None,
+        max_num_seqs: int | None = None,
+    ) -> PdTargets:
+        """From spec.autoscaling and spec.disaggregation (camelCase, as stored)."""
+        base = ScalingTargets.from_spec(autoscaling, behavior, max_num_seqs=max_num_seqs)
+
+        def bounds(role: str) -> tuple[int, int]:
+            block = disaggregation.get(role) or {}
+            lo, hi = block.get("minReplicas"), block.get("maxReplicas")
+            return (
+                base.min_replicas if lo is None else int(lo),
+                base.max_replicas if hi is None else int(hi),
+            )
+
+        (pl, ph), (dl, dh) = bounds(PREFILL), bounds(DECODE)
+        return cls(base, pl, ph, dl, dh)
+
+
+@dataclass(frozen=True)
+class PdState:
+    """What the P/D policy remembers between syncs (status.autoscaler: the decode role's History in the
+    aggregated fields, the rest in status.autoscaler.disaggregation)."""
+
+    decode: History = field(default_factory=History)
+    prefill: PrefillState = field(default_factory=PrefillState)
+    slo: SloState = field(default_factory=SloState)  # the router's SLO counter, measured once for both
+    prefill_fresh_since: float | None = None  # each role's last feedback step takes effect from here
+    decode_fresh_since: float | None = None
+    ratio: float | None = None  # prefill replicas per decode replica, learned
+    ratio_samples: int = 0
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    role: str
+    current: int
+    desired: int
+    recommendation: int  # the role's own raw recommendation
+    demand: float | None  # replicas its load needs at its target (fractional), when known
+    signal: str
+    text: str
+
+
+@dataclass(frozen=True)
+class PdDecision:
+    prefill: RoleDecision
+    decode: RoleDecision
+    decode_decision: Decision  # policy.decide() on the decode pods (its history is the decode role's)
+    prefill_decision: PrefillDecision
+    state: PdState
+    reason: str
+    attainment: float | None = None  # over the window, both roles together; None: unknown
+    attainment_requests: float = 0.0
+    attainment_window_s: float = 0.0
+
+    @property
+    def current(self) -> tuple[int, int]:
+        return self.prefill.current, self.decode.current
+
+    @property
+    def desired(self) -> tuple[int, int]:
+        return self.prefill.desired, self.decode.desired
+
+
+def role_counts(c: SloCounts, role: str) -> SloCounts:
+    """The outcomes as one role answers for them: its own misses (TTFT: prefill, TPOT: decode) and the
+    failed requests; the other role's misses count as met here."""
+    if role == PREFILL:
+        return SloCounts(met=c.met + c.missed_tpot, missed_ttft=c.missed_ttft, failed=c.failed)
+    return SloCounts(met=c.met + c.missed_ttft, missed_tpot=c.missed_tpot, failed=c.failed)
+
+
+def role_view(state: SloState, role: str, fresh_since: float | None) -> SloState:
+    """The measurement as `role` answers for it (role_counts); the capacity factor is the prefill
+    throughput's correction, so the decode view starts from 1 and its result is not kept."""
+    return replace(
+        state,
+        intervals=tuple(replace(i, counts=role_counts(i.counts, role)) for i in state.intervals),
+        fresh_since=fresh_since,
+        capacity_factor=state.capacity_factor if role == PREFILL else 1.0,
+    )
+
+
+def decode_demand(d: Decision, target: float) -> float | None:
+    if not d.reporting or d.avg_utilization is None:
+        return None
+    return d.reporting * d.avg_utilization / target
+
+
+def learn_ratio(
+    ratio: float | None, samples: int, prefill_demand: float | None, decode_demand_: float | None
+) -> tuple[float | None, int]:
+    """The P:D ratio after this sync's measurement (module doc, 2)."""
+    if (
+        prefill_demand is None
+        or decode_demand_ is None
+        or prefill_demand < MIN_RATIO_DEMAND
+        or decode_demand_ < MIN_RATIO_DEMAND
+    ):
+        return ratio, samples
+    sample = min(RATIO_BOUNDS[1], max(RATIO_BOUNDS[0], prefill_demand / decode_demand_))
+    new = sample if ratio is None else RATIO_SMOOTHING * sample + (1.0 - RATIO_SMOOTHING) * ratio
+    return new, samples + 1
+
+
+def _last_up(events: Any) -> float | None:
+    return max((e.time for e in events if e.to_replicas > e.from_replicas), default=None)
+
+
+def decide_pd(
+    current: tuple[int, int],
+    snapshot: PdSnapshot,
+    targets: PdTargets,
+    state: PdState,
+    now: float,
+) -> PdDecision:
+    """Both roles' sizes, the reason, and the state for the next call (module doc)."""
+    cur_p, cur_d = current
+    base = targets.base
+    b = base.behavior
+    startup = snapshot.startup_s if snapshot.startup_s is not None else base.startup_s
+    router_queue = snapshot.router_queue or 0
+
+    # Decode: the aggregated policy on the decode pods.
+    dsnap = replace(
+        snapshot.decode,
+        router_queue=snapshot.router_queue,
+        startup_s=startup,
+        scaling_limited=snapshot.scaling_limited,
+    )
+    dd = decide(cur_d, dsnap, targets.role_targets(DECODE), state.decode, now)
+    # Prefill: the token rate and backlog over the measured throughput.
+    cal = base.slo.calibration if base.slo is not None else None
+    pf = decide_prefill(
+        cur_p,
+        snapshot.prefill,
+        router_queue,
+        targets.role_targets(PREFILL),
+        state.prefill,
+        now,
+        startup=startup,
+        calibration=cal,
+        target_utilization=targets.prefill_target_utilization,
+        ttft_s=base.slo.ttft_s if base.slo is not None else 2.0,
+        capacity_factor=state.slo.capacity_factor,
+    )
+    want = {PREFILL: pf.desired, DECODE: dd.desired}
+    signal = {PREFILL: pf.signal, DECODE: dd.signal}
+    extra: dict[str, list[str]] = {PREFILL: [], DECODE: []}
+    ready = {PREFILL: snapshot.prefill.ready_replicas, DECODE: snapshot.decode.ready_replicas}
+    cur = {PREFILL: cur_p, DECODE: cur_d}
+    fresh = {PREFILL: state.prefill_fresh_since, DECODE: state.decode_fresh_since}
+
+    # 1. The closed loop, per role.
+    slo_state = state.slo
+    attainment, att_requests, att_window = None, 0.0, 0.0
+    if base.slo is not None and b.slo_feedback:
+        backlog = (
+            snapshot.decode.total_waiting > base.target_queue_depth * max(1, snapshot.decode.reporting)
+            or router_queue > 0
+        )
+        # The intervals' load is the prefill role's (prompt tokens/s per Ready prefill replica): the
+        # loop's capacity correction (feedback.py, rule 2) applies to the prefill throughput.
+        load = pf.token_rate / ready[PREFILL] if pf.token_rate is not None and ready[PREFILL] else None
+        slo_state = record_interval(
+            state.slo, now, snapshot.router_slo, {}, {}, load, b.attainment_window_s, backlog
+        )
+        p_capacity = (
+            pf.throughput * targets.prefill_target_utilization
+            if pf.throughput and pf.demand is not None
+            else None
+        )
+        settings = feedback_settings(base.slo, b)
+        settle = startup if startup is not None else b.arrival_lead_s
+        last_up = {PREFILL: _last_up(pf.state.events), DECODE: _last_up(dd.history.events)}
+        fbs: dict[str, Feedback] = {}
+        for role in KV_ROLES:
+            fbs[role] = evaluate(
+                role_view(slo_state, role, fresh[role]), now, cur[role], ready[role], settings,
+                p_capacity if role == PREFILL else None, settle, last_up[role],
+            )  # fmt: skip
+        slo_state = replace(slo_state, capacity_factor=fbs[PREFILL].state.capacity_factor)
+        if all(fbs[r].recommendation is None for r in KV_ROLES):
+            # Together over the budget, neither alone: the role with more misses takes the step.
+            w = window(slo_state.intervals, now, b.attainment_window_s).counts
+            role = PREFILL if w.missed_ttft > w.missed_tpot else DECODE
+            joint = evaluate(
+                replace(slo_state, fresh_since=fresh[role], capacity_factor=1.0),
+                now, cur[role], ready[role], settings, None, settle, last_up[role],
+            )  # fmt: skip
+            if joint.recommendation is not None:
+                fbs[role] = replace(joint, allow_scale_down=False)
+        whole = window(slo_state.intervals, now, b.attainment_window_s)
+        attainment, att_requests, att_window = whole.counts.attainment, whole.counts.total, whole.seconds
+        for role in KV_ROLES:
+            fb = fbs[role]
+            fresh[role] = fb.state.fresh_since
+            if fb.recommendation is not None and fb.recommendation > want[role]:
+                want[role] = fb.recommendation
+                signal[role] = "measured attainment"
+                extra[role].append(fb.text)
+            elif want[role] < cur[role] and not fb.allow_scale_down:
+                want[role] = cur[role]
+                signal[role] = "attainment unknown" if fb.attainment is None else "attainment headroom"
+                extra[role].append(f"scale-down held: {fb.text}")
+
+    # 2. The P:D ratio.
+    d_demand = decode_demand(dd, base.target_kv_cache_utilization)
+    ratio, samples = learn_ratio(state.ratio, state.ratio_samples, pf.demand, d_demand)
+    if (
+        targets.ratio_coupling
+        and ratio is not None
+        and samples >= MIN_RATIO_SAMPLES
+        and want[PREFILL] > cur_p
+        and pf.demand is not None
+    ):
+        floor = math.ceil(pf.demand / ratio - _EPS)
+        if floor > want[DECODE] and floor > cur_d:
+            want[DECODE] = floor
+            signal[DECODE] = "P:D ratio"
+            extra[DECODE].append(f"prefill demand {pf.demand:.2f} / P:D ratio {ratio:.2f} -> {floor}")
+
+    # 3. Both from zero; every request ends on a decode replica.
+    if cur_p == 0 and cur_d == 0 and router_queue:
+        for role in KV_ROLES:
+            if want[role] < 1:
+                want[role], signal[role] = 1, "scale from zero"
+    if want[PREFILL] > 0 and want[DECODE] < 1:
+        want[DECODE], signal[DECODE] = 1, "prefill needs a decode replica"
+        extra[DECODE].append("every request ends on a decode replica")
+
+    # 4. Limits.
+    if snapshot.scaling_limited:
+        for role in KV_ROLES:
+            if want[role] > cur[role]:
+                extra[role].append(f"ScalingLimited (pods unschedulable): holding {cur[role]}")
+                want[role] = cur[role]
+    bounds = {
+        PREFILL: (targets.prefill_min, targets.prefill_max),
+        DECODE: (targets.decode_min, targets.decode_max),
+    }
+    for role in KV_ROLES:
+        lo, hi = bounds[role]
+        clamped = min(max(want[role], lo), hi)
+        if clamped != want[role]:
+            extra[role].append(
+                f"clamped to {'minReplicas' if clamped > want[role] else 'maxReplicas'} {clamped}"
+            )
+            want[role] = clamped
+
+    texts = {PREFILL: pf.text + f" [signal: {pf.signal}]", DECODE: dd.reason}
+    first = {PREFILL: pf.signal, DECODE: dd.signal}
+    recs = {PREFILL: pf.recommendation, DECODE: dd.recommendation}
+    demands = {PREFILL: pf.demand, DECODE: d_demand}
+    roles = {}
+    parts = []
+    for role in KV_ROLES:
+        text = texts[role] + "".join(f"; {e}" for e in extra[role])
+        roles[role] = RoleDecision(role, cur[role], want[role], recs[role], demands[role], signal[role], text)
+        verb = f"{cur[role]} -> {want[role]}" if want[role] != cur[role] else f"{cur[role]} (hold)"
+        if signal[role] != first[role]:
+            text += f" [signal: {signal[role]}]"
+        parts.append(f"{role} {verb}: {text}")
+    if ratio is not None:
+        parts.append(f"P:D ratio {ratio:.2f} ({samples} samples)")
+    new_state = PdState(
+        decode=dd.history,
+        prefill=pf.state,
+        slo=slo_state,
+        prefill_fresh_since=fresh[PREFILL],
+        decode_fresh_since=fresh[DECODE],
+        ratio=ratio,
+        ratio_samples=samples,
+    )
+    return PdDecision(
+        prefill=roles[PREFILL],
+        decode=roles[DECODE],
+        decode_decision=dd,
+        prefill_decision=pf,
+        state=new_state,
+        reason="; ".join(parts),
+        attainment=attainment,
+        attainment_requests=att_requests,
+        attainment_window_s=att_window,
+    )
+
+
+class PdKvpilotPolicy:
+    """decide_pd() with its state, for the P/D fleet simulator (pd_simulator.PdFleetPolicy)."""
+
+    name = "kvpilot P/D"
+
+    def __init__(self, targets: PdTargets, initial: tuple[int, int] | None = None) -> None:
+        self.targets = targets
+        self.state = PdState()
+        self._initial = initial or (max(1, targets.prefill_min), max(1, targets.decode_min))
+        self.last_reason = ""
+
+    def initial_replicas(self) -> tuple[int, int]:
+        return self._initial
+
+    def decide(self, now: float, current: tuple[int, int], snapshot: PdSnapshot) -> tuple[int, int]:
+        d = decide_pd(current, snapshot, self.targets, self.state, now)
+        self.state = d.state
+        self.last_reason = d.reason
+        return d.desired
+
+    def settings(self) -> dict[str, Any]:
+        t = self.targets
+        return {
+            "prefill": [t.prefill_min, t.prefill_max],
+            "decode": [t.decode_min, t.decode_max],
+            "prefill_target_utilization": t.prefill_target_utilization,
+            "ratio_coupling": t.ratio_coupling,
+            "initial": list(self._initial),
+        }
