@@ -150,9 +150,11 @@ class AsyncEngine:
             lora = lora_activity(self.engine.scheduler)
         except RuntimeError:  # the engine loop changed the queue while it was copied: the last snapshot
             lora = snapshot.lora
+        kv = self.engine.kv
         return dataclasses.replace(
             snapshot,
             lora=lora,
+            kv_transfers_pending=None if kv is None else kv.pins.pending,  # read live (it has a lock)
             num_running=running,
             num_waiting=max(0, unfinished - running),
             engine_stalled=int(not self.health().healthy),

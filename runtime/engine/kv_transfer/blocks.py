@@ -49,6 +49,9 @@ def model_fingerprint(arch: Any, model: Any, weights_dtype: torch.dtype, quantiz
     return h.hexdigest()
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
 def _as_bytes(t: torch.Tensor, n: int) -> torch.Tensor:
     """[n, ...] of any dtype -> [n, bytes] uint8 on the CPU (contiguous)."""
     return t.contiguous().cpu().view(torch.uint8).reshape(n, -1)
@@ -84,8 +87,10 @@ def import_layer(
     idx = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
 
     def put(dst: torch.Tensor, start: int, size: int, dims: tuple[int, ...]) -> None:
-        src = raw[:, start : start + size].contiguous().view(dst.dtype).reshape(dims)
-        dst.index_copy_(0, idx, src.to(dst.device))
+        # a bit copy through a same-size integer view (index_copy_ has no float8 kernel on the CPU)
+        bits = _BITS[dst.element_size()]
+        src = raw[:, start : start + size].contiguous().view(bits).reshape(dims)
+        dst.view(bits).index_copy_(0, idx, src.to(dst.device))
 
     put(cache.k, 0, kv, shape)
     put(cache.v, kv, kv, shape)
