@@ -267,6 +267,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where built CPU kernels are cached (default ~/.cache/kvpilot/kernels; KVPILOT_KERNEL_CACHE)",
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    pd.add_argument(
+        "--kv-role",
+        choices=["prefill", "decode", "both"],
+        default=s,
+        help="prefill: run prompts and hand their KV blocks over (GET /v1/kv/transfers/ID); decode: admit "
+        "requests whose KV arrives from a prefill pod; both (default): an aggregated pod that accepts either",
+    )
+    pd.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=s,
+        metavar="SECONDS",
+        help="decode side: deadline of one KV pull; past it the prompt is recomputed locally (default 10)",
+    )
+    pd.add_argument(
+        "--kv-transfer-ttl",
+        type=float,
+        default=s,
+        metavar="SECONDS",
+        help="prefill side: how long a transfer's blocks stay pinned when the decode pod never releases "
+        "them (default 30)",
+    )
+    pd.add_argument(
+        "--kv-transfer-pin-fraction",
+        type=float,
+        default=s,
+        metavar="SHARE",
+        help="prefill side: share of the KV pool pinned transfers may hold (default 0.5); beyond it a prefill "
+        "answers without kv_transfer_params and the decode pod recomputes",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

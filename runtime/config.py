@@ -19,6 +19,7 @@ KVCacheDtype = Literal["auto", "fp8", "int8"]
 SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
 Quantization = Literal["int8", "int4", "auto"]
+KVRole = Literal["prefill", "decode", "both"]
 # `kvpilot serve` ends at most this many seconds after --shutdown-timeout has run out, even with its
 # engine stuck (runtime/serving/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
 EXIT_GRACE_S = 10.0
@@ -160,6 +161,31 @@ class EngineConfig(BaseModel):
     kernel_cache_dir: str | None = Field(
         None, description="where built CPU kernels are cached (default ~/.cache/kvpilot/kernels)"
     )
+    # prefill/decode disaggregation (docs/disaggregation.md)
+    kv_role: KVRole = Field(
+        "both",
+        description="prefill: runs prompts and hands their KV blocks over; decode: admits requests whose "
+        "KV arrives from a prefill pod; both: an aggregated pod that accepts either",
+    )
+    kv_transfer_timeout: float = Field(
+        10.0,
+        gt=0.0,
+        le=3600.0,
+        description="decode side: seconds a KV pull may take before the prompt is recomputed locally",
+    )
+    kv_transfer_ttl: float = Field(
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description="prefill side: seconds a transfer's pinned blocks wait for the decode pod to release them",
+    )
+    kv_transfer_pin_fraction: float = Field(
+        0.5,
+        gt=0.0,
+        lt=1.0,
+        description="prefill side: the share of the KV pool pinned transfers may hold; beyond it a "
+        "prefill answers without kv_transfer_params (the decode pod then recomputes)",
+    )
 
     @field_validator("lora_modules")
     @classmethod
@@ -178,6 +204,11 @@ class EngineConfig(BaseModel):
             self.enable_lora_runtime_updates = True
         if self.lora_modules or self.enable_lora_runtime_updates:
             self.enable_lora = True
+        if self.kv_role != "both" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"--kv-role {self.kv_role} does not run with --tensor-parallel-size > 1 (each rank's KV "
+                "shard lives in its own process; docs/disaggregation.md)"
+            )
         if self.max_model_len is not None and self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be at least 16")
         method = self.speculative_method

@@ -20,6 +20,9 @@ from kvpilot.runtime.engine.protocol import (
     EngineDeadError,
     EngineHealth,
     EngineStats,
+    KVExport,
+    KVImport,
+    KVTransferPort,
     QueueFullError,
     RequestOutput,
     merge_outputs,
@@ -41,6 +44,7 @@ class _Pending:
     arrival_time: float
     queue: asyncio.Queue[RequestOutput | BaseException]
     lora: str | None = None
+    kv: KVExport | KVImport | None = None
 
 
 @dataclass
@@ -84,6 +88,9 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len
         self.kv_capacity_tokens = engine.kv_capacity_tokens
+        self.kv_transfer: KVTransferPort | None = engine.kv
+        if engine.kv is not None:
+            engine.kv.wake = self._wake_soon
         self._inbox = _Inbox()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -187,18 +194,22 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora: str | None = None,
+        kv: KVExport | KVImport | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Enqueue; raises QueueFullError or EngineDeadError. A request the engine can never run
         (`LLMEngine.validate_request`, an adapter that is not loaded) fails its stream with
         ValueError; the server checks the same limits before it submits (api_request.py), so its
-        clients get the 400 up front. `lora`: the adapter to run with (None: the base model)."""
+        clients get the 400 up front. `lora`: the adapter to run with (None: the base model). `kv`: the
+        request's KV transfer (runtime/engine/kv_transfer/engine_side.py)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
         if self._num_queued >= self.max_queue_len:
             raise QueueFullError(f"{self._num_queued} requests are already waiting (max_queue_len)")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        pending = _Pending(request_id, prompt_token_ids, params, cache_salt, time.monotonic(), queue, lora)
+        pending = _Pending(
+            request_id, prompt_token_ids, params, cache_salt, time.monotonic(), queue, lora, kv
+        )
         self._queues[request_id] = (loop, queue)
         with self._inbox.lock:
             self._inbox.new.append(pending)
@@ -264,6 +275,9 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 op.loop.call_soon_threadsafe(_settle, op.future, error)
 
+    def _wake_soon(self) -> None:
+        self._wake.set()
+
     def abort_nowait(self, request_id: str) -> None:
         with self._inbox.lock:
             self._inbox.aborts.append(request_id)
@@ -282,12 +296,15 @@ class AsyncEngine:
         for p in new:
             try:
                 self.engine.add_request(
-                    p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time, p.lora
+                    p.request_id, p.prompt_token_ids, p.params, p.cache_salt, p.arrival_time, p.lora, p.kv
                 )
             except ValueError as exc:
                 self._deliver(p.request_id, exc)
                 with self._inbox.lock:
                     self._num_unfinished -= 1
+            finally:
+                if isinstance(p.kv, KVImport) and p.kv.on_done is not None:
+                    p.kv.on_done()  # the pulled bytes are in the pool (or dropped)
         for rid in aborts:
             out = self.engine.abort(rid)
             if out is not None:
@@ -318,6 +335,8 @@ class AsyncEngine:
                 self._beat(in_turn=True)
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    if self.engine.kv is not None:
+                        self.engine.kv.release_due()
                     self._refresh_counts()
                     self._beat(in_turn=False)
                     self._wake.wait(0.5)

@@ -170,6 +170,48 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def count_cached_prefix(
+        self, token_ids: list[int], limit: int, salt: str | None, adapter: str | None
+    ) -> int:
+        """Leading full blocks of `token_ids` (at most `limit`) the prefix cache holds. Reads only the
+        cache map (a dict lookup per block), so another thread may call it: the answer is a hint."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent: BlockHash | None = None
+        for i in range(limit):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt, adapter)
+            if parent not in self.cached:
+                return i
+        return limit
+
+    def adopt(self, seq: Sequence, cached_blocks: list[int], num_filled: int) -> bool:
+        """First admission of a sequence whose leading blocks are filled from elsewhere (a KV transfer):
+        `cached_blocks` (prefix-cache hits), then `num_filled` fresh blocks the caller writes; all of
+        them count as computed. False (and no change) when blocks are short."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        cached_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_filled > len(self.free) - cached_free:
+            return False
+        self.stats.queries += seq.num_tokens
+        self.stats.hits += len(cached_blocks) * self.block_size
+        for b in cached_blocks:
+            self._ref(b)
+        seq.block_table.extend(cached_blocks)
+        seq.block_table.extend(self._take_free() for _ in range(num_filled))
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_cached_tokens = len(cached_blocks) * self.block_size
+        return True
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Hold blocks beyond their sequence's life (a KV transfer's), until `unpin`."""
+        for b in block_ids:
+            self._ref(b)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in reversed(block_ids):
+            self._unref(b)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:

@@ -64,6 +64,7 @@ def engine_from_loaded(loaded: LoadedModel, cfg: EngineConfig, draft: LoadedMode
     """An engine around an already-loaded, unsharded model. `draft`: the loaded --speculative-model
     (loaded here from cfg when not given)."""
     from kvpilot.kernels import quant
+    from kvpilot.runtime.engine.kv_transfer.blocks import model_fingerprint
     from kvpilot.runtime.load.loader import attach_lora, resolve_max_model_len
 
     if cfg.tensor_parallel_size != 1:
@@ -100,7 +101,9 @@ def engine_from_loaded(loaded: LoadedModel, cfg: EngineConfig, draft: LoadedMode
     spec = make_speculator(cfg, max_model_len, loaded.device.type, proposer)
     name = cfg.served_model_name or loaded.model_name
     eos = frozenset(loaded.tokenizer.eos_token_ids)
-    return LLMEngine(runner, loaded.tokenizer, cfg, name, max_model_len, eos, spec)
+    # the KV transfer (docs/disaggregation.md) on every single-device engine: a `both` pod accepts it too
+    fingerprint = model_fingerprint(loaded.arch, loaded.model, loaded.dtype, cfg.quantization)
+    return LLMEngine(runner, loaded.tokenizer, cfg, name, max_model_len, eos, spec, fingerprint)
 
 
 def build_async_engine(cfg: EngineConfig) -> AsyncEngine:

@@ -22,9 +22,12 @@ import torch
 
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.kv_transfer.engine_side import KVTransfers
 from kvpilot.runtime.engine.protocol import (
     CompletionOutput,
     EngineStats,
+    KVExport,
+    KVImport,
     LoRAActivity,
     RequestMetrics,
     RequestOutput,
@@ -79,8 +82,10 @@ class LLMEngine:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         speculator: Speculator | None = None,
+        model_fingerprint: str | None = None,
     ) -> None:
-
+        """`model_fingerprint` (kv_transfer/blocks.model_fingerprint): given, the engine can send and
+        receive KV blocks (prefill/decode disaggregation, `self.kv`)."""
         self.cfg = cfg
         self.runner = runner
         self.tokenizer = tokenizer
@@ -120,6 +125,21 @@ class LLMEngine:
         # Test hook: called with the scheduled batch right before the model runs (fault injection).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
         self.adapters = AdapterRegistry(runner, model_name, self._lora_users)
+        self.kv: KVTransfers | None = None
+        if model_fingerprint is not None:
+            from kvpilot.runtime.engine.kv_transfer.blocks import layout_of
+
+            self.kv = KVTransfers(
+                cfg.kv_role,
+                self.block_manager,
+                runner.kv_caches,
+                layout_of(runner.geometry, model_fingerprint),
+                cfg.kv_transfer_pin_fraction,
+                cfg.kv_transfer_ttl,
+                cfg.kv_transfer_timeout,
+                lambda name: None if (r := self.adapters.request(name)) is None else r.key,
+            )
+            self.scheduler.before_free = self._pin_finished
         for lora_name, lora_path in cfg.lora_modules.items():
             try:
                 self.adapters.add(lora_name, lora_path)
@@ -173,8 +193,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora: str | None = None,
+        kv: KVExport | KVImport | None = None,
     ) -> None:
-        """`lora`: the adapter to run with (None: the base model)."""
+        """`lora`: the adapter to run with (None: the base model). `kv`: pin the prompt's blocks when it
+        finishes (KVExport), or start from pulled blocks (KVImport); needs `self.kv`."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
@@ -189,6 +211,13 @@ class LLMEngine:
             seq.grammar = (
                 guided.compiled.new_state() if guided.compiled else self.grammar_compiler.new_state(guided)
             )
+        if kv is not None:
+            if self.kv is None:
+                raise ValueError("this engine does not transfer KV blocks")
+            if isinstance(kv, KVExport):
+                seq.kv_export = True
+            else:
+                seq.kv_fallback = self.kv.import_into(seq, kv)
         self.requests[request_id] = _Tracked(seq)
         self.scheduler.add(seq)
 
@@ -203,7 +232,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step ------------------------------------------------------------------------------
+    def _pin_finished(self, seq: Sequence) -> None:
+        if seq.kv_export and seq.finish_reason != "abort" and self.kv is not None:
+            seq.kv_transfer_params = self.kv.pin_finished(seq)
+
     def step(self) -> list[RequestOutput]:
+        if self.kv is not None:
+            self.kv.release_due()
         spec = self.speculator
         if spec is not None:
             spec.plan(self.scheduler.running)
@@ -307,6 +342,7 @@ class LLMEngine:
             tracked.emitted_prompt_logprobs = True
         if finished:
             del self.requests[seq.seq_id]
+        fallback, seq.kv_fallback = seq.kv_fallback, None  # reported once
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -315,6 +351,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time),
             prompt_logprobs=plps,
+            kv_transfer_params=seq.kv_transfer_params if finished else None,
+            kv_fallback=fallback,
         )
 
     def stats(self) -> EngineStats:
@@ -334,6 +372,8 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
             lora=lora_activity(self.scheduler),
+            kv_role=self.cfg.kv_role,
+            kv_transfers_pending=None if self.kv is None else self.kv.pins.pending,
             **self._spec_stats(),
         )
 
@@ -350,6 +390,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the model runner (stops tensor-parallel worker processes)."""
+        if self.kv is not None:
+            self.kv.close()
         self.runner.close()
 
     # -- offline use ---------------------------------------------------------------------------

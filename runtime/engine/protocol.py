@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+from kvpilot.runtime.engine.kv_transfer.wire import KVLayout
 
 if TYPE_CHECKING:
     from kvpilot.runtime.engine.sampling_params import SamplingParams
@@ -69,6 +72,11 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it); sent once, on the request's first output with a token (or its last)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # disaggregation (docs/disaggregation.md): a KVExport request's response params, on its last
+    # output (None when its blocks could not be pinned); a KVImport request whose pulled blocks the
+    # engine could not use says why (`evicted`, `no_blocks`) on its first output
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_fallback: str | None = None
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -80,8 +88,70 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     merged = CompletionOutput(ca.new_token_ids + cb.new_token_ids, lps, cb.finish_reason, cb.stop_reason)
     plps = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
     return RequestOutput(
-        b.request_id, b.prompt_token_ids, merged, b.finished, b.num_cached_tokens, b.metrics, plps
+        b.request_id,
+        b.prompt_token_ids,
+        merged,
+        b.finished,
+        b.num_cached_tokens,
+        b.metrics,
+        plps,
+        b.kv_transfer_params or a.kv_transfer_params,
+        a.kv_fallback or b.kv_fallback,
     )
+
+
+# -- prefill/decode disaggregation (docs/disaggregation.md) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """add_request's `kv` for a `do_remote_decode` request: when it finishes, pin its full prompt
+    blocks under a transfer id (its last RequestOutput carries the response's kv_transfer_params)."""
+
+
+@dataclass
+class KVImport:
+    """add_request's `kv` for a `do_remote_prefill` request: prompt blocks pulled from a prefill pod,
+    `blocks[layer][i]` the wire payload of prompt block `first_block + i` (wire.py). The engine uses
+    them when its prefix cache still holds blocks 0..first_block-1 and it has room; else it computes
+    the prompt itself. `on_done` runs once the engine has copied (or dropped) them."""
+
+    first_block: int
+    blocks: list[list[memoryview]]
+    on_done: Callable[[], None] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks[0]) if self.blocks else 0
+
+
+class TransferReader(Protocol):
+    """A lease on one pinned transfer while it is streamed: its blocks stay as they are until closed."""
+
+    num_tokens: int
+    num_blocks: int  # the prompt's full blocks before its last token
+
+    def export_layer(self, layer: int, first_block: int) -> list[memoryview]:
+        """BLOCK payloads of blocks first_block.. of one layer (blocking: call it off the event loop)."""
+        ...
+
+
+class KVTransferPort(Protocol):
+    """What the front end uses of an engine's KV transfer (AsyncEngine's; None where unsupported)."""
+
+    role: str  # prefill | decode | both
+    layout: KVLayout
+    timeout: float  # the decode side's pull deadline (--kv-transfer-timeout)
+
+    def cached_prefix_blocks(
+        self, prompt_token_ids: list[int], cache_salt: str | None, lora: str | None
+    ) -> int:
+        """Leading full prompt blocks this pod's prefix cache holds now (a hint: admission re-checks)."""
+        ...
+
+    def open_transfer(self, transfer_id: str) -> AbstractContextManager[TransferReader | None]: ...
+
+    def release_transfer(self, transfer_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -117,6 +187,8 @@ class EngineStats:
     engine_stalled: int | None = None  # 1 while /health fails (the loop is stuck or stopped)
     engine_heartbeat_age_seconds: float | None = None  # since the loop last made progress
     lora: LoRAActivity | None = None  # None while LoRA serving is off
+    kv_role: str = "both"  # --kv-role
+    kv_transfers_pending: int | None = None  # prefill side: pinned transfers (None: no KV transfer)
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -154,6 +226,7 @@ class Engine(Protocol):
     max_model_len: int
     max_queue_len: int  # a request with more choices than this could never be admitted
     kv_capacity_tokens: int  # the whole KV pool: the longest sequence that can ever run
+    kv_transfer: KVTransferPort | None  # prefill/decode disaggregation (None: not on this engine)
 
     def start(self) -> None: ...
 
@@ -166,6 +239,7 @@ class Engine(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         lora: str | None = None,
+        kv: KVExport | KVImport | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpilot.runtime.engine.block_manager import BlockManager
@@ -83,6 +84,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        # called with a finishing (or aborted) sequence before its blocks are freed (KV transfer pins)
+        self.before_free: Callable[[Sequence], None] | None = None
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -100,6 +103,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.before_free is not None:
+            self.before_free(seq)
         self.bm.free_seq(seq)
         self.bm.forget(seq)
 

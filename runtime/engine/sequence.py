@@ -71,6 +71,11 @@ class Sequence:
         self.spec_num_accepted = 0
         self.spec_num_rejected = 0  # verification steps that ended at a rejected proposal
         self.draft_num_computed = 0  # tokens whose K/V the draft model holds (draft method only)
+        # disaggregation (runtime/engine/kv_transfer/engine_side.py): pin the prompt's blocks when
+        # this finishes (prefill side) and the response params that gives; why pulled blocks went unused
+        self.kv_export = False
+        self.kv_transfer_params: dict[str, object] | None = None
+        self.kv_fallback: str | None = None
 
     # -- views ---------------------------------------------------------------------------------
     @property

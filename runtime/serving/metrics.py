@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from kvpilot.api import pod_metrics as pm
 from kvpilot.api.pod_metrics import OUTPUT_TOKENS_BUCKETS
+from kvpilot.runtime.engine.kv_transfer.client import FAILURE_REASONS, FALLBACK_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ QUEUE_BUCKETS = (
     80.0,
     160.0,
 )
+KV_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # Output lengths (tokens per finished generation): api/pod_metrics.OUTPUT_TOKENS_BUCKETS, the points
 # the autoscaler's TPOT tail rule reads the distribution at.
@@ -115,6 +117,12 @@ ENGINE_GAUGES = (
         "kvpilot_engine_heartbeat_age_seconds",
         "Seconds since the engine loop last made progress (finished a step or an idle wait).",
         "engine_heartbeat_age_seconds",
+    ),
+    (
+        pm.KV_TRANSFERS_PENDING.kvpilot,
+        "Prefill side: transfers whose KV blocks are pinned, waiting for a decode pod to pull and "
+        "release them (or for --kv-transfer-ttl).",
+        "kv_transfers_pending",
     ),
     (
         "kvpilot_spec_decode_draft_acceptance_rate",
@@ -250,6 +258,15 @@ class EngineStatsCollector(Collector):
                 c = CounterMetricFamily(name, help_text, labels=["model_name"])
                 c.add_metric([self.model_name], float(value))
                 yield c
+        role = getattr(stats, "kv_role", None)
+        if role is not None:
+            g = GaugeMetricFamily(
+                pm.ENGINE_INFO.kvpilot,
+                "This pod's engine settings in labels: kv_role (--kv-role: prefill, decode or both); value 1.",
+                labels=["model_name", pm.KV_ROLE_INFO_LABEL],
+            )
+            g.add_metric([self.model_name, str(role)], 1.0)
+            yield g
         yield from msp_metrics(self.model_name, stats, time.time())
 
 
@@ -312,6 +329,45 @@ class ServerMetrics:
             buckets=OUTPUT_TOKENS_BUCKETS,
             registry=r,
         ).labels(model_name)
+
+        # prefill/decode disaggregation: the KV transfer (docs/disaggregation.md)
+        kv_bytes = Counter(
+            pm.KV_TRANSFER_BYTES.counter_base,
+            "KV-transfer block bytes: sent by this prefill pod, received (pulled) by this decode pod.",
+            ["model_name", "direction"],
+            registry=r,
+        )
+        self.kv_bytes_sent = kv_bytes.labels(model_name, "sent")
+        self.kv_bytes_received = kv_bytes.labels(model_name, "received")
+        self.kv_transfer_seconds = Histogram(
+            pm.KV_TRANSFER_SECONDS.kvpilot,
+            "Decode side: one KV pull, from the request to the prefill pod until its blocks are checked.",
+            labels,
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self._kv_failures = Counter(
+            pm.KV_TRANSFER_FAILURES.counter_base,
+            "KV transfers that failed, by reason (a pull's fault, or the prefill side's pin_capacity).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self._kv_fallbacks = Counter(
+            pm.KV_TRANSFER_FALLBACKS.counter_base,
+            "Decode side: requests with kv_transfer_params whose prompt this pod recomputed, by reason.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        for reason in FAILURE_REASONS:  # every series from the start: rate() sees the first one
+            self._kv_failures.labels(model_name, reason)
+        for reason in FALLBACK_REASONS:
+            self._kv_fallbacks.labels(model_name, reason)
+
+    def kv_failure(self, reason: str) -> None:
+        self._kv_failures.labels(self.model_name, reason).inc()
+
+    def kv_fallback(self, reason: str) -> None:
+        self._kv_fallbacks.labels(self.model_name, reason).inc()
 
     def attach_engine(self, stats: StatsSource | None) -> None:
         """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable."""

@@ -85,6 +85,7 @@ class Choice:
     prompt_logprobs_k: int | None = None  # vLLM's prompt_logprobs
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # their response entries, once known
     prompt_only: bool = False  # max_tokens 0: the generated token is left out
+    kv_transfer_params: dict[str, Any] | None = None  # a do_remote_decode request's, once finished
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -274,6 +275,8 @@ class RequestState:
                     )
                 )
         self._streams: dict[int, AsyncIterator[Any]] = {}
+        # the engine could not use a request's pulled KV blocks (their reason): the server counts it
+        self.on_kv_fallback: Callable[[str], None] = lambda reason: None
         self._merger: OutputMerger | None = None
         self._deltas: AsyncGenerator[Delta, None] | None = None
 
@@ -301,9 +304,10 @@ class RequestState:
         self._merger = OutputMerger(self._streams)
 
     def _submit(self, c: Choice) -> AsyncIterator[Any]:
+        kv = self.gen.engine_kv if c.index == 0 else None  # the KV transfer rides on the first choice
         try:
             return self.engine.add_request(
-                c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt, lora=c.lora
+                c.engine_id, c.prompt_token_ids, c.params, cache_salt=c.cache_salt, lora=c.lora, kv=kv
             )
         except ValueError as e:  # (GuidedSpecError names its field)
             raise APIError(str(e), param=getattr(e, "param", "prompt")) from None
@@ -356,6 +360,10 @@ class RequestState:
                 k = c.params.logprobs or 0
                 entries = self.processor.echo_entries(c.prompt_token_ids, out.prompt_logprobs, k)
                 echo = c.echo_text
+        if out.kv_transfer_params is not None:
+            c.kv_transfer_params = out.kv_transfer_params
+        if out.kv_fallback is not None:
+            self.on_kv_fallback(out.kv_fallback)
         now = time.monotonic()
         m = out.metrics
         if not c.queue_time_seen and m is not None and m.first_scheduled_time is not None:

@@ -9,6 +9,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from kvpilot.runtime.engine.kv_transfer.params import RemoteDecode, RemotePrefill
+from kvpilot.runtime.engine.protocol import KVExport, KVImport
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.grammar.structured_output import CompiledGuided, GuidedSpec
 from kvpilot.runtime.serving.errors import APIError
@@ -65,6 +67,10 @@ class GenerationRequest:
     echo_logprobs: bool = False
     prompt_logprobs: int | None = None
     prompt_only: bool = False
+    # disaggregation: what the request asks (kv_transfer_params), and what its first choice hands
+    # the engine (runtime/serving/kv_transfer.py decides)
+    kv_transfer: RemoteDecode | RemotePrefill | None = None
+    engine_kv: KVExport | KVImport | None = None
 
     @property
     def num_choices(self) -> int:
@@ -113,6 +119,8 @@ def prepare_completion(
     lora = req.check_model(served_name, adapters)
     prompts = req.prompt_list()
     _check_admissible(len(prompts) * req.n, limits)
+    if req.kv_transfer is not None and len(prompts) != 1:
+        raise APIError("'kv_transfer_params' needs a single prompt", param="kv_transfer_params")
     inputs: list[PromptInput] = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -139,6 +147,7 @@ def prepare_completion(
         echo_logprobs=req.echo_logprobs,
         prompt_logprobs=req.prompt_logprobs,
         prompt_only=req.max_tokens == 0,
+        kv_transfer=req.kv_transfer,
     )
 
 
@@ -194,4 +203,5 @@ def prepare_chat(
         tools,
         tool_choice if tool_choice.mode != "none" else None,
         lora=lora,
+        kv_transfer=req.kv_transfer,
     )

@@ -35,7 +35,6 @@ REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "mm_processor_kwargs": ("multimodal input", (None, {})),
     "prompt_embeds": ("prompt embeddings", (None,)),
     "priority": ("priority scheduling", (None, 0)),
-    "kv_transfer_params": ("disaggregated prefill", (None,)),
     "vllm_xargs": ("vLLM extension arguments", (None, {})),
     "reasoning_effort": ("reasoning control", (None,)),
     "modalities": ("output modalities other than text", (None, ["text"])),

@@ -25,6 +25,12 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from kvpilot.request_body import BodyError, parse_json_object
+from kvpilot.runtime.engine.kv_transfer.params import (
+    KVParamsError,
+    RemoteDecode,
+    RemotePrefill,
+    parse_kv_transfer_params,
+)
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 from kvpilot.runtime.grammar.request import guided_spec
 from kvpilot.runtime.grammar.structured_output import GuidedSpec, GuidedSpecError
@@ -156,6 +162,9 @@ class SamplingFields(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     _guided: GuidedSpec | None = PrivateAttr(None)  # set by validate_request()
+    # prefill/decode disaggregation (docs/disaggregation.md; runtime/engine/kv_transfer/params.py)
+    kv_transfer_params: dict[str, Any] | None = None
+    _kv: RemoteDecode | RemotePrefill | None = PrivateAttr(None)  # set by validate_request()
 
     @field_validator("stop")
     @classmethod
@@ -214,10 +223,26 @@ class SamplingFields(_Strict):
             )
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
             raise APIError("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+        try:
+            self._kv = parse_kv_transfer_params(self.kv_transfer_params)
+        except KVParamsError as e:
+            raise APIError(str(e), param=e.param) from None
+        if isinstance(self._kv, RemoteDecode) and self.stream:
+            raise APIError(
+                "'kv_transfer_params' do_remote_decode answers one body: it needs 'stream' false",
+                param="kv_transfer_params",
+            )
+        if isinstance(self._kv, RemoteDecode) and self.n != 1:
+            raise APIError("'kv_transfer_params' do_remote_decode needs 'n' 1", param="kv_transfer_params")
         self._guided = self.guided_spec()
         if self._guided is not None and self.min_tokens > 0:
             # min_tokens bans EOS where the grammar may allow nothing else
             raise APIError("'min_tokens' cannot be combined with structured output", param="min_tokens")
+
+    @property
+    def kv_transfer(self) -> RemoteDecode | RemotePrefill | None:
+        """The request's KV transfer (checked by validate_request)."""
+        return self._kv
 
     def guided_spec(self) -> GuidedSpec | None:
         """The structured-output constraint the request asks for (checked: a bad schema, regex or

@@ -29,6 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from kvpilot.runtime.engine.kv_transfer.params import RemoteDecode
 from kvpilot.runtime.engine.protocol import HEALTHY, Engine, EngineHealth
 from kvpilot.runtime.grammar.service import GrammarQueueFullError
 from kvpilot.runtime.grammar.structured_output import GuidedSpecError
@@ -44,6 +45,7 @@ from kvpilot.runtime.serving.errors import (
     loading_error,
     shutting_down_error,
 )
+from kvpilot.runtime.serving.kv_transfer import KVTransferFront
 from kvpilot.runtime.serving.metrics import ServerMetrics
 from kvpilot.runtime.serving.output_processor import Delta, OutputProcessor, RequestState
 from kvpilot.runtime.serving.prepare import GenerationRequest, ServingLimits, prepare_chat, prepare_completion
@@ -156,6 +158,7 @@ class OpenAIServer:
         self._idle.set()
         self._background: set[asyncio.Task[Any]] = set()
         self.processor = OutputProcessor(self.metrics, self._spawn)
+        self.kv = KVTransferFront(self.metrics, settings.api_key, self._spawn)
         self.app = self._build_app()
         if engine is not None:
             self.attach_engine(engine)
@@ -184,6 +187,7 @@ class OpenAIServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready_handler)
         app.router.add_get("/metrics", self.metrics_handler)
+        self.kv.add_routes(app, self._require_engine)
         return app
 
     @web.middleware
@@ -364,6 +368,7 @@ class OpenAIServer:
         # loop (and /health) keeps answering meanwhile
         gen = await asyncio.to_thread(prepare, *args) if len(body) > INLINE_BODY_BYTES else prepare(*args)
         gen = await self._compile_grammar(engine, gen)
+        gen = await self.kv.prepare(engine, gen)  # disaggregation: role checks, the decode side's pull
         return await self._generate(request, self._require_engine(), gen)
 
     @staticmethod
@@ -405,13 +410,14 @@ class OpenAIServer:
         self, request: web.Request, engine: Engine, gen: GenerationRequest
     ) -> web.StreamResponse:
         state = self.processor.new_request(engine, gen)
+        state.on_kv_fallback = self.kv.observe_engine_fallback
         self._active[gen.request_id] = state.engine_ids
         self._idle.clear()
         try:
             state.submit()
             if gen.stream:
                 return await self._stream_response(request, state)
-            return await self._full_response(state)
+            return await self._full_response(state, f"{request.scheme}://{request.host}")
         finally:
             state.close()
             del self._active[gen.request_id]
@@ -419,7 +425,8 @@ class OpenAIServer:
                 self._idle.set()
 
     # -- response bodies ------------------------------------------------------------------------
-    async def _full_response(self, state: RequestState) -> web.Response:
+    async def _full_response(self, state: RequestState, base_url: str) -> web.Response:
+        """`base_url`: this pod as the client reached it (a prefill response's remote_url)."""
         gen = state.gen
         texts = {c.index: [c.echo_text] for c in state.choices}
         async for d in state.deltas():
@@ -434,6 +441,10 @@ class OpenAIServer:
             [renderer.choice(c, "".join(texts[c.index])) for c in state.choices],
             usage(state.prompt_tokens, state.completion_tokens),
         )
+        if isinstance(gen.kv_transfer, RemoteDecode):
+            body["kv_transfer_params"] = self.kv.response_params(
+                state.choices[0].kv_transfer_params, base_url
+            )
         return web.Response(
             body=_dumps(body), content_type="application/json", headers={"X-Request-Id": gen.request_id}
         )

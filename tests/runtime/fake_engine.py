@@ -22,6 +22,9 @@ from kvpilot.runtime.engine.protocol import (
     CompletionOutput,
     EngineHealth,
     EngineStats,
+    KVExport,
+    KVImport,
+    KVTransferPort,
     QueueFullError,
     RequestMetrics,
     RequestOutput,
@@ -103,6 +106,7 @@ class FakeEngine:
     max_waiting: int | None = None  # add_request raises QueueFullError past this many unfinished
     max_queue_len: int = 1024  # the server refuses requests with more choices than this (400)
     kv_capacity_tokens: int = 1 << 20  # the whole KV pool; max_tokens defaults to what fits
+    kv_transfer: KVTransferPort | None = None  # no KV blocks to transfer: kv_transfer_params is a 400
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     added: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -137,6 +141,7 @@ class FakeEngine:
             prompt_tokens=0,
             generation_tokens=0,
             num_steps=0,
+            kv_transfers_pending=0,
         )
 
     def health(self) -> EngineHealth:
@@ -172,7 +177,10 @@ class FakeEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora: str | None = None,
+        kv: KVExport | KVImport | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if kv is not None:
+            raise ValueError("the test engine transfers no KV blocks")
         if lora is not None:
             raise ValueError(f"the test engine serves no adapter {lora!r}")
         self.last_cache_salt = cache_salt
