@@ -119,11 +119,19 @@ async def test_disaggregated_greedy_output_is_the_aggregated_pods(
     aggregated = url(pods["both"][0])
     lr = await start(pods)
     try:
-        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        structured = {
+            **CHAT,
+            "response_format": {"type": "json_object"},
+        }  # the grammar runs on the decode pod
+        for path, body in (
+            ("/v1/chat/completions", CHAT),
+            ("/v1/completions", COMPLETION),
+            ("/v1/chat/completions", structured),
+        ):
             expected, _ = await stream(aggregated, path, body)
             got, pod = await stream(lr.url, path, body)
             assert got == expected and expected and pod == "decode"
-        assert paths(lr) == {"disaggregated": 2, "direct": 0, "prefill_failed": 0}
+        assert paths(lr) == {"disaggregated": 3, "direct": 0, "prefill_failed": 0}
         # the decode pod pulled the prompts' KV from the prefill pod, and used it
         decode_port = pods["decode"][0]
         assert metric_value(decode_port, "kvpilot_kv_transfer_bytes_total") > 0

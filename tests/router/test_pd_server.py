@@ -157,6 +157,21 @@ async def test_a_refused_prefill_pod_is_retried_on_another_before_falling_back()
         assert paths(lr) == {"disaggregated": 1, "direct": 0, "prefill_failed": 0}
 
 
+async def test_a_failing_prefill_pod_is_ejected_and_its_peer_takes_the_prompts() -> None:
+    async with (
+        fake_pods("a-broken", mode="500") as (broken,),
+        fake_pods("b-good") as (good,),
+        fake_pods("d0") as (d0,),
+        live(roles([broken, good], [d0])) as lr,
+    ):
+        for _ in range(8):  # round-robin: broken, good, broken, good, broken (ejected), good, good, good
+            status, _, _ = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
+            assert status == 200
+        assert metric(lr, "kvpilot_router_pod_ejections_total", model_name=MODEL, pod="a-broken") == 1
+        assert paths(lr) == {"disaggregated": 5, "direct": 0, "prefill_failed": 3}
+        assert len(broken.bodies) == 3 and len(good.bodies) == 5
+
+
 async def test_admission_is_against_the_decode_pods_room_and_keeps_priorities() -> None:
     """One decode slot: a request waits in the central queue before its prefill runs, and the queue
     hands the slot over by priority class."""
