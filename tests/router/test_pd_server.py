@@ -168,6 +168,7 @@ async def test_a_failing_prefill_pod_is_ejected_and_its_peer_takes_the_prompts()
             status, _, _ = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
             assert status == 200
         assert metric(lr, "kvpilot_router_pod_ejections_total", model_name=MODEL, pod="a-broken") == 1
+        assert metric(lr, "kvpilot_router_ejected_pods", model_name=MODEL) == 1
         assert paths(lr) == {"disaggregated": 5, "direct": 0, "prefill_failed": 3}
         assert len(broken.bodies) == 3 and len(good.bodies) == 5
 
