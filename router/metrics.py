@@ -63,7 +63,8 @@ class RouterMetrics:
         )
         self.ejected_pods = Gauge(
             "kvpilot_router_ejected_pods",
-            "Pods of the model out of routing now after failures in a row (outlier ejection)",
+            "Pods of the model out of routing now after failures in a row (outlier ejection; a "
+            "disaggregated model's prefill pods too)",
             ["model_name"],
             registry=r,
         )

@@ -289,8 +289,16 @@ class Router:
                 pool.pump()
             for pool in list(self.pools.values()):
                 pool.pump()
-                self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
-                self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+            self._pool_gauges()
+
+    def _pool_gauges(self) -> None:
+        """Requests in flight (each holds a slot on a decode pod, or its model's only pod) and pods
+        ejected now (a disaggregated model's prefill pods too)."""
+        for model, pool in list(self.pools.items()):
+            self.metrics.in_flight.labels(model).set(pool.in_flight)
+            prefill = self.prefill_pools.get(model)
+            ejected = pool.ejected_count + (prefill.ejected_count if prefill is not None else 0)
+            self.metrics.ejected_pods.labels(model).set(ejected)
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -313,9 +321,7 @@ class Router:
         return web.json_response({"status": "ready", "models": sorted(self.pools)})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        for pool in list(self.pools.values()):
-            self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
-            self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+        self._pool_gauges()
         self.slo.export(time.monotonic(), [*self.pools.values(), *self.prefill_pools.values()])
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
