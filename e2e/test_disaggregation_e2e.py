@@ -12,14 +12,19 @@ legs, moved KV bytes and equals the aggregated (plain) answer; a role scales on 
 autoscaler's merge patch of spec.disaggregation); a prefill pod killed while it holds a request, and a
 prefill pod killed between the two legs, still give the client its answer, with the fallback counted
 (by the router, and by the decode pod).
+
+The second test adds a real Prometheus and `kvpilot autoscaler run`: short prompts with long answers
+(straight to the decode pool) grow the decode role alone; long prompts then grow the prefill role.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -29,12 +34,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.harness import Cluster, Kubectl, stop_all, wait_until
 from e2e.localpods import LocalKubelet, LocalPod
-from e2e.localrouter import LocalPodSource, RouterThread
+from e2e.localrouter import LocalPodSource, RequestRecord, RouterThread, closed_loop
 from e2e.processes import OperatorProcess
-from e2e.test_autoscaler_e2e import get_model
+from e2e.test_autoscaler_e2e import AutoscalerProcess, Prometheus, get_model
 from kvpilot.router.kube_discovery import kube_source
 from kvpilot.router.pool import QueueSettings
 from kvpilot.router.server import POD_HEADER, Router, RouterSettings
+from tests.needs import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "inferencemodels.kvpilot.dev"
@@ -279,3 +285,159 @@ def test_a_disaggregated_model_serves_through_the_router_and_falls_back_when_pre
     finally:
         stop_all(rt.stop, kubelet.stop, operator.stop)
         print("PD_E2E_FIGURES " + json.dumps(figures))
+
+
+class RoleWatch:
+    """Every change of spec.disaggregation.<role>.replicas (what the autoscaler writes), polled."""
+
+    def __init__(self, api_client: Any, namespace: str) -> None:
+        self.api_client, self.namespace = api_client, namespace
+        self.changes: list[tuple[float, dict[str, int | None]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="role-watch", daemon=True)
+
+    def start(self) -> RoleWatch:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            roles = get_model(self.api_client, self.namespace)["spec"].get("disaggregation") or {}
+            now = {role: (roles.get(role) or {}).get("replicas") for role in ("prefill", "decode")}
+            if not self.changes or self.changes[-1][1] != now:
+                self.changes.append((time.time(), now))
+            self._stop.wait(0.5)
+
+    def replicas(self, role: str) -> int:
+        return (self.changes[-1][1].get(role) or 0) if self.changes else 0
+
+    def most(self, role: str) -> int:
+        return max((c.get(role) or 0 for _, c in self.changes), default=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def autoscaled_disaggregated_model(prometheus_url: str) -> dict[str, Any]:
+    model = disaggregated_model()
+    model["spec"]["autoscaling"] = {
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "targetQueueDepth": 2,
+        "scaleDownStabilizationSeconds": 600,  # nothing scales down during the test
+        "metricsSource": "prometheus",
+        "prometheus": {"url": prometheus_url},
+    }
+    model["spec"]["disaggregation"] = {"minPromptTokens": 64, "transferTimeoutSeconds": 5}
+    return model
+
+
+def test_each_role_scales_on_its_own_signal(
+    cluster: Cluster, crds: None, namespace: str, kubectl: Kubectl, api_client: Any, tmp_path: Path
+) -> None:
+    require_tool("prometheus", "apt-get install prometheus")
+    figures: dict[str, Any] = {}
+    targets = tmp_path / "targets.json"
+    kubelet = LocalKubelet(
+        api_client,
+        namespace,
+        f"kvpilot.dev/model={MODEL}",
+        tmp_path / "pods",
+        extra_args=RUNTIME_FLAGS,
+        targets_file=targets,
+    )
+    prom = Prometheus(tmp_path, targets)
+    router = Router(
+        RouterSettings(
+            queue=QueueSettings(max_queue=64, queue_timeout_s=300, cold_start_timeout_s=300),
+            scrape_interval_s=1,
+        )
+    )
+    router.add_source(LocalPodSource(kube_source(namespace, str(cluster.kubeconfig)), kubelet))
+    rt = RouterThread(router)
+    operator = OperatorProcess(cluster, namespace, tmp_path, "--no-leader-elect")
+    autoscaler = AutoscalerProcess(
+        cluster,
+        namespace,
+        tmp_path,
+        "solo",
+        "--metrics-source", "prometheus",
+        "--prometheus-url", prom.url,
+        "--router-url", rt.url,
+        "--interval", "10",
+        "--no-leader-elect",
+    )  # fmt: skip
+    watch = RoleWatch(api_client, namespace)
+    try:
+        prom.start()
+        operator.start()
+        kubelet.start()
+        kubectl.apply(autoscaled_disaggregated_model(prom.url))
+        wait_until(
+            lambda: ready_condition(api_client, namespace).get("status") == "True",
+            timeout=300,
+            what=f"Ready (now {ready_condition(api_client, namespace)})",
+        )
+        rt.start()
+        autoscaler.start()
+        watch.start()
+        wait_until(lambda: router.pools[MODEL].routable(), timeout=60, what="the decode pool routed")
+
+        # (1) Short prompts (straight to a decode pod) with long answers: the decode role's signal only.
+        started = time.time()
+        short = asyncio.run(
+            closed_loop(
+                lambda: [rt.url],
+                MODEL,
+                concurrency=12,
+                max_tokens=48,
+                stop=lambda _: watch.replicas("decode") >= 2,
+                max_s=300,
+            )
+        )
+        assert watch.replicas("decode") == 2, (watch.changes, autoscaler.log()[-3000:])
+        assert watch.most("prefill") <= 1, watch.changes  # prefill had nothing to do: it stayed
+        assert [r for r in short if not r.ok] == []
+        paths = samples(rt.metrics_text(), "kvpilot_router_pd_requests_total")
+        assert paths.get("path=disaggregated", 0) == 0 and paths["path=direct"] == len(short), paths
+        figures["decode_scaled_after_s"] = round(time.time() - started, 1)
+
+        # (2) Long prompts with one-token answers: the prefill role's backlog.
+        started = time.time()
+        long_prompt = PROMPT * 4  # ~400 tokens, well over minPromptTokens
+        long = asyncio.run(
+            closed_loop(
+                lambda: [rt.url],
+                MODEL,
+                concurrency=12,
+                max_tokens=1,
+                stop=lambda _: watch.replicas("prefill") >= 2,
+                max_s=300,
+                prompt=long_prompt,
+            )
+        )
+        assert watch.replicas("prefill") == 2, (watch.changes, autoscaler.log()[-3000:])
+        failed: list[RequestRecord] = [r for r in long if not r.ok]
+        assert failed == [], [r.error for r in failed[:3]]
+        assert samples(rt.metrics_text(), "kvpilot_router_pd_requests_total")["path=disaggregated"] >= len(
+            long
+        )
+        figures["prefill_scaled_after_s"] = round(time.time() - started, 1)
+        figures["role_changes"] = [c for _, c in watch.changes]
+        # the operator followed both: two Deployments of two pods each, all Ready
+        wait_until(
+            lambda: (
+                get_model(api_client, namespace)["status"].get("roles")
+                == {
+                    "prefill": {"replicas": 2, "readyReplicas": 2, "desiredReplicas": 2},
+                    "decode": {"replicas": 2, "readyReplicas": 2, "desiredReplicas": 2},
+                }
+            ),
+            timeout=240,
+            what="status.roles at 2 and 2",
+        )
+        assert kubelet.errors == []
+    finally:
+        stop_all(watch.stop, autoscaler.stop, rt.stop, kubelet.stop, prom.stop, operator.stop)
+        print("PD_SCALING_E2E_FIGURES " + json.dumps(figures))
