@@ -333,6 +333,13 @@ def autoscaled_disaggregated_model(prometheus_url: str) -> dict[str, Any]:
     return model
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the P/D autoscaler counts every request the router holds as prefill backlog "
+    "(autoscaler/pd_prefill.py: waiting = prefill pods' waiting + router queue), and the router's queue "
+    "is one per model in front of the decode pool, so short prompts that skip prefill grow the prefill "
+    "role too: seen here as (1, 1) -> (2, 2) on decode-only load",
+)
 def test_each_role_scales_on_its_own_signal(
     cluster: Cluster, crds: None, namespace: str, kubectl: Kubectl, api_client: Any, tmp_path: Path
 ) -> None:
