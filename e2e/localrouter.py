@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -28,6 +28,7 @@ from e2e.localpods import LocalKubelet
 from kvpilot.api.slo import SloTargets
 from kvpilot.net import free_port
 from kvpilot.router.cli import serve
+from kvpilot.router.pd import PdSettings
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.server import POD_HEADER, EndpointSource, Router, UpdateEndpoints
 
@@ -42,17 +43,24 @@ class LocalPodSource:
         self.poll_s = poll_s
 
     async def run(self, update: UpdateEndpoints, synced: Callable[[], None]) -> None:
-        Listed = tuple[list[Endpoint], str | None, str | None, tuple[str, ...] | None, SloTargets | None]
+        Listed = tuple[
+            list[Endpoint],
+            str | None,
+            str | None,
+            tuple[str, ...] | None,
+            SloTargets | None,
+            PdSettings | None,
+        ]
         listed: dict[str, Listed] = {}
         pushed: dict[str, Listed] = {}
 
         def push(model: str) -> None:
-            endpoints, policy, fallback, adapters, slo = listed[model]
+            endpoints, policy, fallback, adapters, slo, pd = listed[model]
             local = self.kubelet.ready_urls()
-            mapped = [Endpoint(e.name, local[e.name], e.capacity) for e in endpoints if e.name in local]
-            if pushed.get(model) != (mapped, policy, fallback, adapters, slo):
-                pushed[model] = (mapped, policy, fallback, adapters, slo)
-                update(model, mapped, policy, fallback, adapters, slo)
+            mapped = [replace(e, url=local[e.name]) for e in endpoints if e.name in local]
+            if pushed.get(model) != (mapped, policy, fallback, adapters, slo, pd):
+                pushed[model] = (mapped, policy, fallback, adapters, slo, pd)
+                update(model, mapped, policy, fallback, adapters, slo, pd)
 
         def record(
             model: str,
@@ -61,6 +69,7 @@ class LocalPodSource:
             fallback: str | None = None,
             adapters: Sequence[str] | None = None,
             slo: SloTargets | None = None,
+            disaggregation: PdSettings | None = None,
         ) -> None:
             if endpoints is None:
                 listed.pop(model, None)
@@ -73,6 +82,7 @@ class LocalPodSource:
                 fallback,
                 None if adapters is None else tuple(adapters),
                 slo,
+                disaggregation,
             )
             push(model)
 

@@ -4,5 +4,6 @@
 `keys` turns a request body into its routing key, `pool` keeps a model's pods and its central queue,
 `server` is the aiohttp shell (`Router`), which sends requests to pods through `upstream`, watches
 their health with `health` and judges the SLO with `judge`; `discovery` feeds the pools from a static
-list or Kubernetes (`source` is the protocol it follows).
+list or Kubernetes (`source` is the protocol it follows). A disaggregated model's prompts run on its
+prefill pods first: `pd` decides (pure), `prefill` runs that leg.
 """

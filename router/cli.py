@@ -11,9 +11,15 @@ import sys
 
 from aiohttp import web
 
-from kvpilot.api.models import DEFAULT_TPOT_S, DEFAULT_TTFT_S
+from kvpilot.api.models import (
+    DEFAULT_KV_TRANSFER_TIMEOUT_S,
+    DEFAULT_PD_MIN_PROMPT_TOKENS,
+    DEFAULT_TPOT_S,
+    DEFAULT_TTFT_S,
+)
 from kvpilot.api.slo import SloTargets
 from kvpilot.router.outlier import OutlierSettings
+from kvpilot.router.pd import PdSettings
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES
 from kvpilot.router.pool import PRIORITIES, QueueSettings
 from kvpilot.router.server import Router, RouterSettings
@@ -28,6 +34,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODEL=URL[,URL...]",
         help="a model's pods (repeatable); without it the router watches Kubernetes (--namespace)",
+    )
+    pd = parser.add_argument_group(
+        "prefill/decode disaggregation, static mode (docs/disaggregation.md; with Kubernetes: "
+        "spec.disaggregation and the pods' kvpilot.dev/kv-role label)"
+    )
+    pd.add_argument(
+        "--prefill-endpoints",
+        action="append",
+        default=[],
+        metavar="MODEL=URL[,URL...]",
+        help="a model's prefill pods (repeatable; MODEL's --endpoints are then its decode pods): a "
+        "prompt runs on a prefill pod first and its decode pod pulls the prompt's KV from there",
+    )
+    pd.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts shorter than this many tokens (estimated at 4 characters a token) go straight to "
+        f"a decode pod (default {DEFAULT_PD_MIN_PROMPT_TOKENS}; needs --prefill-endpoints)",
+    )
+    pd.add_argument(
+        "--pd-transfer-timeout",
+        type=float,
+        default=None,
+        help="seconds the prefill leg may take (a prefill pod with room, the prompt's run); past it, or "
+        "when it fails, the decode pod runs the whole request (default "
+        f"{DEFAULT_KV_TRANSFER_TIMEOUT_S:g}; needs --prefill-endpoints)",
     )
     parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="default routing policy")
     parser.add_argument("--host", default="0.0.0.0")
@@ -228,7 +261,12 @@ def parse_class_values(flag: str, specs: list[str], kind: type[int] | type[float
 
 def build_router(args: argparse.Namespace) -> Router:
     """The router the flags describe; raises ValueError naming a bad flag."""
-    from kvpilot.router.discovery import StaticSource, parse_adapters, parse_endpoints
+    from kvpilot.router.discovery import (
+        StaticSource,
+        add_prefill_endpoints,
+        parse_adapters,
+        parse_endpoints,
+    )
 
     for flag, value in (("--pod-capacity", args.pod_capacity), ("--max-queue", args.max_queue)):
         if value < 1:
@@ -284,6 +322,10 @@ def build_router(args: argparse.Namespace) -> Router:
             raise ValueError(f"{flag} must be > 0, got {fvalue:g}")
     endpoints = parse_endpoints(args.endpoints, args.pod_capacity) if args.endpoints else {}
     adapters = parse_adapters(args.adapters, list(endpoints))
+    pd = pd_settings(args)
+    if args.prefill_endpoints:
+        endpoints = add_prefill_endpoints(endpoints, args.prefill_endpoints, args.pod_capacity)
+    disaggregated = {m: pd for m, eps in endpoints.items() if any(e.role == "prefill" for e in eps)}
     options = {"eps": args.prefix_affinity_eps} if args.policy == "prefix-affinity" else {}
     fallbacks: dict[str, str] = {}
     for spec in args.fallback:
@@ -334,12 +376,32 @@ def build_router(args: argparse.Namespace) -> Router:
             for name in (model, other):
                 if name not in endpoints:
                     raise ValueError(f"--fallback {model}={other}: {name!r} is not a model of --endpoints")
-        router.add_source(StaticSource(endpoints))
+        router.add_source(StaticSource(endpoints, disaggregation=disaggregated))
     else:
         from kvpilot.router.kube_discovery import kube_source
 
         router.add_source(kube_source(args.namespace, args.kubeconfig))
     return router
+
+
+def pd_settings(args: argparse.Namespace) -> PdSettings:
+    """The static disaggregated models' settings; ValueError naming a flag that is out of range or
+    given without --prefill-endpoints (it would do nothing)."""
+    for flag, value in (
+        ("--pd-min-prompt-tokens", args.pd_min_prompt_tokens),
+        ("--pd-transfer-timeout", args.pd_transfer_timeout),
+    ):
+        if value is not None and not args.prefill_endpoints:
+            raise ValueError(f"{flag} needs --prefill-endpoints (with Kubernetes: spec.disaggregation)")
+    if args.prefill_endpoints and not args.endpoints:
+        raise ValueError("--prefill-endpoints needs --endpoints (the model's decode pods)")
+    tokens = DEFAULT_PD_MIN_PROMPT_TOKENS if args.pd_min_prompt_tokens is None else args.pd_min_prompt_tokens
+    timeout = DEFAULT_KV_TRANSFER_TIMEOUT_S if args.pd_transfer_timeout is None else args.pd_transfer_timeout
+    if tokens < 0:
+        raise ValueError(f"--pd-min-prompt-tokens must be >= 0, got {tokens}")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"--pd-transfer-timeout must be > 0, got {timeout:g}")
+    return PdSettings(tokens, timeout)
 
 
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:

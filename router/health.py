@@ -103,7 +103,7 @@ class PodHealth:
 
     def _ejected(self, pool: ModelPool, ejection: Ejection, why: str) -> None:
         self.metrics.ejections.labels(pool.model, ejection.pod).inc()
-        self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+        self.metrics.ejected_pods.labels(pool.model).inc()  # the router's tick recounts it
         log.warning(
             "ejected pod %s of %s for %gs (ejection %d) after %d failures in a row; last: %s",
             ejection.pod,

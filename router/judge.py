@@ -5,7 +5,7 @@ exported at each scrape of /metrics. The figures live in measure.SloMeter; this 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 from kvpilot.api.slo import request_tpot
 from kvpilot.router.call import Call
@@ -59,7 +59,7 @@ class SloBook:
         if lat is not None:
             pod.ttft_s, pod.tpot_s, pod.error_rate = lat.ttft_s, lat.tpot_s, lat.error_rate
 
-    def export(self, now: float, pools: Mapping[str, ModelPool]) -> None:
+    def export(self, now: float, pools: Iterable[ModelPool]) -> None:
         """The window gauges and the pods' averages, as of now (at each scrape of /metrics)."""
         m = self.metrics
         for model in self.meter.models():
@@ -69,7 +69,8 @@ class SloBook:
             for q in QUANTILES:
                 m.ttft_window.labels(model, str(q)).set(w.ttft_s[q])
                 m.tpot_window.labels(model, str(q)).set(w.tpot_s[q])
-        for model, pool in list(pools.items()):
+        for pool in pools:  # a disaggregated model's decode pool and its prefill pool
+            model = pool.model
             for name, lat in self.meter.pods(model).items():
                 if name not in pool.pods:
                     continue

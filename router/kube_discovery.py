@@ -1,7 +1,9 @@
 """Kubernetes discovery: each InferenceModel's Ready pods in a namespace, and its routing policy.
 
 `model_endpoints()` is the pure part: InferenceModels + pods -> {served name: (endpoints, policy,
-fallback model, LoRA adapter names, SLO targets)}.
+fallback model, LoRA adapter names, SLO targets, P/D settings)}. A pod labelled `kvpilot.dev/kv-role`
+is an endpoint of that role; a model with spec.disaggregation gets its P/D settings (the router then
+runs its long prompts on its prefill pods, docs/disaggregation.md).
 `KubeSource` lists both through the Kube adapter and tells the router what changed. With watches
 (`Watch`: the namespace's pods and InferenceModels; `ApiWatch` on the API server's watch) it lists again
 as soon as either changes, and every `resync_s` in any case; while a watch fails (API server down, a
@@ -21,8 +23,20 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from kvpilot.api.models import API_VERSION, KIND, MODEL_LABEL, PLURAL
+from pydantic import ValidationError
+
+from kvpilot.api.models import (
+    API_VERSION,
+    KIND,
+    KV_ROLE_LABEL,
+    KV_ROLES,
+    MODEL_LABEL,
+    PLURAL,
+    Disaggregation,
+    KvRole,
+)
 from kvpilot.api.slo import SloTargets
+from kvpilot.router.pd import PdSettings
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.source import UpdateEndpoints
 
@@ -31,7 +45,10 @@ log = logging.getLogger("kvpilot.router.kube")
 HTTP_PORT = 8000
 DEFAULT_CAPACITY = 64  # the runtime's default --max-num-seqs
 
-ModelTable = dict[str, tuple[list[Endpoint], str | None, str | None, tuple[str, ...], SloTargets | None]]
+ModelTable = dict[
+    str,
+    tuple[list[Endpoint], str | None, str | None, tuple[str, ...], SloTargets | None, PdSettings | None],
+]
 
 
 class Lister(Protocol):
@@ -86,13 +103,45 @@ def slo_targets(im: Mapping[str, Any]) -> SloTargets | None:
         return None
 
 
+def disaggregation(im: Mapping[str, Any]) -> Disaggregation | None:
+    """spec.disaggregation with its defaults; None without it. A value the CRD should have refused
+    is logged and read with the defaults (the model stays disaggregated: its pods have roles)."""
+    raw = (im.get("spec") or {}).get("disaggregation")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        return Disaggregation.model_validate(raw)
+    except ValidationError as e:
+        log.warning(
+            "InferenceModel %s: spec.disaggregation: %s; read with its defaults", im["metadata"]["name"], e
+        )
+        return Disaggregation.model_validate({})
+
+
+def _role(pod: Mapping[str, Any]) -> KvRole | None:
+    """The pod's P/D role label (another value: no role, an aggregated pod)."""
+    role = (pod.get("metadata", {}).get("labels") or {}).get(KV_ROLE_LABEL)
+    return next((r for r in KV_ROLES if r == role), None)
+
+
+def pod_capacity(im: Mapping[str, Any], pd: Disaggregation | None, role: KvRole | None, default: int) -> int:
+    """A pod's batch size: its role's maxNumSeqs (spec.disaggregation.<role>.runtime over
+    spec.runtime), capped by an OOM adaptation in status (what the pods run now)."""
+    own = int(((im.get("spec") or {}).get("runtime") or {}).get("maxNumSeqs") or default)
+    runtime = pd.role(role).runtime if pd is not None and role is not None else None
+    if runtime is not None and runtime.max_num_seqs:
+        own = runtime.max_num_seqs
+    oom = ((im.get("status") or {}).get("oomAdaptation") or {}).get("overrides") or {}
+    return min(own, int(oom["maxNumSeqs"])) if oom.get("maxNumSeqs") else own
+
+
 def model_endpoints(
     models: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
     default_capacity: int = DEFAULT_CAPACITY,
 ) -> ModelTable:
     """{served model name: (Ready pods as endpoints, spec.routing.policy, spec.routing.fallbackModel,
-    the names of spec.adapters in order, the SLO targets or None)}."""
+    the names of spec.adapters in order, the SLO targets or None, the P/D settings or None)}."""
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for pod in pods:
         owner = (pod.get("metadata", {}).get("labels") or {}).get(MODEL_LABEL)
@@ -103,14 +152,15 @@ def model_endpoints(
         name = im["metadata"]["name"]
         spec = im.get("spec") or {}
         served = (spec.get("model") or {}).get("servedName") or name
-        capacity = int((spec.get("runtime") or {}).get("maxNumSeqs") or default_capacity)
-        # an OOM adaptation that lowered maxNumSeqs is what the pods run now
-        oom = ((im.get("status") or {}).get("oomAdaptation") or {}).get("overrides") or {}
-        if oom.get("maxNumSeqs"):
-            capacity = min(capacity, int(oom["maxNumSeqs"]))
+        pd = disaggregation(im)
         endpoints = sorted(
             (
-                Endpoint(p["metadata"]["name"], f"http://{p['status']['podIP']}:{_port(p)}", capacity)
+                Endpoint(
+                    p["metadata"]["name"],
+                    f"http://{p['status']['podIP']}:{_port(p)}",
+                    pod_capacity(im, pd, _role(p), default_capacity),
+                    _role(p),
+                )
                 for p in by_model.get(name, [])
             ),
             key=lambda e: e.name,
@@ -123,6 +173,7 @@ def model_endpoints(
             routing.get("fallbackModel"),
             adapters,
             slo_targets(im),
+            None if pd is None else PdSettings(pd.min_prompt_tokens, pd.transfer_timeout_seconds),
         )
     return table
 

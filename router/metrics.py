@@ -63,7 +63,8 @@ class RouterMetrics:
         )
         self.ejected_pods = Gauge(
             "kvpilot_router_ejected_pods",
-            "Pods of the model out of routing now after failures in a row (outlier ejection)",
+            "Pods of the model out of routing now after failures in a row (outlier ejection; a "
+            "disaggregated model's prefill pods too)",
             ["model_name"],
             registry=r,
         )
@@ -152,6 +153,31 @@ class RouterMetrics:
         self.migrations = Counter(
             "kvpilot_router_stream_migrations_total",
             "Streams continued on another pod after theirs died mid-stream (docs/router.md)",
+            ["model_name"],
+            registry=r,
+        )
+        # -- prefill/decode disaggregation (docs/disaggregation.md, "Router")
+        self.pd_requests = Counter(
+            "kvpilot_router_pd_requests_total",
+            "Requests of disaggregated models by how they ran: disaggregated (prefill pod, then decode "
+            "pod with the KV transfer), direct (a decode pod alone: a short prompt, no prefill pod...), "
+            "prefill_failed (the prefill leg failed or missed the transfer timeout: a decode pod ran "
+            "the whole request)",
+            ["model_name", "path"],
+            registry=r,
+        )
+        self.pd_prefill_seconds = Histogram(
+            "kvpilot_router_pd_prefill_seconds",
+            "Disaggregated requests: the prefill leg, from the request's admission to a decode pod to the "
+            "prefill pod's answer (waiting for a prefill pod with room included)",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pd_prefill_pods = Gauge(
+            "kvpilot_router_pd_prefill_pods",
+            "Prefill pods the router can route a disaggregated model's prompts to "
+            "(kvpilot_router_ready_pods counts its decode pods)",
             ["model_name"],
             registry=r,
         )

@@ -33,11 +33,13 @@ from kvpilot.router.policy import PodView, Policy, RouteKey
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A Ready pod of a model: its name (stable across updates), base URL and batch capacity."""
+    """A Ready pod of a model: its name (stable across updates), base URL, batch capacity, and its
+    P/D role (`kvpilot.dev/kv-role`: prefill or decode; None for an aggregated pod)."""
 
     name: str
     url: str
     capacity: int = 64
+    role: str | None = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -46,8 +46,11 @@ from kvpilot.router.keys import prompt_text, request_key
 from kvpilot.router.load import parse_load, scrape
 from kvpilot.router.measure import SloMeter
 from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.pd import DECODE_POLICY, PdSettings, decode_body
+from kvpilot.router.pd import plan as pd_plan
 from kvpilot.router.policy import POLICIES, AdapterAffinity, make_policy, stable_hash
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, priority_class
+from kvpilot.router.prefill import PrefillLeg
 from kvpilot.router.settings import PRIORITY_HEADER, SESSION_HEADER, RouterSettings
 from kvpilot.router.source import EndpointSource, UpdateEndpoints
 from kvpilot.router.upstream import Upstream
@@ -87,8 +90,10 @@ class Router:
         self.slo = SloBook(self.meter, self.metrics)
         self.pod_health = PodHealth(self.settings, self.metrics, self.slo, self._client)
         self.upstream = Upstream(self.settings, self.metrics, self.pod_health, self.slo, self._client)
-        self.pools: dict[str, ModelPool] = {}
-        self._policy_of: dict[str, str] = {}
+        self.prefill = PrefillLeg(self.settings, self.metrics, self.pod_health, self.slo, self.upstream)
+        self.pools: dict[str, ModelPool] = {}  # model -> its pods (a disaggregated model's decode pods)
+        self.prefill_pools: dict[str, ModelPool] = {}  # disaggregated model -> its prefill pods
+        self._pd_of: dict[str, PdSettings] = {}
         self._fallback_of: dict[str, str] = {}
         self._adapters_of: dict[str, tuple[str, ...]] = {}  # model -> its adapters, as declared
         self.adapter_parent: dict[str, str] = {}  # adapter name -> the model that serves it
@@ -119,11 +124,15 @@ class Router:
         fallback: str | None = None,
         adapters: Sequence[str] | None = None,
         slo: SloTargets | None = None,
+        disaggregation: PdSettings | None = None,
     ) -> None:
         """Set a model's Ready pods, its routing policy (None = the router's default), the model
         that takes its requests instead of a 429 (None = the static --fallback, if any), the names
-        of its LoRA adapters (None = the static --adapters, if any) and its SLO targets (None = the
-        router's --slo-* flags).
+        of its LoRA adapters (None = the static --adapters, if any), its SLO targets (None = the
+        router's --slo-* flags) and its P/D settings (None: not disaggregated, every pod serves
+        whole requests). A disaggregated model's prefill pods (role "prefill") form its prefill
+        pool, routed by the model's policy; its other pods are its decode pods, routed by
+        least-loaded (pd.DECODE_POLICY), and admit its requests through the central queue.
 
         endpoints None removes the model: it leaves /v1/models and new requests for it get 404.
         """
@@ -137,37 +146,63 @@ class Router:
             self._fallback_of.pop(model, None)
         declared = tuple(self.settings.adapters.get(model, ()) if adapters is None else adapters)
         name = policy or self.settings.policy
-        pool = self.pools.get(model)
-        is_new = pool is None
-        if pool is None or self._policy_of.get(model) != name:
-            options = self.settings.policy_options if name == self.settings.policy else {}
-            chosen_policy = AdapterAffinity(
-                make_policy(name, **options), self.settings.adapter_eps, self.settings.adapter_slots
-            )
-            new = ModelPool(
-                model,
-                chosen_policy,
-                self.settings.queue,
-                self._queue_changed,
-                outliers=self.settings.outliers,
-            )
-            if pool is not None:  # a policy change keeps the queue, the counters and the ejections
-                new.pods, new._queue, new.outliers = pool.pods, pool._queue, pool.outliers
-            self.pools[model], self._policy_of[model] = new, name
-            self.metrics.queue_depth.labels(model).set(new.queue_depth)
-            pool = new
+        prefill = [e for e in endpoints if e.role == "prefill"] if disaggregation else []
+        decode = [e for e in endpoints if e.role != "prefill"] if disaggregation else endpoints
+        is_new = model not in self.pools
+        pool = self._pool(self.pools, model, DECODE_POLICY if disaggregation else name, self._queue_changed)
+        self.metrics.queue_depth.labels(model).set(pool.queue_depth)
         if is_new or self._adapters_of.get(model) != declared:  # a new model may shadow an adapter
             self._adapters_of[model] = declared
             self._index_adapters()
         self.meter.set_targets(model, slo)
+        self._set_pods(pool, decode)
+        self.metrics.ready_pods.labels(model).set(len(pool.pods))
+        if disaggregation is None:
+            self._drop_prefill(model)
+            return
+        self._pd_of[model] = disaggregation
+        prefill_pool = self._pool(self.prefill_pools, model, name, None)
+        self._set_pods(prefill_pool, prefill)
+        self.metrics.pd_prefill_pods.labels(model).set(len(prefill_pool.pods))
+
+    def _pool(
+        self,
+        pools: dict[str, ModelPool],
+        model: str,
+        policy: str,
+        on_queue_change: Callable[[str, int], None] | None,
+    ) -> ModelPool:
+        """The model's pool in `pools`, made (or remade when its policy changed: the queue, the
+        counters and the ejections stay) for `policy`."""
+        pool = pools.get(model)
+        if pool is not None and pool.policy.name == policy:
+            return pool
+        options = self.settings.policy_options if policy == self.settings.policy else {}
+        chosen = AdapterAffinity(
+            make_policy(policy, **options), self.settings.adapter_eps, self.settings.adapter_slots
+        )
+        new = ModelPool(model, chosen, self.settings.queue, on_queue_change, outliers=self.settings.outliers)
+        if pool is not None:
+            new.pods, new._queue, new.outliers = pool.pods, pool._queue, pool.outliers
+        pools[model] = new
+        return new
+
+    def _set_pods(self, pool: ModelPool, endpoints: list[Endpoint]) -> None:
         gone = pool.pods.keys() - {e.name for e in endpoints}
         pool.set_endpoints(endpoints)
         for name in gone:
-            self.meter.forget_pod(model, name)
+            self.meter.forget_pod(pool.model, name)
             for gauge in (self.metrics.pod_ttft, self.metrics.pod_tpot, self.metrics.pod_errors):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(model, name)
-        self.metrics.ready_pods.labels(model).set(len(pool.pods))
+                    gauge.remove(pool.model, name)
+
+    def _drop_prefill(self, model: str) -> None:
+        """The model is no longer disaggregated (or gone): its prefill pool goes."""
+        self._pd_of.pop(model, None)
+        prefill_pool = self.prefill_pools.pop(model, None)
+        if prefill_pool is not None:
+            self._set_pods(prefill_pool, [])
+            self.metrics.pd_prefill_pods.labels(model).set(0)
 
     def _index_adapters(self) -> None:
         """adapter -> parent model. A name that is also a model's stays the model's; an adapter two
@@ -191,7 +226,7 @@ class Router:
 
     def remove_model(self, model: str) -> None:
         pool = self.pools.pop(model, None)
-        self._policy_of.pop(model, None)
+        self._drop_prefill(model)
         self._fallback_of.pop(model, None)
         self._adapters_of.pop(model, None)
         self._index_adapters()  # its adapters leave; an adapter it shadowed may come back
@@ -250,14 +285,25 @@ class Router:
         """Pods coming back from their unhealthy spell take queued requests without a release."""
         while True:
             await asyncio.sleep(0.25)
+            for pool in list(self.prefill_pools.values()):
+                pool.pump()
             for pool in list(self.pools.values()):
                 pool.pump()
-                self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
-                self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
+            self._pool_gauges()
+
+    def _pool_gauges(self) -> None:
+        """Requests in flight (each holds a slot on a decode pod, or its model's only pod) and pods
+        ejected now (a disaggregated model's prefill pods too)."""
+        for model, pool in list(self.pools.items()):
+            self.metrics.in_flight.labels(model).set(pool.in_flight)
+            prefill = self.prefill_pools.get(model)
+            ejected = pool.ejected_count + (prefill.ejected_count if prefill is not None else 0)
+            self.metrics.ejected_pods.labels(model).set(ejected)
 
     async def _scrape_loop(self) -> None:
         while True:
-            pods = [(pool, pod) for pool in list(self.pools.values()) for pod in list(pool.pods.values())]
+            pools = [*self.pools.values(), *self.prefill_pools.values()]
+            pods = [(pool, pod) for pool in pools for pod in list(pool.pods.values())]
             interval = self.settings.scrape_interval_s
             await asyncio.gather(*(scrape(self._client(), pod, pool.model, interval) for pool, pod in pods))
             await asyncio.sleep(self.settings.scrape_interval_s)
@@ -275,10 +321,8 @@ class Router:
         return web.json_response({"status": "ready", "models": sorted(self.pools)})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        for pool in list(self.pools.values()):
-            self.metrics.in_flight.labels(pool.model).set(pool.in_flight)
-            self.metrics.ejected_pods.labels(pool.model).set(pool.ejected_count)
-        self.slo.export(time.monotonic(), self.pools)
+        self._pool_gauges()
+        self.slo.export(time.monotonic(), [*self.pools.values(), *self.prefill_pools.values()])
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -386,6 +430,7 @@ class Router:
 
     async def _route(self, call: Call, pool: ModelPool) -> web.StreamResponse:
         tried: set[str] = set()
+        raw: bytes | None = None  # what the pods get: the client's body, or the decode leg's
         while True:
             try:
                 pod = await pool.acquire(
@@ -402,7 +447,9 @@ class Router:
             if not tried:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
             try:
-                return await self.upstream.forward(call, pool, pod, call.raw)
+                if raw is None:  # admitted: a disaggregated model's prompt runs on a prefill pod now
+                    raw = await self._disaggregate(call, pool.model)
+                return await self.upstream.forward(call, pool, pod, raw)
             except Retry as e:
                 tried.add(pod.name)
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
@@ -417,6 +464,23 @@ class Router:
                 log.info("retrying %s on another pod after %s failed: %s", pool.model, pod.name, e)
             finally:
                 pool.release(pod, call.key)
+
+    async def _disaggregate(self, call: Call, model: str) -> bytes:
+        """The body for the request's decode pod: with the transfer params of its prefill leg when
+        the model is disaggregated and the request takes the two legs (pd.plan), else the client's
+        (counted: kvpilot_router_pd_requests_total)."""
+        pd, prefill_pool = self._pd_of.get(model), self.prefill_pools.get(model)
+        if pd is None or prefill_pool is None:
+            return call.raw
+        plan = pd_plan(call.body, call.chat, pd, len(prefill_pool.routable()))
+        params = None
+        if plan.path == "disaggregated":
+            params = await self.prefill.run(call, prefill_pool, pd)
+        path = plan.path if params is not None or plan.path == "direct" else "prefill_failed"
+        self.metrics.pd_requests.labels(model, path).inc()
+        if params is None:
+            return call.raw
+        return json.dumps(decode_body(call.body, params)).encode()
 
     async def _spill(self, call: Call, pool: ModelPool) -> web.StreamResponse | None:
         """Serve an overloaded model's request on its fallback model when a pod there has room now

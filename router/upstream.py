@@ -103,14 +103,7 @@ class Upstream:
             if "Retry-After" in upstream.headers:
                 out_headers["Retry-After"] = upstream.headers["Retry-After"]
             if not content_type.startswith("text/event-stream"):
-                try:
-                    data = await self.health.read_body(pod, upstream)
-                except (*UPSTREAM_ERRORS, Silent) as e:  # nothing reached the client yet
-                    if not isinstance(e, Silent):
-                        pool.mark_unhealthy(pod)
-                    phase = e.phase if isinstance(e, Silent) else None
-                    self.health.failed(pool, pod, f"{type(e).__name__}: {e}", phase)
-                    raise Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
+                data = await self.read_whole(pool, pod, upstream)
                 self.health.answered(pool, pod, upstream.status)
                 if upstream.status == 200:
                     self._whole_answer(call, pool, pod, data)
@@ -118,6 +111,18 @@ class Upstream:
             return await self._stream(call, pool, pod, upstream, out_headers)
         finally:
             upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
+
+    async def read_whole(self, pool: ModelPool, pod: Pod, upstream: aiohttp.ClientResponse) -> bytes:
+        """A body answered at once, read whole; Retry when the pod breaks or goes silent before its
+        end (nothing reached the client yet)."""
+        try:
+            return await self.health.read_body(pod, upstream)
+        except (*UPSTREAM_ERRORS, Silent) as e:
+            if not isinstance(e, Silent):
+                pool.mark_unhealthy(pod)
+            phase = e.phase if isinstance(e, Silent) else None
+            self.health.failed(pool, pod, f"{type(e).__name__}: {e}", phase)
+            raise Retry(f"{pod.name}: {type(e).__name__}: {e}", timeout=phase is not None) from None
 
     def _whole_answer(self, call: Call, pool: ModelPool, pod: Pod, data: bytes) -> None:
         """A body answered at once: its usage for the SLO, and the pod's time per output token."""

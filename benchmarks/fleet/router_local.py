@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,17 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def start_router(
-    procs: list[subprocess.Popen[bytes]], endpoints: str, policy: str, cpu: int | None = None
+    procs: list[subprocess.Popen[bytes]],
+    endpoints: str,
+    policy: str,
+    cpu: int | None = None,
+    extra: Sequence[str] = (),
 ) -> str:
     port = free_port()
     argv = [
         sys.executable, "-m", "kvpilot", "router", "--endpoints", endpoints, "--policy", policy,
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--pod-capacity", "4",
-        "--max-queue", "100000",
+        "--max-queue", "100000", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(argv, preexec_fn=pinned(cpu), stdout=subprocess.DEVNULL)
     procs.append(proc)

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from kvpilot.api.models import KV_ROLE_LABEL
 from kvpilot.api.slo import SloTargets
 from kvpilot.router.kube_discovery import KubeSource, model_endpoints
+from kvpilot.router.pd import PdSettings
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.server import Router, RouterSettings
 
@@ -27,9 +29,16 @@ def im(name: str, **spec: Any) -> dict[str, Any]:
 
 
 def pod(
-    name: str, model: str, ip: str | None = "10.0.0.1", ready: bool = True, deleting: bool = False
+    name: str,
+    model: str,
+    ip: str | None = "10.0.0.1",
+    ready: bool = True,
+    deleting: bool = False,
+    role: str | None = None,
 ) -> dict[str, Any]:
     md: dict[str, Any] = {"name": name, "namespace": "ml", "labels": {"kvpilot.dev/model": model}}
+    if role is not None:
+        md["labels"][KV_ROLE_LABEL] = role
     if deleting:
         md["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {
@@ -82,6 +91,7 @@ def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
         "qwen-chat",
         (),
         None,
+        None,
     )
     assert table["qwen-chat"] == (
         [],
@@ -89,7 +99,56 @@ def test_only_ready_running_pods_with_an_ip_are_endpoints() -> None:
         None,
         (),
         None,
+        None,
     )  # scaled to zero: routable, requests wait for a pod
+
+
+def test_a_disaggregated_model_lists_its_pods_by_role_with_each_roles_capacity() -> None:
+    pd = {
+        "prefill": {"runtime": {"maxNumSeqs": 2}},
+        "decode": {"replicas": 2},
+        "minPromptTokens": 300,
+        "transferTimeoutSeconds": 4,
+    }
+    models = [
+        im("llama", runtime={"maxNumSeqs": 8}, disaggregation=pd),
+        im("plain"),
+        im("dflt", disaggregation={}),
+    ]
+    pods = [
+        pod("llama-prefill-a", "llama", "10.0.0.1", role="prefill"),
+        pod("llama-decode-a", "llama", "10.0.0.2", role="decode"),
+        pod("llama-b", "llama", "10.0.0.3"),  # no role (an aggregated pod during the switch): decodes
+        pod("llama-x", "llama", "10.0.0.4", role="sideways"),  # an unknown role is no role
+        pod("plain-a", "plain", "10.0.0.5", role="prefill"),  # a role without spec.disaggregation
+    ]
+    table = model_endpoints(models, pods)
+    assert table["llama"][0] == [
+        Endpoint("llama-b", "http://10.0.0.3:8000", 8),
+        Endpoint("llama-decode-a", "http://10.0.0.2:8000", 8, "decode"),
+        Endpoint("llama-prefill-a", "http://10.0.0.1:8000", 2, "prefill"),
+        Endpoint("llama-x", "http://10.0.0.4:8000", 8),
+    ]
+    assert table["llama"][5] == PdSettings(min_prompt_tokens=300, transfer_timeout_s=4.0)
+    assert table["dflt"][5] == PdSettings()  # spec.disaggregation's defaults
+    assert table["plain"][0] == [Endpoint("plain-a", "http://10.0.0.5:8000", 64, "prefill")]
+    assert table["plain"][5] is None  # not disaggregated: the router sends it whole requests
+
+
+async def test_spec_disaggregation_splits_the_models_pods_into_a_prefill_and_a_decode_pool() -> None:
+    m = im("llama", disaggregation={"minPromptTokens": 100}, routing={"policy": "kv-aware"})
+    lister = Lister([m, pod("p", "llama", role="prefill"), pod("d", "llama", "10.0.0.2", role="decode")])
+    router = Router(RouterSettings(scrape_interval_s=0))
+    source = KubeSource(lister, "ml")
+    source.apply(source._list(), router.update)
+    assert list(router.pools["llama"].pods) == ["d"] and list(router.prefill_pools["llama"].pods) == ["p"]
+    # the model's policy routes its prompts; its decode pods go by load, KV use and measured latency
+    assert router.prefill_pools["llama"].policy.name == "kv-aware"
+    assert router.pools["llama"].policy.name == "least-loaded"
+    del m["spec"]["disaggregation"]  # aggregated again: every pod takes whole requests
+    source.apply(source._list(), router.update)
+    assert sorted(router.pools["llama"].pods) == ["d", "p"] and "llama" not in router.prefill_pools
+    assert router.pools["llama"].policy.name == "kv-aware"
 
 
 def test_adapters_come_from_spec_adapters_in_order() -> None:

@@ -46,6 +46,9 @@ class FakePod:
     headers_delay_s: float = 0.0  # a slow pod: the pause before any answer (its /health stays quick)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     serves: set[str] | None = None  # the model names it answers (None: any); others get the runtime's 404
+    # a prefill request (kv_transfer_params.do_remote_decode) is answered with a decode pod's params,
+    # as a `--kv-role prefill` runtime does (False: answered without them, as a pod of another role)
+    kv_params: bool = True
     active: int = 0
     cancelled: int = 0
     finished: int = 0
@@ -110,6 +113,15 @@ class FakePod:
                     "completion_tokens": self.chunks,
                     "total_tokens": 1 + self.chunks,
                 }
+                if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
+                    full["kv_transfer_params"] = {
+                        "do_remote_prefill": True,
+                        "transfer_id": f"{self.name}-{len(self.bodies)}",
+                        "num_tokens": 1,
+                        "block_size": 16,
+                        "kv_cache_dtype": "auto",
+                        "model_fingerprint": "fake",
+                    }
                 self.finished += 1
                 return web.json_response(full)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
