@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "pd_bench",
         "machine": machine,
-        "settings": vars(args) | {"model": MODEL, "threads_per_pod": 1, "orchestrated_by": "kvpilot router"},
+        "settings": {k: v for k, v in vars(args).items() if k != "output"}
+        | {"model": MODEL, "threads_per_pod": 1, "orchestrated_by": "kvpilot router"},
         "aggregated": agg,
         "disaggregated": pd,
         "decode_tpot_p99_ratio_chat": ratio(agg["chat"]["tpot_ms"]["p99"], pd["chat"]["tpot_ms"]["p99"]),
