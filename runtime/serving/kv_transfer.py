@@ -19,8 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpilot.runtime.engine.kv_transfer import client
-from kvpilot.runtime.engine.kv_transfer.engine_side import transfer_blocks
+from kvpilot.runtime.engine.kv_transfer.client import ByteBudget, PullError, pull, release
 from kvpilot.runtime.engine.kv_transfer.params import FIELD, RemoteDecode, RemotePrefill
 from kvpilot.runtime.engine.kv_transfer.wire import (
     CONTENT_TYPE,
@@ -29,6 +28,7 @@ from kvpilot.runtime.engine.kv_transfer.wire import (
     encode_block_head,
     encode_end,
     encode_header,
+    transfer_blocks,
 )
 from kvpilot.runtime.engine.protocol import Engine, KVExport, KVImport, KVTransferPort, TransferReader
 from kvpilot.runtime.serving.errors import APIError
@@ -72,7 +72,7 @@ class KVTransferFront:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._spawn = spawn
         self._session: aiohttp.ClientSession | None = None
-        self._budget: client.ByteBudget | None = None
+        self._budget: ByteBudget | None = None
 
     def add_routes(self, app: web.Application, require_engine: Callable[[], Engine]) -> None:
         self._require_engine = require_engine
@@ -140,10 +140,8 @@ class KVTransferFront:
         started = time.monotonic()
         try:
             done = await budget.acquire(pull_bytes(layout, total - have), deadline)
-            decoded = await client.pull(
-                self._client(), url, have, total - have, layout, deadline, self._headers
-            )
-        except client.PullError as e:
+            decoded = await pull(self._client(), url, have, total - have, layout, deadline, self._headers)
+        except PullError as e:
             if done is not None:
                 done()
             log.warning(
@@ -158,18 +156,18 @@ class KVTransferFront:
         return KVImport(have, decoded.blocks, done)
 
     def _release(self, url: str) -> None:
-        self._spawn(client.release(self._client(), url, self._headers))
+        self._spawn(release(self._client(), url, self._headers))
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return self._session
 
-    def _pull_budget(self, port: KVTransferPort) -> client.ByteBudget:
+    def _pull_budget(self, port: KVTransferPort) -> ByteBudget:
         if self._budget is None:  # pulled blocks held at once: at most a pool's worth
             engine = self._require_engine()
             blocks = engine.kv_capacity_tokens // port.layout.block_size
-            self._budget = client.ByteBudget(pull_bytes(port.layout, blocks))
+            self._budget = ByteBudget(pull_bytes(port.layout, blocks))
         return self._budget
 
     def response_params(self, params: dict[str, Any] | None, base_url: str) -> dict[str, Any] | None:

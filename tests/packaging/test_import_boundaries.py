@@ -63,7 +63,14 @@ def test_a_part_imports_only_what_the_table_allows(part: str) -> None:
 
 
 def test_serving_knows_the_engine_only_through_its_contract() -> None:
-    allowed = ("runtime.engine.protocol", "runtime.engine.sampling_params")
+    allowed = (
+        "runtime.engine.protocol",
+        "runtime.engine.sampling_params",
+        # the KV transfer's torch-free parts: the wire format, the request field, the pull
+        "runtime.engine.kv_transfer.wire",
+        "runtime.engine.kv_transfer.params",
+        "runtime.engine.kv_transfer.client",
+    )
     bad = []
     for path in part_files("runtime/serving"):
         for mod in kvpilot_imports(path):
@@ -107,6 +114,7 @@ def test_the_front_end_and_the_engine_contract_do_not_load_torch() -> None:
         *_module_names("runtime/serving"),
         "kvpilot.runtime.engine.protocol",
         "kvpilot.runtime.grammar.service",
+        "kvpilot.runtime.engine.kv_transfer.pins",
     ]
     assert _loads_torch(modules) == []
 

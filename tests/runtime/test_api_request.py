@@ -440,7 +440,6 @@ MEANINGFUL = {  # a value that asks for something, per refused field
     "mm_processor_kwargs": {"a": 1},
     "prompt_embeds": "AAAA",
     "priority": 1,
-    "kv_transfer_params": {},
     "vllm_xargs": {"a": 1},
     "reasoning_effort": "high",
     "modalities": ["text", "audio"],

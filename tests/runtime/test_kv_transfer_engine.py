@@ -13,8 +13,12 @@ import torch
 
 from kvpilot.kernels import switches
 from kvpilot.runtime.engine.core import LLMEngine
-from kvpilot.runtime.engine.kv_transfer.engine_side import transfer_blocks
-from kvpilot.runtime.engine.kv_transfer.wire import StreamHeader, decode_stream, encode_stream
+from kvpilot.runtime.engine.kv_transfer.wire import (
+    StreamHeader,
+    decode_stream,
+    encode_stream,
+    transfer_blocks,
+)
 from kvpilot.runtime.engine.protocol import KVExport, KVImport
 from kvpilot.runtime.engine.sampling_params import SamplingParams
 

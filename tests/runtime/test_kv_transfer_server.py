@@ -105,14 +105,25 @@ def test_prefill_then_decode_gives_the_aggregated_output(
     assert status == 200, out
     assert text_of(out) == text_of(reference)
     after_d, after_p = samples(d.url), samples(p.url)
-    received = after_d[("kvpilot_kv_transfer_bytes_total", "received")] - before_d[("kvpilot_kv_transfer_bytes_total", "received")]
-    sent = after_p[("kvpilot_kv_transfer_bytes_total", "sent")] - before_p[("kvpilot_kv_transfer_bytes_total", "sent")]
+    received = (
+        after_d[("kvpilot_kv_transfer_bytes_total", "received")]
+        - before_d[("kvpilot_kv_transfer_bytes_total", "received")]
+    )
+    sent = (
+        after_p[("kvpilot_kv_transfer_bytes_total", "sent")]
+        - before_p[("kvpilot_kv_transfer_bytes_total", "sent")]
+    )
     assert received > 0 and received == sent
-    assert after_d[("kvpilot_kv_transfer_seconds_count", "")] == before_d.get(("kvpilot_kv_transfer_seconds_count", ""), 0) + 1
+    assert (
+        after_d[("kvpilot_kv_transfer_seconds_count", "")]
+        == before_d.get(("kvpilot_kv_transfer_seconds_count", ""), 0) + 1
+    )
     assert sum(v for (n, _), v in after_d.items() if n == "kvpilot_kv_transfer_fallbacks_total") == sum(
         v for (n, _), v in before_d.items() if n == "kvpilot_kv_transfer_fallbacks_total"
     )
-    assert after_d[("kvpilot_engine_info", "decode")] == 1 and after_p[("kvpilot_engine_info", "prefill")] == 1
+    assert (
+        after_d[("kvpilot_engine_info", "decode")] == 1 and after_p[("kvpilot_engine_info", "prefill")] == 1
+    )
 
 
 def test_a_decode_pod_pulls_only_what_its_prefix_cache_lacks(pods: tuple[LiveServer, LiveServer]) -> None:
@@ -120,10 +131,14 @@ def test_a_decode_pod_pulls_only_what_its_prefix_cache_lacks(pods: tuple[LiveSer
     body = {"prompt": "Once more: " + PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     received = ("kvpilot_kv_transfer_bytes_total", "received")
     r0 = samples(d.url)[received]
-    status, first = post(d.url + "/v1/completions", {**body, "kv_transfer_params": prefill(p, "/v1/completions", body)})
+    status, _ = post(
+        d.url + "/v1/completions", {**body, "kv_transfer_params": prefill(p, "/v1/completions", body)}
+    )
     r1 = samples(d.url)[received]
     longer = {**body, "prompt": body["prompt"] + " And then the spring came."}
-    status, second = post(d.url + "/v1/completions", {**longer, "kv_transfer_params": prefill(p, "/v1/completions", longer)})
+    status, second = post(
+        d.url + "/v1/completions", {**longer, "kv_transfer_params": prefill(p, "/v1/completions", longer)}
+    )
     r2 = samples(d.url)[received]
     assert status == 200
 
@@ -141,12 +156,21 @@ def test_a_decode_pod_pulls_only_what_its_prefix_cache_lacks(pods: tuple[LiveSer
 
 def test_each_role_refuses_the_other_roles_params(pods: tuple[LiveServer, LiveServer]) -> None:
     p, d = pods
-    status, out = post(d.url + "/v1/completions", {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 400 and out["error"]["param"] == "kv_transfer_params" and "--kv-role decode" in out["error"]["message"]
+    status, out = post(
+        d.url + "/v1/completions", {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    assert (
+        status == 400
+        and out["error"]["param"] == "kv_transfer_params"
+        and "--kv-role decode" in out["error"]["message"]
+    )
     params = prefill(p, "/v1/completions", {"prompt": PROMPT})
     status, out = post(p.url + "/v1/completions", {"prompt": PROMPT, "kv_transfer_params": params})
     assert status == 400 and out["error"]["param"] == "kv_transfer_params"
-    status, out = post(p.url + "/v1/completions", {"prompt": "hi", "stream": True, "kv_transfer_params": {"do_remote_decode": True}})
+    status, out = post(
+        p.url + "/v1/completions",
+        {"prompt": "hi", "stream": True, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert status == 400 and out["error"]["param"] == "kv_transfer_params"
     # the transfer endpoints: only the prefill side serves them; a release is final
     req = urllib.request.Request(f"{p.url}/v1/kv/transfers/{params['transfer_id']}", method="DELETE")
@@ -176,7 +200,10 @@ class Proxy:
         async def handle(request: web.Request) -> web.StreamResponse:
             if self.mode == "stall" and request.method == "GET":
                 await self.unstall.wait()  # past the decode pod's deadline: close() lets it go
-            async with aiohttp.ClientSession() as s, s.request(request.method, self.target + request.path_qs) as r:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.request(request.method, self.target + request.path_qs) as r,
+            ):
                 body = bytearray(await r.read())
             if self.mode == "corrupt" and request.method == "GET":
                 body[len(body) // 2] ^= 0x01

@@ -242,7 +242,7 @@ def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         num_preemptions=1, prefix_cache_queries=8, prefix_cache_hits=4, oom_recoveries=0,
         prompt_tokens=8, generation_tokens=4, num_steps=3, spec_num_drafts=2, spec_num_draft_tokens=8,
         spec_num_accepted_tokens=6, spec_num_emitted_tokens=8, engine_stalled=0,
-        engine_heartbeat_age_seconds=0.1,
+        engine_heartbeat_age_seconds=0.1, kv_transfers_pending=1,
     )  # fmt: skip
     m = ServerMetrics("m")
     m.attach_engine(lambda: dataclasses.replace(stats, lora=LoRAActivity(2, ("sql",), ("chat",))))

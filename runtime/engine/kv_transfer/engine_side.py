@@ -23,17 +23,11 @@ from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.kv_transfer.blocks import export_layer, import_layer
 from kvpilot.runtime.engine.kv_transfer.pins import Pin, PinTable
-from kvpilot.runtime.engine.kv_transfer.wire import KVLayout
+from kvpilot.runtime.engine.kv_transfer.wire import KVLayout, transfer_blocks
 from kvpilot.runtime.engine.protocol import KVImport
 from kvpilot.runtime.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-def transfer_blocks(num_prompt_tokens: int, block_size: int) -> int:
-    """Pure: the prompt blocks a transfer carries: every full block before the last prompt token (the
-    decode pod computes that token itself, which gives it the logits of the first output token)."""
-    return max(0, num_prompt_tokens - 1) // block_size
 
 
 class _Reader:

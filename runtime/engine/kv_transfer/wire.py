@@ -50,6 +50,12 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn
 SCALE_DTYPE = "float16"  # kernels/quant.SCALE_DTYPE
 
 
+def transfer_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Pure: the prompt blocks a transfer carries: every full block before the last prompt token (the
+    decode pod computes that token itself, which gives it the logits of the first output token)."""
+    return max(0, num_prompt_tokens - 1) // block_size
+
+
 class WireError(ValueError):
     """A stream that cannot be used. `reason`: checksum | truncated | protocol | mismatch."""
 
