@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpilot.runtime.engine.kv_transfer.wire import KVLayout
+from kvpilot.runtime.engine.kv_transfer.wire import BlockRun, KVLayout
 
 if TYPE_CHECKING:
     from kvpilot.runtime.engine.sampling_params import SamplingParams
@@ -111,18 +111,16 @@ class KVExport:
 
 @dataclass
 class KVImport:
-    """add_request's `kv` for a `do_remote_prefill` request: prompt blocks pulled from a prefill pod,
-    `blocks[layer][i]` the wire payload of prompt block `first_block + i` (wire.py). The engine uses
-    them when its prefix cache still holds blocks 0..first_block-1 and it has room; else it computes
-    the prompt itself. `on_done` runs once the engine has copied (or dropped) them."""
+    """add_request's `kv` for a `do_remote_prefill` request: prompt blocks first_block ..
+    first_block + num_blocks - 1 pulled from a prefill pod, as the wire's block runs (wire.py,
+    layer-major, each layer covered once). The engine uses them when its prefix cache still holds
+    blocks 0..first_block-1 and it has room; else it computes the prompt itself. `on_done` runs once
+    the engine has copied (or dropped) them."""
 
     first_block: int
-    blocks: list[list[memoryview]]
+    num_blocks: int
+    runs: list[BlockRun]
     on_done: Callable[[], None] | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks[0]) if self.blocks else 0
 
 
 class TransferReader(Protocol):
@@ -131,8 +129,9 @@ class TransferReader(Protocol):
     num_tokens: int
     num_blocks: int  # the prompt's full blocks before its last token
 
-    def export_layer(self, layer: int, first_block: int) -> list[memoryview]:
-        """BLOCK payloads of blocks first_block.. of one layer (blocking: call it off the event loop)."""
+    def export_run(self, layer: int, first_block: int, num_blocks: int) -> memoryview:
+        """A BLOCKS frame's data: blocks first_block .. + num_blocks - 1 of one layer (blocking:
+        call it off the event loop)."""
         ...
 
 

@@ -19,15 +19,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpilot.runtime.engine.kv_transfer.client import ByteBudget, PullError, pull, release
+from kvpilot.runtime.engine.kv_transfer.client import ByteBudget, PullError, new_session, pull, release
 from kvpilot.runtime.engine.kv_transfer.params import FIELD, RemoteDecode, RemotePrefill
 from kvpilot.runtime.engine.kv_transfer.wire import (
     CONTENT_TYPE,
     KVLayout,
+    Run,
     StreamHeader,
-    encode_block_head,
     encode_end,
     encode_header,
+    encode_run_head,
+    plan_runs,
+    stream_length,
     transfer_blocks,
 )
 from kvpilot.runtime.engine.protocol import Engine, KVExport, KVImport, KVTransferPort, TransferReader
@@ -40,13 +43,11 @@ log = logging.getLogger("kvpilot.server")
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
-def layer_frames(reader: TransferReader, layer: int, first_block: int) -> tuple[bytes, int, int]:
-    """One layer's BLOCK frames of a transfer: (bytes, frames, payload bytes). Blocking."""
-    payloads = reader.export_layer(layer, first_block)
-    parts: list[bytes | memoryview] = []
-    for i, p in enumerate(payloads):
-        parts += [encode_block_head(layer, first_block + i, p), p]
-    return b"".join(parts), len(payloads), sum(len(p) for p in payloads)
+def run_frame(reader: TransferReader, run: Run) -> tuple[bytes, memoryview]:
+    """One BLOCKS frame of a transfer: (frame head and ids, data). Blocking (the gather and the
+    checksum): call it off the event loop."""
+    data = reader.export_run(run.layer, run.first_block, run.num_blocks)
+    return encode_run_head(run, data), data
 
 
 def pull_bytes(layout: KVLayout, num_blocks: int) -> int:
@@ -153,14 +154,14 @@ class KVTransferFront:
         self.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
         self.metrics.kv_bytes_received.inc(decoded.data_bytes)
         self._release(url)
-        return KVImport(have, decoded.blocks, done)
+        return KVImport(have, total - have, decoded.runs, done)
 
     def _release(self, url: str) -> None:
         self._spawn(release(self._client(), url, self._headers))
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = new_session()
         return self._session
 
     def _pull_budget(self, port: KVTransferPort) -> ByteBudget:
@@ -215,18 +216,37 @@ class KVTransferFront:
                     f"'from_block' is past the transfer's {reader.num_blocks} blocks", param="from_block"
                 )
             header = StreamHeader(layout, reader.num_tokens, first, reader.num_blocks - first)
+            runs = plan_runs(layout, first, header.num_blocks)
             resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+            resp.content_length = stream_length(header, runs)  # one body, not HTTP chunks
             await resp.prepare(request)
             await resp.write(encode_header(header))
-            frames = data = 0
-            for layer in range(layout.num_layers):
-                raw, n, size = await asyncio.to_thread(layer_frames, reader, layer, first)
-                await resp.write(raw)
-                frames, data = frames + n, data + size
-            await resp.write(encode_end(frames, data))
+            data = await self._write_runs(resp, reader, runs)
+            await resp.write(encode_end(len(runs), data))
             await resp.write_eof()
         self.metrics.kv_bytes_sent.inc(data)
         return resp
+
+    @staticmethod
+    async def _write_runs(resp: web.StreamResponse, reader: TransferReader, runs: list[Run]) -> int:
+        """Write the BLOCKS frames, each gathered and checksummed in a worker thread while the one
+        before it is being sent; the data bytes written."""
+        if not runs:
+            return 0
+        ahead = asyncio.ensure_future(asyncio.to_thread(run_frame, reader, runs[0]))
+        data = 0
+        try:
+            for i in range(len(runs)):
+                head, payload = await ahead
+                if i + 1 < len(runs):
+                    ahead = asyncio.ensure_future(asyncio.to_thread(run_frame, reader, runs[i + 1]))
+                await resp.write(head)
+                await resp.write(payload)
+                data += len(payload)
+        finally:
+            if not ahead.done():  # the client left mid-stream: let the gather end before the pin closes
+                await asyncio.gather(ahead, return_exceptions=True)
+        return data
 
     async def delete_transfer(self, request: web.Request) -> web.Response:
         port = self._port()

@@ -17,6 +17,7 @@ from kvpilot.runtime.engine.kv_transfer.wire import (
     StreamHeader,
     decode_stream,
     encode_stream,
+    plan_runs,
     transfer_blocks,
 )
 from kvpilot.runtime.engine.protocol import KVExport, KVImport
@@ -50,17 +51,20 @@ def prefill(engine: LLMEngine, prompt: list[int]) -> dict[str, Any]:
 
 
 def transfer(src: LLMEngine, dst: LLMEngine, params: dict[str, Any], first_block: int) -> KVImport:
-    """What GET /v1/kv/transfers/{id}?from_block=K and the decode side's decode do, in memory."""
+    """What GET /v1/kv/transfers/{id}?from_block=K and the decode side's decode do, in memory (each
+    layer cut into runs of at most 2 blocks, so the import meets several runs per layer)."""
     assert src.kv is not None and dst.kv is not None
+    layout = src.kv.layout
     with src.kv.open_transfer(params["transfer_id"]) as reader:
         assert reader is not None
         n = reader.num_blocks - first_block
-        layers = range(src.kv.layout.num_layers)
-        per_layer = [[bytes(p) for p in reader.export_layer(layer, first_block)] for layer in layers]
-        raw = encode_stream(StreamHeader(src.kv.layout, reader.num_tokens, first_block, n), per_layer)
+        runs = plan_runs(layout, first_block, n, max_bytes=2 * layout.block_payload_bytes)
+        assert n < 3 or len(runs) > layout.num_layers
+        sent = [(r, bytes(reader.export_run(r.layer, r.first_block, r.num_blocks))) for r in runs]
+        raw = encode_stream(StreamHeader(layout, reader.num_tokens, first_block, n), sent)
     decoded = decode_stream(raw, dst.kv.layout, first_block, n)
     done: list[bool] = []
-    return KVImport(first_block, decoded.blocks, lambda: done.append(True))
+    return KVImport(first_block, n, decoded.runs, lambda: done.append(True))
 
 
 @pytest.fixture
@@ -136,7 +140,7 @@ def test_pods_with_different_cache_layouts_exchange_the_same_blocks(
 ) -> None:
     """The prefill engine stores K transposed and V head-major (the C kernel's tiles); the decode engine,
     without the C kernels, plain [block, token, head, dim]: the logical content arrives unchanged."""
-    from kvpilot.runtime.engine.kv_transfer.blocks import export_layer
+    from kvpilot.runtime.engine.kv_transfer.blocks import export_run
 
     p = small(kv_role="prefill")
     assert p.runner.backend.name == "cpu-paged" and not p.runner.kv_caches[0].k.is_contiguous()
@@ -155,8 +159,8 @@ def test_pods_with_different_cache_layouts_exchange_the_same_blocks(
     for layer in (0, p.kv.layout.num_layers - 1):
         with p.kv.open_transfer(params["transfer_id"]) as reader:
             assert reader is not None
-            sent = [bytes(b) for b in reader.export_layer(layer, 0)]
-        assert [bytes(b) for b in export_layer(d.runner.kv_caches[layer], ids)] == sent
+            sent = bytes(reader.export_run(layer, 0, n))
+        assert bytes(export_run(d.runner.kv_caches[layer], ids)) == sent
 
 
 def test_a_prefix_cache_hit_on_the_decode_side_pulls_only_the_rest(

@@ -1,4 +1,4 @@
-"""A KV pool's blocks to and from the wire's BLOCK payloads (wire.py): the logical content of each
+"""A KV pool's blocks to and from the wire's BLOCKS frames (wire.py): the logical content of each
 block ([block_size, kv_heads, head_dim] K and V, and their scales for int8/fp8), whatever layout the
 pool stores it in (runtime/engine/runner.allocate_kv_cache: plain, transposed K, head-major V), so
 pods whose attention kernels store blocks differently interoperate."""
@@ -52,48 +52,48 @@ def model_fingerprint(arch: Any, model: Any, weights_dtype: torch.dtype, quantiz
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-def _as_bytes(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[n, ...] of any dtype -> [n, bytes] uint8 on the CPU (contiguous)."""
-    return t.contiguous().cpu().view(torch.uint8).reshape(n, -1)
-
-
-def export_layer(cache: KVCacheLayer, block_ids: list[int]) -> list[memoryview]:
-    """The BLOCK payloads (after the ids) of `block_ids` in one layer, in order."""
-    n = len(block_ids)
-    if n == 0:
-        return []
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
-    parts = [_as_bytes(cache.k.index_select(0, idx), n), _as_bytes(cache.v.index_select(0, idx), n)]
+def _parts(cache: KVCacheLayer) -> list[torch.Tensor]:
+    """The pool tensors a BLOCKS frame carries, in wire order (KVLayout.run_parts), as same-size
+    integer views: a bit copy needs no kernel of the storage dtype (float8 has few on the CPU)."""
+    parts = [cache.k, cache.v]
     if cache.k_scale is not None and cache.v_scale is not None:
-        parts += [
-            _as_bytes(cache.k_scale.index_select(0, idx), n),
-            _as_bytes(cache.v_scale.index_select(0, idx), n),
-        ]
-    rows = torch.cat(parts, dim=1).numpy()
-    return [memoryview(rows[i]) for i in range(n)]
+        parts += [cache.k_scale, cache.v_scale]
+    return [t.view(_BITS[t.element_size()]) for t in parts]
 
 
-def import_layer(
-    cache: KVCacheLayer, block_ids: list[int], payloads: list[memoryview], layout: KVLayout
-) -> None:
-    """Write the BLOCK payloads of one layer into `block_ids` of this pool (layout already checked)."""
+def export_run(cache: KVCacheLayer, block_ids: list[int]) -> memoryview:
+    """A BLOCKS frame's data (after its ids) for `block_ids` of one layer: each part gathered from the
+    pool straight into its slice of one fresh host buffer, whatever the pool's layout."""
+    n = len(block_ids)
+    parts = _parts(cache)
+    sizes = [n * t[0].numel() * t.element_size() for t in parts]
+    out = torch.empty(sum(sizes), dtype=torch.uint8)
+    if n == 0:
+        return memoryview(out.numpy())
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
+    pos = 0
+    for src, size in zip(parts, sizes, strict=True):
+        dst = out[pos : pos + size].view(src.dtype).view(n, *src.shape[1:])
+        if src.device.type == "cpu":
+            torch.index_select(src, 0, idx, out=dst)
+        else:  # gather on the device, one copy to the host
+            dst.copy_(src.index_select(0, idx))
+        pos += size
+    return memoryview(out.numpy())
+
+
+def import_run(cache: KVCacheLayer, block_ids: list[int], data: memoryview, layout: KVLayout) -> None:
+    """Write a BLOCKS frame's data into `block_ids` of this pool (its size already checked): one
+    batched index copy per part, from views of `data` (no copy on the CPU when `data` is writable)."""
     n = len(block_ids)
     if n == 0:
         return
-    assert len(payloads) == n
-    raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).reshape(n, -1)
-    kv, sc = layout.kv_bytes, layout.scale_bytes
-    shape = (n, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if data.readonly:  # torch.frombuffer wants a writable buffer (the pulls read into bytearrays)
+        data = memoryview(bytearray(data))
+    raw = torch.frombuffer(data, dtype=torch.uint8)
     idx = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
-
-    def put(dst: torch.Tensor, start: int, size: int, dims: tuple[int, ...]) -> None:
-        # a bit copy through a same-size integer view (index_copy_ has no float8 kernel on the CPU)
-        bits = _BITS[dst.element_size()]
-        src = raw[:, start : start + size].contiguous().view(bits).reshape(dims)
-        dst.view(bits).index_copy_(0, idx, src.to(dst.device))
-
-    put(cache.k, 0, kv, shape)
-    put(cache.v, kv, kv, shape)
-    if cache.k_scale is not None and cache.v_scale is not None:
-        put(cache.k_scale, 2 * kv, sc, shape[:-1])
-        put(cache.v_scale, 2 * kv + sc, sc, shape[:-1])
+    pos = 0
+    for dst, (_, size) in zip(_parts(cache), layout.run_parts(n), strict=True):
+        src = raw[pos : pos + size].view(dst.dtype).view(n, *dst.shape[1:])
+        dst.index_copy_(0, idx, src.to(dst.device))
+        pos += size

@@ -1,5 +1,6 @@
 """The decode side's pull: `GET {remote_url}/v1/kv/transfers/{id}?from_block=K` within a deadline,
-the body bounded by what the asked blocks can take, checked and split by wire.py off the event loop;
+read frame by frame as it arrives (each frame no larger than the blocks still due, wire.py's
+StreamChecker), each run's data into its own buffer that the engine's import views in place;
 then `DELETE` to release the prefill pod's pins. Every fault is a `PullError` whose reason the server
 counts; the caller recomputes the prompt. Torch-free (aiohttp)."""
 
@@ -13,9 +14,24 @@ from collections.abc import Callable
 
 import aiohttp
 
-from kvpilot.runtime.engine.kv_transfer.wire import DecodedKV, KVLayout, WireError, decode_stream
+from kvpilot.runtime.engine.kv_transfer.wire import (
+    BLOCKS,
+    FRAME_HEAD_BYTES,
+    HEADER,
+    RUN_ID_BYTES,
+    BlockRun,
+    DecodedKV,
+    KVLayout,
+    StreamChecker,
+    StreamHeader,
+    WireError,
+    check_crc,
+)
 
 RELEASE_TIMEOUT_S = 2.0
+# the pull session's read buffer: aiohttp's default (64 KiB) pauses and resumes the socket every
+# 128 KiB, which caps a stream of many MB at a fraction of what the connection carries
+READ_BUFSIZE = 4 * 2**20
 # why a transfer failed (kvpilot_kv_transfer_failures_total{reason}): the pull's reasons, and the
 # prefill side's `pin_capacity` (its pinned transfers hold their share of the pool: no params given)
 PULL_FAILURES = (
@@ -34,6 +50,11 @@ FAILURE_REASONS = (*PULL_FAILURES, "pin_capacity")
 # why a decode pod recomputed a prompt whose KV was offered (kvpilot_kv_transfer_fallbacks_total{reason}):
 # a failed pull, or blocks the engine could not use (engine_side.py), or prompt logprobs asked for
 FALLBACK_REASONS = (*PULL_FAILURES, "evicted", "no_blocks", "import_error", "prompt_logprobs")
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The decode side's session for pulls (and their releases)."""
+    return aiohttp.ClientSession(read_bufsize=READ_BUFSIZE)
 
 
 class PullError(Exception):
@@ -92,6 +113,58 @@ class ByteBudget:
         return release
 
 
+async def _read_exact(content: aiohttp.StreamReader, n: int) -> bytearray:
+    """The next `n` bytes of the body into one writable buffer (the import views it in place)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    while pos < n:
+        chunk = await content.read(n - pos)
+        if not chunk:
+            raise WireError("truncated", f"the stream ends {n - pos} bytes inside a frame")
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return buf
+
+
+async def read_stream(
+    content: aiohttp.StreamReader, local: KVLayout, first_block: int, num_blocks: int
+) -> DecodedKV:
+    """Read and check a stream frame by frame as it arrives; the BLOCKS frames' checksums run in
+    worker threads (zlib releases the GIL) while the next frames are read. Raises WireError."""
+    loop = asyncio.get_running_loop()
+    checker = StreamChecker(local, first_block, num_blocks)
+    header: StreamHeader | None = None
+    runs: list[BlockRun] = []
+    crcs: list[asyncio.Future[None]] = []
+    try:
+        while True:
+            head = checker.head(await _read_exact(content, FRAME_HEAD_BYTES))
+            if head.kind == BLOCKS:
+                ids = await _read_exact(content, RUN_ID_BYTES)
+                run = checker.run_ids(ids, head.length)
+                data = await _read_exact(content, head.length - RUN_ID_BYTES)
+                crcs.append(loop.run_in_executor(None, check_crc, (ids, data), head.crc))
+                runs.append(BlockRun(run, memoryview(data)))
+                continue
+            payload = await _read_exact(content, head.length)
+            check_crc((payload,), head.crc)
+            if head.kind == HEADER:
+                header = checker.header(bytes(payload))
+            else:
+                checker.end(payload)
+                break
+        if await content.read(1):
+            raise WireError("protocol", "bytes after the end frame")
+    except BaseException:
+        for crc in crcs:  # those not started yet; a running one ends on its own
+            crc.cancel()
+        raise
+    await asyncio.gather(*crcs)  # raises the first WireError(checksum)
+    assert header is not None
+    return DecodedKV(header, runs)
+
+
 async def pull(
     session: aiohttp.ClientSession,
     url: str,
@@ -102,8 +175,7 @@ async def pull(
     headers: dict[str, str] | None = None,
 ) -> DecodedKV:
     """Blocks first_block.. of the transfer at `url` (…/v1/kv/transfers/{id}), checked against
-    `local`; `deadline`: time.monotonic() by which it must be done."""
-    limit = local.stream_bytes(num_blocks)
+    `local` as they arrive; `deadline`: time.monotonic() by which it must be done."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise PullError("timeout", "no time left for the pull")
@@ -115,19 +187,13 @@ async def pull(
                     raise PullError("not_found", "the prefill pod no longer has this transfer")
                 if resp.status != 200:
                     raise PullError("peer_error", f"the prefill pod answered {resp.status}")
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in resp.content.iter_any():
-                    size += len(chunk)
-                    if size > limit:
-                        raise PullError("too_large", f"the stream exceeds {limit} bytes")
-                    chunks.append(chunk)
-            raw = b"".join(chunks)
-            return await asyncio.to_thread(decode_stream, raw, local, first_block, num_blocks)
+                return await read_stream(resp.content, local, first_block, num_blocks)
     except TimeoutError:
         raise PullError("timeout", "the pull passed its deadline") from None
     except WireError as e:
         raise PullError(e.reason, str(e)) from None
+    except aiohttp.ClientPayloadError:
+        raise PullError("truncated", "the prefill pod's stream broke off") from None
     except aiohttp.ClientError as e:
         raise PullError("peer_gone", f"the prefill pod could not be read: {type(e).__name__}") from None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.kv_transfer.blocks import export_layer, import_layer
+from kvpilot.runtime.engine.kv_transfer.blocks import export_run, import_run
 from kvpilot.runtime.engine.kv_transfer.pins import Pin, PinTable
 from kvpilot.runtime.engine.kv_transfer.wire import KVLayout, transfer_blocks
 from kvpilot.runtime.engine.protocol import KVImport
@@ -37,8 +37,8 @@ class _Reader:
         self.num_tokens = pin.num_tokens
         self.num_blocks = len(pin.block_ids)
 
-    def export_layer(self, layer: int, first_block: int) -> list[memoryview]:
-        return export_layer(self._caches[layer], self._pin.block_ids[first_block:])
+    def export_run(self, layer: int, first_block: int, num_blocks: int) -> memoryview:
+        return export_run(self._caches[layer], self._pin.block_ids[first_block : first_block + num_blocks])
 
 
 class KVTransfers:
@@ -132,10 +132,15 @@ class KVTransfers:
             return "evicted"
         if not self._bm.adopt(seq, hits[:first], n):
             return "no_blocks"
-        fresh = seq.block_table[first : first + n]
         try:
-            for layer, cache in enumerate(self._caches):
-                import_layer(cache, fresh, kv.blocks[layer], self.layout)
+            for r in kv.runs:
+                start = r.run.first_block
+                import_run(
+                    self._caches[r.run.layer],
+                    seq.block_table[start : start + r.run.num_blocks],
+                    r.data,
+                    self.layout,
+                )
         except (ValueError, RuntimeError):
             log.exception("pulled KV blocks could not be copied in; computing the prompt")
             self._bm.free_seq(seq)

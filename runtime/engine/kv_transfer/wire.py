@@ -1,31 +1,38 @@
 """The KV transfer's wire format: pure encode and decode, no torch, no I/O.
 
-`GET /v1/kv/transfers/{id}?from_block=K` answers one stream of frames (docs/disaggregation.md, "Wire
-protocol"). Every frame is a 16-byte head and a payload:
+`GET /v1/kv/transfers/{id}?from_block=K&rank=R` answers one stream of frames (docs/disaggregation.md,
+"Wire protocol", version 2). Every frame is a 16-byte head and a payload:
 
     magic  b"KVPF"             4 bytes
-    kind   u8                  1 HEADER, 2 BLOCK, 3 END
+    kind   u8                  1 HEADER, 2 BLOCKS, 3 END
     flags  u8                  0
     rsvd   u16                 0
     length u32                 payload bytes
     crc32  u32                 zlib.crc32 of the payload
 
-(all little-endian). The stream is one HEADER, then one BLOCK per (layer, block) in layer-major order
-(layer 0's blocks K..K+n-1, then layer 1's, ...), then one END:
+(all little-endian). The stream is one HEADER, then BLOCKS frames in layer-major order, each a run of
+consecutive blocks of one layer (layer 0's blocks K..K+n-1 in one or more runs, then layer 1's, ...),
+then one END:
 
 - HEADER payload: a UTF-8 JSON object, `StreamHeader.to_json()`: version, the model fingerprint, the
   storage dtype, the scale dtype (quantized caches), block size, layers, KV heads and head size of this
   tensor-parallel rank, the rank and the group size, the prompt's token count, the first block and the
   block count.
-- BLOCK payload: layer u32, block u32 (the block's index in the prompt), then the block's logical
-  content, each row-major: K [block_size, kv_heads, head_dim], V (same), and for int8/fp8 caches the K
-  and V scales [block_size, kv_heads] (float16). The layout a pod's kernels store blocks in (transposed
-  K, head-major V) never reaches the wire.
-- END payload: frames u32 (BLOCK frames sent), data bytes u64 (their payload bytes).
+- BLOCKS payload: layer u32, first block u32 (its index in the prompt), count u32, then the run's
+  logical content, each row-major over its `count` blocks: K [count, block_size, kv_heads, head_dim],
+  V (same), and for int8/fp8 caches the K and V scales [count, block_size, kv_heads] (float16). The
+  layout a pod's kernels store blocks in (transposed K, head-major V) never reaches the wire. A sender
+  cuts a layer into runs of at most `MAX_FRAME_BYTES`; a reader takes any cut.
+- END payload: frames u32 (BLOCKS frames sent), data bytes u64 (their payload bytes after the ids).
 
-The decoder checks every frame's magic, kind, length and checksum, the header against the reader's own
-layout, that each (layer, block) arrives once and in order, and the END counts: any fault is a
-`WireError` with a reason the decode side counts (`kvpilot_kv_transfer_failures_total{reason}`).
+Large frames keep the per-frame work (a head, a checksum call, an await) to a few dozen per stream,
+and each run's data is one contiguous slice both sides read and write in place (blocks.py).
+
+The decoder (`StreamChecker`, frame by frame as they arrive, or `decode_stream` for a whole buffer)
+checks every frame's magic, kind, length (never more than the blocks still expected) and checksum,
+the header against the reader's own layout, that the runs cover each layer's blocks once and in
+order, and the END counts: any fault is a `WireError` with a reason the decode side counts
+(`kvpilot_kv_transfer_failures_total{reason}`).
 """
 
 from __future__ import annotations
@@ -35,14 +42,18 @@ import struct
 import zlib
 from dataclasses import asdict, dataclass
 
-VERSION = 1
+VERSION = 2
 MAGIC = b"KVPF"
-HEADER, BLOCK, END = 1, 2, 3
+HEADER, BLOCKS, END = 1, 2, 3
 _HEAD = struct.Struct("<4sBBHII")
-_BLOCK_ID = struct.Struct("<II")
+_RUN_ID = struct.Struct("<III")
 _END = struct.Struct("<IQ")
 FRAME_HEAD_BYTES = _HEAD.size
+RUN_ID_BYTES = _RUN_ID.size
+RUN_HEAD_BYTES = FRAME_HEAD_BYTES + RUN_ID_BYTES  # what precedes a BLOCKS frame's data
+END_FRAME_BYTES = FRAME_HEAD_BYTES + _END.size
 MAX_HEADER_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 32 * 2**20  # the sender's cut: a run's data stays under this (at least one block)
 CONTENT_TYPE = "application/octet-stream"
 
 # storage dtypes the runtime's KV caches use, by torch's name, and their element sizes
@@ -97,17 +108,15 @@ class KVLayout:
 
     @property
     def block_payload_bytes(self) -> int:
-        """A BLOCK frame's content after its (layer, block) ids."""
+        """One block of one layer on the wire: its K and V (and their scales)."""
         return 2 * (self.kv_bytes + self.scale_bytes)
 
-    @property
-    def bytes_per_block(self) -> int:
-        """One block of every layer on the wire (frame heads included)."""
-        return self.num_layers * (FRAME_HEAD_BYTES + _BLOCK_ID.size + self.block_payload_bytes)
-
-    def stream_bytes(self, num_blocks: int) -> int:
-        """An upper bound on a whole stream of `num_blocks` blocks."""
-        return 2 * FRAME_HEAD_BYTES + MAX_HEADER_BYTES + _END.size + num_blocks * self.bytes_per_block
+    def run_parts(self, num_blocks: int) -> list[tuple[str, int]]:
+        """Pure: a BLOCKS frame's data, in order: (part, bytes) for `num_blocks` blocks."""
+        parts = [("k", num_blocks * self.kv_bytes), ("v", num_blocks * self.kv_bytes)]
+        if self.quantized:
+            parts += [("k_scale", num_blocks * self.scale_bytes), ("v_scale", num_blocks * self.scale_bytes)]
+        return parts
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,34 @@ def layout_mismatch(remote: KVLayout, local: KVLayout) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Run:
+    """Blocks first_block .. first_block + num_blocks - 1 (indices in the prompt) of one layer."""
+
+    layer: int
+    first_block: int
+    num_blocks: int
+
+
+def plan_runs(
+    layout: KVLayout, first_block: int, num_blocks: int, max_bytes: int = MAX_FRAME_BYTES
+) -> list[Run]:
+    """Pure: the sender's BLOCKS frames, layer-major, each at most `max_bytes` of data (one block at least)."""
+    per = max(1, max_bytes // max(1, layout.block_payload_bytes))
+    end = first_block + num_blocks
+    return [
+        Run(layer, b, min(per, end - b))
+        for layer in range(layout.num_layers)
+        for b in range(first_block, end, per)
+    ]
+
+
+def stream_length(header: StreamHeader, runs: list[Run]) -> int:
+    """Pure: the exact bytes of a stream of `runs` after `header` (the response's Content-Length)."""
+    data = sum(r.num_blocks for r in runs) * header.layout.block_payload_bytes
+    return FRAME_HEAD_BYTES + len(header.to_json()) + len(runs) * RUN_HEAD_BYTES + data + END_FRAME_BYTES
+
+
 # -- encoding ------------------------------------------------------------------------------------
 
 
@@ -172,11 +209,12 @@ def encode_header(header: StreamHeader) -> bytes:
     return frame_head(HEADER, len(payload), zlib.crc32(payload)) + payload
 
 
-def encode_block_head(layer: int, block: int, data: bytes | memoryview) -> bytes:
-    """The bytes that precede `data` in a BLOCK frame (frame head and ids): send them, then `data`."""
-    ids = _BLOCK_ID.pack(layer, block)
+def encode_run_head(run: Run, data: bytes | memoryview) -> bytes:
+    """The bytes that precede `data` in a BLOCKS frame (frame head and ids): send them, then `data`.
+    Computes the checksum over `data` (blocking: large runs belong off the event loop)."""
+    ids = _RUN_ID.pack(run.layer, run.first_block, run.num_blocks)
     crc = zlib.crc32(data, zlib.crc32(ids))
-    return frame_head(BLOCK, len(ids) + len(data), crc) + ids
+    return frame_head(BLOCKS, len(ids) + len(data), crc) + ids
 
 
 def encode_end(num_frames: int, data_bytes: int) -> bytes:
@@ -184,85 +222,158 @@ def encode_end(num_frames: int, data_bytes: int) -> bytes:
     return frame_head(END, len(payload), zlib.crc32(payload)) + payload
 
 
-def encode_stream(header: StreamHeader, blocks: list[list[bytes]]) -> bytes:
-    """A whole stream in memory (tests, small transfers): `blocks[layer][i]` is block first_block + i."""
+def encode_stream(header: StreamHeader, runs: list[tuple[Run, bytes]]) -> bytes:
+    """A whole stream in memory (tests, small transfers)."""
     parts = [encode_header(header)]
-    frames = data = 0
-    for layer, per_layer in enumerate(blocks):
-        for i, payload in enumerate(per_layer):
-            parts += [encode_block_head(layer, header.first_block + i, payload), payload]
-            frames += 1
-            data += len(payload)
-    parts.append(encode_end(frames, data))
+    for run, data in runs:
+        parts += [encode_run_head(run, data), data]
+    parts.append(encode_end(len(runs), sum(len(d) for _, d in runs)))
     return b"".join(parts)
 
 
 # -- decoding ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BlockRun:
+    """A received BLOCKS frame: `run`'s blocks, `data` their content as `KVLayout.run_parts` says."""
+
+    run: Run
+    data: memoryview
+
+
 @dataclass
 class DecodedKV:
     header: StreamHeader
-    blocks: list[list[memoryview]]  # [layer][i]: block first_block + i's payload (after its ids)
+    runs: list[BlockRun]  # layer-major; each layer's runs cover its blocks once, in order
 
     @property
     def data_bytes(self) -> int:
-        return sum(len(b) for per_layer in self.blocks for b in per_layer)
+        return sum(len(r.data) for r in self.runs)
 
 
-def _frame(buf: memoryview, pos: int) -> tuple[int, memoryview, int]:
-    """(kind, payload, next position) of the frame at `pos`."""
-    if len(buf) - pos < FRAME_HEAD_BYTES:
-        raise WireError("truncated", f"the stream ends inside a frame head at byte {pos}")
-    magic, kind, _, _, length, crc = _HEAD.unpack_from(buf, pos)
-    if magic != MAGIC:
-        raise WireError("protocol", f"bad frame magic at byte {pos}")
-    start = pos + FRAME_HEAD_BYTES
-    if len(buf) - start < length:
-        raise WireError("truncated", f"the stream ends inside a frame at byte {pos}")
-    payload = buf[start : start + length]
-    if zlib.crc32(payload) != crc:
-        raise WireError("checksum", f"frame at byte {pos} fails its crc32")
-    return kind, payload, start + length
+@dataclass(frozen=True)
+class FrameHead:
+    kind: int
+    length: int
+    crc: int
+
+
+def check_crc(payload_parts: tuple[bytes | bytearray | memoryview, ...], crc: int) -> None:
+    """Raise WireError(checksum) unless the parts' crc32, in order, is `crc`."""
+    got = 0
+    for part in payload_parts:
+        got = zlib.crc32(part, got)
+    if got != crc:
+        raise WireError("checksum", "a frame fails its crc32")
+
+
+class StreamChecker:
+    """The decode side's check of one stream, frame by frame as it arrives (pure; the caller reads
+    the bytes and checks the BLOCKS frames' checksums, possibly off its event loop: `check_crc`).
+    `local`: this pod's layout; the stream must carry exactly blocks first_block .. + num_blocks - 1.
+
+    Order: `head()` of each frame, then for HEADER `header(payload)`, for BLOCKS `run_ids(first 12
+    payload bytes)` (the data follows), for END `end(payload)`, which returns the frames' count."""
+
+    def __init__(self, local: KVLayout, first_block: int, num_blocks: int) -> None:
+        self.local = local
+        self.first, self.n = first_block, num_blocks
+        self.header_seen = False
+        self.layer, self.next = 0, first_block  # the next block expected
+        self.frames = 0
+        if num_blocks == 0:
+            self.layer = local.num_layers
+
+    @property
+    def blocks_done(self) -> bool:
+        return self.layer >= self.local.num_layers
+
+    def head(self, raw: bytes | memoryview) -> FrameHead:
+        if len(raw) < FRAME_HEAD_BYTES:
+            raise WireError("truncated", "the stream ends inside a frame head")
+        magic, kind, _, _, length, crc = _HEAD.unpack_from(raw)
+        if magic != MAGIC:
+            raise WireError("protocol", "bad frame magic")
+        if not self.header_seen:
+            if kind != HEADER or length > MAX_HEADER_BYTES:
+                raise WireError("protocol", "the stream does not start with a header frame")
+        elif kind == BLOCKS:
+            if self.blocks_done:
+                raise WireError("protocol", "a block frame after the last layer's blocks")
+            left = self.first + self.n - self.next
+            if not _RUN_ID.size < length <= _RUN_ID.size + left * self.local.block_payload_bytes:
+                raise WireError(
+                    "protocol", f"a block frame of {length} bytes, {left} blocks left in the layer"
+                )
+        elif kind == END:
+            if not self.blocks_done:
+                raise WireError("protocol", f"the end frame before layer {self.layer}'s block {self.next}")
+            if length != _END.size:
+                raise WireError("protocol", "the end frame's length")
+        else:
+            raise WireError("protocol", f"unexpected frame kind {kind}")
+        return FrameHead(kind, length, crc)
+
+    def header(self, payload: bytes) -> StreamHeader:
+        header = StreamHeader.from_json(payload)
+        why = layout_mismatch(header.layout, self.local)
+        if why is not None:
+            raise WireError("mismatch", why)
+        if (header.first_block, header.num_blocks) != (self.first, self.n):
+            raise WireError(
+                "mismatch",
+                f"the stream carries blocks {header.first_block}+{header.num_blocks}, asked for {self.first}+{self.n}",
+            )
+        self.header_seen = True
+        return header
+
+    def run_ids(self, ids: bytes | memoryview, length: int) -> Run:
+        """The run a BLOCKS frame of `length` payload bytes carries, checked against what is due."""
+        run = Run(*_RUN_ID.unpack_from(ids))
+        if (run.layer, run.first_block) != (self.layer, self.next):
+            raise WireError(
+                "protocol", f"block run {run} out of order: expected layer {self.layer} block {self.next}"
+            )
+        if run.num_blocks < 1 or length != _RUN_ID.size + run.num_blocks * self.local.block_payload_bytes:
+            raise WireError("protocol", f"block run {run} does not match its frame's {length} bytes")
+        self.next += run.num_blocks
+        if self.next == self.first + self.n:
+            self.layer, self.next = self.layer + 1, self.first
+        self.frames += 1
+        return run
+
+    def end(self, payload: bytes | memoryview) -> None:
+        if _END.unpack_from(payload) != (
+            self.frames,
+            self.n * self.local.num_layers * self.local.block_payload_bytes,
+        ):
+            raise WireError("protocol", "the end frame's counts differ from the frames received")
 
 
 def decode_stream(raw: bytes | memoryview, local: KVLayout, first_block: int, num_blocks: int) -> DecodedKV:
-    """Check and split a whole stream; `local`: this pod's layout; the stream must carry exactly the
-    blocks first_block .. first_block + num_blocks - 1. Raises WireError."""
+    """Check and split a whole stream in memory (the runs' data are views into `raw`). Raises WireError."""
     buf = memoryview(raw)
-    kind, payload, pos = _frame(buf, 0)
-    if kind != HEADER or len(payload) > MAX_HEADER_BYTES:
-        raise WireError("protocol", "the stream does not start with a header frame")
-    header = StreamHeader.from_json(bytes(payload))
-    why = layout_mismatch(header.layout, local)
-    if why is not None:
-        raise WireError("mismatch", why)
-    if (header.first_block, header.num_blocks) != (first_block, num_blocks):
-        raise WireError(
-            "mismatch",
-            f"the stream carries blocks {header.first_block}+{header.num_blocks}, "
-            f"asked for {first_block}+{num_blocks}",
-        )
-    size = local.block_payload_bytes
-    blocks: list[list[memoryview]] = [[] for _ in range(local.num_layers)]
-    frames = 0
-    for layer in range(local.num_layers):
-        for i in range(num_blocks):
-            kind, payload, pos = _frame(buf, pos)
-            if kind != BLOCK or len(payload) != _BLOCK_ID.size + size:
-                raise WireError("protocol", f"expected block frame {layer}/{first_block + i}")
-            got = _BLOCK_ID.unpack_from(payload)
-            if got != (layer, first_block + i):
-                raise WireError(
-                    "protocol", f"block frame {got} out of order: expected {layer, first_block + i}"
-                )
-            blocks[layer].append(payload[_BLOCK_ID.size :])
-            frames += 1
-    kind, payload, pos = _frame(buf, pos)
-    if kind != END or len(payload) != _END.size:
-        raise WireError("protocol", "expected the end frame")
-    if _END.unpack_from(payload) != (frames, frames * size):
-        raise WireError("protocol", "the end frame's counts differ from the frames received")
+    checker = StreamChecker(local, first_block, num_blocks)
+    pos = 0
+    header: StreamHeader | None = None
+    runs: list[BlockRun] = []
+    while True:
+        head = checker.head(buf[pos : pos + FRAME_HEAD_BYTES])
+        pos += FRAME_HEAD_BYTES
+        payload = buf[pos : pos + head.length]
+        if len(payload) < head.length:
+            raise WireError("truncated", f"the stream ends inside a frame at byte {pos}")
+        check_crc((payload,), head.crc)
+        pos += head.length
+        if head.kind == HEADER:
+            header = checker.header(bytes(payload))
+        elif head.kind == BLOCKS:
+            runs.append(BlockRun(checker.run_ids(payload, head.length), payload[_RUN_ID.size :]))
+        else:
+            checker.end(payload)
+            break
     if pos != len(buf):
         raise WireError("protocol", f"{len(buf) - pos} bytes after the end frame")
-    return DecodedKV(header, blocks)
+    assert header is not None
+    return DecodedKV(header, runs)
