@@ -204,11 +204,6 @@ class EngineConfig(BaseModel):
             self.enable_lora_runtime_updates = True
         if self.lora_modules or self.enable_lora_runtime_updates:
             self.enable_lora = True
-        if self.kv_role != "both" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"--kv-role {self.kv_role} does not run with --tensor-parallel-size > 1 (each rank's KV "
-                "shard lives in its own process; docs/disaggregation.md)"
-            )
         if self.max_model_len is not None and self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be at least 16")
         method = self.speculative_method

@@ -66,9 +66,7 @@ def profile(kv_cache_dtype: str, block_tokens: int, repeats: int) -> dict[str, A
 
     def put() -> None:
         for r, data in zip(decoded.runs, writable, strict=True):
-            import_run(
-                dst[r.run.layer], ids[r.run.first_block : r.run.first_block + r.run.num_blocks], data, layout
-            )
+            import_run(dst[r.run.layer], ids[r.run.first_block : r.run.first_block + r.run.num_blocks], data)
 
     put()
     assert all(torch.equal(dst[i].k[ids[0]], src[i].k[ids[0]]) for i in (0, geo.num_layers - 1))

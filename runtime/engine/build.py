@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:
     """The engine `cfg` describes, on one device or on a tensor-parallel group."""
+    from kvpilot.runtime.engine.kv_transfer.blocks import model_fingerprint
     from kvpilot.runtime.engine.tp.runner import start_tensor_parallel
     from kvpilot.runtime.load.loader import load_model, resolve_device
 
@@ -52,7 +53,10 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
         spec = make_speculator(cfg, loaded.max_model_len, runner.device.type)
         name = cfg.served_model_name or loaded.model_name
         eos = frozenset(loaded.tokenizer.eos_token_ids)
-        return LLMEngine(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos, spec)
+        # the KV transfer: each rank's shard travels in its own stream (rank 0's shard is hashed:
+        # the tp size in the wire layout covers the rest)
+        fingerprint = model_fingerprint(loaded.arch, loaded.model, loaded.dtype, cfg.quantization)
+        return LLMEngine(runner, loaded.tokenizer, cfg, name, loaded.max_model_len, eos, spec, fingerprint)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)

@@ -128,16 +128,19 @@ class LLMEngine:
         self.kv: KVTransfers | None = None
         if model_fingerprint is not None:
             from kvpilot.runtime.engine.kv_transfer.blocks import layout_of
+            from kvpilot.runtime.engine.tp.runner import TPModelRunner
 
+            tp = runner.tp_size if isinstance(runner, TPModelRunner) else 1
             self.kv = KVTransfers(
                 cfg.kv_role,
                 self.block_manager,
                 runner.kv_caches,
-                layout_of(runner.geometry, model_fingerprint),
+                layout_of(runner.geometry, model_fingerprint, 0, tp),
                 cfg.kv_transfer_pin_fraction,
                 cfg.kv_transfer_ttl,
                 cfg.kv_transfer_timeout,
                 lambda name: None if (r := self.adapters.request(name)) is None else r.key,
+                runner if isinstance(runner, TPModelRunner) else None,
             )
             self.scheduler.before_free = self._pin_finished
         for lora_name, lora_path in cfg.lora_modules.items():

@@ -113,13 +113,13 @@ class KVExport:
 class KVImport:
     """add_request's `kv` for a `do_remote_prefill` request: prompt blocks first_block ..
     first_block + num_blocks - 1 pulled from a prefill pod, as the wire's block runs (wire.py,
-    layer-major, each layer covered once). The engine uses them when its prefix cache still holds
+    layer-major, each layer covered once), one stream per tensor-parallel rank. The engine uses them when its prefix cache still holds
     blocks 0..first_block-1 and it has room; else it computes the prompt itself. `on_done` runs once
     the engine has copied (or dropped) them."""
 
     first_block: int
     num_blocks: int
-    runs: list[BlockRun]
+    shards: list[list[BlockRun]]  # [tensor-parallel rank]: that rank's runs (one rank: [runs])
     on_done: Callable[[], None] | None = None
 
 
@@ -129,9 +129,9 @@ class TransferReader(Protocol):
     num_tokens: int
     num_blocks: int  # the prompt's full blocks before its last token
 
-    def export_run(self, layer: int, first_block: int, num_blocks: int) -> memoryview:
-        """A BLOCKS frame's data: blocks first_block .. + num_blocks - 1 of one layer (blocking:
-        call it off the event loop)."""
+    def export_run(self, layer: int, first_block: int, num_blocks: int, rank: int = 0) -> memoryview:
+        """A BLOCKS frame's data: blocks first_block .. + num_blocks - 1 of one layer, of
+        tensor-parallel rank `rank`'s pool (blocking: call it off the event loop)."""
         ...
 
 

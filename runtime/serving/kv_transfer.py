@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpilot.runtime.engine.kv_transfer.client import ByteBudget, PullError, new_session, pull, release
+from kvpilot.runtime.engine.kv_transfer.client import ByteBudget, PullError, new_session, pull_ranks, release
 from kvpilot.runtime.engine.kv_transfer.params import FIELD, RemoteDecode, RemotePrefill
 from kvpilot.runtime.engine.kv_transfer.wire import (
     CONTENT_TYPE,
@@ -43,15 +43,21 @@ log = logging.getLogger("kvpilot.server")
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
-def run_frame(reader: TransferReader, run: Run) -> tuple[bytes, memoryview]:
-    """One BLOCKS frame of a transfer: (frame head and ids, data). Blocking (the gather and the
-    checksum): call it off the event loop."""
-    data = reader.export_run(run.layer, run.first_block, run.num_blocks)
+def run_frame(reader: TransferReader, run: Run, rank: int) -> tuple[bytes, memoryview]:
+    """One BLOCKS frame of a transfer's tensor-parallel rank `rank`: (frame head and ids, data).
+    Blocking (the gather and the checksum): call it off the event loop."""
+    data = reader.export_run(run.layer, run.first_block, run.num_blocks, rank)
     return encode_run_head(run, data), data
 
 
+def rank_layouts(layout: KVLayout) -> list[KVLayout]:
+    """Pure: every tensor-parallel rank's layout, given rank 0's (the ranks hold equal head shards)."""
+    return [replace(layout, tp_rank=rank) for rank in range(layout.tp_size)]
+
+
 def pull_bytes(layout: KVLayout, num_blocks: int) -> int:
-    return num_blocks * layout.num_layers * layout.block_payload_bytes
+    """The blocks' bytes, every rank's shard."""
+    return num_blocks * layout.num_layers * layout.block_payload_bytes * layout.tp_size
 
 
 def early_mismatch(kv: RemotePrefill, layout: KVLayout, num_prompt_tokens: int) -> str | None:
@@ -141,7 +147,11 @@ class KVTransferFront:
         started = time.monotonic()
         try:
             done = await budget.acquire(pull_bytes(layout, total - have), deadline)
-            decoded = await pull(self._client(), url, have, total - have, layout, deadline, self._headers)
+            # one stream per tensor-parallel rank, each that rank's heads, side by side
+            layouts = rank_layouts(layout)
+            decoded = await pull_ranks(
+                self._client(), url, have, total - have, layouts, deadline, self._headers
+            )
         except PullError as e:
             if done is not None:
                 done()
@@ -152,9 +162,9 @@ class KVTransferFront:
             self._release(url)
             return None
         self.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
-        self.metrics.kv_bytes_received.inc(decoded.data_bytes)
+        self.metrics.kv_bytes_received.inc(sum(d.data_bytes for d in decoded))
         self._release(url)
-        return KVImport(have, total - have, decoded.runs, done)
+        return KVImport(have, total - have, [d.runs for d in decoded], done)
 
     def _release(self, url: str) -> None:
         self._spawn(release(self._client(), url, self._headers))
@@ -201,13 +211,14 @@ class KVTransferFront:
         layout = port.layout
         first = self._query_int(request, "from_block")
         rank = self._query_int(request, "rank")
-        if rank != layout.tp_rank:
+        if rank >= layout.tp_size:
             raise APIError(
-                f"this pod holds tensor-parallel rank {layout.tp_rank} of {layout.tp_size}",
+                f"this pod has {layout.tp_size} tensor-parallel rank(s): 'rank' 0..{layout.tp_size - 1}",
                 status=404,
                 type="not_found_error",
                 param="rank",
             )
+        layout = replace(layout, tp_rank=rank)
         with port.open_transfer(request.match_info["transfer_id"]) as reader:
             if reader is None:
                 raise APIError("unknown, released or expired KV transfer", status=404, type="not_found_error")
@@ -221,25 +232,27 @@ class KVTransferFront:
             resp.content_length = stream_length(header, runs)  # one body, not HTTP chunks
             await resp.prepare(request)
             await resp.write(encode_header(header))
-            data = await self._write_runs(resp, reader, runs)
+            data = await self._write_runs(resp, reader, runs, rank)
             await resp.write(encode_end(len(runs), data))
             await resp.write_eof()
         self.metrics.kv_bytes_sent.inc(data)
         return resp
 
     @staticmethod
-    async def _write_runs(resp: web.StreamResponse, reader: TransferReader, runs: list[Run]) -> int:
+    async def _write_runs(
+        resp: web.StreamResponse, reader: TransferReader, runs: list[Run], rank: int
+    ) -> int:
         """Write the BLOCKS frames, each gathered and checksummed in a worker thread while the one
         before it is being sent; the data bytes written."""
         if not runs:
             return 0
-        ahead = asyncio.ensure_future(asyncio.to_thread(run_frame, reader, runs[0]))
+        ahead = asyncio.ensure_future(asyncio.to_thread(run_frame, reader, runs[0], rank))
         data = 0
         try:
             for i in range(len(runs)):
                 head, payload = await ahead
                 if i + 1 < len(runs):
-                    ahead = asyncio.ensure_future(asyncio.to_thread(run_frame, reader, runs[i + 1]))
+                    ahead = asyncio.ensure_future(asyncio.to_thread(run_frame, reader, runs[i + 1], rank))
                 await resp.write(head)
                 await resp.write(payload)
                 data += len(payload)

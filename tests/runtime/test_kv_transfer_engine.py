@@ -64,7 +64,7 @@ def transfer(src: LLMEngine, dst: LLMEngine, params: dict[str, Any], first_block
         raw = encode_stream(StreamHeader(layout, reader.num_tokens, first_block, n), sent)
     decoded = decode_stream(raw, dst.kv.layout, first_block, n)
     done: list[bool] = []
-    return KVImport(first_block, n, decoded.runs, lambda: done.append(True))
+    return KVImport(first_block, n, [decoded.runs], lambda: done.append(True))
 
 
 @pytest.fixture

@@ -273,3 +273,61 @@ def test_check_tensor_parallel(tp: int, ok: bool) -> None:
     else:
         with pytest.raises(ValueError, match=f"--tensor-parallel-size {tp} does not divide"):
             check_tensor_parallel(arch, tp)
+
+
+def test_tp2_kv_transfer_carries_each_ranks_own_shard(
+    tmp_path: Path, start: Callable[[EngineConfig], LLMEngine]
+) -> None:
+    """Prefill/decode disaggregation at tp=2 (docs/disaggregation.md): a transfer is one stream per
+    rank, each exported from that rank's own pool (rank 1's through its worker) and imported into the
+    same rank's pool; the decode from the imported blocks gives the aggregated run's tokens. One
+    engine plays both pods (one tensor-parallel group per process): the decode request's cache salt
+    keeps it off the prefill's prefix-cache blocks, so every block is imported."""
+    from dataclasses import replace
+
+    from kvpilot.runtime.engine.kv_transfer.wire import StreamHeader, decode_stream, encode_stream, plan_runs
+    from kvpilot.runtime.engine.protocol import KVExport, KVImport
+
+    write_tiny_model("kv-split", tmp_path)
+    engine = start(engine_config(str(tmp_path), 2, block_size=8, max_num_batched_tokens=32, kv_role="both"))
+    assert engine.kv is not None and engine.kv.layout.tp_size == 2 and engine.kv.layout.num_kv_heads == 1
+    prompt = tiny_prompts()[2]  # 41 tokens: 5 full blocks before the last token
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run_one(rid: str, params: SamplingParams, salt: str, kv: Any) -> tuple[Any, list[Any]]:
+        engine.add_request(rid, prompt, params, cache_salt=salt, kv=kv)
+        seq, outs = engine.requests[rid].seq, []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        return seq, outs
+
+    reference, _ = run_one("ref", greedy, "ref", None)
+    _, outs = run_one("prefill", SamplingParams(temperature=0.0, max_tokens=1), "prefill", KVExport())
+    params = outs[-1].kv_transfer_params
+    assert params is not None
+    layouts = [replace(engine.kv.layout, tp_rank=rank) for rank in (0, 1)]
+    shards = []
+    with engine.kv.open_transfer(params["transfer_id"]) as reader:
+        assert reader is not None and reader.num_blocks == 5
+        for layout in layouts:
+            runs = plan_runs(layout, 0, 5, max_bytes=2 * layout.block_payload_bytes)  # several per layer
+            sent = [
+                (r, bytes(reader.export_run(r.layer, r.first_block, r.num_blocks, layout.tp_rank)))
+                for r in runs
+            ]
+            raw = encode_stream(StreamHeader(layout, len(prompt), 0, 5), sent)
+            shards.append(decode_stream(raw, layout, 0, 5).runs)
+    assert [bytes(r.data) for r in shards[0]] != [bytes(r.data) for r in shards[1]]  # each rank its heads
+
+    seq, outs = run_one("decode", greedy, "decode", KVImport(0, 5, shards))
+    assert all(o.kv_fallback is None for o in outs)
+    assert seq.output_token_ids == reference.output_token_ids
+    # rank 1's pool holds rank 1's shard in the decode request's blocks (read back through the worker)
+    assert isinstance(engine.runner, TPModelRunner)
+    bm = engine.block_manager
+    ids = [bm.cached[h] for h in bm._full_block_hashes(seq, 5 * 8)]
+    for r in shards[1]:
+        got = engine.runner.export_kv_shard(
+            1, r.run.layer, ids[r.run.first_block : r.run.first_block + r.run.num_blocks]
+        )
+        assert got == bytes(r.data)

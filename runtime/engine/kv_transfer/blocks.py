@@ -82,18 +82,20 @@ def export_run(cache: KVCacheLayer, block_ids: list[int]) -> memoryview:
     return memoryview(out.numpy())
 
 
-def import_run(cache: KVCacheLayer, block_ids: list[int], data: memoryview, layout: KVLayout) -> None:
+def import_run(cache: KVCacheLayer, block_ids: list[int], data: memoryview | bytes) -> None:
     """Write a BLOCKS frame's data into `block_ids` of this pool (its size already checked): one
     batched index copy per part, from views of `data` (no copy on the CPU when `data` is writable)."""
     n = len(block_ids)
     if n == 0:
         return
-    if data.readonly:  # torch.frombuffer wants a writable buffer (the pulls read into bytearrays)
-        data = memoryview(bytearray(data))
-    raw = torch.frombuffer(data, dtype=torch.uint8)
+    view = memoryview(data)
+    if view.readonly:  # torch.frombuffer wants a writable buffer (the pulls read into bytearrays)
+        view = memoryview(bytearray(view))
+    raw = torch.frombuffer(view, dtype=torch.uint8)
     idx = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
     pos = 0
-    for dst, (_, size) in zip(_parts(cache), layout.run_parts(n), strict=True):
+    for dst in _parts(cache):
+        size = n * dst[0].numel() * dst.element_size()
         src = raw[pos : pos + size].view(dst.dtype).view(n, *dst.shape[1:])
         dst.index_copy_(0, idx, src.to(dst.device))
         pos += size

@@ -198,6 +198,29 @@ async def pull(
         raise PullError("peer_gone", f"the prefill pod could not be read: {type(e).__name__}") from None
 
 
+async def pull_ranks(
+    session: aiohttp.ClientSession,
+    url: str,
+    first_block: int,
+    num_blocks: int,
+    layouts: list[KVLayout],
+    deadline: float,
+    headers: dict[str, str] | None = None,
+) -> list[DecodedKV]:
+    """`pull` of every tensor-parallel rank's stream (`layouts[r]` is rank r's), side by side; the
+    first failure cancels the others and is raised."""
+    tasks = [
+        asyncio.ensure_future(pull(session, url, first_block, num_blocks, layout, deadline, headers))
+        for layout in layouts
+    ]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def release(session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> bool:
     """DELETE the transfer (best effort within RELEASE_TIMEOUT_S: the prefill pod's TTL is the backstop)."""
     try:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from kvpilot.kernels.attention import KVCacheLayer
 from kvpilot.runtime.engine.block_manager import BlockManager
@@ -30,15 +30,28 @@ from kvpilot.runtime.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
+class Shards(Protocol):
+    """The other tensor-parallel ranks' KV pools (TPModelRunner): each rank holds its own heads."""
+
+    def export_kv_shard(self, rank: int, layer: int, block_ids: list[int]) -> bytes: ...
+
+    def import_kv_shard(self, rank: int, layer: int, block_ids: list[int], data: memoryview) -> None: ...
+
+
 class _Reader:
-    def __init__(self, pin: Pin, caches: list[KVCacheLayer]) -> None:
+    def __init__(self, pin: Pin, caches: list[KVCacheLayer], shards: Shards | None) -> None:
         self._pin = pin
         self._caches = caches
+        self._shards = shards
         self.num_tokens = pin.num_tokens
         self.num_blocks = len(pin.block_ids)
 
-    def export_run(self, layer: int, first_block: int, num_blocks: int) -> memoryview:
-        return export_run(self._caches[layer], self._pin.block_ids[first_block : first_block + num_blocks])
+    def export_run(self, layer: int, first_block: int, num_blocks: int, rank: int = 0) -> memoryview:
+        block_ids = self._pin.block_ids[first_block : first_block + num_blocks]
+        if rank == 0:
+            return export_run(self._caches[layer], block_ids)
+        assert self._shards is not None
+        return memoryview(self._shards.export_kv_shard(rank, layer, block_ids))
 
 
 class KVTransfers:
@@ -52,13 +65,17 @@ class KVTransfers:
         ttl: float,
         timeout: float,
         adapter_key: Callable[[str | None], str | None],
+        shards: Shards | None = None,
     ) -> None:
+        """`layout`: rank 0's (its tp_size says how many ranks' shards a transfer has); `shards`:
+        the other ranks' pools (tensor parallelism)."""
         self.role = role
         self.layout = layout
         self.timeout = timeout
         self._bm = bm
         self._caches = caches
         self._adapter_key = adapter_key
+        self._shards = shards
         self.pins = PinTable(int(pin_fraction * bm.num_blocks), ttl)
         self.wake: Callable[[], None] = lambda: None  # AsyncEngine: run release_due soon
 
@@ -88,7 +105,7 @@ class KVTransfers:
     def open_transfer(self, transfer_id: str) -> Iterator[_Reader | None]:
         pin = self.pins.open(transfer_id)
         try:
-            yield None if pin is None else _Reader(pin, self._caches)
+            yield None if pin is None else _Reader(pin, self._caches, self._shards)
         finally:
             if pin is not None:
                 self.pins.close(pin)
@@ -125,7 +142,11 @@ class KVTransfers:
         cannot be used (`evicted`: the local prefix they follow is gone; `no_blocks`: no room now)."""
         bs = self._bm.block_size
         first, n = kv.first_block, kv.num_blocks
-        if first + n != transfer_blocks(seq.num_prompt_tokens, bs) or seq.needs_prompt_logprobs:
+        if (
+            first + n != transfer_blocks(seq.num_prompt_tokens, bs)
+            or seq.needs_prompt_logprobs
+            or len(kv.shards) != self.layout.tp_size
+        ):
             return "mismatch"
         hits = self._bm.match_prefix(seq)
         if len(hits) < first:
@@ -133,14 +154,15 @@ class KVTransfers:
         if not self._bm.adopt(seq, hits[:first], n):
             return "no_blocks"
         try:
-            for r in kv.runs:
-                start = r.run.first_block
-                import_run(
-                    self._caches[r.run.layer],
-                    seq.block_table[start : start + r.run.num_blocks],
-                    r.data,
-                    self.layout,
-                )
+            for rank, runs in enumerate(kv.shards):
+                for r in runs:
+                    start = r.run.first_block
+                    ids = seq.block_table[start : start + r.run.num_blocks]
+                    if rank == 0:
+                        import_run(self._caches[r.run.layer], ids, r.data)
+                    else:
+                        assert self._shards is not None
+                        self._shards.import_kv_shard(rank, r.run.layer, ids, r.data)
         except (ValueError, RuntimeError):
             log.exception("pulled KV blocks could not be copied in; computing the prompt")
             self._bm.free_seq(seq)

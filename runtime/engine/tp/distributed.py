@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -121,6 +122,10 @@ class Workers:
         self.errors: dict[int, str] = {}  # rank -> the traceback it reported
         self.broken: str | None = None  # why the group cannot run another step
         self.closed = False
+        # the engine thread sends steps while the KV transfer's threads ask one rank for its blocks
+        # (request): one writer per pipe at a time, and one request-reply exchange at a time
+        self._send_lock = threading.Lock()
+        self._request_lock = threading.Lock()
 
     @classmethod
     def spawn(
@@ -156,35 +161,58 @@ class Workers:
         """Send one message to every worker; a dead worker raises TensorParallelError."""
         self.check_alive()
         data = encode(kind, payload)
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send_bytes(data)
-            except OSError as exc:  # BrokenPipeError and friends
-                raise TensorParallelError(
-                    self.describe_failure(f"sending to rank {rank} failed: {exc}")
-                ) from exc
+        for rank in range(1, self.spec.world_size):
+            self._send(rank, data)
+
+    def send_to(self, rank: int, kind: str, payload: Any = None) -> None:
+        """Send one message to one worker (rank >= 1); a dead worker raises TensorParallelError."""
+        self.check_alive()
+        self._send(rank, encode(kind, payload))
+
+    def _send(self, rank: int, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self.conns[rank - 1].send_bytes(data)
+        except OSError as exc:  # BrokenPipeError and friends
+            raise TensorParallelError(self.describe_failure(f"sending to rank {rank} failed: {exc}")) from exc
+
+    def exchange(self, kind: str, payload: Any, expect: str) -> list[Any]:
+        """`send` to every worker, then `gather` their replies, as one exchange (see `request`)."""
+        with self._request_lock:
+            self.send(kind, payload)
+            return [self._receive(rank, expect, None) for rank in range(1, self.spec.world_size)]
+
+    def request(self, rank: int, kind: str, payload: Any, expect: str) -> Any:
+        """One message to one worker and its `expect` reply, from any thread. The worker answers
+        after the steps sent before it (its pipe is in order); no step waits for a reply, so the
+        engine thread's steps go on meanwhile."""
+        with self._request_lock:
+            self.send_to(rank, kind, payload)
+            return self._receive(rank, expect, None)
 
     def gather(self, expect: str, timeout_s: float | None = None) -> list[Any]:
         """One `expect` reply from each worker, in rank order; errors and deaths raise."""
+        with self._request_lock:
+            return [self._receive(rank, expect, timeout_s) for rank in range(1, self.spec.world_size)]
+
+    def _receive(self, rank: int, expect: str, timeout_s: float | None) -> Any:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        replies: list[Any] = []
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
-            while not conn.poll(_POLL_S):
-                if not proc.is_alive():
-                    raise TensorParallelError(self.describe_failure(f"rank {rank} exited while starting"))
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TensorParallelError(f"rank {rank} sent no {expect!r} within {timeout_s:.0f}s")
-            try:
-                kind, payload = decode(conn.recv_bytes())
-            except (EOFError, OSError) as exc:
-                raise TensorParallelError(self.describe_failure(f"rank {rank} closed its pipe")) from exc
-            if kind == "error":
-                self._record_error(rank, str(payload))
-                raise TensorParallelError(self.describe_failure(f"rank {rank} failed"))
-            if kind != expect:
-                raise TensorParallelError(f"rank {rank} sent {kind!r}, expected {expect!r}")
-            replies.append(payload)
-        return replies
+        proc, conn = self.procs[rank - 1], self.conns[rank - 1]
+        while not conn.poll(_POLL_S):
+            if not proc.is_alive():
+                raise TensorParallelError(self.describe_failure(f"rank {rank} exited before its {expect!r}"))
+            if deadline is not None and time.monotonic() > deadline:
+                raise TensorParallelError(f"rank {rank} sent no {expect!r} within {timeout_s:.0f}s")
+        try:
+            kind, payload = decode(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise TensorParallelError(self.describe_failure(f"rank {rank} closed its pipe")) from exc
+        if kind == "error":
+            self._record_error(rank, str(payload))
+            raise TensorParallelError(self.describe_failure(f"rank {rank} failed"))
+        if kind != expect:
+            raise TensorParallelError(f"rank {rank} sent {kind!r}, expected {expect!r}")
+        return payload
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

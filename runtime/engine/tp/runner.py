@@ -254,15 +254,23 @@ class TPModelRunner(ModelRunner):
     def add_lora(self, name: str, path: str) -> int:
         rank = super().add_lora(name, path)  # rank 0 checks the adapter before the workers read it
         with self.workers.step():
-            self.workers.send("lora_add", (name, path))
-            self.workers.gather("lora_added")
+            self.workers.exchange("lora_add", (name, path), "lora_added")
         return rank
 
     def remove_lora(self, name: str) -> None:
         super().remove_lora(name)
         with self.workers.step():
-            self.workers.send("lora_remove", name)
-            self.workers.gather("lora_removed")
+            self.workers.exchange("lora_remove", name, "lora_removed")
+
+    def export_kv_shard(self, rank: int, layer: int, block_ids: list[int]) -> bytes:
+        """A KV transfer's BLOCKS data of worker `rank`'s pool (kv_transfer/blocks.export_run). Any
+        thread: the worker answers between steps."""
+        data: bytes = self.workers.request(rank, "kv_export", (layer, block_ids), "kv_exported")
+        return data
+
+    def import_kv_shard(self, rank: int, layer: int, block_ids: list[int], data: memoryview) -> None:
+        """Engine thread: pulled blocks into worker `rank`'s pool (it copies them before the next step)."""
+        self.workers.send_to(rank, "kv_import", (layer, block_ids, bytes(data)))
 
     def _inputs(
         self, scheduled: list[ScheduledSeq], reorder: bool = True

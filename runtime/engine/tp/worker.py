@@ -7,6 +7,8 @@ The worker waits for messages on its pipe from rank 0 (runtime/engine/tp/distrib
   logits   (shape, dtype) receive rank 0's hidden rows by broadcast, compute their logits
   lora_add (name, path)   read an adapter into host memory (rank 0 checked it first); reply lora_added
   lora_remove name        forget an adapter; reply lora_removed
+  kv_export (layer, block ids)         reply kv_exported: those blocks of this rank's pool (a KV transfer)
+  kv_import (layer, block ids, data)   copy pulled blocks into this rank's pool (no reply)
   shutdown              leave the group and exit 0
 Anything that goes wrong is reported as ("error", traceback) before the worker exits 1, which also
 breaks the process group, so rank 0 fails its current collective at once instead of hanging.
@@ -78,6 +80,7 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
     import torch
     import torch.distributed as dist
 
+    from kvpilot.runtime.engine.kv_transfer.blocks import export_run, import_run
     from kvpilot.runtime.engine.tp.distributed import decode, encode
     from kvpilot.runtime.engine.tp.runner import StepInputs
 
@@ -105,6 +108,14 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
                 hidden = torch.empty(shape, dtype=dtype, device=runner.device)
                 dist.broadcast(hidden, src=0)
                 model.compute_logits(hidden)
+            elif kind == "kv_export":  # prefill side: this rank's blocks of one layer (kv_transfer/)
+                layer, block_ids = payload
+                conn.send_bytes(encode("kv_exported", bytes(export_run(runner.kv_caches[layer], block_ids))))
+            elif (
+                kind == "kv_import"
+            ):  # decode side: pulled blocks into this rank's pool, before the next step
+                layer, block_ids, data = payload
+                import_run(runner.kv_caches[layer], block_ids, data)
             elif kind == "lora_add":
                 name, path = payload
                 runner.add_lora(name, path)
