@@ -69,7 +69,7 @@ def export_run(cache: KVCacheLayer, block_ids: list[int]) -> memoryview:
     sizes = [n * t[0].numel() * t.element_size() for t in parts]
     out = torch.empty(sum(sizes), dtype=torch.uint8)
     if n == 0:
-        return memoryview(out.numpy())
+        return out.numpy().data
     idx = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
     pos = 0
     for src, size in zip(parts, sizes, strict=True):
@@ -79,7 +79,7 @@ def export_run(cache: KVCacheLayer, block_ids: list[int]) -> memoryview:
         else:  # gather on the device, one copy to the host
             dst.copy_(src.index_select(0, idx))
         pos += size
-    return memoryview(out.numpy())
+    return out.numpy().data
 
 
 def import_run(cache: KVCacheLayer, block_ids: list[int], data: memoryview | bytes) -> None:

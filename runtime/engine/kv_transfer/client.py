@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import aiohttp
 
 from kvpilot.runtime.engine.kv_transfer.wire import (
     BLOCKS,
+    END,
     FRAME_HEAD_BYTES,
     HEADER,
     RUN_ID_BYTES,
@@ -25,7 +27,6 @@ from kvpilot.runtime.engine.kv_transfer.wire import (
     StreamChecker,
     StreamHeader,
     WireError,
-    check_crc,
 )
 
 RELEASE_TIMEOUT_S = 2.0
@@ -113,8 +114,9 @@ class ByteBudget:
         return release
 
 
-async def _read_exact(content: aiohttp.StreamReader, n: int) -> bytearray:
-    """The next `n` bytes of the body into one writable buffer (the import views it in place)."""
+async def _read_exact(content: aiohttp.StreamReader, n: int, crc: int = 0) -> tuple[bytearray, int]:
+    """The next `n` bytes of the body into one writable buffer (the import views it in place), and
+    their crc32 continued from `crc`, computed chunk by chunk while each chunk is in the CPU's cache."""
     buf = bytearray(n)
     view = memoryview(buf)
     pos = 0
@@ -123,44 +125,35 @@ async def _read_exact(content: aiohttp.StreamReader, n: int) -> bytearray:
         if not chunk:
             raise WireError("truncated", f"the stream ends {n - pos} bytes inside a frame")
         view[pos : pos + len(chunk)] = chunk
+        crc = zlib.crc32(chunk, crc)
         pos += len(chunk)
-    return buf
+    return buf, crc
 
 
 async def read_stream(
     content: aiohttp.StreamReader, local: KVLayout, first_block: int, num_blocks: int
 ) -> DecodedKV:
-    """Read and check a stream frame by frame as it arrives; the BLOCKS frames' checksums run in
-    worker threads (zlib releases the GIL) while the next frames are read. Raises WireError."""
-    loop = asyncio.get_running_loop()
+    """Read and check a stream frame by frame as it arrives. Raises WireError."""
     checker = StreamChecker(local, first_block, num_blocks)
     header: StreamHeader | None = None
     runs: list[BlockRun] = []
-    crcs: list[asyncio.Future[None]] = []
-    try:
-        while True:
-            head = checker.head(await _read_exact(content, FRAME_HEAD_BYTES))
-            if head.kind == BLOCKS:
-                ids = await _read_exact(content, RUN_ID_BYTES)
-                run = checker.run_ids(ids, head.length)
-                data = await _read_exact(content, head.length - RUN_ID_BYTES)
-                crcs.append(loop.run_in_executor(None, check_crc, (ids, data), head.crc))
-                runs.append(BlockRun(run, memoryview(data)))
-                continue
-            payload = await _read_exact(content, head.length)
-            check_crc((payload,), head.crc)
-            if head.kind == HEADER:
-                header = checker.header(bytes(payload))
-            else:
-                checker.end(payload)
-                break
-        if await content.read(1):
-            raise WireError("protocol", "bytes after the end frame")
-    except BaseException:
-        for crc in crcs:  # those not started yet; a running one ends on its own
-            crc.cancel()
-        raise
-    await asyncio.gather(*crcs)  # raises the first WireError(checksum)
+    while True:
+        raw, _ = await _read_exact(content, FRAME_HEAD_BYTES)
+        head = checker.head(raw)
+        payload, crc = await _read_exact(content, RUN_ID_BYTES if head.kind == BLOCKS else head.length)
+        if head.kind == BLOCKS:
+            run = checker.run_ids(payload, head.length)
+            data, crc = await _read_exact(content, head.length - RUN_ID_BYTES, crc)
+            runs.append(BlockRun(run, memoryview(data)))
+        if crc != head.crc:
+            raise WireError("checksum", "a frame fails its crc32")
+        if head.kind == HEADER:
+            header = checker.header(bytes(payload))
+        elif head.kind == END:
+            checker.end(payload)
+            break
+    if await content.read(1):
+        raise WireError("protocol", "bytes after the end frame")
     assert header is not None
     return DecodedKV(header, runs)
 

@@ -22,11 +22,11 @@ then one END:
   logical content, each row-major over its `count` blocks: K [count, block_size, kv_heads, head_dim],
   V (same), and for int8/fp8 caches the K and V scales [count, block_size, kv_heads] (float16). The
   layout a pod's kernels store blocks in (transposed K, head-major V) never reaches the wire. A sender
-  cuts a layer into runs of at most `MAX_FRAME_BYTES`; a reader takes any cut.
+  cuts a layer into runs of at most `MAX_FRAME_BYTES` (1 MiB); a reader takes any cut.
 - END payload: frames u32 (BLOCKS frames sent), data bytes u64 (their payload bytes after the ids).
 
-Large frames keep the per-frame work (a head, a checksum call, an await) to a few dozen per stream,
-and each run's data is one contiguous slice both sides read and write in place (blocks.py).
+Runs of many blocks keep the per-frame work (a head, a checksum call, an await) to a few hundred per
+stream, and each run's data is one contiguous slice both sides read and write in place (blocks.py).
 
 The decoder (`StreamChecker`, frame by frame as they arrive, or `decode_stream` for a whole buffer)
 checks every frame's magic, kind, length (never more than the blocks still expected) and checksum,
@@ -53,7 +53,11 @@ RUN_ID_BYTES = _RUN_ID.size
 RUN_HEAD_BYTES = FRAME_HEAD_BYTES + RUN_ID_BYTES  # what precedes a BLOCKS frame's data
 END_FRAME_BYTES = FRAME_HEAD_BYTES + _END.size
 MAX_HEADER_BYTES = 64 * 1024
-MAX_FRAME_BYTES = 32 * 2**20  # the sender's cut: a run's data stays under this (at least one block)
+# the sender's cut: a run's data stays under this (at least one block). Small enough that a run's
+# checksum reads what its gather just wrote while it is still in the CPU's cache, and that the next
+# run's gather overlaps this one's send; large enough that the per-frame work is noise (~200 frames
+# for 4k tokens of SmolLM2 in float32)
+MAX_FRAME_BYTES = 2**20
 CONTENT_TYPE = "application/octet-stream"
 
 # storage dtypes the runtime's KV caches use, by torch's name, and their element sizes
@@ -289,7 +293,7 @@ class StreamChecker:
     def blocks_done(self) -> bool:
         return self.layer >= self.local.num_layers
 
-    def head(self, raw: bytes | memoryview) -> FrameHead:
+    def head(self, raw: bytes | bytearray | memoryview) -> FrameHead:
         if len(raw) < FRAME_HEAD_BYTES:
             raise WireError("truncated", "the stream ends inside a frame head")
         magic, kind, _, _, length, crc = _HEAD.unpack_from(raw)
@@ -328,7 +332,7 @@ class StreamChecker:
         self.header_seen = True
         return header
 
-    def run_ids(self, ids: bytes | memoryview, length: int) -> Run:
+    def run_ids(self, ids: bytes | bytearray | memoryview, length: int) -> Run:
         """The run a BLOCKS frame of `length` payload bytes carries, checked against what is due."""
         run = Run(*_RUN_ID.unpack_from(ids))
         if (run.layer, run.first_block) != (self.layer, self.next):
@@ -343,7 +347,7 @@ class StreamChecker:
         self.frames += 1
         return run
 
-    def end(self, payload: bytes | memoryview) -> None:
+    def end(self, payload: bytes | bytearray | memoryview) -> None:
         if _END.unpack_from(payload) != (
             self.frames,
             self.n * self.local.num_layers * self.local.block_payload_bytes,
