@@ -52,6 +52,16 @@ INTER_TOKEN_LATENCY = PodMetric(
     "kvpilot_inter_token_latency_seconds", ("vllm:time_per_output_token_seconds",)
 )
 
+# prefill/decode disaggregation (docs/disaggregation.md): the KV transfer between a prefill and a decode
+# pod, and each pod's role (`kvpilot_engine_info{kv_role}`, value 1). vLLM has no equivalents.
+KV_TRANSFER_BYTES = PodMetric("kvpilot_kv_transfer_bytes_total", ())  # direction: sent | received
+KV_TRANSFER_SECONDS = PodMetric("kvpilot_kv_transfer_seconds", ())  # histogram, decode side, one pull
+KV_TRANSFER_FAILURES = PodMetric("kvpilot_kv_transfer_failures_total", ())  # reason
+KV_TRANSFER_FALLBACKS = PodMetric("kvpilot_kv_transfer_fallbacks_total", ())  # reason; decode pod recomputed
+KV_TRANSFERS_PENDING = PodMetric("kvpilot_kv_transfers_pending", ())  # prefill side, pinned transfers
+ENGINE_INFO = PodMetric("kvpilot_engine_info", ())  # kv_role: prefill | decode | both
+KV_ROLE_INFO_LABEL = "kv_role"
+
 # The output-length histogram's bounds (tokens per finished generation): powers of two, the points the
 # autoscaler's TPOT tail rule reads the distribution at (autoscaler/slo.output_share_at_most).
 OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))  # 1 .. 32768
