@@ -121,7 +121,9 @@ def measure_link(
     for s in snapshot.samples:
         if s.kv_transfers_total is None or s.kv_transfer_seconds_total is None:
             continue
-        c = PullCounter(s.pod, s.kv_transfer_seconds_total, s.kv_transfers_total, s.kv_transfer_bytes_total or 0.0)
+        c = PullCounter(
+            s.pod, s.kv_transfer_seconds_total, s.kv_transfers_total, s.kv_transfer_bytes_total or 0.0
+        )
         counters.append(c)
         b = before.get(s.pod)
         if not fresh or dt is None or b is None or c.pulls < b.pulls or c.seconds < b.seconds:
@@ -182,9 +184,7 @@ def decide_link(
     demand = m.bytes_s / (link * target_utilization)
     raw = max(1, math.ceil(demand - _EPS))
     steady = raw if abs(raw / current - 1.0) > targets.behavior.tolerance else current
-    desired, recs, _, notes = stabilize(
-        steady, current, state.recommendations, events, now, targets, startup
-    )
+    desired, recs, _, notes = stabilize(steady, current, state.recommendations, events, now, targets, startup)
     text = (
         f"KV pulls {m.bytes_s / 1e9:.2f} GB/s ({m.pulls:.0f} pulls, mean {m.pull_s or 0.0:.2f} s,"
         f" {m.in_flight:.1f} in flight per pod) over a {link / 1e9:.1f} GB/s link per replica"
@@ -195,7 +195,9 @@ def decide_link(
     return LinkDecision(desired, raw, demand, text, replace(new_state, recommendations=recs), m, link)
 
 
-def bare_prefill_s(mean_prompt: float, calibration: Calibration | None, throughput: float | None) -> float | None:
+def bare_prefill_s(
+    mean_prompt: float, calibration: Calibration | None, throughput: float | None
+) -> float | None:
     """The mean prompt's prefill on an idle replica: the calibration's, else at the measured rate."""
     if calibration is not None:
         return solo_prefill_s(calibration, max(1, round(mean_prompt)))

@@ -71,8 +71,8 @@ from kvpilot.autoscaler.pd_prefill import (
     PrefillState,
     decide_prefill,
 )
-from kvpilot.autoscaler.policy import Decision, History, decide
 from kvpilot.autoscaler.pd_signals import RouterPdCounts
+from kvpilot.autoscaler.policy import Decision, History, decide
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
 
