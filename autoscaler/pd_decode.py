@@ -17,17 +17,17 @@ count, kvpilot_kv_transfer_bytes_total{direction="received"}; ReplicaSample.kv_t
   the link never idles. Smoothed over syncs (bytes-weighted over the pods), never below the most
   bytes/s one pod received in an interval (a link did that much: it can). Until a pull is measured,
   the calibration's kv_link_bytes_s stands in (with spec.autoscaling.slo), else nothing;
-- demand (decode replicas, fractional) = the bytes/s all decode pods receive / (link x target
-  utilization, DEFAULT_LINK_TARGET_UTILIZATION): at 60% busy a pull takes 2.5x its bare time.
+- demand (decode replicas, fractional) = the bytes/s all decode pods receive (the mean over the last
+  minute: prompts differ by 100x in size) / (link x target utilization, DEFAULT_LINK_TARGET_UTILIZATION): at 60% busy a pull takes 2.5x its bare time.
   The raw recommendation ceil(demand) runs through the decode role's stabilization windows and rate
   limits (pd_prefill.stabilize, with its own recommendations and the role's scale events).
 
 **The TTFT breakdown.** A disaggregated request's TTFT is its prefill leg (the router's
 kvpilot_router_pd_prefill_seconds: the prefill queue and compute), its pull (the decode pods'
 kvpilot_kv_transfer_seconds) and the decode pod's admission and first step. Each stage's wait is its
-measured mean over the interval less its bare time: the prefill leg less the mean prompt's prefill on
-an idle replica (the calibration's, else the mean prompt over the measured prefill throughput), the
-pull less its bytes over the link. The TTFT misses the router counts are split between the roles in
+measured mean over the interval less its bare time: the prefill leg less the mean prompt over one
+prefill replica's throughput (pd_prefill's: measured at saturation, else the calibration's idle
+rate), the pull less its bytes over the link. The TTFT misses the router counts are split between the roles in
 proportion of these waits (the decode share, smoothed): misses caused by pulls queued at the decode
 pods' links grow decode, not prefill. Unknown (no disaggregated request measured yet): all TTFT
 misses are the prefill role's. The decode pod's admission wait is not exported by any metric with
@@ -40,18 +40,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvpilot.autoscaler.arrivals import MAX_COUNTER_AGE_S
+from kvpilot.autoscaler.arrivals import MAX_COUNTER_AGE_S, RateSample
 from kvpilot.autoscaler.calibration import Calibration
-from kvpilot.autoscaler.pd_prefill import stabilize
+from kvpilot.autoscaler.pd_prefill import RATE_LEVEL_S, stabilize
 from kvpilot.autoscaler.pd_signals import RouterPdCounts
 from kvpilot.autoscaler.policy import Recommendation, ScaleEvent
 from kvpilot.autoscaler.samples import MetricsSnapshot
-from kvpilot.autoscaler.slo import solo_prefill_s
 from kvpilot.autoscaler.spec import ScalingTargets
 
 DEFAULT_LINK_TARGET_UTILIZATION = 0.6  # share of its link a decode pod is sized to keep busy with pulls
 LINK_SMOOTHING = 0.5  # weight of a new link estimate
 SHARE_SMOOTHING = 0.5  # weight of a new TTFT split
+MIN_WAIT_S = 0.05  # both stages' waits together below this: neither queues, the split is not updated
 _EPS = 1e-9
 
 
@@ -72,6 +72,7 @@ class LinkState:
     time: float | None = None
     counters: tuple[PullCounter, ...] = ()
     link_bytes_s: float | None = None  # one decode pod's link, measured (smoothed)
+    rates: tuple[RateSample, ...] = ()  # bytes/s the decode pods received, by sync (the last RATE_LEVEL_S)
     recommendations: tuple[Recommendation, ...] = ()  # the link's raw recommendations
 
 
@@ -181,12 +182,19 @@ def decide_link(
     if m is None or link is None or current < 1 or m.pulls < 1:
         text = "no KV pulls measured" if m is None or m.pulls < 1 else "link bandwidth unknown"
         return LinkDecision(None, None, None, text, new_state, m, link)
-    demand = m.bytes_s / (link * target_utilization)
+    # Prompts differ by 100x in size: the level is the mean over the last RATE_LEVEL_S.
+    rates = (
+        *(r for r in state.rates if now - r.time < RATE_LEVEL_S and r.time < now),
+        RateSample(now, m.bytes_s),
+    )
+    new_state = replace(new_state, rates=rates)
+    level = sum(r.rate for r in rates) / len(rates)
+    demand = level / (link * target_utilization)
     raw = max(1, math.ceil(demand - _EPS))
     steady = raw if abs(raw / current - 1.0) > targets.behavior.tolerance else current
     desired, recs, _, notes = stabilize(steady, current, state.recommendations, events, now, targets, startup)
     text = (
-        f"KV pulls {m.bytes_s / 1e9:.2f} GB/s ({m.pulls:.0f} pulls, mean {m.pull_s or 0.0:.2f} s,"
+        f"KV pulls {level / 1e9:.2f} GB/s ({m.pulls:.0f} pulls, mean {m.pull_s or 0.0:.2f} s,"
         f" {m.in_flight:.1f} in flight per pod) over a {link / 1e9:.1f} GB/s link per replica"
         f" ({'measured' if measured is not None else 'calibration'}, target {target_utilization:.0%})"
     )
@@ -195,13 +203,11 @@ def decide_link(
     return LinkDecision(desired, raw, demand, text, replace(new_state, recommendations=recs), m, link)
 
 
-def bare_prefill_s(
-    mean_prompt: float, calibration: Calibration | None, throughput: float | None
-) -> float | None:
-    """The mean prompt's prefill on an idle replica: the calibration's, else at the measured rate."""
-    if calibration is not None:
-        return solo_prefill_s(calibration, max(1, round(mean_prompt)))
-    return mean_prompt / throughput if throughput else None
+def bare_prefill_s(mean_prompt: float | None, throughput: float | None) -> float | None:
+    """The mean prompt's prefill at one prefill replica's throughput (measured, else the calibration's
+    idle rate): what the leg takes without a queue. The measured rate has the pods' prefix-cache hits
+    in it (prompt tokens counted whole), which an idle-prefill model of the prompt would not."""
+    return mean_prompt / throughput if mean_prompt and throughput else None
 
 
 def attribute_ttft(
@@ -224,7 +230,7 @@ def attribute_ttft(
     m = link.measure
     if m is not None and m.pull_s is not None and m.bytes_per_pull is not None and link.link_bytes_s:
         transfer_wait = max(0.0, m.pull_s - m.bytes_per_pull / link.link_bytes_s)
-    if prefill_wait is not None and transfer_wait is not None and prefill_wait + transfer_wait > _EPS:
+    if prefill_wait is not None and transfer_wait is not None and prefill_wait + transfer_wait >= MIN_WAIT_S:
         sample = transfer_wait / (prefill_wait + transfer_wait)
         share = sample if share is None else SHARE_SMOOTHING * sample + (1.0 - SHARE_SMOOTHING) * share
     new = replace(new, decode_share=share, prefill_wait_s=prefill_wait, transfer_wait_s=transfer_wait)

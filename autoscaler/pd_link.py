@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
-_DONE_BYTES = 1e-3  # a pull with less than this left is done (float rounding)
+_DONE_S = 1e-9  # a pull with less than this long left is done (float rounding of the event times)
 
 
 @dataclass(eq=False)
@@ -73,14 +73,16 @@ class Link(Generic[K]):
         """Move the bytes up to `now`: (pulls done, pulls that passed their deadline)."""
         done: list[Pull[K]] = []
         late: list[Pull[K]] = []
-        if self.active and now > self.since:
-            moved = (now - self.since) * self.bytes_s / len(self.active)
+        n = len(self.active)
+        if n and now > self.since:
+            moved = (now - self.since) * self.bytes_s / n
             for p in self.active:
                 p.left -= moved
         self.since = max(self.since, now)
+        done_bytes = _DONE_S * self.bytes_s / max(1, n)
         keep = []
         for p in self.active:
-            if p.left <= _DONE_BYTES:
+            if p.left <= done_bytes:
                 done.append(p)
                 self.seconds_total += now - p.started
                 self.pulls_total += 1

@@ -24,7 +24,7 @@ Joint:
    requests both's, and TTFT misses are split by the **TTFT breakdown** (pd_decode.attribute_ttft):
    the decode role takes the share of the disaggregated requests' TTFT wait spent in pulls (past
    their bare time over the link), the prefill role the share spent in the prefill leg (past the
-   mean prompt's idle prefill); all the prefill role's until a breakdown is measured. A role whose
+   mean prompt at the prefill throughput); all the prefill role's until a breakdown is measured. A role whose
    own misses exceed the budget grows (feedback.evaluate's step) and may shrink only with headroom
    in its view; when the misses together exceed the budget but neither role's alone does, the role
    with more of them takes the step.
@@ -303,14 +303,13 @@ def decide_pd(
         snapshot.decode,
         targets.role_targets(DECODE),
         state.link,
-        dd.history.events,
+        state.decode.events,  # the role's scale events before this sync
         now,
         startup=startup,
         calibration=cal,
         target_utilization=targets.link_target_utilization,
     )
-    mean_prompt = pf.state.mean_prompt
-    bare = None if mean_prompt is None else bare_prefill_s(mean_prompt, cal, pf.throughput)
+    bare = bare_prefill_s(pf.state.mean_prompt, pf.throughput)
     ttft_state, decode_share = attribute_ttft(state.ttft, snapshot.router_pd, now, lk, bare)
     want = {PREFILL: pf.desired, DECODE: dd.desired}
     signal = {PREFILL: pf.signal, DECODE: dd.signal}
