@@ -27,12 +27,12 @@ kvpilot_router_pd_prefill_seconds: the prefill queue and compute), its pull (the
 kvpilot_kv_transfer_seconds) and the decode pod's admission and first step. Each stage's wait is its
 measured mean over the interval less its bare time: the prefill leg less the mean prompt over one
 prefill replica's throughput (pd_prefill's: measured at saturation, else the calibration's idle
-rate), the pull less its bytes over the link. The TTFT misses the router counts are split between the roles in
-proportion of these waits (the decode share, smoothed): misses caused by pulls queued at the decode
-pods' links grow decode, not prefill. Unknown (no disaggregated request measured yet): all TTFT
-misses are the prefill role's. The decode pod's admission wait is not exported by any metric with
-this scope (the pods' TTFT histogram starts after the pull), so it is not in the split; the decode
-role's KV, slot and queue signals size for it.
+rate), the pull less its bytes over the link. The pulls' share of the two waits (smoothed) says
+which stage the TTFT misses the router counts come from: above one half they are the decode role's
+(pd_policy), so misses caused by pulls queued at the decode pods' links grow decode, not prefill.
+Unknown (no disaggregated request measured yet): all TTFT misses are the prefill role's. The decode
+pod's admission wait is the third stage; no metric exports it for transferred requests alone, so it
+is not in the split: the decode role's KV, slot and queue signals size for it.
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ Per role, its own signals (docs/disaggregation.md, "Autoscaler"):
 Joint:
 1. **Measured attainment per role** (spec.autoscaling.slo, the router's SLO counter; feedback.py's
    rules, in a per-role view of the same measurement): TPOT misses are the decode role's, failed
-   requests both's, and TTFT misses are split by the **TTFT breakdown** (pd_decode.attribute_ttft):
-   the decode role takes the share of the disaggregated requests' TTFT wait spent in pulls (past
-   their bare time over the link), the prefill role the share spent in the prefill leg (past the
-   mean prompt at the prefill throughput); all the prefill role's until a breakdown is measured. A role whose
+   requests both's, and TTFT misses go to the stage that caused them by the **TTFT breakdown**
+   (pd_decode.attribute_ttft): the disaggregated requests' TTFT wait is split between the pulls
+   (past their bare time over the link) and the prefill leg (past the mean prompt at the prefill
+   throughput), smoothed; when the pulls' share is more than half, the TTFT misses are the decode
+   role's, else the prefill role's (and the prefill role's until a breakdown is measured). A role whose
    own misses exceed the budget grows (feedback.evaluate's step) and may shrink only with headroom
    in its view; when the misses together exceed the budget but neither role's alone does, the role
    with more of them takes the step.
@@ -310,7 +311,10 @@ def decide_pd(
         target_utilization=targets.link_target_utilization,
     )
     bare = bare_prefill_s(pf.state.mean_prompt, pf.throughput)
-    ttft_state, decode_share = attribute_ttft(state.ttft, snapshot.router_pd, now, lk, bare)
+    ttft_state, wait_share = attribute_ttft(state.ttft, snapshot.router_pd, now, lk, bare)
+    # The stage whose wait dominates answers for the TTFT misses (a wait well within the target is
+    # no cause of a miss: the misses are not split in proportion).
+    decode_share = 1.0 if wait_share > 0.5 else 0.0
     want = {PREFILL: pf.desired, DECODE: dd.desired}
     signal = {PREFILL: pf.signal, DECODE: dd.signal}
     extra: dict[str, list[str]] = {PREFILL: [], DECODE: []}
@@ -371,7 +375,9 @@ def decide_pd(
                 signal[role] = "measured attainment"
                 extra[role].append(fb.text)
                 if decode_share > 0.0:
-                    extra[role].append(f"TTFT misses {decode_share:.0%} decode's (KV pull waits)")
+                    extra[role].append(
+                        f"TTFT misses are decode's (KV pull waits {wait_share:.0%} of the wait)"
+                    )
             elif want[role] < cur[role] and not fb.allow_scale_down:
                 want[role] = cur[role]
                 signal[role] = "attainment unknown" if fb.attainment is None else "attainment headroom"
@@ -442,8 +448,9 @@ def decide_pd(
     if ts.decode_share is not None:
         waits = ""
         if ts.prefill_wait_s is not None and ts.transfer_wait_s is not None:
-            waits = f": prefill wait {ts.prefill_wait_s:.2f} s, pull wait {ts.transfer_wait_s:.2f} s"
-        parts.append(f"TTFT misses {ts.decode_share:.0%} decode's{waits}")
+            waits = f" (last: prefill {ts.prefill_wait_s:.2f} s, pull {ts.transfer_wait_s:.2f} s)"
+        whose = "decode's" if decode_share else "prefill's"
+        parts.append(f"TTFT wait {ts.decode_share:.0%} in KV pulls{waits}: TTFT misses {whose}")
     new_state = PdState(
         decode=dd.history,
         prefill=pf.state,
