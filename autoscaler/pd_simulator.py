@@ -330,13 +330,13 @@ class PdFleetSimulator(FleetSimulator):
         # The decode pods' pull counters, as the runtime exports them.
         samples = []
         for sample in roles[DECODE].samples:
-            link = self._links.get(int(sample.pod[1:]))
+            pulls = self._links.get(int(sample.pod[1:]))
             samples.append(
                 replace(
                     sample,
-                    kv_transfer_seconds_total=link.seconds_total if link else 0.0,
-                    kv_transfers_total=float(link.pulls_total) if link else 0.0,
-                    kv_transfer_bytes_total=link.bytes_total if link else 0.0,
+                    kv_transfer_seconds_total=pulls.seconds_total if pulls else 0.0,
+                    kv_transfers_total=float(pulls.pulls_total) if pulls else 0.0,
+                    kv_transfer_bytes_total=pulls.bytes_total if pulls else 0.0,
                 )
             )
         t = self.transfers

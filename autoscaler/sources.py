@@ -465,14 +465,18 @@ class PrometheusSource:
         names = [p.name for p in pods]
         rendered = [render_query(q, model.namespace, model.served_name, names) for q in queries]
         try:
-            results, completions, counters, buckets, latency, router_slo, pulls = await asyncio.gather(
+            results, completions, counted, buckets, latency, router_slo = await asyncio.gather(
                 asyncio.gather(*(self.query(q) for q in rendered)),
                 self._optional_query(model, self.completions_query, pods),
-                asyncio.gather(*(self._optional_query(model, q, pods) for q in self.counter_queries)),
+                asyncio.gather(
+                    *(
+                        self._optional_query(model, q, pods)
+                        for q in (*self.counter_queries, *self.transfer_queries)
+                    )
+                ),
                 self._optional_buckets(model, pods),
                 asyncio.gather(*(self._optional_buckets(model, pods, q) for q in self.latency_queries)),
                 self.router_slo(model),
-                asyncio.gather(*(self._optional_query(model, q, pods) for q in self.transfer_queries)),
             )
         except (aiohttp.ClientError, TimeoutError, PrometheusQueryError) as exc:
             log.warning(
@@ -485,6 +489,7 @@ class PrometheusSource:
             return MetricsSnapshot(ready_replicas=len(pods))
         kv, waiting = results[0], results[1]
         running = results[2] if len(results) > 2 else {}
+        counters, pulls = counted[: len(self.counter_queries)], counted[len(self.counter_queries) :]
         done, prompt, generated = counters if counters else ({}, {}, {})
         ttft, itl = latency if latency else ({}, {})
         pull_s, pull_n, pull_bytes = pulls if pulls else ({}, {}, {})
