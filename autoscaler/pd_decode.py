@@ -51,7 +51,9 @@ from kvpilot.autoscaler.spec import ScalingTargets
 DEFAULT_LINK_TARGET_UTILIZATION = 0.6  # share of its link a decode pod is sized to keep busy with pulls
 LINK_SMOOTHING = 0.5  # weight of a new link estimate
 SHARE_SMOOTHING = 0.5  # weight of a new TTFT split
-MIN_WAIT_S = 0.05  # both stages' waits together below this: neither queues, the split is not updated
+MIN_WAIT_S = (
+    0.5  # both stages' mean waits together below this: no stage queues enough to miss, the split holds
+)
 _EPS = 1e-9
 
 

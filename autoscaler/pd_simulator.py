@@ -48,7 +48,7 @@ from kvpilot.autoscaler.pd_link import Link, Pull
 from kvpilot.autoscaler.pd_policy import DECODE, PREFILL, PdSnapshot
 from kvpilot.autoscaler.pd_signals import RouterPdCounts
 from kvpilot.autoscaler.samples import MetricsSnapshot
-from kvpilot.autoscaler.sim_replica import Replica, SimRequest
+from kvpilot.autoscaler.sim_replica import Replica, RequestView, SimRequest
 from kvpilot.autoscaler.sim_result import SimResult
 from kvpilot.autoscaler.simulator import _HANDOFF, BOTH, FleetSimulator, RoundRobin, Router
 from kvpilot.autoscaler.trace import HASH_BLOCK_TOKENS, TraceRequest
@@ -212,6 +212,19 @@ class PdFleetSimulator(FleetSimulator):
                 queue.append(req)
             return
         super()._route(req, now, role)
+
+    def _offer(self, req: SimRequest, ready: list[Replica], role: str = BOTH) -> Replica | None:
+        if role != DECODE or not self._links:
+            return super()._offer(req, ready, role)
+        # The router counts a request in flight on its decode pod from the moment it sends it: the
+        # pull runs inside that request, so the requests still pulling are the pod's load too.
+        view = RequestView(req.prompt, req.output, req.hash_ids)
+        views = []
+        for r in ready:
+            v, link = r.view(req), self._links.get(r.rid)
+            views.append(replace(v, waiting=v.waiting + link.in_flight) if link is not None else v)
+        idx = self.routers[role](view, views)
+        return None if idx is None else ready[idx]
 
     def _link(self, rep: Replica) -> Link[tuple[SimRequest, int]]:
         link = self._links.get(rep.rid)
