@@ -1031,6 +1031,49 @@ class PdPrefillAutoscaling(PdRoleAutoscaling):
     scale_events: ValidItems[ScaleEventEntry] = None
 
 
+class PullCounters(_Model):
+    """One decode pod's KV-pull counters at the previous sync (kvpilot_kv_transfer_seconds' sum and
+    count, bytes received)."""
+
+    pod: Annotated[str, Field(strict=True)]
+    seconds: Amount
+    pulls: Amount
+    bytes: Amount
+
+
+class PdDecodeAutoscaling(PdRoleAutoscaling):
+    """The decode role's KV-link estimate (autoscaler/pd_decode.py): its pods' pull counters, the
+    link bandwidth it measured, the bytes/s received by sync and the link's own recommendations."""
+
+    link_bytes_per_second: Lenient[Amount] = Field(
+        None, description="One decode pod's KV link, bytes/s, measured from its pulls."
+    )
+    time: Lenient[MilliTime] = None
+    pods: ValidItems[PullCounters] = None
+    rates: ValidItems[RatePoint] = Field(None, description="KV bytes/s the decode pods received, by sync.")
+    history: ValidItems[HistoryEntry] = Field(None, max_length=10000)
+
+
+class PdTtftStatus(_Model):
+    """The TTFT breakdown of disaggregated requests (autoscaler/pd_decode.py) and the routers' P/D
+    counters it differences."""
+
+    decode_share: Lenient[Amount] = Field(
+        None, description="Share of TTFT misses the decode role answers for (KV pull waits), smoothed."
+    )
+    prefill_wait_seconds: Lenient[Amount] = None
+    transfer_wait_seconds: Lenient[Amount] = None
+    time: Lenient[MilliTime] = None
+    prefill_seconds: Lenient[Amount] = Field(
+        None, description="The routers' prefill-leg seconds (a counter)."
+    )
+    prefill_legs: Lenient[Amount] = None
+    no_prefill: Lenient[Amount] = Field(
+        None,
+        description="Long prompts the routers served on a decode pod for lack of a prefill pod (a counter).",
+    )
+
+
 class PdAutoscalerStatus(_Model):
     """A disaggregated model's P/D decision (autoscaler/pd_policy.py); the aggregated fields of
     status.autoscaler hold the decode role's history, lastDecision both roles' totals."""
@@ -1040,7 +1083,8 @@ class PdAutoscalerStatus(_Model):
     )
     ratio_samples: Lenient[Count] = None
     prefill: Lenient[PdPrefillAutoscaling] = None
-    decode: Lenient[PdRoleAutoscaling] = None
+    decode: Lenient[PdDecodeAutoscaling] = None
+    ttft: Lenient[PdTtftStatus] = None
 
 
 class AutoscalerStatus(_Model):

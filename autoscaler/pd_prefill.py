@@ -15,7 +15,10 @@ names too) between two syncs:
   estimate raises it. Until one is seen, the calibration's idle prefill rate at the mean prompt
   (slo.solo_prefill_s; pessimistic: it knows no prefix-cache hits) stands in, when spec.autoscaling.slo
   names a calibration; without either, the role scales on its queue alone;
-- the **token backlog**: requests waiting at the prefill pods and held by the router, x the mean prompt.
+- the **token backlog**: requests waiting at the prefill pods and held by the router, x the mean prompt;
+- **from zero**: a request the router holds, or a long prompt it served on a decode pod because no
+  prefill pod was routable (kvpilot_router_pd_requests_total{path="no_prefill"}, pd_signals.py),
+  wakes the role to one replica; its token rate sizes it from there.
 
 Demand (replicas, fractional) = forecast token rate / (throughput x target utilization); the
 recommendation adds the backlog drained within a startup (startup.backlog_replicas), else (no
@@ -182,9 +185,12 @@ def decide_prefill(
     target_utilization: float,
     ttft_s: float,
     capacity_factor: float = 1.0,
+    direct_long: float = 0.0,
 ) -> PrefillDecision:
     """The prefill role's size from its own signals (module doc); `targets`: the role's limits and
-    behavior; `router_queue`: requests the router holds for the model (a wake-up and backlog)."""
+    behavior; `router_queue`: requests the router holds for the model (a wake-up and backlog);
+    `direct_long`: long prompts the router sent to a decode pod since the last sync for lack of a
+    prefill pod (a wake-up: pd_signals.py)."""
     b = targets.behavior
     n, ready = snapshot.reporting, snapshot.ready_replicas
     lead = forecast_lead_s(b.arrival_lead_s, startup)
@@ -208,11 +214,14 @@ def decide_prefill(
     steady: int | None = None  # the recommendation without the backlog
     notes: list[str] = []
     if current == 0:
-        raw = 1 if router_queue else 0
-        signal = "scale from zero" if raw else "idle"
-        text = (
-            f"scale from zero: {router_queue} requests held by the router" if raw else "at zero, nothing held"
-        )
+        raw = 1 if router_queue or direct_long > 0 else 0
+        if router_queue:
+            signal, text = "scale from zero", f"scale from zero: {router_queue} requests held by the router"
+        elif raw:
+            signal = "long prompts direct"
+            text = f"scale from zero: {direct_long:.0f} long prompts served by decode pods for lack of a prefill pod"
+        else:
+            signal, text = "idle", "at zero, nothing held, no long prompt served direct"
     elif n == 0:
         raw, signal = current, "no metrics"
         text = f"no metrics from 0/{ready} ready prefill replicas" if ready else "no ready prefill replica"

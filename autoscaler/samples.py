@@ -46,6 +46,12 @@ class ReplicaSample:
     # when no router reports the model (attainment.py: a bound). None when not exported.
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None
+    # A P/D decode pod's KV pulls (docs/disaggregation.md): kvpilot_kv_transfer_seconds' sum and count
+    # (one pull each, from its start to its blocks checked) and kvpilot_kv_transfer_bytes_total
+    # {direction="received"}; counters since the process started, None when not exported.
+    kv_transfer_seconds_total: float | None = None
+    kv_transfers_total: float | None = None
+    kv_transfer_bytes_total: float | None = None
 
     @property
     def load(self) -> float:
