@@ -48,8 +48,11 @@ REQUEST_GENERATION_TOKENS = PodMetric(
     "kvpilot_request_generation_tokens", ("vllm:request_generation_tokens",)
 )
 TIME_TO_FIRST_TOKEN = PodMetric("kvpilot_time_to_first_token_seconds", ("vllm:time_to_first_token_seconds",))
+# vLLM renamed its inter-token histogram: vllm:inter_token_latency_seconds (0.32 exports only this),
+# vllm:time_per_output_token_seconds before.
 INTER_TOKEN_LATENCY = PodMetric(
-    "kvpilot_inter_token_latency_seconds", ("vllm:time_per_output_token_seconds",)
+    "kvpilot_inter_token_latency_seconds",
+    ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
 )
 
 # The output-length histogram's bounds (tokens per finished generation): powers of two, the points the
