@@ -301,3 +301,11 @@ def test_vllms_own_parser_reads_the_config_as_meant(tmp_path: Path) -> None:
         "kv_cache_memory_bytes": CPU_DEFAULT_KV_BYTES,
     }
     assert with_extra == {**parsed, "max_num_seqs": 3}
+
+
+def test_docs_table_lists_every_runtime_field() -> None:
+    """docs/vllm.md's spec.runtime table has a row per field (camelCase), so the docs say how each maps."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines() if line.startswith("| `")}
+    camel = {f.alias for f in RuntimeSettings.model_fields.values()}
+    assert camel <= rows, sorted(camel - rows)
