@@ -9,7 +9,8 @@ through one router, with real parts only.
 - the router discovering both models' pods through the API server, the official `openai` client in
   front of it, and the autoscaler's pod metric source scraping the vLLM pod.
 
-Asserted: both models Ready; each answers through the router (completions, and chat for vLLM); the
+Asserted: the API server refuses, with their messages, the specs vLLM cannot serve as written (the CRD's
+CEL rules, api/engine.py) and takes the rest; both models Ready; each answers through the router (completions, and chat for vLLM); the
 router's load view of the vLLM pod (KV use, waiting) comes from its /metrics, and so does the
 autoscaler's sample (KV use, queue, finished requests, tokens). The time the vLLM pod took from
 start to Ready is printed as VLLM_E2E_FIGURES (run with -s).
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from e2e.harness import Cluster, Kubectl, stop_all, wait_until
@@ -37,6 +39,7 @@ from kvpilot.autoscaler.sources import ModelRef, PodScrapeSource, PodTarget
 from kvpilot.router.kube_discovery import kube_source
 from kvpilot.router.pool import QueueSettings
 from kvpilot.router.server import Router, RouterSettings
+from tests.api.test_engine import INVALID, VALID
 from tests.vllm_cpu import require_vllm
 
 KVPILOT_MODEL = "smol"
@@ -197,3 +200,31 @@ def test_vllm_model_beside_a_kvpilot_model_behind_one_router(
         stop_all(rt.stop, kubelet.stop, operator.stop)
         figures["stop_s"] = round(time.monotonic() - t0, 1)
         print("VLLM_E2E_FIGURES " + json.dumps(figures))
+
+
+def _apply(kubectl: Kubectl, name: str, spec: dict[str, Any]) -> Any:
+    manifest = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    return kubectl.run("apply", "--dry-run=server", "-f", "-", input_text=json.dumps(manifest), check=False)
+
+
+@pytest.mark.parametrize(("spec", "message"), INVALID)
+def test_the_api_server_refuses_what_vllm_cannot_do(
+    crds: None,  # noqa: F811
+    kubectl: Kubectl,
+    spec: dict[str, Any],
+    message: str,
+) -> None:
+    result = _apply(kubectl, "bad", spec)
+    assert result.returncode != 0, result.stdout
+    assert message in result.stderr, result.stderr
+
+
+def test_the_api_server_takes_what_vllm_can_do(crds: None, kubectl: Kubectl) -> None:  # noqa: F811
+    for i, spec in enumerate(VALID):
+        result = _apply(kubectl, f"good-{i}", spec)
+        assert result.returncode == 0, (spec, result.stderr)
