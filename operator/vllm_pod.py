@@ -30,9 +30,6 @@ from kvpilot.operator.builders import (
 from kvpilot.operator.oom import CPU_DEFAULT_KV_BYTES
 
 CONTAINER_NAME = "vllm"
-# vLLM's CPU backend sizes its KV cache from --gpu-memory-utilization times the *node's* memory, which
-# a pod's memory limit does not bound; CPU pods get an explicit pool instead (--kv-cache-memory-bytes):
-# the size kvpilot's runtime takes on a CPU, which the OOM adaptation halves from (CPU_DEFAULT_KV_BYTES).
 
 # spec.runtime field (snake_case) -> vLLM flag, for the fields that map one to one.
 VLLM_FLAGS = {
@@ -85,7 +82,10 @@ def vllm_config(
     if queue is not None:
         config["max-num-queued-reqs"] = queue + rt["max_num_seqs"]  # the CRD requires maxNumSeqs
     if cpu:
-        # Made for a CPU pod's host memory (a GPU pod sizes its pool from gpuMemoryUtilization).
+        # vLLM's CPU backend sizes its KV cache from --gpu-memory-utilization times the *node's* memory,
+        # which the pod's memory limit does not bound: CPU pods get an explicit pool, the size kvpilot's
+        # runtime takes on a CPU, which the OOM adaptation halves from (a GPU pod sizes its pool from
+        # gpuMemoryUtilization, and the override is made for host memory).
         config["kv-cache-memory-bytes"] = CPU_DEFAULT_KV_BYTES if kv_bytes is None else kv_bytes
     if spec.adapters:
         config["enable-lora"] = True
