@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvpilot.api import disaggregation as pd
+from kvpilot.api import engine as engines
 
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
@@ -647,6 +648,9 @@ _SPEC_RULES = _validations(
     *pd.cel_rules(),
 )
 
+# spec.engine: vllm refuses what vLLM cannot do as written (api/engine.py holds the rules).
+_SPEC_RULES["x-kubernetes-validations"].extend(engines.cel_rules())
+
 # metadata.name becomes the kvpilot.dev/model label value (at most 63 characters) and the Service name
 # (a DNS-1035 label: no dots). The API server only checks that it is a DNS subdomain, so without these
 # rules such a model would be stored and then every reconcile would fail.
@@ -681,6 +685,13 @@ class InferenceModelSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
 
     model: ModelSource
+    engine: engines.Engine = Field(
+        engines.DEFAULT_ENGINE,
+        description=(
+            "The model server the pods run: kvpilot (`kvpilot serve`) or vllm (`vllm serve`, with "
+            "spec.runtime mapped to its flags; what vLLM cannot do is refused, docs/vllm.md)."
+        ),
+    )
     replicas: int | None = Field(
         None,
         ge=0,
@@ -716,7 +727,10 @@ class InferenceModelSpec(_Model):
         default_factory=lambda: OOMAdaptationPolicy.model_validate({}), json_schema_extra={"default": {}}
     )
     image: str | None = Field(
-        None, max_length=512, description="Runtime image; the operator's --image by default."
+        None,
+        max_length=512,
+        description="Runtime image; the operator's --image by default (engine vllm: --vllm-image on GPU "
+        "pods, --vllm-cpu-image on CPU pods).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     node_selector: dict[str, str] | None = Field(None, description="Extra node labels the pods require.")
@@ -725,7 +739,10 @@ class InferenceModelSpec(_Model):
     priority_class_name: str | None = Field(None, max_length=253)
     env: list[EnvVar] | None = Field(None, max_length=128, description="Extra environment for the runtime.")
     extra_args: list[str] | None = Field(
-        None, max_length=64, description="Extra `kvpilot serve` flags, appended after --config."
+        None,
+        max_length=64,
+        description="Extra flags of the model server, appended last: `kvpilot serve` flags (after "
+        "--config), or `vllm serve` flags with engine vllm.",
     )
 
     def effective_gpus(self) -> int:
@@ -766,6 +783,7 @@ class InferenceModelSpec(_Model):
             if not re.match(DNS1035_PATTERN, pool.endpoint_picker.service):
                 problems.append(EPP_SERVICE_HELP)
         problems += pd.problems(self)
+        problems.extend(engines.problems(self))
         return problems
 
 

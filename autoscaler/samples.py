@@ -42,7 +42,7 @@ class ReplicaSample:
     output_tokens_buckets: tuple[tuple[float, float], ...] | None = None
     # Its latency histograms (cumulative (le, count) pairs, +Inf included): kvpilot's
     # kvpilot_time_to_first_token_seconds and kvpilot_inter_token_latency_seconds, vLLM's
-    # time_to_first_token_seconds and time_per_output_token_seconds. The measured-attainment fallback
+    # time_to_first_token_seconds and inter_token_latency_seconds. The measured-attainment fallback
     # when no router reports the model (attainment.py: a bound). None when not exported.
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None
