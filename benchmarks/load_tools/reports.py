@@ -87,7 +87,11 @@ def inference_perf_config(
                 "seed": w.seed,
             },
         },
-        "report": {"request_lifecycle": {"summary": True, "per_stage": True}},
+        # output tokens as the server's usage counts them (ignore_eos: output_len each), not the
+        # response text re-tokenized by the client, which differs between engines' detokenizers
+        "report": {
+            "request_lifecycle": {"summary": True, "per_stage": True, "use_server_output_tokens": True}
+        },
         "storage": {"local_storage": {"path": str(out_dir)}},
     }
 

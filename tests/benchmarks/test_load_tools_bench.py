@@ -109,6 +109,7 @@ def test_inference_perf_config_is_the_shared_prefix_workload(tmp_path: Path) -> 
         "ignore_eos": True,
     }
     assert cfg["api"] == {"type": "completion", "streaming": True}
+    assert cfg["report"]["request_lifecycle"]["use_server_output_tokens"] is True
     assert cfg["tokenizer"]["pretrained_model_name_or_path"] == str(tmp_path / "tok")
     assert cfg["storage"]["local_storage"]["path"] == str(tmp_path / "out")
     with pytest.raises(ValueError, match="burst"):
