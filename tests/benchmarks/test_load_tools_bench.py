@@ -39,6 +39,7 @@ def test_defaults_run_every_target_and_both_tools() -> None:
     assert args.loads == ["constant", "poisson"]  # type: ignore[attr-defined]
     assert args.guidellm_profiles == ["constant"]  # type: ignore[attr-defined]
     assert args.workload == reports.Workload()  # type: ignore[attr-defined]
+    assert args.pod_capacity == 64  # type: ignore[attr-defined]  # kvpilot serve's --max-num-seqs
     assert bench.parse_args(
         ["--targets", "vllm", "--vllm", EXE, "--vllm-model", "m", "--inference-perf", EXE, "--guidellm", EXE]
     ).targets == ["vllm"]
@@ -62,6 +63,7 @@ def test_workload_flags_reach_the_workload() -> None:
         (["--targets", "vllm"], "--vllm"),
         (["--targets", "kvpilot", "--vllm-arg=--max-num-seqs=4"], "--vllm-arg"),
         (["--targets", "kvpilot", "--pods", "0"], "--pods"),
+        (["--targets", "router", "--pod-capacity", "0"], "--pod-capacity"),
         (["--targets", "kvpilot", "--rate", "0"], "--rate"),
         (["--targets", "kvpilot", "--question-len", "0"], "--question-len"),
     ],
@@ -135,6 +137,8 @@ def test_guidellm_argv_asks_the_same_shape_of_data(tmp_path: Path) -> None:
         "prefix_buckets": [{"prefix_tokens": 256, "prefix_count": 4}],
     }
     assert opts["--output"] == f"kind=json,path={tmp_path / 'r.json'}"
+    # the loader generates the run's 10 requests and a few more, not its default 4096 beside the server
+    assert opts["--data-loader"] == "kind=pytorch,prefetch_factor=18"
     with pytest.raises(ValueError, match="sweep"):
         reports.guidellm_argv("gl", w, "sweep", "u", "m", tmp_path, tmp_path)
 
