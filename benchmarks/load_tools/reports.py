@@ -257,8 +257,11 @@ def side_by_side(
                 t, i = f["ttft_ms"], f["itl_ms"]
                 if f.get("targeted_before_start"):
                     load += f" ({f['targeted_before_start']} sent at once)"
+                done = _fmt(f["requests"])
+                cut = {"unfinished": f.get("incomplete"), "failed": f.get("failures") or f.get("errored")}
+                done += "".join(f" (+{n} {what})" for what, n in cut.items() if n)
                 rows.append([
-                    target, load, _fmt(f["requests"]), _fmt(f["requests_per_s"]), _fmt(f["output_tokens_per_s"]),
+                    target, load, done, _fmt(f["requests_per_s"]), _fmt(f["output_tokens_per_s"]),
                     _fmt(t["mean"]), _fmt(t["median"]), _fmt(t[pct]), _fmt(t["p99"]),
                     _fmt(i["mean"]), _fmt(i["median"]), _fmt(i[pct]), _fmt(i["p99"]),
                 ])  # fmt: skip

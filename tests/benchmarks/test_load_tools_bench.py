@@ -212,3 +212,4 @@ def test_side_by_side_one_table_per_tool_a_row_per_target_and_load(tmp_path: Pat
     assert rows[2][2] == "error: CalledProcessError: exit 1"
     _, gl_headers, gl_rows = tables[1]
     assert "ITL p95" in gl_headers and [r[0] for r in gl_rows] == ["kvpilot", "vllm"]
+    assert gl_rows[0][2] == "18 (+3 unfinished)"  # completed, and those the duration cut off
