@@ -212,6 +212,9 @@ state = "{node.state / "containerd"}"
     sandbox = "{PAUSE_IMAGE}"
 
 [plugins."io.containerd.cri.v1.runtime"]
+  # Root here lacks CAP_SYS_RESOURCE, so runc cannot lower oom_score_adj below containerd's own (the
+  # sandbox's -998 fails with "nsexec: failed to update /proc/self/oom_score_adj: Permission denied").
+  restrict_oom_score_adj = true
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
