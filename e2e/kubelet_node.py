@@ -438,7 +438,9 @@ def up(node: Node) -> None:
         try:
             cp._wait(f"node {NODE_NAME} Ready", ready, deadline, lambda: None)
         except SystemExit as exc:
-            raise SystemExit(f"{exc} (last: {last}); kubelet log: {node.settings.logs / 'kubelet.log'}") from None
+            raise SystemExit(
+                f"{exc} (last: {last}); kubelet log: {node.settings.logs / 'kubelet.log'}"
+            ) from None
         restore_sysctls(saved)
     print(f"node {NODE_NAME}: Ready (label {REAL_NODE_LABEL}=true), pods on {POD_CIDR}")
 
@@ -466,7 +468,9 @@ def down(node: Node) -> int:
     if kubelet_pid is not None and cp.running_pid(node.settings, "kube-apiserver") is not None:
         with contextlib.suppress(SystemExit):
             for namespace, name in _node_pods(node):
-                cp._kubectl(node.settings, "delete", "pod", "-n", namespace, name, "--wait=false", "--grace-period=5")
+                cp._kubectl(
+                    node.settings, "delete", "pod", "-n", namespace, name, "--wait=false", "--grace-period=5"
+                )
             until = time.monotonic() + 60
             while _node_pods(node) and time.monotonic() < until:
                 time.sleep(1)

@@ -139,7 +139,9 @@ def pause_archive(cache_dir: Path) -> Path:
 
 def rootfs_archive(cache_dir: Path, rootfs_tar: Path, name: str) -> Path:
     """An image of `rootfs_tar` (a root filesystem tarball) as an OCI tar under cache_dir."""
-    key = hashlib.sha256(f"{rootfs_tar.resolve()} {rootfs_tar.stat().st_mtime_ns} {name}".encode()).hexdigest()
+    key = hashlib.sha256(
+        f"{rootfs_tar.resolve()} {rootfs_tar.stat().st_mtime_ns} {name}".encode()
+    ).hexdigest()
     out = cache_dir / f"rootfs-{key[:12]}.oci.tar"
     if not out.exists():
         write_oci_archive(out, name, rootfs_tar, cmd=["/bin/sh"])
