@@ -393,6 +393,31 @@ def load(node: Node, archive: Path) -> str:
     return node.ctr("images", "import", "-", input_path=archive, timeout=1800)
 
 
+def load_docker_image(node: Node, tag: str) -> bool:
+    """Import Docker's image `tag` (`docker save | ctr images import -`) unless the node already has this
+    very build of it (the Docker image ID is kept beside containerd's root); True when it imported."""
+    image_id = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", tag], capture_output=True, text=True, timeout=60
+    )
+    if image_id.returncode != 0:
+        raise SystemExit(f"docker has no image {tag}: {image_id.stderr.strip()}")
+    stamp = node.home / "images" / (tag.replace("/", "_").replace(":", "_") + ".docker-id")
+    if tag in image_names(node) and stamp.is_file() and stamp.read_text() == image_id.stdout:
+        return False
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    ctr = [str(node.bin("ctr")), "--address", str(node.socket), "--namespace", K8S_NAMESPACE]
+    with subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE) as save:
+        imported = subprocess.run(
+            [*ctr, "images", "import", "-"], stdin=save.stdout, capture_output=True, text=True, timeout=3600
+        )
+        assert save.stdout is not None
+        save.stdout.close()
+    if save.returncode != 0 or imported.returncode != 0:
+        raise SystemExit(f"docker save {tag} | ctr images import - failed: {imported.stderr.strip()[-2000:]}")
+    stamp.write_text(image_id.stdout)
+    return True
+
+
 def ensure_pause_image(node: Node) -> None:
     if PAUSE_IMAGE not in image_names(node):
         load(node, pause_archive(node.home / "images"))
@@ -506,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", help="exit 0 when containerd, the kubelet and the node are healthy")
     load_cmd = sub.add_parser("load", help="import image tars (docker save or OCI layout) into the node")
     load_cmd.add_argument("archives", nargs="+", type=Path)
+    docker_cmd = sub.add_parser("load-docker", help="import Docker images by tag (skipped when current)")
+    docker_cmd.add_argument("tags", nargs="+")
     args = parser.parse_args(argv)
     node = Node.from_env()
     if args.command == "build":
@@ -519,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "load":
         for archive in args.archives:
             sys.stdout.write(load(node, archive))
+    elif args.command == "load-docker":
+        for tag in args.tags:
+            print(f"{tag}: {'imported' if load_docker_image(node, tag) else 'already current'}")
     return 0
 
 
