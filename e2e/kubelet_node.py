@@ -146,6 +146,22 @@ def missing_host_tools() -> list[str]:
     return [name for name, path in HOST_PACKAGES.items() if not path.exists()]
 
 
+def install_host_tools() -> None:
+    """apt-get install what missing_host_tools() names (root)."""
+    missing = missing_host_tools()
+    if not missing:
+        return
+    print(f"installing Debian packages for the real node: {' '.join(missing)}", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+        check=True,
+        env=env,
+        timeout=1200,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Layout and configuration
 # --------------------------------------------------------------------------------------------
@@ -526,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.kubelet_node", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="build kubelet and containerd into the binary cache")
+    deps_cmd = sub.add_parser("deps", help="print the Debian packages the node needs that are missing")
+    deps_cmd.add_argument("--install", action="store_true", help="apt-get install them (root)")
     sub.add_parser("up", help="start containerd and the kubelet; wait for the node to be Ready")
     sub.add_parser("down", help="delete the node's pods, stop the kubelet and containerd")
     sub.add_parser("status", help="exit 0 when containerd, the kubelet and the node are healthy")
@@ -537,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     node = Node.from_env()
     if args.command == "build":
         print(json.dumps(build(node.settings)))
+    elif args.command == "deps":
+        if args.install:
+            install_host_tools()
+        print(" ".join(missing_host_tools()))
     elif args.command == "up":
         up(node)
     elif args.command == "down":
