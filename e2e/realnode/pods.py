@@ -19,6 +19,8 @@ from e2e.harness import Kubectl
 from e2e.kubelet_node import REAL_NODE_LABEL
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smol"  # the InferenceModel of the group's tests, served as "smollm2"
+SELECTOR = f"kvpilot.dev/model={NAME}"
 
 
 def smollm2_dir() -> Path:
@@ -77,6 +79,19 @@ def weights_volume(namespace: str, claim: str) -> list[dict[str, Any]]:
 
 def pods(kubectl: Kubectl, selector: str) -> list[dict[str, Any]]:
     return list(kubectl.json("get", "pods", "-l", selector)["items"])
+
+
+def diagnostics(kubectl: Kubectl, *logs: Path) -> str:
+    """What a failed wait shows: the namespace's objects and events, and the tails of `logs`."""
+    parts = [
+        kubectl.run("get", "inferencemodels,deployments,pods,pvc", "-o", "wide", check=False).stdout,
+        kubectl.run("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-6000:],
+    ]
+    for log in logs:
+        parts.append(
+            f"--- {log.name}\n" + (log.read_text(errors="replace")[-4000:] if log.exists() else "(none)")
+        )
+    return "\n".join(parts)
 
 
 def condition(pod: dict[str, Any], ctype: str) -> dict[str, Any]:
@@ -196,3 +211,19 @@ class PodWatch:
         self.proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+
+
+def inference_model(claim: str, memory: str = "3Gi") -> dict[str, Any]:
+    """A CPU InferenceModel on the real node, its weights on the claim (pvc://), one replica."""
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": NAME},
+        "spec": {
+            "model": {"source": f"pvc://{claim}/{MODEL_FILE}", "servedName": "smollm2"},
+            "replicas": 1,
+            "resources": {"gpus": 0, "cpu": "1", "memory": memory},
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "runtime": {"maxNumSeqs": 4, "shutdownTimeoutSeconds": 120},
+        },
+    }

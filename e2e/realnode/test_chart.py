@@ -23,7 +23,7 @@ import pytest
 from e2e.harness import Cluster, Kubectl, wait_until
 from e2e.kubelet_node import NODE_NAME, REAL_NODE_LABEL
 from e2e.realnode import pods as rp
-from e2e.realnode.test_model_pod import inference_model
+from e2e.realnode.pods import inference_model
 from tests.charts.tools import CHART, helm
 
 pytestmark = pytest.mark.timeout(1200)

@@ -18,70 +18,19 @@ Figures (printed as REALNODE_FIGURES): creation -> Ready, delete -> stream done,
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from e2e.harness import Cluster, Kubectl, wait_until
-from e2e.kubelet_node import REAL_NODE_LABEL
+from e2e.harness import Kubectl, wait_until
 from e2e.processes import OperatorProcess
 from e2e.realnode import pods as rp
+from e2e.realnode.pods import SELECTOR, inference_model
 
 pytestmark = pytest.mark.timeout(1200)
 
 ROOT = Path(__file__).resolve().parents[2]
-NAME = "smol"
-SELECTOR = f"kvpilot.dev/model={NAME}"
 STREAM_TOKENS = 96
-
-
-@pytest.fixture
-def crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferencemodels.kvpilot.dev", "--timeout=60s")
-
-
-@pytest.fixture
-def operator(
-    cluster: Cluster, crds: None, namespace: str, runtime_image: str, tmp_path: Path
-) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(
-        cluster,
-        namespace,
-        tmp_path,
-        "--no-leader-elect",
-        "--image",
-        runtime_image,
-        "--image-pull-policy",
-        "Never",
-    ).start()
-    yield op
-    op.stop()
-
-
-@pytest.fixture
-def weights(cluster: Cluster, kubectl: Kubectl, namespace: str) -> Iterator[str]:
-    objects = rp.weights_volume(namespace, "weights")
-    kubectl.apply(objects)
-    yield "weights"
-    cluster.kubectl.run("delete", "pv", objects[0]["metadata"]["name"], "--wait=false", check=False)
-
-
-def inference_model(claim: str, memory: str = "3Gi") -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"source": f"pvc://{claim}/{rp.MODEL_FILE}", "servedName": "smollm2"},
-            "replicas": 1,
-            "resources": {"cpu": "1", "memory": memory},
-            "nodeSelector": {REAL_NODE_LABEL: "true"},
-            "runtime": {"maxNumSeqs": 4, "shutdownTimeoutSeconds": 120},
-        },
-    }
 
 
 def test_inference_model_runs_drains_on_the_real_node(
@@ -90,11 +39,14 @@ def test_inference_model_runs_drains_on_the_real_node(
     applied = time.monotonic()
     kubectl.apply(inference_model(weights))
 
-    pod = wait_until(
-        lambda: next((p for p in rp.pods(kubectl, SELECTOR) if p.get("status", {}).get("podIP")), None),
-        timeout=180,
-        what="the model's pod to get a pod IP on the real node",
-    )
+    try:
+        pod = wait_until(
+            lambda: next((p for p in rp.pods(kubectl, SELECTOR) if p.get("status", {}).get("podIP")), None),
+            timeout=180,
+            what="the model's pod to get a pod IP on the real node",
+        )
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}\n{rp.diagnostics(kubectl, operator.log_path)}", pytrace=False)
     name = pod["metadata"]["name"]
     assert pod["spec"]["nodeName"] == "kvpilot-real-0"
     base = f"http://{pod['status']['podIP']}:8000"
@@ -109,11 +61,8 @@ def test_inference_model_runs_drains_on_the_real_node(
         seen.append((code, pod_ready))
         statuses = current["status"].get("containerStatuses") or [{}]
         waiting = statuses[0].get("state", {}).get("waiting", {})
-        assert waiting.get("reason") not in (
-            "ErrImageNeverPull",
-            "CreateContainerError",
-            "CrashLoopBackOff",
-        ), waiting
+        failed = ("ErrImageNeverPull", "CreateContainerError", "CrashLoopBackOff")
+        assert waiting.get("reason") not in failed, (waiting, statuses[0].get("lastState"))
         return pod_ready
 
     wait_until(ready, timeout=600, interval=0.3, what=f"pod {name} Ready")
