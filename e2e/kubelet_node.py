@@ -421,8 +421,13 @@ def load_docker_image(node: Node, tag: str) -> bool:
     if tag in image_names(node) and stamp.is_file() and stamp.read_text() == image_id.stdout:
         return False
     stamp.parent.mkdir(parents=True, exist_ok=True)
-    if tag in image_names(node):  # another build: drop it first (and its blobs, --sync), the disk is shared
-        node.ctr("images", "rm", "--sync", tag)
+    # Another build: drop it first, the disk is shared. The CRI also names an image by its config ID
+    # (sha256:...); every name of the old manifest goes, so its blobs are collected (--sync).
+    refs = [line.split() for line in node.ctr("images", "ls").splitlines()[1:] if line.strip()]
+    old = {digest for name, _type, digest, *_ in refs if name == tag}
+    stale = [name for name, _type, digest, *_ in refs if digest in old]
+    if stale:
+        node.ctr("images", "rm", "--sync", *stale)
     ctr = [str(node.bin("ctr")), "--address", str(node.socket), "--namespace", K8S_NAMESPACE]
     with subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE) as save:
         imported = subprocess.run(
