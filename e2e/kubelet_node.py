@@ -356,6 +356,24 @@ def ensure_network(node: Node) -> None:
     ]  # fmt: skip
     if _run("iptables", "-t", "nat", "-C", *rule, check=False).returncode != 0:
         _run("iptables", "-t", "nat", "-A", *rule)
+    # Pod to pod across the bridge passes the filter table's FORWARD chain (bridge-nf-call-iptables),
+    # whose policy is DROP wherever dockerd runs: without this a router pod's connections to a model pod
+    # time out while the host reaches both.
+    forward = [
+        "FORWARD",
+        "-i",
+        BRIDGE,
+        "-o",
+        BRIDGE,
+        "-m",
+        "comment",
+        "--comment",
+        "kvpilot-e2e pod to pod",
+        "-j",
+        "ACCEPT",
+    ]
+    if _run("iptables", "-C", *forward, check=False).returncode != 0:
+        _run("iptables", "-I", *forward)
 
 
 # --------------------------------------------------------------------------------------------
