@@ -38,7 +38,8 @@ from e2e import control_plane as cp
 from e2e.node_images import PAUSE_IMAGE, pause_archive
 
 NODE_NAME = "kvpilot-real-0"
-REAL_NODE_LABEL = "kvpilot.dev/real-node"
+REAL_NODE_LABEL = "kvpilot.dev/real-node"  # also the key of the node's NoSchedule taint
+REAL_NODE_TOLERATION = {"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
 BRIDGE = "kvpilot0"
 POD_CIDR = "10.244.0.0/24"
 GATEWAY = "10.244.0.1"
@@ -399,6 +400,9 @@ def components(node: Node) -> list[cp.Component]:
                 f"--hostname-override={NODE_NAME}",
                 f"--node-ip={GATEWAY}",
                 f"--node-labels={REAL_NODE_LABEL}=true",
+                # Only pods that ask for it land here: a kwok-suite pod without a nodeSelector would
+                # otherwise really start (and fail to find its image) when the node is up.
+                f"--register-with-taints={REAL_NODE_LABEL}=true:NoSchedule",
                 "--v=1",
             ],
             {},

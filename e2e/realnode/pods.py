@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.harness import Kubectl
-from e2e.kubelet_node import REAL_NODE_LABEL
+from e2e.kubelet_node import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smol"  # the InferenceModel of the group's tests, served as "smollm2"
@@ -224,6 +224,7 @@ def inference_model(claim: str, memory: str = "3Gi") -> dict[str, Any]:
             "replicas": 1,
             "resources": {"gpus": 0, "cpu": "1", "memory": memory},
             "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [REAL_NODE_TOLERATION],
             "runtime": {"maxNumSeqs": 4, "shutdownTimeoutSeconds": 120},
         },
     }

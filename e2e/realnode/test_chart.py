@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.harness import Cluster, Kubectl, wait_until
-from e2e.kubelet_node import NODE_NAME, REAL_NODE_LABEL
+from e2e.kubelet_node import NODE_NAME, REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from e2e.realnode import pods as rp
 from e2e.realnode.pods import inference_model
 from tests.charts.tools import CHART, helm
@@ -54,16 +54,19 @@ def release(
             "replicas": 2,
             "image": {"tag": op_tag, "pullPolicy": "Never"},
             "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [REAL_NODE_TOLERATION],
         },
         "autoscaler": {
             "image": {"tag": op_tag, "pullPolicy": "Never"},
             "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [REAL_NODE_TOLERATION],
         },
         "router": {
             "enabled": True,
             "replicas": 1,
             "image": {"tag": op_tag, "pullPolicy": "Never"},
             "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [REAL_NODE_TOLERATION],
         },
         "runtime": {"image": {"repository": rt_repository, "tag": rt_tag, "pullPolicy": "Never"}},
         "metrics": {"serviceMonitor": {"enabled": False}},
