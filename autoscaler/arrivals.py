@@ -5,6 +5,7 @@ between syncs (ArrivalState, kept in status.autoscaler.arrivals); policy.decide(
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -179,7 +180,7 @@ RATE_SIGNIFICANCE_Z = 2.0
 
 def _spans(rates: tuple[RateSample, ...]) -> list[float]:
     """Seconds behind each sample: the gap since the one before (the first gets the second's)."""
-    gaps = [max(1e-9, b.time - a.time) for a, b in zip(rates, rates[1:], strict=False)]
+    gaps = [max(1e-9, b.time - a.time) for a, b in itertools.pairwise(rates)]
     return [gaps[0], *gaps]
 
 

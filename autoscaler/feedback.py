@@ -231,13 +231,18 @@ def evaluate(
         step = min(s.max_step, s.gain * shortfall)
         rec = max(current, math.ceil(ready * (1.0 + step) - 1e-9), ready + 1)
         recent_backlog = state.last_backlog is not None and now - state.last_backlog < s.window_s
-        if model_capacity and fresh_load is not None and not recent_backlog and not surging:
-            # Missed at a load the planner thought within capacity: the model is optimistic there.
-            # (Missed above it: the fleet was short of the planner's own size; nothing learnt.)
-            if fresh_load <= planner_capacity(state, model_capacity) + 1e-9:
-                ceiling = fresh_load * (1.0 - step)
-                if floor is not None and floor > ceiling:
-                    floor = ceiling  # proven at a lighter workload than now
+        # Missed at a load the planner thought within capacity: the model is optimistic there.
+        # (Missed above it: the fleet was short of the planner's own size; nothing learnt.)
+        if (
+            model_capacity
+            and fresh_load is not None
+            and not recent_backlog
+            and not surging
+            and fresh_load <= planner_capacity(state, model_capacity) + 1e-9
+        ):
+            ceiling = fresh_load * (1.0 - step)
+            if floor is not None and floor > ceiling:
+                floor = ceiling  # proven at a lighter workload than now
         fresh_since = now + settle_s
         text = (
             f"measured attainment {fresh_att:.3f} < target {s.target:.3f} "

@@ -19,7 +19,8 @@ Steps, in order (HPA-like where the HPA has an answer):
    SLO planner (targets.slo, spec.autoscaling.slo), Dynamo's throughput-planner idea: the forecast
    arrival rate over what one replica serves within the TTFT/TPOT targets at the observed token
    mix (prompt and output tokens per finished request, from per-pod counters), computed from the
-   replica model (slo.replica_capacity); it replaces the completion-rate service estimate above.
+   replica model (slo.replica_capacity), within the per-replica bounds the closed loop measured
+   (feedback.planner_capacity); it replaces the completion-rate service estimate above.
    Startup-aware (startup.py; the startup measured from the pods, else declared): the forecast
    looks at least one startup ahead, the scale-down window is at least HOLD_STARTUPS startups, and
    for startups of STARTUP_AWARE_MIN_S or more the queue rule sizes the backlog expected one startup
@@ -27,7 +28,8 @@ Steps, in order (HPA-like where the HPA has an answer):
    The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
-   scale-up window, asks burst_factor more and uses the larger burst rate limit.
+   scale-up window, asks burst_factor more (not while the closed loop measures the SLO met) and uses
+   the larger burst rate limit.
 3. Stabilization: scale up to the smallest recommendation in the up window (default 0 s, i.e. now),
    scale down to the largest recommendation in the down window (default 300 s).
 4. Rate limits over the events in the rule's period, like HPA behavior policies.
@@ -53,8 +55,8 @@ from kvpilot.autoscaler.arrivals import (
     RateSample,
     forecast_arrivals,
     measure_arrivals,
-    rate_surging,
     measure_token_mix,
+    rate_surging,
     service_rate_at_target,
     smooth_token_mix,
     token_totals,
