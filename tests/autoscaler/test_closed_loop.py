@@ -184,6 +184,28 @@ def test_scale_down_needs_headroom_and_a_measurement():
     assert unknown.attainment is None and not unknown.allow_scale_down
 
 
+def test_a_surge_s_misses_grow_the_fleet_but_teach_no_capacity():
+    state = _state((NOW, SloCounts(met=180, missed_tpot=20), 2.0))
+    fb = evaluate(state, NOW, 5, 5, SETTINGS, 4.0, 10, surging=True)
+    assert fb.recommendation == 8 and fb.state.capacity_ceiling is None
+
+
+def test_no_burst_factor_while_the_measured_slo_is_met():
+    """A queue blip on a fleet meeting its SLO asks the queue rule's own size, not 1.5x it."""
+    targets = _targets()
+
+    def burst(router_slo: SloCounts) -> int:
+        # KV saturated with requests waiting: burst mode
+        samples = tuple(replace(s, kv_cache_usage=0.97, num_waiting=40) for s in _samples(4))
+        d = decide(4, MetricsSnapshot(4, samples, router_slo=router_slo), targets, _history(4, 1000.0), NOW)
+        assert d.burst
+        return d.recommendation  # before the rate limits
+
+    met = burst(SloCounts(met=1200))
+    missed = burst(SloCounts(met=1170, missed_ttft=30))
+    assert missed >= math.ceil(met * 1.5)
+
+
 def test_record_interval_differences_router_counters_and_skips_resets():
     s = record_interval(SloState(), NOW, SloCounts(met=100), {}, {}, 2.0, 120.0)
     assert s.intervals == () and s.source == "router"  # the first read is a baseline
