@@ -483,8 +483,20 @@ def decide(
                 else f"{driver}, {a_part}"
             )
         signal = _winner(raw, kv_rec, queue_rec, arrival_rec, targets.slo is not None and planner_on)
-        if fb is not None and fb.recommendation is not None and fb.recommendation > raw:
-            raw = fb.recommendation
+        # The measured attainment wins when it asks for the most, on a tie, and when the planner asks
+        # for more only because of the capacity ceiling this miss measured (the miss set the size).
+        measured_ceiling = (
+            signal == "slo planner"
+            and model_capacity is not None
+            and slo_capacity is not None
+            and slo_capacity < model_capacity
+        )
+        if (
+            fb is not None
+            and fb.recommendation is not None
+            and (fb.recommendation >= raw or measured_ceiling)
+        ):
+            raw = max(raw, fb.recommendation)
             signal = "measured attainment"
             driver = f"{fb.text}; {driver}"
             fb_in_driver = True

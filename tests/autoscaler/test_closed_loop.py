@@ -232,12 +232,13 @@ def test_below_target_grows_even_when_the_planner_says_enough():
     snap = MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1140, missed_ttft=60))
     d = decide(4, snap, targets, history, NOW)
     # The feedback asks for +50% (6); the miss at 0.67 req/s per replica also sets the planner's
-    # ceiling to half that load, so the planner, now sizing from the measurement, asks for 8.
+    # ceiling to half that load, so the planner, now sizing from that measurement, asks for 8: the
+    # measured attainment set the size.
     assert d.feedback_recommendation == 6
     assert d.history.slo.capacity_ceiling == pytest.approx(2.67 / 4 * 0.5, abs=1e-2)
-    assert d.desired == 8 and d.signal == "slo planner"
-    assert "measured ceiling" in d.reason and "[signal: slo planner]" in d.reason
-    assert "measured attainment 0.700 < target 0.990 (router" in d.reason
+    assert d.desired == 8 and d.signal == "measured attainment"
+    assert d.reason.startswith("measured attainment 0.700 < target 0.990 (router")
+    assert "measured ceiling" in d.reason and "[signal: measured attainment]" in d.reason
     assert d.capacity_factor is not None and d.capacity_factor < 0.1
 
 
