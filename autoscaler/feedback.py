@@ -18,9 +18,12 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    capacity swings with the token mix (fourfold over the Mooncake trace, where one fixed fleet
    serves all of it), and a ratio multiplies that swing; a bound caps it. A miss below the floor
    drops the floor to the new ceiling (the workload got heavier); headroom while running within
-   tolerance of the ceiling raises the ceiling by capacity_relax per sync toward the model (the
-   model gets the benefit of the doubt back slowly, and rule 3's headroom stops the probe before
-   misses add up). Both bounds are in status.autoscaler.slo, so a restarted autoscaler keeps them.
+   tolerance of the binding bound raises it by capacity_relax per sync (the ceiling toward the
+   model, the floor past it: a probe, and rule 3's headroom stops it before misses add up); below
+   target since the last step while running as sized, but not yet significantly, lowers it by
+   capacity_relax per sync (the mirror of the probe). Not learnt while a backlog is in the window
+   or arrivals surge. Both bounds are in status.autoscaler.slo, so a restarted autoscaler keeps
+   them.
 3. **Scale down only with headroom.** A smaller fleet is allowed only while the window's misses are
    within (1 - attainment_headroom) of the budget (with the defaults: attainment >= 99.5% against a
    99% target), or when too few requests were judged to say (low traffic: little to lose). With no
@@ -220,6 +223,12 @@ def evaluate(
     rec: int | None = None
     fresh_since = state.fresh_since
     fresh_att = fresh.attainment
+    recent_backlog = state.last_backlog is not None and now - state.last_backlog < s.window_s
+    # Where the planner sizes now, and how close the window's load ran to it (within the tolerance and
+    # one replica's share: a fleet of n cannot be sized finer).
+    used = planner_capacity(state, model_capacity) if model_capacity else None
+    band = s.tolerance + 1.0 / max(1, ready)
+    at_capacity = used is not None and win_load is not None and win_load >= (1.0 - band) * used
     if (
         fresh_att is not None
         and fresh.total >= s.min_requests
@@ -230,7 +239,6 @@ def evaluate(
         shortfall = (s.target - fresh_att) / budget
         step = min(s.max_step, s.gain * shortfall)
         rec = max(current, math.ceil(ready * (1.0 + step) - 1e-9), ready + 1)
-        recent_backlog = state.last_backlog is not None and now - state.last_backlog < s.window_s
         # Missed at a load the planner thought within capacity: the model is optimistic there.
         # (Missed above it: the fleet was short of the planner's own size; nothing learnt.)
         if (
@@ -264,12 +272,9 @@ def evaluate(
         text = f"attainment {attainment:.3f} {where}"
         if attainment >= s.target and allow and win_load is not None:
             floor = max(floor or 0.0, win_load)
-            used = planner_capacity(state, model_capacity) if model_capacity else None
-            # Running as sized (within the tolerance and one replica's share: a fleet of n cannot
-            # be sized finer), with headroom: the binding bound is probed upward (a miss takes it
+            # Running as sized, with headroom: the binding bound is probed upward (a miss takes it
             # back), the ceiling toward the model, the floor beyond it.
-            band = s.tolerance + 1.0 / max(1, ready)
-            if used is not None and model_capacity and win_load >= (1.0 - band) * used:
+            if used is not None and model_capacity and at_capacity:
                 if state.capacity_floor is not None and used > model_capacity:
                     floor = max(floor, used * (1.0 + s.relax))
                 elif ceiling is not None and used < model_capacity:
@@ -278,6 +283,13 @@ def evaluate(
                 ceiling = max(ceiling, floor)
         elif attainment < s.target:
             text += f" < target {s.target:.3f}, waiting {max(0.0, (fresh_since or now) - now):.0f}s for the last step"
+            fresh_below = fresh_att is not None and fresh_att < s.target and fresh.total >= s.min_requests
+            if used is not None and at_capacity and fresh_below and not recent_backlog and not surging:
+                # Below target since the last step while running as sized, not yet significant:
+                # the mirror of the probe, the capacity steps down by capacity_relax per sync.
+                ceiling = used * (1.0 - s.relax)
+                if floor is not None and floor > ceiling:
+                    floor = ceiling
         else:
             text += " (no headroom)"
     return Feedback(

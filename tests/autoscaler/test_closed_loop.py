@@ -184,6 +184,18 @@ def test_scale_down_needs_headroom_and_a_measurement():
     assert unknown.attainment is None and not unknown.allow_scale_down
 
 
+def test_below_target_but_not_yet_significant_steps_the_capacity_down():
+    # 98.5% over 200 requests at 3 req/s per replica, the planner sizing at 3: within noise of a 1%
+    # budget (no step), but below target while running as sized: the capacity steps down 3%.
+    state = _state((NOW, SloCounts(met=197, missed_tpot=3), 3.0), capacity_ceiling=3.0)
+    fb = evaluate(state, NOW, 5, 5, SETTINGS, 4.0, 10)
+    assert fb.recommendation is None and not fb.allow_scale_down
+    assert fb.state.capacity_ceiling == pytest.approx(3.0 * 0.97)
+    # the same misses from before the last step took effect do not count again
+    stale = evaluate(replace(state, fresh_since=NOW + 5), NOW, 5, 5, SETTINGS, 4.0, 10)
+    assert stale.state.capacity_ceiling == pytest.approx(3.0)
+
+
 def test_a_surge_s_misses_grow_the_fleet_but_teach_no_capacity():
     state = _state((NOW, SloCounts(met=180, missed_tpot=20), 2.0))
     fb = evaluate(state, NOW, 5, 5, SETTINGS, 4.0, 10, surging=True)
