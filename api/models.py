@@ -1002,9 +1002,17 @@ class SloStatus(_Model):
     capacity_factor: Lenient[Amount] = Field(
         None,
         description=(
-            "Online correction of the replica model: the per-replica capacity the planner uses is the "
-            "model's times this (estimated from the load replicas sustain within the SLO)."
+            "The per-replica capacity the planner uses over the replica model's at the current token "
+            "mix (the measured bounds below at work; 1: the model's)."
         ),
+    )
+    capacity_floor: Lenient[Amount] = Field(
+        None,
+        description="Requests/s per Ready replica sustained with attainment headroom: the planner's floor.",
+    )
+    capacity_ceiling: Lenient[Amount] = Field(
+        None,
+        description="Requests/s per Ready replica below a load that missed the SLO: the planner's ceiling.",
     )
     fresh_since: Lenient[MilliTime] = Field(
         None,
