@@ -15,8 +15,11 @@ Per role, its own signals (docs/disaggregation.md, "Autoscaler"):
   DEFAULT_LINK_TARGET_UTILIZATION is a decode demand of its own (signal "KV link"); the role's demand
   is the larger of its KV-use demand and its link demand.
 - **prefill** pods are sized by their prompt token rate and backlog over the measured per-replica
-  prefill throughput (pd_prefill.py); at zero, a request the router holds or a long prompt it served
-  direct for lack of a prefill pod (pd_signals.py) wakes them.
+  prefill throughput (pd_prefill.py); the router's held requests count toward their backlog only
+  when they still need a prefill pod (kvpilot_router_pd_queued{path="prefill"}; a router without it:
+  all it holds), since the router's queue is in front of the decode pool and short prompts skip the
+  prefill pool; at zero, such a held request or a long prompt served direct for lack of a prefill
+  pod (pd_signals.py) wakes them.
 
 Joint:
 1. **Measured attainment per role** (spec.autoscaling.slo, the router's SLO counter; feedback.py's
@@ -38,8 +41,9 @@ Joint:
    the same decision (signal "P:D ratio"). Only that direction: decode load that grows by itself
    (short direct requests, longer outputs) needs no prefill. The ratio is in the status, so a
    restarted autoscaler keeps it.
-3. **Scale from zero of both**: a request held by the router wakes both roles (decide() wakes decode,
-   the prefill rule wakes prefill); a prefill role above zero keeps at least one decode replica (every
+3. **Scale from zero of both**: a request held by the router wakes the roles it needs (every held
+   request decode: decide() wakes it; one that needs a prefill pod prefill too: the prefill rule
+   wakes it); a prefill role above zero keeps at least one decode replica (every
    request ends on one).
 4. Each role is clamped to its [minReplicas, maxReplicas] (spec.disaggregation.<role>, else
    spec.autoscaling's).
@@ -72,7 +76,7 @@ from kvpilot.autoscaler.pd_prefill import (
     PrefillState,
     decide_prefill,
 )
-from kvpilot.autoscaler.pd_signals import RouterPdCounts
+from kvpilot.autoscaler.pd_signals import RouterPdCounts, held_for_prefill
 from kvpilot.autoscaler.policy import Decision, History, decide
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
@@ -273,6 +277,9 @@ def decide_pd(
     b = base.behavior
     startup = snapshot.startup_s if snapshot.startup_s is not None else base.startup_s
     router_queue = snapshot.router_queue or 0
+    # The router's queue is in front of the decode pool: all of it is decode's, only what still needs
+    # a prefill pod is prefill's (short prompts skip the prefill pool; pd_signals.py).
+    prefill_queue = held_for_prefill(snapshot.router_queue, snapshot.router_pd)
 
     # Decode: the aggregated policy on the decode pods.
     dsnap = replace(
@@ -287,7 +294,7 @@ def decide_pd(
     pf = decide_prefill(
         cur_p,
         snapshot.prefill,
-        router_queue,
+        prefill_queue,
         targets.role_targets(PREFILL),
         state.prefill,
         now,
@@ -401,10 +408,11 @@ def decide_pd(
             signal[DECODE] = "P:D ratio"
             extra[DECODE].append(f"prefill demand {pf.demand:.2f} / P:D ratio {ratio:.2f} -> {floor}")
 
-    # 3. Both from zero; every request ends on a decode replica.
-    if cur_p == 0 and cur_d == 0 and router_queue:
+    # 3. Both from zero (a role the held requests need); every request ends on a decode replica.
+    held = {PREFILL: prefill_queue, DECODE: router_queue}
+    if cur_p == 0 and cur_d == 0:
         for role in KV_ROLES:
-            if want[role] < 1:
+            if held[role] and want[role] < 1:
                 want[role], signal[role] = 1, "scale from zero"
     if want[PREFILL] > 0 and want[DECODE] < 1:
         want[DECODE], signal[DECODE] = 1, "prefill needs a decode replica"

@@ -15,8 +15,10 @@ names too) between two syncs:
   estimate raises it. Until one is seen, the calibration's idle prefill rate at the mean prompt
   (slo.solo_prefill_s; pessimistic: it knows no prefix-cache hits) stands in, when spec.autoscaling.slo
   names a calibration; without either, the role scales on its queue alone;
-- the **token backlog**: requests waiting at the prefill pods and held by the router, x the mean prompt;
-- **from zero**: a request the router holds, or a long prompt it served on a decode pod because no
+- the **token backlog**: requests waiting at the prefill pods and those the router holds that still
+  need a prefill pod (pd_signals.held_for_prefill: not the short prompts held in front of the decode
+  pool), x the mean prompt;
+- **from zero**: such a request the router holds, or a long prompt it served on a decode pod because no
   prefill pod was routable (kvpilot_router_pd_requests_total{path="no_prefill"}, pd_signals.py),
   wakes the role to one replica; its token rate sizes it from there.
 
@@ -188,7 +190,8 @@ def decide_prefill(
     direct_long: float = 0.0,
 ) -> PrefillDecision:
     """The prefill role's size from its own signals (module doc); `targets`: the role's limits and
-    behavior; `router_queue`: requests the router holds for the model (a wake-up and backlog);
+    behavior; `router_queue`: requests the router holds for the model that need a prefill pod (a
+    wake-up and backlog: pd_signals.held_for_prefill);
     `direct_long`: long prompts the router sent to a decode pod since the last sync for lack of a
     prefill pod (a wake-up: pd_signals.py)."""
     b = targets.behavior
@@ -216,7 +219,10 @@ def decide_prefill(
     if current == 0:
         raw = 1 if router_queue or direct_long > 0 else 0
         if router_queue:
-            signal, text = "scale from zero", f"scale from zero: {router_queue} requests held by the router"
+            signal, text = (
+                "scale from zero",
+                f"scale from zero: {router_queue} requests held by the router need a prefill pod",
+            )
         elif raw:
             signal = "long prompts direct"
             text = f"scale from zero: {direct_long:.0f} long prompts served by decode pods for lack of a prefill pod"

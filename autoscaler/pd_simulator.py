@@ -19,7 +19,8 @@ aggregated replica.
 
 Measured as the parts measure it: each decode replica's pull counters (ReplicaSample.kv_transfer_*,
 the runtime's kvpilot_kv_transfer_seconds and bytes received) and the router's P/D counters
-(PdSnapshot.router_pd: the prefill leg's seconds, the long prompts sent direct). The result's
+(PdSnapshot.router_pd: the prefill leg's seconds, the long prompts sent direct, the held requests
+that still need a prefill replica). The result's
 settings["disaggregation"] has the TTFT breakdown of the disaggregated requests (prefill leg, pull,
 decode admission and first step), overall and over those that missed their TTFT target.
 
@@ -334,6 +335,15 @@ class PdFleetSimulator(FleetSimulator):
                 self._next_link_event(rep, link)
         roles: dict[str, MetricsSnapshot] = {}
         held = 0
+        # What the router reports of its held requests that still need a prefill pod
+        # (kvpilot_router_pd_queued{path="prefill"}): the prefill pool's held jobs, and the long
+        # prompts held for a decode replica whose prefill has not run (sent direct for lack of a
+        # prefill replica; the handed-over ones have their stages).
+        held_prefill = len(self._queues[PREFILL]) + sum(
+            1
+            for r in self._queues[DECODE]
+            if r.prompt >= self.min_prompt_tokens and id(r) not in self._stages
+        )
         for role in (PREFILL, DECODE):
             queue = self._queues[role]
             held += len(queue)
@@ -358,7 +368,9 @@ class PdFleetSimulator(FleetSimulator):
             decode=replace(roles[DECODE], samples=tuple(samples)),
             router_queue=held,
             router_slo=SloCounts.from_outcomes(self._outcomes),
-            router_pd=RouterPdCounts(t.prefill_seconds, float(t.prefill_legs), float(t.no_prefill)),
+            router_pd=RouterPdCounts(
+                t.prefill_seconds, float(t.prefill_legs), float(t.no_prefill), float(held_prefill)
+            ),
         )
 
     def _sync(self, now: float) -> None:

@@ -1,5 +1,6 @@
 """`kvpilot router` as a metric source: the requests its replicas hold for a model
-(kvpilot_router_queue_depth) and how the requests it proxied fared against the SLO
+(kvpilot_router_queue_depth; for a disaggregated model, those that need a prefill pod too:
+pd_signals.py) and how the requests it proxied fared against the SLO
 (kvpilot_router_slo_requests_total, judged with kvpilot.api.slo.judge). Every router replica is read:
 a URL's host is resolved to all its addresses (the chart passes the router's headless Service).
 """
@@ -11,6 +12,7 @@ import logging
 import math
 import socket
 from collections.abc import Sequence
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -79,7 +81,8 @@ class RouterQueueSource:
         # The routers' SLO counters by model, from the same scrape as the last depths(); None: no
         # router answered.
         self.last_slo: dict[str, SloCounts] | None = None
-        # The routers' P/D counters of disaggregated models (pd_signals.py), from the same scrape.
+        # The routers' P/D counters (pd_signals.py), from the same scrape; held_prefill summed over
+        # the routers, each older one's whole queue counted.
         self.last_pd: dict[str, RouterPdCounts] | None = None
 
     async def _one(
@@ -126,7 +129,10 @@ class RouterQueueSource:
                 total[model] = total.get(model, 0) + depth
             for model, by_outcome in counters.items():
                 slo[model] = slo.get(model, SloCounts()) + SloCounts.from_outcomes(by_outcome)
-            for model, c in pd_counts.items():
+            for model in depths.keys() | pd_counts.keys():
+                c = pd_counts.get(model, RouterPdCounts())
+                if c.held_prefill is None:  # a router that does not say: all it holds (pd_signals.py)
+                    c = replace(c, held_prefill=float(depths.get(model, 0)))
                 pd[model] = pd.get(model, RouterPdCounts()) + c
         self.last = total
         self.last_slo = slo
