@@ -226,15 +226,17 @@ def role_counts(c: SloCounts, role: str, decode_ttft_share: float = 0.0) -> SloC
 def role_view(
     state: SloState, role: str, fresh_since: float | None, decode_ttft_share: float = 0.0
 ) -> SloState:
-    """The measurement as `role` answers for it (role_counts); the capacity factor is the prefill
-    throughput's correction, so the decode view starts from 1 and its result is not kept."""
+    """The measurement as `role` answers for it (role_counts); the measured capacity bounds are the
+    prefill throughput's (tokens/s per replica), so the decode view starts without them and its result
+    is not kept."""
     return replace(
         state,
         intervals=tuple(
             replace(i, counts=role_counts(i.counts, role, decode_ttft_share)) for i in state.intervals
         ),
         fresh_since=fresh_since,
-        capacity_factor=state.capacity_factor if role == PREFILL else 1.0,
+        capacity_floor=state.capacity_floor if role == PREFILL else None,
+        capacity_ceiling=state.capacity_ceiling if role == PREFILL else None,
     )
 
 
@@ -302,7 +304,7 @@ def decide_pd(
         calibration=cal,
         target_utilization=targets.prefill_target_utilization,
         ttft_s=base.slo.ttft_s if base.slo is not None else 2.0,
-        capacity_factor=state.slo.capacity_factor,
+        slo_state=state.slo,
         direct_long=long_prompts_direct(state.ttft, snapshot.router_pd),
     )
     # Decode's KV link, and the TTFT breakdown that splits TTFT misses between the roles.
@@ -360,14 +362,18 @@ def decide_pd(
                 role_view(slo_state, role, fresh[role], decode_share), now, cur[role], ready[role],
                 settings, p_capacity if role == PREFILL else None, settle, last_up[role],
             )  # fmt: skip
-        slo_state = replace(slo_state, capacity_factor=fbs[PREFILL].state.capacity_factor)
+        slo_state = replace(
+            slo_state,
+            capacity_floor=fbs[PREFILL].state.capacity_floor,
+            capacity_ceiling=fbs[PREFILL].state.capacity_ceiling,
+        )
         if all(fbs[r].recommendation is None for r in KV_ROLES):
             # Together over the budget, neither alone: the role with more misses takes the step.
             w = window(slo_state.intervals, now, b.attainment_window_s).counts
             decode_misses = w.missed_tpot + w.missed_ttft * decode_share
             role = PREFILL if w.missed_ttft - w.missed_ttft * decode_share > decode_misses else DECODE
             joint = evaluate(
-                replace(slo_state, fresh_since=fresh[role], capacity_factor=1.0),
+                replace(slo_state, fresh_since=fresh[role], capacity_floor=None, capacity_ceiling=None),
                 now, cur[role], ready[role], settings, None, settle, last_up[role],
             )  # fmt: skip
             if joint.recommendation is not None:

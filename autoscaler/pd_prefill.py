@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from kvpilot.autoscaler.arrivals import MAX_COUNTER_AGE_S, PodCounter, RateSample, forecast_arrivals
 from kvpilot.autoscaler.calibration import Calibration
+from kvpilot.autoscaler.feedback import SloState, planner_capacity
 from kvpilot.autoscaler.policy import Recommendation, ScaleEvent, scale_down_limit, scale_up_limit
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import solo_prefill_s
@@ -186,7 +187,7 @@ def decide_prefill(
     calibration: Calibration | None,
     target_utilization: float,
     ttft_s: float,
-    capacity_factor: float = 1.0,
+    slo_state: SloState | None = None,
     direct_long: float = 0.0,
 ) -> PrefillDecision:
     """The prefill role's size from its own signals (module doc); `targets`: the role's limits and
@@ -232,7 +233,8 @@ def decide_prefill(
         raw, signal = current, "no metrics"
         text = f"no metrics from 0/{ready} ready prefill replicas" if ready else "no ready prefill replica"
     elif throughput and forecast is not None:
-        per_replica = throughput * target_utilization * capacity_factor
+        modelled = throughput * target_utilization
+        per_replica = planner_capacity(slo_state, modelled) if slo_state is not None else modelled
         demand = forecast / per_replica
         raw = math.ceil(demand - _EPS)
         signal = "token rate"
@@ -249,7 +251,7 @@ def decide_prefill(
             + (f" (forecast {forecast:.0f}/s in {lead:g}s)" if forecast > (level or 0.0) + _EPS else "")
             + f", backlog {backlog:.0f} tokens ({waiting} waiting)"
             + f" at {throughput:.0f} tokens/s per replica ({source}, target {target_utilization:.0%}"
-            + (f" x {capacity_factor:.2f} measured" if capacity_factor != 1.0 else "")
+            + (f" -> {per_replica:.0f} within the measured bounds" if per_replica != modelled else "")
             + ")"
         )
     else:

@@ -5,8 +5,8 @@ Layout (the shared model kvpilot.api.models.AutoscalerStatus):
   lastDecision            both roles' totals (fromReplicas, toReplicas) and the joint reason
   history, scaleEvents, arrivals
                           the decode role's (policy.decide() runs on the decode pods: state.py writes them)
-  slo                     the router's SLO measurement, once for both roles; capacityFactor is the
-                          prefill throughput's correction (pd_policy)
+  slo                     the router's SLO measurement, once for both roles; capacityFloor and
+                          capacityCeiling bound the prefill throughput (tokens/s per replica; pd_policy)
   disaggregation: {ratio, ratioSamples,
                    prefill: {fromReplicas, toReplicas, signal, demand, freshSince, throughput,
                              meanPrompt, time, pods, rates, history, scaleEvents},
