@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvpilot.api import disaggregation as pd
+from kvpilot.api import engine as engines
 
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
@@ -647,6 +648,9 @@ _SPEC_RULES = _validations(
     *pd.cel_rules(),
 )
 
+# spec.engine: vllm refuses what vLLM cannot do as written (api/engine.py holds the rules).
+_SPEC_RULES["x-kubernetes-validations"].extend(engines.cel_rules())
+
 # metadata.name becomes the kvpilot.dev/model label value (at most 63 characters) and the Service name
 # (a DNS-1035 label: no dots). The API server only checks that it is a DNS subdomain, so without these
 # rules such a model would be stored and then every reconcile would fail.
@@ -681,6 +685,13 @@ class InferenceModelSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
 
     model: ModelSource
+    engine: engines.Engine = Field(
+        engines.DEFAULT_ENGINE,
+        description=(
+            "The model server the pods run: kvpilot (`kvpilot serve`) or vllm (`vllm serve`, with "
+            "spec.runtime mapped to its flags; what vLLM cannot do is refused, docs/vllm.md)."
+        ),
+    )
     replicas: int | None = Field(
         None,
         ge=0,
@@ -716,7 +727,10 @@ class InferenceModelSpec(_Model):
         default_factory=lambda: OOMAdaptationPolicy.model_validate({}), json_schema_extra={"default": {}}
     )
     image: str | None = Field(
-        None, max_length=512, description="Runtime image; the operator's --image by default."
+        None,
+        max_length=512,
+        description="Runtime image; the operator's --image by default (engine vllm: --vllm-image on GPU "
+        "pods, --vllm-cpu-image on CPU pods).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     node_selector: dict[str, str] | None = Field(None, description="Extra node labels the pods require.")
@@ -725,7 +739,10 @@ class InferenceModelSpec(_Model):
     priority_class_name: str | None = Field(None, max_length=253)
     env: list[EnvVar] | None = Field(None, max_length=128, description="Extra environment for the runtime.")
     extra_args: list[str] | None = Field(
-        None, max_length=64, description="Extra `kvpilot serve` flags, appended after --config."
+        None,
+        max_length=64,
+        description="Extra flags of the model server, appended last: `kvpilot serve` flags (after "
+        "--config), or `vllm serve` flags with engine vllm.",
     )
 
     def effective_gpus(self) -> int:
@@ -766,6 +783,7 @@ class InferenceModelSpec(_Model):
             if not re.match(DNS1035_PATTERN, pool.endpoint_picker.service):
                 problems.append(EPP_SERVICE_HELP)
         problems += pd.problems(self)
+        problems.extend(engines.problems(self))
         return problems
 
 
@@ -984,9 +1002,17 @@ class SloStatus(_Model):
     capacity_factor: Lenient[Amount] = Field(
         None,
         description=(
-            "Online correction of the replica model: the per-replica capacity the planner uses is the "
-            "model's times this (estimated from the load replicas sustain within the SLO)."
+            "The per-replica capacity the planner uses over the replica model's at the current token "
+            "mix (the measured bounds below at work; 1: the model's)."
         ),
+    )
+    capacity_floor: Lenient[Amount] = Field(
+        None,
+        description="Requests/s per Ready replica sustained with attainment headroom: the planner's floor.",
+    )
+    capacity_ceiling: Lenient[Amount] = Field(
+        None,
+        description="Requests/s per Ready replica below a load that missed the SLO: the planner's ceiling.",
     )
     fresh_since: Lenient[MilliTime] = Field(
         None,
@@ -1031,6 +1057,49 @@ class PdPrefillAutoscaling(PdRoleAutoscaling):
     scale_events: ValidItems[ScaleEventEntry] = None
 
 
+class PullCounters(_Model):
+    """One decode pod's KV-pull counters at the previous sync (kvpilot_kv_transfer_seconds' sum and
+    count, bytes received)."""
+
+    pod: Annotated[str, Field(strict=True)]
+    seconds: Amount
+    pulls: Amount
+    bytes: Amount
+
+
+class PdDecodeAutoscaling(PdRoleAutoscaling):
+    """The decode role's KV-link estimate (autoscaler/pd_decode.py): its pods' pull counters, the
+    link bandwidth it measured, the bytes/s received by sync and the link's own recommendations."""
+
+    link_bytes_per_second: Lenient[Amount] = Field(
+        None, description="One decode pod's KV link, bytes/s, measured from its pulls."
+    )
+    time: Lenient[MilliTime] = None
+    pods: ValidItems[PullCounters] = None
+    rates: ValidItems[RatePoint] = Field(None, description="KV bytes/s the decode pods received, by sync.")
+    history: ValidItems[HistoryEntry] = Field(None, max_length=10000)
+
+
+class PdTtftStatus(_Model):
+    """The TTFT breakdown of disaggregated requests (autoscaler/pd_decode.py) and the routers' P/D
+    counters it differences."""
+
+    decode_share: Lenient[Amount] = Field(
+        None, description="Share of TTFT misses the decode role answers for (KV pull waits), smoothed."
+    )
+    prefill_wait_seconds: Lenient[Amount] = None
+    transfer_wait_seconds: Lenient[Amount] = None
+    time: Lenient[MilliTime] = None
+    prefill_seconds: Lenient[Amount] = Field(
+        None, description="The routers' prefill-leg seconds (a counter)."
+    )
+    prefill_legs: Lenient[Amount] = None
+    no_prefill: Lenient[Amount] = Field(
+        None,
+        description="Long prompts the routers served on a decode pod for lack of a prefill pod (a counter).",
+    )
+
+
 class PdAutoscalerStatus(_Model):
     """A disaggregated model's P/D decision (autoscaler/pd_policy.py); the aggregated fields of
     status.autoscaler hold the decode role's history, lastDecision both roles' totals."""
@@ -1040,7 +1109,8 @@ class PdAutoscalerStatus(_Model):
     )
     ratio_samples: Lenient[Count] = None
     prefill: Lenient[PdPrefillAutoscaling] = None
-    decode: Lenient[PdRoleAutoscaling] = None
+    decode: Lenient[PdDecodeAutoscaling] = None
+    ttft: Lenient[PdTtftStatus] = None
 
 
 class AutoscalerStatus(_Model):

@@ -48,9 +48,44 @@ REQUEST_GENERATION_TOKENS = PodMetric(
     "kvpilot_request_generation_tokens", ("vllm:request_generation_tokens",)
 )
 TIME_TO_FIRST_TOKEN = PodMetric("kvpilot_time_to_first_token_seconds", ("vllm:time_to_first_token_seconds",))
+# vLLM renamed its inter-token histogram: vllm:inter_token_latency_seconds (0.32 exports only this),
+# vllm:time_per_output_token_seconds before.
 INTER_TOKEN_LATENCY = PodMetric(
-    "kvpilot_inter_token_latency_seconds", ("vllm:time_per_output_token_seconds",)
+    "kvpilot_inter_token_latency_seconds",
+    ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
 )
+# Read by the dashboard and the alert rules (deploy/), which show both engines' pods.
+REQUEST_QUEUE_TIME = PodMetric("kvpilot_request_queue_time_seconds", ("vllm:request_queue_time_seconds",))
+E2E_REQUEST_LATENCY = PodMetric("kvpilot_e2e_request_latency_seconds", ("vllm:e2e_request_latency_seconds",))
+PREFIX_CACHE_QUERIES = PodMetric("kvpilot_prefix_cache_queries_total", ("vllm:prefix_cache_queries_total",))
+PREFIX_CACHE_HITS = PodMetric("kvpilot_prefix_cache_hits_total", ("vllm:prefix_cache_hits_total",))
+PREEMPTIONS = PodMetric("kvpilot_num_preemptions_total", ("vllm:num_preemptions_total",))
+
+TWINS = (
+    KV_CACHE_USAGE,
+    REQUESTS_WAITING,
+    REQUESTS_RUNNING,
+    REQUEST_SUCCESS,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    REQUEST_QUEUE_TIME,
+    E2E_REQUEST_LATENCY,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    PREEMPTIONS,
+)
+_BY_KVPILOT_NAME = {m.kvpilot: m for m in TWINS}
+
+
+def names_of(kvpilot_name: str) -> tuple[str, ...]:
+    """kvpilot's name and the vLLM names that mean the same, or the name alone when vLLM has no such
+    metric (the engine watchdog's, say): what a query over both engines' pods reads."""
+    twin = _BY_KVPILOT_NAME.get(kvpilot_name)
+    return twin.names if twin is not None else (kvpilot_name,)
+
 
 # prefill/decode disaggregation (docs/disaggregation.md): the KV transfer between a prefill and a decode
 # pod, and each pod's role (`kvpilot_engine_info{kv_role}`, value 1). vLLM has no equivalents.

@@ -5,6 +5,8 @@ between syncs (ArrivalState, kept in status.autoscaler.arrivals); policy.decide(
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 from kvpilot.autoscaler.attainment import PodLatency
@@ -171,22 +173,62 @@ def token_totals(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[flo
     return done, prompt, output
 
 
+# A rate differs from another, or a trend is real, when it is this many Poisson standard deviations
+# away (the closed loop's significance level, feedback.SIGNIFICANCE_Z).
+RATE_SIGNIFICANCE_Z = 2.0
+
+
+def _spans(rates: tuple[RateSample, ...]) -> list[float]:
+    """Seconds behind each sample: the gap since the one before (the first gets the second's)."""
+    gaps = [max(1e-9, b.time - a.time) for a, b in itertools.pairwise(rates)]
+    return [gaps[0], *gaps]
+
+
+def _mean_and_noise(rates: tuple[RateSample, ...], spans: list[float]) -> tuple[float, float]:
+    """The mean rate over `rates` (arrivals over their seconds) and the Poisson standard deviation of
+    the latest sync's rate at that mean."""
+    mean = sum(r.rate * s for r, s in zip(rates, spans, strict=True)) / sum(spans)
+    return mean, math.sqrt(max(mean, 1e-12) / spans[-1])
+
+
+def rate_surging(rates: tuple[RateSample, ...]) -> bool:
+    """Whether the latest rate is above the mean over `rates` by more than the noise (a surge)."""
+    if len(rates) < 2:
+        return False
+    mean, noise = _mean_and_noise(rates, _spans(rates))
+    return rates[-1].rate - mean > RATE_SIGNIFICANCE_Z * noise
+
+
 def forecast_arrivals(rates: tuple[RateSample, ...], now: float, lead_s: float, max_growth: float) -> float:
-    """The arrival rate lead_s ahead: the latest rate plus the least-squares slope of `rates` (the
-    latest included, last) times lead_s. Only rising trends count (a falling one would only speed up
-    scale-down, which the down window is there to slow), and the forecast is at most max_growth x the
-    latest rate."""
+    """The arrival rate to plan for lead_s ahead: a level plus a rising trend times lead_s, at most
+    max_growth x the latest rate.
+
+    The level is the latest rate when it differs from the mean over `rates` (arrivals over their
+    seconds) by more than RATE_SIGNIFICANCE_Z Poisson standard deviations of one sync's count (a
+    real change), else that mean: a 15 s count of 60 requests is +-13% noise, and a fleet sized for
+    the largest of such counts over the scale-down window runs ~25% above what the rate needs. The
+    trend is the least-squares slope of `rates` (the latest included, last), counted only when it
+    is rising by more than RATE_SIGNIFICANCE_Z of its standard error (a falling one would only speed
+    up scale-down, which the down window is there to slow)."""
     latest = rates[-1].rate
-    if len(rates) < 2 or lead_s <= 0:
+    if len(rates) < 2:
         return latest
+    spans = _spans(rates)
+    mean, noise = _mean_and_noise(rates, spans)
+    level = latest if abs(latest - mean) > RATE_SIGNIFICANCE_Z * noise else mean
+    if lead_s <= 0:
+        return level
     n = len(rates)
     mt = sum(r.time for r in rates) / n
     mr = sum(r.rate for r in rates) / n
     var = sum((r.time - mt) ** 2 for r in rates)
     if var <= 0:
-        return latest
+        return level
     slope = sum((r.time - mt) * (r.rate - mr) for r in rates) / var
-    return min(latest + max(0.0, slope) * lead_s, latest * max_growth)
+    typical = math.sqrt(max(mean, 1e-12) * n / sum(spans))  # sd of a sample's rate, typical span
+    if slope <= RATE_SIGNIFICANCE_Z * typical / math.sqrt(var):
+        slope = 0.0
+    return min(level + slope * lead_s, latest * max_growth)
 
 
 def service_rate_at_target(

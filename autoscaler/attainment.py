@@ -9,7 +9,7 @@ Two sources, in order of preference:
   down (a router restarted) gives no interval rather than a wrong one.
 - **pods** (no router reports the model): the pods' own histograms,
   `kvpilot_time_to_first_token_seconds` and `kvpilot_inter_token_latency_seconds` (vLLM's
-  `time_to_first_token_seconds` and `time_per_output_token_seconds`), counted at the largest bucket
+  `time_to_first_token_seconds` and `inter_token_latency_seconds`), counted at the largest bucket
   bound within each target. This is a **bound**, not the router's judgement: a first token counts as
   in time only when it is within the base TTFT target (the prompt's prefill allowance is not known
   per observation, so long prompts read as misses more often than they are), and TPOT is per token

@@ -10,13 +10,20 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    ceil(ready x (1 + step)), step = min(feedback_max_step, feedback_gain x shortfall / budget), where
    budget = 1 - target: 98% against a 99% target (one budget short) asks for 10% more, 90% for the
    most, 50%. This is the feedback term of desired = max(feed-forward, feedback).
-2. **Correct the model.** The planner's per-replica capacity is the replica model's times
-   `capacity_factor` (1 to start with). A miss at a load per Ready replica L that the planner thought
-   within capacity (L < factor x model) proves the model optimistic: the factor drops to
-   L / model x (1 - step). Attainment with headroom at load L proves the replica sustains L, so the
-   factor is at least L / model, and it relaxes toward 1 by capacity_relax of the gap per sync (the
-   model gets the benefit of the doubt back slowly; rule 3 keeps that from costing the SLO). The
-   factor is in status.autoscaler.slo, so a restarted autoscaler keeps it.
+2. **Measure the capacity.** The planner's per-replica capacity is the replica model's, held
+   between two measured bounds in requests/s per Ready replica (planner_capacity): a *floor*, the
+   highest load L at which the window's attainment had headroom (a replica sustains L), and a
+   *ceiling*, set by a significant miss at a load L the planner thought within capacity: L x (1 -
+   step) (the model is optimistic there). The bounds are loads, not ratios to the model: the model's
+   capacity swings with the token mix (fourfold over the Mooncake trace, where one fixed fleet
+   serves all of it), and a ratio multiplies that swing; a bound caps it. A miss below the floor
+   drops the floor to the new ceiling (the workload got heavier); headroom while running within
+   tolerance of the binding bound raises it by capacity_relax per sync (the ceiling toward the
+   model, the floor past it: a probe, and rule 3's headroom stops it before misses add up); below
+   target since the last step while running as sized, but not yet significantly, lowers it by
+   capacity_relax per sync (the mirror of the probe). Not learnt while a backlog is in the window
+   or arrivals surge. Both bounds are in status.autoscaler.slo, so a restarted autoscaler keeps
+   them.
 3. **Scale down only with headroom.** A smaller fleet is allowed only while the window's misses are
    within (1 - attainment_headroom) of the budget (with the defaults: attainment >= 99.5% against a
    99% target), or when too few requests were judged to say (low traffic: little to lose). With no
@@ -46,8 +53,6 @@ from kvpilot.autoscaler.spec import Behavior, SloTargets
 if TYPE_CHECKING:
     from kvpilot.autoscaler.arrivals import PodCounter
 
-CAPACITY_FACTOR_MIN = 0.05
-CAPACITY_FACTOR_MAX = 2.0
 MAX_INTERVAL_S = 300.0  # an older baseline is not differenced (as the arrival counters)
 MIN_MISSES = 2  # one unlucky request is not a trend
 # A miss count is "below target" when it exceeds the budget's expectation by this many of its standard
@@ -62,7 +67,9 @@ class SloState:
     time: float | None = None  # of the last measurement (the baseline of the next interval)
     router_counts: SloCounts | None = None  # the routers' cumulative counters then
     intervals: tuple[SloInterval, ...] = ()
-    capacity_factor: float = 1.0
+    # Measured per-replica capacity bounds, requests/s per Ready replica (rule 2); None: not measured.
+    capacity_floor: float | None = None
+    capacity_ceiling: float | None = None
     fresh_since: float | None = None  # intervals that began before this do not trigger a step
     source: str | None = None  # of the latest interval
     last_backlog: float | None = None  # the last sync with requests waiting beyond the queue target
@@ -77,6 +84,7 @@ class FeedbackSettings:
     max_step: float
     headroom: float
     relax: float
+    tolerance: float = 0.1  # "running at the ceiling": within this share of it
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,18 @@ def feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
         max_step=b.feedback_max_step,
         headroom=b.attainment_headroom,
         relax=b.capacity_relax,
+        tolerance=b.tolerance,
     )
+
+
+def planner_capacity(state: SloState, model_capacity: float) -> float:
+    """Requests/s per replica the planner sizes with: the model's, within the measured bounds."""
+    c = model_capacity
+    if state.capacity_ceiling is not None:
+        c = min(c, state.capacity_ceiling)
+    if state.capacity_floor is not None:
+        c = max(c, state.capacity_floor)
+    return c
 
 
 def measure_slo(
@@ -175,6 +194,7 @@ def evaluate(
     model_capacity: float | None,
     settle_s: float,
     last_scale_up: float | None = None,
+    surging: bool = False,
 ) -> Feedback:
     """Apply the three rules (module doc). `model_capacity`: requests/s per replica the replica model
     gives at the current token mix (None: the planner is not sizing yet, the factor is left alone);
@@ -183,7 +203,8 @@ def evaluate(
     are the shortfall that scale-up answered). A backlog (requests waiting beyond the queue target)
     is answered by the queue rule: for a window after one, nothing here grows the fleet or corrects
     the capacity: a backlog's misses, also those judged after it drained, say the fleet was short
-    for a while, not that the model is wrong."""
+    for a while, not that the model is wrong. Nor while arrivals are surging (`surging`: the latest
+    rate above the trend window's mean beyond noise): a surge's misses say the fleet was late."""
     s = settings
     budget = 1.0 - s.target
     w = window(state.intervals, now, s.window_s)
@@ -195,13 +216,19 @@ def evaluate(
         since = max(since or 0.0, state.last_backlog + s.window_s)
     f = window(state.intervals, now, s.window_s, since=since)
     fresh, fresh_load = f.counts, f.load_per_replica
-    factor = state.capacity_factor
+    floor, ceiling = state.capacity_floor, state.capacity_ceiling
     attainment = win.attainment
     src = state.source or "no source"
     where = f"({src}, {win_s:.0f}s, {win.total:.0f} requests)"
     rec: int | None = None
     fresh_since = state.fresh_since
     fresh_att = fresh.attainment
+    recent_backlog = state.last_backlog is not None and now - state.last_backlog < s.window_s
+    # Where the planner sizes now, and how close the window's load ran to it (within the tolerance and
+    # one replica's share: a fleet of n cannot be sized finer).
+    used = planner_capacity(state, model_capacity) if model_capacity else None
+    band = s.tolerance + 1.0 / max(1, ready)
+    at_capacity = used is not None and win_load is not None and win_load >= (1.0 - band) * used
     if (
         fresh_att is not None
         and fresh.total >= s.min_requests
@@ -212,13 +239,18 @@ def evaluate(
         shortfall = (s.target - fresh_att) / budget
         step = min(s.max_step, s.gain * shortfall)
         rec = max(current, math.ceil(ready * (1.0 + step) - 1e-9), ready + 1)
-        recent_backlog = state.last_backlog is not None and now - state.last_backlog < s.window_s
-        if model_capacity and fresh_load is not None and not recent_backlog:
-            # Missed at a load the planner thought within capacity: the model is optimistic. (Missed
-            # above it: the fleet was short of the planner's own size; nothing learnt.)
-            proven_short = fresh_load / model_capacity
-            if proven_short <= factor:
-                factor = proven_short * (1.0 - step)
+        # Missed at a load the planner thought within capacity: the model is optimistic there.
+        # (Missed above it: the fleet was short of the planner's own size; nothing learnt.)
+        if (
+            model_capacity
+            and fresh_load is not None
+            and not recent_backlog
+            and not surging
+            and fresh_load <= planner_capacity(state, model_capacity) + 1e-9
+        ):
+            ceiling = fresh_load * (1.0 - step)
+            if floor is not None and floor > ceiling:
+                floor = ceiling  # proven at a lighter workload than now
         fresh_since = now + settle_s
         text = (
             f"measured attainment {fresh_att:.3f} < target {s.target:.3f} "
@@ -238,16 +270,30 @@ def evaluate(
     else:
         allow = win.missed <= (1.0 - s.headroom) * budget * win.total + 1e-9
         text = f"attainment {attainment:.3f} {where}"
-        if attainment >= s.target:
-            if allow and model_capacity and win_load is not None:
-                factor = max(factor, min(1.0, win_load / model_capacity))
-            if allow and factor < 1.0:
-                factor += s.relax * (1.0 - factor)
-        else:
+        if attainment >= s.target and allow and win_load is not None:
+            floor = max(floor or 0.0, win_load)
+            # Running as sized, with headroom: the binding bound is probed upward (a miss takes it
+            # back), the ceiling toward the model, the floor beyond it.
+            if used is not None and model_capacity and at_capacity:
+                if state.capacity_floor is not None and used > model_capacity:
+                    floor = max(floor, used * (1.0 + s.relax))
+                elif ceiling is not None and used < model_capacity:
+                    ceiling = min(model_capacity, ceiling * (1.0 + s.relax))
+            if ceiling is not None:
+                ceiling = max(ceiling, floor)
+        elif attainment < s.target:
             text += f" < target {s.target:.3f}, waiting {max(0.0, (fresh_since or now) - now):.0f}s for the last step"
-    factor = min(CAPACITY_FACTOR_MAX, max(CAPACITY_FACTOR_MIN, factor))
+            fresh_below = fresh_att is not None and fresh_att < s.target and fresh.total >= s.min_requests
+            if used is not None and at_capacity and fresh_below and not recent_backlog and not surging:
+                # Below target since the last step while running as sized, not yet significant:
+                # the mirror of the probe, the capacity steps down by capacity_relax per sync.
+                ceiling = used * (1.0 - s.relax)
+                if floor is not None and floor > ceiling:
+                    floor = ceiling
+        else:
+            text += " (no headroom)"
     return Feedback(
-        state=replace(state, capacity_factor=factor, fresh_since=fresh_since),
+        state=replace(state, capacity_floor=floor, capacity_ceiling=ceiling, fresh_since=fresh_since),
         attainment=attainment,
         requests=win.total,
         window_s=win_s,

@@ -83,7 +83,7 @@ class AutoscalerMetrics(SyncObserver):
         )
         self.capacity_factor = Gauge(
             f"{PREFIX}slo_capacity_factor",
-            "The planner's per-replica capacity correction measured online (1: the replica model as is)",
+            "The planner's per-replica capacity over the replica model's, within the measured bounds (1: the model as is)",
             labels,
             registry=r,
         )

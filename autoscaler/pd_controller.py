@@ -5,7 +5,9 @@ model here; everything else (leader election, observers, Events) is the controll
 
 Each role's pods are the model's pods with its kvpilot.dev/kv-role label; the metric source is asked
 about one role's pods at a time, so every per-pod signal (the pod scrape, or the Prometheus queries,
-which select by pod name) is split by role.
+which select by pod name) is split by role. The router scrape (router_source.py) adds what the
+routers report of the model's two legs (pd_signals.py): the prefill leg's seconds and the long
+prompts served direct for lack of a prefill pod.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvpilot.autoscaler.controller import (
 from kvpilot.autoscaler.election import is_leader
 from kvpilot.autoscaler.kube import Obj
 from kvpilot.autoscaler.pd_policy import DECODE, PREFILL, PdDecision, PdSnapshot, PdTargets, decide_pd
+from kvpilot.autoscaler.pd_signals import RouterPdCounts
 from kvpilot.autoscaler.pd_state import pd_decision_to_status, pd_state_from_status
 from kvpilot.autoscaler.sources import ModelRef, PodTarget
 from kvpilot.autoscaler.startup import measured_startup_s, pod_startup_seconds
@@ -89,6 +92,8 @@ async def sync_disaggregated(ctl: ScalingController, obj: Obj) -> SyncResult | N
         slo = (ctl._router.last_slo or {}).get(served)
         if slo is not None:
             snapshot = replace(snapshot, router_slo=slo)
+        if ctl._router.last_pd is not None:  # the routers answered: no P/D series is zero of each
+            snapshot = replace(snapshot, router_pd=ctl._router.last_pd.get(served, RouterPdCounts()))
     elif snaps[DECODE].router_slo is not None:  # a Prometheus source reads the routers' counter
         snapshot = replace(snapshot, router_slo=snaps[DECODE].router_slo)
 

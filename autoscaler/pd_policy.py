@@ -10,15 +10,28 @@ Per role, its own signals (docs/disaggregation.md, "Autoscaler"):
   per-replica service rate; its stabilization, rate limits and scale from zero. (The SLO planner's
   replica model is an aggregated replica's, so it is off for the role; the closed loop below is the
   role's SLO signal.)
+  Also by their **KV link** (pd_decode.py): every handed-over request's KV is pulled over a decode
+  pod's NIC, so the bytes/s the decode pods receive over the link's measured bandwidth at
+  DEFAULT_LINK_TARGET_UTILIZATION is a decode demand of its own (signal "KV link"); the role's demand
+  is the larger of its KV-use demand and its link demand.
 - **prefill** pods are sized by their prompt token rate and backlog over the measured per-replica
-  prefill throughput (pd_prefill.py).
+  prefill throughput (pd_prefill.py); the router's held requests count toward their backlog only
+  when they still need a prefill pod (kvpilot_router_pd_queued{path="prefill"}; a router without it:
+  all it holds), since the router's queue is in front of the decode pool and short prompts skip the
+  prefill pool; at zero, such a held request or a long prompt served direct for lack of a prefill
+  pod (pd_signals.py) wakes them.
 
 Joint:
 1. **Measured attainment per role** (spec.autoscaling.slo, the router's SLO counter; feedback.py's
-   rules, in a per-role view of the same measurement): TTFT misses are the prefill role's, TPOT misses
-   the decode role's, failed requests both's. A role whose own misses exceed the budget grows
-   (feedback.evaluate's step) and may shrink only with headroom in its view; when the misses together
-   exceed the budget but neither role's alone does, the role with more of them takes the step.
+   rules, in a per-role view of the same measurement): TPOT misses are the decode role's, failed
+   requests both's, and TTFT misses go to the stage that caused them by the **TTFT breakdown**
+   (pd_decode.attribute_ttft): the disaggregated requests' TTFT wait is split between the pulls
+   (past their bare time over the link) and the prefill leg (past the mean prompt at the prefill
+   throughput), smoothed; when the pulls' share is more than half, the TTFT misses are the decode
+   role's, else the prefill role's (and the prefill role's until a breakdown is measured). A role whose
+   own misses exceed the budget grows (feedback.evaluate's step) and may shrink only with headroom
+   in its view; when the misses together exceed the budget but neither role's alone does, the role
+   with more of them takes the step.
 2. **The P:D ratio** (prefill replicas per decode replica) is learned from measured saturation: at
    every sync where both roles carry load (each at least MIN_RATIO_DEMAND replicas of demand), the
    prefill demand (its token rate over its measured throughput at target) over the decode demand
@@ -28,8 +41,9 @@ Joint:
    the same decision (signal "P:D ratio"). Only that direction: decode load that grows by itself
    (short direct requests, longer outputs) needs no prefill. The ratio is in the status, so a
    restarted autoscaler keeps it.
-3. **Scale from zero of both**: a request held by the router wakes both roles (decide() wakes decode,
-   the prefill rule wakes prefill); a prefill role above zero keeps at least one decode replica (every
+3. **Scale from zero of both**: a request held by the router wakes the roles it needs (every held
+   request decode: decide() wakes it; one that needs a prefill pod prefill too: the prefill rule
+   wakes it); a prefill role above zero keeps at least one decode replica (every
    request ends on one).
 4. Each role is clamped to its [minReplicas, maxReplicas] (spec.disaggregation.<role>, else
    spec.autoscaling's).
@@ -46,12 +60,23 @@ from typing import Any
 from kvpilot.api.models import KV_ROLES
 from kvpilot.autoscaler.attainment import SloCounts, window
 from kvpilot.autoscaler.feedback import Feedback, SloState, evaluate, feedback_settings, record_interval
+from kvpilot.autoscaler.pd_decode import (
+    DEFAULT_LINK_TARGET_UTILIZATION,
+    LinkDecision,
+    LinkState,
+    TtftState,
+    attribute_ttft,
+    bare_prefill_s,
+    decide_link,
+    long_prompts_direct,
+)
 from kvpilot.autoscaler.pd_prefill import (
     DEFAULT_PREFILL_TARGET_UTILIZATION,
     PrefillDecision,
     PrefillState,
     decide_prefill,
 )
+from kvpilot.autoscaler.pd_signals import RouterPdCounts, held_for_prefill
 from kvpilot.autoscaler.policy import Decision, History, decide
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
@@ -75,6 +100,7 @@ class PdSnapshot:
     router_slo: SloCounts | None = None  # the routers' SLO counter (cumulative, by outcome)
     startup_s: float | None = None  # measured over the model's pods; None: declared or unknown
     scaling_limited: bool = False
+    router_pd: RouterPdCounts | None = None  # the routers' P/D counters (cumulative; pd_signals.py)
 
 
 @dataclass(frozen=True)
@@ -86,6 +112,7 @@ class PdTargets:
     decode_max: int
     prefill_target_utilization: float = DEFAULT_PREFILL_TARGET_UTILIZATION
     ratio_coupling: bool = True
+    link_target_utilization: float = DEFAULT_LINK_TARGET_UTILIZATION
 
     def __post_init__(self) -> None:
         for role, lo, hi in (
@@ -98,6 +125,8 @@ class PdTargets:
                 )
         if not 0.0 < self.prefill_target_utilization <= 1.0:
             raise ValueError("prefill_target_utilization must be in (0, 1]")
+        if not 0.0 < self.link_target_utilization <= 1.0:
+            raise ValueError("link_target_utilization must be in (0, 1]")
 
     def role_targets(self, role: str) -> ScalingTargets:
         lo, hi = (
@@ -140,6 +169,8 @@ class PdState:
     decode_fresh_since: float | None = None
     ratio: float | None = None  # prefill replicas per decode replica, learned
     ratio_samples: int = 0
+    link: LinkState = field(default_factory=LinkState)  # the decode pods' KV link (pd_decode.py)
+    ttft: TtftState = field(default_factory=TtftState)  # the TTFT breakdown (pd_decode.py)
 
 
 @dataclass(frozen=True)
@@ -159,6 +190,7 @@ class PdDecision:
     decode: RoleDecision
     decode_decision: Decision  # policy.decide() on the decode pods (its history is the decode role's)
     prefill_decision: PrefillDecision
+    link_decision: LinkDecision
     state: PdState
     reason: str
     attainment: float | None = None  # over the window, both roles together; None: unknown
@@ -174,22 +206,37 @@ class PdDecision:
         return self.prefill.desired, self.decode.desired
 
 
-def role_counts(c: SloCounts, role: str) -> SloCounts:
-    """The outcomes as one role answers for them: its own misses (TTFT: prefill, TPOT: decode) and the
-    failed requests; the other role's misses count as met here."""
+def role_counts(c: SloCounts, role: str, decode_ttft_share: float = 0.0) -> SloCounts:
+    """The outcomes as one role answers for them: its own misses (TPOT: decode; TTFT: the decode role
+    `decode_ttft_share` of them, the prefill role the rest) and the failed requests; the other role's
+    misses count as met here."""
+    to_decode = c.missed_ttft * decode_ttft_share
     if role == PREFILL:
-        return SloCounts(met=c.met + c.missed_tpot, missed_ttft=c.missed_ttft, failed=c.failed)
-    return SloCounts(met=c.met + c.missed_ttft, missed_tpot=c.missed_tpot, failed=c.failed)
+        return SloCounts(
+            met=c.met + c.missed_tpot + to_decode, missed_ttft=c.missed_ttft - to_decode, failed=c.failed
+        )
+    return SloCounts(
+        met=c.met + c.missed_ttft - to_decode,
+        missed_ttft=to_decode,
+        missed_tpot=c.missed_tpot,
+        failed=c.failed,
+    )
 
 
-def role_view(state: SloState, role: str, fresh_since: float | None) -> SloState:
-    """The measurement as `role` answers for it (role_counts); the capacity factor is the prefill
-    throughput's correction, so the decode view starts from 1 and its result is not kept."""
+def role_view(
+    state: SloState, role: str, fresh_since: float | None, decode_ttft_share: float = 0.0
+) -> SloState:
+    """The measurement as `role` answers for it (role_counts); the measured capacity bounds are the
+    prefill throughput's (tokens/s per replica), so the decode view starts without them and its result
+    is not kept."""
     return replace(
         state,
-        intervals=tuple(replace(i, counts=role_counts(i.counts, role)) for i in state.intervals),
+        intervals=tuple(
+            replace(i, counts=role_counts(i.counts, role, decode_ttft_share)) for i in state.intervals
+        ),
         fresh_since=fresh_since,
-        capacity_factor=state.capacity_factor if role == PREFILL else 1.0,
+        capacity_floor=state.capacity_floor if role == PREFILL else None,
+        capacity_ceiling=state.capacity_ceiling if role == PREFILL else None,
     )
 
 
@@ -232,6 +279,9 @@ def decide_pd(
     b = base.behavior
     startup = snapshot.startup_s if snapshot.startup_s is not None else base.startup_s
     router_queue = snapshot.router_queue or 0
+    # The router's queue is in front of the decode pool: all of it is decode's, only what still needs
+    # a prefill pod is prefill's (short prompts skip the prefill pool; pd_signals.py).
+    prefill_queue = held_for_prefill(snapshot.router_queue, snapshot.router_pd)
 
     # Decode: the aggregated policy on the decode pods.
     dsnap = replace(
@@ -246,7 +296,7 @@ def decide_pd(
     pf = decide_prefill(
         cur_p,
         snapshot.prefill,
-        router_queue,
+        prefill_queue,
         targets.role_targets(PREFILL),
         state.prefill,
         now,
@@ -254,11 +304,32 @@ def decide_pd(
         calibration=cal,
         target_utilization=targets.prefill_target_utilization,
         ttft_s=base.slo.ttft_s if base.slo is not None else 2.0,
-        capacity_factor=state.slo.capacity_factor,
+        slo_state=state.slo,
+        direct_long=long_prompts_direct(state.ttft, snapshot.router_pd),
     )
+    # Decode's KV link, and the TTFT breakdown that splits TTFT misses between the roles.
+    lk = decide_link(
+        cur_d,
+        snapshot.decode,
+        targets.role_targets(DECODE),
+        state.link,
+        state.decode.events,  # the role's scale events before this sync
+        now,
+        startup=startup,
+        calibration=cal,
+        target_utilization=targets.link_target_utilization,
+    )
+    bare = bare_prefill_s(pf.state.mean_prompt, pf.throughput)
+    ttft_state, wait_share = attribute_ttft(state.ttft, snapshot.router_pd, now, lk, bare)
+    # The stage whose wait dominates answers for the TTFT misses (a wait well within the target is
+    # no cause of a miss: the misses are not split in proportion).
+    decode_share = 1.0 if wait_share > 0.5 else 0.0
     want = {PREFILL: pf.desired, DECODE: dd.desired}
     signal = {PREFILL: pf.signal, DECODE: dd.signal}
     extra: dict[str, list[str]] = {PREFILL: [], DECODE: []}
+    if lk.desired is not None and lk.desired > want[DECODE]:
+        want[DECODE], signal[DECODE] = lk.desired, "KV link"
+        extra[DECODE].append(lk.text)
     ready = {PREFILL: snapshot.prefill.ready_replicas, DECODE: snapshot.decode.ready_replicas}
     cur = {PREFILL: cur_p, DECODE: cur_d}
     fresh = {PREFILL: state.prefill_fresh_since, DECODE: state.decode_fresh_since}
@@ -288,16 +359,21 @@ def decide_pd(
         fbs: dict[str, Feedback] = {}
         for role in KV_ROLES:
             fbs[role] = evaluate(
-                role_view(slo_state, role, fresh[role]), now, cur[role], ready[role], settings,
-                p_capacity if role == PREFILL else None, settle, last_up[role],
+                role_view(slo_state, role, fresh[role], decode_share), now, cur[role], ready[role],
+                settings, p_capacity if role == PREFILL else None, settle, last_up[role],
             )  # fmt: skip
-        slo_state = replace(slo_state, capacity_factor=fbs[PREFILL].state.capacity_factor)
+        slo_state = replace(
+            slo_state,
+            capacity_floor=fbs[PREFILL].state.capacity_floor,
+            capacity_ceiling=fbs[PREFILL].state.capacity_ceiling,
+        )
         if all(fbs[r].recommendation is None for r in KV_ROLES):
             # Together over the budget, neither alone: the role with more misses takes the step.
             w = window(slo_state.intervals, now, b.attainment_window_s).counts
-            role = PREFILL if w.missed_ttft > w.missed_tpot else DECODE
+            decode_misses = w.missed_tpot + w.missed_ttft * decode_share
+            role = PREFILL if w.missed_ttft - w.missed_ttft * decode_share > decode_misses else DECODE
             joint = evaluate(
-                replace(slo_state, fresh_since=fresh[role], capacity_factor=1.0),
+                replace(slo_state, fresh_since=fresh[role], capacity_floor=None, capacity_ceiling=None),
                 now, cur[role], ready[role], settings, None, settle, last_up[role],
             )  # fmt: skip
             if joint.recommendation is not None:
@@ -311,6 +387,10 @@ def decide_pd(
                 want[role] = fb.recommendation
                 signal[role] = "measured attainment"
                 extra[role].append(fb.text)
+                if decode_share > 0.0:
+                    extra[role].append(
+                        f"TTFT misses are decode's (KV pull waits {wait_share:.0%} of the wait)"
+                    )
             elif want[role] < cur[role] and not fb.allow_scale_down:
                 want[role] = cur[role]
                 signal[role] = "attainment unknown" if fb.attainment is None else "attainment headroom"
@@ -318,6 +398,8 @@ def decide_pd(
 
     # 2. The P:D ratio.
     d_demand = decode_demand(dd, base.target_kv_cache_utilization)
+    if lk.demand is not None and (d_demand is None or lk.demand > d_demand):
+        d_demand = lk.demand
     ratio, samples = learn_ratio(state.ratio, state.ratio_samples, pf.demand, d_demand)
     if (
         targets.ratio_coupling
@@ -332,10 +414,11 @@ def decide_pd(
             signal[DECODE] = "P:D ratio"
             extra[DECODE].append(f"prefill demand {pf.demand:.2f} / P:D ratio {ratio:.2f} -> {floor}")
 
-    # 3. Both from zero; every request ends on a decode replica.
-    if cur_p == 0 and cur_d == 0 and router_queue:
+    # 3. Both from zero (a role the held requests need); every request ends on a decode replica.
+    held = {PREFILL: prefill_queue, DECODE: router_queue}
+    if cur_p == 0 and cur_d == 0:
         for role in KV_ROLES:
-            if want[role] < 1:
+            if held[role] and want[role] < 1:
                 want[role], signal[role] = 1, "scale from zero"
     if want[PREFILL] > 0 and want[DECODE] < 1:
         want[DECODE], signal[DECODE] = 1, "prefill needs a decode replica"
@@ -362,7 +445,7 @@ def decide_pd(
 
     texts = {PREFILL: pf.text + f" [signal: {pf.signal}]", DECODE: dd.reason}
     first = {PREFILL: pf.signal, DECODE: dd.signal}
-    recs = {PREFILL: pf.recommendation, DECODE: dd.recommendation}
+    recs = {PREFILL: pf.recommendation, DECODE: max(dd.recommendation, lk.recommendation or 0)}
     demands = {PREFILL: pf.demand, DECODE: d_demand}
     roles = {}
     parts = []
@@ -375,6 +458,13 @@ def decide_pd(
         parts.append(f"{role} {verb}: {text}")
     if ratio is not None:
         parts.append(f"P:D ratio {ratio:.2f} ({samples} samples)")
+    ts = ttft_state
+    if ts.decode_share is not None:
+        waits = ""
+        if ts.prefill_wait_s is not None and ts.transfer_wait_s is not None:
+            waits = f" (last: prefill {ts.prefill_wait_s:.2f} s, pull {ts.transfer_wait_s:.2f} s)"
+        whose = "decode's" if decode_share else "prefill's"
+        parts.append(f"TTFT wait {ts.decode_share:.0%} in KV pulls{waits}: TTFT misses {whose}")
     new_state = PdState(
         decode=dd.history,
         prefill=pf.state,
@@ -383,12 +473,15 @@ def decide_pd(
         decode_fresh_since=fresh[DECODE],
         ratio=ratio,
         ratio_samples=samples,
+        link=lk.state,
+        ttft=ttft_state,
     )
     return PdDecision(
         prefill=roles[PREFILL],
         decode=roles[DECODE],
         decode_decision=dd,
         prefill_decision=pf,
+        link_decision=lk,
         state=new_state,
         reason="; ".join(parts),
         attainment=attainment,

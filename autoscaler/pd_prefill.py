@@ -15,7 +15,12 @@ names too) between two syncs:
   estimate raises it. Until one is seen, the calibration's idle prefill rate at the mean prompt
   (slo.solo_prefill_s; pessimistic: it knows no prefix-cache hits) stands in, when spec.autoscaling.slo
   names a calibration; without either, the role scales on its queue alone;
-- the **token backlog**: requests waiting at the prefill pods and held by the router, x the mean prompt.
+- the **token backlog**: requests waiting at the prefill pods and those the router holds that still
+  need a prefill pod (pd_signals.held_for_prefill: not the short prompts held in front of the decode
+  pool), x the mean prompt;
+- **from zero**: such a request the router holds, or a long prompt it served on a decode pod because no
+  prefill pod was routable (kvpilot_router_pd_requests_total{path="no_prefill"}, pd_signals.py),
+  wakes the role to one replica; its token rate sizes it from there.
 
 Demand (replicas, fractional) = forecast token rate / (throughput x target utilization); the
 recommendation adds the backlog drained within a startup (startup.backlog_replicas), else (no
@@ -30,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from kvpilot.autoscaler.arrivals import MAX_COUNTER_AGE_S, PodCounter, RateSample, forecast_arrivals
 from kvpilot.autoscaler.calibration import Calibration
+from kvpilot.autoscaler.feedback import SloState, planner_capacity
 from kvpilot.autoscaler.policy import Recommendation, ScaleEvent, scale_down_limit, scale_up_limit
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import solo_prefill_s
@@ -181,10 +187,14 @@ def decide_prefill(
     calibration: Calibration | None,
     target_utilization: float,
     ttft_s: float,
-    capacity_factor: float = 1.0,
+    slo_state: SloState | None = None,
+    direct_long: float = 0.0,
 ) -> PrefillDecision:
     """The prefill role's size from its own signals (module doc); `targets`: the role's limits and
-    behavior; `router_queue`: requests the router holds for the model (a wake-up and backlog)."""
+    behavior; `router_queue`: requests the router holds for the model that need a prefill pod (a
+    wake-up and backlog: pd_signals.held_for_prefill);
+    `direct_long`: long prompts the router sent to a decode pod since the last sync for lack of a
+    prefill pod (a wake-up: pd_signals.py)."""
     b = targets.behavior
     n, ready = snapshot.reporting, snapshot.ready_replicas
     lead = forecast_lead_s(b.arrival_lead_s, startup)
@@ -208,16 +218,23 @@ def decide_prefill(
     steady: int | None = None  # the recommendation without the backlog
     notes: list[str] = []
     if current == 0:
-        raw = 1 if router_queue else 0
-        signal = "scale from zero" if raw else "idle"
-        text = (
-            f"scale from zero: {router_queue} requests held by the router" if raw else "at zero, nothing held"
-        )
+        raw = 1 if router_queue or direct_long > 0 else 0
+        if router_queue:
+            signal, text = (
+                "scale from zero",
+                f"scale from zero: {router_queue} requests held by the router need a prefill pod",
+            )
+        elif raw:
+            signal = "long prompts direct"
+            text = f"scale from zero: {direct_long:.0f} long prompts served by decode pods for lack of a prefill pod"
+        else:
+            signal, text = "idle", "at zero, nothing held, no long prompt served direct"
     elif n == 0:
         raw, signal = current, "no metrics"
         text = f"no metrics from 0/{ready} ready prefill replicas" if ready else "no ready prefill replica"
     elif throughput and forecast is not None:
-        per_replica = throughput * target_utilization * capacity_factor
+        modelled = throughput * target_utilization
+        per_replica = planner_capacity(slo_state, modelled) if slo_state is not None else modelled
         demand = forecast / per_replica
         raw = math.ceil(demand - _EPS)
         signal = "token rate"
@@ -234,7 +251,7 @@ def decide_prefill(
             + (f" (forecast {forecast:.0f}/s in {lead:g}s)" if forecast > (level or 0.0) + _EPS else "")
             + f", backlog {backlog:.0f} tokens ({waiting} waiting)"
             + f" at {throughput:.0f} tokens/s per replica ({source}, target {target_utilization:.0%}"
-            + (f" x {capacity_factor:.2f} measured" if capacity_factor != 1.0 else "")
+            + (f" -> {per_replica:.0f} within the measured bounds" if per_replica != modelled else "")
             + ")"
         )
     else:

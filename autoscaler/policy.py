@@ -19,7 +19,8 @@ Steps, in order (HPA-like where the HPA has an answer):
    SLO planner (targets.slo, spec.autoscaling.slo), Dynamo's throughput-planner idea: the forecast
    arrival rate over what one replica serves within the TTFT/TPOT targets at the observed token
    mix (prompt and output tokens per finished request, from per-pod counters), computed from the
-   replica model (slo.replica_capacity); it replaces the completion-rate service estimate above.
+   replica model (slo.replica_capacity), within the per-replica bounds the closed loop measured
+   (feedback.planner_capacity); it replaces the completion-rate service estimate above.
    Startup-aware (startup.py; the startup measured from the pods, else declared): the forecast
    looks at least one startup ahead, the scale-down window is at least HOLD_STARTUPS startups, and
    for startups of STARTUP_AWARE_MIN_S or more the queue rule sizes the backlog expected one startup
@@ -27,7 +28,8 @@ Steps, in order (HPA-like where the HPA has an answer):
    The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
-   scale-up window, asks burst_factor more and uses the larger burst rate limit.
+   scale-up window, asks burst_factor more (not while the closed loop measures the SLO met) and uses
+   the larger burst rate limit.
 3. Stabilization: scale up to the smallest recommendation in the up window (default 0 s, i.e. now),
    scale down to the largest recommendation in the down window (default 300 s).
 4. Rate limits over the events in the rule's period, like HPA behavior policies.
@@ -54,11 +56,19 @@ from kvpilot.autoscaler.arrivals import (
     forecast_arrivals,
     measure_arrivals,
     measure_token_mix,
+    rate_surging,
     service_rate_at_target,
     smooth_token_mix,
     token_totals,
 )
-from kvpilot.autoscaler.feedback import Feedback, SloState, evaluate, feedback_settings, measure_slo
+from kvpilot.autoscaler.feedback import (
+    Feedback,
+    SloState,
+    evaluate,
+    feedback_settings,
+    measure_slo,
+    planner_capacity,
+)
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
@@ -148,7 +158,7 @@ class Decision:
     attainment_window_s: float = 0.0
     attainment_source: str | None = None
     feedback_recommendation: int | None = None
-    capacity_factor: float | None = None
+    capacity_factor: float | None = None  # slo_capacity / the replica model's: the measured correction
     signal: str = ""  # the signal that set the size: named at the end of the reason's first clause
     # What requests are judged with (api/slo.judge), published in status.autoscaler.slo for the router.
     judge_targets: JudgeTargets | None = None
@@ -243,6 +253,7 @@ def decide(
     arrival_rec: int | None = None
     slo_rec: int | None = None
     slo_capacity: float | None = None
+    model_capacity: float | None = None
     burst = False
     # The arrival rate is measured (and remembered) whether or not it drives the size.
     arrivals = history.arrivals
@@ -285,6 +296,7 @@ def decide(
                 arrivals, counters=tuple(replace(c, latency=latency.get(c.pod)) for c in arrivals.counters)
             )
     fb: Feedback | None = None
+    fb_in_driver = False
     signal = ""
     if current == 0 and snapshot.router_queue:
         # Scale from zero: nothing runs, so nothing reports; the router holding requests is the signal.
@@ -361,19 +373,27 @@ def decide(
                     planner = replace(planner, output_cdf=measured)
                     source = "measured"
             tail_text = f", TPOT tail within {planner.tpot_tail_budget:.1%} ({source} output lengths)"
-        model_capacity: float | None = None
+        model_capacity = None
         if planner_on and planner is not None and arrivals.token_mix is not None:
             model_capacity = planner.capacity(*arrivals.token_mix)
         if loop is not None:
             settle = startup if startup is not None else b.arrival_lead_s
             last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
             fb = evaluate(
-                slo_state, now, current, ready, feedback_settings(loop, b), model_capacity, settle, last_up
+                slo_state,
+                now,
+                current,
+                ready,
+                feedback_settings(loop, b),
+                model_capacity,
+                settle,
+                last_up,
+                surging=rate_surging(arrivals.rates),
             )
             slo_state = fb.state
         if model_capacity is not None:
-            # The replica model's capacity, corrected by what replicas were measured to sustain.
-            slo_capacity = model_capacity * slo_state.capacity_factor
+            # The replica model's capacity, within the bounds replicas were measured to sustain.
+            slo_capacity = model_capacity if loop is None else planner_capacity(slo_state, model_capacity)
         # Startup-aware queue rule: with the startup known and a per-replica rate (the planner's
         # capacity, else the measured service rate at the target), size for the forecast rate plus
         # the backlog expected when the pods asked for now are Ready, drained within DRAIN_STARTUPS
@@ -420,14 +440,15 @@ def decide(
             if current > 0 and abs(slo_rec / current - 1.0) <= tol:
                 slo_rec = current
             a_part = f"slo planner: arrivals {arrival_rate or 0.0:.2f}/s"
-            if forecast > (arrival_rate or 0.0) + _EPS:
+            if abs(forecast - (arrival_rate or 0.0)) > _EPS:
                 a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
             a_part += (
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
                 f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
             )
-            if slo_state.capacity_factor != 1.0 and loop is not None:
-                a_part += f" (model x {slo_state.capacity_factor:.2f}, measured)"
+            if model_capacity is not None and abs(slo_capacity - model_capacity) > _EPS:
+                bound = "floor" if slo_capacity > model_capacity else "ceiling"
+                a_part += f" (model {model_capacity:.2f}/s, measured {bound})"
             arrival_rec = slo_rec
             if slo_rec > raw:
                 raw = slo_rec
@@ -438,7 +459,7 @@ def decide(
             if current > 0 and abs(arrival_rec / current - 1.0) <= tol:
                 arrival_rec = current
             a_part = f"arrivals {arrival_rate:.2f}/s"
-            if forecast > (arrival_rate or 0.0) + _EPS:
+            if abs(forecast - (arrival_rate or 0.0)) > _EPS:
                 a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
             a_part += f" at {service_rate:.2f}/s per replica"
             if arrival_rec > raw:
@@ -462,10 +483,23 @@ def decide(
                 else f"{driver}, {a_part}"
             )
         signal = _winner(raw, kv_rec, queue_rec, arrival_rec, targets.slo is not None and planner_on)
-        if fb is not None and fb.recommendation is not None and fb.recommendation > raw:
-            raw = fb.recommendation
+        # The measured attainment wins when it asks for the most, on a tie, and when the planner asks
+        # for more only because of the capacity ceiling this miss measured (the miss set the size).
+        measured_ceiling = (
+            signal == "slo planner"
+            and model_capacity is not None
+            and slo_capacity is not None
+            and slo_capacity < model_capacity
+        )
+        if (
+            fb is not None
+            and fb.recommendation is not None
+            and (fb.recommendation >= raw or measured_ceiling)
+        ):
+            raw = max(raw, fb.recommendation)
             signal = "measured attainment"
             driver = f"{fb.text}; {driver}"
+            fb_in_driver = True
         if missing:
             driver += f" ({missing} not reporting, held)"
             if current > raw:
@@ -486,8 +520,19 @@ def decide(
             notes.append(burst_note)
             # The startup-aware queue rule already sized for the backlog a startup from now: no
             # extra factor on top (it asked 14 where 9 were enough on flash_crowd x8).
-            if not q_startup:
+            # Nor while the closed loop measures the SLO met: the queue rule's own size is asked,
+            # and a miss (or the next sync's queue) asks for more.
+            met = (
+                loop is not None
+                and fb is not None
+                and fb.recommendation is None
+                and fb.attainment is not None
+                and fb.attainment >= loop.attainment_target
+            )
+            if not q_startup and not met:
                 raw = max(raw, _ceil(raw * b.burst_factor))
+            elif met:
+                notes.append("no burst factor: attainment met")
 
     # Stabilization windows (the new recommendation included).
     down_s = scale_down_hold_s(targets.scale_down_stabilization_s, startup)
@@ -534,7 +579,7 @@ def decide(
             )
             desired = limit
 
-    fb_noted = fb is None or fb.recommendation is not None  # the feedback's text is in the reason
+    fb_noted = fb is None or fb_in_driver  # the feedback's text is in the reason
     if desired < current and fb is not None and not fb.allow_scale_down:
         unknown = fb.attainment is None
         extra = "" if unknown else " (scale down only with attainment headroom)"
@@ -599,7 +644,11 @@ def decide(
         attainment_window_s=0.0 if fb is None else fb.window_s,
         attainment_source=slo_state.source if loop is not None else None,
         feedback_recommendation=None if fb is None else fb.recommendation,
-        capacity_factor=slo_state.capacity_factor if loop is not None else None,
+        capacity_factor=(
+            slo_capacity / model_capacity
+            if loop is not None and slo_capacity is not None and model_capacity
+            else None
+        ),
         signal=signal,
         judge_targets=None if targets.slo is None else targets.slo.slo.judge_targets(targets.slo.calibration),
         attainment_target=None if targets.slo is None else targets.slo.attainment_target,

@@ -1,5 +1,6 @@
 """`kvpilot router` as a metric source: the requests its replicas hold for a model
-(kvpilot_router_queue_depth) and how the requests it proxied fared against the SLO
+(kvpilot_router_queue_depth; for a disaggregated model, those that need a prefill pod too:
+pd_signals.py) and how the requests it proxied fared against the SLO
 (kvpilot_router_slo_requests_total, judged with kvpilot.api.slo.judge). Every router replica is read:
 a URL's host is resolved to all its addresses (the chart passes the router's headless Service).
 """
@@ -11,12 +12,14 @@ import logging
 import math
 import socket
 from collections.abc import Sequence
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.autoscaler.attainment import SloCounts
+from kvpilot.autoscaler.pd_signals import RouterPdCounts, parse_router_pd
 from kvpilot.autoscaler.samples import MetricsParseError
 
 log = logging.getLogger(__name__)
@@ -78,8 +81,13 @@ class RouterQueueSource:
         # The routers' SLO counters by model, from the same scrape as the last depths(); None: no
         # router answered.
         self.last_slo: dict[str, SloCounts] | None = None
+        # The routers' P/D counters (pd_signals.py), from the same scrape; held_prefill summed over
+        # the routers, each older one's whole queue counted.
+        self.last_pd: dict[str, RouterPdCounts] | None = None
 
-    async def _one(self, url: str) -> tuple[dict[str, int], dict[str, dict[str, float]]] | None:
+    async def _one(
+        self, url: str
+    ) -> tuple[dict[str, int], dict[str, dict[str, float]], dict[str, RouterPdCounts]] | None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
@@ -87,7 +95,7 @@ class RouterQueueSource:
                 if resp.status != 200:
                     return None
                 text = await resp.text()
-                return parse_router_queues(text), parse_router_slo(text)
+                return parse_router_queues(text), parse_router_slo(text), parse_router_pd(text)
         except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
             log.info("router %s: scrape failed (%s)", url, exc or type(exc).__name__)
             return None
@@ -111,16 +119,24 @@ class RouterQueueSource:
         pages = [d for d in await asyncio.gather(*(self._one(u) for u in urls)) if d is not None]
         if not pages:
             self.last_slo = None
+            self.last_pd = None
             return None
         total: dict[str, int] = {}
         slo: dict[str, SloCounts] = {}
-        for depths, counters in pages:
+        pd: dict[str, RouterPdCounts] = {}
+        for depths, counters, pd_counts in pages:
             for model, depth in depths.items():
                 total[model] = total.get(model, 0) + depth
             for model, by_outcome in counters.items():
                 slo[model] = slo.get(model, SloCounts()) + SloCounts.from_outcomes(by_outcome)
+            for model in depths.keys() | pd_counts.keys():
+                c = pd_counts.get(model, RouterPdCounts())
+                if c.held_prefill is None:  # a router that does not say: all it holds (pd_signals.py)
+                    c = replace(c, held_prefill=float(depths.get(model, 0)))
+                pd[model] = pd.get(model, RouterPdCounts()) + c
         self.last = total
         self.last_slo = slo
+        self.last_pd = pd
         return total
 
     async def queue_depth(self, model: str) -> int | None:

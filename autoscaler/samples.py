@@ -42,10 +42,16 @@ class ReplicaSample:
     output_tokens_buckets: tuple[tuple[float, float], ...] | None = None
     # Its latency histograms (cumulative (le, count) pairs, +Inf included): kvpilot's
     # kvpilot_time_to_first_token_seconds and kvpilot_inter_token_latency_seconds, vLLM's
-    # time_to_first_token_seconds and time_per_output_token_seconds. The measured-attainment fallback
+    # time_to_first_token_seconds and inter_token_latency_seconds. The measured-attainment fallback
     # when no router reports the model (attainment.py: a bound). None when not exported.
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None
+    # A P/D decode pod's KV pulls (docs/disaggregation.md): kvpilot_kv_transfer_seconds' sum and count
+    # (one pull each, from its start to its blocks checked) and kvpilot_kv_transfer_bytes_total
+    # {direction="received"}; counters since the process started, None when not exported.
+    kv_transfer_seconds_total: float | None = None
+    kv_transfers_total: float | None = None
+    kv_transfer_bytes_total: float | None = None
 
     @property
     def load(self) -> float:

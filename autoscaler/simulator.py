@@ -393,7 +393,7 @@ class FleetSimulator:
             elif kind == _ARRIVAL:
                 self._arrive(requests[a], t)
             elif kind == _HANDOFF:
-                self._handoff(t, a)
+                self._handoff(t, a, b)
             elif kind == _READY:
                 rep = self.replicas[a]
                 if rep.gone_at is None:
@@ -418,7 +418,7 @@ class FleetSimulator:
         for r in done:
             self._outcomes[self._judge(r)] += 1
 
-    def _handoff(self, now: float, index: int) -> None:
+    def _handoff(self, now: float, a: int, b: int) -> None:
         raise NotImplementedError("an aggregated fleet has no hand-offs")
 
     def _sync(self, now: float) -> None:

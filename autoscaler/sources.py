@@ -50,6 +50,12 @@ OUTPUT_TOKENS_BUCKET_METRICS = pm.REQUEST_GENERATION_TOKENS.buckets
 # The pods' latency histograms: the measured-attainment fallback without a router (attainment.py).
 TTFT_BUCKET_METRICS = pm.TIME_TO_FIRST_TOKEN.buckets
 ITL_BUCKET_METRICS = pm.INTER_TOKEN_LATENCY.buckets
+# A P/D decode pod's KV pulls (the decode role's link signal, autoscaler/pd_decode.py): the pull
+# histogram's sum and count, and the bytes received (kvpilot's names only: vLLM has no equivalents).
+KV_TRANSFER_SUM_METRICS = (pm.KV_TRANSFER_SECONDS.kvpilot + "_sum",)
+KV_TRANSFER_COUNT_METRICS = (pm.KV_TRANSFER_SECONDS.kvpilot + "_count",)
+KV_TRANSFER_BYTES_METRICS = pm.KV_TRANSFER_BYTES.names
+KV_RECEIVED = {"direction": "received"}
 
 # Series are selected by namespace and the model's Ready pods ({pods}: a regex of their names), not by
 # model_name: vLLM labels model_name with whatever --model / --served-model-name it was given (often
@@ -74,6 +80,12 @@ DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY = (
 )
 DEFAULT_TTFT_BUCKETS_QUERY = " or ".join(f"sum by (pod, le) ({m}{_SELECT})" for m in TTFT_BUCKET_METRICS)
 DEFAULT_ITL_BUCKETS_QUERY = " or ".join(f"sum by (pod, le) ({m}{_SELECT})" for m in ITL_BUCKET_METRICS)
+_RECEIVED_SELECT = '{namespace="{namespace}",pod=~"{pods}",direction="received"}'
+DEFAULT_KV_TRANSFER_QUERIES = (
+    f"sum by (pod) ({pm.promql_any(KV_TRANSFER_SUM_METRICS, _SELECT)})",
+    f"sum by (pod) ({pm.promql_any(KV_TRANSFER_COUNT_METRICS, _SELECT)})",
+    f"sum by (pod) ({pm.promql_any(KV_TRANSFER_BYTES_METRICS, _RECEIVED_SELECT)})",
+)
 
 
 @dataclass(frozen=True)
@@ -101,11 +113,17 @@ class MetricSource(Protocol):
 
 
 def _series(
-    values: Mapping[str, list[tuple[dict[str, str], float]]], names: Iterable[str], model: str | None
+    values: Mapping[str, list[tuple[dict[str, str], float]]],
+    names: Iterable[str],
+    model: str | None,
+    having: Mapping[str, str] | None = None,
 ) -> list[float] | None:
-    """Finite values of the first metric family present, restricted to the model's series if any match."""
+    """Finite values of the first metric family present, restricted to the model's series if any match
+    (and to the series with the labels `having`)."""
     for name in names:
         series = values.get(name)
+        if having:
+            series = [(lab, v) for lab, v in series or () if all(lab.get(k) == x for k, x in having.items())]
         if not series:
             continue
         matching = [v for labels, v in series if model is not None and labels.get("model_name") == model]
@@ -147,6 +165,7 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS) | set(COMPLETED_METRICS)
     wanted |= set(PROMPT_TOKEN_METRICS) | set(GENERATION_TOKEN_METRICS) | set(OUTPUT_TOKENS_BUCKET_METRICS)
     wanted |= set(TTFT_BUCKET_METRICS) | set(ITL_BUCKET_METRICS)
+    wanted |= set(KV_TRANSFER_SUM_METRICS) | set(KV_TRANSFER_COUNT_METRICS) | set(KV_TRANSFER_BYTES_METRICS)
     values: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -163,6 +182,9 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     completed = _series(values, COMPLETED_METRICS, model)
     prompt_tokens = _series(values, PROMPT_TOKEN_METRICS, model)
     generation_tokens = _series(values, GENERATION_TOKEN_METRICS, model)
+    transfer_s = _series(values, KV_TRANSFER_SUM_METRICS, model)
+    transfers = _series(values, KV_TRANSFER_COUNT_METRICS, model)
+    received = _series(values, KV_TRANSFER_BYTES_METRICS, model, KV_RECEIVED)
     return ReplicaSample(
         pod=pod,
         # A ratio: several series (one per engine, say) are averaged; counts are summed.
@@ -175,6 +197,9 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
         output_tokens_buckets=_buckets(values, OUTPUT_TOKENS_BUCKET_METRICS, model),
         ttft_buckets=_buckets(values, TTFT_BUCKET_METRICS, model),
         itl_buckets=_buckets(values, ITL_BUCKET_METRICS, model),
+        kv_transfer_seconds_total=None if transfer_s is None else max(0.0, sum(transfer_s)),
+        kv_transfers_total=None if transfers is None else max(0.0, sum(transfers)),
+        kv_transfer_bytes_total=None if received is None else max(0.0, sum(received)),
     )
 
 
@@ -348,6 +373,8 @@ class PrometheusSource:
             (DEFAULT_TTFT_BUCKETS_QUERY, DEFAULT_ITL_BUCKETS_QUERY) if token_counters else ()
         )
         self.router_slo_query: str | None = ROUTER_SLO_QUERY if token_counters else None
+        # A P/D decode pod's KV pulls (optional: only decode pods export them).
+        self.transfer_queries: tuple[str, ...] = DEFAULT_KV_TRANSFER_QUERIES if token_counters else ()
         self.timeout_s = timeout_s
         self.pod_label = pod_label
         self._session = session
@@ -438,10 +465,15 @@ class PrometheusSource:
         names = [p.name for p in pods]
         rendered = [render_query(q, model.namespace, model.served_name, names) for q in queries]
         try:
-            results, completions, counters, buckets, latency, router_slo = await asyncio.gather(
+            results, completions, counted, buckets, latency, router_slo = await asyncio.gather(
                 asyncio.gather(*(self.query(q) for q in rendered)),
                 self._optional_query(model, self.completions_query, pods),
-                asyncio.gather(*(self._optional_query(model, q, pods) for q in self.counter_queries)),
+                asyncio.gather(
+                    *(
+                        self._optional_query(model, q, pods)
+                        for q in (*self.counter_queries, *self.transfer_queries)
+                    )
+                ),
                 self._optional_buckets(model, pods),
                 asyncio.gather(*(self._optional_buckets(model, pods, q) for q in self.latency_queries)),
                 self.router_slo(model),
@@ -457,8 +489,10 @@ class PrometheusSource:
             return MetricsSnapshot(ready_replicas=len(pods))
         kv, waiting = results[0], results[1]
         running = results[2] if len(results) > 2 else {}
+        counters, pulls = counted[: len(self.counter_queries)], counted[len(self.counter_queries) :]
         done, prompt, generated = counters if counters else ({}, {}, {})
         ttft, itl = latency if latency else ({}, {})
+        pull_s, pull_n, pull_bytes = pulls if pulls else ({}, {}, {})
         samples = []
         for p in pods:
             if p.name in kv and p.name in waiting:
@@ -475,6 +509,9 @@ class PrometheusSource:
                         output_tokens_buckets=buckets.get(p.name),
                         ttft_buckets=ttft.get(p.name),
                         itl_buckets=itl.get(p.name),
+                        kv_transfer_seconds_total=pull_s.get(p.name),
+                        kv_transfers_total=pull_n.get(p.name),
+                        kv_transfer_bytes_total=pull_bytes.get(p.name),
                     )
                 )
         return MetricsSnapshot(ready_replicas=len(pods), samples=tuple(samples), router_slo=router_slo)

@@ -87,7 +87,7 @@ class Behavior:
     # The closed loop on measured SLO attainment (feedback.py; with spec.autoscaling.slo): the window
     # the attainment is measured over, the fewest requests it judges on, the growth per budget of
     # shortfall and at most, the share of the miss budget kept free before scaling down, and how fast
-    # the capacity correction relaxes toward the replica model per sync.
+    # the measured capacity bounds move per sync (probe up with headroom, down below target).
     slo_feedback: bool = True
     attainment_window_s: float = 120.0
     attainment_min_requests: float = 20.0

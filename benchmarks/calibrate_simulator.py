@@ -15,7 +15,8 @@ replaying Poisson arrivals through the real engine and through the simulator.
      prefill chunk's n x (cached + (n + 1) / 2)); on a CPU one core does the reads and the FLOPs, so
      the terms add (Calibration.attn_s_per_token_pair with no memory term: max(0, compute) = compute);
    - `--model linear` (benchmarks/calibration/smollm2-cpu.json): without the pairs term.
-2. num_kv_blocks and block_size from the engine; startup_s = `kvpilot serve` start to /ready 200
+2. num_kv_blocks, block_size and kv_bytes_per_token (the KV geometry: what a P/D pull moves per token) from
+   the engine; startup_s = `kvpilot serve` start to /ready 200
    (median of 3; a real pod adds scheduling and image pull on top).
 3. Validation: open-loop Poisson arrivals at two rates in real time through a real `kvpilot serve`
    (streaming /v1/completions with token-id prompts and ignore_eos, the same engine settings;
@@ -403,6 +404,8 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=num_blocks,
+        # the engine's KV geometry (K and V of every layer, storage dtype): what a P/D pull moves per token
+        kv_bytes_per_token=float(engine.runner.geometry.bytes_per_token),
         startup_s=round(statistics.median(startup), 1),
         source=(
             f"measured by benchmarks/calibrate_simulator.py ({args.model} model): kvpilot runtime, "

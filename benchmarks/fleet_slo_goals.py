@@ -14,9 +14,8 @@ SLO: TTFT 2 s + 2 x the prompt's idle prefill (the terms the autoscaler publishe
 TPOT 50 ms, 99% of requests. Per trace:
 - static: the smallest fixed fleet with >= 99% attainment (binary search, perfect hindsight);
 - kvpilot: policy.decide() with the SLO planner and the closed loop (measured attainment from the
-  simulated router's SLO counter, feedback, capacity correction, scale-down only with headroom);
-- kvpilot (open loop): the same without the closed loop (Behavior(slo_feedback=False)), the policy
-  before issue 24;
+  simulated router's SLO counter, feedback, measured capacity bounds, scale-down only with headroom);
+- kvpilot (open loop): the same without the closed loop (Behavior(slo_feedback=False));
 - same-hours static: the attainment of a fixed fleet with the policy's replica-hours (mean replicas,
   interpolated between the two integer fleets around it).
 Goals: >= 99% attainment at 10 s startup and >= 98% at 60 s whenever a fleet of max replicas reaches

@@ -15,6 +15,9 @@ Per trace:
 - P/D autoscaler: pd_policy.decide_pd (per-role signals, learned P:D ratio, per-role closed loop) at
   --startup s, starting from 1 + 1.
 The goal: the autoscaler >= 99% at fewer replica-hours than the aggregated static fleet.
+Each P/D row's `transfer` has the pulls (count, GB, mean seconds, per 1k prompt tokens, fallbacks) and
+the TTFT breakdown of the disaggregated requests (prefill leg, pull, decode admission and first step),
+over all of them and over those that missed TTFT (`ttft_breakdown`, `ttft_breakdown_missed`).
 """
 
 from __future__ import annotations

@@ -290,6 +290,8 @@ CLIENTS = {
     "kube-scheduler": "/CN=system:kube-scheduler",
     # kwok plays the kubelet of every fake node at once, so it cannot be a single system:node:<name>.
     "kwok": "/O=system:masters/CN=kwok-controller",
+    # kube-apiserver's identity towards a real kubelet (logs, exec, port-forward on e2e/kubelet_node.py's node).
+    "kube-apiserver-kubelet-client": "/O=system:masters/CN=kube-apiserver-kubelet-client",
 }
 
 
@@ -422,6 +424,11 @@ def components(settings: Settings) -> list[Component]:
                 f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
                 f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
                 f"--cert-dir={certs / 'kube-apiserver'}",
+                # Only the real node (e2e/kubelet_node.py) has a kubelet: reached by its InternalIP
+                # (its name does not resolve), with a client certificate its webhook authorizer accepts.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
+                f"--kubelet-client-certificate={pki / 'kube-apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kube-apiserver-kubelet-client.key'}",
                 "--profiling=false",
             ],
             {},

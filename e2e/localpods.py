@@ -2,10 +2,13 @@
 
 kwok marks pods Running and Ready without running containers. `LocalKubelet` watches a label
 selector's pods and, for each Running one, runs the pod's container command (`kvpilot serve --config
-/etc/kvpilot/config.yaml`, as the operator renders it) as a local process on its own 127.0.0.1 port,
-with the pod's ConfigMap volumes written to a folder and the paths rewritten. Extra flags (the test's
-`--device cpu --kv-cache-memory 64MiB --threads 1`) come last, so they override the config file, the
-same precedence the runtime gives flags.
+/etc/kvpilot/config.yaml`, as the operator renders it, or `vllm serve --config ...` for a model with
+spec.engine vllm, run by the local vLLM given in `executables`) as a local process on its own
+127.0.0.1 port, with the pod's ConfigMap volumes written to a folder and the paths rewritten. Extra
+flags (the test's `--device cpu --kv-cache-memory 64MiB --threads 1`; `command_args` gives them per
+command, say vLLM's own) come last, so they override the config file, the same precedence both servers
+give flags. A process counts as Ready once its container's readiness probe path answers 200 (/ready
+for kvpilot's runtime, /health for vLLM).
 
 When the pod goes away (kwok deletes pods at once) it does what a kubelet does on termination: the
 endpoint leaves the routing table (`endpoints()`, what a Service would route to), the container's
@@ -62,6 +65,7 @@ class LocalPod:
     prestop_s: float
     grace_s: float
     started_at: float
+    ready_path: str = "/ready"
     ready_at: float | None = None
     deleted_at: float | None = None  # when the shim saw the pod deleted or gone
     sigterm_at: float | None = None
@@ -87,10 +91,14 @@ class LocalPod:
 
 
 def _container_argv(
-    pod: Mapping[str, Any], configmaps: Callable[[str], Mapping[str, str]], workdir: Path
+    pod: Mapping[str, Any],
+    configmaps: Callable[[str], Mapping[str, str]],
+    workdir: Path,
+    executables: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The first container's command + args, runnable here: `kvpilot` becomes this interpreter's
-    `-m kvpilot`, and paths under a ConfigMap volume mount point at a local copy of its data."""
+    `-m kvpilot`, another command named in `executables` that executable (`vllm`: a local vLLM), and
+    paths under a ConfigMap volume mount point at a local copy of its data."""
     spec = pod["spec"]
     container = spec["containers"][0]
     argv = [*(container.get("command") or []), *(container.get("args") or [])]
@@ -98,6 +106,8 @@ def _container_argv(
         raise ValueError(f"pod {pod['metadata']['name']}: container has no command")
     if argv[0] == "kvpilot":
         argv = [sys.executable, "-m", "kvpilot", *argv[1:]]
+    elif executables and argv[0] in executables:
+        argv = [executables[argv[0]], *argv[1:]]
     volumes = {v["name"]: v for v in spec.get("volumes") or []}
     mounts: dict[str, Path] = {}
     for mount in container.get("volumeMounts") or []:
@@ -127,6 +137,12 @@ def _prestop_and_grace(pod: Mapping[str, Any]) -> tuple[float, float]:
     return float(sleep.get("seconds") or 0), float(30 if grace is None else grace)
 
 
+def _readiness_path(pod: Mapping[str, Any]) -> str:
+    """The path of the first container's HTTP readiness probe (/ready when it has none)."""
+    probe = pod["spec"]["containers"][0].get("readinessProbe") or {}
+    return str((probe.get("httpGet") or {}).get("path") or "/ready")
+
+
 def _container_port(pod: Mapping[str, Any]) -> int:
     ports = pod["spec"]["containers"][0].get("ports") or []
     return int(ports[0]["containerPort"]) if ports else 8000
@@ -154,6 +170,8 @@ class LocalKubelet:
         max_prestop_s: float | None = None,
         env: Mapping[str, str] | None = None,
         pod_network: bool = False,
+        executables: Mapping[str, str] | None = None,
+        command_args: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         from kubernetes import client
 
@@ -167,6 +185,9 @@ class LocalKubelet:
         self.max_prestop_s = max_prestop_s
         self.env = dict(env if env is not None else os.environ)
         self.pod_network = pod_network
+        self.executables = dict(executables or {})
+        # container command (its first word) -> the flags appended instead of extra_args
+        self.command_args = {k: list(v) for k, v in (command_args or {}).items()}
         self.pods: dict[str, LocalPod] = {}  # by uid, including finished ones
         self.errors: list[str] = []
         self.refused: set[str] = set()  # uids of pods whose podIP cannot be bound here
@@ -280,13 +301,14 @@ class LocalKubelet:
                 return
         else:
             port = free_port()
+        command = (pod["spec"]["containers"][0].get("command") or [""])[0]
         argv = [
-            *_container_argv(pod, configmap, pod_dir),
+            *_container_argv(pod, configmap, pod_dir, self.executables),
             "--host",
             host,
             "--port",
             str(port),
-            *self.extra_args,
+            *self.command_args.get(command, self.extra_args),
         ]
         prestop, grace = _prestop_and_grace(pod)
         if self.max_prestop_s is not None:
@@ -297,13 +319,25 @@ class LocalKubelet:
                 argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
         model = (meta.get("labels") or {}).get(MODEL_LABEL, "")
-        lp = LocalPod(name, uid, model, port, proc, log_path, prestop, grace, time.time(), host=host)
+        lp = LocalPod(
+            name,
+            uid,
+            model,
+            port,
+            proc,
+            log_path,
+            prestop,
+            grace,
+            time.time(),
+            _readiness_path(pod),
+            host=host,
+        )
         with self._lock:
             self.pods[uid] = lp
         log.info("pod %s: started %s (pid %d, %s:%d)", name, " ".join(argv), proc.pid, host, port)
 
     def _check(self, lp: LocalPod) -> None:
-        """Readiness probe (GET /ready) until Ready; notice processes that exit."""
+        """Readiness probe (GET the container's probe path) until Ready; notice processes that exit."""
         if lp.exit_code is not None:
             return
         code = lp.proc.poll()
@@ -312,7 +346,7 @@ class LocalKubelet:
             return
         if lp.ready_at is None and not lp.terminating:
             try:
-                with urllib.request.urlopen(f"{lp.url}/ready", timeout=1) as resp:
+                with urllib.request.urlopen(f"{lp.url}{lp.ready_path}", timeout=1) as resp:
                     if resp.status == 200:
                         with self._lock:
                             lp.ready_at = time.time()

@@ -21,6 +21,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvpilot.router.cli", "route OpenAI requests to the pods of many models (one endpoint)"),
 }
 
+# Top-level modules of pyproject's `runtime` extra (the operator, router and autoscaler need none).
+RUNTIME_EXTRA_MODULES = frozenset(
+    {"torch", "numpy", "gguf", "tokenizers", "safetensors", "jinja2", "tqdm", "xgrammar", "jsonschema"}
+)
+
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -35,7 +40,15 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if chosen == name:
-            mod = importlib.import_module(module)
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name is None or exc.name.split(".")[0] not in RUNTIME_EXTRA_MODULES:
+                    raise
+                parser.error(
+                    f"`kvpilot {name}` needs the runtime extra ({exc.name} is not installed): "
+                    "pip install 'kvpilot[runtime]'"
+                )
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
     return parser

@@ -58,6 +58,10 @@ TERMINATION_MARGIN_S = 15
 LIVENESS_PERIOD_S = 10
 LIVENESS_FAILURE_THRESHOLD = 3
 DEFAULT_SHUTDOWN_TIMEOUT_S = int(EngineConfig.model_fields["shutdown_timeout"].default)
+# spec.engine: vllm without spec.image (`kvpilot operator --vllm-image / --vllm-cpu-image`): vLLM's
+# release images, the CUDA one for GPU pods and the x86 CPU build for pods with resources.gpus 0.
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+DEFAULT_VLLM_CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class OperatorSettings:
     """What the operator adds to every InferenceModel (from its command line)."""
 
     image: str = "kvpilot/kvpilot:0.1.0"
+    vllm_image: str = DEFAULT_VLLM_IMAGE
+    vllm_cpu_image: str = DEFAULT_VLLM_CPU_IMAGE
     image_pull_policy: str = "IfNotPresent"
     service_monitor: bool = False  # render a ServiceMonitor (the monitoring.coreos.com CRD exists)
     extra_labels: dict[str, str] = field(default_factory=dict)
@@ -233,6 +239,11 @@ def sets_api_key(im: InferenceModel) -> bool:
 
 
 def render_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = None) -> str:
+    """The model server's config file: kvpilot's EngineConfig, or vLLM's (engine vllm)."""
+    if im.spec.engine == "vllm":
+        from kvpilot.operator.vllm_pod import vllm_config_yaml  # it builds on this module
+
+        return vllm_config_yaml(im, overrides)
     return render_engine_config(im, overrides).to_yaml()
 
 
@@ -240,6 +251,10 @@ def rollout_config_yaml(im: InferenceModel, overrides: OOMOverrides | None = Non
     """The part of the runtime config that rolls the pods when it changes: all of it but the adapter
     list, which the operator brings running pods in line with through the runtime's API (the ConfigMap
     still carries the list, so a pod that starts later starts with it)."""
+    if im.spec.engine == "vllm":
+        from kvpilot.operator.vllm_pod import vllm_config_yaml  # it builds on this module
+
+        return vllm_config_yaml(im, overrides, adapters=False)
     config = render_engine_config(im, overrides)
     return config.model_copy(update={"lora_modules": {}}).to_yaml()
 
@@ -354,8 +369,9 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         volume = adapter_claim_volume(claim)
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTER_CLAIMS_DIR}/{claim}", "readOnly": True})
-    if im.spec.effective_tensor_parallel_size() > 1:
-        # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB.
+    if im.spec.effective_tensor_parallel_size() > 1 or im.spec.engine == "vllm":
+        # NCCL and torch.distributed need a larger /dev/shm than the container default of 64 MiB, and
+        # so do vLLM's processes (its engine and workers talk through shared memory).
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
@@ -397,6 +413,7 @@ def _fetch_init_container(
     source: str | None = None,
     name: str = "fetch-model",
     volume: tuple[str, str, str] | None = None,
+    python: str = "python",
 ) -> dict[str, Any]:
     """Download hf:// weights (the model's, or `source` into `dest` for an adapter) into their volume
     before the runtime starts. `volume`: (volume name, mount path, destination)."""
@@ -408,7 +425,7 @@ def _fetch_init_container(
         "name": name,
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": ["python", "-c", FETCH_SCRIPT, repo, dest, revision],
+        "command": [python, "-c", FETCH_SCRIPT, repo, dest, revision],
         "env": env,
         "volumeMounts": [
             {"name": volume_name, "mountPath": mount},
@@ -419,15 +436,19 @@ def _fetch_init_container(
 
 
 def _init_containers(im: InferenceModel, image: str, pull_policy: str) -> list[dict[str, Any]]:
-    """One fetch per hf:// source: the model's, then each adapter's."""
+    """One fetch per hf:// source: the model's, then each adapter's (in the pod's image: vLLM's images
+    have huggingface_hub too, and name their interpreter python3)."""
+    python = "python3" if im.spec.engine == "vllm" else "python"
     out = []
     if _is_hf(im):
-        out.append(_fetch_init_container(im, image, pull_policy))
+        out.append(_fetch_init_container(im, image, pull_policy, python=python))
     for i, adapter in enumerate(im.spec.adapters or []):
         if adapter.source.startswith("hf://"):
             volume = ("adapters", ADAPTERS_DIR, adapter_path(adapter))
             out.append(
-                _fetch_init_container(im, image, pull_policy, adapter.source, f"fetch-adapter-{i}", volume)
+                _fetch_init_container(
+                    im, image, pull_policy, adapter.source, f"fetch-adapter-{i}", volume, python
+                )
             )
     return out
 
@@ -440,6 +461,10 @@ def render_deployment(
     pull_policy = spec.image_pull_policy or settings.image_pull_policy
     volumes, mounts = _volumes(im)
     labels = common_labels(im, settings)
+    if spec.engine == "vllm":
+        from kvpilot.operator import vllm_pod  # it builds on this module
+
+        image = vllm_pod.vllm_image(im, settings.vllm_image, settings.vllm_cpu_image)
 
     container: dict[str, Any] = {
         "name": "kvpilot",
@@ -458,6 +483,15 @@ def render_deployment(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
+    if spec.engine == "vllm":
+        # `vllm serve --config` (the ConfigMap's file), vLLM's environment; its /health is the probe
+        # of all three (it answers only once the model is loaded, and fails when the engine died).
+        container.update(
+            name=vllm_pod.CONTAINER_NAME,
+            command=vllm_pod.vllm_command(im),
+            env=vllm_pod.vllm_env(im, container["env"]),
+            readinessProbe=_http_probe("/health", 5, 3),
+        )
 
     node_selector = dict(spec.node_selector or {})
     if spec.resources.gpu_type:

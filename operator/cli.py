@@ -35,6 +35,8 @@ def parse_router_endpoints(specs: list[str]) -> dict[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpilot.operator.builders import DEFAULT_VLLM_CPU_IMAGE, DEFAULT_VLLM_IMAGE
+
     parser.add_argument(
         "--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)"
     )
@@ -47,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="runtime image when spec.image is unset")
     parser.add_argument(
         "--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"]
+    )
+    parser.add_argument(
+        "--vllm-image",
+        default=DEFAULT_VLLM_IMAGE,
+        help="spec.engine vllm: the image of GPU pods when spec.image is unset (default %(default)s)",
+    )
+    parser.add_argument(
+        "--vllm-cpu-image",
+        default=DEFAULT_VLLM_CPU_IMAGE,
+        help="spec.engine vllm: the image of CPU pods (resources.gpus 0) when spec.image is unset "
+        "(default %(default)s, vLLM's x86 CPU build)",
     )
     parser.add_argument(
         "--router-endpoint",
@@ -145,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     settings = OperatorSettings(
         image=args.image,
         image_pull_policy=args.image_pull_policy,
+        vllm_image=args.vllm_image,
+        vllm_cpu_image=args.vllm_cpu_image,
         router_endpoints=router_endpoints,
     )
     reconciler = Reconciler(kube, settings, identity=identity)

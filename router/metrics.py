@@ -160,8 +160,9 @@ class RouterMetrics:
         self.pd_requests = Counter(
             "kvpilot_router_pd_requests_total",
             "Requests of disaggregated models by how they ran: disaggregated (prefill pod, then decode "
-            "pod with the KV transfer), direct (a decode pod alone: a short prompt, no prefill pod...), "
-            "prefill_failed (the prefill leg failed or missed the transfer timeout: a decode pod ran "
+            "pod with the KV transfer), direct (a decode pod alone: a short prompt, echo, "
+            "prompt_logprobs...), no_prefill (a decode pod alone: a long prompt while no prefill pod was "
+            "routable), prefill_failed (the prefill leg failed or missed the transfer timeout: a decode pod ran "
             "the whole request)",
             ["model_name", "path"],
             registry=r,
@@ -172,6 +173,14 @@ class RouterMetrics:
             "prefill pod's answer (waiting for a prefill pod with room included)",
             ["model_name"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pd_queued = Gauge(
+            "kvpilot_router_pd_queued",
+            "Requests of a disaggregated model held in its central queue (kvpilot_router_queue_depth) by "
+            "what they will need: prefill (a long prompt whose prefill leg has not run) or direct (a "
+            "decode pod alone)",
+            ["model_name", "path"],
             registry=r,
         )
         self.pd_prefill_pods = Gauge(

@@ -14,7 +14,15 @@ to a decode pod:
 - so does every request whose prompt the two legs cannot carry as one transfer, or whose answer needs
   the prompt's logits (`direct_reason`): several prompts in one completion request, `echo`,
   `prompt_logprobs`, and a client that sends `kv_transfer_params` itself (it orchestrates on its own);
-- and every request of a model with no routable prefill pod (none Ready, or all ejected).
+- and a long prompt of a model with no routable prefill pod (none Ready, or all ejected) goes to a
+  decode pod too, counted apart (`no_prefill`): the prefill role's wake-up from zero.
+
+While the router holds a request in the model's central queue (in front of the decode pool) it
+counts it by the pool it will need (`held_path`, kvpilot_router_pd_queued): `prefill` when its
+prompt takes the prefill pool (`needs_prefill`, whatever the prefill pods are now), `direct` when a
+decode pod alone will run it (a short prompt, a `direct_reason`, or a request whose prefill leg has
+already run: a retry of the decode leg). The autoscaler counts only the first toward the prefill
+role's backlog, both toward the decode role's.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from kvpilot.router.keys import prompt_text
 from kvpilot.router.measure import estimate_tokens
 from kvpilot.router.migrate import GUIDED_FIELDS
 
-PdPath = Literal["disaggregated", "direct", "prefill_failed"]
-PD_PATHS: tuple[PdPath, ...] = ("disaggregated", "direct", "prefill_failed")
+PdPath = Literal["disaggregated", "direct", "no_prefill", "prefill_failed"]
+PD_PATHS: tuple[PdPath, ...] = ("disaggregated", "direct", "no_prefill", "prefill_failed")
+HeldPath = Literal["prefill", "direct"]  # what a request held in the central queue will need
+HELD_PATHS: tuple[HeldPath, ...] = ("prefill", "direct")
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # The decode pool's policy: the lowest load per slot times the pod's measured slowness, the scraped
 # KV use breaking ties (policy.py), which is what a decode pod is short of: slots and KV memory.
@@ -75,8 +85,10 @@ class PdSettings:
 
 @dataclass(frozen=True)
 class PdPlan:
-    """How one request runs: `path` disaggregated (prefill then decode) or direct (a decode pod
-    alone), why, and the prompt's size in tokens as the router estimates it."""
+    """How one request runs: `path` disaggregated (prefill then decode), direct (a decode pod alone:
+    the request skips the prefill pool) or no_prefill (a decode pod alone: the prompt needed the
+    prefill pool, which had no routable pod), why, and the prompt's size in tokens as the router
+    estimates it."""
 
     path: PdPath
     reason: str
@@ -119,8 +131,8 @@ def direct_reason(body: Mapping[str, Any], chat: bool) -> str | None:
 
 
 def plan(body: Mapping[str, Any], chat: bool, settings: PdSettings, prefill_pods: int) -> PdPlan:
-    """Disaggregated or direct for one request of a disaggregated model with `prefill_pods` routable
-    prefill pods (see the module docstring)."""
+    """Disaggregated, direct or no_prefill for one request of a disaggregated model with
+    `prefill_pods` routable prefill pods (see the module docstring)."""
     tokens = prompt_tokens(body, chat)
     why = direct_reason(body, chat)
     if why is not None:
@@ -128,8 +140,23 @@ def plan(body: Mapping[str, Any], chat: bool, settings: PdSettings, prefill_pods
     if not should_disaggregate(tokens, settings.min_prompt_tokens):
         return PdPlan("direct", f"a short prompt (~{tokens} < {settings.min_prompt_tokens} tokens)", tokens)
     if prefill_pods < 1:
-        return PdPlan("direct", "no routable prefill pod", tokens)
+        return PdPlan("no_prefill", "no routable prefill pod", tokens)
     return PdPlan("disaggregated", f"a prompt of ~{tokens} tokens", tokens)
+
+
+def needs_prefill(body: Mapping[str, Any], chat: bool, settings: PdSettings) -> bool:
+    """The request's prompt takes the prefill pool when one is routable (`plan` disaggregated or
+    no_prefill), decided from the request alone."""
+    return direct_reason(body, chat) is None and should_disaggregate(
+        prompt_tokens(body, chat), settings.min_prompt_tokens
+    )
+
+
+def held_path(body: Mapping[str, Any], chat: bool, settings: PdSettings, prefilled: bool) -> HeldPath:
+    """What a request held in the central queue will need: `prefill` when its prompt takes the
+    prefill pool and its prefill leg has not run yet (`prefilled`: a retry of the decode leg), else
+    `direct` (a decode pod alone)."""
+    return "prefill" if not prefilled and needs_prefill(body, chat, settings) else "direct"
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:

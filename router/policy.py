@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 POLICIES = ("round-robin", "least-loaded", "prefix-affinity", "kv-aware")
-DEFAULT_POLICY = "prefix-affinity"
+# kv-aware: the one that measures best at the fleet level (docs/router.md, "Which policy by default").
+DEFAULT_POLICY = "kv-aware"
 
 
 def stable_hash(data: bytes) -> int:

@@ -133,6 +133,7 @@ class _Waiter:
     priority: int = 1  # index into PRIORITIES: lower is served first
     tenant: str = ""
     since: float = field(default_factory=time.monotonic)
+    tag: str = ""  # the caller's label of the request (queued_with counts them)
 
 
 class ModelPool:
@@ -208,6 +209,10 @@ class ModelPool:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def queued_with(self, tag: str) -> int:
+        """Requests waiting in the queue that `acquire` was given this `tag` for."""
+        return sum(1 for w in self._queue if w.tag == tag)
+
     @property
     def in_flight(self) -> int:
         return sum(p.in_flight for p in self.pods.values())
@@ -233,11 +238,13 @@ class ModelPool:
         priority: int = 1,
         tenant: str = "",
         timeout_s: float | None = None,
+        tag: str = "",
     ) -> Pod:
         """A pod with a slot reserved for this request, waiting behind earlier requests of its
         priority class (its tenant's, and one of each other tenant's in turn) and every request of a
         higher class (`priority`: index into PRIORITIES). `timeout_s`: the client's own time to
-        live, at most its class's.
+        live, at most its class's. `tag`: the caller's label of the request while it waits
+        (`queued_with`).
 
         Raises Overloaded when the queue (or the class's or tenant's share) is full or the wait
         passes its deadline.
@@ -269,7 +276,7 @@ class ModelPool:
         cold = not self.routable(exclude)
         ttl = s.timeout_s(priority) if timeout_s is None else min(timeout_s, s.timeout_s(priority))
         timeout = s.cold_start_timeout_s if cold else ttl
-        waiter = _Waiter(key, exclude, asyncio.get_running_loop().create_future(), priority, tenant)
+        waiter = _Waiter(key, exclude, asyncio.get_running_loop().create_future(), priority, tenant, tag=tag)
         self._queue.push(waiter, priority, tenant)
         self._changed()
         try:

@@ -46,7 +46,7 @@ from kvpilot.router.keys import prompt_text, request_key
 from kvpilot.router.load import parse_load, scrape
 from kvpilot.router.measure import SloMeter
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.pd import DECODE_POLICY, PdSettings, decode_body
+from kvpilot.router.pd import DECODE_POLICY, HELD_PATHS, PdSettings, decode_body, held_path
 from kvpilot.router.pd import plan as pd_plan
 from kvpilot.router.policy import POLICIES, AdapterAffinity, make_policy, stable_hash
 from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, priority_class
@@ -203,6 +203,9 @@ class Router:
         if prefill_pool is not None:
             self._set_pods(prefill_pool, [])
             self.metrics.pd_prefill_pods.labels(model).set(0)
+            for path in HELD_PATHS:
+                with contextlib.suppress(KeyError):
+                    self.metrics.pd_queued.remove(model, path)
 
     def _index_adapters(self) -> None:
         """adapter -> parent model. A name that is also a model's stays the model's; an adapter two
@@ -299,6 +302,10 @@ class Router:
             prefill = self.prefill_pools.get(model)
             ejected = pool.ejected_count + (prefill.ejected_count if prefill is not None else 0)
             self.metrics.ejected_pods.labels(model).set(ejected)
+            if model in self._pd_of:  # what its held requests will need (pd.held_path)
+                held = pool.queued_with("prefill")
+                self.metrics.pd_queued.labels(model, "prefill").set(held)
+                self.metrics.pd_queued.labels(model, "direct").set(max(0, pool.queue_depth - held))
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -431,10 +438,13 @@ class Router:
     async def _route(self, call: Call, pool: ModelPool) -> web.StreamResponse:
         tried: set[str] = set()
         raw: bytes | None = None  # what the pods get: the client's body, or the decode leg's
+        pd = self._pd_of.get(pool.model)
         while True:
+            # what it will need while held (kvpilot_router_pd_queued): the decode leg's retry, direct
+            tag = held_path(call.body, call.chat, pd, prefilled=raw is not None) if pd is not None else ""
             try:
                 pod = await pool.acquire(
-                    call.key, frozenset(tried), call.priority, call.tenant, call.queue_timeout_s
+                    call.key, frozenset(tried), call.priority, call.tenant, call.queue_timeout_s, tag
                 )
             except Overloaded as e:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
@@ -476,7 +486,7 @@ class Router:
         params = None
         if plan.path == "disaggregated":
             params = await self.prefill.run(call, prefill_pool, pd)
-        path = plan.path if params is not None or plan.path == "direct" else "prefill_failed"
+        path = plan.path if params is not None or plan.path != "disaggregated" else "prefill_failed"
         self.metrics.pd_requests.labels(model, path).inc()
         if params is None:
             return call.raw

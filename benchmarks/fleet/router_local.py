@@ -88,11 +88,12 @@ def start_router(
     policy: str,
     cpu: int | None = None,
     extra: Sequence[str] = (),
+    pod_capacity: int = 4,
 ) -> str:
     port = free_port()
     argv = [
         sys.executable, "-m", "kvpilot", "router", "--endpoints", endpoints, "--policy", policy,
-        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--pod-capacity", "4",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--pod-capacity", str(pod_capacity),
         "--max-queue", "100000", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(argv, preexec_fn=pinned(cpu), stdout=subprocess.DEVNULL)

@@ -111,13 +111,19 @@ def run_kvpilot(dtype: str, options: dict[str, str]) -> dict[str, Any]:
     texts = [tok.decode(a) for a in answers]
     return {
         **(speed(engine, ids) if os.environ.get("KVPILOT_BENCH_SPEED") == "1" else {}),
-        "dtype": str(engine.runner.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "dtype": embedding_dtype(engine),
         "text_ids": ids,
         "choices": choices,
         "answers": answers,
         "answer_text": texts,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def embedding_dtype(engine: Any) -> str:
+    """The embedding's dtype (the model dtype), or 'quantized' when it is kept in quantized blocks."""
+    weight = engine.runner.model.model.embed_tokens.weight
+    return "quantized" if weight is None else str(weight.dtype).removeprefix("torch.")
 
 
 def speed(engine: Any, ids: list[int]) -> dict[str, float]:

@@ -5,15 +5,14 @@
 #
 # Multi-stage: a virtualenv is built in the first stage and copied into a clean slim image. Non-root
 # (uid 10001), nothing writable but /tmp (HOME points there), so it runs with readOnlyRootFilesystem.
-# The install command is the README's (`pip install .`); PIP_CONSTRAINT pins the tested versions, and
-# the CPU wheel index keeps torch small (the operator never imports it, but the distribution requires it).
+# The install command is the README's (`pip install .`, without the runtime extra: no torch, which the
+# operator, router and autoscaler never import); PIP_CONSTRAINT pins the tested versions.
 # Pin the base by digest in production: --build-arg PYTHON_IMAGE=python:3.12.12-slim-bookworm@sha256:...
 ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-# torch from its CPU-only wheel index, everything else from PyPI; a mirror can be passed as build args
-# (scripts/build_images.sh passes PIP_INDEX_URL=https://pypi.org/simple: torch's PyPI wheel, CUDA libs and all)
-ARG PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Wheels from PyPI (no torch here); a mirror can be passed as build args.
+ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG PIP_EXTRA_INDEX_URL=https://pypi.org/simple
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -34,10 +33,8 @@ COPY kernels/ kernels/
 COPY operator/ operator/
 COPY autoscaler/ autoscaler/
 COPY router/ router/
-# compileall skips the one torch test file written in Python 3.12 syntax (the base may be Python 3.11,
-# as Debian bookworm's is in scripts/build_images.sh).
 RUN pip install . \
-    && python -m compileall -q -x 'torch/testing/_internal/py312_intrinsics\.py' /opt/kvpilot \
+    && python -m compileall -q /opt/kvpilot \
     && kvpilot --version
 
 FROM ${PYTHON_IMAGE}

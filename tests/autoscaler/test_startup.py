@@ -198,16 +198,17 @@ def test_scale_down_hold_spans_several_startups() -> None:
 
 def test_forecast_looks_one_startup_ahead() -> None:
     """A rising arrival rate is extrapolated over the startup when it is longer than the default lead."""
-    samples = tuple(ReplicaSample(f"p{i}", 0.5, 0, 10, completed_total=100.0) for i in range(2))
-    counters = tuple(PodCounter(f"p{i}", 70.0, 10) for i in range(2))
-    rates = tuple(RateSample(NOW - 15.0 * k, 4.0 - 0.2 * k) for k in range(4, 0, -1))
-    history = History(arrivals=ArrivalState(NOW - 15.0, counters, rates, service_rate=2.0))
+    samples = tuple(ReplicaSample(f"p{i}", 0.5, 0, 10, completed_total=1000.0) for i in range(2))
+    counters = tuple(PodCounter(f"p{i}", 700.0, 10) for i in range(2))
+    # 32 -> 40 req/s in a minute: beyond the Poisson noise of 15 s counts
+    rates = tuple(RateSample(NOW - 15.0 * k, 40.0 - 2.0 * k) for k in range(4, 0, -1))
+    history = History(arrivals=ArrivalState(NOW - 15.0, counters, rates, service_rate=20.0))
     targets = ScalingTargets(min_replicas=1, max_replicas=50)
     d60 = decide(2, MetricsSnapshot(2, samples, startup_s=60.0), targets, history, NOW)
     d180 = decide(2, MetricsSnapshot(2, samples, startup_s=180.0), targets, history, NOW)
-    assert d60.arrival_rate == d180.arrival_rate == 4.0
+    assert d60.arrival_rate == d180.arrival_rate == 40.0
     assert d60.arrival_forecast is not None and d180.arrival_forecast is not None
-    assert d180.arrival_forecast > d60.arrival_forecast > 4.0
+    assert d180.arrival_forecast > d60.arrival_forecast > 40.0
     assert "in 180s" in d180.reason
 
 

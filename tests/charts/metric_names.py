@@ -123,6 +123,16 @@ def recorded() -> frozenset[str]:
     return frozenset(r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r)
 
 
+def vllm_twins() -> frozenset[str]:
+    """vLLM's names of the pod metrics the dashboard and alerts read for both engines
+    (api/pod_metrics.TWINS; tests/api/test_vllm_metrics.py finds them on a real vLLM page), with a
+    histogram's sample suffixes."""
+    from kvpilot.api.pod_metrics import TWINS
+
+    names = {n for m in TWINS for n in m.vllm}
+    return frozenset(names | {n + s for n in names for s in ("_bucket", "_count", "_sum")})
+
+
 def promql_metric_names(expr: str) -> set[str]:
     """Metric names an expression selects (strings, label matchers, ranges, grouping clauses and function
     calls removed first)."""

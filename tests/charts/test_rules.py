@@ -20,6 +20,7 @@ from tests.charts.metric_names import (
     promql_metric_names,
     recorded,
     runtime_metrics,
+    vllm_twins,
 )
 from tests.charts.render import template
 from tests.charts.tools import ROOT, promtool
@@ -122,7 +123,13 @@ def test_alert_has_severity_summary_description_and_runbook(alert: dict[str, Any
 
 def test_every_metric_the_rules_read_is_defined_somewhere() -> None:
     known = (
-        runtime_metrics() | operator_metrics() | autoscaler_metrics() | ksm_metrics() | recorded() | EXTERNAL
+        runtime_metrics()
+        | operator_metrics()
+        | autoscaler_metrics()
+        | ksm_metrics()
+        | recorded()
+        | EXTERNAL
+        | vllm_twins()
     )
     for rule in rules():
         unknown = promql_metric_names(rule["expr"]) - known

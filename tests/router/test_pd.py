@@ -12,6 +12,8 @@ from kvpilot.router.discovery import add_prefill_endpoints, parse_endpoints
 from kvpilot.router.pd import (
     PdSettings,
     decode_body,
+    held_path,
+    needs_prefill,
     plan,
     prefill_body,
     prompt_tokens,
@@ -62,9 +64,34 @@ def test_requests_the_two_legs_cannot_carry_go_direct_whatever_their_size(
     assert decided.path == "direct" and why in decided.reason
 
 
-def test_without_a_routable_prefill_pod_every_request_goes_direct() -> None:
+def test_without_a_routable_prefill_pod_long_prompts_go_direct_counted_apart() -> None:
     decided = plan({"prompt": "x" * 800}, False, PD, 0)
-    assert decided.path == "direct" and decided.reason == "no routable prefill pod"
+    assert decided.path == "no_prefill" and decided.reason == "no routable prefill pod"
+    # short prompts and unfit requests say nothing about the prefill role: direct, as with pods
+    assert plan({"prompt": "x" * 40}, False, PD, 0).path == "direct"
+    assert plan({"prompt": "x" * 800, "echo": True}, False, PD, 0).path == "direct"
+
+
+@pytest.mark.parametrize(
+    ("body", "needs"),
+    [
+        ({"prompt": "x" * 800}, True),
+        ({"prompt": list(range(100))}, True),
+        ({"prompt": "x" * 396}, False),  # 99 tokens: under the threshold
+        ({"prompt": "x" * 800, "echo": True}, False),
+        ({"prompt": ["x" * 800, "y" * 800]}, False),
+    ],
+)
+def test_a_held_request_needs_the_prefill_pool_until_its_prefill_leg_ran(
+    body: dict[str, Any], needs: bool
+) -> None:
+    assert needs_prefill(body, False, PD) is needs
+    assert held_path(body, False, PD, prefilled=False) == ("prefill" if needs else "direct")
+    # a retry of the decode leg (the prefill leg answered): a decode pod alone
+    assert held_path(body, False, PD, prefilled=True) == "direct"
+    # the same as plan's choice with a prefill pod routable, and without one
+    assert (plan(body, False, PD, 1).path == "disaggregated") is needs
+    assert (plan(body, False, PD, 0).path == "no_prefill") is needs
 
 
 def test_the_prefill_body_keeps_what_renders_the_prompt_and_drops_what_shapes_the_output() -> None:

@@ -11,7 +11,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.autoscaler.pd_signals import parse_router_pd
+from kvpilot.autoscaler.router_source import parse_router_queues
 from kvpilot.router.cli import build_router
 from kvpilot.router.discovery import StaticSource
 from kvpilot.router.pd import PdSettings, prefill_body
@@ -58,7 +61,7 @@ async def fake_pods(*names: str, **options: Any) -> AsyncIterator[list[FakePod]]
 def paths(lr: LiveRouter) -> dict[str, float]:
     return {
         p: metric(lr, "kvpilot_router_pd_requests_total", model_name=MODEL, path=p)
-        for p in ("disaggregated", "direct", "prefill_failed")
+        for p in ("disaggregated", "direct", "no_prefill", "prefill_failed")
     }
 
 
@@ -100,7 +103,7 @@ async def test_a_long_prompt_runs_on_a_prefill_pod_then_streams_from_a_decode_po
         params = decoded.pop("kv_transfer_params")
         assert decoded == sent
         assert params["transfer_id"] == "pf-1" and params["remote_url"] == pf.url
-        assert paths(lr) == {"disaggregated": 1, "direct": 0, "prefill_failed": 0}
+        assert paths(lr) == {"disaggregated": 1, "direct": 0, "no_prefill": 0, "prefill_failed": 0}
         assert metric(lr, "kvpilot_router_pd_prefill_seconds_count", model_name=MODEL) == 1
         # the SLO's TTFT runs from the client's arrival (the prefill leg included) to the first token
         assert metric(lr, "kvpilot_router_time_to_first_token_seconds_count", model_name=MODEL) == 1
@@ -115,14 +118,60 @@ async def test_short_prompts_and_unfit_requests_go_straight_to_a_decode_pod() ->
         status, _, _ = await post(lr, {"model": MODEL, "prompt": [LONG, LONG], "max_tokens": 2})
         assert status == 200
         assert pf.bodies == [] and all("kv_transfer_params" not in b for b in d0.bodies)
-        assert paths(lr) == {"disaggregated": 0, "direct": 2, "prefill_failed": 0}
+        assert paths(lr) == {"disaggregated": 0, "direct": 2, "no_prefill": 0, "prefill_failed": 0}
 
 
 async def test_a_model_without_a_routable_prefill_pod_is_served_by_its_decode_pods() -> None:
     async with fake_pods("d0") as (d0,), live(roles([], [d0])) as lr:
         status, answer, _ = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
         assert status == 200 and answer["choices"][0]["text"]
-        assert paths(lr) == {"disaggregated": 0, "direct": 1, "prefill_failed": 0}
+        status, _, _ = await post(lr, {"model": MODEL, "prompt": SHORT, "max_tokens": 2})
+        assert status == 200
+        # the long prompt is counted apart (the prefill role's wake-up), the short one as ever
+        assert paths(lr) == {"disaggregated": 0, "direct": 1, "no_prefill": 1, "prefill_failed": 0}
+
+
+async def test_held_requests_are_reported_by_the_pool_they_will_need() -> None:
+    """The central queue sits in front of the decode pool: a held long prompt still needs a prefill
+    pod, a held short one only a decode pod (kvpilot_router_pd_queued; the autoscaler's split)."""
+    gate = asyncio.Event()
+    async with (
+        fake_pods("pf") as (pf,),
+        fake_pods("d0", gate=gate) as (d0,),
+        live(roles([pf], [d0], capacity=1)) as lr,
+    ):
+
+        async def held() -> tuple[float, float | None, float | None]:
+            """(queue depth, held for prefill, held direct) from the router's /metrics page, the
+            prefill share as the autoscaler reads it (pd_signals.parse_router_pd)."""
+            async with aiohttp.ClientSession() as s, s.get(lr.url + "/metrics") as r:
+                text = await r.text()
+            direct = [
+                x.value
+                for f in text_string_to_metric_families(text)
+                for x in f.samples
+                if x.name == "kvpilot_router_pd_queued" and x.labels["path"] == "direct"
+            ]
+            return (
+                parse_router_queues(text)[MODEL],
+                parse_router_pd(text)[MODEL].held_prefill,
+                direct[0] if direct else None,
+            )
+
+        assert await held() == (0, 0.0, 0.0)  # reported from the start: 0, not "the router does not say"
+        first = asyncio.create_task(post(lr, {"model": MODEL, "prompt": SHORT, "max_tokens": 2}))
+        await until(lambda: d0.active == 1)
+        queued = [
+            asyncio.create_task(post(lr, {"model": MODEL, "prompt": p, "max_tokens": 2}))
+            for p in (SHORT, SHORT, LONG)
+        ]
+        await until(lambda: lr.router.pools[MODEL].queue_depth == 3)
+        assert await held() == (3, 1.0, 2.0)
+        gate.set()
+        assert [status for status, _, _ in await asyncio.gather(first, *queued)] == [200] * 4
+        assert await held() == (0, 0.0, 0.0)
+        assert paths(lr) == {"disaggregated": 1, "direct": 3, "no_prefill": 0, "prefill_failed": 0}
+        assert len(pf.bodies) == 1
 
 
 async def test_a_failed_prefill_falls_back_to_the_whole_request_on_a_decode_pod() -> None:
@@ -142,7 +191,7 @@ async def test_a_failed_prefill_falls_back_to_the_whole_request_on_a_decode_pod(
                 status, answer, headers = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
                 assert status == 200 and headers[POD_HEADER] == "d0" and answer["choices"][0]["text"]
                 assert "kv_transfer_params" not in d0.bodies[-1]
-                assert paths(lr) == {"disaggregated": 0, "direct": 0, "prefill_failed": 1}
+                assert paths(lr) == {"disaggregated": 0, "direct": 0, "no_prefill": 0, "prefill_failed": 1}
         assert len(d0.bodies) == 4
         await until(
             lambda: slow.cancelled == 1
@@ -154,7 +203,7 @@ async def test_a_refused_prefill_pod_is_retried_on_another_before_falling_back()
     async with fake_pods("pf") as (pf,), fake_pods("d0") as (d0,), live([dead, *roles([pf], [d0])]) as lr:
         status, _, _ = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
         assert status == 200 and d0.bodies[-1]["kv_transfer_params"]["remote_url"] == pf.url
-        assert paths(lr) == {"disaggregated": 1, "direct": 0, "prefill_failed": 0}
+        assert paths(lr) == {"disaggregated": 1, "direct": 0, "no_prefill": 0, "prefill_failed": 0}
 
 
 async def test_a_failing_prefill_pod_is_ejected_and_its_peer_takes_the_prompts() -> None:
@@ -169,7 +218,7 @@ async def test_a_failing_prefill_pod_is_ejected_and_its_peer_takes_the_prompts()
             assert status == 200
         assert metric(lr, "kvpilot_router_pod_ejections_total", model_name=MODEL, pod="a-broken") == 1
         assert metric(lr, "kvpilot_router_ejected_pods", model_name=MODEL) == 1
-        assert paths(lr) == {"disaggregated": 5, "direct": 0, "prefill_failed": 3}
+        assert paths(lr) == {"disaggregated": 5, "direct": 0, "no_prefill": 0, "prefill_failed": 3}
         assert len(broken.bodies) == 3 and len(good.bodies) == 5
 
 
@@ -242,7 +291,7 @@ async def test_a_lora_adapter_runs_on_both_roles() -> None:
             status, _, _ = await post(lr, {"model": "sql", "prompt": LONG, "max_tokens": 2})
             assert status == 200
             assert pf.bodies[0]["model"] == "sql" and d0.bodies[0]["model"] == "sql"
-            assert paths(lr) == {"disaggregated": 1, "direct": 0, "prefill_failed": 0}
+            assert paths(lr) == {"disaggregated": 1, "direct": 0, "no_prefill": 0, "prefill_failed": 0}
         finally:
             await lr.runner.cleanup()
 

@@ -1,0 +1,1 @@
+"""Benchmark modules run through the entry points in benchmarks/ (see benchmarks/harness.py)."""
