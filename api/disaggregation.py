@@ -12,9 +12,6 @@ what to do. The combinations refused, and why:
 - a role's runtime setting blockSize, kvCacheDtype or tensorParallelSize, and a role's resources.gpus
   other than spec.resources.gpus: a decode pod pulls the prefill pod's KV blocks as they lie (same
   block size and dtype, each tensor-parallel rank its own shard), so both roles must lay them out alike.
-- tensor parallelism (spec.resources.gpus or spec.runtime.tensorParallelSize above 1): the runtime's KV
-  transfer serves one process's blocks, and a tensor-parallel rank's shard lives in its own process
-  (`kvpilot serve --kv-role` refuses it).
 - create-only, as for spec.replicas: a role's replicas together with spec.autoscaling; on a change, a
   role's replicas outside its bounds (the autoscaler writes both roles within them).
 
@@ -46,13 +43,6 @@ REPLICAS_HELP = (
     "spec.replicas cannot be set with spec.disaggregation: each role has its own replicas; remove "
     "spec.replicas and set spec.disaggregation.prefill.replicas and spec.disaggregation.decode.replicas "
     "(or leave them to the autoscaler with spec.autoscaling)"
-)
-
-
-TENSOR_PARALLEL_HELP = (
-    "spec.disaggregation does not run with tensor parallelism yet: the runtime's KV transfer serves one "
-    "process's blocks; set spec.resources.gpus to 0 or 1 and spec.runtime.tensorParallelSize to 1 (or "
-    "leave it unset), or remove spec.disaggregation"
 )
 
 
@@ -114,11 +104,6 @@ def cel_rules() -> list[dict[str, Any]]:
     d = "self.disaggregation"
     rules = [
         _rule(f"!has({d}) || !has(self.replicas)", REPLICAS_HELP),
-        _rule(
-            f"!has({d}) || (self.resources.gpus <= 1"
-            " && (!has(self.runtime.tensorParallelSize) || self.runtime.tensorParallelSize == 1))",
-            TENSOR_PARALLEL_HELP,
-        ),
     ]
     for role in ROLES:
         r = f"{d}.{role}"
@@ -225,8 +210,6 @@ def problems(spec: InferenceModelSpec) -> list[str]:
     if d is None:
         return []
     out = [REPLICAS_HELP] if spec.replicas is not None else []
-    if spec.resources.gpus > 1 or (spec.runtime.tensor_parallel_size or 1) > 1:
-        out.append(TENSOR_PARALLEL_HELP)
     for role in ROLES:
         r = d.role(role)
         has_bounds = r.min_replicas is not None or r.max_replicas is not None

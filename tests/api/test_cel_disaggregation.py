@@ -35,20 +35,12 @@ VALID: list[dict[str, Any]] = [
             "transferTimeoutSeconds": 5,
         },
     },
+    # each tensor-parallel rank transfers its own shard (docs/disaggregation.md)
+    {"model": BUILTIN, "resources": {"gpus": 2}, "disaggregation": {}},
 ]
 
 INVALID: list[tuple[dict[str, Any], str]] = [
     ({"model": BUILTIN, "replicas": 2, "disaggregation": {}}, pd.REPLICAS_HELP),
-    ({"model": BUILTIN, "resources": {"gpus": 2}, "disaggregation": {}}, pd.TENSOR_PARALLEL_HELP),
-    (
-        {
-            "model": BUILTIN,
-            "resources": {"gpus": 0},
-            "runtime": {"tensorParallelSize": 2},
-            "disaggregation": {},
-        },
-        pd.TENSOR_PARALLEL_HELP,
-    ),
     (
         {"model": BUILTIN, "disaggregation": {"decode": {"minReplicas": 1, "maxReplicas": 4}}},
         pd.bounds_without_autoscaling_help("decode"),

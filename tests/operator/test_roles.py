@@ -265,3 +265,14 @@ def test_both_roles_at_zero_is_scaled_to_zero_one_is_not_serving() -> None:
     )
     assert (one[0].status, one[0].reason) == (False, "RoleScaledToZero")
     assert one[0].message == "both roles must serve; prefill: replicas is 0"
+
+
+def test_tensor_parallel_roles_shard_alike() -> None:
+    """Both roles of a 2-GPU model run tensor parallel over their 2 GPUs (each rank transfers its shard)."""
+    im = model(resources={"gpus": 2}, disaggregation=PD)
+    children = by_ref(render_role_children(im, SETTINGS, {}))
+    for role in ("prefill", "decode"):
+        cfg = yaml.safe_load(children[f"ConfigMap/llama-{role}-config"]["data"]["config.yaml"])
+        assert cfg["tensor_parallel_size"] == 2
+        container = children[f"Deployment/llama-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
