@@ -39,7 +39,7 @@ from kvpilot.autoscaler.sources import ModelRef, PodScrapeSource, PodTarget
 from kvpilot.router.kube_discovery import kube_source
 from kvpilot.router.pool import QueueSettings
 from kvpilot.router.server import Router, RouterSettings
-from tests.api.test_engine import INVALID, VALID
+from tests.api.test_spec_engine import INVALID, VALID
 from tests.vllm_cpu import require_vllm
 
 KVPILOT_MODEL = "smol"
