@@ -50,12 +50,12 @@ GOAL = 0.99
 Job = tuple[str, str, str, float, dict[str, Any]]  # trace spec, router, kind, startup, params
 
 
-def _load(spec: str) -> list[TraceRequest]:
+def load_spec(spec: str) -> list[TraceRequest]:
     path, _, scale = spec.partition("@")
     return scale_trace(load_trace(path), 1.0, float(scale or 1.0))
 
 
-def _name(spec: str) -> str:
+def spec_name(spec: str) -> str:
     path, _, scale = spec.partition("@")
     return Path(path).stem + (f" x{scale}" if scale else "")
 
@@ -63,7 +63,7 @@ def _name(spec: str) -> str:
 def _run(job: Job) -> dict[str, Any]:
     spec, router, kind, startup_s, params = job
     cal = replace(resolve_calibration(params["calibration"]), startup_s=startup_s)
-    trace = _load(spec)
+    trace = load_spec(spec)
     if kind == "static":
         policy: Any = StaticPolicy(params["n"])
     elif kind.startswith("reactive oracle"):
@@ -207,7 +207,7 @@ def main() -> None:
         n_static = bounds[t][0]
         ref = static[(t, n_static)]
         reachable = ref["slo_attainment"] >= GOAL
-        kind_goal = 1.0 if _name(t).split(" x")[0] in stationary else 0.8
+        kind_goal = 1.0 if spec_name(t).split(" x")[0] in stationary else 0.8
         for r in (r for r in runs if r["trace"] == t):
             same = same_hours(t, r["mean_replicas"])
             ratio = r["replica_hours"] / ref["replica_hours"]
@@ -219,7 +219,7 @@ def main() -> None:
             }
             rows.append(
                 {
-                    "trace": _name(t),
+                    "trace": spec_name(t),
                     "policy": r["kind"],
                     "startup_s": r["startup_s"],
                     "slo_attainment": round(r["slo_attainment"], 5),
@@ -243,7 +243,9 @@ def main() -> None:
         "goal": GOAL,
         "rows": rows,
         "static_sweep": {
-            _name(t): {n: round(v["slo_attainment"], 5) for (tt, n), v in sorted(static.items()) if tt == t}
+            spec_name(t): {
+                n: round(v["slo_attainment"], 5) for (tt, n), v in sorted(static.items()) if tt == t
+            }
             for t in args.trace
         },
         "seconds": round(time.time() - started, 1),

@@ -38,9 +38,9 @@ from kvpilot.autoscaler.replica_model import resolve_calibration
 from kvpilot.autoscaler.simulator import ROUTERS, simulate
 from kvpilot.autoscaler.slo import Slo
 from kvpilot.autoscaler.spec import ScalingTargets, SloTargets
-from kvpilot.autoscaler.trace import TraceRequest, load_trace, scale_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fleet_slo_goals import load_spec, spec_name
 from harness import machine, print_table
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.05, ttft_prefill_factor=2.0)
@@ -48,22 +48,12 @@ GOAL = 0.99
 Job = tuple[str, str, dict[str, Any]]  # trace spec, kind, params
 
 
-def _load(spec: str) -> list[TraceRequest]:
-    path, _, scale = spec.partition("@")
-    return scale_trace(load_trace(path), 1.0, float(scale or 1.0))
-
-
-def _name(spec: str) -> str:
-    path, _, scale = spec.partition("@")
-    return Path(path).stem + (f" x{scale}" if scale else "")
-
-
 def _run(job: Job) -> dict[str, Any]:
     spec, kind, p = job
     cal = replace(
         resolve_calibration(p["calibration"]), startup_s=p["startup_s"], kv_link_bytes_s=p["link_gbs"] * 1e9
     )
-    trace = _load(spec)
+    trace = load_spec(spec)
     router = p["router"]
     pd_routers = {"prefill_router": ROUTERS[router](), "decode_router": ROUTERS[router]()}
     out: dict[str, Any] = {"trace": spec, "kind": kind}
@@ -161,7 +151,7 @@ def main() -> None:
             auto = auto_futures[t].result()
             rows.append(
                 {
-                    "trace": _name(t),
+                    "trace": spec_name(t),
                     "aggregated_static": _row(ref, ref),
                     "pd_static_best": _row(reaching[0], ref) if reaching else None,
                     "pd_static_by_total": {
