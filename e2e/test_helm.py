@@ -296,7 +296,9 @@ def test_install_upgrade_uninstall_with_least_privilege(
 
     assert can(sa_op, "watch", "inferencemodels.kvpilot.dev", "--all-namespaces")
     assert can(sa_op, "patch", "deployments.apps", "-n", models_namespace)
-    assert not can(sa_op, "delete", "deployments.apps", "-n", models_namespace)
+    # delete: the other mode's Deployments when spec.disaggregation is added or removed (docs/security.md)
+    assert can(sa_op, "delete", "deployments.apps", "-n", models_namespace)
+    assert not can(sa_op, "delete", "services", "-n", models_namespace)
     assert not can(sa_op, "get", "secrets", "-n", models_namespace)
     assert not can(
         sa_op, "patch", "inferencemodels.kvpilot.dev", "-n", models_namespace
