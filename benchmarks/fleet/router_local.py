@@ -143,21 +143,23 @@ CHUNKS = 8
 
 
 def fake_pod_main(port: int) -> None:
-    """A pod that answers every completion with CHUNKS canned SSE events at once."""
+    """A pod that answers every completion with CHUNKS canned SSE events at once, and a P/D prefill
+    request (kv_transfer_params.do_remote_decode) with its transfer params, as a prefill pod does."""
     from aiohttp import web
 
-    event = json.dumps(
-        {
-            "id": "c",
-            "object": "text_completion",
-            "model": "m",
-            "choices": [{"index": 0, "text": "tok ", "finish_reason": None}],
-        }
-    ).encode()
-    body = b"".join(b"data: " + event + b"\n\n" for _ in range(CHUNKS)) + b"data: [DONE]\n\n"
+    event = {"id": "c", "object": "text_completion", "model": "m"}
+    chunk = json.dumps({**event, "choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}).encode()
+    body = b"".join(b"data: " + chunk + b"\n\n" for _ in range(CHUNKS)) + b"data: [DONE]\n\n"
+    params = {"do_remote_prefill": True, "transfer_id": "t", "num_tokens": 1, "block_size": 16}
+    prefilled = {**event, "choices": [{"index": 0, "text": "tok", "finish_reason": "length"}]}
+    answer = json.dumps({**prefilled, "kv_transfer_params": params}).encode()
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        await request.read()
+        sent = await request.read()
+        if b'"do_remote_decode"' in sent and json.loads(sent).get("kv_transfer_params", {}).get(
+            "do_remote_decode"
+        ):
+            return web.Response(body=answer, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(body)

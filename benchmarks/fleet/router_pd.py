@@ -30,6 +30,7 @@ from fleet.router_local import (
     closed_loop,
     cpu_info,
     cpu_seconds,
+    fake_pod_main,
     pct,
     pinned,
     processes,
@@ -38,37 +39,6 @@ from fleet.router_local import (
     wait_ready,
 )
 from kvpilot.net import free_port
-
-
-def fake_pod_main(port: int) -> None:
-    """A pod of either role: a prefill request gets its transfer params, any other a canned stream."""
-    from aiohttp import web
-
-    event = {"id": "c", "object": "text_completion", "model": "m"}
-    chunk = json.dumps({**event, "choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}).encode()
-    stream = b"".join(b"data: " + chunk + b"\n\n" for _ in range(CHUNKS)) + b"data: [DONE]\n\n"
-    params = {"do_remote_prefill": True, "transfer_id": "t", "num_tokens": 1, "block_size": 16}
-    prefilled = {**event, "choices": [{"index": 0, "text": "tok", "finish_reason": "length"}]}
-    answer = json.dumps({**prefilled, "kv_transfer_params": params}).encode()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            return web.Response(body=answer, content_type="application/json")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(stream)
-        await resp.write_eof()
-        return resp
-
-    async def ready(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.add_routes(
-        [web.post("/v1/completions", handle), web.get("/ready", ready), web.get("/metrics", ready)]
-    )
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 def figures(
