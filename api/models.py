@@ -446,7 +446,9 @@ class Disaggregation(_Model):
         DEFAULT_KV_TRANSFER_TIMEOUT_S,
         gt=0.0,
         le=600.0,
-        description="Deadline of one KV transfer; past it the decode pod recomputes the prompt.",
+        description="Deadline of one KV transfer (past it the decode pod recomputes the prompt) and of "
+        "the router's wait for a prefill pod with room; the prompt's run on it may take this plus 4x what "
+        "the prefill pool's measured speed gives the prompt.",
     )
 
     def role(self, name: KvRole) -> DisaggregationRole:

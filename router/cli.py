@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pd-transfer-timeout",
         type=float,
         default=None,
-        help="seconds the prefill leg may take (a prefill pod with room, the prompt's run); past it, or "
-        "when it fails, the decode pod runs the whole request (default "
+        help="seconds the prefill leg may wait for a prefill pod with room (its run may take this plus 4x "
+        "what the prefill pool's measured speed gives the prompt); past it, or when it fails, the decode "
+        "pod runs the whole request (default "
         f"{DEFAULT_KV_TRANSFER_TIMEOUT_S:g}; needs --prefill-endpoints)",
     )
     parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="default routing policy")

@@ -162,7 +162,7 @@ class RouterMetrics:
             "Requests of disaggregated models by how they ran: disaggregated (prefill pod, then decode "
             "pod with the KV transfer), direct (a decode pod alone: a short prompt, echo, "
             "prompt_logprobs...), no_prefill (a decode pod alone: a long prompt while no prefill pod was "
-            "routable), prefill_failed (the prefill leg failed or missed the transfer timeout: a decode pod ran "
+            "routable), prefill_failed (the prefill leg failed or missed its deadline: a decode pod ran "
             "the whole request)",
             ["model_name", "path"],
             registry=r,
@@ -173,6 +173,14 @@ class RouterMetrics:
             "prefill pod's answer (waiting for a prefill pod with room included)",
             ["model_name"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pd_prefill_speed = Gauge(
+            "kvpilot_router_pd_prefill_tokens_per_second",
+            "A disaggregated model's prefill pool as the router measures it: prompt tokens per second of "
+            "its prefill legs (the wait in a prefill pod's own queue included; an average of the last "
+            "legs), which bounds how long a prefill leg may run (docs/disaggregation.md)",
+            ["model_name"],
             registry=r,
         )
         self.pd_queued = Gauge(

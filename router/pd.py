@@ -23,12 +23,20 @@ prompt takes the prefill pool (`needs_prefill`, whatever the prefill pods are no
 decode pod alone will run it (a short prompt, a `direct_reason`, or a request whose prefill leg has
 already run: a retry of the decode leg). The autoscaler counts only the first toward the prefill
 role's backlog, both toward the decode role's.
+
+The prefill leg's deadlines (`PrefillSpeed`): waiting for a prefill pod with room is bounded by the
+model's transfer timeout; the prompt's run on the pod by the same timeout plus PREFILL_SLACK times the
+time the pool's measured speed (seconds per prompt token, its last legs) gives the prompt. A prompt's
+prefill takes what it takes (a 4k-token prompt on one CPU thread: ~20 s), and abandoning a prefill
+that is progressing makes the decode pod compute the prompt again: the leg is given up only when it
+runs far slower than the pool does. Until the pool's first leg answers there is no such bound; the
+router's per-pod deadlines (an answer, or a health probe, within the first-byte timeout) still hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvpilot.api.models import DEFAULT_KV_TRANSFER_TIMEOUT_S, DEFAULT_PD_MIN_PROMPT_TOKENS
@@ -44,6 +52,12 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 # The decode pool's policy: the lowest load per slot times the pod's measured slowness, the scraped
 # KV use breaking ties (policy.py), which is what a decode pod is short of: slots and KV memory.
 DECODE_POLICY = "least-loaded"
+
+# The prefill leg's run may take this many times what the pool's measured speed gives its prompt
+# (plus the transfer timeout): a margin for a longer prompt's attention and the pod's own queue.
+PREFILL_SLACK = 4.0
+# The weight of a new leg in the pool's speed average (the rest is its history).
+PREFILL_SPEED_WEIGHT = 0.3
 
 # Fields that only shape the generated output, left out of the prefill request: its one token is
 # thrown away, and some would refuse `max_tokens: 1` (min_tokens) or `stream: false` (stream_options),
@@ -93,6 +107,38 @@ class PdPlan:
     path: PdPath
     reason: str
     prompt_tokens: int
+
+
+def prefill_budget_s(
+    prompt_tokens: int, seconds_per_token: float | None, transfer_timeout_s: float
+) -> float | None:
+    """The most a prefill leg's run on its pod may take: the transfer timeout plus PREFILL_SLACK times
+    the time the pool's measured speed gives `prompt_tokens`; None (no bound of its own) before the
+    pool has answered a leg."""
+    if seconds_per_token is None:
+        return None
+    return transfer_timeout_s + PREFILL_SLACK * max(1, prompt_tokens) * seconds_per_token
+
+
+@dataclass
+class PrefillSpeed:
+    """A prefill pool's measured speed: seconds per prompt token of the legs it answered (from
+    sending the prompt to the answer, the wait in the pod's own queue included), an exponentially
+    weighted average; None until a leg has answered."""
+
+    seconds_per_token: float | None = field(default=None)
+
+    def observe(self, prompt_tokens: int, seconds: float) -> None:
+        if prompt_tokens < 1:  # an empty prompt says nothing about the speed
+            return
+        sample = max(0.0, seconds) / prompt_tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = (
+            sample if old is None else (1 - PREFILL_SPEED_WEIGHT) * old + PREFILL_SPEED_WEIGHT * sample
+        )
+
+    def budget_s(self, prompt_tokens: int, transfer_timeout_s: float) -> float | None:
+        return prefill_budget_s(prompt_tokens, self.seconds_per_token, transfer_timeout_s)
 
 
 def should_disaggregate(prompt_tokens: int, min_prompt_tokens: int) -> bool:

@@ -485,7 +485,7 @@ class Router:
         plan = pd_plan(call.body, call.chat, pd, len(prefill_pool.routable()))
         params = None
         if plan.path == "disaggregated":
-            params = await self.prefill.run(call, prefill_pool, pd)
+            params = await self.prefill.run(call, prefill_pool, pd, plan.prompt_tokens)
         path = plan.path if params is not None or plan.path != "disaggregated" else "prefill_failed"
         self.metrics.pd_requests.labels(model, path).inc()
         if params is None:

@@ -10,12 +10,15 @@ import pytest
 from kvpilot.router.cli import add_arguments, build_router
 from kvpilot.router.discovery import add_prefill_endpoints, parse_endpoints
 from kvpilot.router.pd import (
+    PREFILL_SLACK,
     PdSettings,
+    PrefillSpeed,
     decode_body,
     held_path,
     needs_prefill,
     plan,
     prefill_body,
+    prefill_budget_s,
     prompt_tokens,
     should_disaggregate,
     transfer_params,
@@ -194,3 +197,26 @@ def test_prefill_endpoints_join_their_model_with_the_prefill_role() -> None:
         ("http://p:1", "prefill"),
     ]
     assert out["n"] == endpoints["n"] and len(endpoints["m"]) == 2  # the input is not changed
+
+
+def test_a_prefill_legs_budget_follows_the_pools_measured_speed() -> None:
+    # no bound of its own before the pool has answered a leg
+    assert prefill_budget_s(4096, None, 10.0) is None
+    assert PrefillSpeed().budget_s(4096, 10.0) is None
+    # a 4k-token prompt on a pool that ran 1k tokens in 5 s: the transfer timeout + 4 x 20 s
+    speed = PrefillSpeed()
+    speed.observe(1000, 5.0)
+    assert speed.seconds_per_token == pytest.approx(0.005)
+    assert speed.budget_s(4096, 10.0) == pytest.approx(10.0 + PREFILL_SLACK * 4096 * 0.005)
+    assert speed.budget_s(100, 10.0) < speed.budget_s(4096, 10.0)
+    # a slower leg moves the average part of the way; many converge on the new speed
+    speed.observe(1000, 15.0)
+    assert 0.005 < (speed.seconds_per_token or 0) < 0.015
+    for _ in range(30):
+        speed.observe(2000, 30.0)
+    assert speed.seconds_per_token == pytest.approx(0.015, rel=1e-3)
+    # an empty prompt says nothing; a negative time (a clock step) counts as none
+    speed.observe(0, 1.0)
+    assert speed.seconds_per_token == pytest.approx(0.015, rel=1e-3)
+    speed.observe(100, -1.0)
+    assert speed.seconds_per_token == pytest.approx(0.7 * 0.015, rel=1e-3)

@@ -17,7 +17,7 @@ from kvpilot.autoscaler.pd_signals import parse_router_pd
 from kvpilot.autoscaler.router_source import parse_router_queues
 from kvpilot.router.cli import build_router
 from kvpilot.router.discovery import StaticSource
-from kvpilot.router.pd import PdSettings, prefill_body
+from kvpilot.router.pd import PREFILL_SLACK, PdSettings, prefill_body, prompt_tokens
 from kvpilot.router.pool import Endpoint
 from kvpilot.router.server import POD_HEADER, PRIORITY_HEADER, Router, RouterSettings
 from tests.router.test_pd import args
@@ -175,27 +175,66 @@ async def test_held_requests_are_reported_by_the_pool_they_will_need() -> None:
 
 
 async def test_a_failed_prefill_falls_back_to_the_whole_request_on_a_decode_pod() -> None:
-    """Refused, a 500, an answer without transfer params, past the transfer timeout: each time the
-    decode pod gets the client's own request (no kv_transfer_params) and the client its answer."""
+    """Refused, a 500, an answer without transfer params, no prefill pod with room within the transfer
+    timeout: each time the decode pod gets the client's own request (no kv_transfer_params) and the
+    client its answer."""
     dead = Endpoint("dead", closed_port_url(), 64, "prefill")
     async with (
         fake_pods("d0") as (d0,),
         fake_pods("broken", mode="500") as (broken,),
         fake_pods("old", kv_params=False) as (old,),
-        fake_pods("slow", gate=asyncio.Event()) as (slow,),  # never answers
+        fake_pods("busy", gate=asyncio.Event()) as (busy,),  # holds its one slot
     ):
-        cases = [[dead], roles([broken], []), roles([old], []), roles([slow], [])]
+        cases = [[dead], roles([broken], []), roles([old], []), roles([busy], [], capacity=1)]
         for prefill in cases:
             pd = PdSettings(min_prompt_tokens=100, transfer_timeout_s=0.5)
             async with live([*prefill, *roles([], [d0])], pd) as lr:
+                held = None
+                if prefill[0].name == "busy":  # another request's prefill holds busy's one slot
+                    held = asyncio.create_task(post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2}))
+                    await until(lambda: busy.active == 1)
                 status, answer, headers = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
                 assert status == 200 and headers[POD_HEADER] == "d0" and answer["choices"][0]["text"]
                 assert "kv_transfer_params" not in d0.bodies[-1]
                 assert paths(lr) == {"disaggregated": 0, "direct": 0, "no_prefill": 0, "prefill_failed": 1}
+                if held is not None:
+                    held.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await held
         assert len(d0.bodies) == 4
-        await until(
-            lambda: slow.cancelled == 1
-        )  # the abandoned prefill's connection closed: the pod aborts it
+
+
+async def test_a_prefill_leg_runs_as_long_as_its_pools_speed_says_then_is_given_up_and_cancelled() -> None:
+    """A prompt's prefill takes what it takes: a leg longer than the transfer timeout still hands its
+    KV over. Once the pool's speed is measured, a leg far slower than it (here: a pod that stopped
+    answering but not its health probes) is given up, the request runs whole on a decode pod, and the
+    prefill pod's connection is closed (a runtime then aborts the prompt)."""
+    pd = PdSettings(min_prompt_tokens=100, transfer_timeout_s=0.2)
+    async with (
+        fake_pods("pf", headers_delay_s=0.5) as (pf,),
+        fake_pods("d0") as (d0,),
+        live(roles([pf], [d0]), pd, first_byte_timeout_s=0.1) as lr,
+    ):
+        for _ in range(2):
+            status, _, headers = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
+            assert status == 200 and headers[POD_HEADER] == "d0"
+            assert "kv_transfer_params" in d0.bodies[-1]  # 0.5 s > the 0.2 s transfer timeout
+        assert paths(lr) == {"disaggregated": 2, "direct": 0, "no_prefill": 0, "prefill_failed": 0}
+        tokens = prompt_tokens({"prompt": LONG}, chat=False)  # as the router estimates it
+        speed = metric(lr, "kvpilot_router_pd_prefill_tokens_per_second", model_name=MODEL)
+        assert 0 < speed <= tokens / 0.5  # each prompt took >= 0.5 s
+        pf.gate = asyncio.Event()  # from now on pf holds every prompt
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, _, headers = await post(lr, {"model": MODEL, "prompt": LONG, "max_tokens": 2})
+        took = loop.time() - started
+        assert status == 200 and headers[POD_HEADER] == "d0"
+        assert "kv_transfer_params" not in d0.bodies[-1]
+        assert paths(lr)["prefill_failed"] == 1
+        # given up after its budget (0.2 s + 4 x the ~0.5 s measured), long before the silence limit
+        budget = 0.2 + PREFILL_SLACK * tokens / speed
+        assert budget - 0.1 <= took < budget + 10
+        await until(lambda: pf.cancelled == 1)  # the abandoned prefill's connection closed
 
 
 async def test_a_refused_prefill_pod_is_retried_on_another_before_falling_back() -> None:
