@@ -30,7 +30,7 @@ from kvpilot.autoscaler.kube import Obj
 from kvpilot.autoscaler.pd_policy import DECODE, PREFILL, PdDecision, PdSnapshot, PdTargets, decide_pd
 from kvpilot.autoscaler.pd_signals import RouterPdCounts
 from kvpilot.autoscaler.pd_state import pd_decision_to_status, pd_state_from_status
-from kvpilot.autoscaler.sources import ModelRef, PodTarget
+from kvpilot.autoscaler.sources import ModelRef, PodTarget, PrometheusSource
 from kvpilot.autoscaler.startup import measured_startup_s, pod_startup_seconds
 from kvpilot.autoscaler.state import kv_cache_usage_text
 
@@ -94,8 +94,11 @@ async def sync_disaggregated(ctl: ScalingController, obj: Obj) -> SyncResult | N
             snapshot = replace(snapshot, router_slo=slo)
         if ctl._router.last_pd is not None:  # the routers answered: no P/D series is zero of each
             snapshot = replace(snapshot, router_pd=ctl._router.last_pd.get(served, RouterPdCounts()))
-    elif snaps[DECODE].router_slo is not None:  # a Prometheus source reads the routers' counter
-        snapshot = replace(snapshot, router_slo=snaps[DECODE].router_slo)
+    else:  # a Prometheus source reads the routers' series
+        if snaps[DECODE].router_slo is not None:
+            snapshot = replace(snapshot, router_slo=snaps[DECODE].router_slo)
+        if isinstance(source, PrometheusSource):
+            snapshot = replace(snapshot, router_pd=await source.router_pd(ref))
 
     previous = status.get("autoscaler") or {}
     now = ctl.clock()

@@ -16,6 +16,8 @@ read from its /metrics page with the queue depth and the SLO counter (router_sou
   (router_source.py fills it in per router).
 
 Counters are cumulative, summed over the router replicas; the policy differences them between syncs.
+With no router URL, a Prometheus metric source reads the same series (`ROUTER_PD_QUERIES`, summed over
+the router replicas it scrapes; sources.PrometheusSource.router_pd).
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ ROUTER_PD_PREFILL_METRIC = "kvpilot_router_pd_prefill_seconds"
 ROUTER_PD_QUEUED_METRIC = "kvpilot_router_pd_queued"
 NO_PREFILL_PATH = "no_prefill"
 PREFILL_HELD_PATH = "prefill"
+
+# RouterPdCounts' fields as PromQL over every router replica Prometheus scrapes ({model}: the served
+# name), each by model_name; a field whose query finds no series is left at its default.
+ROUTER_PD_QUERIES: dict[str, str] = {
+    "prefill_seconds": "sum by (model_name) (" + ROUTER_PD_PREFILL_METRIC + '_sum{model_name="{model}"})',
+    "prefill_legs": "sum by (model_name) (" + ROUTER_PD_PREFILL_METRIC + '_count{model_name="{model}"})',
+    "no_prefill": "sum by (model_name) ("
+    + ROUTER_PD_REQUESTS_METRIC
+    + '{model_name="{model}",path="'
+    + NO_PREFILL_PATH
+    + '"})',
+    "held_prefill": "sum by (model_name) ("
+    + ROUTER_PD_QUEUED_METRIC
+    + '{model_name="{model}",path="'
+    + PREFILL_HELD_PATH
+    + '"})',
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,15 @@ def parse_router_pd(text: str) -> dict[str, RouterPdCounts]:
     return {m: RouterPdCounts(**by) for m, by in found.items()}
 
 
+def router_pd_from_queries(found: dict[str, float]) -> RouterPdCounts | None:
+    """RouterPdCounts from ROUTER_PD_QUERIES' answers ({field: value}, a field absent when its query
+    found nothing); None when none found anything (no router reports P/D series for the model)."""
+    if not found:
+        return None
+    counts = {k: max(0.0, v) for k, v in found.items() if k in ROUTER_PD_QUERIES and math.isfinite(v)}
+    return RouterPdCounts(**counts)
+
+
 def held_for_prefill(router_queue: int | None, router: RouterPdCounts | None) -> int:
     """Requests the routers hold that the prefill role must run: what they report needing a prefill
     pod, else (a router that does not say) every request they hold."""
@@ -92,4 +120,11 @@ def held_for_prefill(router_queue: int | None, router: RouterPdCounts | None) ->
     return router_queue or 0
 
 
-__all__ = ["NO_PREFILL_PATH", "RouterPdCounts", "held_for_prefill", "parse_router_pd"]
+__all__ = [
+    "NO_PREFILL_PATH",
+    "ROUTER_PD_QUERIES",
+    "RouterPdCounts",
+    "held_for_prefill",
+    "parse_router_pd",
+    "router_pd_from_queries",
+]

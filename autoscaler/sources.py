@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.api import pod_metrics as pm
 from kvpilot.autoscaler.attainment import SloCounts
+from kvpilot.autoscaler.pd_signals import ROUTER_PD_QUERIES, RouterPdCounts, router_pd_from_queries
 from kvpilot.autoscaler.router_source import (  # noqa: F401 (re-exported: the router's e2e reads queues)
     ROUTER_SLO_QUERY,
     RouterQueueSource,
@@ -373,6 +374,8 @@ class PrometheusSource:
             (DEFAULT_TTFT_BUCKETS_QUERY, DEFAULT_ITL_BUCKETS_QUERY) if token_counters else ()
         )
         self.router_slo_query: str | None = ROUTER_SLO_QUERY if token_counters else None
+        # The routers' P/D counters of a disaggregated model (pd_signals.py; asked by its controller).
+        self.router_pd_queries: Mapping[str, str] = ROUTER_PD_QUERIES if token_counters else {}
         # A P/D decode pod's KV pulls (optional: only decode pods export them).
         self.transfer_queries: tuple[str, ...] = DEFAULT_KV_TRANSFER_QUERIES if token_counters else ()
         self.timeout_s = timeout_s
@@ -449,6 +452,25 @@ class PrometheusSource:
             "router SLO query",
         )
         return None if not got else SloCounts.from_outcomes(got)
+
+    async def router_pd(self, model: ModelRef) -> RouterPdCounts | None:
+        """The routers' P/D counters for a disaggregated model (summed over the router replicas
+        Prometheus scrapes); None when no router reports them (or every query fails)."""
+        fields = list(self.router_pd_queries)
+        answers = await asyncio.gather(
+            *(
+                self._optional(
+                    model,
+                    self.router_pd_queries[f],
+                    (),
+                    lambda body, _label: parse_query_response(body, "model_name"),
+                    "router P/D query",
+                )
+                for f in fields
+            )
+        )
+        found = {f: got[model.served_name] for f, got in zip(fields, answers, strict=True) if got}
+        return router_pd_from_queries(found)
 
     async def _optional_query(
         self, model: ModelRef, template: str | None, pods: Sequence[PodTarget]
