@@ -84,7 +84,8 @@ class EngineConfig(BaseModel):
         60.0,
         ge=0.0,
         description="seconds the engine loop may go without progress (a step or an idle wait) while "
-        "it has work before /health and /ready answer 503; 0: never (runtime/engine/health.py)",
+        "it has work before /health and /ready answer 503 (a floor: a step may take 4x what the "
+        "measured pace gives its tokens); 0: never (runtime/engine/health.py)",
     )
     # structured output: limits on compiling a request's grammar (docs/runtime.md, "Structured output")
     grammar_compile_timeout: float = Field(

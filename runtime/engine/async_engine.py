@@ -174,7 +174,9 @@ class AsyncEngine:
         """What /health and /ready report about the engine (runtime/engine/health.py); logs each change."""
         if self.dead is not None:
             return engine_stopped(self.dead)
-        verdict = judge_progress(self.heartbeat_age(), self.has_work(), self.stall_timeout)
+        verdict = judge_progress(
+            self.heartbeat_age(), self.has_work(), self.stall_timeout, self.engine.expected_step_s()
+        )
         if verdict.healthy != self._reported_healthy:
             self._reported_healthy = verdict.healthy
             if verdict.healthy:

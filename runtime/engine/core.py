@@ -22,6 +22,7 @@ import torch
 
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.health import StepPace
 from kvpilot.runtime.engine.kv_transfer.engine_side import KVTransfers
 from kvpilot.runtime.engine.protocol import (
     CompletionOutput,
@@ -116,6 +117,8 @@ class LLMEngine:
         self._grammar = LazyGrammarCompiler(tokenizer)
         self.oom_policy = OOMPolicy()
         self.token_budget = cfg.max_num_batched_tokens
+        self.pace = StepPace()  # seconds per scheduled token of the recent steps (the watchdog's)
+        self.step_tokens = 0  # the tokens of the step under way (0: none)
         self.oom_recoveries = 0
         self._steps_since_oom = 0
         self._consecutive_ooms = 0
@@ -245,9 +248,11 @@ class LLMEngine:
         spec = self.speculator
         if spec is not None:
             spec.plan(self.scheduler.running)
+        started = time.monotonic()
         sched = self.scheduler.schedule(self.token_budget)
         if sched.empty:
             return []
+        self.step_tokens = sched.num_tokens
         try:
             if spec is not None and spec.draft is not None:
                 spec.draft.propose([s for s in sched.scheduled if s.num_spec_tokens])
@@ -258,6 +263,7 @@ class LLMEngine:
             if not is_oom_error(exc):
                 raise
             self.scheduler.drop_speculation(sched)
+            self.step_tokens = 0
             return self._recover_from_oom(sched)
         self._consecutive_ooms = 0
         self._steps_since_oom += 1
@@ -273,7 +279,14 @@ class LLMEngine:
         sampled_tokens = self._sample(logits, sampled) if sampled else []
         update = self.scheduler.update(sampled, sampled_tokens, time.monotonic())
         self.generation_tokens += update.num_generated
+        self.pace.observe(self.step_tokens, time.monotonic() - started)
+        self.step_tokens = 0
         return [self._output(self.requests[seq.seq_id]) for seq in update.touched]
+
+    def expected_step_s(self) -> float | None:
+        """What the step under way should take at the measured pace (None: none under way, or no
+        pace yet); the watchdog's allowance (runtime/engine/health.py). Read from other threads."""
+        return self.pace.expected_s(self.step_tokens)
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[SampledTokens]:
         """Per sampled sequence: the tokens to append, their logprobs, and how many of them are

@@ -27,7 +27,7 @@ from kvpilot.net import free_port
 from kvpilot.runtime.config import EXIT_GRACE_S
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.core import LLMEngine
-from kvpilot.runtime.engine.health import judge_progress
+from kvpilot.runtime.engine.health import STALL_SLACK, StepPace, judge_progress, stall_limit_s
 from kvpilot.runtime.engine.scheduler import SchedulerOutput
 from kvpilot.runtime.serving.lifecycle import EXIT_STUCK
 
@@ -60,6 +60,34 @@ def test_judge_progress(age: float, has_work: bool, timeout: float, healthy: boo
         assert verdict.status == "engine stalled"
         assert verdict.reason is not None and f"{age:.0f}s" in verdict.reason
         assert "--engine-stall-timeout 60s" in verdict.reason
+
+
+def test_a_step_may_take_what_the_engines_pace_gives_its_tokens() -> None:
+    """The timeout is a floor: a 2,048-token prefill chunk on a slow or shared CPU takes longer than
+    it, and is no stall while it runs within STALL_SLACK times what the measured pace expects."""
+    pace = StepPace()
+    assert pace.expected_s(2048) is None  # no step measured yet: the timeout alone
+    pace.observe(512, 10.0)  # a prefill chunk: ~20 ms a token
+    assert pace.expected_s(2048) == pytest.approx(40.0)
+    limit = stall_limit_s(60.0, pace.expected_s(2048))
+    assert limit == pytest.approx(STALL_SLACK * 40.0)
+    assert judge_progress(100.0, True, 60.0, pace.expected_s(2048)).healthy
+    stuck = judge_progress(limit + 1, True, 60.0, pace.expected_s(2048))
+    assert not stuck.healthy and stuck.reason is not None and "should take ~40s" in stuck.reason
+    # a small step stays under the timeout's floor; a decode step is no reason to wait longer
+    assert stall_limit_s(60.0, pace.expected_s(8)) == 60.0
+    assert not judge_progress(61.0, True, 60.0, pace.expected_s(8)).healthy
+    # steps weigh by their tokens: many decode steps move the pace less than their count
+    for _ in range(10):
+        pace.observe(4, 0.04)  # 10 ms a token
+    per_token = (pace.expected_s(1000) or 0) / 1000
+    assert 0.01 < per_token < 0.02
+    # nonsense samples are ignored; 0 turns the watchdog off whatever the pace
+    before = pace.expected_s(100)
+    pace.observe(0, 5.0)
+    pace.observe(10, -1.0)
+    assert pace.expected_s(100) == before and pace.expected_s(0) is None
+    assert judge_progress(1e6, True, 0.0, 1.0).healthy
 
 
 # -- a real engine whose step blocks --------------------------------------------------------------
@@ -167,6 +195,29 @@ def test_a_stuck_step_fails_health_and_ready_until_it_resumes(
         wait_for(lambda: get(live.url, "/health") == (200, {"status": "ok"}))
         assert get(live.url, "/ready") == (200, {"status": "ready"})
         assert gauge(live.url, "kvpilot_engine_stalled") == 0
+
+
+def test_a_step_the_engines_pace_expects_to_be_long_is_no_stall(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """The step under way is judged against the engine's own measured pace: on an engine whose
+    steps take 30 s a token (a large model on a shared CPU), a step held for three times the 1 s
+    timeout is still healthy, and it finishes."""
+    with wedged_server(make_engine) as (live, engine, wedge):
+        engine.engine.pace.observe(1, 30.0)
+        results: list[Any] = []
+        t = submit(live.url, results)
+        assert wedge.entered.wait(HANG_S)
+        assert engine.engine.step_tokens > 0
+        assert (engine.engine.expected_step_s() or 0) >= 30.0
+        time.sleep(3 * STALL_S)
+        assert engine.heartbeat_age() >= 3 * STALL_S
+        assert get(live.url, "/health") == (200, {"status": "ok"})
+        assert gauge(live.url, "kvpilot_engine_stalled") == 0
+        wedge.release.set()
+        t.join(HANG_S)
+        assert results == [200]
+        assert engine.engine.step_tokens == 0 and engine.engine.expected_step_s() is None
 
 
 def test_the_waiting_gauge_counts_requests_the_loop_has_not_taken(
