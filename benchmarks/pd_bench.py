@@ -88,7 +88,7 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str, body: dict[st
     text: list[str] = []
     async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=600)) as resp:
         if resp.status != 200:
-            return {"kind": kind, "error": resp.status}
+            return {"kind": kind, "error": resp.status, "body": (await resp.text())[:300]}
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -154,6 +154,9 @@ def figures(results: list[dict[str, Any]]) -> dict[str, Any]:
         return round(pct(values, q) * 1000, 1) if values else None
 
     out: dict[str, Any] = {"requests": len(results), "errors": len(results) - len(ok)}
+    statuses = [str(r.get("error")) for r in results if "error" in r]
+    out["error_statuses"] = {s: statuses.count(s) for s in sorted(set(statuses))}
+    out["error_examples"] = {str(r["error"]): r.get("body") for r in results if "error" in r}
     for name, rows in (
         ("chat", [r for r in ok if r["kind"] == "chat"]),
         ("long", [r for r in ok if r["kind"] == "long"]),
