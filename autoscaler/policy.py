@@ -72,6 +72,7 @@ from kvpilot.autoscaler.feedback import (
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
+from kvpilot.autoscaler.surge import level_shift, record_level, surge_hold
 from kvpilot.autoscaler.startup import (
     STARTUP_AWARE_MIN_S,
     backlog_replicas,
@@ -145,6 +146,7 @@ class Decision:
     queue_recommendation: int | None = None
     arrival_recommendation: int | None = None
     slo_recommendation: int | None = None
+    surge_recommendation: int | None = None  # the surge headroom's hold (surge.py); None: not holding
     slo_capacity: float | None = None  # requests/s one replica serves within the SLO at token_mix
     token_mix: tuple[float, float] | None = None
     arrival_rate: float | None = None  # requests/s arriving, measured over the last sync interval
@@ -252,6 +254,7 @@ def decide(
     queue_rec: int | None = None
     arrival_rec: int | None = None
     slo_rec: int | None = None
+    surge_rec: int | None = None
     slo_capacity: float | None = None
     model_capacity: float | None = None
     burst = False
@@ -261,9 +264,14 @@ def decide(
     if n > 0:
         arrival_rate, per_replica_done, counters = measure_arrivals(snapshot, arrivals, now)
         rates = tuple(r for r in arrivals.rates if now - b.arrival_trend_window_s < r.time < now)
+        levels, shift_at = arrivals.levels, arrivals.shift_at
         if arrival_rate is not None:
             rates = (*rates, RateSample(now, arrival_rate))
             forecast = forecast_arrivals(rates, now, lead, b.arrival_max_growth)
+            if b.surge_headroom:
+                levels = record_level(levels, rates, now, b.surge_window_s)
+                if level_shift(rates, startup, b.surge_shift_ratio):
+                    shift_at = now
         if per_replica_done is not None and avg_util is not None:
             estimate = service_rate_at_target(
                 per_replica_done, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
@@ -281,7 +289,14 @@ def decide(
                 token_mix = smooth_token_mix(token_mix, totals)
                 mix_requests = min(TOKEN_MIX_WINDOW_REQUESTS, mix_requests + totals[0])
         arrivals = ArrivalState(
-            now if counters else None, counters, rates, service_rate, token_mix, mix_requests
+            now if counters else None,
+            counters,
+            rates,
+            service_rate,
+            token_mix,
+            mix_requests,
+            levels=levels,
+            shift_at=shift_at,
         )
     loop = targets.slo if targets.slo is not None and b.slo_feedback else None
     slo_state = history.slo
@@ -464,6 +479,20 @@ def decide(
             a_part += f" at {service_rate:.2f}/s per replica"
             if arrival_rec > raw:
                 raw = arrival_rec
+        # Surge headroom (surge.py): after a level shift, the replicas for a level held recently.
+        hold = (
+            surge_hold(
+                arrivals.levels, arrivals.shift_at, now, per_replica, b.surge_window_s, b.surge_quantile
+            )
+            if b.surge_headroom
+            else None
+        )
+        h_part = ""
+        if hold is not None:
+            surge_rec = min(max(current, targets.max_replicas), hold.replicas)
+            if surge_rec > raw:
+                raw = surge_rec
+                h_part = hold.text(b.surge_window_s, b.surge_quantile)
         kv_part = _kv_text(avg_kv, target_kv, tol)
         if avg_slots is not None and avg_slots > avg_kv:
             kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)
@@ -483,6 +512,9 @@ def decide(
                 else f"{driver}, {a_part}"
             )
         signal = _winner(raw, kv_rec, queue_rec, arrival_rec, targets.slo is not None and planner_on)
+        if h_part:
+            signal = "surge headroom"
+            driver = f"{h_part}; {driver}"
         # The measured attainment wins when it asks for the most, on a tie, and when the planner asks
         # for more only because of the capacity ceiling this miss measured (the miss set the size).
         measured_ceiling = (
@@ -626,6 +658,7 @@ def decide(
         queue_recommendation=queue_rec,
         arrival_recommendation=arrival_rec,
         slo_recommendation=slo_rec,
+        surge_recommendation=surge_rec,
         slo_capacity=slo_capacity,
         token_mix=arrivals.token_mix,
         arrival_rate=arrival_rate,
