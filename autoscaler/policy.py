@@ -72,13 +72,13 @@ from kvpilot.autoscaler.feedback import (
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
-from kvpilot.autoscaler.surge import level_shift, record_level, surge_hold
 from kvpilot.autoscaler.startup import (
     STARTUP_AWARE_MIN_S,
     backlog_replicas,
     forecast_lead_s,
     scale_down_hold_s,
 )
+from kvpilot.autoscaler.surge import level_shift, record_level, surge_hold
 
 # The arrival-rate estimate lives in arrivals.py; its names are re-exported for the callers of decide().
 __all__ = [

@@ -25,6 +25,7 @@ a restarted autoscaler keeps it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ def record_level(
     # the first of a fresh start, without one, the gap after it.
     times = [r.time for r in new]
     first = times[0] - since if since is not None else (times[1] - times[0] if len(times) > 1 else 1.0)
-    spans = [first, *(b - a for a, b in zip(times, times[1:], strict=False))]
+    spans = [first, *(b - a for a, b in itertools.pairwise(times))]
     spans = [s if s > 0 else 1e-9 for s in spans]
     total = sum(r.rate * s for r, s in zip(new, spans, strict=True))
     return (*kept, RateSample(now, total / sum(spans)))

@@ -9,7 +9,6 @@ from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets
 from kvpilot.autoscaler.state import decision_to_status, history_from_status
 from kvpilot.autoscaler.surge import (
-    LEVEL_SAMPLE_S,
     level_quantile,
     level_shift,
     reaction_s,
