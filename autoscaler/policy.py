@@ -78,7 +78,7 @@ from kvpilot.autoscaler.startup import (
     forecast_lead_s,
     scale_down_hold_s,
 )
-from kvpilot.autoscaler.surge import level_shift, record_level, surge_hold
+from kvpilot.autoscaler.surge import level_shift, record_level, rising_shift, surge_hold
 
 # The arrival-rate estimate lives in arrivals.py; its names are re-exported for the callers of decide().
 __all__ = [
@@ -258,6 +258,7 @@ def decide(
     slo_capacity: float | None = None
     model_capacity: float | None = None
     burst = False
+    surge_rising = False  # the forecast planned for a rising level shift (surge.rising_shift)
     # The arrival rate is measured (and remembered) whether or not it drives the size.
     arrivals = history.arrivals
     arrival_rate, forecast, service_rate = None, None, arrivals.service_rate
@@ -272,6 +273,10 @@ def decide(
                 levels = record_level(levels, rates, now, b.surge_window_s)
                 if level_shift(rates, startup, b.surge_shift_ratio):
                     shift_at = now
+                if rising_shift(rates, startup, b.surge_shift_ratio):
+                    rising = b.arrival_max_growth * arrival_rate
+                    if rising > forecast:
+                        forecast, surge_rising = rising, True
         if per_replica_done is not None and avg_util is not None:
             estimate = service_rate_at_target(
                 per_replica_done, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
@@ -456,7 +461,11 @@ def decide(
                 slo_rec = current
             a_part = f"slo planner: arrivals {arrival_rate or 0.0:.2f}/s"
             if abs(forecast - (arrival_rate or 0.0)) > _EPS:
-                a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                a_part += (
+                    f" (rising shift: forecast {forecast:.2f}/s)"
+                    if surge_rising
+                    else f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                )
             a_part += (
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
                 f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
@@ -475,7 +484,11 @@ def decide(
                 arrival_rec = current
             a_part = f"arrivals {arrival_rate:.2f}/s"
             if abs(forecast - (arrival_rate or 0.0)) > _EPS:
-                a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                a_part += (
+                    f" (rising shift: forecast {forecast:.2f}/s)"
+                    if surge_rising
+                    else f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                )
             a_part += f" at {service_rate:.2f}/s per replica"
             if arrival_rec > raw:
                 raw = arrival_rec
@@ -515,6 +528,8 @@ def decide(
         if h_part:
             signal = "surge headroom"
             driver = f"{h_part}; {driver}"
+        elif surge_rising and signal in ("slo planner", "arrivals") and arrival_rec is not None:
+            signal = f"{signal} (rising shift)"
         # The measured attainment wins when it asks for the most, on a tie, and when the planner asks
         # for more only because of the capacity ceiling this miss measured (the miss set the size).
         measured_ceiling = (

@@ -13,6 +13,9 @@ So, from what the fleet measured:
   (rising or falling), beyond Poisson noise: (high - Z sd) >= shift_ratio x (low + Z sd), sd the
   Poisson standard deviation of one sync's count at the high rate. Smooth traffic never shows one
   (the daily cycle changes by a few percent per reaction; noise is taken out).
+- A **rising shift in progress**: the latest sync's rate rose by a shift's share of one sync
+  (shift_ratio ** (sync / reaction)), beyond noise. The forecast then plans for the most the trend
+  is allowed (Behavior.arrival_max_growth x the latest rate) at once, instead of a sync later.
 - The **levels**: the mean arrival rate of every minute of the last `window_s`.
 - While a shift was seen within `window_s`, the fleet keeps the replicas that serve the
   `quantile` of the levels (the rate the traffic held or exceeded for 1 - quantile of the window):
@@ -78,6 +81,18 @@ def level_shift(rates: tuple[RateSample, ...], startup_s: float | None, ratio: f
         return False
     window = reaction_s(span, startup_s)
     return any(shifted(r, latest, ratio, span) for r in rates[:-1] if latest.time - r.time <= window + 1e-6)
+
+
+def rising_shift(rates: tuple[RateSample, ...], startup_s: float | None, ratio: float) -> bool:
+    """Whether the latest rate rose from the one before by a level shift's share of one sync:
+    ratio ** (sync / reaction), beyond noise (`shifted`). A shift in progress: the rest of it
+    arrives before a replica asked for now is Ready."""
+    if len(rates) < 2 or rates[-1].rate <= rates[-2].rate:
+        return False
+    span = rates[-1].time - rates[-2].time
+    if span <= 0:
+        return False
+    return shifted(rates[-2], rates[-1], ratio ** (span / reaction_s(span, startup_s)), span)
 
 
 def record_level(

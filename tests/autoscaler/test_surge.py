@@ -13,6 +13,7 @@ from kvpilot.autoscaler.surge import (
     level_shift,
     reaction_s,
     record_level,
+    rising_shift,
     shifted,
     surge_hold,
 )
@@ -164,3 +165,33 @@ def test_the_surge_memory_survives_a_restart():
     assert [(round(r.time, 3), r.rate) for r in back.levels] == [
         (round(r.time, 3), round(r.rate, 4)) for r in d.history.arrivals.levels
     ]
+
+
+def test_a_rising_shift_in_progress_is_a_shifts_share_of_one_sync():
+    # 3x within a reaction of two syncs: sqrt(3) = 1.73x per sync, beyond noise.
+    assert rising_shift(
+        (RateSample(NOW - 15, 28.0), RateSample(NOW, 80.0)), 10.0, 3.0
+    )  # a flash crowd's first sync
+    assert not rising_shift((RateSample(NOW - 15, 90.0), RateSample(NOW, 134.0)), 10.0, 3.0)  # a 1.5x burst
+    assert not rising_shift((RateSample(NOW - 15, 80.0), RateSample(NOW, 28.0)), 10.0, 3.0)  # falling
+    assert not rising_shift((RateSample(NOW - 15, 4.0), RateSample(NOW, 6.5)), 10.0, 3.0)  # noise at 4/s
+    # With a 60 s startup the reaction is five syncs: 3 ** (1/5) = 1.25x per sync is a shift's share.
+    assert rising_shift((RateSample(NOW - 15, 90.0), RateSample(NOW, 134.0)), 60.0, 3.0)
+
+
+def test_decide_plans_for_the_rising_shift_at_once_and_names_it():
+    h = _quiet_after_busy(None)
+    t = ScalingTargets(min_replicas=1, max_replicas=20)
+    # 1/s, then 8/s (an 8x rise in one sync): the forecast is arrival_max_growth (2) x the latest rate.
+    rising = [(p, 0.3, 0, 2, 15.0 * 8 / 4) for p in "abcd"]
+    d = decide(4, _snap(rising), t, h, NOW)
+    assert d.arrival_rate is not None and d.arrival_forecast == pytest.approx(2 * d.arrival_rate)
+    assert "rising shift: forecast" in d.reason
+    off = decide(
+        4,
+        _snap(rising),
+        ScalingTargets(min_replicas=1, max_replicas=20, behavior=Behavior(surge_headroom=False)),
+        h,
+        NOW,
+    )
+    assert off.arrival_forecast is not None and off.arrival_forecast < d.arrival_forecast
