@@ -25,6 +25,9 @@ Steps, in order (HPA-like where the HPA has an answer):
    looks at least one startup ahead, the scale-down window is at least HOLD_STARTUPS startups, and
    for startups of STARTUP_AWARE_MIN_S or more the queue rule sizes the backlog expected one startup
    from now (startup.backlog_replicas) instead of the immediate "absorb" count.
+   Surge headroom (surge.py): after a level shift of the arrival rate in the recent history, the
+   replicas for a level the traffic held recently; a rising shift in progress forecasts
+   arrival_max_growth x the latest rate at once.
    The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
