@@ -276,7 +276,7 @@ def decide(
                 levels = record_level(levels, rates, now, b.surge_window_s)
                 if level_shift(rates, startup, b.surge_shift_ratio):
                     shift_at = now
-                if rising_shift(rates, startup, b.surge_shift_ratio):
+                if rising_shift(rates, b.surge_shift_ratio):
                     rising = b.arrival_max_growth * arrival_rate
                     if rising > forecast:
                         forecast, surge_rising = rising, True

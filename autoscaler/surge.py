@@ -13,8 +13,8 @@ So, from what the fleet measured:
   (rising or falling), beyond Poisson noise: (high - Z sd) >= shift_ratio x (low + Z sd), sd the
   Poisson standard deviation of one sync's count at the high rate. Smooth traffic never shows one
   (the daily cycle changes by a few percent per reaction; noise is taken out).
-- A **rising shift in progress**: the latest sync's rate rose by a shift's share of one sync
-  (shift_ratio ** (sync / reaction)), beyond noise. The forecast then plans for the most the trend
+- A **rising shift in progress**: the latest sync's rate rose by a shift's share of one sync at the
+  shortest reaction (sqrt(shift_ratio)), beyond noise. The forecast then plans for the most the trend
   is allowed (Behavior.arrival_max_growth x the latest rate) at once, instead of a sync later.
 - The **levels**: the mean arrival rate of every minute of the last `window_s`.
 - While a shift was seen within `window_s`, the fleet keeps the replicas that serve the
@@ -83,16 +83,19 @@ def level_shift(rates: tuple[RateSample, ...], startup_s: float | None, ratio: f
     return any(shifted(r, latest, ratio, span) for r in rates[:-1] if latest.time - r.time <= window + 1e-6)
 
 
-def rising_shift(rates: tuple[RateSample, ...], startup_s: float | None, ratio: float) -> bool:
-    """Whether the latest rate rose from the one before by a level shift's share of one sync:
-    ratio ** (sync / reaction), beyond noise (`shifted`). A shift in progress: the rest of it
-    arrives before a replica asked for now is Ready."""
+def rising_shift(rates: tuple[RateSample, ...], ratio: float) -> bool:
+    """Whether the latest rate rose from the one before by a level shift's share of one sync at the
+    shortest reaction (two syncs): sqrt(ratio), beyond noise (`shifted`). A shift in progress: the
+    rest of it arrives before a replica asked for now is Ready. (Not the share of a longer reaction:
+    at a 60 s startup that is 1.25x per sync, which a 2x spike passes, and the 2x forecast it
+    asks for is held for the scale-down window; a slower rise is the trend forecast's, which looks
+    a startup ahead.)"""
     if len(rates) < 2 or rates[-1].rate <= rates[-2].rate:
         return False
     span = rates[-1].time - rates[-2].time
     if span <= 0:
         return False
-    return shifted(rates[-2], rates[-1], ratio ** (span / reaction_s(span, startup_s)), span)
+    return shifted(rates[-2], rates[-1], math.sqrt(ratio), span)
 
 
 def record_level(

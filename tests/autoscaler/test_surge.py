@@ -168,15 +168,13 @@ def test_the_surge_memory_survives_a_restart():
 
 
 def test_a_rising_shift_in_progress_is_a_shifts_share_of_one_sync():
-    # 3x within a reaction of two syncs: sqrt(3) = 1.73x per sync, beyond noise.
-    assert rising_shift(
-        (RateSample(NOW - 15, 28.0), RateSample(NOW, 80.0)), 10.0, 3.0
-    )  # a flash crowd's first sync
-    assert not rising_shift((RateSample(NOW - 15, 90.0), RateSample(NOW, 134.0)), 10.0, 3.0)  # a 1.5x burst
-    assert not rising_shift((RateSample(NOW - 15, 80.0), RateSample(NOW, 28.0)), 10.0, 3.0)  # falling
-    assert not rising_shift((RateSample(NOW - 15, 4.0), RateSample(NOW, 6.5)), 10.0, 3.0)  # noise at 4/s
-    # With a 60 s startup the reaction is five syncs: 3 ** (1/5) = 1.25x per sync is a shift's share.
-    assert rising_shift((RateSample(NOW - 15, 90.0), RateSample(NOW, 134.0)), 60.0, 3.0)
+    # 3x within the shortest reaction (two syncs): sqrt(3) = 1.73x in one sync, beyond noise.
+    flash = (RateSample(NOW - 15, 28.0), RateSample(NOW, 80.0))  # a flash crowd's first sync
+    assert rising_shift(flash, 3.0)
+    assert not rising_shift((RateSample(NOW - 15, 90.0), RateSample(NOW, 134.0)), 3.0)  # a 1.5x burst
+    assert not rising_shift((RateSample(NOW - 15, 80.0), RateSample(NOW, 28.0)), 3.0)  # falling
+    assert not rising_shift((RateSample(NOW - 15, 4.0), RateSample(NOW, 6.5)), 3.0)  # noise at 4/s
+    assert not rising_shift(flash[-1:], 3.0)
 
 
 def test_decide_plans_for_the_rising_shift_at_once_and_names_it():
