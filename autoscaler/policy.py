@@ -508,7 +508,7 @@ def decide(
             surge_rec = min(max(current, targets.max_replicas), hold.replicas)
             if surge_rec > raw:
                 raw = surge_rec
-                h_part = hold.text(b.surge_window_s, b.surge_quantile)
+                h_part = hold.text(now, b.surge_window_s, b.surge_quantile)
         kv_part = _kv_text(avg_kv, target_kv, tol)
         if avg_slots is not None and avg_slots > avg_kv:
             kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)

@@ -46,9 +46,9 @@ class SurgeHold:
     shift_at: float  # when the last level shift was seen
     per_replica: float
 
-    def text(self, window_s: float, quantile: float) -> str:
+    def text(self, now: float, window_s: float, quantile: float) -> str:
         return (
-            f"surge headroom: level shift seen {self.shift_at:.0f}s, holding {self.level:.2f}/s "
+            f"surge headroom: level shift {now - self.shift_at:.0f}s ago, holding {self.level:.2f}/s "
             f"(p{quantile * 100:.0f} of {window_s / 60:.0f} min) at {self.per_replica:.2f}/s per replica"
         )
 

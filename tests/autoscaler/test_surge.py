@@ -120,7 +120,7 @@ def test_decide_holds_capacity_after_a_level_shift_and_names_the_signal():
     assert d.surge_recommendation == 4
     assert d.desired == 4
     assert d.signal == "surge headroom"
-    assert d.reason.startswith("surge headroom: level shift seen")
+    assert d.reason.startswith("surge headroom: level shift 900s ago, holding 20.00/s (p70 of 30 min)")
     # No shift seen (smooth traffic), or the option off: the fleet follows the rate down.
     for h, b in (
         (_quiet_after_busy(None), Behavior()),
