@@ -954,6 +954,10 @@ class ArrivalsStatus(_Model):
     rates: ValidItems[RatePoint] = None
     service_rate: Lenient[Amount] = Field(None, description="Requests/s one replica sustains at the target.")
     token_mix: Lenient[TokenMix] = None
+    levels: ValidItems[RatePoint] = None
+    """Mean arrival rate of every minute of the surge headroom's window (autoscaler/surge.py)."""
+    shift_at: Lenient[MilliTime] = None
+    """When the arrival rate last shifted level (the surge headroom holds capacity after one)."""
 
 
 class SloCountsStatus(_Model):

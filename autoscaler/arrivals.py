@@ -45,6 +45,10 @@ class ArrivalState:
     # Finished requests behind token_mix (capped at TOKEN_MIX_WINDOW_REQUESTS); the planner waits for
     # MIN_MIX_REQUESTS. Not written to the status: a mix read back from it counts as established.
     mix_requests: float = 0.0
+    # The surge headroom's memory (surge.py): the mean rate of every minute of Behavior.surge_window_s,
+    # and when the rate last shifted level.
+    levels: tuple[RateSample, ...] = ()
+    shift_at: float | None = None
 
 
 MAX_COUNTER_AGE_S = 300.0

@@ -25,6 +25,9 @@ Steps, in order (HPA-like where the HPA has an answer):
    looks at least one startup ahead, the scale-down window is at least HOLD_STARTUPS startups, and
    for startups of STARTUP_AWARE_MIN_S or more the queue rule sizes the backlog expected one startup
    from now (startup.backlog_replicas) instead of the immediate "absorb" count.
+   Surge headroom (surge.py): after a level shift of the arrival rate in the recent history, the
+   replicas for a level the traffic held recently; a rising shift in progress forecasts
+   arrival_max_growth x the latest rate at once.
    The raw recommendation is the largest: the KV and queue rules are the floor for surprises. A ready replica that did not report is never read as idle:
    with any replica missing, the raw recommendation is at least the current size.
 2. Burst mode: KV saturated (>= 0.95) with requests waiting, or the queue growing fast, skips the
@@ -78,6 +81,7 @@ from kvpilot.autoscaler.startup import (
     forecast_lead_s,
     scale_down_hold_s,
 )
+from kvpilot.autoscaler.surge import level_shift, record_level, rising_shift, surge_hold
 
 # The arrival-rate estimate lives in arrivals.py; its names are re-exported for the callers of decide().
 __all__ = [
@@ -145,6 +149,7 @@ class Decision:
     queue_recommendation: int | None = None
     arrival_recommendation: int | None = None
     slo_recommendation: int | None = None
+    surge_recommendation: int | None = None  # the surge headroom's hold (surge.py); None: not holding
     slo_capacity: float | None = None  # requests/s one replica serves within the SLO at token_mix
     token_mix: tuple[float, float] | None = None
     arrival_rate: float | None = None  # requests/s arriving, measured over the last sync interval
@@ -252,18 +257,29 @@ def decide(
     queue_rec: int | None = None
     arrival_rec: int | None = None
     slo_rec: int | None = None
+    surge_rec: int | None = None
     slo_capacity: float | None = None
     model_capacity: float | None = None
     burst = False
+    surge_rising = False  # the forecast planned for a rising level shift (surge.rising_shift)
     # The arrival rate is measured (and remembered) whether or not it drives the size.
     arrivals = history.arrivals
     arrival_rate, forecast, service_rate = None, None, arrivals.service_rate
     if n > 0:
         arrival_rate, per_replica_done, counters = measure_arrivals(snapshot, arrivals, now)
         rates = tuple(r for r in arrivals.rates if now - b.arrival_trend_window_s < r.time < now)
+        levels, shift_at = arrivals.levels, arrivals.shift_at
         if arrival_rate is not None:
             rates = (*rates, RateSample(now, arrival_rate))
             forecast = forecast_arrivals(rates, now, lead, b.arrival_max_growth)
+            if b.surge_headroom:
+                levels = record_level(levels, rates, now, b.surge_window_s)
+                if level_shift(rates, startup, b.surge_shift_ratio):
+                    shift_at = now
+                if rising_shift(rates, b.surge_shift_ratio):
+                    rising = b.arrival_max_growth * arrival_rate
+                    if rising > forecast:
+                        forecast, surge_rising = rising, True
         if per_replica_done is not None and avg_util is not None:
             estimate = service_rate_at_target(
                 per_replica_done, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
@@ -281,7 +297,14 @@ def decide(
                 token_mix = smooth_token_mix(token_mix, totals)
                 mix_requests = min(TOKEN_MIX_WINDOW_REQUESTS, mix_requests + totals[0])
         arrivals = ArrivalState(
-            now if counters else None, counters, rates, service_rate, token_mix, mix_requests
+            now if counters else None,
+            counters,
+            rates,
+            service_rate,
+            token_mix,
+            mix_requests,
+            levels=levels,
+            shift_at=shift_at,
         )
     loop = targets.slo if targets.slo is not None and b.slo_feedback else None
     slo_state = history.slo
@@ -441,7 +464,11 @@ def decide(
                 slo_rec = current
             a_part = f"slo planner: arrivals {arrival_rate or 0.0:.2f}/s"
             if abs(forecast - (arrival_rate or 0.0)) > _EPS:
-                a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                a_part += (
+                    f" (rising shift: forecast {forecast:.2f}/s)"
+                    if surge_rising
+                    else f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                )
             a_part += (
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
                 f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
@@ -460,10 +487,28 @@ def decide(
                 arrival_rec = current
             a_part = f"arrivals {arrival_rate:.2f}/s"
             if abs(forecast - (arrival_rate or 0.0)) > _EPS:
-                a_part += f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                a_part += (
+                    f" (rising shift: forecast {forecast:.2f}/s)"
+                    if surge_rising
+                    else f" (forecast {forecast:.2f}/s in {lead:g}s)"
+                )
             a_part += f" at {service_rate:.2f}/s per replica"
             if arrival_rec > raw:
                 raw = arrival_rec
+        # Surge headroom (surge.py): after a level shift, the replicas for a level held recently.
+        hold = (
+            surge_hold(
+                arrivals.levels, arrivals.shift_at, now, per_replica, b.surge_window_s, b.surge_quantile
+            )
+            if b.surge_headroom
+            else None
+        )
+        h_part = ""
+        if hold is not None:
+            surge_rec = min(max(current, targets.max_replicas), hold.replicas)
+            if surge_rec > raw:
+                raw = surge_rec
+                h_part = hold.text(now, b.surge_window_s, b.surge_quantile)
         kv_part = _kv_text(avg_kv, target_kv, tol)
         if avg_slots is not None and avg_slots > avg_kv:
             kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)
@@ -483,6 +528,11 @@ def decide(
                 else f"{driver}, {a_part}"
             )
         signal = _winner(raw, kv_rec, queue_rec, arrival_rec, targets.slo is not None and planner_on)
+        if h_part:
+            signal = "surge headroom"
+            driver = f"{h_part}; {driver}"
+        elif surge_rising and signal in ("slo planner", "arrivals") and arrival_rec is not None:
+            signal = f"{signal} (rising shift)"
         # The measured attainment wins when it asks for the most, on a tie, and when the planner asks
         # for more only because of the capacity ceiling this miss measured (the miss set the size).
         measured_ceiling = (
@@ -626,6 +676,7 @@ def decide(
         queue_recommendation=queue_rec,
         arrival_recommendation=arrival_rec,
         slo_recommendation=slo_rec,
+        surge_recommendation=surge_rec,
         slo_capacity=slo_capacity,
         token_mix=arrivals.token_mix,
         arrival_rate=arrival_rate,

@@ -95,6 +95,13 @@ class Behavior:
     feedback_max_step: float = 0.5
     attainment_headroom: float = 0.5
     capacity_relax: float = 0.03
+    # Surge headroom (surge.py): after the arrival rate shifted level (by surge_shift_ratio or more
+    # within one reaction, beyond noise) in the last surge_window_s, keep the replicas that serve the
+    # surge_quantile of that window's per-minute rates. Off: follow the measured rate only.
+    surge_headroom: bool = True
+    surge_window_s: float = 1800.0
+    surge_shift_ratio: float = 3.0
+    surge_quantile: float = 0.7
 
     def __post_init__(self) -> None:
         if self.attainment_window_s <= 0 or self.attainment_min_requests < 1:
@@ -103,6 +110,8 @@ class Behavior:
             raise ValueError("feedback_gain must be > 0 and feedback_max_step in (0, 4]")
         if not (0 <= self.attainment_headroom < 1 and 0 <= self.capacity_relax <= 1):
             raise ValueError("attainment_headroom must be in [0, 1) and capacity_relax in [0, 1]")
+        if self.surge_window_s <= 0 or self.surge_shift_ratio <= 1 or not 0 < self.surge_quantile <= 1:
+            raise ValueError("surge_window_s must be > 0, surge_shift_ratio > 1, surge_quantile in (0, 1]")
         if self.arrival_lead_s < 0 or self.arrival_trend_window_s < 0:
             raise ValueError("arrival_lead_s and arrival_trend_window_s must be >= 0")
         if self.arrival_headroom <= 0 or self.arrival_max_growth < 1:

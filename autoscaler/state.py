@@ -7,7 +7,8 @@ status.autoscaler (written by field manager kvpilot-autoscaler with a merge patc
   scaleEvents: [{time, fromReplicas, toReplicas}]   scale changes inside the longest rate-limit period
   lastScaleTime
   arrivals: {time, pods: [{pod, completed, inFlight, promptTokens?, generationTokens?}],
-             rates: [{time, rate}], serviceRate, tokenMix?: {prompt, output}}
+             rates: [{time, rate}], serviceRate, tokenMix?: {prompt, output},
+             levels?: [{time, rate}], shiftAt?}  (levels, shiftAt: the surge headroom's, surge.py)
                                          the arrival-rate estimate's counters and trend (policy.ArrivalState)
 Times are RFC 3339 UTC strings (arrivals' with milliseconds: rates are counter differences over them).
 The block's schema is the shared model `kvpilot.api.models.AutoscalerStatus`; reading it back is one
@@ -87,6 +88,10 @@ def _arrivals(a: ArrivalsStatus) -> ArrivalState:
         service_rate=a.service_rate or None,
         token_mix=None if mix is None else (mix.prompt, mix.output),
         mix_requests=0.0 if mix is None else TOKEN_MIX_WINDOW_REQUESTS,
+        levels=tuple(
+            sorted((RateSample(r.time.timestamp(), r.rate) for r in a.levels or []), key=lambda r: r.time)
+        ),
+        shift_at=_seconds(a.shift_at),
     )
 
 
@@ -121,6 +126,8 @@ def _arrivals_model(state: ArrivalState) -> ArrivalsStatus:
         rates=[RatePoint(time=_at(r.time), rate=round(r.rate, 4)) for r in state.rates],
         service_rate=None if state.service_rate is None else round(state.service_rate, 4),
         token_mix=None if mix is None else TokenMix(prompt=round(mix[0], 1), output=round(mix[1], 1)),
+        levels=[RatePoint(time=_at(r.time), rate=round(r.rate, 4)) for r in state.levels] or None,
+        shift_at=_time(state.shift_at),
     )
 
 

@@ -4,7 +4,7 @@ JSON object (and, with --markdown, the goal table of docs/autoscaler.md).
 
     python benchmarks/fleet_slo_goals.py --trace PATH[@RATE_SCALE] [--trace ...]
         [--stationary NAME,...] [--router router:kv-aware] [--startups 10,60]
-        [--calibration h100/llama-3.1-8b] [--max-replicas 40] [--jobs 2] [--markdown]
+        [--calibration h100/llama-3.1-8b] [--max-replicas 40] [--no-surge-headroom] [--jobs 2] [--markdown]
 
 Traces are paths (.csv or Mooncake .jsonl), never read from a fixed place; `@8` replays 8x the requests
 in the same time. A trace's name is its file's stem. --stationary names the traces held to the
@@ -77,7 +77,7 @@ def _run(job: Job) -> dict[str, Any]:
         policy = ReactiveOraclePolicy(trace, rps, 1, params["max_replicas"])
     else:
         planner = SloTargets(cal, params["calibration"], SLO.ttft_s, SLO.tpot_s, SLO.ttft_prefill_factor)
-        behavior = Behavior(slo_feedback=kind == "kvpilot")
+        behavior = Behavior(slo_feedback=kind == "kvpilot", surge_headroom=params["surge_headroom"])
         policy = KvpilotPolicy(
             ScalingTargets(
                 min_replicas=1,
@@ -122,6 +122,11 @@ def main() -> None:
         help="F,...: also run the reactive oracle (benchmarks/simulate_policies.py: the true arrival "
         "rate of the last minute, acted on at once) at F x the replica's SLO capacity; a reference",
     )
+    parser.add_argument(
+        "--no-surge-headroom",
+        action="store_true",
+        help="run the kvpilot policies without the surge headroom (autoscaler/surge.py), for comparison",
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -140,7 +145,11 @@ def main() -> None:
         if not 1 <= lo0 <= hi0 <= args.max_replicas:
             parser.error("--static-range: need 1 <= LO <= HI <= --max-replicas")
     stationary = {s for s in args.stationary.split(",") if s}
-    common = {"calibration": args.calibration, "max_replicas": args.max_replicas}
+    common = {
+        "calibration": args.calibration,
+        "max_replicas": args.max_replicas,
+        "surge_headroom": not args.no_surge_headroom,
+    }
     started = time.time()
     static: dict[tuple[str, int], dict[str, Any]] = {}
 
@@ -241,6 +250,7 @@ def main() -> None:
         "calibration": args.calibration,
         "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s, "ttft_prefill_factor": SLO.ttft_prefill_factor},
         "goal": GOAL,
+        "surge_headroom": not args.no_surge_headroom,
         "rows": rows,
         "static_sweep": {
             spec_name(t): {

@@ -355,6 +355,8 @@ def test_the_written_status_block_is_pinned_and_declared_by_the_crd():
             ],
             "serviceRate": 2.0,
             "tokenMix": {"prompt": 120.0, "output": 33.3},
+            # the surge headroom's first level: the two rates' mean, by the seconds each counts
+            "levels": [{"time": "2023-11-14T22:13:20.000Z", "rate": 1.7992}],
         },
         "decidedBy": "autoscaler-0_1",
         "heldKind": "not-reporting",
