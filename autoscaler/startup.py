@@ -15,9 +15,6 @@ pods, else declared in ScalingTargets.startup_s), and behaves as before when it 
   peak, docs/autoscaler.md).
 - scale_down_hold_s: the scale-down window is at least a few startups (a replica released for a dip
   shorter than that comes back too late).
-- backlog_drained: a recommendation made to drain a backlog is not held by the scale-down window once
-  the backlog is gone (only the rate-based part of it is): the window is for noisy rates, not for a
-  queue that no longer exists.
 """
 
 from __future__ import annotations
