@@ -62,8 +62,8 @@ SMALL_M = (
 # elsewhere (int4 at avx2: the GEMM is faster from 64 rows) SMALL_M, then the GEMM on a row-layout copy
 TILED_MAX_M = 8192
 # rows up to which a tiled weight takes the float-activation tiled kernel (more: dequantize + torch's
-# matmul, whose float32 GEMM blocks for the caches; benchmarks/kernels_bench.py qmatmul, tiled_float_act)
-TILED_FLOAT_MAX_M = 64
+# matmul, whose float32 GEMM blocks for the caches: even at 256 rows; benchmarks/kernels_bench.py qmatmul, tiled_float_act)
+TILED_FLOAT_MAX_M = 128
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 
 
