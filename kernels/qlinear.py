@@ -384,8 +384,9 @@ def kernel_matmul(
     lib = _library(level)
     # a tiled weight: the tiled kernel of the activation mode; the row kernel takes the mode as its
     # last argument
+    extra: tuple[int, ...] = ()
     if qw.tiled:
-        fn, extra = (lib.kvpilot_qmatmul_tiled if int8 else lib.kvpilot_qmatmul_tiled_float), ()
+        fn = lib.kvpilot_qmatmul_tiled if int8 else lib.kvpilot_qmatmul_tiled_float
     else:
         fn, extra = lib.kvpilot_qmatmul, (int(int8),)
     rc = fn(*_kernel_args(x2, out, b, qw), *extra)
