@@ -129,7 +129,13 @@ def test_native_batch_part_compares_every_kvpilot_path_with_the_native_llamacpp(
     caps) against the native llama-server; the goal ratio takes the best kvpilot row."""
     args = i14.parse_args(["--parts", "native_batch"])
     runs = i14.plan(args, "/bin/native", None, None)
-    assert [r.key for r in runs] == ["native_peers", "native_none", "native_auto", "native_int8", "native_int4"]
+    assert [r.key for r in runs] == [
+        "native_peers",
+        "native_none",
+        "native_auto",
+        "native_int8",
+        "native_int4",
+    ]
     assert all(r.part == "native_batch" and r.env == {} for r in runs)
     assert opt(runs[0].argv, "--engines") == "kvpilot,llamacpp"
     assert opt(runs[0].argv, "--llamacpp-bin") == "/bin/native"
