@@ -14,6 +14,16 @@ decode-only and mixed (prefill chunks present). Optionally a torch.profiler op t
 
 Prints JSON. The workload is the same as runtime_vs_peers.py's (benchmarks/workload.py, seed 0); the
 run stops after --steps steps so it profiles the start (prefill-heavy) and the steady decode phase.
+
+`--single-stream`: one request's decode steps (batch 1) split in the calling thread's CPU time (robust
+on a shared machine; with --threads 1 all the work is on that thread) into the decoder stack's one C
+call (kernels/cpu_decoder.run: the layers' matmuls, attention, norms), the LM head's quantized matmul
+and the rest (Python: embedding lookup, final norm, sampling, scheduling, bookkeeping), or, for a
+model that does not take the stack, the whole forward and the rest:
+
+    python benchmarks/runtime_profile.py --single-stream --threads 1                          # the default path
+    python benchmarks/runtime_profile.py --single-stream --threads 1 --quantization auto      # int8 activations
+    python benchmarks/runtime_profile.py --single-stream --threads 1 --quantization none      # dequantized
 """
 
 from __future__ import annotations
@@ -104,6 +114,62 @@ def instrument(engine: Any, timers: Timers) -> None:
     inner.rotary_emb.forward = timers.wrap("rotary", inner.rotary_emb.forward)
 
 
+def single_stream_profile(engine: Any, gguf_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Per decode step of one request, the calling thread's CPU time: the C decoder stack, the LM
+    head's quantized matmul (or the whole forward where the stack does not run), and the rest."""
+    from kvpilot.kernels import cpu_decoder, qlinear
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            c0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time.thread_time() - c0
+
+        return wrapped
+
+    ids = wl.corpus_token_ids(str(gguf_path))[: args.single_prompt]
+    engine.generate([ids[:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    stacked = engine.runner.compiled is not None
+    cpu_decoder.run = timed("decoder stack (one C call)", cpu_decoder.run)
+    qlinear.kernel_matmul = timed("LM head (quantized matmul)", qlinear.kernel_matmul)
+    if not stacked:  # the model's own forward (its LM head is compute_logits)
+        model = engine.runner.model
+        model.model.forward = timed("forward (Python layers)", model.model.forward)
+        model.compute_logits = timed("LM head (model)", model.compute_logits)
+    engine.add_request(
+        "s", ids, SamplingParams(max_tokens=args.single_output, temperature=0.0, ignore_eos=True)
+    )
+    engine.step()  # the prefill
+    spent.clear()
+    steps, c0, w0 = 0, time.thread_time(), time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+    parts = {k: v for k, v in spent.items() if k != "LM head (quantized matmul)" or stacked}
+    parts["rest: Python (embedding, norm, sampling, scheduling, bookkeeping)"] = cpu - sum(parts.values())
+    return {
+        "config": {k: v for k, v in engine.cfg.model_dump(exclude_none=True).items() if k in CONFIG_KEYS},
+        "decoder_stack": stacked,
+        "threads": torch.get_num_threads(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "decode_steps": steps,
+        "thread_cpu_ms_per_step": round(cpu / steps * 1e3, 3),
+        "wall_ms_per_step": round(wall / steps * 1e3, 3),
+        "tok_per_thread_cpu_s": round(steps / cpu, 1),
+        "ms_per_step": {k: round(v / steps * 1e3, 3) for k, v in parts.items()},
+        "share": {k: round(v / cpu, 3) for k, v in parts.items()},
+    }
+
+
+CONFIG_KEYS = ("model", "quantization", "qmatmul_activations", "threads", "dtype", "cpu_decoder_stack")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=128)
@@ -113,7 +179,19 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=2.0)
-    p.add_argument("--quantization", default=None, help="EngineConfig.quantization (int8, int4, auto)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="EngineConfig.quantization (int8, int4, auto, none; unset: the default path)",
+    )
+    p.add_argument("--qmatmul-activations", default=None, choices=["int8", "float"])
+    p.add_argument(
+        "--single-stream",
+        action="store_true",
+        help="batch 1: the decode steps of one request (--single-prompt + --single-output tokens) in thread CPU time",
+    )
+    p.add_argument("--single-prompt", type=int, default=100)
+    p.add_argument("--single-output", type=int, default=256)
     p.add_argument(
         "--prompt-range", default="32,512", help="prompt lengths, inclusive (runtime_vs_peers.py's default)"
     )
@@ -135,7 +213,12 @@ def main() -> int:
         max_num_batched_tokens=args.max_batched_tokens,
         kv_cache_memory=int(args.kv_gib * 2**30),
         quantization=args.quantization,
+        qmatmul_activations=args.qmatmul_activations,
     )
+    if args.single_stream:
+        cfg = cfg.model_copy(update={"max_num_seqs": 1})
+        print(json.dumps(single_stream_profile(build_engine(cfg), gguf_path, args), indent=2))
+        return 0
     engine = build_engine(cfg)
     lo_p, hi_p = map(int, args.prompt_range.split(","))
     lo_o, hi_o = map(int, args.output_range.split(","))

@@ -160,7 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kvpilot-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
-        "--kvpilot-quantization", default=None, choices=["int8", "int4", "auto"], help="--quantization"
+        "--kvpilot-quantization",
+        default=None,
+        choices=["int8", "int4", "auto", "none"],
+        help="--quantization (unset: the default path, runtime/load/defaults.py)",
     )
     p.add_argument(
         "--kvpilot-speculative-method", default=None, choices=["ngram", "draft"], help="--speculative-method"

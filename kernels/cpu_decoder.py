@@ -128,7 +128,10 @@ def kernels() -> dict[str, int]:
         "write_kv": address(ops.kvpilot_write_kv),
         "attention": address(att.kvpilot_paged_attention),
         "silu_mul": address(ops.kvpilot_silu_mul),
-        "qmatmul": address(qmm.kvpilot_qmatmul_tiled),
+        # the tiled kernel of the qmatmul_activations switch (kernels/switches.py)
+        "qmatmul": address(
+            qmm.kvpilot_qmatmul_tiled if qlinear.int8_activations() else qmm.kvpilot_qmatmul_tiled_float
+        ),
     }
 
 

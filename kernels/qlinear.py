@@ -61,6 +61,9 @@ SMALL_M = (
 # torch's bf16 matmul at 8-512 rows), and int8 at avx2 (1.2-1.5x the GEMM, 1.2x torch's float32);
 # elsewhere (int4 at avx2: the GEMM is faster from 64 rows) SMALL_M, then the GEMM on a row-layout copy
 TILED_MAX_M = 8192
+# rows up to which a tiled weight takes the float-activation tiled kernel (more: dequantize + torch's
+# matmul, whose float32 GEMM blocks for the caches: even at 256 rows; benchmarks/kernels_bench.py qmatmul, tiled_float_act)
+TILED_FLOAT_MAX_M = 128
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 
 
@@ -137,14 +140,15 @@ def _tile_view(qw: QuantizedWeight) -> tuple[int, int, int]:
 
 def tile_applies(qw: QuantizedWeight) -> bool:
     """Whether the kernel loaded here takes `qw` in the tiled layout: on CPU, rows a multiple of
-    TILE_ROWS, a format with the int8-activation path (the tiled kernel has no float-activation
-    variant; float activations keep the row layout)."""
+    TILE_ROWS, a format the tiled kernels take (int8 per channel, int4/int8 groups a power-of-two
+    multiple of 32), at the avx512 or avx2 level. Both activation modes have a tiled kernel
+    (kvpilot_qmatmul_tiled: int8 activations; kvpilot_qmatmul_tiled_float: float, the exact product)."""
     return (
         not qw.tiled
         and qw.packed.device.type == "cpu"
         and qw.out_features % TILE_ROWS == 0
         and qw.in_features % ACT_BLOCK == 0
-        and q8_path_applies(qw)
+        and tiled_format(qw)
         and available()
     )
 
@@ -257,6 +261,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_qmatmul.restype = i
     lib.kvpilot_qmatmul_tiled.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
     lib.kvpilot_qmatmul_tiled.restype = i
+    lib.kvpilot_qmatmul_tiled_float.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qmatmul_tiled_float.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
     lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i, i]
@@ -344,8 +350,10 @@ def gemm_matmul(
 def max_kernel_rows(qw: QuantizedWeight) -> int:
     """The most rows `matmul` gives the small-M / tiled C kernel for this weight (more: the GEMM or
     dequantize + torch)."""
-    if not (qw.tiled and int8_activations()):
+    if not qw.tiled:
         return SMALL_M
+    if not int8_activations():  # the float tiled kernel: float32 FMAs, the rate of torch's float32 matmul
+        return TILED_FLOAT_MAX_M
     level = built_isa()  # read from the library once per level (cbuild.Extension), not a ctypes call
     vnni = level == "avx512" and "avx512_vnni" in isa.cpu_features()
     return TILED_MAX_M if vnni or (level == "avx2" and qw.bits == 8) else SMALL_M
@@ -373,12 +381,14 @@ def kernel_matmul(
     out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype)
     b = None if bias is None else bias.to(x.dtype).contiguous()
     int8 = int8_activations()
-    tiled = qw.tiled and int8
-    if not tiled:
-        qw = untile(qw)  # float activations: the row kernel's exact product (a copy of the codes)
     lib = _library(level)
-    # the tiled kernel always uses int8 activations; the row kernel takes the setting as its last argument
-    fn, extra = (lib.kvpilot_qmatmul_tiled, ()) if tiled else (lib.kvpilot_qmatmul, (int(int8),))
+    # a tiled weight: the tiled kernel of the activation mode; the row kernel takes the mode as its
+    # last argument
+    extra: tuple[int, ...] = ()
+    if qw.tiled:
+        fn = lib.kvpilot_qmatmul_tiled if int8 else lib.kvpilot_qmatmul_tiled_float
+    else:
+        fn, extra = lib.kvpilot_qmatmul, (int(int8),)
     rc = fn(*_kernel_args(x2, out, b, qw), *extra)
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
@@ -436,11 +446,18 @@ def codes(qw: QuantizedWeight) -> torch.Tensor:
     return torch.cat([p & 15, p >> 4], dim=-1).reshape(qw.out_features, qw.in_features)
 
 
-def q8_path_applies(qw: QuantizedWeight, level: str | None = None) -> bool:
-    """Whether the kernel at `level` (default: the one loaded) takes the int8-activation path."""
+def tiled_format(qw: QuantizedWeight, level: str | None = None) -> bool:
+    """Whether the kernels at `level` (default: the one loaded) take `qw`'s format in the tiled
+    layout and on the int8-activation path: groups a power-of-two multiple of 32 (or one a row), at
+    the avx512 or avx2 level (group_shift in the C source)."""
     groups = qw.in_features // qw.group
     shape_ok = qw.group % ACT_BLOCK == 0 and (groups == 1 or (qw.group // ACT_BLOCK).bit_count() == 1)
-    return int8_activations() and shape_ok and (level or built_isa()) in ("avx512", "avx2")
+    return shape_ok and (level or built_isa()) in ("avx512", "avx2")
+
+
+def q8_path_applies(qw: QuantizedWeight, level: str | None = None) -> bool:
+    """Whether the kernel at `level` (default: the one loaded) takes the int8-activation path."""
+    return int8_activations() and tiled_format(qw, level)
 
 
 def reference_q8_matmul(

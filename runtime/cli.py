@@ -126,10 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=s)
     e.add_argument(
         "--quantization",
-        choices=["int8", "int4", "auto"],
+        choices=["int8", "int4", "auto", "none"],
         default=s,
         help="weight-only quantization of the linear layers and the LM head (auto: the checkpoint's own: "
-        "a GGUF's Q8_0/Q4_x blocks, GPTQ, AWQ)",
+        "a GGUF's Q8_0/Q4_x blocks, GPTQ, AWQ; none: dequantized at load). Default: the default path "
+        "(auto with float activations for such a GGUF on an AVX2/AVX-512 CPU, else none; logged at start)",
     )
     e.add_argument(
         "--quantization-group-size", type=int, choices=[32, 64, 128], default=s, help="int4 group size"
@@ -251,8 +252,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--qmatmul-activations",
         choices=["int8", "float"],
         default=s,
-        help="quantized matmuls on CPU: int8 activations (default) or float, the exact product, slower "
-        "(KVPILOT_QMATMUL_ACTIVATIONS)",
+        help="quantized matmuls on CPU: int8 activations (the default under --quantization) or float, "
+        "the exact product (the default path's; KVPILOT_QMATMUL_ACTIVATIONS)",
     )
     ks.add_argument(
         "--cpu-decoder-stack",

@@ -18,7 +18,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "int8"]
 SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
-Quantization = Literal["int8", "int4", "auto"]
+Quantization = Literal["int8", "int4", "auto", "none"]
 KVRole = Literal["prefill", "decode", "both"]
 # `kvpilot serve` ends at most this many seconds after --shutdown-timeout has run out, even with its
 # engine stuck (runtime/serving/lifecycle.py); the operator's terminationGracePeriodSeconds leaves room for it
@@ -59,7 +59,10 @@ class EngineConfig(BaseModel):
         None,
         description="weight-only quantization of every linear layer and the LM head: int8 (per "
         "output channel; the head group-wise), int4 (group-wise), auto (the checkpoint's own: a GGUF's "
-        "Q8_0/Q4_0/Q4_1/Q4_K layers run from their blocks, a GPTQ/AWQ directory); default: none",
+        "Q8_0/Q4_0/Q4_1/Q4_K layers run from their blocks, a GPTQ/AWQ directory), none (the weights "
+        "dequantized to the model dtype at load); default: the default path picks (auto with float "
+        "activations for a GGUF stored in those blocks on an AVX2/AVX-512 CPU, else none: "
+        "runtime/load/defaults.py)",
     )
     quantization_group_size: Literal[32, 64, 128] = Field(
         32, description="int4 weights per scale and min (along the input dimension)"
@@ -151,10 +154,11 @@ class EngineConfig(BaseModel):
         "auto", description="ISA level the CPU kernels are built for; auto: the best this CPU runs"
     )
     cpu_kernels: bool = Field(True, description="use the C kernels on CPU (off: the torch paths)")
-    qmatmul_activations: Literal["int8", "float"] = Field(
-        "int8",
+    qmatmul_activations: Literal["int8", "float"] | None = Field(
+        None,
         description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products) "
-        "or float (the exact product, slower)",
+        "or float (the exact product, slower); default: int8 under an explicit --quantization, else the "
+        "default path's (float)",
     )
     cpu_decoder_stack: bool = Field(
         True, description="run a CPU decode step's decoder layers in one C call where the model allows"

@@ -9,6 +9,8 @@ avx2 level), rows M = 1 (single-stream decode), 5 (a speculative verification wi
 - `kernel`: the small-M C kernel on int8 / int4 weights in the row layout, int8 activation blocks;
 - `tiled`: the same arithmetic on the tiled layout (16 rows a code vector; what loaded CPU models use);
 - `kernel_float_act`: the same kernel with float activations (`--qmatmul-activations float`) (exact product);
+- `tiled_float_act`: float activations on the tiled layout (kvpilot_qmatmul_tiled_float: codes widened
+  to float32 in registers, the exact product; what loaded CPU models use under float activations);
 - `dequant_mm`: C dequantization to the activations' dtype then torch's matmul (the many-row path
   with float activations, and where the GEMM below does not apply);
 - `gemm` (`--gemm`): the int8-activation GEMM of kernels/csrc/qgemm_cpu.c (many rows).
@@ -67,6 +69,7 @@ def measure(
         row["tiled_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
         with switches.using(qmatmul_activations="float"):
             row["kernel_float_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, qw), calls)
+            row["tiled_float_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
     row["dequant_mm_us"] = cpu_time_us(lambda: qlinear.dequantize_matmul(x, qw), calls)
     if gemm:
         row["gemm_us"] = cpu_time_us(lambda: qlinear.gemm_matmul(x, qw), calls)
@@ -76,6 +79,9 @@ def measure(
         out["int8_act_speedup"] = round(row["kernel_float_act_us"] / row["kernel_us"], 2)
         out["tiled_vs_rows"] = round(row["kernel_us"] / row["tiled_us"], 2)
         out[f"tiled_vs_{peer}"] = round(row[f"{peer}_us"] / row["tiled_us"], 2)
+        out["tiled_float_vs_rows"] = round(row["kernel_float_act_us"] / row["tiled_float_act_us"], 2)
+        out[f"tiled_float_vs_{peer}"] = round(row[f"{peer}_us"] / row["tiled_float_act_us"], 2)
+        out["tiled_float_vs_dequant_mm"] = round(row["dequant_mm_us"] / row["tiled_float_act_us"], 2)
     if gemm:
         out[f"gemm_vs_{peer}"] = round(row[f"{peer}_us"] / row["gemm_us"], 2)
         out["gemm_vs_dequant_mm"] = round(row["dequant_mm_us"] / row["gemm_us"], 2)

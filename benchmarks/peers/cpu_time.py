@@ -34,7 +34,12 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--prompt-range", default="32,256", help="prompt lengths, inclusive")
     ap.add_argument("--output-range", default="32,64", help="output lengths, inclusive")
-    ap.add_argument("--quantization", default="none,int4,int8", help="comma list: none, int8, int4, auto")
+    ap.add_argument(
+        "--quantization",
+        default="none,int4,int8",
+        help="comma list: none, int8, int4, auto, each optionally +float (--qmatmul-activations float) or "
+        "+int8; `default`: EngineConfig's defaults (no --quantization, no --qmatmul-activations)",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument(
@@ -56,6 +61,12 @@ def main() -> int:
     lo_o, hi_o = map(int, args.output_range.split(","))
     reqs = wl.make_requests(args.num_requests, (lo_p, hi_p), (lo_o, hi_o), 0, wl.corpus_token_ids(str(gguf)))
     for q in args.quantization.split(","):
+        method, _, acts = q.partition("+")
+        settings: dict[str, object] = {}
+        if method != "default":
+            settings["quantization"] = method
+        if acts:
+            settings["qmatmul_activations"] = acts
         cfg = EngineConfig(
             model=str(gguf),
             device="cpu",
@@ -64,7 +75,7 @@ def main() -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=2048,
             kv_cache_memory=2**30,
-            quantization=None if q == "none" else q,
+            **settings,  # type: ignore[arg-type]
         )
         engine = build_engine(cfg)
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

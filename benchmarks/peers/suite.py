@@ -3,8 +3,9 @@
 stream at the native ISA and the batch as on an AVX2-only CPU (`runtime_vs_peers.py suite`).
 
 (a) Single stream, native ISA, every engine on the same "repeat this text" chat prompts
-    (features/speculative.py's quoting prompts, one at a time, greedy, EOS ignored): kvpilot plain,
-    --quantization int8, int4, int4 + n-gram speculation, draft speculation (features/speculative.py's
+    (features/speculative.py's quoting prompts, one at a time, greedy, EOS ignored): kvpilot's default
+    path (runtime/load/defaults.py), --quantization none (the weights dequantized at load: the default
+    before), auto (the GGUF's blocks, int8 activations), int8, int4, int4 + n-gram speculation, draft speculation (features/speculative.py's
     tiny random-weight draft with SmolLM2's tokenizer: the cost of a draft that is never right), the
     native llama-server (benchmarks/build_llamacpp.sh) and transformers. Goals: int4 >= 1.3x
     llama.cpp, speculation >= 1.5x llama.cpp.
@@ -16,6 +17,9 @@ stream at the native ISA and the batch as on an AVX2-only CPU (`runtime_vs_peers
     and with --quantization int8 / int4, transformers in the faster of float32 and bfloat16 there
     (runtime_vs_peers.py's short probe batch picks it; --hf-avx2-dtype both runs the whole batch in each).
     Goals: >= 1.5x llama.cpp, >= 2x transformers in its fastest dtype.
+(c) Batch throughput at the native ISA (`--parts native_batch`; not in the default parts): the same
+    workload, kvpilot's default path, none, auto, int8 and int4 against the native llama-server with
+    32 slots. Goal: >= 2x llama.cpp.
 
 Every measurement is one runtime_vs_peers.py process (its adapters and options; a process per
 configuration, because the ISA environment must be set before torch loads); this script plans the
@@ -60,7 +64,10 @@ TARGETS = {
     "single_speculative_vs_llamacpp": 1.5,
     "avx2_batch_vs_llamacpp": 1.5,
     "avx2_batch_vs_hf_fastest": 2.0,
+    "native_batch_vs_llamacpp": 2.0,
 }
+PARTS = ("single", "avx2_batch", "native_batch")
+BATCH_PARTS = ("avx2_batch", "native_batch")
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ class Run:
     """One runtime_vs_peers.py process and the figures taken from its JSON."""
 
     key: str
-    part: str  # "single" (native ISA) or "avx2_batch"
+    part: str  # one of PARTS
     argv: list[str]
     env: dict[str, str]  # set on top of os.environ (native runs drop AVX2_ENV's keys instead)
     # label -> engine name in runtime_vs_peers.py's JSON ("kvpilot", "hf", "llamacpp")
@@ -78,7 +85,7 @@ class Run:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny settings: checks the pipeline, no figures")
-    p.add_argument("--parts", default="single,avx2_batch", help="comma list of single,avx2_batch")
+    p.add_argument("--parts", default="single,avx2_batch", help="comma list of " + ",".join(PARTS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="runtime_vs_peers.py --rounds (best round reported)")
     p.add_argument(
@@ -119,8 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     parts = {s for s in args.parts.split(",") if s}
-    if not parts or parts - {"single", "avx2_batch"}:
-        p.error(f"--parts takes single and/or avx2_batch, not {args.parts!r}")
+    if not parts or parts - set(PARTS):
+        p.error(f"--parts takes some of {', '.join(PARTS)}, not {args.parts!r}")
     args.parts = parts
     if args.smoke:
         args.single_prompts, args.single_words, args.single_output = 1, 20, 12
@@ -175,11 +182,13 @@ def plan(
                     "2048",
                 ],
                 {},
-                {"kvpilot plain": "kvpilot", "transformers": "hf", "llama.cpp server (native)": "llamacpp"},
+                {"kvpilot default": "kvpilot", "transformers": "hf", "llama.cpp server (native)": "llamacpp"},
             )
         )
         spec = ["--kvpilot-spec-k", str(args.spec_k)]
         variants = {
+            "single_none": ("kvpilot none (dequantized)", ["--kvpilot-quantization", "none"]),
+            "single_auto": ("kvpilot auto (int8 activations)", ["--kvpilot-quantization", "auto"]),
             "single_int8": ("kvpilot int8", ["--kvpilot-quantization", "int8"]),
             "single_int4": ("kvpilot int4", ["--kvpilot-quantization", "int4"]),
             "single_int4_ngram": (
@@ -204,6 +213,53 @@ def plan(
                 {"kvpilot int4, layers from Python": "kvpilot"},
             )
         )
+    batch = [
+        *common,
+        "--skip",
+        "single,online,peak,serve",
+        "--num-requests",
+        str(args.num_requests),
+        "--prompt-range",
+        args.prompt_range,
+        "--output-range",
+        args.output_range,
+    ]
+    if "native_batch" in args.parts:
+        peers = ["kvpilot"] + (["llamacpp"] if native_bin else [])
+        runs.append(
+            Run(
+                "native_peers",
+                "native_batch",
+                [
+                    *batch,
+                    "--engines",
+                    ",".join(peers),
+                    *(["--llamacpp-bin", native_bin] if native_bin else []),
+                    "--llamacpp-slots",
+                    str(args.llamacpp_slots),
+                ],
+                {},
+                {
+                    "kvpilot default": "kvpilot",
+                    f"llama.cpp server native, {args.llamacpp_slots} slots": "llamacpp",
+                },
+            )
+        )
+        for q, label in (
+            ("none", "kvpilot none (dequantized)"),
+            ("auto", "kvpilot auto (int8 activations)"),
+            ("int8", "kvpilot int8"),
+            ("int4", "kvpilot int4"),
+        ):
+            runs.append(
+                Run(
+                    f"native_{q}",
+                    "native_batch",
+                    [*batch, "--engines", "kvpilot", "--kvpilot-quantization", q],
+                    {},
+                    {label: "kvpilot"},
+                )
+            )
     if "avx2_batch" in args.parts:
         batch = [
             *common,
@@ -277,7 +333,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def summarize(runs: list[Run], docs: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     """Rows per part (label -> figures) and the ratios the issue names, against its goals."""
     single: dict[str, dict[str, Any]] = {}
-    batch: dict[str, dict[str, Any]] = {}
+    batches: dict[str, dict[str, dict[str, Any]]] = {part: {} for part in BATCH_PARTS}
     for run in runs:
         doc = docs.get(run.key)
         for label, engine in run.picks.items():
@@ -298,20 +354,26 @@ def summarize(runs: list[Run], docs: dict[str, dict[str, Any] | None]) -> dict[s
                     row["dtype"] = (rec.get("config") or {}).get("dtype")
                     if "dtype_probe_s" in rec:
                         row["dtype_probe_s"] = rec["dtype_probe_s"]
-                batch[label] = {**row, **({"errors": errors} if errors else {})}
+                batches[run.part][label] = {**row, **({"errors": errors} if errors else {})}
     llama_single = next((v["decode_tok_per_s"] for k, v in single.items() if k.startswith("llama.cpp")), None)
     for row in single.values():
         row["vs_llamacpp"] = ratio(row["decode_tok_per_s"], llama_single)
-    llama_batch = next((v["output_tok_per_s"] for k, v in batch.items() if k.startswith("llama.cpp")), None)
-    hf_rates = [v["output_tok_per_s"] for k, v in batch.items() if k.startswith("transformers")]
-    hf_best = max((r for r in hf_rates if r), default=None)
-    for row in batch.values():
-        row["vs_llamacpp"] = ratio(row["output_tok_per_s"], llama_batch)
-        row["vs_hf_fastest"] = ratio(row["output_tok_per_s"], hf_best)
-    kv_batch = [
-        v["output_tok_per_s"] for k, v in batch.items() if k.startswith("kvpilot") and v["output_tok_per_s"]
-    ]
-    kv_best = max(kv_batch, default=None)
+    best: dict[str, dict[str, float | None]] = {}
+    for part, batch in batches.items():
+        llama_batch = next(
+            (v["output_tok_per_s"] for k, v in batch.items() if k.startswith("llama.cpp")), None
+        )
+        hf_rates = [v["output_tok_per_s"] for k, v in batch.items() if k.startswith("transformers")]
+        hf_best = max((r for r in hf_rates if r), default=None)
+        for row in batch.values():
+            row["vs_llamacpp"] = ratio(row["output_tok_per_s"], llama_batch)
+            row["vs_hf_fastest"] = ratio(row["output_tok_per_s"], hf_best)
+        kv_batch = [
+            v["output_tok_per_s"]
+            for k, v in batch.items()
+            if k.startswith("kvpilot") and v["output_tok_per_s"]
+        ]
+        best[part] = {"kvpilot": max(kv_batch, default=None), "llamacpp": llama_batch, "hf": hf_best}
     spec = [
         v["decode_tok_per_s"]
         for k, v in single.items()
@@ -320,12 +382,14 @@ def summarize(runs: list[Run], docs: dict[str, dict[str, Any] | None]) -> dict[s
     ratios = {
         "single_int4_vs_llamacpp": (single.get("kvpilot int4") or {}).get("vs_llamacpp"),
         "single_speculative_vs_llamacpp": ratio(max(spec, default=None), llama_single),
-        "avx2_batch_vs_llamacpp": ratio(kv_best, llama_batch),
-        "avx2_batch_vs_hf_fastest": ratio(kv_best, hf_best),
+        "avx2_batch_vs_llamacpp": ratio(best["avx2_batch"]["kvpilot"], best["avx2_batch"]["llamacpp"]),
+        "avx2_batch_vs_hf_fastest": ratio(best["avx2_batch"]["kvpilot"], best["avx2_batch"]["hf"]),
+        "native_batch_vs_llamacpp": ratio(best["native_batch"]["kvpilot"], best["native_batch"]["llamacpp"]),
     }
     return {
         "single_stream_decode_tok_per_s": single,
-        "avx2_batch_output_tok_per_s": batch,
+        "avx2_batch_output_tok_per_s": batches["avx2_batch"],
+        "native_batch_output_tok_per_s": batches["native_batch"],
         "ratios": ratios,
         "targets": TARGETS,
         "targets_met": {k: None if v is None else v >= TARGETS[k] for k, v in ratios.items()},
@@ -351,18 +415,25 @@ def markdown(summary: dict[str, Any], cpu: str) -> str:
             for label, row in summary["single_stream_decode_tok_per_s"].items()
         ),
     )
-    batch = harness.markdown_table(
-        ["batch, AVX2 (emulated)", "output tok/s", "vs llama.cpp", "vs fastest transformers"],
-        (
-            [
-                label + errors(row),
-                row["output_tok_per_s"] or "",
-                cell(row["vs_llamacpp"]),
-                cell(row["vs_hf_fastest"]),
-            ]
-            for label, row in summary["avx2_batch_output_tok_per_s"].items()
-        ),
-    )
+    batches = [
+        harness.markdown_table(
+            [title, "output tok/s", "vs llama.cpp", "vs fastest transformers"],
+            (
+                [
+                    label + errors(row),
+                    row["output_tok_per_s"] or "",
+                    cell(row["vs_llamacpp"]),
+                    cell(row["vs_hf_fastest"]),
+                ]
+                for label, row in summary[key].items()
+            ),
+        )
+        for title, key in (
+            ("batch, native ISA", "native_batch_output_tok_per_s"),
+            ("batch, AVX2 (emulated)", "avx2_batch_output_tok_per_s"),
+        )
+        if summary[key]
+    ]
     goals = harness.markdown_table(
         ["ratio", "measured", "goal", "met"],
         (
@@ -370,7 +441,7 @@ def markdown(summary: dict[str, Any], cpu: str) -> str:
             for key, goal in summary["targets"].items()
         ),
     )
-    return "\n\n".join([f"CPU: {cpu}", single, batch, goals])
+    return "\n\n".join([f"CPU: {cpu}", single, *batches, goals])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,10 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     bins: dict[str, str | None] = {"native": None, "avx2": None}
     for isa, wanted, explicit in (
-        ("native", "single", args.llamacpp_native_bin),
-        ("avx2", "avx2_batch", args.llamacpp_avx2_bin),
+        ("native", {"single", "native_batch"}, args.llamacpp_native_bin),
+        ("avx2", {"avx2_batch"}, args.llamacpp_avx2_bin),
     ):
-        if wanted not in args.parts:
+        if not wanted & args.parts:
             continue
         log(f"llama-server ({isa}): locating")
         path, err = llamacpp_binary(isa, args.llamacpp_version, explicit)

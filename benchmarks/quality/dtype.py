@@ -95,7 +95,7 @@ def run_kvpilot(dtype: str, options: dict[str, str]) -> dict[str, Any]:
 
     settings: dict[str, Any] = {"dtype": dtype, "kv_cache_memory": 256 * 2**20}
     if "quantization" in options:
-        settings["quantization"] = None if options["quantization"] == "none" else options["quantization"]
+        settings["quantization"] = options["quantization"]
     if "qmatmul" in options:
         settings["qmatmul_activations"] = options["qmatmul"]
     engine = build_engine(EngineConfig(**settings))

@@ -702,6 +702,292 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
 #endif
 }
 
+/*
+ * Float activations on the tiled layout (kvpilot_qmatmul_tiled_float): the exact product, as
+ * `--qmatmul-activations float` asks. The codes are widened to float32 in registers (int4: a nibble
+ * indexes a 16-float table, vpermps; int8: shifts + convert) and multiplied into the float32
+ * activations, summed per weight group, then times the group's scale (int4: + min * the group's
+ * float sum of activations). No activation is rounded: the result is x . dequant(W) in float32, as
+ * torch's matmul of the dequantized weights computes it, up to the order of the sums.
+ * Activations are read in the weight's storage order (xp: for int4 groups above 32 the chunks of a
+ * group interleave, storage_order in kernels/qlinear.py), one float per code.
+ */
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* the M activation rows in storage order (xp [M, K]) and, for int4, their float sum per group (xs [M, ng]) */
+static int f_acts_make(const float *xf, long M, long K, int wbits, int group, float **xp, float **xs) {
+    const long ng = K / group;
+    *xp = (float *)malloc(sizeof(float) * (size_t)(M * K) + 64);
+    *xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * ng) + 4) : NULL;
+    if (!*xp || (wbits == 4 && !*xs)) {
+        free(*xp), free(*xs);
+        return -3;
+    }
+    const int half = group / 2;
+    for (long m = 0; m < M; m++) {
+        const float *x = xf + m * K;
+        float *o = *xp + m * K;
+        if (wbits == 8 || group == QB) {
+            memcpy(o, x, sizeof(float) * (size_t)K);
+        } else { /* chunk c of a group: weights 16c..16c+15, then half + 16c.. (one 32-code block) */
+            for (long g = 0; g < ng; g++)
+                for (int c = 0; c < group / QB; c++)
+                    for (int i = 0; i < 16; i++) {
+                        o[g * group + c * QB + i] = x[g * group + 16 * c + i];
+                        o[g * group + c * QB + 16 + i] = x[g * group + half + 16 * c + i];
+                    }
+        }
+        if (wbits == 4)
+            for (long g = 0; g < ng; g++) {
+                float sum = 0.0f;
+                for (int i = 0; i < group; i++) sum += x[g * group + i];
+                (*xs)[m * ng + g] = sum;
+            }
+    }
+    return 0;
+}
+#endif
+
+#if defined(KVPILOT_ISA_AVX512)
+/* out[r][0..TR) = activation row m0 + r . the tile's TR weight rows (float), for r < mb. C chains of
+ * sums a row (more when few rows: the FMA latency, not the throughput, bounds one chain) */
+static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
+                                                              long m0, const int mb, const uint8_t *wt, int wbits,
+                                                              int gshift, const uint16_t *st, const uint16_t *mt,
+                                                              float *out, long ldo, long pf) {
+    enum { C = 4 };
+    const int chains = mb <= 2 ? 4 : mb <= 4 ? 2 : 1;
+    const long nb = K / QB;
+    const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
+    const long bpg = per_row ? nb : (1L << gshift);
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[TM], part[TM][C];
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+    for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
+        for (int r = 0; r < mb; r++)
+            for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
+        for (long b = g0; b < g0 + bpg; b++) {
+            const uint8_t *p = wt + b * TR * bb;
+            if (pf)
+                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+            if (pf && !per_row && b == g0) {
+                _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+                if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+            }
+            const float *xb = xp + m0 * K + b * QB;
+            if (wbits == 4) {
+                for (int v = 0; v < 4; v++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+                    for (int j = 0; j < 4; j++) {
+                        const __m512 lo = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(raw, 8 * j) : raw, lut);
+                        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * j + 4), lut);
+                        const int c0 = (2 * j) % chains, c1 = (2 * j + 1) % chains;
+                        for (int r = 0; r < mb; r++) {
+                            part[r][c0] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                            part[r][c1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[r * K + 16 + 4 * v + j]), part[r][c1]);
+                        }
+                    }
+                }
+            } else {
+                for (int v = 0; v < 8; v++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i q = j == 3 ? _mm512_srai_epi32(raw, 24)
+                                                 : _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * j), 24);
+                        const __m512 qf = _mm512_cvtepi32_ps(q);
+                        const int c0 = j % chains;
+                        for (int r = 0; r < mb; r++)
+                            part[r][c0] = _mm512_fmadd_ps(qf, _mm512_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < mb; r++) {
+            __m512 sum = part[r][0];
+            for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, part[r][c]);
+            part[r][0] = sum;
+        }
+        if (per_row) {
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
+        } else {
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
+            if (wbits == 4) {
+                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+                for (int r = 0; r < mb; r++)
+                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+            }
+        }
+    }
+    if (per_row) { /* one group a row: its scale (int4: + its min times the row's sum) */
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
+        if (wbits == 4) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+#elif defined(KVPILOT_ISA_AVX2)
+/* AVX2: the same, one half tile (8 rows: bytes 32h..32h+31 of each 64-byte vector) at a time; the
+ * codes widened by and/shift + convert (no 16-entry permute at 8 lanes) */
+static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
+                                                              long m0, const int mb, const uint8_t *wt, int wbits,
+                                                              int gshift, const uint16_t *st, const uint16_t *mt,
+                                                              float *out, long ldo, long pf) {
+    enum { C = 2 };
+    const int chains = mb <= 2 ? 2 : 1;
+    const long nb = K / QB;
+    const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
+    const long bpg = per_row ? nb : (1L << gshift);
+    const __m256i nib = _mm256_set1_epi32(15);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TM], part[TM][C];
+        for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
+        for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
+            for (int r = 0; r < mb; r++)
+                for (int c = 0; c < chains; c++) part[r][c] = _mm256_setzero_ps();
+            for (long b = g0; b < g0 + bpg; b++) {
+                const uint8_t *p = wt + b * TR * bb + 32 * h;
+                if (pf && h == 0) {
+                    for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+                    if (!per_row && b == g0) {
+                        _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+                        if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+                    }
+                }
+                const float *xb = xp + m0 * K + b * QB;
+                if (wbits == 4) {
+                    for (int v = 0; v < 4; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+                        for (int j = 0; j < 4; j++) {
+                            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * j), nib));
+                            const __m256 hi =
+                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * j + 4), nib));
+                            const int c0 = (2 * j) % chains, c1 = (2 * j + 1) % chains;
+                            for (int r = 0; r < mb; r++) {
+                                part[r][c0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                                part[r][c1] =
+                                    _mm256_fmadd_ps(hi, _mm256_set1_ps(xb[r * K + 16 + 4 * v + j]), part[r][c1]);
+                            }
+                        }
+                    }
+                } else {
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+                        for (int j = 0; j < 4; j++) {
+                            const __m256i q = j == 3 ? _mm256_srai_epi32(raw, 24)
+                                                     : _mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * j), 24);
+                            const __m256 qf = _mm256_cvtepi32_ps(q);
+                            const int c0 = j % chains;
+                            for (int r = 0; r < mb; r++)
+                                part[r][c0] = _mm256_fmadd_ps(qf, _mm256_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < mb; r++) {
+                __m256 sum = part[r][0];
+                for (int c = 1; c < chains; c++) sum = _mm256_add_ps(sum, part[r][c]);
+                part[r][0] = sum;
+            }
+            if (per_row) {
+                for (int r = 0; r < mb; r++) acc[r] = _mm256_add_ps(acc[r], part[r][0]);
+            } else {
+                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+                for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(sv, part[r][0], acc[r]);
+                if (wbits == 4) {
+                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
+                    for (int r = 0; r < mb; r++)
+                        acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+                }
+            }
+        }
+        if (per_row) {
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
+            for (int r = 0; r < mb; r++) acc[r] = _mm256_mul_ps(acc[r], sv);
+            if (wbits == 4) {
+                const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + 8 * h)));
+                for (int r = 0; r < mb; r++)
+                    acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+            }
+        }
+        for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+    }
+}
+#endif
+
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, const float *xs, long K, long ng,
+                                                              long m0, int mb, const uint8_t *wt, int wbits,
+                                                              int gshift, const uint16_t *st, const uint16_t *mt,
+                                                              float *o, long ldo, const long pf) {
+    switch (mb) {
+    case 1: tile_dots_f(xp, xs, K, ng, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 2: tile_dots_f(xp, xs, K, ng, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 3: tile_dots_f(xp, xs, K, ng, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 4: tile_dots_f(xp, xs, K, ng, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 5: tile_dots_f(xp, xs, K, ng, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#if TM > 6
+    case 6: tile_dots_f(xp, xs, K, ng, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 7: tile_dots_f(xp, xs, K, ng, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#endif
+    default: tile_dots_f(xp, xs, K, ng, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    }
+}
+#endif
+
+/* kvpilot_qmatmul_tiled with float activations (the exact product, see above); the same arguments,
+ * layout and return codes. */
+int kvpilot_qmatmul_tiled_float(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
+                                const uint8_t *w, int wbits, int group, const uint16_t *scales,
+                                const uint16_t *mins, int num_threads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
+        (wbits == 4 && !mins) || M <= 0 || N % 16)
+        return -1;
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+    const int gshift = group_shift(K, group);
+    if (gshift < 0) return -1;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return -3;
+    to_float(x, dtype, M * K, xf);
+    float *xp, *xs;
+    const int rc = f_acts_make(xf, M, K, wbits, group, &xp, &xs);
+    free(xf);
+    if (rc) return rc;
+    const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long t = 0; t < N / TR; t++) {
+        const uint8_t *wt = w + t * TR * row_bytes;
+        const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
+        float res[TM * TR];
+        for (long m0 = 0; m0 < M; m0 += TM) {
+            const int mb = M - m0 < TM ? (int)(M - m0) : TM;
+            if (m0 == 0)
+                tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, PF_BYTES);
+            else
+                tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
+            for (int r = 0; r < mb; r++)
+                for (int i = 0; i < TR; i++) {
+                    const long n = t * TR + i;
+                    const float v = res[r * TR + i] + (!bias ? 0.0f
+                                                       : dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
+                                                                          : ((const float *)bias)[n]);
+                    if (dtype == DT_BF16)
+                        ((uint16_t *)out)[(m0 + r) * N + n] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[(m0 + r) * N + n] = v;
+                }
+        }
+    }
+    free(xp), free(xs);
+    return 0;
+#else
+    (void)x, (void)out, (void)bias, (void)w, (void)scales, (void)num_threads;
+    return -2;
+#endif
+}
+
 /* The whole weight dequantized to float32 or bfloat16 (`dtype`) into out [N, K]: for the matmuls the
  * kernel above does not take (many rows: prefill), where torch multiplies the result. */
 int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.kernels import isa
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.core import LLMEngine
@@ -25,6 +26,7 @@ from kvpilot.runtime.engine.plan import blocks_for_budget, cuda_graph_sizes, poo
 from kvpilot.runtime.engine.runner import KVGeometry, ModelRunner, apply_kernel_switches, kv_geometry
 from kvpilot.runtime.engine.spec.speculative import make_speculator
 from kvpilot.runtime.grammar.service import GrammarLimits
+from kvpilot.runtime.load.defaults import describe, resolve_default
 
 if TYPE_CHECKING:
     from kvpilot.runtime.engine.spec.draft import DraftProposer
@@ -40,9 +42,14 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     from kvpilot.runtime.load.loader import load_model, resolve_device
 
     # the kernel switches (ISA, C kernels, int8 activations, C decoder stack) are in force before the
-    # weights load: their tiled layout depends on them
-    apply_kernel_switches(cfg)
+    # weights load; the default path (no --quantization: runtime/load/defaults.py) reads the ISA level
+    # they select, then sets the activations switch
+    switched = apply_kernel_switches(cfg)
     device = resolve_device(cfg.device)
+    cfg, default = resolve_default(cfg, device, kernel_level=isa.selected(), cpu_kernels=switched.cpu_kernels)
+    switched = apply_kernel_switches(cfg)
+    if default is not None:
+        log.info(describe(default, switched.qmatmul_activations))
     cfg = with_block_size(cfg, device)
     if cfg.tensor_parallel_size > 1:
         # checks the size, spawns ranks 1.., loads rank 0's shard and sizes every rank's pool

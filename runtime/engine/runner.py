@@ -43,7 +43,7 @@ def kernel_switches(cfg: EngineConfig) -> KernelSwitches:
     configured = KernelSwitches(
         cpu_isa=None if cfg.cpu_isa == "auto" else cfg.cpu_isa,
         cpu_kernels=cfg.cpu_kernels,
-        qmatmul_activations=cfg.qmatmul_activations,
+        qmatmul_activations=cfg.qmatmul_activations or "int8",
         cpu_decoder_stack=cfg.cpu_decoder_stack,
         kernel_cache=cfg.kernel_cache_dir,
     )

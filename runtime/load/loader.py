@@ -460,6 +460,8 @@ def load_model(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, dev)
     path = resolve_model_path(cfg.model)
+    if cfg.quantization == "none":  # explicit (or the default path's): the weights dequantized at load
+        cfg = cfg.model_copy(update={"quantization": None})
     check_checkpoint_quantization(cfg.quantization, path)
     if path.is_file():
         blocks = cfg.quantization if keep_gguf_blocks else None

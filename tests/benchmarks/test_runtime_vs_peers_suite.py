@@ -27,6 +27,8 @@ def test_plan_runs_single_streams_natively_and_batches_under_the_avx2_caps() -> 
     by_key = {r.key: r for r in runs}
     assert [r.key for r in runs if r.part == "single"] == [
         "single_peers",
+        "single_none",
+        "single_auto",
         "single_int8",
         "single_int4",
         "single_int4_ngram",
@@ -114,11 +116,43 @@ def test_summary_ratios_use_the_fastest_transformers_dtype_and_the_best_kvpilot(
         "single_speculative_vs_llamacpp": 2.0,
         "avx2_batch_vs_llamacpp": 1.6,
         "avx2_batch_vs_hf_fastest": 2.5,  # 160 / 64 (bf16 beat fp32 here)
+        "native_batch_vs_llamacpp": None,  # not among --parts
     }
-    assert s["targets_met"] == dict.fromkeys(s["ratios"], True)
+    assert s["targets_met"] == {**dict.fromkeys(s["ratios"], True), "native_batch_vs_llamacpp": None}
     assert "kvpilot draft (random 2-layer)" not in s["single_stream_decode_tok_per_s"]
     table = i14.markdown(s, "test CPU")
     assert "| kvpilot int4 | 52.0 | 1.3x |" in table
+
+
+def test_native_batch_part_compares_every_kvpilot_path_with_the_native_llamacpp() -> None:
+    """--parts native_batch: the default path, none, auto, int8 and int4 at the native ISA (no AVX2
+    caps) against the native llama-server; the goal ratio takes the best kvpilot row."""
+    args = i14.parse_args(["--parts", "native_batch"])
+    runs = i14.plan(args, "/bin/native", None, None)
+    assert [r.key for r in runs] == [
+        "native_peers",
+        "native_none",
+        "native_auto",
+        "native_int8",
+        "native_int4",
+    ]
+    assert all(r.part == "native_batch" and r.env == {} for r in runs)
+    assert opt(runs[0].argv, "--engines") == "kvpilot,llamacpp"
+    assert opt(runs[0].argv, "--llamacpp-bin") == "/bin/native"
+    assert "--kvpilot-quantization" not in runs[0].argv  # the default path
+    assert [opt(r.argv, "--kvpilot-quantization") for r in runs[1:]] == ["none", "auto", "int8", "int4"]
+    batch = lambda v: {"batch": {"output_tok_per_s": v}}  # noqa: E731
+    docs: dict[str, dict[str, Any] | None] = {
+        "native_peers": _doc({"kvpilot": batch(300.0), "llamacpp": batch(100.0)}),
+        "native_none": _doc({"kvpilot": batch(150.0)}),
+        "native_auto": _doc({"kvpilot": batch(420.0)}),
+        "native_int8": None,
+        "native_int4": _doc({"kvpilot": batch(400.0)}),
+    }
+    s = i14.summarize(runs, docs)
+    assert s["ratios"]["native_batch_vs_llamacpp"] == 4.2
+    assert s["native_batch_output_tok_per_s"]["kvpilot default"]["vs_llamacpp"] == 3.0
+    assert "| batch, native ISA |" in i14.markdown(s, "test CPU")
 
 
 def test_llamacpp_version_matches_the_adapter() -> None:

@@ -256,7 +256,41 @@ def test_tiling_applies_where_the_tiled_kernel_exists(monkeypatch: pytest.Monkey
     assert not qlinear.tile_applies(qlinear.quantize_int4(weight(40, 256), 32))  # 40 rows: no whole tiles
     assert not qlinear.tile_applies(qlinear.tile(qw))  # already tiled
     switches.use(switches.changed(qmatmul_activations="float"))
-    assert not qlinear.tile_applies(qw)  # float activations: the row kernel's exact product
+    # float activations have a tiled kernel too (kvpilot_qmatmul_tiled_float): the same layout
+    assert qlinear.tile_applies(qw) == (qlinear.built_isa() in ("avx512", "avx2"))
+
+
+@pytest.mark.usefixtures("exact_qmatmul")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_float_activations_give_the_exact_product(dtype: torch.dtype) -> None:
+    """kvpilot_qmatmul_tiled_float at every level: x . dequant(W) in float32 (no activation rounding),
+    for int4 groups of 32/64/128 (storage order interleaves a group's chunks above 32), int8 per
+    channel and in groups, 1..17 rows (the row-count cases of the kernel, more than a pass of rows)."""
+    torch.manual_seed(11)
+    weights = [
+        qlinear.quantize_int4(weight(32, 512), 32),
+        qlinear.quantize_int4(weight(48, 512), 64),
+        qlinear.quantize_int4(weight(16, 512), 128),
+        qlinear.quantize_int4(weight(16, 128), 128),  # one group a row
+        qlinear.quantize_int8(weight(32, 512)),
+        qlinear.quantize_int8(weight(32, 512), 32),
+    ]
+    for level in isa.runnable():
+        if level == "generic":
+            continue  # no tiled layout there (tile_applies)
+        if not qlinear.available(level):
+            missing("a C compiler for the CPU kernels", "install gcc or clang")
+        for qw in weights:
+            t = qlinear.tile(qw)
+            bias = torch.randn(qw.out_features)
+            for m in (1, 2, 3, 5, 8, 9, 17):
+                x = torch.randn(m, qw.in_features).to(dtype)
+                got = qlinear.kernel_matmul(x, t, bias.to(dtype), level=level)
+                exact = F.linear(x.double(), qw.dequantize(torch.float64), bias.to(dtype).double())
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+                else:  # the output rounded to bfloat16
+                    torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -281,8 +315,13 @@ def test_tiled_weights_take_every_path_of_matmul(dtype: torch.dtype, monkeypatch
     avx2 = qlinear.built_isa() == "avx2"
     assert qlinear.max_kernel_rows(i8) == (qlinear.TILED_MAX_M if vnni or avx2 else qlinear.SMALL_M)
     switches.use(switches.changed(qmatmul_activations="float"))
-    few = torch.randn(2, 256).to(dtype)
-    torch.testing.assert_close(qlinear.matmul(few, t), qlinear.matmul(few, qw), rtol=0, atol=0)
+    # float activations: the tiled float kernel up to TILED_FLOAT_MAX_M rows, then dequantize + torch;
+    # both the exact product (the row layout's float kernel gives it too)
+    assert qlinear.max_kernel_rows(t) == qlinear.TILED_FLOAT_MAX_M
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+    for rows in (2, qlinear.TILED_FLOAT_MAX_M + 3):
+        x = torch.randn(rows, 256).to(dtype)
+        torch.testing.assert_close(qlinear.matmul(x, t).float(), qlinear.matmul(x, qw).float(), **tol)
 
 
 def test_routing_at_each_level_reads_the_isa_without_asking_the_library(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear
+from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear, switches
 from kvpilot.kernels.attention import KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine.build import build_engine
@@ -68,10 +68,13 @@ def _run(model: Any, loaded: Any, dtype: torch.dtype, stack: bool) -> list[torch
     return outs
 
 
+@pytest.mark.parametrize("activations", ["int8", "float"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stack_gives_the_python_layers_hidden_states(
-    int4_model: Any, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    int4_model: Any, dtype: torch.dtype, activations: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Under either qmatmul_activations mode (the stack calls that mode's tiled kernel)."""
+    switches.use(switches.changed(qmatmul_activations=activations))  # restored by the conftest fixture
     model = copy.deepcopy(int4_model.model).to(dtype)
     model.model.embed_tokens.dtype = dtype  # the dtype of the rows the quantized table hands out
     assert cpu_stack.unsupported(model.model) is None

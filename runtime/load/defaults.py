@@ -1,0 +1,147 @@
+"""The default path: what runs when neither `--quantization` nor `--qmatmul-activations` is given.
+
+Issue 26 ("the default is the fast path"): `kvpilot serve` picks the fastest configuration whose
+quality cost is measured and small, says which at start-up, and an explicit flag always wins.
+
+`choose_default` (pure) decides from what the checkpoint stores and where it runs:
+
+- a GGUF file whose every linear weight and LM head (or the embedding tied to it) is stored in a type
+  that loads as blocks (Q8_0, Q4_0, Q4_1, Q4_K; runtime/load/gguf_blocks.py), a dense model, on a CPU
+  whose kernels have the tiled layout (avx512, avx2), one device, no LoRA: `--quantization auto
+  --qmatmul-activations float`. The file's own blocks are multiplied in float32 without rounding the
+  activations (kvpilot_qmatmul_tiled_float): the float32 model of the dequantized file, up to the
+  order of the sums (agreement with float32 1.0000 and 16/16 greedy answers on tests/runtime/quality.py's
+  text; Q4_K's float16 scale conversion adds +0.007% perplexity), at a fraction of the bytes read;
+- anything else: the weights dequantized to the model dtype at load (`--quantization none`, the
+  default before), as measured (docs/runtime.md, "Precision").
+
+int8 activations (`--quantization auto` alone) are faster still but rank 0.952 of the float32 model's
+next tokens (transformers' bf16: 0.960; the default must reach at least that: tests/runtime/
+test_default_quality.py), so they stay opt-in. Measured speeds: docs/benchmarks.md, "The default path".
+
+`resolve_default` applies the choice to an EngineConfig (explicit settings kept); the engine build
+logs it (`describe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpilot.runtime.config import EngineConfig
+
+# GGUF tensor names (the part before `.weight`) of the linear layers and of the LM head / embedding
+LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+HEAD_TENSORS = ("output", "token_embd")
+BLOCK_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K"})  # gguf_blocks.DIRECT_BITS
+TILED_LEVELS = ("avx512", "avx2")  # kernels/qlinear.py tiled_format
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What the default depends on in a checkpoint (read by `gguf_facts`)."""
+
+    gguf: bool
+    linear_types: frozenset[str] = frozenset()  # storage types of the linear weights
+    head_type: str | None = None  # the LM head's (`output`), else the tied embedding's
+    moe: bool = False  # expert tensors present
+
+
+@dataclass(frozen=True)
+class DefaultPath:
+    quantization: Literal["auto", "none"]
+    qmatmul_activations: Literal["int8", "float"]
+    why: str
+
+
+def choose_default(
+    facts: CheckpointFacts,
+    *,
+    device_type: str,
+    kernel_level: str,
+    cpu_kernels: bool,
+    tensor_parallel_size: int,
+    lora: bool,
+) -> DefaultPath:
+    """Pure: the default path for this checkpoint and machine (module docstring)."""
+
+    def dequantized(why: str) -> DefaultPath:
+        return DefaultPath("none", "int8", why)
+
+    if not facts.gguf:
+        return dequantized("not a GGUF file (a GPTQ/AWQ directory loads its own quantization)")
+    if device_type != "cpu":
+        return dequantized(f"on {device_type} the dequantized weights are the measured path")
+    if not cpu_kernels or kernel_level not in TILED_LEVELS:
+        return dequantized(f"no tiled CPU kernels at the {kernel_level} level (or --no-cpu-kernels)")
+    if tensor_parallel_size > 1 or lora or facts.moe:
+        return dequantized("tensor parallelism, LoRA or a Mixture-of-Experts model: not measured there")
+    stored = sorted(facts.linear_types | ({facts.head_type} if facts.head_type else set()))
+    if not facts.linear_types or not set(stored) <= BLOCK_TYPES:
+        return dequantized(f"weights stored as {', '.join(stored) or 'nothing'}, not all in quantized blocks")
+    return DefaultPath(
+        "auto",
+        "float",
+        f"the file's own {'/'.join(stored)} blocks with float32 activations (the exact product of the "
+        "stored weights), read from memory quantized",
+    )
+
+
+def gguf_facts(path: Path) -> CheckpointFacts:
+    """The storage types of a model file's linear weights and LM head (a directory: not a GGUF)."""
+    if not path.is_file():
+        return CheckpointFacts(gguf=False)
+    from kvpilot.runtime.load.gguf_reader import GGUFFile
+
+    linear: set[str] = set()
+    heads: dict[str, str] = {}
+    moe = False
+    with GGUFFile(path) as f:
+        for name, info in f.tensors.items():
+            parts = name.split(".")
+            if len(parts) < 2 or parts[-1] != "weight":
+                continue
+            if "_exps" in parts[-2]:
+                moe = True
+            if parts[-2] in LINEAR_TENSORS:
+                linear.add(info.type_name)
+            elif len(parts) == 2 and parts[0] in HEAD_TENSORS:
+                heads[parts[0]] = info.type_name
+    head = heads.get("output", heads.get("token_embd"))
+    return CheckpointFacts(gguf=True, linear_types=frozenset(linear), head_type=head, moe=moe)
+
+
+def resolve_default(
+    cfg: EngineConfig, device: torch.device, *, kernel_level: str, cpu_kernels: bool
+) -> tuple[EngineConfig, DefaultPath | None]:
+    """`cfg` with `quantization` and `qmatmul_activations` set: as given where given, else the
+    default path's; and the default path when it decided (None: --quantization was given)."""
+    from kvpilot.runtime.load.loader import resolve_model_path
+
+    if cfg.quantization is not None:
+        return cfg.model_copy(update={"qmatmul_activations": cfg.qmatmul_activations or "int8"}), None
+    choice = choose_default(
+        gguf_facts(resolve_model_path(cfg.model)),
+        device_type=device.type,
+        kernel_level=kernel_level,
+        cpu_kernels=cpu_kernels,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        lora=cfg.enable_lora,
+    )
+    activations = cfg.qmatmul_activations or choice.qmatmul_activations
+    return cfg.model_copy(
+        update={"quantization": choice.quantization, "qmatmul_activations": activations}
+    ), choice
+
+
+def describe(choice: DefaultPath, activations: str) -> str:
+    """The start-up log line of a default path (`activations`: the switch in force, which an
+    environment override may have changed)."""
+    flags = f"--quantization {choice.quantization}"
+    if choice.quantization != "none":
+        flags += f" --qmatmul-activations {activations}"
+    return f"default path (no --quantization given): {flags}: {choice.why}"

@@ -1,0 +1,114 @@
+"""The default path (runtime/load/defaults.py): with no --quantization, a GGUF stored in quantized
+blocks runs from them with float activations on a CPU with the tiled kernels; everything else is
+dequantized at load; explicit settings always win. How well the default tracks float32 is
+tests/runtime/test_default_quality.py's (it builds the engine from the defaults)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from kvpilot.kernels import isa, qlinear, switches
+from kvpilot.runtime.cli import add_arguments, build_config
+from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
+from kvpilot.runtime.load.defaults import (
+    CheckpointFacts,
+    choose_default,
+    describe,
+    gguf_facts,
+    resolve_default,
+)
+from kvpilot.runtime.load.loader import resolve_model_path
+
+BUILTIN = CheckpointFacts(gguf=True, linear_types=frozenset({"Q4_1"}), head_type="Q8_0")
+CPU = {
+    "device_type": "cpu",
+    "kernel_level": "avx512",
+    "cpu_kernels": True,
+    "tensor_parallel_size": 1,
+    "lora": False,
+}
+
+
+def test_builtin_gguf_stores_every_linear_and_the_head_in_blocks() -> None:
+    assert gguf_facts(resolve_model_path(DEFAULT_MODEL)) == BUILTIN
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx2"])
+def test_blocks_with_float_activations_where_the_tiled_kernels_run(level: str) -> None:
+    choice = choose_default(BUILTIN, **{**CPU, "kernel_level": level})
+    assert (choice.quantization, choice.qmatmul_activations) == ("auto", "float")
+    assert "Q4_1/Q8_0 blocks" in choice.why
+
+
+@pytest.mark.parametrize(
+    ("facts", "changes", "why"),
+    [
+        (CheckpointFacts(gguf=False), {}, "not a GGUF"),
+        (BUILTIN, {"device_type": "cuda"}, "on cuda"),
+        (BUILTIN, {"kernel_level": "generic"}, "generic level"),
+        (BUILTIN, {"cpu_kernels": False}, "no tiled CPU kernels"),
+        (BUILTIN, {"tensor_parallel_size": 2}, "not measured"),
+        (BUILTIN, {"lora": True}, "not measured"),
+        (CheckpointFacts(True, frozenset({"Q4_1"}), "Q8_0", moe=True), {}, "not measured"),
+        (CheckpointFacts(True, frozenset({"Q4_K"}), "Q6_K"), {}, "Q4_K, Q6_K"),  # a Q4_K_M file's head
+        (CheckpointFacts(True, frozenset({"F16"}), "F16"), {}, "F16"),
+        (CheckpointFacts(True, frozenset(), "Q8_0"), {}, "not all in quantized blocks"),
+    ],
+)
+def test_everything_else_is_dequantized_at_load(
+    facts: CheckpointFacts, changes: dict[str, Any], why: str
+) -> None:
+    choice = choose_default(facts, **{**CPU, **changes})
+    assert choice.quantization == "none"
+    assert why in choice.why
+
+
+def test_explicit_settings_win() -> None:
+    cpu = torch.device("cpu")
+
+    def resolved(**settings: Any) -> tuple[str | None, str | None]:
+        cfg, _ = resolve_default(EngineConfig(**settings), cpu, kernel_level="avx512", cpu_kernels=True)
+        return cfg.quantization, cfg.qmatmul_activations
+
+    assert resolved() == ("auto", "float")
+    assert resolved(qmatmul_activations="int8") == ("auto", "int8")
+    assert resolved(quantization="auto") == ("auto", "int8")  # --quantization alone: int8 as before
+    assert resolved(quantization="int4") == ("int4", "int8")
+    assert resolved(quantization="int4", qmatmul_activations="float") == ("int4", "float")
+    assert resolved(quantization="none") == ("none", "int8")
+    cfg, choice = resolve_default(EngineConfig(), cpu, kernel_level="generic", cpu_kernels=True)
+    assert cfg.quantization == "none" and choice is not None
+    assert describe(choice, "int8").startswith("default path (no --quantization given): --quantization none:")
+
+
+def test_cli_takes_quantization_none() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert build_config(parser.parse_args(["--quantization", "none"])).quantization == "none"
+    assert build_config(parser.parse_args([])).qmatmul_activations is None  # the default path decides
+
+
+def test_default_engine_runs_the_files_blocks_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    from kvpilot.runtime.engine.build import build_engine
+
+    if isa.selected() not in ("avx512", "avx2") or not qlinear.available():
+        pytest.skip("the default path dequantizes without the tiled CPU kernels (tested above)")
+    with caplog.at_level(logging.INFO, logger="kvpilot.runtime.engine.build"):
+        engine = build_engine(EngineConfig(kv_cache_memory=2**24, max_num_seqs=2))
+    assert any(
+        "default path (no --quantization given): --quantization auto --qmatmul-activations float" in r.message
+        for r in caplog.records
+    )
+    assert switches.current().qmatmul_activations == "float"
+    layer = engine.runner.model.model.layers[0]
+    assert layer.mlp.gate_up_proj.qweight is not None and layer.mlp.gate_up_proj.qweight.tiled
+    assert engine.runner.model.lm_head.qweight is not None  # the tied Q8_0 embedding, from its blocks
+    # an explicit --quantization none is the dequantized model
+    engine = build_engine(EngineConfig(quantization="none", kv_cache_memory=2**24, max_num_seqs=2))
+    assert engine.runner.model.model.layers[0].mlp.gate_up_proj.qweight is None
