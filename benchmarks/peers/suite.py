@@ -261,17 +261,6 @@ def plan(
                 )
             )
     if "avx2_batch" in args.parts:
-        batch = [
-            *common,
-            "--skip",
-            "single,online,peak,serve",
-            "--num-requests",
-            str(args.num_requests),
-            "--prompt-range",
-            args.prompt_range,
-            "--output-range",
-            args.output_range,
-        ]
         peers = ["kvpilot", "hf"] + (["llamacpp"] if avx2_bin else [])
         runs.append(
             Run(
