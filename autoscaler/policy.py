@@ -228,6 +228,19 @@ def _kv_text(avg: float, target: float, tol: float) -> str:
 
 
 # Counters older than this are not differenced (an autoscaler that was down for a while starts over).
+
+
+def _forecast_text(forecast: float, arrival_rate: float | None, lead: float, rising: bool) -> str:
+    """The forecast's part of a reason, when it differs from the rate measured."""
+    if abs(forecast - (arrival_rate or 0.0)) <= _EPS:
+        return ""
+    return (
+        f" (rising shift: forecast {forecast:.2f}/s)"
+        if rising
+        else f" (forecast {forecast:.2f}/s in {lead:g}s)"
+    )
+
+
 def decide(
     current: int,
     snapshot: MetricsSnapshot,
@@ -463,12 +476,7 @@ def decide(
             if current > 0 and abs(slo_rec / current - 1.0) <= tol:
                 slo_rec = current
             a_part = f"slo planner: arrivals {arrival_rate or 0.0:.2f}/s"
-            if abs(forecast - (arrival_rate or 0.0)) > _EPS:
-                a_part += (
-                    f" (rising shift: forecast {forecast:.2f}/s)"
-                    if surge_rising
-                    else f" (forecast {forecast:.2f}/s in {lead:g}s)"
-                )
+            a_part += _forecast_text(forecast, arrival_rate, lead, surge_rising)
             a_part += (
                 f" of {mix[0]:.0f}+{mix[1]:.0f} tokens at {slo_capacity:.2f}/s per replica within "
                 f"TTFT {targets.slo.ttft_s:g}s, TPOT {targets.slo.tpot_s:g}s{tail_text}"
@@ -486,12 +494,7 @@ def decide(
             if current > 0 and abs(arrival_rec / current - 1.0) <= tol:
                 arrival_rec = current
             a_part = f"arrivals {arrival_rate:.2f}/s"
-            if abs(forecast - (arrival_rate or 0.0)) > _EPS:
-                a_part += (
-                    f" (rising shift: forecast {forecast:.2f}/s)"
-                    if surge_rising
-                    else f" (forecast {forecast:.2f}/s in {lead:g}s)"
-                )
+            a_part += _forecast_text(forecast, arrival_rate, lead, surge_rising)
             a_part += f" at {service_rate:.2f}/s per replica"
             if arrival_rec > raw:
                 raw = arrival_rec
