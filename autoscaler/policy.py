@@ -74,7 +74,7 @@ from kvpilot.autoscaler.feedback import (
 )
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
-from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
+from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets, SloTargets
 from kvpilot.autoscaler.startup import (
     STARTUP_AWARE_MIN_S,
     backlog_replicas,
@@ -241,6 +241,13 @@ def _forecast_text(forecast: float, arrival_rate: float | None, lead: float, ris
     )
 
 
+def _request_span(slo: SloTargets, token_mix: tuple[float, float] | None) -> float:
+    """How long a request that meets the SLO takes, at the mean output length: the requests judged
+    this long after a step took effect began before it (the router judges a request when it ends)."""
+    output = token_mix[1] if token_mix is not None else 0.0
+    return slo.ttft_s + output * slo.tpot_s
+
+
 def decide(
     current: int,
     snapshot: MetricsSnapshot,
@@ -293,9 +300,22 @@ def decide(
                     rising = b.arrival_max_growth * arrival_rate
                     if rising > forecast:
                         forecast, surge_rising = rising, True
-        if per_replica_done is not None and avg_util is not None:
+        carried = per_replica_done
+        if (
+            arrival_rate is not None
+            and n > 0
+            and avg_util is not None
+            and avg_util < targets.target_kv_cache_utilization
+            and waiting <= targets.target_queue_depth * n
+        ):
+            # Below the target with no queue beyond it, the replicas take every arrival, and their
+            # completions lag the arrivals while long requests fill the batches (a cold start: 0.09/s
+            # finished where 0.67/s arrived, and 23 replicas asked where 3 serve). At or above the
+            # target the completions are the throughput, and a batch still filling must not count.
+            carried = max(per_replica_done or 0.0, arrival_rate / n)
+        if carried is not None and avg_util is not None:
             estimate = service_rate_at_target(
-                per_replica_done, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
+                carried, avg_util, targets.target_kv_cache_utilization, b.arrival_service_exponent
             )
             if estimate is not None:
                 service_rate = (
@@ -413,7 +433,9 @@ def decide(
         if planner_on and planner is not None and arrivals.token_mix is not None:
             model_capacity = planner.capacity(*arrivals.token_mix)
         if loop is not None:
-            settle = startup if startup is not None else b.arrival_lead_s
+            settle = (startup if startup is not None else b.arrival_lead_s) + _request_span(
+                loop, arrivals.token_mix
+            )
             last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
             fb = evaluate(
                 slo_state,

@@ -443,6 +443,24 @@ def test_arrival_rate_scales_up_before_kv_and_queue_do():
     assert off.arrival_rate == d.arrival_rate  # still measured (and remembered)
 
 
+def test_a_cold_start_reads_the_service_rate_from_arrivals_not_lagging_completions():
+    """Below the utilization target with nothing queued, the replicas carry every arrival; their
+    completions lag while long requests fill the batches. Read from completions alone, a replica
+    looked like 0.07/s and the arrival rule asked for 23 replicas where 3 serve."""
+    t = targets()
+    h = History(arrivals=ArrivalState(NOW - 15, (PodCounter("a", 0.0, 0), PodCounter("b", 0.0, 0))))
+    # 15 s after start: 11 arrived per pod, 1 finished, 10 running, KV at 0.3, nothing waits
+    pods = [("a", 0.3, 0, 10, 1.0), ("b", 0.3, 0, 10, 1.0)]
+    d = decide(2, csnap(pods), t, h, NOW)
+    assert d.arrival_rate == pytest.approx(22 / 15)
+    assert d.service_rate is not None and d.service_rate >= 11 / 15  # at least what each carries now
+    assert d.arrival_recommendation is not None and d.arrival_recommendation <= 2
+    # At the target the completions are the throughput: a batch still filling there is not capacity
+    full = [("a", 0.7, 0, 10, 1.0), ("b", 0.7, 0, 10, 1.0)]
+    at_target = decide(2, csnap(full), t, h, NOW)
+    assert at_target.service_rate == pytest.approx(1 / 15)
+
+
 def test_arrival_state_continues_across_calls():
     t = targets()
     h = History()

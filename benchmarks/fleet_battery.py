@@ -1,0 +1,200 @@
+"""The closed-loop autoscaler on many traces nothing was tuned on: multi-turn conversation traces
+(benchmarks/traces/multiturn.py) whose shape is drawn at random per seed, each judged against the
+smallest fixed fleet that meets the SLO there (issue 24's goals, as benchmarks/fleet_slo_goals.py).
+
+    python benchmarks/fleet_battery.py [--seeds 1-12] [--startups 10,60] [--router router:kv-aware]
+        [--static-cache PATH] [--markdown]
+
+Per seed the shape is drawn from wide ranges (requests 4k-16k an hour, slow wave 0-50%, context median
+3k-12k tokens, output median 80-400, 1.2-3.3 turns a session), so the battery covers light and heavy
+prefill, short and long answers, flat and swinging traffic. Prints one JSON object with a row per trace
+and startup and a summary: how many rows meet >= 99% (10 s) / >= 98% (60 s), the attainment against a
+fixed fleet of the same replica-hours, and the replica-hours against the smallest fixed fleet at 99%.
+--static-cache keeps the fixed fleets' results (they do not depend on the policy) between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "traces"))
+from fleet_slo_goals import GOAL, SLO
+from harness import machine, print_table
+from multiturn import Shape, generate
+
+from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, StaticPolicy
+from kvpilot.autoscaler.replica_model import resolve_calibration
+from kvpilot.autoscaler.simulator import ROUTERS, simulate
+from kvpilot.autoscaler.spec import Behavior, ScalingTargets, SloTargets
+from kvpilot.autoscaler.trace import TraceRequest
+
+CALIBRATION = "h100/llama-3.1-8b"
+MAX_REPLICAS = 40
+
+
+def shape_for(seed: int) -> Shape:
+    rng = np.random.default_rng(10_000 + seed)
+    return Shape(
+        requests=int(rng.uniform(4000, 16000)),
+        wave=float(rng.uniform(0.0, 0.5)),
+        context_median=float(rng.uniform(3000, 12000)),
+        output_median=float(rng.uniform(80, 400)),
+        continue_p=float(rng.uniform(0.15, 0.7)),
+    )
+
+
+def trace_for(seed: int) -> list[TraceRequest]:
+    rows = generate(shape_for(seed), seed)
+    return [
+        TraceRequest(
+            int(r["timestamp"]) / 1000.0,  # type: ignore[arg-type]
+            int(r["input_length"]),  # type: ignore[arg-type]
+            int(r["output_length"]),  # type: ignore[arg-type]
+            tuple(r["hash_ids"]),  # type: ignore[arg-type]
+        )
+        for r in rows
+    ]
+
+
+def run(trace: list[TraceRequest], policy: Any, startup_s: float, router: str) -> dict[str, float]:
+    cal = replace(resolve_calibration(CALIBRATION), startup_s=startup_s)
+    r = simulate(trace, policy, cal, router=ROUTERS[router](), slo=SLO)
+    return {"attainment": r.slo_attainment, "replica_hours": r.replica_hours, "peak": r.peak_replicas}
+
+
+def kvpilot(startup_s: float) -> KvpilotPolicy:
+    cal = replace(resolve_calibration(CALIBRATION), startup_s=startup_s)
+    planner = SloTargets(cal, CALIBRATION, SLO.ttft_s, SLO.tpot_s, SLO.ttft_prefill_factor)
+    return KvpilotPolicy(
+        ScalingTargets(
+            min_replicas=1,
+            max_replicas=MAX_REPLICAS,
+            max_num_seqs=cal.max_num_seqs,
+            slo=planner,
+            behavior=Behavior(),
+        )
+    )
+
+
+def statics(trace: list[TraceRequest], router: str, known: dict[str, dict[str, float]]) -> int:
+    """Fills `known` (fleet size -> result, 10 s startup: a fixed fleet never starts a pod) along a
+    binary search for the smallest fixed fleet at the goal; returns it (MAX_REPLICAS when none is)."""
+
+    def at(n: int) -> dict[str, float]:
+        if str(n) not in known:
+            known[str(n)] = run(trace, StaticPolicy(n), 10.0, router)
+        return known[str(n)]
+
+    lo, hi = 1, MAX_REPLICAS
+    if at(hi)["attainment"] < GOAL:
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if at(mid)["attainment"] >= GOAL:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def seeds_arg(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="1-12", help="e.g. 1-12 or 3,5,9")
+    p.add_argument("--startups", default="10,60")
+    p.add_argument("--router", default="router:kv-aware")
+    p.add_argument("--static-cache", help="a JSON file that keeps the fixed fleets' results between runs")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    if args.router not in ROUTERS:
+        p.error(f"--router: unknown router {args.router!r} (known: {', '.join(ROUTERS)})")
+    try:
+        seeds = seeds_arg(args.seeds)
+        startups = [float(s) for s in args.startups.split(",")]
+    except ValueError:
+        p.error("--seeds takes e.g. 1-12 or 3,5,9 and --startups e.g. 10,60")
+    cache_path = Path(args.static_cache) if args.static_cache else None
+    cache: dict[str, dict[str, dict[str, float]]] = {}
+    if cache_path is not None and cache_path.is_file():
+        cache = json.loads(cache_path.read_text())
+    rows: list[dict[str, Any]] = []
+    for seed in seeds:
+        trace = trace_for(seed)
+        known = cache.setdefault(f"{seed}/{args.router}", {})
+        n = statics(trace, args.router, known)
+        for startup in startups:
+            r = run(trace, kvpilot(startup), startup, args.router)
+            mean = r["replica_hours"] / known[str(n)]["replica_hours"] * n
+            lo, hi = max(1, math.floor(mean)), max(1, math.ceil(mean))
+            for k in (lo, hi):
+                if str(k) not in known:
+                    known[str(k)] = run(trace, StaticPolicy(k), 10.0, args.router)
+            a, b = known[str(lo)]["attainment"], known[str(hi)]["attainment"]
+            same = a if hi == lo else a + (b - a) * (mean - lo) / (hi - lo)
+            reachable = known[str(n)]["attainment"] >= GOAL
+            need = GOAL if startup <= 10 else 0.98
+            rows.append(
+                {
+                    "seed": seed,
+                    "shape": {k: round(v, 2) for k, v in vars(shape_for(seed)).items()},
+                    "requests": len(trace),
+                    "startup_s": startup,
+                    "attainment": round(r["attainment"], 5),
+                    "peak_replicas": r["peak"],
+                    "static_replicas": n,
+                    "vs_static_replica_hours": round(r["replica_hours"] / known[str(n)]["replica_hours"], 3),
+                    "same_hours_static_attainment": round(same, 5),
+                    "attainment_goal_met": (r["attainment"] >= need) if reachable else None,
+                    "vs_same_hours_met": r["attainment"] >= same - 1e-9,
+                }
+            )
+        if cache_path is not None:
+            cache_path.write_text(json.dumps(cache))
+    summary: dict[str, Any] = {}
+    for startup in startups:
+        sel = [r for r in rows if r["startup_s"] == startup]
+        judged = [r for r in sel if r["attainment_goal_met"] is not None]
+        summary[f"{startup:g}s"] = {
+            "attainment_goal_met": f"{sum(r['attainment_goal_met'] for r in judged)}/{len(judged)}",
+            "vs_same_hours_met": f"{sum(r['vs_same_hours_met'] for r in sel)}/{len(sel)}",
+            "attainment_min": min(r["attainment"] for r in sel),
+            "replica_hours_vs_static_median": statistics.median(r["vs_static_replica_hours"] for r in sel),
+            "replica_hours_vs_static_max": max(r["vs_static_replica_hours"] for r in sel),
+        }
+    print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "rows": rows,
+                      "summary": summary, "machine": machine()}, indent=1))  # fmt: skip
+    if args.markdown:
+        table = [
+            [
+                r["seed"], f"{r['startup_s']:g} s", r["requests"], f"{r['attainment']:.2%}",
+                f"{r['vs_static_replica_hours']:.0%}", r["static_replicas"], r["peak_replicas"],
+                f"{r['same_hours_static_attainment']:.2%}",
+            ]
+            for r in rows
+        ]  # fmt: skip
+        print()
+        print_table(
+            ["seed", "startup", "requests", "attainment", "replica-hours vs static", "static n", "peak",
+             "same-hours static"], table,
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
