@@ -293,6 +293,142 @@ static inline __attribute__((always_inline)) void fast_item(
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * FD + c * 16, _mm512_mul_ps(acc[g][c], inv));
     }
 }
+
+/*
+ * Prefill tiles (AVX-512): a sequence with more than TILE_MIN_Q new tokens is split into tiles of
+ * TQ(G) consecutive tokens, and one work item is (tile, kv head): its TROWS query rows (token x
+ * query head of the group) share every K/V block they load, which the one-token items above read
+ * once per token. Per chunk of TKC keys (4 blocks): S = Q K^T for 8 rows at a time (8 accumulators,
+ * one K^T row load per 8 broadcast-FMAs), the causal mask, one online-softmax update per row for
+ * the whole chunk, then O += P V for 4 rows at a time (16 accumulators, one V row load per 4 x 4
+ * FMAs). A row's result depends only on its own query and keys, never on the other rows of its tile,
+ * so a prompt computed in chunks of any size above TILE_MIN_Q gives the same attention output.
+ */
+#define KVPILOT_TILED 1
+#define TROWS 24 /* query rows of a tile: tokens x G, padded to a multiple of 8 */
+#define TKC 64   /* keys per softmax update */
+#define TILE_MIN_Q 32 /* sequences with more new tokens than this take tiles (not decode, speculation, the decoder stack) */
+
+static inline int tile_tokens(int G) { return TROWS / G; }
+
+static inline __attribute__((always_inline)) void tile_item(
+    const int G, const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
+    float *o /* [TROWS][64] */, const int *rctx /* [TROWS] keys each row may see */,
+    const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
+    const int32_t *table, int Hkv, int h, int vhm) {
+    (void)G;
+    float sb[TROWS][TKC] __attribute__((aligned(64)));
+    float m[TROWS], l[TROWS], corr[TROWS];
+    const int R8 = (R + 7) & ~7, R4 = (R + 3) & ~3;
+    int ctx_max = 0;
+    for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
+    for (int r = 0; r < R4; r++) {
+        m[r] = NEG_BIG;
+        l[r] = 0.0f;
+        for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * FD + c * 16, _mm512_setzero_ps());
+    }
+    for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
+        const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
+        const int nbk = (nk + FBS - 1) / FBS;
+        if (c0 + TKC < ctx_max) { /* start fetching the next chunk's tiles */
+            const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
+            const int nb_next = (ctx_max - c0 - TKC + FBS - 1) / FBS;
+            for (int bb = 0; bb < (nb_next < TKC / FBS ? nb_next : TKC / FBS); bb++) {
+                const size_t nb = (size_t)table[(c0 + TKC) / FBS + bb];
+                const char *nkp = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
+                for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nkp + c, _MM_HINT_T1);
+                if (vhm) {
+                    const char *nvp = (const char *)v_cache + (nb * Hkv + h) * tile_bytes;
+                    for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nvp + c, _MM_HINT_T1);
+                }
+            }
+        }
+        /* S = Q K^T, one block of 16 keys and 8 rows at a time */
+        for (int bb = 0; bb < nbk; bb++) {
+            const size_t blk = (size_t)table[c0 / FBS + bb];
+            const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
+            __m512 ks = _mm512_set1_ps(1.0f);
+            if (dt == DT_I8) {
+                float kf[FBS];
+                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+                for (int j = 0; j < FBS; j++) kf[j] = j < n ? f16_to_f32(k_scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
+                ks = _mm512_loadu_ps(kf);
+            }
+            for (int r0 = 0; r0 < R8; r0 += 8) {
+                __m512 s[8];
+                for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
+                const float *qr = qs + r0 * FD;
+                for (int d = 0; d < FD; d++) {
+                    const __m512 k = ld16(k_cache, dt, tile + (size_t)d * FBS);
+                    for (int j = 0; j < 8; j++) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(qr[j * FD + d]), k, s[j]);
+                }
+                for (int j = 0; j < 8; j++) {
+                    if (dt == DT_I8) s[j] = _mm512_mul_ps(s[j], ks);
+                    _mm512_store_ps(&sb[r0 + j][bb * FBS], s[j]);
+                }
+            }
+        }
+        /* mask, one online-softmax update per row, P in place of S */
+        for (int r = 0; r < R4; r++) {
+            const int vis = r < R ? (rctx[r] - c0 < nk ? rctx[r] - c0 : nk) : 0;
+            if (vis <= 0) { /* nothing of this chunk is visible to the row (or a pad row) */
+                corr[r] = 1.0f;
+                for (int bb = 0; bb < nbk; bb++) _mm512_store_ps(&sb[r][bb * FBS], _mm512_setzero_ps());
+                continue;
+            }
+            __m512 mx = _mm512_set1_ps(NEG_BIG);
+            __mmask16 live[TKC / FBS];
+            for (int bb = 0; bb < nbk; bb++) {
+                const int n = vis - bb * FBS;
+                live[bb] = n >= FBS ? (__mmask16)0xFFFFu : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+                mx = _mm512_mask_max_ps(mx, live[bb], mx, _mm512_load_ps(&sb[r][bb * FBS]));
+            }
+            const float bmax = _mm512_reduce_max_ps(mx);
+            const float m_new = bmax > m[r] ? bmax : m[r];
+            corr[r] = m[r] == NEG_BIG ? 0.0f : expf(m[r] - m_new);
+            const __m512 mv = _mm512_set1_ps(m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int bb = 0; bb < nbk; bb++) {
+                const __m512 p = _mm512_maskz_mov_ps(live[bb], exp512(_mm512_sub_ps(_mm512_load_ps(&sb[r][bb * FBS]), mv)));
+                sum = _mm512_add_ps(sum, p);
+                _mm512_store_ps(&sb[r][bb * FBS], p);
+            }
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+            m[r] = m_new;
+        }
+        /* O = corr O + P V, 4 rows at a time */
+        for (int r0 = 0; r0 < R4; r0 += 4) {
+            __m512 acc[4][4];
+            for (int j = 0; j < 4; j++) {
+                const __m512 cv = _mm512_set1_ps(corr[r0 + j]);
+                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + j) * FD + c * 16), cv);
+            }
+            for (int bb = 0; bb < nbk; bb++) {
+                const size_t blk = (size_t)table[c0 / FBS + bb];
+                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+                for (int kr = 0; kr < n; kr++) {
+                    const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
+                    __m512 v[4];
+                    for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
+                    if (dt == DT_I8) {
+                        const __m512 vsc = _mm512_set1_ps(f16_to_f32(v_scale[(blk * FBS + kr) * Hkv + h]));
+                        for (int c = 0; c < 4; c++) v[c] = _mm512_mul_ps(v[c], vsc);
+                    }
+                    for (int j = 0; j < 4; j++) {
+                        const __m512 p = _mm512_set1_ps(sb[r0 + j][bb * FBS + kr]);
+                        for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
+                    }
+                }
+            }
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) _mm512_store_ps(o + (r0 + j) * FD + c * 16, acc[j][c]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * FD + c * 16, _mm512_mul_ps(_mm512_load_ps(o + r * FD + c * 16), inv));
+    }
+}
 #elif defined(KVPILOT_ISA_AVX2)
 /*
  * AVX2+FMA+F16C fast path, the same shape and dtypes as the AVX-512 one: a block's 16 keys are two
@@ -476,6 +612,20 @@ static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transpose
     return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
            (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8);
 }
+
+#if defined(KVPILOT_TILED)
+#define TILE_DT(dt) tile_item(G, dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
+static void tile_dispatch(int G, int kv_dtype, int R, const float *qs, float *o, const int *rctx,
+                          const void *k_cache, const void *v_cache, const uint16_t *k_scale,
+                          const uint16_t *v_scale, const int32_t *table, int Hkv, int h, int vhm) {
+    switch (kv_dtype) {
+        case DT_F32: TILE_DT(DT_F32); break;
+        case DT_BF16: TILE_DT(DT_BF16); break;
+        case DT_F16: TILE_DT(DT_F16); break;
+        default: TILE_DT(DT_I8); break;
+    }
+}
+#endif
 #else
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     (void)G, (void)D, (void)BS, (void)kv_dtype, (void)k_transposed;
@@ -504,22 +654,52 @@ int kvpilot_paged_attention(
     if ((kv_dtype == DT_I8 || kv_dtype == DT_FP8) && (!k_scale || !v_scale)) return -2;
     if (kv_dtype == DT_FP8 && !fp8_ready) init_fp8_table();
     const int T = query_start_loc[num_seqs];
-    int32_t *tok_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T > 0 ? T : 1));
-    if (!tok_seq) return -3;
-    for (int b = 0; b < num_seqs; b++)
-        for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) tok_seq[t] = b;
-    const long items = (long)T * Hkv;
     const int fast = fast_path_applies(G, D, BS, kv_dtype, k_transposed) && allow_fast;
+    /* work units: one token, or a tile of consecutive tokens of one sequence (the tiled path) */
+    int32_t *units = (int32_t *)malloc(sizeof(int32_t) * 4 * (size_t)(T > 0 ? T : 1));
+    if (!units) return -3;
+    long nunits = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int lo = query_start_loc[b], hi = query_start_loc[b + 1];
+        int tq = 1, tiled = 0;
+#if defined(KVPILOT_TILED)
+        if (fast && hi - lo > TILE_MIN_Q) tq = tile_tokens(G), tiled = 1;
+#endif
+        for (int t = lo; t < hi; t += tq) {
+            int32_t *u = units + 4 * nunits++;
+            u[0] = b, u[1] = t, u[2] = hi - t < tq ? hi - t : tq, u[3] = tiled;
+        }
+    }
+    const long items = nunits * Hkv;
 
-#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
-    for (long item = 0; item < items; item++) {
-        const int t = (int)(item / Hkv), h = (int)(item % Hkv);
-        const int b = tok_seq[t];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (long it = 0; it < items; it++) {
+        const long item = items - 1 - it; /* a prefill's last tiles (the most keys) first */
+        const int32_t *u = units + 4 * (item / Hkv);
+        const int h = (int)(item % Hkv), b = u[0], t = u[1];
         const int qlen = query_start_loc[b + 1] - query_start_loc[b];
         const int j = t - query_start_loc[b];
         const int ctx = seq_lens[b] - qlen + j + 1; /* keys this token may see */
         const int32_t *table = block_tables + (size_t)b * max_blocks;
-
+#if defined(KVPILOT_TILED)
+        if (u[3]) {
+            const int nt = u[2], R = nt * G;
+            float qs[TROWS * FD] __attribute__((aligned(64))), o[TROWS * FD] __attribute__((aligned(64)));
+            int rctx[TROWS];
+            memset(qs, 0, sizeof(qs));
+            for (int r = 0; r < R; r++) {
+                const int i = r / G, g = r % G;
+                load_row(q, q_dtype, ((size_t)(t + i) * Hq + (size_t)h * G + g) * D, D, 1.0f, qs + r * FD);
+                for (int d = 0; d < D; d++) qs[r * FD + d] *= sm_scale;
+                rctx[r] = ctx + i;
+            }
+            tile_dispatch(G, kv_dtype, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h,
+                          v_head_major);
+            for (int r = 0; r < R; r++)
+                store_row(out, q_dtype, ((size_t)(t + r / G) * Hq + (size_t)h * G + r % G) * D, D, o + r * FD);
+            continue;
+        }
+#endif
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];
 #if defined(KVPILOT_FAST)
         if (fast) {
@@ -614,6 +794,6 @@ int kvpilot_paged_attention(
             store_row(out, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, acc[g]);
         }
     }
-    free(tok_seq);
+    free(units);
     return 0;
 }
