@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after OMP_WAIT_POLICY: libgomp reads it when it loads
     import workload as wl
 
+    import kvpilot
+
     from peers.engine_kvpilot import KvpilotOffline
     from peers.engine_llamacpp import llamacpp_engine
     from peers.measure import BUILD_DIR, BenchEngine, log, machine_info, measure, model_dims
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/runtime_vs_peers.py long-context", *(argv or sys.argv[1:])]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
+        # the runtime measured (a run of another commit's runtime sets PYTHONPATH to its tree)
+        "kvpilot_package": str(Path(kvpilot.__file__).resolve().parent),
         "model": {
             "gguf": gguf_path.name,
             "context_length_field": LONG_CONTEXT if gguf_path != builtin else TRAINED_CONTEXT,
