@@ -176,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     import workload as wl
 
     import kvpilot
-
     from peers.engine_kvpilot import KvpilotOffline
     from peers.engine_llamacpp import llamacpp_engine
     from peers.measure import BUILD_DIR, BenchEngine, log, machine_info, measure, model_dims
