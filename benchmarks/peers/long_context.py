@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_for(args.lengths, args.rounds, corpus)
     warm = corpus[-64:]
     eargs = engine_args(args, max(args.lengths) + args.output_tokens + 64)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.output) if args.output else BUILD_DIR.parent / "results" / f"long_context-{stamp}.json"
 
     doc: dict[str, Any] = {
         "benchmark": "long prompts, one stream: kvpilot default path vs llama.cpp llama-server (CPU)",
@@ -256,20 +258,23 @@ def main(argv: list[str] | None = None) -> int:
                         doc["results"][e.name][str(n)] = {**got, "ttft_s_rounds": [*rounds, got["ttft_s"]]}
                     else:
                         best["ttft_s_rounds"].append(got["ttft_s"])
+                    write_json(out, doc)  # so far: a run stopped early keeps what it measured
     finally:
         for e in ready:
             e.close()
     doc["summary"] = summarize(doc["results"], args.lengths)
     doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    text = json.dumps(doc, indent=2)
-    print(text)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.output) if args.output else BUILD_DIR.parent / "results" / f"long_context-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    print(write_json(out, doc))
     log(f"wrote {out}")
     return 0
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> str:
+    text = json.dumps(doc, indent=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    return text
 
 
 if __name__ == "__main__":
