@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kvpilot-max-batched-tokens", type=int, default=2048, help="prefill chunk (the default)")
     p.add_argument("--kvpilot-kv-gib", type=float, default=2.0)
+    p.add_argument(
+        "--kvpilot-kv-cache-dtype",
+        default=None,
+        choices=["int8", "fp8"],
+        help="--kv-cache-dtype (unset: the default, the model's float32); for the decode-at-long-context question",
+    )
     p.add_argument("--llamacpp-version", default="0.3.36")
     p.add_argument("--llamacpp-bin", default=None, help="default: build_llamacpp.sh's cached native build")
     p.add_argument("--llamacpp-ubatch", type=int, default=512, help="llama-server -ub (its default: 512)")
@@ -154,6 +160,7 @@ def engine_args(args: argparse.Namespace, max_len: int) -> argparse.Namespace:
         kvpilot_max_num_seqs=4,
         kvpilot_max_batched_tokens=args.kvpilot_max_batched_tokens,
         kvpilot_kv_gib=args.kvpilot_kv_gib,
+        kvpilot_kv_cache_dtype=args.kvpilot_kv_cache_dtype,
         kvpilot_quantization=None,  # the default path
         kvpilot_speculative_method=None,
         llamacpp_version=args.llamacpp_version,
