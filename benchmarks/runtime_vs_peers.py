@@ -5,6 +5,8 @@ Without a subcommand: one configuration of every engine in one run (below). Subc
     suite      the side-by-side suite: single stream at the native ISA and the batch as on an
                AVX2-only CPU, every configuration in its own process of this script (peers/suite.py)
     cpu-time   the batch on one thread in thread CPU time, for a shared machine (peers/cpu_time.py)
+    long-context  TTFT at 1k-16k-token prompts and decode speed there, kvpilot's default path against
+               llama-server on the same GGUF (peers/long_context.py)
 
 Prints one JSON document: the machine (CPU model, bf16/AMX flags, cores, load average, versions), the
 configuration each engine ran with, and the figures:
@@ -50,7 +52,7 @@ from typing import Any
 
 from harness import dispatch
 
-SUBCOMMANDS = {"suite": "peers.suite", "cpu-time": "peers.cpu_time"}
+SUBCOMMANDS = {"suite": "peers.suite", "cpu-time": "peers.cpu_time", "long-context": "peers.long_context"}
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
     dispatch(__doc__ or "", SUBCOMMANDS)  # before the OpenMP setting and torch below: theirs are their own
 

@@ -122,10 +122,10 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 #if defined(KVPILOT_ISA_AVX512)
 /*
  * AVX-512 fast path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8,
- * K/V in float32, bfloat16, float16 or int8. A block's 16 keys fill one 512-bit register, so its
- * scores are 64 broadcast-FMAs per query head; a V row is 4 registers. G and the storage type are
- * compile-time constants in each instantiation (FAST_CASE below), so the accumulators stay in
- * registers. Everything else (other shapes, fp8) takes the generic loop.
+ * K/V in float32, bfloat16, float16 or int8 (widened to float32 in registers: every product is a
+ * float32 one). A block's 16 keys fill one 512-bit register, so a query row's scores for a block are
+ * 64 broadcast-FMAs; a V row is 4 registers. Every token takes the tiles below (tile_item); other
+ * shapes and fp8 take the generic loop.
  */
 #include <immintrin.h>
 
@@ -166,131 +166,151 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
-#if defined(__AVX512BF16__)
-/* The (even, odd) bf16 pair order that vdpbf16ps multiplies and adds in one instruction: lane i
- * holds elements (i, 16 + i) of two 16-wide rows (K^T rows d and d + 1 of a block). */
-static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+/*
+ * Tiles (AVX-512): a sequence's new tokens are split into tiles of TQ(G) = 24 / G consecutive tokens
+ * (a decode step: one token), and one work item is (tile, kv head): its R = tokens x G query rows
+ * share every K/V block they load, where one item per token read the whole context once per token
+ * (a 4,096-token prefill spent 24 of 40 s there). Per chunk of TKC keys (4 blocks): S = Q K^T for 8
+ * rows at a time (4 when R <= 4: a decode), one K^T row load per row's broadcast-FMA; the causal
+ * mask; one online-softmax update per row for the whole chunk (the horizontal max and sum once per
+ * 64 keys, not per 16); then O += P V for 4 rows at a time (16 accumulators, one V row load per 4 x 4
+ * FMAs). A row's result depends only on its own query and keys (chunks start at absolute key
+ * positions; masked keys add exact zeros), never on the other rows of its tile: a prompt computed in
+ * chunks of any size, a decode and a speculative verification of the same token attend bit for bit
+ * alike.
+ */
+#define KVPILOT_TILED 1
+#define TROWS 24 /* query rows of a tile: tokens x G (at most; a multiple of 8) */
+#define TKC 64   /* keys per softmax update */
+#define PF_CHUNKS 2 /* software prefetch distance in chunks of TKC keys */
 
-static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i x, uint32_t pair) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_set1_epi32((int)pair));
+static inline int tile_tokens(int G) { return TROWS / G; }
+
+/* S rows [NR][16] (row stride TKC) = NR query rows . one block's K^T tile (times the keys' int8 scales);
+ * meanwhile the K (and head-major V) tiles at pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a
+ * line at a time (one burst of 512 prefetches per chunk, or the hardware prefetcher alone, left a
+ * decode at 16k keys 1.25x slower: a block's tiles are 4 KiB apart in the pool) */
+static inline __attribute__((always_inline)) void qk_rows(const int NR, const int dt, const float *qr,
+                                                          const void *k_cache, size_t tile, __m512 ks, float *sp,
+                                                          const char *pk, const char *pv, int pstep) {
+    __m512 s[8];
+    for (int j = 0; j < NR; j++) s[j] = _mm512_setzero_ps();
+    for (int d = 0; d < FD; d++) {
+        if (pk && d % pstep == 0) { /* one line of a later block's K and V tiles per pstep rows */
+            _mm_prefetch(pk + (d / pstep) * 64, _MM_HINT_T1);
+            if (pv) _mm_prefetch(pv + (d / pstep) * 64, _MM_HINT_T1);
+        }
+        const __m512 k = ld16(k_cache, dt, tile + (size_t)d * FBS);
+        for (int j = 0; j < NR; j++) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(qr[j * FD + d]), k, s[j]);
+    }
+    for (int j = 0; j < NR; j++) _mm512_store_ps(sp + j * TKC, dt == DT_I8 ? _mm512_mul_ps(s[j], ks) : s[j]);
 }
-#endif
 
-/* One (token, kv head) item: qf [G][64] already scaled; writes the normalized output to o [G][64]. */
-static inline __attribute__((always_inline)) void fast_item(
-    const int G, const int dt, const float *qf, float *o, const void *k_cache, const void *v_cache,
-    const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *table, int ctx, int Hkv, int h,
-    int vhm) {
-    __m512 acc[MAX_FG][4];
-    float m[MAX_FG], l[MAX_FG];
-    float pb[MAX_FG][FBS];
-    for (int g = 0; g < G; g++) {
-        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
-        m[g] = NEG_BIG;
-        l[g] = 0.0f;
+static inline __attribute__((always_inline)) void tile_item(
+    const int G, const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
+    float *o /* [TROWS][64] */, const int *rctx /* [TROWS] keys each row may see */,
+    const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
+    const int32_t *table, int Hkv, int h, int vhm) {
+    (void)G;
+    float sb[TROWS][TKC] __attribute__((aligned(64)));
+    float m[TROWS], l[TROWS], corr[TROWS];
+    const int R8 = (R + 7) & ~7, R4 = (R + 3) & ~3;
+    const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
+    const int pstep = (int)(FD * 64 / tile_bytes); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
+    int ctx_max = 0;
+    for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
+    for (int r = 0; r < R4; r++) {
+        m[r] = NEG_BIG;
+        l[r] = 0.0f;
+        for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * FD + c * 16, _mm512_setzero_ps());
     }
-#if defined(__AVX512BF16__)
-    /* bf16 K: scores as bf16 pair dot products (vdpbf16ps, fp32 accumulation), but only when the
-     * scaled q is exactly a bf16 vector (a bf16 q times a power-of-two scale), so the products are
-     * the float32 ones. P.V always runs in float32: rounding P to bf16 (as FlashAttention does)
-     * while the normalizer sums the unrounded P made this path the least faithful to float32 of
-     * all the CPU paths (issue 22; tests/kernels/test_attention.py checks it against the reference). */
-    uint16_t qb[MAX_FG][FD] __attribute__((aligned(64)));
-    int q_exact = dt == DT_BF16;
-    for (int g = 0; g < G && q_exact; g++)
-        for (int c = 0; c < 4; c++) {
-            const __m512 x = _mm512_loadu_ps(qf + g * FD + c * 16);
-            const __m256bh xb = _mm512_cvtneps_pbh(x);
-            _mm256_store_si256((__m256i *)(qb[g] + c * 16), (__m256i)xb);
-            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)xb), 16));
-            if (_mm512_cmpneq_ps_mask(back, x)) q_exact = 0;
-        }
-#endif
-    const int nblocks = (ctx + FBS - 1) / FBS;
-    for (int i = 0; i < nblocks; i++) {
-        const size_t blk = (size_t)table[i];
-        const int n = (i + 1) * FBS <= ctx ? FBS : ctx - i * FBS;
-        const __mmask16 live = (__mmask16)(n == FBS ? 0xFFFFu : ((1u << n) - 1u));
-        if (i + 1 < nblocks) { /* the next block is elsewhere in the pool: start fetching it */
-            const size_t nb = (size_t)table[i + 1], tile_bytes = (size_t)FD * FBS * elem_size(dt);
-            const char *nk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
-            for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
-            if (vhm) {
-                const char *nv = (const char *)v_cache + (nb * Hkv + h) * tile_bytes;
-                for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nv + c, _MM_HINT_T0);
+    for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
+        const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
+        const int nbk = (nk + FBS - 1) / FBS;
+        /* S = Q K^T, one block of 16 keys and 8 rows at a time */
+        for (int bb = 0; bb < nbk; bb++) {
+            const size_t blk = (size_t)table[c0 / FBS + bb];
+            const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
+            const char *pk = NULL, *pv = NULL;
+            const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb;
+            if (ahead < (ctx_max + FBS - 1) / FBS) {
+                const size_t nb = (size_t)table[ahead];
+                pk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
+                pv = vhm ? (const char *)v_cache + (nb * Hkv + h) * tile_bytes : NULL;
             }
-        }
-        __m512 s[MAX_FG];
-        for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
-        const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
-#if defined(__AVX512BF16__)
-        if (q_exact) {
-            const uint16_t *kt = (const uint16_t *)k_cache + tile;
-            /* rows d and d+1 of K^T are adjacent: one load; two accumulator sets per query head
-             * so the FMA latency chain is not the limit */
-            const __m512i idx = _mm512_loadu_si512(pair_idx);
-            __m512 s2[MAX_FG];
-            for (int g = 0; g < G; g++) s2[g] = _mm512_setzero_ps();
-            for (int d = 0; d < FD; d += 4) {
-                const __m512i k0 = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(kt + (size_t)d * FBS));
-                const __m512i k1 = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(kt + (size_t)(d + 2) * FBS));
-                for (int g = 0; g < G; g++) {
-                    s[g] = dot_pairs(s[g], k0, ((const uint32_t *)qb[g])[d / 2]);
-                    s2[g] = dot_pairs(s2[g], k1, ((const uint32_t *)qb[g])[d / 2 + 1]);
-                }
-            }
-            for (int g = 0; g < G; g++) s[g] = _mm512_add_ps(s[g], s2[g]);
-        } else
-#endif
-        {
-            __m512 s2[MAX_FG];
-            for (int g = 0; g < G; g++) s2[g] = _mm512_setzero_ps();
-            for (int d = 0; d < FD; d += 2) {
-                const __m512 k0 = ld16(k_cache, dt, tile + (size_t)d * FBS);
-                const __m512 k1 = ld16(k_cache, dt, tile + (size_t)(d + 1) * FBS);
-                for (int g = 0; g < G; g++) {
-                    s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * FD + d]), k0, s[g]);
-                    s2[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * FD + d + 1]), k1, s2[g]);
-                }
-            }
-            for (int g = 0; g < G; g++) s[g] = _mm512_add_ps(s[g], s2[g]);
-        }
-        if (dt == DT_I8) {
-            float ks[FBS];
-            for (int r = 0; r < FBS; r++) ks[r] = r < n ? f16_to_f32(k_scale[(blk * FBS + r) * Hkv + h]) : 0.0f;
-            const __m512 ksv = _mm512_loadu_ps(ks);
-            for (int g = 0; g < G; g++) s[g] = _mm512_mul_ps(s[g], ksv);
-        }
-        for (int g = 0; g < G; g++) {
-            const __m512 sv = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_BIG), s[g]);
-            const float bmax = _mm512_reduce_max_ps(sv);
-            const float m_new = bmax > m[g] ? bmax : m[g];
-            const float corr = m[g] == NEG_BIG ? 0.0f : expf(m[g] - m_new);
-            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
-            m[g] = m_new;
-            const __m512 cv = _mm512_set1_ps(corr);
-            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
-            _mm512_storeu_ps(pb[g], p);
-        }
-        for (int r = 0; r < n; r++) {
-            const size_t off = (vhm ? (blk * Hkv + h) * FBS + r : (blk * FBS + r) * Hkv + h) * (size_t)FD;
-            __m512 v[4];
-            for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
+            __m512 ks = _mm512_set1_ps(1.0f);
             if (dt == DT_I8) {
-                const __m512 vs = _mm512_set1_ps(f16_to_f32(v_scale[(blk * FBS + r) * Hkv + h]));
-                for (int c = 0; c < 4; c++) v[c] = _mm512_mul_ps(v[c], vs);
+                float kf[FBS];
+                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+                for (int j = 0; j < FBS; j++) kf[j] = j < n ? f16_to_f32(k_scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
+                ks = _mm512_loadu_ps(kf);
             }
-            for (int g = 0; g < G; g++) {
-                const __m512 pg = _mm512_set1_ps(pb[g][r]);
-                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+            if (R <= 4) {
+                qk_rows(4, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);
+            } else {
+                for (int r0 = 0; r0 < R8; r0 += 8)
+                    qk_rows(8, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? NULL : pk, pv, pstep);
             }
         }
+        /* mask, one online-softmax update per row, P in place of S */
+        for (int r = 0; r < R4; r++) {
+            const int vis = r < R ? (rctx[r] - c0 < nk ? rctx[r] - c0 : nk) : 0;
+            if (vis <= 0) { /* nothing of this chunk is visible to the row (or a pad row) */
+                corr[r] = 1.0f;
+                for (int bb = 0; bb < nbk; bb++) _mm512_store_ps(&sb[r][bb * FBS], _mm512_setzero_ps());
+                continue;
+            }
+            __m512 mx = _mm512_set1_ps(NEG_BIG);
+            __mmask16 live[TKC / FBS];
+            for (int bb = 0; bb < nbk; bb++) {
+                const int n = vis - bb * FBS;
+                live[bb] = n >= FBS ? (__mmask16)0xFFFFu : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+                mx = _mm512_mask_max_ps(mx, live[bb], mx, _mm512_load_ps(&sb[r][bb * FBS]));
+            }
+            const float bmax = _mm512_reduce_max_ps(mx);
+            const float m_new = bmax > m[r] ? bmax : m[r];
+            corr[r] = m[r] == NEG_BIG ? 0.0f : expf(m[r] - m_new);
+            const __m512 mv = _mm512_set1_ps(m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int bb = 0; bb < nbk; bb++) {
+                const __m512 p = _mm512_maskz_mov_ps(live[bb], exp512(_mm512_sub_ps(_mm512_load_ps(&sb[r][bb * FBS]), mv)));
+                sum = _mm512_add_ps(sum, p);
+                _mm512_store_ps(&sb[r][bb * FBS], p);
+            }
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+            m[r] = m_new;
+        }
+        /* O = corr O + P V, 4 rows at a time */
+        for (int r0 = 0; r0 < R4; r0 += 4) {
+            __m512 acc[4][4];
+            for (int j = 0; j < 4; j++) {
+                const __m512 cv = _mm512_set1_ps(corr[r0 + j]);
+                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + j) * FD + c * 16), cv);
+            }
+            for (int bb = 0; bb < nbk; bb++) {
+                const size_t blk = (size_t)table[c0 / FBS + bb];
+                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+                for (int kr = 0; kr < n; kr++) {
+                    const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
+                    __m512 v[4];
+                    for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
+                    if (dt == DT_I8) {
+                        const __m512 vsc = _mm512_set1_ps(f16_to_f32(v_scale[(blk * FBS + kr) * Hkv + h]));
+                        for (int c = 0; c < 4; c++) v[c] = _mm512_mul_ps(v[c], vsc);
+                    }
+                    for (int j = 0; j < 4; j++) {
+                        const __m512 p = _mm512_set1_ps(sb[r0 + j][bb * FBS + kr]);
+                        for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
+                    }
+                }
+            }
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) _mm512_store_ps(o + (r0 + j) * FD + c * 16, acc[j][c]);
+        }
     }
-    for (int g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * FD + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * FD + c * 16, _mm512_mul_ps(_mm512_load_ps(o + r * FD + c * 16), inv));
     }
 }
 #elif defined(KVPILOT_ISA_AVX2)
@@ -445,6 +465,7 @@ static inline __attribute__((always_inline)) void fast_item(
 
 #if defined(KVPILOT_FAST)
 
+#if !defined(KVPILOT_TILED)
 #define FAST_DT(G, dt) \
     fast_item(G, dt, qf, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h, vhm)
 #define FAST_CASE(G)                                      \
@@ -471,11 +492,26 @@ static void fast_dispatch(int G, int kv_dtype, const float *qf, float *o, const 
         FAST_CASE(8)
     }
 }
+#endif
 
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
            (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8);
 }
+
+#if defined(KVPILOT_TILED)
+#define TILE_DT(dt) tile_item(G, dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
+static void tile_dispatch(int G, int kv_dtype, int R, const float *qs, float *o, const int *rctx,
+                          const void *k_cache, const void *v_cache, const uint16_t *k_scale,
+                          const uint16_t *v_scale, const int32_t *table, int Hkv, int h, int vhm) {
+    switch (kv_dtype) {
+        case DT_F32: TILE_DT(DT_F32); break;
+        case DT_BF16: TILE_DT(DT_BF16); break;
+        case DT_F16: TILE_DT(DT_F16); break;
+        default: TILE_DT(DT_I8); break;
+    }
+}
+#endif
 #else
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     (void)G, (void)D, (void)BS, (void)kv_dtype, (void)k_transposed;
@@ -504,24 +540,54 @@ int kvpilot_paged_attention(
     if ((kv_dtype == DT_I8 || kv_dtype == DT_FP8) && (!k_scale || !v_scale)) return -2;
     if (kv_dtype == DT_FP8 && !fp8_ready) init_fp8_table();
     const int T = query_start_loc[num_seqs];
-    int32_t *tok_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T > 0 ? T : 1));
-    if (!tok_seq) return -3;
-    for (int b = 0; b < num_seqs; b++)
-        for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) tok_seq[t] = b;
-    const long items = (long)T * Hkv;
     const int fast = fast_path_applies(G, D, BS, kv_dtype, k_transposed) && allow_fast;
+    /* work units: one token, or a tile of consecutive tokens of one sequence (the tiled path) */
+    int32_t *units = (int32_t *)malloc(sizeof(int32_t) * 4 * (size_t)(T > 0 ? T : 1));
+    if (!units) return -3;
+    long nunits = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int lo = query_start_loc[b], hi = query_start_loc[b + 1];
+        int tq = 1, tiled = 0;
+#if defined(KVPILOT_TILED)
+        if (fast) tq = tile_tokens(G), tiled = 1;
+#endif
+        for (int t = lo; t < hi; t += tq) {
+            int32_t *u = units + 4 * nunits++;
+            u[0] = b, u[1] = t, u[2] = hi - t < tq ? hi - t : tq, u[3] = tiled;
+        }
+    }
+    const long items = nunits * Hkv;
 
-#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
-    for (long item = 0; item < items; item++) {
-        const int t = (int)(item / Hkv), h = (int)(item % Hkv);
-        const int b = tok_seq[t];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (long it = 0; it < items; it++) {
+        const long item = items - 1 - it; /* a prefill's last tiles (the most keys) first */
+        const int32_t *u = units + 4 * (item / Hkv);
+        const int h = (int)(item % Hkv), b = u[0], t = u[1];
         const int qlen = query_start_loc[b + 1] - query_start_loc[b];
         const int j = t - query_start_loc[b];
         const int ctx = seq_lens[b] - qlen + j + 1; /* keys this token may see */
         const int32_t *table = block_tables + (size_t)b * max_blocks;
-
+#if defined(KVPILOT_TILED)
+        if (u[3]) {
+            const int nt = u[2], R = nt * G;
+            float qs[TROWS * FD] __attribute__((aligned(64))), o[TROWS * FD] __attribute__((aligned(64)));
+            int rctx[TROWS];
+            memset(qs, 0, sizeof(qs));
+            for (int r = 0; r < R; r++) {
+                const int i = r / G, g = r % G;
+                load_row(q, q_dtype, ((size_t)(t + i) * Hq + (size_t)h * G + g) * D, D, 1.0f, qs + r * FD);
+                for (int d = 0; d < D; d++) qs[r * FD + d] *= sm_scale;
+                rctx[r] = ctx + i;
+            }
+            tile_dispatch(G, kv_dtype, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h,
+                          v_head_major);
+            for (int r = 0; r < R; r++)
+                store_row(out, q_dtype, ((size_t)(t + r / G) * Hq + (size_t)h * G + r % G) * D, D, o + r * FD);
+            continue;
+        }
+#endif
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];
-#if defined(KVPILOT_FAST)
+#if defined(KVPILOT_FAST) && !defined(KVPILOT_TILED)
         if (fast) {
             float qs[MAX_FG * FD], o[MAX_FG * FD];
             for (int g = 0; g < G; g++) {
@@ -614,6 +680,6 @@ int kvpilot_paged_attention(
             store_row(out, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, acc[g]);
         }
     }
-    free(tok_seq);
+    free(units);
     return 0;
 }
