@@ -97,6 +97,7 @@ from peers.measure import (  # noqa: E402
     model_dims,
     model_flops,
     phase,
+    set_up,
 )
 
 RESULTS_DIR = HERE / "results"
@@ -316,16 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             res["llamacpp"] = {"errors": {"setup": f"{type(exc).__name__}: {exc}"}}
             log(f"llama.cpp unavailable: {exc!r}")
 
-    ready: list[BenchEngine] = []
-    for e in engines:
-        rec = res.setdefault(e.name, {})
-        log(f"{e.name}: setting up")
-        try:
-            e.setup(rec)
-            ready.append(e)
-        except Exception as exc:
-            rec.setdefault("errors", {})["setup"] = f"{type(exc).__name__}: {exc}"
-            log(f"{e.name} setup failed: {exc!r}")
+    ready = set_up(engines, res)
 
     # -- the comparison: every engine per round, order rotated so none always goes first ----------
     batch_rounds: dict[str, list[dict[str, Any] | None]] = {e.name: [] for e in ready}

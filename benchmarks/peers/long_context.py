@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     import kvpilot
     from peers.engine_kvpilot import KvpilotOffline
     from peers.engine_llamacpp import llamacpp_engine
-    from peers.measure import BUILD_DIR, BenchEngine, log, machine_info, measure, model_dims
+    from peers.measure import BUILD_DIR, BenchEngine, log, machine_info, measure, model_dims, set_up
 
     torch.set_num_threads(args.threads)
     builtin = wl.smollm2_gguf()
@@ -232,16 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             doc["engines"]["llamacpp"] = {"errors": {"setup": f"{type(exc).__name__}: {exc}"}}
             log(f"llama.cpp unavailable: {exc!r}")
-    ready: list[BenchEngine] = []
-    for e in engines:
-        rec = doc["engines"].setdefault(e.name, {})
-        log(f"{e.name}: setting up")
-        try:
-            e.setup(rec)
-            ready.append(e)
-        except Exception as exc:
-            rec.setdefault("errors", {})["setup"] = f"{type(exc).__name__}: {exc}"
-            log(f"{e.name} setup failed: {exc!r}")
+    ready = set_up(engines, doc["engines"])
     try:
         k = 0
         for r in range(args.rounds):

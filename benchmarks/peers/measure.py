@@ -286,6 +286,22 @@ class BenchEngine:
         pass
 
 
+def set_up(engines: list[BenchEngine], records: dict[str, Any]) -> list[BenchEngine]:
+    """Each engine's setup() with its record in records[name]; the ones that came up (a failure is
+    recorded under errors.setup and the others go on)."""
+    ready: list[BenchEngine] = []
+    for e in engines:
+        rec = records.setdefault(e.name, {})
+        log(f"{e.name}: setting up")
+        try:
+            e.setup(rec)
+            ready.append(e)
+        except Exception as exc:
+            rec.setdefault("errors", {})["setup"] = f"{type(exc).__name__}: {exc}"
+            log(f"{e.name} setup failed: {exc!r}")
+    return ready
+
+
 def measure(record: dict[str, Any], key: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
     """Run one part inside a phase; a failure is recorded instead of losing the other figures."""
     with phase(record, key):

@@ -77,11 +77,19 @@ def run_step(
     for table, start, n in zip(tables, starts, qlens, strict=True):
         slots += [table[p // BS] * BS + p % BS for p in range(start, start + n)]
     seq_lens = [s + n for s, n in zip(starts, qlens, strict=True)]
+    return backend.forward(q, k, v, cache, step_metadata(slots, qlens, seq_lens, tables), 1 / math.sqrt(D))
+
+
+def step_metadata(
+    slots: list[int], qlens: list[int], seq_lens: list[int], tables: list[list[int]]
+) -> AttentionMetadata:
+    """One step's metadata: these slots written, these query and sequence lengths, block tables
+    padded to the widest."""
     width = max(len(t) for t in tables)
     qsl = [0]
     for n in qlens:
         qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -91,7 +99,6 @@ def run_step(
         max_query_len=max(qlens),
         max_seq_len=max(seq_lens),
     )
-    return backend.forward(q, k, v, cache, meta, 1 / math.sqrt(D))
 
 
 @pytest.mark.parametrize(
@@ -350,23 +357,10 @@ def _paged_step(
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
         write_kv(torch.randn(n, hkv, d).to(act), torch.randn(n, hkv, d).to(act), cache, slots)
     q = torch.randn(sum(new), hq, d).to(act)
-    qsl = [0]
-    for n in new:
-        qsl.append(qsl[-1] + n)
-    width = max(nb)
     step_slots = [
         t[p // bs] * bs + p % bs for t, c, n in zip(tables, ctx, new, strict=True) for p in range(c, c + n)
     ]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(step_slots),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.int32),
-        query_lens_cpu=new,
-        seq_lens_cpu=lens,
-        max_query_len=max(new),
-        max_seq_len=max(lens),
-    )
+    meta = step_metadata(step_slots, new, lens, tables)
     clean = KVCacheLayer(torch.nan_to_num(cache.k), torch.nan_to_num(cache.v), cache.k_scale, cache.v_scale)
     if quant.is_quantized(dtype):  # the reference reads the dequantized values the kernel reads
         clean = KVCacheLayer(
