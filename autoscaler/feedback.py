@@ -244,10 +244,6 @@ def evaluate(
     used = planner_capacity(state, model_capacity) if model_capacity else None
     band = s.tolerance + 1.0 / max(1, ready)
     at_capacity = used is not None and win_load is not None and win_load >= (1.0 - band) * used
-    # Raising a bound needs the load to have run near it: a fleet of 2 sized at c runs anywhere from
-    # c/2 up, and probing c upward from there let the planner halve the fleet into the load that had
-    # missed minutes before (the battery's small fleets, docs/autoscaler.md).
-    near_bound = used is not None and win_load is not None and win_load >= (1.0 - s.tolerance) * used
     if (
         fresh_att is not None
         and fresh.total >= s.min_requests
@@ -295,7 +291,7 @@ def evaluate(
             floor = max(floor or 0.0, win_load)
             # Running as sized, with headroom: the binding bound is probed upward (a miss takes it
             # back), the ceiling toward the model, the floor beyond it.
-            if used is not None and model_capacity and near_bound:
+            if used is not None and model_capacity and at_capacity:
                 if state.capacity_floor is not None and used > model_capacity:
                     floor = max(floor, used * (1.0 + s.relax))
                 elif ceiling is not None and used < model_capacity:
