@@ -11,9 +11,8 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    x shortfall / budget), where budget = 1 - target and the shortfall is what the misses prove: their
    count less EVIDENCE_Z Poisson standard deviations (proven_step). 2,000 requests at 98% against a
    99% target (one budget short) ask for ~7% more, at 90% for the most, 50%; 3 late of 66 for 9%, not
-   the 35% of their point estimate. The step is judged by requests that began after its pods were
-   Ready (settle_s: the startup plus one request's span). This is the feedback term of desired =
-   max(feed-forward, feedback).
+   the 35% of their point estimate. This is the feedback term of desired = max(feed-forward,
+   feedback).
 2. **Measure the capacity.** The planner's per-replica capacity is the replica model's, held
    between two measured bounds in requests/s per Ready replica (planner_capacity): a *floor*, the
    highest load L at which the window's attainment had headroom (a replica sustains L), and a

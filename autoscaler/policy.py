@@ -74,7 +74,7 @@ from kvpilot.autoscaler.feedback import (
 )
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
-from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets, SloTargets
+from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
 from kvpilot.autoscaler.startup import (
     STARTUP_AWARE_MIN_S,
     backlog_replicas,
@@ -239,13 +239,6 @@ def _forecast_text(forecast: float, arrival_rate: float | None, lead: float, ris
         if rising
         else f" (forecast {forecast:.2f}/s in {lead:g}s)"
     )
-
-
-def _request_span(slo: SloTargets, token_mix: tuple[float, float] | None) -> float:
-    """How long a request that meets the SLO takes, at the mean output length: the requests judged
-    this long after a step took effect began before it (the router judges a request when it ends)."""
-    output = token_mix[1] if token_mix is not None else 0.0
-    return slo.ttft_s + output * slo.tpot_s
 
 
 def decide(
@@ -433,9 +426,7 @@ def decide(
         if planner_on and planner is not None and arrivals.token_mix is not None:
             model_capacity = planner.capacity(*arrivals.token_mix)
         if loop is not None:
-            settle = (startup if startup is not None else b.arrival_lead_s) + _request_span(
-                loop, arrivals.token_mix
-            )
+            settle = startup if startup is not None else b.arrival_lead_s
             last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
             fb = evaluate(
                 slo_state,
