@@ -63,6 +63,18 @@ def make_cache(num_blocks: int, dtype: torch.dtype = torch.float32, tiled: bool 
     return KVCacheLayer(k, v)
 
 
+def scattered_tables(ctx: list[int], new: list[int], bs: int, spare: int) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of ctx + new tokens over randomly permuted blocks (with `spare`
+    unused ones), and the cache's block count."""
+    nb = [(c + n + bs - 1) // bs for c, n in zip(ctx, new, strict=True)]
+    perm = torch.randperm(sum(nb) + spare).tolist()
+    tables, at = [], 0
+    for n in nb:
+        tables.append(perm[at : at + n])
+        at += n
+    return tables, len(perm)
+
+
 def run_step(
     backend: AttentionBackend,
     cache: KVCacheLayer,
@@ -210,13 +222,8 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
     (hq, hkv), d, bs = heads, 64, 16
     ctx = [40, 1, 77, 16, 130]  # tokens already cached
     new = [1, 1, 23, 5, 1]
-    nb = [(c + n + bs - 1) // bs for c, n in zip(ctx, new, strict=True)]
-    perm = torch.randperm(sum(nb) + 4).tolist()
-    tables, at = [], 0
-    for n in nb:
-        tables.append(perm[at : at + n])
-        at += n
-    shape = (len(perm), bs, hkv, d)
+    tables, num_blocks = scattered_tables(ctx, new, bs, spare=4)
+    shape = (num_blocks, bs, hkv, d)
     k = (
         cpu_attention.transposed_k_cache(*shape, dtype=dtype)
         if layout != "rows"
@@ -249,7 +256,7 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
     slots: list[int] = []
     for table, c, n in zip(tables, ctx, new, strict=True):
         slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
-    width = max(nb)
+    width = max(len(t) for t in tables)
     lens = [c + n for c, n in zip(ctx, new, strict=True)]
     qsl = [0]
     for n in new:
@@ -334,13 +341,8 @@ def _paged_step(
 
     torch.manual_seed(seed)
     d, bs = 64, 16
-    nb = [(c + n + bs - 1) // bs for c, n in zip(ctx, new, strict=True)]
-    perm = torch.randperm(sum(nb) + 3).tolist()
-    tables, at = [], 0
-    for n in nb:
-        tables.append(perm[at : at + n])
-        at += n
-    shape = (len(perm), bs, hkv, d)
+    tables, num_blocks = scattered_tables(ctx, new, bs, spare=3)
+    shape = (num_blocks, bs, hkv, d)
     k = cpu_attention.transposed_k_cache(*shape, dtype=dtype)
     v = cpu_attention.head_major_v_cache(*shape, dtype=dtype)
     if dtype.is_floating_point and dtype.itemsize > 1:
