@@ -13,12 +13,13 @@
  *   block_tables:    [B, max_blocks] int32
  *   query_start_loc: [B + 1] int32;  seq_lens: [B] int32 (context length after this step)
  *
- * One work item is (token, kv head): the G = Hq / Hkv query heads of a group share every K/V row
- * they load. Softmax is computed online, one block of keys at a time. Parallel with OpenMP (the
- * process's libgomp, the one torch already loaded). With the common shape (head_dim 64, block size
- * 16, K transposed) an item takes a vectorized fast path unless allow_fast is 0: the AVX-512 one in a
- * build for that level, the AVX2+FMA+F16C one in a build for avx2 (isa.h; kernels/isa.py picks the
- * build from the CPU's features). The generic build has only the portable loop.
+ * One work item of the portable loop is (token, kv head): the G = Hq / Hkv query heads of a group
+ * share every K/V row they load. Softmax is computed online, one block of keys at a time. Parallel
+ * with OpenMP (the process's libgomp, the one torch already loaded). With the common shape (head_dim
+ * 64, block size 16, K transposed) a vectorized path runs instead unless allow_fast is 0: one work
+ * item is a tile of consecutive tokens x kv head (tile_item), the same code in a build for avx512
+ * (AVX-512 registers) and in one for avx2 (AVX2+FMA+F16C); isa.h, kernels/isa.py picks the build
+ * from the CPU's features. The generic build has only the portable loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -119,13 +120,19 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
     }
 }
 
-#if defined(KVPILOT_ISA_AVX512)
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /*
- * AVX-512 fast path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8,
- * K/V in float32, bfloat16, float16 or int8 (widened to float32 in registers: every product is a
- * float32 one). A block's 16 keys fill one 512-bit register, so a query row's scores for a block are
- * 64 broadcast-FMAs; a V row is 4 registers. Every token takes the tiles below (tile_item); other
- * shapes and fp8 take the generic loop.
+ * Vectorized path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8, K/V in
+ * float32, bfloat16, float16 or int8 (widened to float32 in registers: every product is a float32
+ * one; no bf16 dot product, see docs/runtime.md "Precision"). Every token takes the tiles below
+ * (tile_item); other shapes and fp8 take the generic loop.
+ *
+ * One tile code for both levels: it is written over v16, a vector of a block's 16 keys (or 16 output
+ * columns), and a handful of primitives defined once per level just below: one __m512 at avx512,
+ * two __m256 at avx2 (AVX2 + FMA + F16C). Only the register blocking differs (32 zmm registers
+ * against 16 ymm): QK_ROWS query rows per S group (8 at avx512: 8 accumulators; 6 at avx2: 12 ymm),
+ * and P.V over PV_ROWS rows x PV_COLS x 16 output columns per pass (4 x 64 at avx512: 16 zmm
+ * accumulators; 6 x 16 at avx2: 12 ymm, four passes over the chunk's V rows, in L1 by then).
  */
 #include <immintrin.h>
 
@@ -134,8 +141,34 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 #define FBS 16
 #define MAX_FG 8
 #define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
+#define VI static inline __attribute__((always_inline))
 
-static inline __attribute__((always_inline)) __m512 ld16(const void *base, int dt, size_t off) {
+#if defined(KVPILOT_ISA_AVX512)
+#define QK_ROWS 8
+#define PV_ROWS 4
+#define PV_COLS 4
+typedef __m512 v16;
+typedef __mmask16 m16; /* the live lanes of a v16 */
+
+VI v16 vzero(void) { return _mm512_setzero_ps(); }
+VI v16 vset1(float x) { return _mm512_set1_ps(x); }
+VI v16 vload(const float *p) { return _mm512_load_ps(p); } /* p 64-byte aligned */
+VI v16 vloadu(const float *p) { return _mm512_loadu_ps(p); }
+VI void vstore(float *p, v16 x) { _mm512_store_ps(p, x); }
+VI v16 vadd(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+VI v16 vsub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+VI v16 vmul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+VI v16 vfmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+VI m16 vlive(int n) { /* lanes 0 .. n-1 */
+    return n >= FBS ? (__mmask16)0xFFFFu : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+VI v16 vmax_live(v16 mx, m16 live, v16 x) { return _mm512_mask_max_ps(mx, live, mx, x); }
+VI v16 vkeep(m16 live, v16 x) { return _mm512_maskz_mov_ps(live, x); } /* dead lanes 0 (NaN too) */
+VI float vreduce_max(v16 x) { return _mm512_reduce_max_ps(x); }
+VI float vreduce_add(v16 x) { return _mm512_reduce_add_ps(x); }
+
+/* 16 values of type dt at element offset off, as float32 */
+VI v16 ld16(const void *base, int dt, size_t off) {
     switch (dt) {
         case DT_F32: return _mm512_loadu_ps((const float *)base + off);
         case DT_BF16:
@@ -150,7 +183,7 @@ static inline __attribute__((always_inline)) __m512 ld16(const void *base, int d
 }
 
 /* exp(x) for x <= 0 (Cephes expf's polynomial, relative error ~2e-7; exp(x < -87) ~ 0) */
-static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+VI v16 vexp(v16 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -165,171 +198,63 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, k);
 }
+#else /* KVPILOT_ISA_AVX2 */
+#define QK_ROWS 6
+#define PV_ROWS 6
+#define PV_COLS 1
+typedef struct {
+    __m256 lo, hi; /* lanes 0-7, 8-15 */
+} v16;
+typedef v16 m16; /* all-ones lanes where live */
 
-/*
- * Tiles (AVX-512): a sequence's new tokens are split into tiles of TQ(G) = 24 / G consecutive tokens
- * (a decode step: one token), and one work item is (tile, kv head): its R = tokens x G query rows
- * share every K/V block they load, where one item per token read the whole context once per token
- * (a 4,096-token prefill spent 24 of 40 s there). Per chunk of TKC keys (4 blocks): S = Q K^T for 8
- * rows at a time (4 when R <= 4: a decode), one K^T row load per row's broadcast-FMA; the causal
- * mask; one online-softmax update per row for the whole chunk (the horizontal max and sum once per
- * 64 keys, not per 16); then O += P V for 4 rows at a time (16 accumulators, one V row load per 4 x 4
- * FMAs). A row's result depends only on its own query and keys (chunks start at absolute key
- * positions; masked keys add exact zeros), never on the other rows of its tile: a prompt computed in
- * chunks of any size, a decode and a speculative verification of the same token attend bit for bit
- * alike.
- */
-#define KVPILOT_TILED 1
-#define TROWS 24 /* query rows of a tile: tokens x G (at most; a multiple of 8) */
-#define TKC 64   /* keys per softmax update */
-#define PF_CHUNKS 2 /* software prefetch distance in chunks of TKC keys */
-
-static inline int tile_tokens(int G) { return TROWS / G; }
-
-/* S rows [NR][16] (row stride TKC) = NR query rows . one block's K^T tile (times the keys' int8 scales);
- * meanwhile the K (and head-major V) tiles at pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a
- * line at a time (one burst of 512 prefetches per chunk, or the hardware prefetcher alone, left a
- * decode at 16k keys 1.25x slower: a block's tiles are 4 KiB apart in the pool) */
-static inline __attribute__((always_inline)) void qk_rows(const int NR, const int dt, const float *qr,
-                                                          const void *k_cache, size_t tile, __m512 ks, float *sp,
-                                                          const char *pk, const char *pv, int pstep) {
-    __m512 s[8];
-    for (int j = 0; j < NR; j++) s[j] = _mm512_setzero_ps();
-    for (int d = 0; d < FD; d++) {
-        if (pk && d % pstep == 0) { /* one line of a later block's K and V tiles per pstep rows */
-            _mm_prefetch(pk + (d / pstep) * 64, _MM_HINT_T1);
-            if (pv) _mm_prefetch(pv + (d / pstep) * 64, _MM_HINT_T1);
-        }
-        const __m512 k = ld16(k_cache, dt, tile + (size_t)d * FBS);
-        for (int j = 0; j < NR; j++) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(qr[j * FD + d]), k, s[j]);
-    }
-    for (int j = 0; j < NR; j++) _mm512_store_ps(sp + j * TKC, dt == DT_I8 ? _mm512_mul_ps(s[j], ks) : s[j]);
+VI v16 v16of(__m256 lo, __m256 hi) {
+    v16 r = {lo, hi};
+    return r;
+}
+VI v16 vzero(void) { return v16of(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+VI v16 vset1(float x) {
+    const __m256 b = _mm256_set1_ps(x);
+    return v16of(b, b);
+}
+VI v16 vload(const float *p) { return v16of(_mm256_load_ps(p), _mm256_load_ps(p + 8)); } /* 32-byte aligned */
+VI v16 vloadu(const float *p) { return v16of(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+VI void vstore(float *p, v16 x) {
+    _mm256_store_ps(p, x.lo);
+    _mm256_store_ps(p + 8, x.hi);
+}
+VI v16 vadd(v16 a, v16 b) { return v16of(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+VI v16 vsub(v16 a, v16 b) { return v16of(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+VI v16 vmul(v16 a, v16 b) { return v16of(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+VI v16 vfmadd(v16 a, v16 b, v16 c) {
+    return v16of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+VI m16 vlive(int n) { /* lanes 0 .. n-1 */
+    const __m256 nv = _mm256_set1_ps((float)n);
+    return v16of(_mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), nv, _CMP_LT_OQ),
+                 _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), nv, _CMP_LT_OQ));
+}
+VI v16 vmax_live(v16 mx, m16 live, v16 x) { /* a dead lane keeps mx whatever x holds (NaN too) */
+    return v16of(_mm256_blendv_ps(mx.lo, _mm256_max_ps(mx.lo, x.lo), live.lo),
+                 _mm256_blendv_ps(mx.hi, _mm256_max_ps(mx.hi, x.hi), live.hi));
+}
+VI v16 vkeep(m16 live, v16 x) { return v16of(_mm256_and_ps(live.lo, x.lo), _mm256_and_ps(live.hi, x.hi)); }
+VI float vreduce_max(v16 v) {
+    __m256 y = _mm256_max_ps(v.lo, v.hi);
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+VI float vreduce_add(v16 v) {
+    __m256 y = _mm256_add_ps(v.lo, v.hi);
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
 }
 
-static inline __attribute__((always_inline)) void tile_item(
-    const int G, const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
-    float *o /* [TROWS][64] */, const int *rctx /* [TROWS] keys each row may see */,
-    const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
-    const int32_t *table, int Hkv, int h, int vhm) {
-    (void)G;
-    float sb[TROWS][TKC] __attribute__((aligned(64)));
-    float m[TROWS], l[TROWS], corr[TROWS];
-    const int R8 = (R + 7) & ~7, R4 = (R + 3) & ~3;
-    const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
-    const int pstep = (int)(FD * 64 / tile_bytes); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
-    int ctx_max = 0;
-    for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
-    for (int r = 0; r < R4; r++) {
-        m[r] = NEG_BIG;
-        l[r] = 0.0f;
-        for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * FD + c * 16, _mm512_setzero_ps());
-    }
-    for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
-        const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
-        const int nbk = (nk + FBS - 1) / FBS;
-        /* S = Q K^T, one block of 16 keys and 8 rows at a time */
-        for (int bb = 0; bb < nbk; bb++) {
-            const size_t blk = (size_t)table[c0 / FBS + bb];
-            const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
-            const char *pk = NULL, *pv = NULL;
-            const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb;
-            if (ahead < (ctx_max + FBS - 1) / FBS) {
-                const size_t nb = (size_t)table[ahead];
-                pk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
-                pv = vhm ? (const char *)v_cache + (nb * Hkv + h) * tile_bytes : NULL;
-            }
-            __m512 ks = _mm512_set1_ps(1.0f);
-            if (dt == DT_I8) {
-                float kf[FBS];
-                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
-                for (int j = 0; j < FBS; j++) kf[j] = j < n ? f16_to_f32(k_scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
-                ks = _mm512_loadu_ps(kf);
-            }
-            if (R <= 4) {
-                qk_rows(4, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);
-            } else {
-                for (int r0 = 0; r0 < R8; r0 += 8)
-                    qk_rows(8, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? NULL : pk, pv, pstep);
-            }
-        }
-        /* mask, one online-softmax update per row, P in place of S */
-        for (int r = 0; r < R4; r++) {
-            const int vis = r < R ? (rctx[r] - c0 < nk ? rctx[r] - c0 : nk) : 0;
-            if (vis <= 0) { /* nothing of this chunk is visible to the row (or a pad row) */
-                corr[r] = 1.0f;
-                for (int bb = 0; bb < nbk; bb++) _mm512_store_ps(&sb[r][bb * FBS], _mm512_setzero_ps());
-                continue;
-            }
-            __m512 mx = _mm512_set1_ps(NEG_BIG);
-            __mmask16 live[TKC / FBS];
-            for (int bb = 0; bb < nbk; bb++) {
-                const int n = vis - bb * FBS;
-                live[bb] = n >= FBS ? (__mmask16)0xFFFFu : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
-                mx = _mm512_mask_max_ps(mx, live[bb], mx, _mm512_load_ps(&sb[r][bb * FBS]));
-            }
-            const float bmax = _mm512_reduce_max_ps(mx);
-            const float m_new = bmax > m[r] ? bmax : m[r];
-            corr[r] = m[r] == NEG_BIG ? 0.0f : expf(m[r] - m_new);
-            const __m512 mv = _mm512_set1_ps(m_new);
-            __m512 sum = _mm512_setzero_ps();
-            for (int bb = 0; bb < nbk; bb++) {
-                const __m512 p = _mm512_maskz_mov_ps(live[bb], exp512(_mm512_sub_ps(_mm512_load_ps(&sb[r][bb * FBS]), mv)));
-                sum = _mm512_add_ps(sum, p);
-                _mm512_store_ps(&sb[r][bb * FBS], p);
-            }
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-            m[r] = m_new;
-        }
-        /* O = corr O + P V, 4 rows at a time */
-        for (int r0 = 0; r0 < R4; r0 += 4) {
-            __m512 acc[4][4];
-            for (int j = 0; j < 4; j++) {
-                const __m512 cv = _mm512_set1_ps(corr[r0 + j]);
-                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + j) * FD + c * 16), cv);
-            }
-            for (int bb = 0; bb < nbk; bb++) {
-                const size_t blk = (size_t)table[c0 / FBS + bb];
-                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
-                for (int kr = 0; kr < n; kr++) {
-                    const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
-                    __m512 v[4];
-                    for (int c = 0; c < 4; c++) v[c] = ld16(v_cache, dt, off + (size_t)c * 16);
-                    if (dt == DT_I8) {
-                        const __m512 vsc = _mm512_set1_ps(f16_to_f32(v_scale[(blk * FBS + kr) * Hkv + h]));
-                        for (int c = 0; c < 4; c++) v[c] = _mm512_mul_ps(v[c], vsc);
-                    }
-                    for (int j = 0; j < 4; j++) {
-                        const __m512 p = _mm512_set1_ps(sb[r0 + j][bb * FBS + kr]);
-                        for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
-                    }
-                }
-            }
-            for (int j = 0; j < 4; j++)
-                for (int c = 0; c < 4; c++) _mm512_store_ps(o + (r0 + j) * FD + c * 16, acc[j][c]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-        for (int c = 0; c < 4; c++) _mm512_store_ps(o + r * FD + c * 16, _mm512_mul_ps(_mm512_load_ps(o + r * FD + c * 16), inv));
-    }
-}
-#elif defined(KVPILOT_ISA_AVX2)
-/*
- * AVX2+FMA+F16C fast path, the same shape and dtypes as the AVX-512 one: a block's 16 keys are two
- * 256-bit registers, so its scores are 2 x 64 broadcast-FMAs per query head. P.V runs one 8-float
- * column chunk of the output at a time across the block's rows (G accumulators in registers, the
- * running output in a small L1-resident array), because a whole 64-float V row per query head would
- * need more than AVX2's 16 registers. bf16 K/V are widened to float32 (no bf16 dot product here).
- */
-#include <immintrin.h>
-
-#define KVPILOT_FAST 1
-#define FD 64
-#define FBS 16
-#define MAX_FG 8
-#define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
-
-static inline __attribute__((always_inline)) __m256 ld8(const void *base, int dt, size_t off) {
+/* 8 values of type dt at element offset off, as float32 */
+VI __m256 ld8(const void *base, int dt, size_t off) {
     switch (dt) {
         case DT_F32: return _mm256_loadu_ps((const float *)base + off);
         case DT_BF16:
@@ -341,9 +266,10 @@ static inline __attribute__((always_inline)) __m256 ld8(const void *base, int dt
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + off))));
     }
 }
+VI v16 ld16(const void *base, int dt, size_t off) { return v16of(ld8(base, dt, off), ld8(base, dt, off + 8)); }
 
-/* exp(x) for x <= 0 (the AVX-512 path's polynomial; 2^k built in the exponent bits, k >= -126) */
-static inline __attribute__((always_inline)) __m256 exp256(__m256 x) {
+/* exp(x) for x <= 0 (the avx512 polynomial; 2^k built in the exponent bits, k >= -126) */
+VI __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -359,151 +285,177 @@ static inline __attribute__((always_inline)) __m256 exp256(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-
-static inline float hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-/* One (token, kv head) item: qf [G][64] already scaled; writes the normalized output to o [G][64]. */
-static inline __attribute__((always_inline)) void fast_item(
-    const int G, const int dt, const float *qf, float *o, const void *k_cache, const void *v_cache,
-    const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *table, int ctx, int Hkv, int h,
-    int vhm) {
-    float acc[MAX_FG][FD] __attribute__((aligned(32)));
-    float m[MAX_FG], l[MAX_FG], corr[MAX_FG];
-    float pb[MAX_FG][FBS] __attribute__((aligned(32)));
-    for (int g = 0; g < G; g++) {
-        for (int d = 0; d < FD; d++) acc[g][d] = 0.0f;
-        m[g] = NEG_BIG;
-        l[g] = 0.0f;
-    }
-    const __m256 lane_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 lane_hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
-    const int nblocks = (ctx + FBS - 1) / FBS;
-    for (int i = 0; i < nblocks; i++) {
-        const size_t blk = (size_t)table[i];
-        const int n = (i + 1) * FBS <= ctx ? FBS : ctx - i * FBS;
-        if (i + 1 < nblocks) { /* the next block is elsewhere in the pool: start fetching it */
-            const size_t nb = (size_t)table[i + 1], tile_bytes = (size_t)FD * FBS * elem_size(dt);
-            const char *nk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
-            for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
-            if (vhm) {
-                const char *nv = (const char *)v_cache + (nb * Hkv + h) * tile_bytes;
-                for (size_t c = 0; c < tile_bytes; c += 64) _mm_prefetch(nv + c, _MM_HINT_T0);
-            }
-        }
-        __m256 s0[MAX_FG], s1[MAX_FG];
-        for (int g = 0; g < G; g++) s0[g] = s1[g] = _mm256_setzero_ps();
-        const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
-        for (int d = 0; d < FD; d++) {
-            const __m256 k0 = ld8(k_cache, dt, tile + (size_t)d * FBS);
-            const __m256 k1 = ld8(k_cache, dt, tile + (size_t)d * FBS + 8);
-            for (int g = 0; g < G; g++) {
-                const __m256 qd = _mm256_set1_ps(qf[g * FD + d]);
-                s0[g] = _mm256_fmadd_ps(qd, k0, s0[g]);
-                s1[g] = _mm256_fmadd_ps(qd, k1, s1[g]);
-            }
-        }
-        float vs[FBS];
-        if (dt == DT_I8) {
-            float ks[FBS];
-            for (int r = 0; r < FBS; r++) {
-                ks[r] = r < n ? f16_to_f32(k_scale[(blk * FBS + r) * Hkv + h]) : 0.0f;
-                vs[r] = r < n ? f16_to_f32(v_scale[(blk * FBS + r) * Hkv + h]) : 0.0f;
-            }
-            const __m256 ks0 = _mm256_loadu_ps(ks), ks1 = _mm256_loadu_ps(ks + 8);
-            for (int g = 0; g < G; g++) {
-                s0[g] = _mm256_mul_ps(s0[g], ks0);
-                s1[g] = _mm256_mul_ps(s1[g], ks1);
-            }
-        }
-        const __m256 nv = _mm256_set1_ps((float)n);
-        const __m256 live0 = _mm256_cmp_ps(lane_lo, nv, _CMP_LT_OQ);
-        const __m256 live1 = _mm256_cmp_ps(lane_hi, nv, _CMP_LT_OQ);
-        const __m256 neg = _mm256_set1_ps(NEG_BIG);
-        for (int g = 0; g < G; g++) {
-            const __m256 a = _mm256_blendv_ps(neg, s0[g], live0), b = _mm256_blendv_ps(neg, s1[g], live1);
-            const float bmax = hmax8(_mm256_max_ps(a, b));
-            const float m_new = bmax > m[g] ? bmax : m[g];
-            corr[g] = m[g] == NEG_BIG ? 0.0f : expf(m[g] - m_new);
-            const __m256 mv = _mm256_set1_ps(m_new);
-            const __m256 p0 = _mm256_and_ps(live0, exp256(_mm256_sub_ps(a, mv)));
-            const __m256 p1 = _mm256_and_ps(live1, exp256(_mm256_sub_ps(b, mv)));
-            l[g] = l[g] * corr[g] + hsum8(_mm256_add_ps(p0, p1));
-            m[g] = m_new;
-            _mm256_store_ps(pb[g], p0);
-            _mm256_store_ps(pb[g] + 8, p1);
-        }
-        for (int c = 0; c < FD; c += 8) {
-            __m256 a[MAX_FG];
-            for (int g = 0; g < G; g++) a[g] = _mm256_mul_ps(_mm256_load_ps(acc[g] + c), _mm256_set1_ps(corr[g]));
-            for (int r = 0; r < n; r++) {
-                const size_t off = (vhm ? (blk * Hkv + h) * FBS + r : (blk * FBS + r) * Hkv + h) * (size_t)FD;
-                __m256 v = ld8(v_cache, dt, off + (size_t)c);
-                if (dt == DT_I8) v = _mm256_mul_ps(v, _mm256_set1_ps(vs[r]));
-                for (int g = 0; g < G; g++) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(pb[g][r]), v, a[g]);
-            }
-            for (int g = 0; g < G; g++) _mm256_store_ps(acc[g] + c, a[g]);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int c = 0; c < FD; c += 8) _mm256_storeu_ps(o + g * FD + c, _mm256_mul_ps(_mm256_load_ps(acc[g] + c), inv));
-    }
-}
+VI v16 vexp(v16 x) { return v16of(exp8(x.lo), exp8(x.hi)); }
 #endif
 
-#if defined(KVPILOT_FAST)
+/*
+ * Tiles: a sequence's new tokens are split into tiles of TQ(G) = 24 / G consecutive tokens (a decode
+ * step: one token), and one work item is (tile, kv head): its R = tokens x G query rows share every
+ * K/V block they load, where one item per token read the whole context once per token (a 4,096-token
+ * prefill spent 24 of 40 s there). Per chunk of TKC keys (4 blocks): S = Q K^T for QK_ROWS rows at a
+ * time (4 when R <= 4: a decode), one K^T row load per row's broadcast-FMA; the causal mask; one
+ * online-softmax update per row for the whole chunk (the horizontal max and sum once per 64 keys, not
+ * per 16); then O += P V for PV_ROWS rows (4 when R <= 4) and PV_COLS x 16 columns at a time, one V
+ * load per PV_ROWS broadcast-FMAs. A row's result depends only on its own query and keys (chunks
+ * start at absolute key positions; masked keys add exact zeros), never on the other rows of its tile:
+ * a prompt computed in chunks of any size, a decode and a speculative verification of the same token
+ * attend bit for bit alike (at one level: the levels round differently).
+ */
+#define TROWS 24 /* query rows of a tile: tokens x G (at most; a multiple of QK_ROWS, PV_ROWS and 4) */
+#define TKC 64   /* keys per softmax update */
+#define PF_CHUNKS 2 /* software prefetch distance in chunks of TKC keys */
 
-#if !defined(KVPILOT_TILED)
-#define FAST_DT(G, dt) \
-    fast_item(G, dt, qf, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h, vhm)
-#define FAST_CASE(G)                                      \
-    case G:                                               \
-        switch (kv_dtype) {                               \
-            case DT_F32: FAST_DT(G, DT_F32); break;       \
-            case DT_BF16: FAST_DT(G, DT_BF16); break;     \
-            case DT_F16: FAST_DT(G, DT_F16); break;       \
-            default: FAST_DT(G, DT_I8); break;            \
-        }                                                 \
-        break;
+static inline int tile_tokens(int G) { return TROWS / G; }
 
-static void fast_dispatch(int G, int kv_dtype, const float *qf, float *o, const void *k_cache,
-                          const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
-                          const int32_t *table, int ctx, int Hkv, int h, int vhm) {
-    switch (G) {
-        FAST_CASE(1)
-        FAST_CASE(2)
-        FAST_CASE(3)
-        FAST_CASE(4)
-        FAST_CASE(5)
-        FAST_CASE(6)
-        FAST_CASE(7)
-        FAST_CASE(8)
+/* S rows [NR][16] (row stride TKC) = NR query rows . one block's K^T tile (times the keys' int8 scales);
+ * meanwhile the K (and head-major V) tiles at pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a
+ * line at a time (one burst of 512 prefetches per chunk, or the hardware prefetcher alone, left a
+ * decode at 16k keys 1.25x slower at avx512: a block's tiles are 4 KiB apart in the pool) */
+VI void qk_rows(const int NR, const int dt, const float *qr, const void *k_cache, size_t tile, v16 ks, float *sp,
+                const char *pk, const char *pv, int pstep) {
+    v16 s[QK_ROWS];
+    for (int j = 0; j < NR; j++) s[j] = vzero();
+    for (int d = 0; d < FD; d++) {
+        if (pk && d % pstep == 0) { /* one line of a later block's K and V tiles per pstep rows */
+            _mm_prefetch(pk + (d / pstep) * 64, _MM_HINT_T1);
+            if (pv) _mm_prefetch(pv + (d / pstep) * 64, _MM_HINT_T1);
+        }
+        const v16 k = ld16(k_cache, dt, tile + (size_t)d * FBS);
+        for (int j = 0; j < NR; j++) s[j] = vfmadd(vset1(qr[j * FD + d]), k, s[j]);
+    }
+    for (int j = 0; j < NR; j++) vstore(sp + j * TKC, dt == DT_I8 ? vmul(s[j], ks) : s[j]);
+}
+
+/* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp), PV_COLS
+ * x 16 output columns a pass: NR x PV_COLS accumulators, one V load per NR broadcast-FMAs */
+VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const float *corr, int c0, int nk,
+                const void *v_cache, const uint16_t *v_scale, const int32_t *table, int Hkv, int h, int vhm) {
+    for (int col = 0; col < FD; col += PV_COLS * 16) {
+        v16 acc[PV_ROWS][PV_COLS];
+        for (int j = 0; j < NR; j++) {
+            const v16 cv = vset1(corr[j]);
+            for (int c = 0; c < PV_COLS; c++) acc[j][c] = vmul(vload(o + j * FD + col + c * 16), cv);
+        }
+        for (int bb = 0; bb * FBS < nk; bb++) {
+            const size_t blk = (size_t)table[c0 / FBS + bb];
+            const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+            for (int kr = 0; kr < n; kr++) {
+                const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
+                v16 v[PV_COLS];
+                for (int c = 0; c < PV_COLS; c++) v[c] = ld16(v_cache, dt, off + (size_t)(col + c * 16));
+                if (dt == DT_I8) {
+                    const v16 vsc = vset1(f16_to_f32(v_scale[(blk * FBS + kr) * Hkv + h]));
+                    for (int c = 0; c < PV_COLS; c++) v[c] = vmul(v[c], vsc);
+                }
+                for (int j = 0; j < NR; j++) {
+                    const v16 p = vset1(sp[j * TKC + bb * FBS + kr]);
+                    for (int c = 0; c < PV_COLS; c++) acc[j][c] = vfmadd(p, v[c], acc[j][c]);
+                }
+            }
+        }
+        for (int j = 0; j < NR; j++)
+            for (int c = 0; c < PV_COLS; c++) vstore(o + j * FD + col + c * 16, acc[j][c]);
     }
 }
-#endif
+
+VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
+                  float *o /* [TROWS][64], 64-byte aligned */, const int *rctx /* [TROWS] keys each row may see */,
+                  const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
+                  const int32_t *table, int Hkv, int h, int vhm) {
+    float sb[TROWS][TKC] __attribute__((aligned(64)));
+    float m[TROWS], l[TROWS], corr[TROWS];
+    const int small = R <= 4; /* a decode of G <= 4 query heads: one group of 4 rows */
+    const int qrows = small ? 4 : QK_ROWS, prows = small ? 4 : PV_ROWS;
+    const int Rq = (R + qrows - 1) / qrows * qrows, Rp = (R + prows - 1) / prows * prows;
+    const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
+    const int pstep = (int)(FD * 64 / tile_bytes); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
+    int ctx_max = 0;
+    for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
+    for (int r = 0; r < Rp; r++) {
+        m[r] = NEG_BIG;
+        l[r] = 0.0f;
+        for (int c = 0; c < FD; c += 16) vstore(o + r * FD + c, vzero());
+    }
+    for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
+        const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
+        const int nbk = (nk + FBS - 1) / FBS;
+        /* S = Q K^T, one block of 16 keys and qrows rows at a time */
+        for (int bb = 0; bb < nbk; bb++) {
+            const size_t blk = (size_t)table[c0 / FBS + bb];
+            const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
+            const char *pk = NULL, *pv = NULL;
+            const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb;
+            if (ahead < (ctx_max + FBS - 1) / FBS) {
+                const size_t nb = (size_t)table[ahead];
+                pk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
+                pv = vhm ? (const char *)v_cache + (nb * Hkv + h) * tile_bytes : NULL;
+            }
+            v16 ks = vset1(1.0f);
+            if (dt == DT_I8) {
+                float kf[FBS];
+                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+                for (int j = 0; j < FBS; j++) kf[j] = j < n ? f16_to_f32(k_scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
+                ks = vloadu(kf);
+            }
+            if (small) {
+                qk_rows(4, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);
+            } else {
+                for (int r0 = 0; r0 < Rq; r0 += QK_ROWS)
+                    qk_rows(QK_ROWS, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? NULL : pk, pv,
+                            pstep);
+            }
+        }
+        /* mask, one online-softmax update per row, P in place of S */
+        for (int r = 0; r < Rp; r++) {
+            const int vis = r < R ? (rctx[r] - c0 < nk ? rctx[r] - c0 : nk) : 0;
+            if (vis <= 0) { /* nothing of this chunk is visible to the row (or a pad row) */
+                corr[r] = 1.0f;
+                for (int bb = 0; bb < nbk; bb++) vstore(&sb[r][bb * FBS], vzero());
+                continue;
+            }
+            v16 mx = vset1(NEG_BIG);
+            m16 live[TKC / FBS];
+            for (int bb = 0; bb < nbk; bb++) {
+                live[bb] = vlive(vis - bb * FBS);
+                mx = vmax_live(mx, live[bb], vload(&sb[r][bb * FBS]));
+            }
+            const float bmax = vreduce_max(mx);
+            const float m_new = bmax > m[r] ? bmax : m[r];
+            corr[r] = m[r] == NEG_BIG ? 0.0f : expf(m[r] - m_new);
+            const v16 mv = vset1(m_new);
+            v16 sum = vzero();
+            for (int bb = 0; bb < nbk; bb++) {
+                const v16 p = vkeep(live[bb], vexp(vsub(vload(&sb[r][bb * FBS]), mv)));
+                sum = vadd(sum, p);
+                vstore(&sb[r][bb * FBS], p);
+            }
+            l[r] = l[r] * corr[r] + vreduce_add(sum);
+            m[r] = m_new;
+        }
+        /* O = corr O + P V, prows rows at a time */
+        if (small) {
+            pv_rows(4, dt, o, &sb[0][0], corr, c0, nk, v_cache, v_scale, table, Hkv, h, vhm);
+        } else {
+            for (int r0 = 0; r0 < Rp; r0 += PV_ROWS)
+                pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, v_scale, table, Hkv, h,
+                        vhm);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const v16 inv = vset1(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        for (int c = 0; c < FD; c += 16) vstore(o + r * FD + c, vmul(vload(o + r * FD + c), inv));
+    }
+}
 
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
            (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8);
 }
 
-#if defined(KVPILOT_TILED)
-#define TILE_DT(dt) tile_item(G, dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
-static void tile_dispatch(int G, int kv_dtype, int R, const float *qs, float *o, const int *rctx,
-                          const void *k_cache, const void *v_cache, const uint16_t *k_scale,
-                          const uint16_t *v_scale, const int32_t *table, int Hkv, int h, int vhm) {
+#define TILE_DT(dt) tile_item(dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
+static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const int *rctx, const void *k_cache,
+                          const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
+                          const int32_t *table, int Hkv, int h, int vhm) {
     switch (kv_dtype) {
         case DT_F32: TILE_DT(DT_F32); break;
         case DT_BF16: TILE_DT(DT_BF16); break;
@@ -511,7 +463,6 @@ static void tile_dispatch(int G, int kv_dtype, int R, const float *qs, float *o,
         default: TILE_DT(DT_I8); break;
     }
 }
-#endif
 #else
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     (void)G, (void)D, (void)BS, (void)kv_dtype, (void)k_transposed;
@@ -548,7 +499,7 @@ int kvpilot_paged_attention(
     for (int b = 0; b < num_seqs; b++) {
         const int lo = query_start_loc[b], hi = query_start_loc[b + 1];
         int tq = 1, tiled = 0;
-#if defined(KVPILOT_TILED)
+#if defined(KVPILOT_FAST)
         if (fast) tq = tile_tokens(G), tiled = 1;
 #endif
         for (int t = lo; t < hi; t += tq) {
@@ -567,7 +518,7 @@ int kvpilot_paged_attention(
         const int j = t - query_start_loc[b];
         const int ctx = seq_lens[b] - qlen + j + 1; /* keys this token may see */
         const int32_t *table = block_tables + (size_t)b * max_blocks;
-#if defined(KVPILOT_TILED)
+#if defined(KVPILOT_FAST)
         if (u[3]) {
             const int nt = u[2], R = nt * G;
             float qs[TROWS * FD] __attribute__((aligned(64))), o[TROWS * FD] __attribute__((aligned(64)));
@@ -579,7 +530,7 @@ int kvpilot_paged_attention(
                 for (int d = 0; d < D; d++) qs[r * FD + d] *= sm_scale;
                 rctx[r] = ctx + i;
             }
-            tile_dispatch(G, kv_dtype, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h,
+            tile_dispatch(kv_dtype, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h,
                           v_head_major);
             for (int r = 0; r < R; r++)
                 store_row(out, q_dtype, ((size_t)(t + r / G) * Hq + (size_t)h * G + r % G) * D, D, o + r * FD);
@@ -587,20 +538,6 @@ int kvpilot_paged_attention(
         }
 #endif
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];
-#if defined(KVPILOT_FAST) && !defined(KVPILOT_TILED)
-        if (fast) {
-            float qs[MAX_FG * FD], o[MAX_FG * FD];
-            for (int g = 0; g < G; g++) {
-                load_row(q, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, 1.0f, qs + g * FD);
-                for (int d = 0; d < D; d++) qs[g * FD + d] *= sm_scale;
-            }
-            fast_dispatch(G, kv_dtype, qs, o, k_cache, v_cache, k_scale, v_scale, table, ctx, Hkv, h,
-                          v_head_major);
-            for (int g = 0; g < G; g++)
-                store_row(out, q_dtype, ((size_t)t * Hq + (size_t)h * G + g) * D, D, o + g * FD);
-            continue;
-        }
-#endif
         float sg[MAX_G][MAX_BS]; /* scores, then probabilities, of the current block */
         float row[MAX_D];
         for (int g = 0; g < G; g++) {
