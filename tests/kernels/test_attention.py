@@ -398,16 +398,31 @@ def test_prefill_tiles_match_reference(level: str, dtype: torch.dtype, heads: tu
 
 
 @pytest.mark.parametrize("level", FAST_LEVELS)
-def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(level: str) -> None:
-    """A row's attention depends only on its query and its keys, never on the tile or the chunk it
-    ran in: a 300-token prompt in one step and in chunks of 40, 97 and 163 tokens give the same
-    float32 outputs, bit for bit (the premise of chunked prefill at any --max-num-batched-tokens)."""
+@pytest.mark.parametrize(
+    "dtype,heads,chunks",
+    [
+        (torch.float32, (9, 3), (40, 97, 163)),
+        (torch.float32, (9, 3), (1, 2, 7, 1, 30, 259)),  # decodes (tiles of one: the 4-row groups) first
+        (torch.bfloat16, (10, 2), (5, 61, 1, 233)),  # G = 5: tiles of 4 tokens, pad rows
+        (torch.int8, (14, 2), (3, 3, 100, 194)),  # G = 7: tiles of 3 tokens
+        (torch.float16, (8, 1), (13, 287)),  # G = 8
+    ],
+    ids=["f32-g3", "f32-g3-decodes", "bf16-g5", "int8-g7", "f16-g8"],
+)
+def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(
+    level: str, dtype: torch.dtype, heads: tuple[int, int], chunks: tuple[int, ...]
+) -> None:
+    """A row's attention depends only on its query and its keys, never on the tile, the row group or
+    the chunk it ran in: a 300-token prompt in one step and in chunks (down to single tokens, which
+    take a decode's row groups) give the same outputs, bit for bit, at every vectorized level (the
+    premise of chunked prefill at any --max-num-batched-tokens)."""
     if not cpu_attention.available(level):
         missing("a C compiler for the CPU attention kernel", "install gcc or clang")
-    _, q, cache, meta = _paged_step(9, 3, [0], [300], torch.float32, seed=7)
+    assert sum(chunks) == 300
+    _, q, cache, meta = _paged_step(*heads, [0], [300], dtype, seed=7)
     whole = cpu_attention.paged_attention(q, cache, meta, 0.125, level=level)
     parts, start = [], 0
-    for n in (40, 97, 163):
+    for n in chunks:
         chunk = AttentionMetadata(
             slot_mapping=meta.slot_mapping[start : start + n],
             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
