@@ -11,9 +11,13 @@ tokens, no cached prefix), times one layer's attention call of:
 Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second.
 
     python benchmarks/kernels_bench.py attention [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
+    python benchmarks/kernels_bench.py attention --kernel-only --fast-only --prefill 1024,4096,8192
 
 --isa builds and uses the kernel for one ISA level (kernels/isa.py; the same as KVPILOT_CPU_ISA), so
-the AVX2 path can be timed on an AVX-512 machine; --kernel-only skips the torch comparisons.
+the AVX2 path can be timed on an AVX-512 machine; --kernel-only skips the torch comparisons;
+--fast-only skips the kernel's generic loop too (minutes a call at 8k tokens); --prefill times one
+prompt of each length (no cached prefix, one call: the whole prompt's attention of one layer)
+instead of the default decode and prefill cases.
 """
 
 from __future__ import annotations
@@ -90,7 +94,12 @@ def figures(ms: float, pairs: int, kv_bytes: int) -> dict[str, float]:
 
 
 def run_case(
-    name: str, qlens: list[int], seq_lens: list[int], dtype: torch.dtype, kernel_only: bool = False
+    name: str,
+    qlens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    kernel_only: bool = False,
+    fast_only: bool = False,
 ) -> dict[str, Any]:
     from kvpilot.kernels import cpu_attention
     from kvpilot.kernels.attention import TorchReferenceBackend
@@ -113,6 +122,7 @@ def run_case(
                 best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale)), pairs, kv_bytes
             )
             out["cpu-paged"]["vectorized_path"] = cpu_attention.fast_path(HQ, cache)
+        if cpu_attention.available() and not fast_only:
             out["cpu-paged-generic"] = figures(
                 best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale, generic=True)),
                 pairs,
@@ -154,6 +164,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", choices=["avx512", "avx2", "generic"], help="force the kernel's ISA level")
     p.add_argument("--kernel-only", action="store_true", help="time only the C kernel's two paths")
+    p.add_argument("--fast-only", action="store_true", help="skip the C kernel's generic loop")
+    p.add_argument(
+        "--prefill",
+        type=lambda text: [int(x) for x in text.split(",")],
+        help="comma-separated prompt lengths: time a prefill of each instead of the default cases",
+    )
     args = p.parse_args()
     if args.isa:
         os.environ["KVPILOT_CPU_ISA"] = args.isa
@@ -161,19 +177,25 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    cases = [
-        ("decode B=128 ctx=512", [1] * 128, [512] * 128),
-        ("decode B=32 ctx=1024", [1] * 32, [1024] * 32),
-        ("prefill P=512", [512], [512]),
-        ("prefill 4 x P=256", [256] * 4, [256] * 4),
-    ]
+    cases = (
+        [(f"prefill P={n}", [n], [n]) for n in args.prefill]
+        if args.prefill
+        else [
+            ("decode B=128 ctx=512", [1] * 128, [512] * 128),
+            ("decode B=32 ctx=1024", [1] * 32, [1024] * 32),
+            ("prefill P=512", [512], [512]),
+            ("prefill 4 x P=256", [256] * 4, [256] * 4),
+        ]
+    )
     doc = {
         "dtype": args.dtype,
         "threads": args.threads,
         "isa": isa.selected(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
-        "results": [run_case(name, ql, sl, dtype, args.kernel_only) for name, ql, sl in cases],
+        "results": [
+            run_case(name, ql, sl, dtype, args.kernel_only, args.fast_only) for name, ql, sl in cases
+        ],
     }
     print(json.dumps(doc, indent=2))
     return 0
