@@ -63,6 +63,9 @@ MIN_MISSES = 2  # one unlucky request is not a trend
 SIGNIFICANCE_Z = 2.0
 # How far below the miss count a step is sized (proven_step), in its standard deviations.
 EVIDENCE_Z = 1.0
+# ... and a capacity cut: a step answers one sync (the next looks again), a cut is remembered until
+# the probe takes it back by capacity_relax a sync, so it is sized on stronger evidence.
+CUT_Z = 2.0
 
 
 @dataclass(frozen=True)
@@ -128,13 +131,25 @@ def planner_capacity(state: SloState, model_capacity: float) -> float:
     return c
 
 
-def proven_step(missed: float, total: float, budget: float, gain: float, max_step: float) -> float:
-    """The feedback step at the misses' count less EVIDENCE_Z Poisson standard deviations: the
-    shortfall the evidence supports. 3 misses in 66 requests (95.5% against 99%) support 0.9 budgets
-    short, not the 3.5 of their point estimate; 40 in 1,000 support 2.4 of the 3."""
-    proven = max(0.0, missed - EVIDENCE_Z * math.sqrt(missed))
+def proven_step(
+    missed: float, total: float, budget: float, gain: float, max_step: float, z: float = EVIDENCE_Z
+) -> float:
+    """The feedback step at the misses' count less `z` Poisson standard deviations: the shortfall the
+    evidence supports. 3 misses in 66 requests (95.5% against 99%) support 0.9 budgets short, not the
+    3.5 of their point estimate; 40 in 1,000 support 2.4 of the 3."""
+    proven = max(0.0, missed - z * math.sqrt(missed))
     shortfall = max(0.0, (proven / max(total, 1.0) - budget) / budget)
     return min(max_step, gain * shortfall)
+
+
+def request_span_s(slo: SloTargets, mix: tuple[float, float] | None) -> float:
+    """How long a request of the mean mix (prompt, output tokens) may take within the SLO: its TTFT
+    target and its output at the TPOT target (0 when no mix is measured yet). A request judged within
+    a span of a step began before the step took effect."""
+    if mix is None:
+        return 0.0
+    prompt, output = mix
+    return slo.slo.ttft_target(max(1, int(prompt)), slo.calibration) + max(0.0, output) * slo.tpot_s
 
 
 def measure_slo(
@@ -209,6 +224,7 @@ def evaluate(
     settle_s: float,
     last_scale_up: float | None = None,
     surging: bool = False,
+    span_s: float = 0.0,
 ) -> Feedback:
     """Apply the three rules (module doc). `model_capacity`: requests/s per replica the replica model
     gives at the current token mix (None: the planner is not sizing yet, the factor is left alone);
@@ -218,7 +234,10 @@ def evaluate(
     is answered by the queue rule: for a window after one, nothing here grows the fleet or corrects
     the capacity: a backlog's misses, also those judged after it drained, say the fleet was short
     for a while, not that the model is wrong. Nor while arrivals are surging (`surging`: the latest
-    rate above the trend window's mean beyond noise): a surge's misses say the fleet was late."""
+    rate above the trend window's mean beyond noise): a surge's misses say the fleet was late.
+    `span_s` (request_span_s): the capacity is learnt only from intervals that began a request span
+    after the fresh window opened, whose requests the fleet as it is now served from start to end; the
+    growth step does not wait for them."""
     s = settings
     budget = 1.0 - s.target
     w = window(state.intervals, now, s.window_s)
@@ -229,7 +248,8 @@ def evaluate(
     if state.last_backlog is not None:  # its queued requests finish (and are judged) for a while after
         since = max(since or 0.0, state.last_backlog + s.window_s)
     f = window(state.intervals, now, s.window_s, since=since)
-    fresh, fresh_load = f.counts, f.load_per_replica
+    fresh = f.counts
+    served = window(state.intervals, now, s.window_s, since=None if since is None else since + span_s)
     floor, ceiling = state.capacity_floor, state.capacity_ceiling
     attainment = win.attainment
     src = state.source or "no source"
@@ -256,15 +276,21 @@ def evaluate(
         step = proven_step(fresh.missed, fresh.total, budget, s.gain, s.max_step)
         rec = max(current, math.ceil(ready * (1.0 + step) - 1e-9), ready + 1)
         # Missed at a load the planner thought within capacity: the model is optimistic there.
-        # (Missed above it: the fleet was short of the planner's own size; nothing learnt.)
+        # (Missed above it: the fleet was short of the planner's own size; nothing learnt.) Learnt
+        # from the requests the fleet served whole (`served`): those that began before the last step
+        # took effect were short of it (a cold start's queue, a burst before the step), which the
+        # step answers; cutting the capacity for them cost a fleet 2-3x its need for half an hour.
+        served_load = served.load_per_replica
         if (
             model_capacity
-            and fresh_load is not None
+            and served_load is not None
+            and served.counts.total >= s.min_requests
             and not recent_backlog
             and not surging
-            and fresh_load <= planner_capacity(state, model_capacity) + 1e-9
+            and served_load <= planner_capacity(state, model_capacity) + 1e-9
         ):
-            ceiling = fresh_load * (1.0 - step)
+            cut = proven_step(served.counts.missed, served.counts.total, budget, s.gain, s.max_step, CUT_Z)
+            ceiling = served_load * (1.0 - cut)
             if floor is not None and floor > ceiling:
                 floor = ceiling  # proven at a lighter workload than now
         fresh_since = now + settle_s
