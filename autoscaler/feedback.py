@@ -17,7 +17,10 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    between two measured bounds in requests/s per Ready replica (planner_capacity): a *floor*, the
    highest load L at which the window's attainment had headroom (a replica sustains L), and a
    *ceiling*, set by a significant miss at a load L the planner thought within capacity: L x (1 -
-   step) (the model is optimistic there). The bounds are loads, not ratios to the model: the model's
+   cut) (the model is optimistic there), L and the cut read from the requests the fleet served whole
+   (those judged a request span after the last step took effect: the others began on a smaller fleet,
+   which the step answers) and the cut sized like the step but on the misses less CUT_Z standard
+   deviations (it is remembered; a step is not). The bounds are loads, not ratios to the model: the model's
    capacity swings with the token mix (fourfold over the Mooncake trace, where one fixed fleet
    serves all of it), and a ratio multiplies that swing; a bound caps it. A miss below the floor
    drops the floor to the new ceiling (the workload got heavier); headroom while running within
