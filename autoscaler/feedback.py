@@ -84,6 +84,11 @@ class SloState:
     fresh_since: float | None = None  # intervals that began before this do not trigger a step
     source: str | None = None  # of the latest interval
     last_backlog: float | None = None  # the last sync with requests waiting beyond the queue target
+    # The last capacity cut (rule 2): the load that missed, the ceiling the cut set, and when. For
+    # FeedbackSettings.miss_memory_s the probe does not raise the ceiling past that load.
+    miss_load: float | None = None
+    miss_ceiling: float | None = None
+    miss_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class FeedbackSettings:
     headroom: float
     relax: float
     tolerance: float = 0.1  # "running at the ceiling": within this share of it
+    miss_memory_s: float = 1800.0  # how long a capacity cut's load caps the probe
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,7 @@ def feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
         headroom=b.attainment_headroom,
         relax=b.capacity_relax,
         tolerance=b.tolerance,
+        miss_memory_s=b.surge_window_s,
     )
 
 
@@ -254,6 +261,9 @@ def evaluate(
     fresh = f.counts
     served = window(state.intervals, now, s.window_s, since=None if since is None else since + span_s)
     floor, ceiling = state.capacity_floor, state.capacity_ceiling
+    miss_load, miss_ceiling, miss_at = state.miss_load, state.miss_ceiling, state.miss_at
+    if miss_at is not None and now - miss_at > s.miss_memory_s:
+        miss_load = miss_ceiling = miss_at = None
     attainment = win.attainment
     src = state.source or "no source"
     where = f"({src}, {win_s:.0f}s, {win.total:.0f} requests)"
@@ -294,6 +304,7 @@ def evaluate(
         ):
             cut = proven_step(served.counts.missed, served.counts.total, budget, s.gain, s.max_step, CUT_Z)
             ceiling = served_load * (1.0 - cut)
+            miss_load, miss_ceiling, miss_at = served_load, ceiling, now
             if floor is not None and floor > ceiling:
                 floor = ceiling  # proven at a lighter workload than now
         fresh_since = now + settle_s
@@ -324,8 +335,14 @@ def evaluate(
                     floor = max(floor, used * (1.0 + s.relax))
                 elif ceiling is not None and used < model_capacity:
                     ceiling = min(model_capacity, ceiling * (1.0 + s.relax))
+                    if miss_load is not None:  # not past a load that missed, while it is remembered
+                        ceiling = min(ceiling, max(state.capacity_ceiling or 0.0, miss_load))
             if ceiling is not None:
                 ceiling = max(ceiling, floor)
+            if miss_load is not None and (
+                floor >= miss_load or (miss_ceiling is not None and floor > miss_ceiling * (1.0 + s.relax))
+            ):
+                miss_load = miss_ceiling = miss_at = None  # served more than the cut left: proven since
         elif attainment < s.target:
             text += f" < target {s.target:.3f}, waiting {max(0.0, (fresh_since or now) - now):.0f}s for the last step"
             fresh_below = fresh_att is not None and fresh_att < s.target and fresh.total >= s.min_requests
@@ -338,7 +355,15 @@ def evaluate(
         else:
             text += " (no headroom)"
     return Feedback(
-        state=replace(state, capacity_floor=floor, capacity_ceiling=ceiling, fresh_since=fresh_since),
+        state=replace(
+            state,
+            capacity_floor=floor,
+            capacity_ceiling=ceiling,
+            fresh_since=fresh_since,
+            miss_load=miss_load,
+            miss_ceiling=miss_ceiling,
+            miss_at=miss_at,
+        ),
         attainment=attainment,
         requests=win.total,
         window_s=win_s,

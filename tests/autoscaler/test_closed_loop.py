@@ -249,6 +249,36 @@ def test_scale_down_needs_headroom_and_a_measurement():
     assert unknown.attainment is None and not unknown.allow_scale_down
 
 
+def test_the_probe_stops_at_a_load_that_missed_while_it_is_remembered():
+    # A fleet of 2 sized at a 0.8/s ceiling runs at 0.5/s per replica with headroom: the probe raises
+    # the ceiling 3% a sync, and once it passes the fleet's whole rate (1.0/s) the planner halves the
+    # fleet into the load at which it missed (1.0/s per replica, cut to 0.8) minutes before. So while
+    # the cut is remembered the probe stops at that load.
+    missed = _state((NOW, SloCounts(met=190, missed_tpot=10), 1.0))
+    cut = evaluate(missed, NOW, 1, 1, SETTINGS, 2.0, 10)
+    assert cut.state.miss_load == pytest.approx(1.0) and cut.state.miss_at == NOW
+    ceiling = cut.state.capacity_ceiling
+    assert ceiling is not None and ceiling < 1.0
+
+    def probe(state: SloState, t: float, load: float) -> SloState:
+        ok = replace(state, intervals=(SloInterval(t, 15.0, SloCounts(met=300), load),), time=t)
+        return evaluate(ok, t, 2, 2, SETTINGS, 2.0, 10).state
+
+    state, t = cut.state, NOW
+    for _ in range(40):
+        t += 15
+        state = probe(state, t, 0.5)
+    assert state.capacity_ceiling == pytest.approx(1.0)  # up to the load that missed, not past it
+    assert state.capacity_floor == pytest.approx(0.5)
+    # forgotten after miss_memory_s: the probe goes on toward the model
+    later = probe(state, NOW + SETTINGS.miss_memory_s + 15, 0.5)
+    assert later.miss_load is None and later.capacity_ceiling == pytest.approx(1.03)
+    # served past the cut's ceiling by a probe step (the load outran the fleet with headroom): the
+    # cut was wrong, the memory ends at once
+    outran = probe(cut.state, NOW + 15, (ceiling or 0) * 1.05)
+    assert outran.miss_load is None and outran.capacity_floor == pytest.approx((ceiling or 0) * 1.05)
+
+
 def test_below_target_but_not_yet_significant_steps_the_capacity_down():
     # 98.5% over 200 requests at 3 req/s per replica, the planner sizing at 3: within noise of a 1%
     # budget (no step), but below target while running as sized: the capacity steps down 3%.
@@ -368,6 +398,11 @@ def test_status_round_trip_keeps_the_loop_and_publishes_the_prefill_terms():
     assert back.router_counts == SloCounts(met=1140, missed_ttft=60)
     assert back.fresh_since == pytest.approx(d.history.slo.fresh_since or 0, abs=1e-3)
     assert [i.counts for i in back.intervals] == [i.counts for i in d.history.slo.intervals]
+    # the cut's memory (the probe's limit) survives a restart too
+    assert d.history.slo.miss_load is not None and d.history.slo.miss_at == NOW
+    assert back.miss_load == pytest.approx(d.history.slo.miss_load, abs=1e-4)
+    assert back.miss_ceiling == pytest.approx(d.history.slo.miss_ceiling or 0, abs=1e-4)
+    assert back.miss_at == pytest.approx(NOW, abs=1e-3)
 
 
 # -- sources -------------------------------------------------------------------------------------
