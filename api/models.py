@@ -1027,6 +1027,18 @@ class SloStatus(_Model):
     last_backlog: Lenient[MilliTime] = Field(
         None, description="The last sync with requests waiting beyond the queue target."
     )
+    miss_load: Lenient[Amount] = Field(
+        None,
+        description=(
+            "Requests/s per Ready replica at the last capacity cut: the ceiling is not probed past it "
+            "while it is remembered (missAt)."
+        ),
+    )
+    miss_ceiling: Lenient[Amount] = Field(
+        None,
+        description="The ceiling that cut set: a floor a probe step past it ends the memory early.",
+    )
+    miss_at: Lenient[MilliTime] = Field(None, description="When the last capacity cut was made.")
     router_time: Lenient[MilliTime] = Field(None, description="When the router counters below were read.")
     router_counts: Lenient[SloCountsStatus] = Field(
         None, description="The routers' cumulative counters at the last sync (differenced at the next)."

@@ -17,7 +17,10 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    between two measured bounds in requests/s per Ready replica (planner_capacity): a *floor*, the
    highest load L at which the window's attainment had headroom (a replica sustains L), and a
    *ceiling*, set by a significant miss at a load L the planner thought within capacity: L x (1 -
-   step) (the model is optimistic there). The bounds are loads, not ratios to the model: the model's
+   cut) (the model is optimistic there), L and the cut read from the requests the fleet served whole
+   (those judged a request span after the last step took effect: the others began on a smaller fleet,
+   which the step answers) and the cut sized like the step but on the misses less CUT_Z standard
+   deviations (it is remembered; a step is not). The bounds are loads, not ratios to the model: the model's
    capacity swings with the token mix (fourfold over the Mooncake trace, where one fixed fleet
    serves all of it), and a ratio multiplies that swing; a bound caps it. A miss below the floor
    drops the floor to the new ceiling (the workload got heavier); headroom while running within
@@ -63,6 +66,9 @@ MIN_MISSES = 2  # one unlucky request is not a trend
 SIGNIFICANCE_Z = 2.0
 # How far below the miss count a step is sized (proven_step), in its standard deviations.
 EVIDENCE_Z = 1.0
+# ... and a capacity cut: a step answers one sync (the next looks again), a cut is remembered until
+# the probe takes it back by capacity_relax a sync, so it is sized on stronger evidence.
+CUT_Z = 2.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,11 @@ class SloState:
     fresh_since: float | None = None  # intervals that began before this do not trigger a step
     source: str | None = None  # of the latest interval
     last_backlog: float | None = None  # the last sync with requests waiting beyond the queue target
+    # The last capacity cut (rule 2): the load that missed, the ceiling the cut set, and when. For
+    # FeedbackSettings.miss_memory_s the probe does not raise the ceiling past that load.
+    miss_load: float | None = None
+    miss_ceiling: float | None = None
+    miss_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class FeedbackSettings:
     headroom: float
     relax: float
     tolerance: float = 0.1  # "running at the ceiling": within this share of it
+    miss_memory_s: float = 1800.0  # how long a capacity cut's load caps the probe
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,7 @@ def feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
         headroom=b.attainment_headroom,
         relax=b.capacity_relax,
         tolerance=b.tolerance,
+        miss_memory_s=b.surge_window_s,
     )
 
 
@@ -128,13 +141,25 @@ def planner_capacity(state: SloState, model_capacity: float) -> float:
     return c
 
 
-def proven_step(missed: float, total: float, budget: float, gain: float, max_step: float) -> float:
-    """The feedback step at the misses' count less EVIDENCE_Z Poisson standard deviations: the
-    shortfall the evidence supports. 3 misses in 66 requests (95.5% against 99%) support 0.9 budgets
-    short, not the 3.5 of their point estimate; 40 in 1,000 support 2.4 of the 3."""
-    proven = max(0.0, missed - EVIDENCE_Z * math.sqrt(missed))
+def proven_step(
+    missed: float, total: float, budget: float, gain: float, max_step: float, z: float = EVIDENCE_Z
+) -> float:
+    """The feedback step at the misses' count less `z` Poisson standard deviations: the shortfall the
+    evidence supports. 3 misses in 66 requests (95.5% against 99%) support 0.9 budgets short, not the
+    3.5 of their point estimate; 40 in 1,000 support 2.4 of the 3."""
+    proven = max(0.0, missed - z * math.sqrt(missed))
     shortfall = max(0.0, (proven / max(total, 1.0) - budget) / budget)
     return min(max_step, gain * shortfall)
+
+
+def request_span_s(slo: SloTargets, mix: tuple[float, float] | None) -> float:
+    """How long a request of the mean mix (prompt, output tokens) may take within the SLO: its TTFT
+    target and its output at the TPOT target (0 when no mix is measured yet). A request judged within
+    a span of a step began before the step took effect."""
+    if mix is None:
+        return 0.0
+    prompt, output = mix
+    return slo.slo.ttft_target(max(1, int(prompt)), slo.calibration) + max(0.0, output) * slo.tpot_s
 
 
 def measure_slo(
@@ -209,6 +234,7 @@ def evaluate(
     settle_s: float,
     last_scale_up: float | None = None,
     surging: bool = False,
+    span_s: float = 0.0,
 ) -> Feedback:
     """Apply the three rules (module doc). `model_capacity`: requests/s per replica the replica model
     gives at the current token mix (None: the planner is not sizing yet, the factor is left alone);
@@ -218,7 +244,10 @@ def evaluate(
     is answered by the queue rule: for a window after one, nothing here grows the fleet or corrects
     the capacity: a backlog's misses, also those judged after it drained, say the fleet was short
     for a while, not that the model is wrong. Nor while arrivals are surging (`surging`: the latest
-    rate above the trend window's mean beyond noise): a surge's misses say the fleet was late."""
+    rate above the trend window's mean beyond noise): a surge's misses say the fleet was late.
+    `span_s` (request_span_s): the capacity is learnt only from intervals that began a request span
+    after the fresh window opened, whose requests the fleet as it is now served from start to end; the
+    growth step does not wait for them."""
     s = settings
     budget = 1.0 - s.target
     w = window(state.intervals, now, s.window_s)
@@ -229,8 +258,12 @@ def evaluate(
     if state.last_backlog is not None:  # its queued requests finish (and are judged) for a while after
         since = max(since or 0.0, state.last_backlog + s.window_s)
     f = window(state.intervals, now, s.window_s, since=since)
-    fresh, fresh_load = f.counts, f.load_per_replica
+    fresh = f.counts
+    served = window(state.intervals, now, s.window_s, since=None if since is None else since + span_s)
     floor, ceiling = state.capacity_floor, state.capacity_ceiling
+    miss_load, miss_ceiling, miss_at = state.miss_load, state.miss_ceiling, state.miss_at
+    if miss_at is not None and now - miss_at > s.miss_memory_s:
+        miss_load = miss_ceiling = miss_at = None
     attainment = win.attainment
     src = state.source or "no source"
     where = f"({src}, {win_s:.0f}s, {win.total:.0f} requests)"
@@ -256,15 +289,22 @@ def evaluate(
         step = proven_step(fresh.missed, fresh.total, budget, s.gain, s.max_step)
         rec = max(current, math.ceil(ready * (1.0 + step) - 1e-9), ready + 1)
         # Missed at a load the planner thought within capacity: the model is optimistic there.
-        # (Missed above it: the fleet was short of the planner's own size; nothing learnt.)
+        # (Missed above it: the fleet was short of the planner's own size; nothing learnt.) Learnt
+        # from the requests the fleet served whole (`served`): those that began before the last step
+        # took effect were short of it (a cold start's queue, a burst before the step), which the
+        # step answers; cutting the capacity for them cost a fleet 2-3x its need for half an hour.
+        served_load = served.load_per_replica
         if (
             model_capacity
-            and fresh_load is not None
+            and served_load is not None
+            and served.counts.total >= s.min_requests
             and not recent_backlog
             and not surging
-            and fresh_load <= planner_capacity(state, model_capacity) + 1e-9
+            and served_load <= planner_capacity(state, model_capacity) + 1e-9
         ):
-            ceiling = fresh_load * (1.0 - step)
+            cut = proven_step(served.counts.missed, served.counts.total, budget, s.gain, s.max_step, CUT_Z)
+            ceiling = served_load * (1.0 - cut)
+            miss_load, miss_ceiling, miss_at = served_load, ceiling, now
             if floor is not None and floor > ceiling:
                 floor = ceiling  # proven at a lighter workload than now
         fresh_since = now + settle_s
@@ -295,8 +335,14 @@ def evaluate(
                     floor = max(floor, used * (1.0 + s.relax))
                 elif ceiling is not None and used < model_capacity:
                     ceiling = min(model_capacity, ceiling * (1.0 + s.relax))
+                    if miss_load is not None:  # not past a load that missed, while it is remembered
+                        ceiling = min(ceiling, max(state.capacity_ceiling or 0.0, miss_load))
             if ceiling is not None:
                 ceiling = max(ceiling, floor)
+            if miss_load is not None and (
+                floor >= miss_load or (miss_ceiling is not None and floor > miss_ceiling * (1.0 + s.relax))
+            ):
+                miss_load = miss_ceiling = miss_at = None  # served more than the cut left: proven since
         elif attainment < s.target:
             text += f" < target {s.target:.3f}, waiting {max(0.0, (fresh_since or now) - now):.0f}s for the last step"
             fresh_below = fresh_att is not None and fresh_att < s.target and fresh.total >= s.min_requests
@@ -309,7 +355,15 @@ def evaluate(
         else:
             text += " (no headroom)"
     return Feedback(
-        state=replace(state, capacity_floor=floor, capacity_ceiling=ceiling, fresh_since=fresh_since),
+        state=replace(
+            state,
+            capacity_floor=floor,
+            capacity_ceiling=ceiling,
+            fresh_since=fresh_since,
+            miss_load=miss_load,
+            miss_ceiling=miss_ceiling,
+            miss_at=miss_at,
+        ),
         attainment=attainment,
         requests=win.total,
         window_s=win_s,

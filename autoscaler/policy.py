@@ -71,6 +71,7 @@ from kvpilot.autoscaler.feedback import (
     feedback_settings,
     measure_slo,
     planner_capacity,
+    request_span_s,
 )
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
@@ -438,6 +439,7 @@ def decide(
                 settle,
                 last_up,
                 surging=rate_surging(arrivals.rates),
+                span_s=request_span_s(loop, arrivals.token_mix),
             )
             slo_state = fb.state
         if model_capacity is not None:

@@ -162,6 +162,9 @@ def _slo_state(s: SloStatus) -> SloState:
         fresh_since=_seconds(s.fresh_since),
         source=s.source,
         last_backlog=_seconds(s.last_backlog),
+        miss_load=s.miss_load or None,
+        miss_ceiling=s.miss_ceiling or None,
+        miss_at=_seconds(s.miss_at),
     )
 
 
@@ -182,6 +185,9 @@ def _slo_model(decision: Decision) -> SloStatus | None:
         capacity_ceiling=None if state.capacity_ceiling is None else round(state.capacity_ceiling, 5),
         fresh_since=_time(state.fresh_since),
         last_backlog=_time(state.last_backlog),
+        miss_load=None if state.miss_load is None else round(state.miss_load, 5),
+        miss_ceiling=None if state.miss_ceiling is None else round(state.miss_ceiling, 5),
+        miss_at=_time(state.miss_at),
         router_time=_time(state.time),
         router_counts=None if state.router_counts is None else _counts_model(state.router_counts),
         intervals=[

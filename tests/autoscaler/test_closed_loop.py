@@ -20,12 +20,14 @@ from kvpilot.autoscaler.attainment import (
     window,
 )
 from kvpilot.autoscaler.feedback import (
+    CUT_Z,
     FeedbackSettings,
     SloState,
     evaluate,
     planner_capacity,
     proven_step,
     record_interval,
+    request_span_s,
 )
 from kvpilot.autoscaler.policy import ArrivalState, History, PodCounter, decide
 from kvpilot.autoscaler.replica_model import calibration_by_name
@@ -131,11 +133,14 @@ def test_a_significant_miss_grows_the_fleet_and_corrects_the_capacity():
     assert fb.recommendation == 8 and not fb.allow_scale_down
     assert "measured attainment 0.900 < target 0.990" in fb.text
     # missed at half the model's capacity: the model is optimistic there; the planner's ceiling is
-    # below the load that missed, by the step
-    assert fb.state.capacity_ceiling == pytest.approx(2.0 * 0.5) and fb.state.capacity_floor is None
-    assert planner_capacity(fb.state, 4.0) == pytest.approx(1.0)
+    # below the load that missed, by what the misses prove at CUT_Z standard deviations (45%: the
+    # cut is remembered, so it asks for more evidence than the step)
+    cut = proven_step(20, 200, 0.01, SETTINGS.gain, SETTINGS.max_step, CUT_Z)
+    assert cut == pytest.approx(0.1 * ((20 - 2 * math.sqrt(20)) / 200 - 0.01) / 0.01)
+    assert fb.state.capacity_ceiling == pytest.approx(2.0 * (1 - cut)) and fb.state.capacity_floor is None
+    assert planner_capacity(fb.state, 4.0) == pytest.approx(2.0 * (1 - cut))
     # a ceiling is a load, not a ratio: the model's swing with the token mix does not carry past it
-    assert planner_capacity(fb.state, 8.0) == pytest.approx(1.0)
+    assert planner_capacity(fb.state, 8.0) == pytest.approx(2.0 * (1 - cut))
     assert planner_capacity(fb.state, 0.5) == pytest.approx(0.5)
     assert fb.state.fresh_since == NOW + 10
     # the next sync sees only what began after the step took effect: no second step on old misses
@@ -146,12 +151,14 @@ def test_a_significant_miss_grows_the_fleet_and_corrects_the_capacity():
 def test_a_few_misses_ask_for_what_they_prove_not_their_point_estimate():
     # 3 late of 66 (95.5%): significant against 99%, but one burst of long prompts can do that. The
     # point estimate (3.5 budgets short) asked +35% and cut the capacity by as much; the misses less
-    # one standard deviation prove 0.9 budgets: +9%.
+    # one standard deviation prove 0.9 budgets: +9%. At two (a cut's evidence) they prove nothing
+    # below the load that missed: the ceiling is that load.
     state = _state((NOW, SloCounts(met=63, missed_ttft=3), 2.0))
     fb = evaluate(state, NOW, current=10, ready=10, settings=SETTINGS, model_capacity=4.0, settle_s=10)
     step = proven_step(3, 66, 0.01, SETTINGS.gain, SETTINGS.max_step)
     assert step == pytest.approx(0.1 * ((3 - math.sqrt(3)) / 66 - 0.01) / 0.01)
-    assert fb.recommendation == 11 and fb.state.capacity_ceiling == pytest.approx(2.0 * (1 - step))
+    assert proven_step(3, 66, 0.01, SETTINGS.gain, SETTINGS.max_step, CUT_Z) == 0.0
+    assert fb.recommendation == 11 and fb.state.capacity_ceiling == pytest.approx(2.0)
     # many misses prove nearly their whole shortfall; the largest step stays the cap
     assert proven_step(40, 1000, 0.01, 0.1, 0.5) == pytest.approx(0.1 * (40 - math.sqrt(40) - 10) / 10)
     assert proven_step(300, 1000, 0.01, 0.1, 0.5) == 0.5
@@ -159,6 +166,44 @@ def test_a_few_misses_ask_for_what_they_prove_not_their_point_estimate():
     # however small the proof, a significant miss adds a replica
     small = _state((NOW, SloCounts(met=38, missed_ttft=2), 2.0))
     assert evaluate(small, NOW, 10, 10, SETTINGS, 4.0, 10).recommendation == 11
+
+
+def test_capacity_is_learnt_from_requests_the_fleet_served_whole():
+    # The last step took effect at NOW - 20 (a cold start's queue, a burst): the misses since then
+    # (17 of 42) are requests that began on the smaller fleet. They grow the fleet at once, but teach
+    # no capacity until intervals that began a request span (here 25 s) after the step are judged.
+    # Cutting the capacity for them held one trace's fleet at 2-3x its need for half an hour.
+    early = _state((NOW, SloCounts(met=25, missed_tpot=17), 0.7), fresh_since=NOW - 20)
+    fb = evaluate(early, NOW, 3, 3, SETTINGS, 1.1, 10, span_s=25.0)
+    assert fb.recommendation == 5 and fb.state.capacity_ceiling is None
+    # without the span (or once the served window holds the misses) the same counts cut it
+    assert evaluate(early, NOW, 3, 3, SETTINGS, 1.1, 10).state.capacity_ceiling is not None
+    # requests served whole by the fleet as it is: those teach the capacity, at their own load
+    served = _state(
+        (NOW - 15, SloCounts(met=25, missed_tpot=17), 0.9),
+        (NOW, SloCounts(met=190, missed_tpot=10), 0.7),
+        fresh_since=NOW - 40,
+    )
+    fb = evaluate(served, NOW, 3, 3, SETTINGS, 1.1, 10, span_s=25.0)
+    cut = proven_step(10, 200, 0.01, SETTINGS.gain, SETTINGS.max_step, CUT_Z)
+    assert fb.recommendation is not None and fb.state.capacity_ceiling == pytest.approx(0.7 * (1 - cut))
+    # too few of them to judge: the fleet grows, the capacity waits
+    few = _state(
+        (NOW - 15, SloCounts(met=25, missed_tpot=17), 0.9),
+        (NOW, SloCounts(met=10, missed_tpot=5), 0.7),
+        fresh_since=NOW - 40,
+    )
+    fb = evaluate(few, NOW, 3, 3, SETTINGS, 1.1, 10, span_s=25.0)
+    assert fb.recommendation is not None and fb.state.capacity_ceiling is None
+
+
+def test_request_span_is_the_ttft_target_and_the_output_at_the_tpot_target():
+    targets = _targets().slo
+    assert targets is not None
+    assert request_span_s(targets, None) == 0.0
+    span = request_span_s(targets, (12000.0, 300.0))
+    assert span == pytest.approx(targets.slo.ttft_target(12000, targets.calibration) + 300 * 0.05)
+    assert request_span_s(targets, (12000.0, 600.0)) == pytest.approx(span + 300 * 0.05)
 
 
 def test_noise_within_the_budget_is_not_a_miss():
@@ -194,13 +239,44 @@ def test_scale_down_needs_headroom_and_a_measurement():
     # a miss below the floor: the workload got heavier, the floor comes down with the ceiling
     heavier = _state((NOW, SloCounts(met=180, missed_tpot=20), 2.0), capacity_floor=3.0)
     dropped = evaluate(heavier, NOW, 5, 5, SETTINGS, 4.0, 10).state
-    assert dropped.capacity_ceiling == pytest.approx(1.0) and dropped.capacity_floor == pytest.approx(1.0)
+    cut = 2.0 * (1 - proven_step(20, 200, 0.01, SETTINGS.gain, SETTINGS.max_step, CUT_Z))
+    assert dropped.capacity_ceiling == pytest.approx(cut) and dropped.capacity_floor == pytest.approx(cut)
     tight = _state((NOW, SloCounts(met=992, missed_ttft=8), 3.0))  # 99.2%: met, but no headroom
     assert not evaluate(tight, NOW, 5, 5, SETTINGS, 4.0, 10).allow_scale_down
     few = _state((NOW, SloCounts(met=5, failed=1), 3.0))  # low traffic: little to lose
     assert evaluate(few, NOW, 5, 5, SETTINGS, 4.0, 10).allow_scale_down
     unknown = evaluate(SloState(), NOW, 5, 5, SETTINGS, 4.0, 10)
     assert unknown.attainment is None and not unknown.allow_scale_down
+
+
+def test_the_probe_stops_at_a_load_that_missed_while_it_is_remembered():
+    # A fleet of 2 sized at a 0.8/s ceiling runs at 0.5/s per replica with headroom: the probe raises
+    # the ceiling 3% a sync, and once it passes the fleet's whole rate (1.0/s) the planner halves the
+    # fleet into the load at which it missed (1.0/s per replica, cut to 0.8) minutes before. So while
+    # the cut is remembered the probe stops at that load.
+    missed = _state((NOW, SloCounts(met=190, missed_tpot=10), 1.0))
+    cut = evaluate(missed, NOW, 1, 1, SETTINGS, 2.0, 10)
+    assert cut.state.miss_load == pytest.approx(1.0) and cut.state.miss_at == NOW
+    ceiling = cut.state.capacity_ceiling
+    assert ceiling is not None and ceiling < 1.0
+
+    def probe(state: SloState, t: float, load: float) -> SloState:
+        ok = replace(state, intervals=(SloInterval(t, 15.0, SloCounts(met=300), load),), time=t)
+        return evaluate(ok, t, 2, 2, SETTINGS, 2.0, 10).state
+
+    state, t = cut.state, NOW
+    for _ in range(40):
+        t += 15
+        state = probe(state, t, 0.5)
+    assert state.capacity_ceiling == pytest.approx(1.0)  # up to the load that missed, not past it
+    assert state.capacity_floor == pytest.approx(0.5)
+    # forgotten after miss_memory_s: the probe goes on toward the model
+    later = probe(state, NOW + SETTINGS.miss_memory_s + 15, 0.5)
+    assert later.miss_load is None and later.capacity_ceiling == pytest.approx(1.03)
+    # served past the cut's ceiling by a probe step (the load outran the fleet with headroom): the
+    # cut was wrong, the memory ends at once
+    outran = probe(cut.state, NOW + 15, (ceiling or 0) * 1.05)
+    assert outran.miss_load is None and outran.capacity_floor == pytest.approx((ceiling or 0) * 1.05)
 
 
 def test_below_target_but_not_yet_significant_steps_the_capacity_down():
@@ -322,6 +398,11 @@ def test_status_round_trip_keeps_the_loop_and_publishes_the_prefill_terms():
     assert back.router_counts == SloCounts(met=1140, missed_ttft=60)
     assert back.fresh_since == pytest.approx(d.history.slo.fresh_since or 0, abs=1e-3)
     assert [i.counts for i in back.intervals] == [i.counts for i in d.history.slo.intervals]
+    # the cut's memory (the probe's limit) survives a restart too
+    assert d.history.slo.miss_load is not None and d.history.slo.miss_at == NOW
+    assert back.miss_load == pytest.approx(d.history.slo.miss_load, abs=1e-4)
+    assert back.miss_ceiling == pytest.approx(d.history.slo.miss_ceiling or 0, abs=1e-4)
+    assert back.miss_at == pytest.approx(NOW, abs=1e-3)
 
 
 # -- sources -------------------------------------------------------------------------------------
