@@ -30,24 +30,9 @@
 #include "isa.h"
 #include "kvpilot_kernels.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3, DT_FP8 = 4 };
-
 #define MAX_G 32
 #define MAX_D 256
 #define MAX_BS 256
-
-static inline float f16_to_f32(uint16_t h) {
-    _Float16 x;
-    memcpy(&x, &h, 2);
-    return (float)x;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    _Float16 x = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &x, 2);
-    return h;
-}
 
 static float fp8_table[256];
 static int fp8_ready = 0;
