@@ -292,29 +292,41 @@ VI v16 vexp(v16 x) { return v16of(exp8(x.lo), exp8(x.hi)); }
 
 static inline int tile_tokens(int G) { return TROWS / G; }
 
-/* S rows [NR][16] (row stride TKC) = NR query rows . one block's K^T tile (times the keys' int8 scales);
- * meanwhile the K (and head-major V) tiles at pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a
- * line at a time (one burst of 512 prefetches per chunk, or the hardware prefetcher alone, left a
- * decode at 16k keys 1.25x slower at avx512: a block's tiles are 4 KiB apart in the pool) */
-VI void qk_rows(const int NR, const int dt, const float *qr, const void *k_cache, size_t tile, v16 ks, float *sp,
-                const char *pk, const char *pv, int pstep) {
-    v16 s[QK_ROWS];
-    for (int j = 0; j < NR; j++) s[j] = vzero();
+/* S rows [NR][NB x 16] (row stride TKC) = NR query rows . NB blocks' K^T tiles (times the keys' int8
+ * scales): NR x NB accumulators, each key's dot product summed over d in order whatever NR and NB are
+ * (a decode of few rows takes 2 blocks at once so that enough FMA chains are in flight, and drops the
+ * pad rows; its results equal a prefill's bit for bit). Meanwhile the K (and head-major V) tiles at
+ * pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a line at a time (one burst of 512 prefetches
+ * per chunk, or the hardware prefetcher alone, left a decode at 16k keys 1.25x slower at avx512: a
+ * block's tiles are 4 KiB apart in the pool) */
+VI void qk_rows(const int NR, const int NB, const int dt, const float *qr, const void *k_cache,
+                const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv,
+                int pstep) {
+    v16 s[QK_ROWS][2];
+    for (int j = 0; j < NR; j++)
+        for (int b = 0; b < NB; b++) s[j][b] = vzero();
     for (int d = 0; d < FD; d++) {
-        if (pk && d % pstep == 0) { /* one line of a later block's K and V tiles per pstep rows */
-            _mm_prefetch(pk + (d / pstep) * 64, _MM_HINT_T1);
-            if (pv) _mm_prefetch(pv + (d / pstep) * 64, _MM_HINT_T1);
+        if (d % pstep == 0) /* one line of a later block's K and V tiles per pstep rows */
+            for (int b = 0; b < NB; b++) {
+                if (pk[b]) _mm_prefetch(pk[b] + (d / pstep) * 64, _MM_HINT_T1);
+                if (pv[b]) _mm_prefetch(pv[b] + (d / pstep) * 64, _MM_HINT_T1);
+            }
+        v16 k[2];
+        for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
+        for (int j = 0; j < NR; j++) {
+            const v16 q = vset1(qr[j * FD + d]);
+            for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
         }
-        const v16 k = ld16(k_cache, dt, tile + (size_t)d * FBS);
-        for (int j = 0; j < NR; j++) s[j] = vfmadd(vset1(qr[j * FD + d]), k, s[j]);
     }
-    for (int j = 0; j < NR; j++) vstore(sp + j * TKC, dt == DT_I8 ? vmul(s[j], ks) : s[j]);
+    for (int j = 0; j < NR; j++)
+        for (int b = 0; b < NB; b++) vstore(sp + j * TKC + b * FBS, dt == DT_I8 ? vmul(s[j][b], ks[b]) : s[j][b]);
 }
 
-/* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp), PV_COLS
- * x 16 output columns a pass: NR x PV_COLS accumulators, one V load per NR broadcast-FMAs */
+/* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp, for int8
+ * already times the values' scales), PV_COLS x 16 output columns a pass: NR x PV_COLS accumulators,
+ * one V load per NR broadcast-FMAs */
 VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const float *corr, int c0, int nk,
-                const void *v_cache, const uint16_t *v_scale, const int32_t *table, int Hkv, int h, int vhm) {
+                const void *v_cache, const int32_t *table, int Hkv, int h, int vhm) {
     for (int col = 0; col < FD; col += PV_COLS * 16) {
         v16 acc[PV_ROWS][PV_COLS];
         for (int j = 0; j < NR; j++) {
@@ -328,10 +340,6 @@ VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const flo
                 const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
                 v16 v[PV_COLS];
                 for (int c = 0; c < PV_COLS; c++) v[c] = ld16(v_cache, dt, off + (size_t)(col + c * 16));
-                if (dt == DT_I8) {
-                    const v16 vsc = vset1(f16_to_f32(v_scale[(blk * FBS + kr) * Hkv + h]));
-                    for (int c = 0; c < PV_COLS; c++) v[c] = vmul(v[c], vsc);
-                }
                 for (int j = 0; j < NR; j++) {
                     const v16 p = vset1(sp[j * TKC + bb * FBS + kr]);
                     for (int c = 0; c < PV_COLS; c++) acc[j][c] = vfmadd(p, v[c], acc[j][c]);
@@ -343,19 +351,37 @@ VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const flo
     }
 }
 
+/* 16 float16 scales of one block's keys (or values) for kv head h, as float32; 0 past the n live keys */
+VI v16 block_scales(const uint16_t *scale, size_t blk, int Hkv, int h, int n) {
+    float f[FBS];
+    for (int j = 0; j < FBS; j++) f[j] = j < n ? f16_to_f32(scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
+    return vloadu(f);
+}
+
+/* a decode's rows (R <= SMALL_R, no pad rows) with NR a constant in each instantiation */
+#define SMALL_R 4
+#define BY_ROWS(R, CALL)                                                                                       \
+    switch (R) {                                                                                               \
+        case 1: CALL(1); break;                                                                                \
+        case 2: CALL(2); break;                                                                                \
+        case 3: CALL(3); break;                                                                                \
+        default: CALL(4); break;                                                                               \
+    }
+
 VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
                   float *o /* [TROWS][64], 64-byte aligned */, const int *rctx /* [TROWS] keys each row may see */,
                   const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                   const int32_t *table, int Hkv, int h, int vhm) {
     float sb[TROWS][TKC] __attribute__((aligned(64)));
     float m[TROWS], l[TROWS], corr[TROWS];
-    const int small = R <= 4; /* a decode of G <= 4 query heads: one group of 4 rows */
-    const int qrows = small ? 4 : QK_ROWS, prows = small ? 4 : PV_ROWS;
+    const int small = R <= SMALL_R; /* a decode of G <= 4 query heads: its rows alone, 2 blocks a pass */
+    const int qrows = small ? R : QK_ROWS, prows = small ? R : PV_ROWS;
     const int Rq = (R + qrows - 1) / qrows * qrows, Rp = (R + prows - 1) / prows * prows;
     const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
     const int pstep = (int)(FD * 64 / tile_bytes); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
     int ctx_max = 0;
     for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
+    const int ctx_blocks = (ctx_max + FBS - 1) / FBS;
     for (int r = 0; r < Rp; r++) {
         m[r] = NEG_BIG;
         l[r] = 0.0f;
@@ -364,31 +390,40 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
     for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
         const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
         const int nbk = (nk + FBS - 1) / FBS;
-        /* S = Q K^T, one block of 16 keys and qrows rows at a time */
-        for (int bb = 0; bb < nbk; bb++) {
-            const size_t blk = (size_t)table[c0 / FBS + bb];
-            const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
-            const char *pk = NULL, *pv = NULL;
-            const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb;
-            if (ahead < (ctx_max + FBS - 1) / FBS) {
-                const size_t nb = (size_t)table[ahead];
-                pk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
-                pv = vhm ? (const char *)v_cache + (nb * Hkv + h) * tile_bytes : NULL;
-            }
-            v16 ks = vset1(1.0f);
-            if (dt == DT_I8) {
-                float kf[FBS];
-                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
-                for (int j = 0; j < FBS; j++) kf[j] = j < n ? f16_to_f32(k_scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
-                ks = vloadu(kf);
+        /* S = Q K^T: qrows rows and 1 block of 16 keys at a time (2 for a decode) */
+        for (int bb = 0; bb < nbk;) {
+            const int nb = small && bb + 1 < nbk ? 2 : 1;
+            size_t tile[2];
+            v16 ks[2];
+            const char *pk[2] = {NULL, NULL}, *pv[2] = {NULL, NULL};
+            for (int b = 0; b < nb; b++) {
+                const size_t blk = (size_t)table[c0 / FBS + bb + b];
+                tile[b] = (blk * Hkv + h) * (size_t)FD * FBS;
+                const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb + b;
+                if (ahead < ctx_blocks) {
+                    const size_t nbl = (size_t)table[ahead];
+                    pk[b] = (const char *)k_cache + (nbl * Hkv + h) * tile_bytes;
+                    pv[b] = vhm ? (const char *)v_cache + (nbl * Hkv + h) * tile_bytes : NULL;
+                }
+                ks[b] = dt == DT_I8 ? block_scales(k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
             if (small) {
-                qk_rows(4, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);
+#define QK_SMALL(NR)                                                                                           \
+    do {                                                                                                       \
+        if (nb == 2)                                                                                           \
+            qk_rows(NR, 2, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);                        \
+        else                                                                                                   \
+            qk_rows(NR, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);                        \
+    } while (0)
+                BY_ROWS(R, QK_SMALL)
+#undef QK_SMALL
             } else {
+                const char *none[2] = {NULL, NULL};
                 for (int r0 = 0; r0 < Rq; r0 += QK_ROWS)
-                    qk_rows(QK_ROWS, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? NULL : pk, pv,
-                            pstep);
+                    qk_rows(QK_ROWS, 1, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? none : pk,
+                            r0 ? none : pv, pstep);
             }
+            bb += nb;
         }
         /* mask, one online-softmax update per row, P in place of S */
         for (int r = 0; r < Rp; r++) {
@@ -417,13 +452,20 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
             l[r] = l[r] * corr[r] + vreduce_add(sum);
             m[r] = m_new;
         }
+        if (dt == DT_I8) { /* P times the values' scales: one multiply per key and row, not per value */
+            for (int bb = 0; bb < nbk; bb++) {
+                const v16 vs = block_scales(v_scale, (size_t)table[c0 / FBS + bb], Hkv, h, nk - bb * FBS);
+                for (int r = 0; r < Rp; r++) vstore(&sb[r][bb * FBS], vmul(vload(&sb[r][bb * FBS]), vs));
+            }
+        }
         /* O = corr O + P V, prows rows at a time */
         if (small) {
-            pv_rows(4, dt, o, &sb[0][0], corr, c0, nk, v_cache, v_scale, table, Hkv, h, vhm);
+#define PV_SMALL(NR) pv_rows(NR, dt, o, &sb[0][0], corr, c0, nk, v_cache, table, Hkv, h, vhm)
+            BY_ROWS(R, PV_SMALL)
+#undef PV_SMALL
         } else {
             for (int r0 = 0; r0 < Rp; r0 += PV_ROWS)
-                pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, v_scale, table, Hkv, h,
-                        vhm);
+                pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, table, Hkv, h, vhm);
         }
     }
     for (int r = 0; r < R; r++) {

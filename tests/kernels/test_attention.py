@@ -405,9 +405,11 @@ def test_prefill_tiles_match_reference(level: str, dtype: torch.dtype, heads: tu
         (torch.float32, (9, 3), (1, 2, 7, 1, 30, 259)),  # decodes (tiles of one: the 4-row groups) first
         (torch.bfloat16, (10, 2), (5, 61, 1, 233)),  # G = 5: tiles of 4 tokens, pad rows
         (torch.int8, (14, 2), (3, 3, 100, 194)),  # G = 7: tiles of 3 tokens
+        (torch.int8, (9, 3), (1, 1, 17, 1, 280)),  # int8 decodes: 2 blocks a pass, scales folded into P
+        (torch.bfloat16, (4, 2), (1, 3, 1, 295)),  # G = 2: a decode of 2 rows
         (torch.float16, (8, 1), (13, 287)),  # G = 8
     ],
-    ids=["f32-g3", "f32-g3-decodes", "bf16-g5", "int8-g7", "f16-g8"],
+    ids=["f32-g3", "f32-g3-decodes", "bf16-g5", "int8-g7", "int8-g3-decodes", "bf16-g2-decodes", "f16-g8"],
 )
 def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(
     level: str, dtype: torch.dtype, heads: tuple[int, int], chunks: tuple[int, ...]
