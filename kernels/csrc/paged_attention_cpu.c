@@ -298,24 +298,26 @@ static inline int tile_tokens(int G) { return TROWS / G; }
  * pad rows; its results equal a prefill's bit for bit). Meanwhile the K (and head-major V) tiles at
  * pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a line at a time (one burst of 512 prefetches
  * per chunk, or the hardware prefetcher alone, left a decode at 16k keys 1.25x slower at avx512: a
- * block's tiles are 4 KiB apart in the pool) */
+ * block's tiles are 4 KiB apart in the pool; with nothing left to fetch, pk / pv name the current
+ * tile, so that the loop has no branch) */
 VI void qk_rows(const int NR, const int NB, const int dt, const float *qr, const void *k_cache,
-                const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv,
-                int pstep) {
+                const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv) {
+    const int PSTEP = (int)(64 / (FBS * elem_size(dt))); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
     v16 s[QK_ROWS][2];
     for (int j = 0; j < NR; j++)
         for (int b = 0; b < NB; b++) s[j][b] = vzero();
-    for (int d = 0; d < FD; d++) {
-        if (d % pstep == 0) /* one line of a later block's K and V tiles per pstep rows */
-            for (int b = 0; b < NB; b++) {
-                if (pk[b]) _mm_prefetch(pk[b] + (d / pstep) * 64, _MM_HINT_T1);
-                if (pv[b]) _mm_prefetch(pv[b] + (d / pstep) * 64, _MM_HINT_T1);
+    for (int d0 = 0; d0 < FD; d0 += PSTEP) {
+        for (int b = 0; b < NB; b++) { /* one line of a later block's K and V tiles per PSTEP rows */
+            _mm_prefetch(pk[b] + (d0 / PSTEP) * 64, _MM_HINT_T1);
+            _mm_prefetch(pv[b] + (d0 / PSTEP) * 64, _MM_HINT_T1);
+        }
+        for (int d = d0; d < d0 + PSTEP; d++) {
+            v16 k[2];
+            for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
+            for (int j = 0; j < NR; j++) {
+                const v16 q = vset1(qr[j * FD + d]);
+                for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
             }
-        v16 k[2];
-        for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
-        for (int j = 0; j < NR; j++) {
-            const v16 q = vset1(qr[j * FD + d]);
-            for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
         }
     }
     for (int j = 0; j < NR; j++)
@@ -378,7 +380,6 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
     const int qrows = small ? R : QK_ROWS, prows = small ? R : PV_ROWS;
     const int Rq = (R + qrows - 1) / qrows * qrows, Rp = (R + prows - 1) / prows * prows;
     const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
-    const int pstep = (int)(FD * 64 / tile_bytes); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
     int ctx_max = 0;
     for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
     const int ctx_blocks = (ctx_max + FBS - 1) / FBS;
@@ -395,33 +396,32 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
             const int nb = small && bb + 1 < nbk ? 2 : 1;
             size_t tile[2];
             v16 ks[2];
-            const char *pk[2] = {NULL, NULL}, *pv[2] = {NULL, NULL};
+            const char *pk[2], *pv[2];
             for (int b = 0; b < nb; b++) {
                 const size_t blk = (size_t)table[c0 / FBS + bb + b];
                 tile[b] = (blk * Hkv + h) * (size_t)FD * FBS;
                 const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb + b;
-                if (ahead < ctx_blocks) {
-                    const size_t nbl = (size_t)table[ahead];
-                    pk[b] = (const char *)k_cache + (nbl * Hkv + h) * tile_bytes;
-                    pv[b] = vhm ? (const char *)v_cache + (nbl * Hkv + h) * tile_bytes : NULL;
-                }
+                const size_t nbl = ahead < ctx_blocks ? (size_t)table[ahead] : blk;
+                pk[b] = (const char *)k_cache + (nbl * Hkv + h) * tile_bytes;
+                pv[b] = vhm ? (const char *)v_cache + (nbl * Hkv + h) * tile_bytes : pk[b];
                 ks[b] = dt == DT_I8 ? block_scales(k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
+            const char *cur[2] = {(const char *)k_cache + tile[0] * elem_size(dt), NULL};
+            cur[1] = cur[0];
             if (small) {
 #define QK_SMALL(NR)                                                                                           \
     do {                                                                                                       \
         if (nb == 2)                                                                                           \
-            qk_rows(NR, 2, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);                        \
+            qk_rows(NR, 2, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                               \
         else                                                                                                   \
-            qk_rows(NR, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);                        \
+            qk_rows(NR, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                               \
     } while (0)
                 BY_ROWS(R, QK_SMALL)
 #undef QK_SMALL
             } else {
-                const char *none[2] = {NULL, NULL};
-                for (int r0 = 0; r0 < Rq; r0 += QK_ROWS)
-                    qk_rows(QK_ROWS, 1, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? none : pk,
-                            r0 ? none : pv, pstep);
+                for (int r0 = 0; r0 < Rq; r0 += QK_ROWS) /* the first row group prefetches */
+                    qk_rows(QK_ROWS, 1, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? cur : pk,
+                            r0 ? cur : pv);
             }
             bb += nb;
         }
