@@ -108,9 +108,12 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /*
  * Vectorized path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8, K/V in
- * float32, bfloat16, float16 or int8 (widened to float32 in registers: every product is a float32
- * one; no bf16 dot product, see docs/runtime.md "Precision"). Every token takes the tiles below
- * (tile_item); other shapes and fp8 take the generic loop.
+ * float32, bfloat16, float16, int8 or float8 e4m3fn (widened to float32 in registers: every product
+ * is a float32 one; no bf16 dot product, see docs/runtime.md "Precision"; a quantized cache's scales
+ * multiply the scores and P, once per key). Every token takes the tiles below (tile_item); other
+ * shapes take the generic loop. float8 is widened through float16: its byte b, as the float16 bits
+ * (b & 0x80) << 8 | (b & 0x7f) << 7, is exactly value / 256 (subnormals too; the NaN codes 0x7f / 0xff,
+ * which the C write produces only from a NaN or an overflow, read as +-480 here, NaN in the generic loop).
  *
  * One tile code for both levels: it is written over v16, a vector of a block's 16 keys (or 16 output
  * columns), and a handful of primitives defined once per level just below: one __m512 at avx512,
@@ -123,6 +126,7 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 
 #define KVPILOT_FAST 1
 #define FD 64
+#define quantized(dt) ((dt) == DT_I8 || (dt) == DT_FP8) /* scales per (token, head) */
 #define FBS 16
 #define MAX_FG 8
 #define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
@@ -161,6 +165,12 @@ VI v16 ld16(const void *base, int dt, size_t off) {
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))),
                 16));
         case DT_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+        case DT_FP8: { /* fp8_as_f16: the float16 of value / 256 */
+            const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + off)));
+            return _mm512_cvtph_ps(
+                _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16((short)0x8000)),
+                                _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3f80))));
+        }
         default: /* DT_I8 */
             return _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
@@ -246,6 +256,11 @@ VI __m256 ld8(const void *base, int dt, size_t off) {
             return _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
         case DT_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)));
+        case DT_FP8: { /* fp8_as_f16: the float16 of value / 256 */
+            const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + off)));
+            return _mm256_cvtph_ps(_mm_or_si128(_mm_and_si128(_mm_slli_epi16(x, 8), _mm_set1_epi16((short)0x8000)),
+                                                _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3f80))));
+        }
         default: /* DT_I8 */
             return _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + off))));
@@ -321,7 +336,7 @@ VI void qk_rows(const int NR, const int NB, const int dt, const float *qr, const
         }
     }
     for (int j = 0; j < NR; j++)
-        for (int b = 0; b < NB; b++) vstore(sp + j * TKC + b * FBS, dt == DT_I8 ? vmul(s[j][b], ks[b]) : s[j][b]);
+        for (int b = 0; b < NB; b++) vstore(sp + j * TKC + b * FBS, quantized(dt) ? vmul(s[j][b], ks[b]) : s[j][b]);
 }
 
 /* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp, for int8
@@ -353,10 +368,12 @@ VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const flo
     }
 }
 
-/* 16 float16 scales of one block's keys (or values) for kv head h, as float32; 0 past the n live keys */
-VI v16 block_scales(const uint16_t *scale, size_t blk, int Hkv, int h, int n) {
+/* 16 float16 scales of one block's keys (or values) for kv head h, as float32 (times 256 for float8,
+ * which ld16 reads as value / 256: exact, a power of two); 0 past the n live keys */
+VI v16 block_scales(const int dt, const uint16_t *scale, size_t blk, int Hkv, int h, int n) {
+    const float unit = dt == DT_FP8 ? 256.0f : 1.0f;
     float f[FBS];
-    for (int j = 0; j < FBS; j++) f[j] = j < n ? f16_to_f32(scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
+    for (int j = 0; j < FBS; j++) f[j] = j < n ? f16_to_f32(scale[(blk * FBS + j) * Hkv + h]) * unit : 0.0f;
     return vloadu(f);
 }
 
@@ -404,7 +421,7 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
                 const size_t nbl = ahead < ctx_blocks ? (size_t)table[ahead] : blk;
                 pk[b] = (const char *)k_cache + (nbl * Hkv + h) * tile_bytes;
                 pv[b] = vhm ? (const char *)v_cache + (nbl * Hkv + h) * tile_bytes : pk[b];
-                ks[b] = dt == DT_I8 ? block_scales(k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
+                ks[b] = quantized(dt) ? block_scales(dt, k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
             const char *cur[2] = {(const char *)k_cache + tile[0] * elem_size(dt), NULL};
             cur[1] = cur[0];
@@ -452,9 +469,9 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
             l[r] = l[r] * corr[r] + vreduce_add(sum);
             m[r] = m_new;
         }
-        if (dt == DT_I8) { /* P times the values' scales: one multiply per key and row, not per value */
+        if (quantized(dt)) { /* P times the values' scales: one multiply per key and row, not per value */
             for (int bb = 0; bb < nbk; bb++) {
-                const v16 vs = block_scales(v_scale, (size_t)table[c0 / FBS + bb], Hkv, h, nk - bb * FBS);
+                const v16 vs = block_scales(dt, v_scale, (size_t)table[c0 / FBS + bb], Hkv, h, nk - bb * FBS);
                 for (int r = 0; r < Rp; r++) vstore(&sb[r][bb * FBS], vmul(vload(&sb[r][bb * FBS]), vs));
             }
         }
@@ -476,7 +493,8 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
 
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
-           (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8);
+           (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8 ||
+            kv_dtype == DT_FP8);
 }
 
 #define TILE_DT(dt) tile_item(dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
@@ -487,6 +505,7 @@ static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const 
         case DT_F32: TILE_DT(DT_F32); break;
         case DT_BF16: TILE_DT(DT_BF16); break;
         case DT_F16: TILE_DT(DT_F16); break;
+        case DT_FP8: TILE_DT(DT_FP8); break;
         default: TILE_DT(DT_I8); break;
     }
 }
