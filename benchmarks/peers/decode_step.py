@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
     import workload as wl
-    from peers.long_context import LONG_CONTEXT, long_context_copy
-    from peers.measure import BUILD_DIR, log, machine_info
 
     from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.engine.build import build_engine
+    from peers.long_context import LONG_CONTEXT, long_context_copy
+    from peers.measure import BUILD_DIR, log, machine_info
 
     torch.set_num_threads(args.threads)
     gguf = long_context_copy(

@@ -67,7 +67,9 @@ def unsupported_step(
     if device.type != "cpu" or dtype not in cpu_decoder.DTYPES:
         return f"activations {dtype} on {device.type}"
     quantized = first.k.dtype in cpu_ops.QUANTIZED and first.k_scale is not None
-    if first.v.dtype != first.k.dtype or not (quantized or (first.k_scale is None and first.k.dtype == dtype)):
+    if first.v.dtype != first.k.dtype or not (
+        quantized or (first.k_scale is None and first.k.dtype == dtype)
+    ):
         return f"a {first.k.dtype} KV cache for {dtype} activations"
     return None
 

@@ -150,7 +150,11 @@ def test_quantized_write_kv_is_bitwise_the_torch_quantizer(
 
     def caches() -> KVCacheLayer:
         def z(*shape: int, dt: torch.dtype = cache_dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.uint8).view(dt) if dt.itemsize == 1 else torch.zeros(*shape, dtype=dt)
+            return (
+                torch.zeros(*shape, dtype=torch.uint8).view(dt)
+                if dt.itemsize == 1
+                else torch.zeros(*shape, dtype=dt)
+            )
 
         ks, vs = z(nb, bs, hk, dt=quant.SCALE_DTYPE), z(nb, bs, hk, dt=quant.SCALE_DTYPE)
         if tiled:

@@ -48,7 +48,9 @@ def _caches_for(arch: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
     return allocate_kv_cache(geo, 64, torch.device("cpu"), tiled=True)
 
 
-def _run(model: Any, loaded: Any, dtype: torch.dtype, stack: bool, kv_dtype: str = "auto") -> list[torch.Tensor]:
+def _run(
+    model: Any, loaded: Any, dtype: torch.dtype, stack: bool, kv_dtype: str = "auto"
+) -> list[torch.Tensor]:
     """Hidden states of three steps (two prompts' prefill, then mixed prefill + decode, then decodes),
     by the compiled stack or by the model's own forward, over a KV cache of --kv-cache-dtype kv_dtype."""
     kv = PagedKV(loaded.arch)
@@ -94,12 +96,18 @@ def test_stack_gives_the_python_layers_hidden_states(
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(kv_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(
+    kv_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     _require_stack()
     cfg = EngineConfig(
-        model=DEFAULT_MODEL, quantization="int4", kv_cache_memory=2**26, max_num_seqs=4, kv_cache_dtype=kv_dtype
+        model=DEFAULT_MODEL,
+        quantization="int4",
+        kv_cache_memory=2**26,
+        max_num_seqs=4,
+        kv_cache_dtype=kv_dtype,
     )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 9139]]
