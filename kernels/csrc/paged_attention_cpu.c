@@ -315,24 +315,23 @@ static inline int tile_tokens(int G) { return TROWS / G; }
  * per chunk, or the hardware prefetcher alone, left a decode at 16k keys 1.25x slower at avx512: a
  * block's tiles are 4 KiB apart in the pool; with nothing left to fetch, pk / pv name the current
  * tile, so that the loop has no branch) */
-VI void qk_rows(const int NR, const int NB, const int dt, const float *qr, const void *k_cache,
+VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const float *qr, const void *k_cache,
                 const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv) {
     const int PSTEP = (int)(64 / (FBS * elem_size(dt))); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
     v16 s[QK_ROWS][2];
     for (int j = 0; j < NR; j++)
         for (int b = 0; b < NB; b++) s[j][b] = vzero();
-    for (int d0 = 0; d0 < FD; d0 += PSTEP) {
-        for (int b = 0; b < NB; b++) { /* one line of a later block's K and V tiles per PSTEP rows */
-            _mm_prefetch(pk[b] + (d0 / PSTEP) * 64, _MM_HINT_T1);
-            _mm_prefetch(pv[b] + (d0 / PSTEP) * 64, _MM_HINT_T1);
-        }
-        for (int d = d0; d < d0 + PSTEP; d++) {
-            v16 k[2];
-            for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
-            for (int j = 0; j < NR; j++) {
-                const v16 q = vset1(qr[j * FD + d]);
-                for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
+    for (int d = 0; d < FD; d++) {
+        if (PF && d % PSTEP == 0) /* one line of a later block's K and V tiles per PSTEP rows */
+            for (int b = 0; b < NB; b++) {
+                _mm_prefetch(pk[b] + (d / PSTEP) * 64, _MM_HINT_T1);
+                _mm_prefetch(pv[b] + (d / PSTEP) * 64, _MM_HINT_T1);
             }
+        v16 k[2];
+        for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
+        for (int j = 0; j < NR; j++) {
+            const v16 q = vset1(qr[j * FD + d]);
+            for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
         }
     }
     for (int j = 0; j < NR; j++)
@@ -423,22 +422,20 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
                 pv[b] = vhm ? (const char *)v_cache + (nbl * Hkv + h) * tile_bytes : pk[b];
                 ks[b] = quantized(dt) ? block_scales(dt, k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
-            const char *cur[2] = {(const char *)k_cache + tile[0] * elem_size(dt), NULL};
-            cur[1] = cur[0];
             if (small) {
 #define QK_SMALL(NR)                                                                                           \
     do {                                                                                                       \
         if (nb == 2)                                                                                           \
-            qk_rows(NR, 2, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                               \
+            qk_rows(NR, 2, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                            \
         else                                                                                                   \
-            qk_rows(NR, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                               \
+            qk_rows(NR, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                            \
     } while (0)
                 BY_ROWS(R, QK_SMALL)
 #undef QK_SMALL
             } else {
-                for (int r0 = 0; r0 < Rq; r0 += QK_ROWS) /* the first row group prefetches */
-                    qk_rows(QK_ROWS, 1, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? cur : pk,
-                            r0 ? cur : pv);
+                qk_rows(QK_ROWS, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv); /* prefetches */
+                for (int r0 = QK_ROWS; r0 < Rq; r0 += QK_ROWS)
+                    qk_rows(QK_ROWS, 1, 0, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], pk, pv);
             }
             bb += nb;
         }
