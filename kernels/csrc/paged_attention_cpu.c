@@ -293,10 +293,10 @@ VI v16 vexp(v16 x) { return v16of(exp8(x.lo), exp8(x.hi)); }
  * step: one token), and one work item is (tile, kv head): its R = tokens x G query rows share every
  * K/V block they load, where one item per token read the whole context once per token (a 4,096-token
  * prefill spent 24 of 40 s there). Per chunk of TKC keys (4 blocks): S = Q K^T for QK_ROWS rows at a
- * time (4 when R <= 4: a decode), one K^T row load per row's broadcast-FMA; the causal mask; one
- * online-softmax update per row for the whole chunk (the horizontal max and sum once per 64 keys, not
- * per 16); then O += P V for PV_ROWS rows (4 when R <= 4) and PV_COLS x 16 columns at a time, one V
- * load per PV_ROWS broadcast-FMAs. A row's result depends only on its own query and keys (chunks
+ * time (a decode of R <= 4 rows: its R rows and two blocks a pass), one K^T row load per row's
+ * broadcast-FMA; the causal mask; one online-softmax update per row for the whole chunk (the
+ * horizontal max and sum once per 64 keys, not per 16); then O += P V for PV_ROWS rows (R for such a
+ * decode) and PV_COLS x 16 columns at a time, one V load per PV_ROWS broadcast-FMAs. A row's result depends only on its own query and keys (chunks
  * start at absolute key positions; masked keys add exact zeros), never on the other rows of its tile:
  * a prompt computed in chunks of any size, a decode and a speculative verification of the same token
  * attend bit for bit alike (at one level: the levels round differently).
