@@ -7,6 +7,8 @@ Without a subcommand: one configuration of every engine in one run (below). Subc
     cpu-time   the batch on one thread in thread CPU time, for a shared machine (peers/cpu_time.py)
     long-context  TTFT at 1k-16k-token prompts and decode speed there, kvpilot's default path against
                llama-server on the same GGUF (peers/long_context.py)
+    decode-step  one decode step at 1k-16k tokens of context per --kv-cache-dtype, thread CPU time
+               (peers/decode_step.py)
 
 Prints one JSON document: the machine (CPU model, bf16/AMX flags, cores, load average, versions), the
 configuration each engine ran with, and the figures:
@@ -52,7 +54,12 @@ from typing import Any
 
 from harness import dispatch
 
-SUBCOMMANDS = {"suite": "peers.suite", "cpu-time": "peers.cpu_time", "long-context": "peers.long_context"}
+SUBCOMMANDS = {
+    "suite": "peers.suite",
+    "cpu-time": "peers.cpu_time",
+    "long-context": "peers.long_context",
+    "decode-step": "peers.decode_step",
+}
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
     dispatch(__doc__ or "", SUBCOMMANDS)  # before the OpenMP setting and torch below: theirs are their own
 

@@ -24,13 +24,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 KernelBuildError = cbuild.KernelBuildError
-_DTYPES = {
-    torch.float32: 0,
-    torch.bfloat16: 1,
-    torch.float16: 2,
-    torch.int8: 3,
-    torch.float8_e4m3fn: 4,
-}
+_DTYPES = cpu_ops.DTYPE_CODES
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -177,8 +171,8 @@ class CPUPagedAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if cache.k_scale is None and cpu_ops.write_kv_supports(k, v, cache.k, cache.v):
-            cpu_ops.write_kv_(k, v, cache.k, cache.v, meta.slot_mapping)
+        if cpu_ops.write_kv_supports(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale):
+            cpu_ops.write_kv_(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         else:
             write_kv(k, v, cache, meta.slot_mapping)
         return paged_attention(q, cache, meta, scale)

@@ -51,6 +51,8 @@ class Layer(ctypes.Structure):
         ("v_cache", _p),
         ("k_strides", _l * 4),
         ("v_strides", _l * 4),
+        ("k_scale", _p),
+        ("v_scale", _p),
     ]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild
+from kvpilot.kernels import cbuild, quant
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,16 @@ CFLAGS = [
     "-shared",
     "-std=gnu11",
 ]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# element type codes (kernels/csrc/dtypes.h): the activations' dtypes, then the KV caches' others
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.int8: 3,
+    torch.float8_e4m3fn: 4,
+}
+_DTYPES = {dt: DTYPE_CODES[dt] for dt in (torch.float32, torch.bfloat16)}
+QUANTIZED = (torch.int8, torch.float8_e4m3fn)  # caches with float16 scales (kernels/quant.py)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -40,7 +49,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_rms_norm.restype = i
     lib.kvpilot_rotary.argtypes = [p, p, long, long, p, p, i, long, i, i, i, i, long, i]
     lib.kvpilot_rotary.restype = i
-    lib.kvpilot_write_kv.argtypes = [p, p, long, long, p, p, p, p, p, i, long, i, i, i, long]
+    lib.kvpilot_write_kv.argtypes = [p, p, long, long, p, p, p, p, p, p, p, i, i, long, i, i, i, long]
     lib.kvpilot_write_kv.restype = i
     lib.kvpilot_silu_mul.argtypes = [p, p, i, long, long, i]
     lib.kvpilot_silu_mul.restype = i
@@ -142,13 +151,34 @@ def rotary_(
         )
 
 
-def write_kv_supports(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """A plain copy into the cache: CPU, float32/bfloat16 activations of the caches' dtype (no
-    quantized cache), k/v [T, Hk, D] with heads adjacent within a token."""
+def write_kv_supports(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> bool:
+    """Whether `write_kv_` takes these: CPU, float32/bfloat16 activations, k/v [T, Hk, D] with heads
+    adjacent within a token; caches of the activations' dtype, or int8 / float8 e4m3fn ones with
+    contiguous [blocks, block_size, Hk] float16 scales (kernels/quant.py)."""
+    quantized = k_cache.dtype in QUANTIZED
+    scales_ok = (
+        k_scale is not None
+        and v_scale is not None
+        and all(
+            s.dtype == quant.SCALE_DTYPE and s.is_contiguous() and s.shape == k_cache.shape[:3]
+            for s in (k_scale, v_scale)
+        )
+        if quantized
+        else k_scale is None and v_scale is None and k_cache.dtype == k.dtype
+    )
     return (
         k.device.type == "cpu"
         and k.dtype in _DTYPES
-        and v.dtype == k_cache.dtype == v_cache.dtype == k.dtype
+        and v.dtype == k.dtype
+        and v_cache.dtype == k_cache.dtype
+        and scales_ok
         and k.dim() == v.dim() == 3
         and k.stride()[1:] == (k.shape[2], 1)
         and v.stride()[1:] == (v.shape[2], 1)
@@ -162,12 +192,15 @@ def write_kv_(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     level: str | None = None,
 ) -> None:
-    """Copy k, v [T, Hk, D] into slots of the [blocks, block_size, Hk, D] caches (any strides:
-    the tiled CPU layouts are views); negative slots are padding. `attention.write_kv`'s contract
-    for unquantized caches, in one call instead of a dozen indexing ops per layer."""
+    """Write k, v [T, Hk, D] into slots of the [blocks, block_size, Hk, D] caches (any strides: the
+    tiled CPU layouts are views); negative slots are padding. `attention.write_kv`'s contract in one
+    call instead of a dozen indexing ops per layer: a copy, or for an int8 / float8 cache each head
+    quantized exactly as quant.quantize does, its scale written to k_scale / v_scale."""
     slots = slot_mapping.to(torch.int64).contiguous()
     strides = torch.tensor([*k_cache.stride(), *v_cache.stride()], dtype=torch.int64)
     nb, bs, hk, d = k_cache.shape
@@ -180,16 +213,21 @@ def write_kv_(
         v_cache.data_ptr(),
         strides.data_ptr(),
         strides.data_ptr() + 4 * 8,
+        None if k_scale is None else k_scale.data_ptr(),
+        None if v_scale is None else v_scale.data_ptr(),
         slots.data_ptr(),
         _DTYPES[k.dtype],
+        DTYPE_CODES[k_cache.dtype],
         k.shape[0],
         hk,
         d,
         bs,
         nb * bs,
     )
+    if rc == -2:
+        raise ValueError("write_kv kernel rejected its arguments (code -2: a slot out of range)")
     if rc != 0:
-        raise ValueError(f"write_kv kernel rejected its arguments (code {rc}: a slot out of range)")
+        raise ValueError(f"write_kv kernel rejected its arguments (code {rc})")
 
 
 def silu_mul(gate_up: torch.Tensor, *, level: str | None = None) -> torch.Tensor:

@@ -11,6 +11,8 @@ tokens, no cached prefix), times one layer's attention call of:
 Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second.
 
     python benchmarks/kernels_bench.py attention [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
+    python benchmarks/kernels_bench.py attention --kernel-only --fast-only --threads 1 --dtype float32 \
+        --kv-dtype int8 --decode 1024,16384          # one decode step over an int8 cache (issue 26)
     python benchmarks/kernels_bench.py attention --kernel-only --fast-only --prefill 1024,4096,8192
 
 --isa builds and uses the kernel for one ISA level (kernels/isa.py; the same as KVPILOT_CPU_ISA), so
@@ -46,8 +48,14 @@ def best_ms(fn: Callable[[], Any], seconds: float = 1.0, repeats: int = 5) -> fl
 
 
 def make_case(
-    qlens: list[int], seq_lens: list[int], dtype: torch.dtype, tiled: bool
+    qlens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    tiled: bool,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, Any, Any]:
+    """q in `dtype`; the cache in `dtype`, or in `kv_dtype` (int8 / float8, with scales: kernels/quant.py)."""
+    from kvpilot.kernels import quant
     from kvpilot.kernels.attention import AttentionMetadata, KVCacheLayer
     from kvpilot.kernels.cpu_attention import head_major_v_cache, transposed_k_cache
 
@@ -60,14 +68,21 @@ def make_case(
         row = perm[start : start + nb].tolist()
         tables.append(row + [0] * (width - nb))
         start += nb
-    if tiled:  # the layout the engine allocates for the CPU kernel
-        k = transposed_k_cache(total, BS, HKV, D, dtype=dtype)
-        k.copy_(torch.randn(total, BS, HKV, D).to(dtype))
-        v = head_major_v_cache(total, BS, HKV, D, dtype=dtype)
-        v.copy_(torch.randn(total, BS, HKV, D).to(dtype))
-    else:
-        k = torch.randn(total, BS, HKV, D).to(dtype)
-        v = torch.randn(total, BS, HKV, D).to(dtype)
+    scales: list[torch.Tensor | None] = [None, None]
+    kv: list[torch.Tensor] = []
+    for i in range(2):
+        x = torch.randn(total, BS, HKV, D)
+        store = kv_dtype if kv_dtype is not None else dtype
+        if kv_dtype is not None:
+            x, scales[i] = quant.quantize(x, kv_dtype)
+        if tiled:  # the layout the engine allocates for the CPU kernel (1-byte codes copied as bytes)
+            make = transposed_k_cache if i == 0 else head_major_v_cache
+            t = make(total, BS, HKV, D, dtype=torch.uint8 if kv_dtype is not None else store)
+            t.copy_(x.view(torch.uint8) if kv_dtype is not None else x.to(store))
+            kv.append(t.view(store))
+        else:
+            kv.append(x.to(store) if kv_dtype is None else x)
+    k, v = kv
     qsl = [0]
     for n in qlens:
         qsl.append(qsl[-1] + n)
@@ -82,7 +97,7 @@ def make_case(
         max_seq_len=max(seq_lens),
     )
     q = torch.randn(qsl[-1], HQ, D).to(dtype)
-    return q, KVCacheLayer(k, v), meta
+    return q, KVCacheLayer(k, v, scales[0], scales[1]), meta
 
 
 def figures(ms: float, pairs: int, kv_bytes: int) -> dict[str, float]:
@@ -100,6 +115,7 @@ def run_case(
     dtype: torch.dtype,
     kernel_only: bool = False,
     fast_only: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     from kvpilot.kernels import cpu_attention
     from kvpilot.kernels.attention import TorchReferenceBackend
@@ -107,8 +123,8 @@ def run_case(
     scale = D**-0.5
     # (query, key) pairs under the causal mask, and K/V bytes each query token reads
     pairs = sum(sum(s - q + j + 1 for j in range(q)) for q, s in zip(qlens, seq_lens, strict=True))
-    elem = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = 2 * HKV * D * elem * pairs
+    elem = (kv_dtype or dtype).itemsize + (2 / D if kv_dtype is not None else 0)  # + a float16 scale a head
+    kv_bytes = int(2 * HKV * D * elem * pairs)
     out: dict[str, Any] = {
         "case": name,
         "seqs": len(qlens),
@@ -117,7 +133,7 @@ def run_case(
     }
     with torch.inference_mode():
         if cpu_attention.available():
-            q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=True)
+            q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=True, kv_dtype=kv_dtype)
             out["cpu-paged"] = figures(
                 best_ms(lambda: cpu_attention.paged_attention(q, cache, meta, scale)), pairs, kv_bytes
             )
@@ -130,7 +146,7 @@ def run_case(
             )
         if kernel_only:
             return out
-        q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=False)
+        q, cache, meta = make_case(qlens, seq_lens, dtype, tiled=False, kv_dtype=kv_dtype)
         ref = TorchReferenceBackend()
         fn = ref._decode if meta.decode_only else ref._varlen
         out["torch-ref"] = figures(best_ms(lambda: fn(q, cache, meta, scale)), pairs, kv_bytes)
@@ -161,6 +177,11 @@ def run_case(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument(
+        "--kv-dtype",
+        choices=["int8", "float8_e4m3fn"],
+        help="a quantized cache (float16 scales per token and head) under --dtype queries",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", choices=["avx512", "avx2", "generic"], help="force the kernel's ISA level")
     p.add_argument("--kernel-only", action="store_true", help="time only the C kernel's two paths")
@@ -170,6 +191,11 @@ def main() -> int:
         type=lambda text: [int(x) for x in text.split(",")],
         help="comma-separated prompt lengths: time a prefill of each instead of the default cases",
     )
+    p.add_argument(
+        "--decode",
+        type=lambda text: [int(x) for x in text.split(",")],
+        help="comma-separated context lengths: time one sequence's decode step at each (issue 26)",
+    )
     args = p.parse_args()
     if args.isa:
         os.environ["KVPILOT_CPU_ISA"] = args.isa
@@ -177,9 +203,12 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     cases = (
         [(f"prefill P={n}", [n], [n]) for n in args.prefill]
         if args.prefill
+        else [(f"decode B=1 ctx={n}", [1], [n]) for n in args.decode]
+        if args.decode
         else [
             ("decode B=128 ctx=512", [1] * 128, [512] * 128),
             ("decode B=32 ctx=1024", [1] * 32, [1024] * 32),
@@ -189,12 +218,14 @@ def main() -> int:
     )
     doc = {
         "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype or args.dtype,
         "threads": args.threads,
         "isa": isa.selected(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
         "results": [
-            run_case(name, ql, sl, dtype, args.kernel_only, args.fast_only) for name, ql, sl in cases
+            run_case(name, ql, sl, dtype, args.kernel_only, args.fast_only, kv_dtype)
+            for name, ql, sl in cases
         ],
     }
     print(json.dumps(doc, indent=2))

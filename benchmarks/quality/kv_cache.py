@@ -1,7 +1,8 @@
 """KV-cache quantization quality and capacity, against the unquantized cache, in one run.
 
 - Perplexity on real English text this machine already has: the docstrings of Python's standard
-  library (first N tokens), scored through the paged KV cache in chunks.
+  library (first N tokens), scored through the paged KV cache in chunks; and each scored token's
+  log-probability change against the unquantized cache (mean, 99th percentile, max).
 - Greedy agreement over 128-token continuations of prompts taken from the same text.
 - Capacity: tokens that fit in the same KV memory budget.
 
@@ -65,15 +66,31 @@ def stdlib_docstrings() -> str:
     return "\n\n".join(parts)
 
 
-def perplexity(engine: LLMEngine, ids: list[int], window: int, chunk_size: int = 128) -> float:
-    """exp(mean NLL) over `window`-token pieces, each scored in prefill chunks of `chunk_size`."""
+def token_nll(engine: LLMEngine, ids: list[int], window: int, chunk_size: int = 128) -> list[float]:
+    """Each token's NLL over `window`-token pieces, each scored in prefill chunks of `chunk_size`."""
     nll: list[float] = []
     for start in range(0, len(ids) - 1, window):
         piece = ids[start : start + window + 1]
         if len(piece) < 2:
             break
         nll.extend((-engine.score(piece, chunk_size=chunk_size)).tolist())
+    return nll
+
+
+def perplexity(engine: LLMEngine, ids: list[int], window: int, chunk_size: int = 128) -> float:
+    """exp(mean NLL) over `window`-token pieces, each scored in prefill chunks of `chunk_size`."""
+    nll = token_nll(engine, ids, window, chunk_size)
     return math.exp(sum(nll) / len(nll))
+
+
+def logprob_drift(base: list[float], other: list[float]) -> dict[str, float]:
+    """Per scored token, |log p(quantized cache) - log p(unquantized)|: mean, 99th percentile, max."""
+    diffs = sorted(abs(a - b) for a, b in zip(base, other, strict=True))
+    return {
+        "mean_abs_logprob_change": sum(diffs) / len(diffs),
+        "p99_abs_logprob_change": diffs[min(len(diffs) - 1, int(0.99 * len(diffs)))],
+        "max_abs_logprob_change": diffs[-1],
+    }
 
 
 def continuations(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     text = stdlib_docstrings()
     results: dict[str, Any] = {}
-    base_ppl: float | None = None
+    base_nll: list[float] | None = None
     base_cont: list[list[int]] | None = None
     for kind in ("auto", "int8", "fp8"):
         cfg = EngineConfig(
@@ -124,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         step = max(1, len(ids) // (args.prompts + 1))
         prompts = [ids[i * step : i * step + 64] for i in range(args.prompts)]
         t0 = time.perf_counter()
-        ppl = perplexity(engine, ids, args.window)
+        nll = token_nll(engine, ids, args.window)
+        ppl = math.exp(sum(nll) / len(nll))
         cont = continuations(engine, prompts, args.continuation)
         capacity = engine.kv_capacity_tokens
         entry: dict[str, Any] = {
@@ -135,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         if kind == "auto":
-            base_ppl, base_cont = ppl, cont
+            base_nll, base_cont = nll, cont
         else:
-            assert base_ppl is not None and base_cont is not None
+            assert base_nll is not None and base_cont is not None
+            base_ppl = math.exp(sum(base_nll) / len(base_nll))
             entry["perplexity_change_pct"] = round(100 * (ppl / base_ppl - 1), 3)
+            entry.update({k: round(v, 4) for k, v in logprob_drift(base_nll, nll).items()})
             geo16 = dataclasses.replace(engine.runner.geometry, dtype=torch.bfloat16)
             tokens16 = geo16.num_blocks_for(args.kv_cache_memory) * geo16.block_size
             entry["capacity_vs_16bit"] = round(capacity / tokens16, 3)

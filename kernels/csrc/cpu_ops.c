@@ -22,8 +22,6 @@
 #include "kvpilot_kernels.h"
 #include "vmath.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-
 /* a value as the activation dtype holds it: rounded to bf16 for bf16, unchanged for f32 */
 static inline float act(float v, int dt) { return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
@@ -127,16 +125,62 @@ int kvpilot_rotary(void *q, void *k, long q_stride, long k_stride, const int64_t
 }
 
 /*
- * Write the new keys and values of T tokens into their cache slots (a plain copy: the cache has the
- * activations' dtype). k, v: [T, Hk, D], heads adjacent within a token, k_stride / v_stride elements
- * between tokens (views into a fused QKV output). Caches: any layout of the logical
- * [blocks, block_size, Hk, D] array, given by its four strides in elements (the CPU kernel's
- * transposed K and head-major V included). Negative slots are padding and skipped.
+ * One head's D values quantized as kernels/quant.py quantize() does, bit for bit: amax = max |x| (at
+ * least 1e-4), scale = float16(amax / qmax), q = x / float(scale) rounded to nearest even, int8 clamped
+ * to +-127; float8 e4m3fn rounded to nearest even (fp8_e4m3), as torch's conversion. Returns the scale.
+ */
+static uint8_t fp8_e4m3(float y) {
+    const uint8_t sign = signbit(y) ? 0x80 : 0x00;
+    const float a = fabsf(y);
+    if (!(a < 480.0f)) return sign | 0x7f; /* NaN, or past the largest finite (448) by more than half a step */
+    if (a < 0x1p-6f) return sign | (uint8_t)rintf(ldexpf(a, 9)); /* zero and subnormals: steps of 2^-9 (8
+                                                                    rounds up to the smallest normal, 0x08) */
+    int e;
+    frexpf(a, &e); /* a = f * 2^e, f in [0.5, 1) */
+    e -= 1;        /* a = (1 + m) * 2^e, e >= -6 */
+    const int code = ((e + 7) << 3) + (int)rintf(ldexpf(a, 3 - e)) - 8; /* a carry moves into the exponent */
+    return sign | (uint8_t)(code > 0x7f ? 0x7f : code);
+}
+
+static inline uint16_t quantize_head(const float *x, int D, int cache_dtype, void *dst, long dstep) {
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) {
+        const float a = fabsf(x[d]);
+        amax = a > amax || a != a ? a : amax; /* a NaN stays (torch's amax) */
+    }
+    if (amax < 1e-4f) amax = 1e-4f;
+    const float qmax = cache_dtype == DT_I8 ? 127.0f : 448.0f;
+    const uint16_t sh = f32_to_f16(amax / qmax);
+    const float scale = f16_to_f32(sh);
+    for (int d = 0; d < D; d++) {
+        const float y = x[d] / scale;
+        if (cache_dtype == DT_I8) {
+            const float r = rintf(y);
+            ((int8_t *)dst)[d * dstep] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        } else {
+            ((uint8_t *)dst)[d * dstep] = fp8_e4m3(y);
+        }
+    }
+    return sh;
+}
+
+/*
+ * Write the new keys and values of T tokens into their cache slots. k, v: [T, Hk, D] in the activations'
+ * dtype (DT_F32 or DT_BF16), heads adjacent within a token, k_stride / v_stride elements between tokens
+ * (views into a fused QKV output). Caches: any layout of the logical [blocks, block_size, Hk, D] array,
+ * given by its four strides in elements (the CPU kernel's transposed K and head-major V included), of
+ * cache_dtype: the activations' dtype (a plain copy), or DT_I8 / DT_FP8 with k_scale / v_scale
+ * [blocks * block_size, Hk] float16 (each head quantized: kernels/quant.py, attention.write_kv).
+ * Negative slots are padding and skipped. Returns -1 on bad arguments, -2 for a slot out of range.
  */
 int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride, void *k_cache, void *v_cache,
-                     const long *k_strides, const long *v_strides, const int64_t *slots, int dtype, long T,
-                     int Hk, int D, int block_size, long num_slots) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || block_size <= 0) return -1;
+                     const long *k_strides, const long *v_strides, uint16_t *k_scale, uint16_t *v_scale,
+                     const int64_t *slots, int dtype, int cache_dtype, long T, int Hk, int D, int block_size,
+                     long num_slots) {
+    const int quantized = cache_dtype == DT_I8 || cache_dtype == DT_FP8;
+    if ((dtype != DT_F32 && dtype != DT_BF16) || block_size <= 0 || D <= 0 || D > 1024) return -1;
+    if (!quantized && cache_dtype != dtype) return -1;
+    if (quantized && (!k_scale || !v_scale)) return -1;
     for (long t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -2;
     const size_t es = dtype == DT_BF16 ? 2 : 4;
@@ -148,7 +192,15 @@ int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride,
             for (int c = 0; c < 2; c++) {
                 const char *src = (const char *)(c ? v : k) + ((size_t)t * (c ? v_stride : k_stride) + (size_t)h * D) * es;
                 const long *st = c ? v_strides : k_strides;
-                char *dst = (char *)(c ? v_cache : k_cache) + (size_t)(blk * st[0] + off * st[1] + h * st[2]) * es;
+                const size_t at = (size_t)(blk * st[0] + off * st[1] + h * st[2]);
+                if (quantized) {
+                    float x[1024];
+                    for (int d = 0; d < D; d++) x[d] = load(src, dtype, (size_t)d);
+                    (c ? v_scale : k_scale)[(size_t)s * Hk + h] =
+                        quantize_head(x, D, cache_dtype, (char *)(c ? v_cache : k_cache) + at, st[3]);
+                    continue;
+                }
+                char *dst = (char *)(c ? v_cache : k_cache) + at * es;
                 if (st[3] == 1)
                     memcpy(dst, src, (size_t)D * es);
                 else

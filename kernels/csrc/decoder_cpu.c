@@ -25,8 +25,6 @@
 #include "isa.h"
 #include "kvpilot_kernels.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-
 /* kv_linear, kv_layer and kv_step: kvpilot_kernels.h */
 
 static int linear(const kv_step *s, const kv_linear *l, const void *x, void *out, long T) {
@@ -79,13 +77,14 @@ int kvpilot_decoder_stack(const kv_step *s, const kv_layer *layers, int num_laye
         STAGE(s->rotary(qkv, k, qkv_size, qkv_size, s->positions, s->cos_sin, s->dtype, T, s->num_heads,
                         s->num_kv_heads, s->head_dim, s->rotary_dim, s->max_position, s->num_threads),
               3);
-        STAGE(s->write_kv(k, v, qkv_size, qkv_size, L->k_cache, L->v_cache, L->k_strides, L->v_strides, s->slots,
-                          s->dtype, T, s->num_kv_heads, s->head_dim, s->block_size, s->num_slots),
+        STAGE(s->write_kv(k, v, qkv_size, qkv_size, L->k_cache, L->v_cache, L->k_strides, L->v_strides, L->k_scale,
+                          L->v_scale, s->slots, s->dtype, s->kv_dtype, T, s->num_kv_heads, s->head_dim,
+                          s->block_size, s->num_slots),
               4);
         for (long t = 0; t < T; t++) /* q as the attention kernel takes it: [T, Hq, D], contiguous */
             memcpy(q + es * (size_t)(t * q_size), qkv + es * (size_t)(t * qkv_size), es * (size_t)q_size);
         STAGE(s->attention(q, s->dtype, attn, L->k_cache, L->v_cache, s->kv_dtype, s->k_transposed, s->v_head_major,
-                           NULL, NULL, s->block_tables, s->max_blocks, s->query_start_loc, s->seq_lens, s->num_seqs,
+                           L->k_scale, L->v_scale, s->block_tables, s->max_blocks, s->query_start_loc, s->seq_lens, s->num_seqs,
                            s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->sm_scale, s->num_threads,
                            s->allow_fast),
               5);

@@ -23,8 +23,9 @@ int kvpilot_rotary(void *q, void *k, long q_stride, long k_stride, const int64_t
                    const float *cos_sin, int dtype, long T, int Hq, int Hk, int D, int R, long max_position,
                    int num_threads);
 int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride, void *k_cache, void *v_cache,
-                     const long *k_strides, const long *v_strides, const int64_t *slots, int dtype, long T,
-                     int Hk, int D, int block_size, long num_slots);
+                     const long *k_strides, const long *v_strides, uint16_t *k_scale, uint16_t *v_scale,
+                     const int64_t *slots, int dtype, int cache_dtype, long T, int Hk, int D, int block_size,
+                     long num_slots);
 int kvpilot_silu_mul(const void *gu, void *out, int dtype, long T, long I, int num_threads);
 
 /* paged_attention_cpu.c */
@@ -81,6 +82,7 @@ typedef struct {
     kv_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     long k_strides[4], v_strides[4]; /* elements, of the logical [blocks, block_size, Hk, D] cache */
+    uint16_t *k_scale, *v_scale;     /* [blocks * block_size, Hk] float16: int8 / fp8 caches only, else NULL */
 } kv_layer;
 
 /* what every layer of one step shares; the kernels are the other libraries' exported functions */

@@ -31,7 +31,6 @@
 #include "kvpilot_kernels.h"
 #include "moe_combine.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { K_F32 = 0, K_BF16_WIDEN = 1, K_BF16_DOT = 2 }; /* weights . activations: f32.f32, bf16.f32, bf16.bf16 */
 
 #define WR 4 /* weight rows per register tile */

@@ -30,24 +30,9 @@
 #include "isa.h"
 #include "kvpilot_kernels.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3, DT_FP8 = 4 };
-
 #define MAX_G 32
 #define MAX_D 256
 #define MAX_BS 256
-
-static inline float f16_to_f32(uint16_t h) {
-    _Float16 x;
-    memcpy(&x, &h, 2);
-    return (float)x;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    _Float16 x = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &x, 2);
-    return h;
-}
 
 static float fp8_table[256];
 static int fp8_ready = 0;
@@ -123,9 +108,12 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /*
  * Vectorized path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8, K/V in
- * float32, bfloat16, float16 or int8 (widened to float32 in registers: every product is a float32
- * one; no bf16 dot product, see docs/runtime.md "Precision"). Every token takes the tiles below
- * (tile_item); other shapes and fp8 take the generic loop.
+ * float32, bfloat16, float16, int8 or float8 e4m3fn (widened to float32 in registers: every product
+ * is a float32 one; no bf16 dot product, see docs/runtime.md "Precision"; a quantized cache's scales
+ * multiply the scores and P, once per key). Every token takes the tiles below (tile_item); other
+ * shapes take the generic loop. float8 is widened through float16: its byte b, as the float16 bits
+ * (b & 0x80) << 8 | (b & 0x7f) << 7, is exactly value / 256 (subnormals too; the NaN codes 0x7f / 0xff,
+ * which the C write produces only from a NaN or an overflow, read as +-480 here, NaN in the generic loop).
  *
  * One tile code for both levels: it is written over v16, a vector of a block's 16 keys (or 16 output
  * columns), and a handful of primitives defined once per level just below: one __m512 at avx512,
@@ -138,6 +126,7 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 
 #define KVPILOT_FAST 1
 #define FD 64
+#define quantized(dt) ((dt) == DT_I8 || (dt) == DT_FP8) /* scales per (token, head) */
 #define FBS 16
 #define MAX_FG 8
 #define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
@@ -176,6 +165,12 @@ VI v16 ld16(const void *base, int dt, size_t off) {
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))),
                 16));
         case DT_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+        case DT_FP8: { /* fp8_as_f16: the float16 of value / 256 */
+            const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + off)));
+            return _mm512_cvtph_ps(
+                _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16((short)0x8000)),
+                                _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3f80))));
+        }
         default: /* DT_I8 */
             return _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
@@ -261,6 +256,11 @@ VI __m256 ld8(const void *base, int dt, size_t off) {
             return _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
         case DT_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)));
+        case DT_FP8: { /* fp8_as_f16: the float16 of value / 256 */
+            const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + off)));
+            return _mm256_cvtph_ps(_mm_or_si128(_mm_and_si128(_mm_slli_epi16(x, 8), _mm_set1_epi16((short)0x8000)),
+                                                _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3f80))));
+        }
         default: /* DT_I8 */
             return _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + off))));
@@ -293,10 +293,10 @@ VI v16 vexp(v16 x) { return v16of(exp8(x.lo), exp8(x.hi)); }
  * step: one token), and one work item is (tile, kv head): its R = tokens x G query rows share every
  * K/V block they load, where one item per token read the whole context once per token (a 4,096-token
  * prefill spent 24 of 40 s there). Per chunk of TKC keys (4 blocks): S = Q K^T for QK_ROWS rows at a
- * time (4 when R <= 4: a decode), one K^T row load per row's broadcast-FMA; the causal mask; one
- * online-softmax update per row for the whole chunk (the horizontal max and sum once per 64 keys, not
- * per 16); then O += P V for PV_ROWS rows (4 when R <= 4) and PV_COLS x 16 columns at a time, one V
- * load per PV_ROWS broadcast-FMAs. A row's result depends only on its own query and keys (chunks
+ * time (a decode of R <= 4 rows: its R rows and two blocks a pass), one K^T row load per row's
+ * broadcast-FMA; the causal mask; one online-softmax update per row for the whole chunk (the
+ * horizontal max and sum once per 64 keys, not per 16); then O += P V for PV_ROWS rows (R for such a
+ * decode) and PV_COLS x 16 columns at a time, one V load per PV_ROWS broadcast-FMAs. A row's result depends only on its own query and keys (chunks
  * start at absolute key positions; masked keys add exact zeros), never on the other rows of its tile:
  * a prompt computed in chunks of any size, a decode and a speculative verification of the same token
  * attend bit for bit alike (at one level: the levels round differently).
@@ -307,29 +307,42 @@ VI v16 vexp(v16 x) { return v16of(exp8(x.lo), exp8(x.hi)); }
 
 static inline int tile_tokens(int G) { return TROWS / G; }
 
-/* S rows [NR][16] (row stride TKC) = NR query rows . one block's K^T tile (times the keys' int8 scales);
- * meanwhile the K (and head-major V) tiles at pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a
- * line at a time (one burst of 512 prefetches per chunk, or the hardware prefetcher alone, left a
- * decode at 16k keys 1.25x slower at avx512: a block's tiles are 4 KiB apart in the pool) */
-VI void qk_rows(const int NR, const int dt, const float *qr, const void *k_cache, size_t tile, v16 ks, float *sp,
-                const char *pk, const char *pv, int pstep) {
-    v16 s[QK_ROWS];
-    for (int j = 0; j < NR; j++) s[j] = vzero();
+/* S rows [NR][NB x 16] (row stride TKC) = NR query rows . NB blocks' K^T tiles (times the keys' int8
+ * scales): NR x NB accumulators, each key's dot product summed over d in order whatever NR and NB are
+ * (a decode of few rows takes 2 blocks at once so that enough FMA chains are in flight, and drops the
+ * pad rows; its results equal a prefill's bit for bit). Meanwhile the K (and head-major V) tiles at
+ * pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a line at a time (one burst of 512 prefetches
+ * per chunk, or the hardware prefetcher alone, left a decode at 16k keys 1.25x slower at avx512: a
+ * block's tiles are 4 KiB apart in the pool; with nothing left to fetch, pk / pv name the current
+ * tile, so that the loop has no branch) */
+VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const float *qr, const void *k_cache,
+                const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv) {
+    const int PSTEP = (int)(64 / (FBS * elem_size(dt))); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
+    v16 s[QK_ROWS][2];
+    for (int j = 0; j < NR; j++)
+        for (int b = 0; b < NB; b++) s[j][b] = vzero();
     for (int d = 0; d < FD; d++) {
-        if (pk && d % pstep == 0) { /* one line of a later block's K and V tiles per pstep rows */
-            _mm_prefetch(pk + (d / pstep) * 64, _MM_HINT_T1);
-            if (pv) _mm_prefetch(pv + (d / pstep) * 64, _MM_HINT_T1);
+        if (PF && d % PSTEP == 0) /* one line of a later block's K and V tiles per PSTEP rows */
+            for (int b = 0; b < NB; b++) {
+                _mm_prefetch(pk[b] + (d / PSTEP) * 64, _MM_HINT_T1);
+                _mm_prefetch(pv[b] + (d / PSTEP) * 64, _MM_HINT_T1);
+            }
+        v16 k[2];
+        for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
+        for (int j = 0; j < NR; j++) {
+            const v16 q = vset1(qr[j * FD + d]);
+            for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
         }
-        const v16 k = ld16(k_cache, dt, tile + (size_t)d * FBS);
-        for (int j = 0; j < NR; j++) s[j] = vfmadd(vset1(qr[j * FD + d]), k, s[j]);
     }
-    for (int j = 0; j < NR; j++) vstore(sp + j * TKC, dt == DT_I8 ? vmul(s[j], ks) : s[j]);
+    for (int j = 0; j < NR; j++)
+        for (int b = 0; b < NB; b++) vstore(sp + j * TKC + b * FBS, quantized(dt) ? vmul(s[j][b], ks[b]) : s[j][b]);
 }
 
-/* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp), PV_COLS
- * x 16 output columns a pass: NR x PV_COLS accumulators, one V load per NR broadcast-FMAs */
+/* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp, for int8
+ * already times the values' scales), PV_COLS x 16 output columns a pass: NR x PV_COLS accumulators,
+ * one V load per NR broadcast-FMAs */
 VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const float *corr, int c0, int nk,
-                const void *v_cache, const uint16_t *v_scale, const int32_t *table, int Hkv, int h, int vhm) {
+                const void *v_cache, const int32_t *table, int Hkv, int h, int vhm) {
     for (int col = 0; col < FD; col += PV_COLS * 16) {
         v16 acc[PV_ROWS][PV_COLS];
         for (int j = 0; j < NR; j++) {
@@ -343,10 +356,6 @@ VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const flo
                 const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
                 v16 v[PV_COLS];
                 for (int c = 0; c < PV_COLS; c++) v[c] = ld16(v_cache, dt, off + (size_t)(col + c * 16));
-                if (dt == DT_I8) {
-                    const v16 vsc = vset1(f16_to_f32(v_scale[(blk * FBS + kr) * Hkv + h]));
-                    for (int c = 0; c < PV_COLS; c++) v[c] = vmul(v[c], vsc);
-                }
                 for (int j = 0; j < NR; j++) {
                     const v16 p = vset1(sp[j * TKC + bb * FBS + kr]);
                     for (int c = 0; c < PV_COLS; c++) acc[j][c] = vfmadd(p, v[c], acc[j][c]);
@@ -358,19 +367,38 @@ VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const flo
     }
 }
 
+/* 16 float16 scales of one block's keys (or values) for kv head h, as float32 (times 256 for float8,
+ * which ld16 reads as value / 256: exact, a power of two); 0 past the n live keys */
+VI v16 block_scales(const int dt, const uint16_t *scale, size_t blk, int Hkv, int h, int n) {
+    const float unit = dt == DT_FP8 ? 256.0f : 1.0f;
+    float f[FBS];
+    for (int j = 0; j < FBS; j++) f[j] = j < n ? f16_to_f32(scale[(blk * FBS + j) * Hkv + h]) * unit : 0.0f;
+    return vloadu(f);
+}
+
+/* a decode's rows (R <= SMALL_R, no pad rows) with NR a constant in each instantiation */
+#define SMALL_R 4
+#define BY_ROWS(R, CALL)                                                                                       \
+    switch (R) {                                                                                               \
+        case 1: CALL(1); break;                                                                                \
+        case 2: CALL(2); break;                                                                                \
+        case 3: CALL(3); break;                                                                                \
+        default: CALL(4); break;                                                                               \
+    }
+
 VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
                   float *o /* [TROWS][64], 64-byte aligned */, const int *rctx /* [TROWS] keys each row may see */,
                   const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                   const int32_t *table, int Hkv, int h, int vhm) {
     float sb[TROWS][TKC] __attribute__((aligned(64)));
     float m[TROWS], l[TROWS], corr[TROWS];
-    const int small = R <= 4; /* a decode of G <= 4 query heads: one group of 4 rows */
-    const int qrows = small ? 4 : QK_ROWS, prows = small ? 4 : PV_ROWS;
+    const int small = R <= SMALL_R; /* a decode of G <= 4 query heads: its rows alone, 2 blocks a pass */
+    const int qrows = small ? R : QK_ROWS, prows = small ? R : PV_ROWS;
     const int Rq = (R + qrows - 1) / qrows * qrows, Rp = (R + prows - 1) / prows * prows;
     const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
-    const int pstep = (int)(FD * 64 / tile_bytes); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
     int ctx_max = 0;
     for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
+    const int ctx_blocks = (ctx_max + FBS - 1) / FBS;
     for (int r = 0; r < Rp; r++) {
         m[r] = NEG_BIG;
         l[r] = 0.0f;
@@ -379,31 +407,37 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
     for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
         const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
         const int nbk = (nk + FBS - 1) / FBS;
-        /* S = Q K^T, one block of 16 keys and qrows rows at a time */
-        for (int bb = 0; bb < nbk; bb++) {
-            const size_t blk = (size_t)table[c0 / FBS + bb];
-            const size_t tile = (blk * Hkv + h) * (size_t)FD * FBS;
-            const char *pk = NULL, *pv = NULL;
-            const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb;
-            if (ahead < (ctx_max + FBS - 1) / FBS) {
-                const size_t nb = (size_t)table[ahead];
-                pk = (const char *)k_cache + (nb * Hkv + h) * tile_bytes;
-                pv = vhm ? (const char *)v_cache + (nb * Hkv + h) * tile_bytes : NULL;
-            }
-            v16 ks = vset1(1.0f);
-            if (dt == DT_I8) {
-                float kf[FBS];
-                const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
-                for (int j = 0; j < FBS; j++) kf[j] = j < n ? f16_to_f32(k_scale[(blk * FBS + j) * Hkv + h]) : 0.0f;
-                ks = vloadu(kf);
+        /* S = Q K^T: qrows rows and 1 block of 16 keys at a time (2 for a decode) */
+        for (int bb = 0; bb < nbk;) {
+            const int nb = small && bb + 1 < nbk ? 2 : 1;
+            size_t tile[2];
+            v16 ks[2];
+            const char *pk[2], *pv[2];
+            for (int b = 0; b < nb; b++) {
+                const size_t blk = (size_t)table[c0 / FBS + bb + b];
+                tile[b] = (blk * Hkv + h) * (size_t)FD * FBS;
+                const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb + b;
+                const size_t nbl = ahead < ctx_blocks ? (size_t)table[ahead] : blk;
+                pk[b] = (const char *)k_cache + (nbl * Hkv + h) * tile_bytes;
+                pv[b] = vhm ? (const char *)v_cache + (nbl * Hkv + h) * tile_bytes : pk[b];
+                ks[b] = quantized(dt) ? block_scales(dt, k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
             if (small) {
-                qk_rows(4, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv, pstep);
+#define QK_SMALL(NR)                                                                                           \
+    do {                                                                                                       \
+        if (nb == 2)                                                                                           \
+            qk_rows(NR, 2, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                            \
+        else                                                                                                   \
+            qk_rows(NR, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                            \
+    } while (0)
+                BY_ROWS(R, QK_SMALL)
+#undef QK_SMALL
             } else {
-                for (int r0 = 0; r0 < Rq; r0 += QK_ROWS)
-                    qk_rows(QK_ROWS, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], r0 ? NULL : pk, pv,
-                            pstep);
+                qk_rows(QK_ROWS, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv); /* prefetches */
+                for (int r0 = QK_ROWS; r0 < Rq; r0 += QK_ROWS)
+                    qk_rows(QK_ROWS, 1, 0, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], pk, pv);
             }
+            bb += nb;
         }
         /* mask, one online-softmax update per row, P in place of S */
         for (int r = 0; r < Rp; r++) {
@@ -432,13 +466,20 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
             l[r] = l[r] * corr[r] + vreduce_add(sum);
             m[r] = m_new;
         }
+        if (quantized(dt)) { /* P times the values' scales: one multiply per key and row, not per value */
+            for (int bb = 0; bb < nbk; bb++) {
+                const v16 vs = block_scales(dt, v_scale, (size_t)table[c0 / FBS + bb], Hkv, h, nk - bb * FBS);
+                for (int r = 0; r < Rp; r++) vstore(&sb[r][bb * FBS], vmul(vload(&sb[r][bb * FBS]), vs));
+            }
+        }
         /* O = corr O + P V, prows rows at a time */
         if (small) {
-            pv_rows(4, dt, o, &sb[0][0], corr, c0, nk, v_cache, v_scale, table, Hkv, h, vhm);
+#define PV_SMALL(NR) pv_rows(NR, dt, o, &sb[0][0], corr, c0, nk, v_cache, table, Hkv, h, vhm)
+            BY_ROWS(R, PV_SMALL)
+#undef PV_SMALL
         } else {
             for (int r0 = 0; r0 < Rp; r0 += PV_ROWS)
-                pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, v_scale, table, Hkv, h,
-                        vhm);
+                pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, table, Hkv, h, vhm);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -449,7 +490,8 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
 
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
     return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
-           (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8);
+           (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8 ||
+            kv_dtype == DT_FP8);
 }
 
 #define TILE_DT(dt) tile_item(dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
@@ -460,6 +502,7 @@ static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const 
         case DT_F32: TILE_DT(DT_F32); break;
         case DT_BF16: TILE_DT(DT_BF16); break;
         case DT_F16: TILE_DT(DT_F16); break;
+        case DT_FP8: TILE_DT(DT_FP8); break;
         default: TILE_DT(DT_I8); break;
     }
 }

@@ -36,7 +36,6 @@
 #include "isa.h"
 #include "kvpilot_kernels.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 #include <immintrin.h>

@@ -27,7 +27,6 @@
 #include "moe_combine.h"
 #include "vmath.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 static inline float h2f(uint16_t h) {
     _Float16 v;

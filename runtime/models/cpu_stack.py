@@ -7,8 +7,8 @@ kernels/cpu_decoder.py runs the whole stack of layers in one call, through the s
 layers call. `compile_stack` gives the runner a `CompiledStack` when every layer is exactly the Llama
 layer (no family override of its projections, norms or MLP), every linear weight is quantized in
 the CPU kernel's tiled layout without LoRA, tensor parallelism or an input permutation, the
-attention backend is the CPU kernel's and the KV cache its unquantized one in the activations'
-dtype; the runner then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything
+attention backend is the CPU kernel's and the KV cache in the activations' dtype or quantized
+(int8 / fp8 with float16 scales: --kv-cache-dtype; cpu_ops.write_kv_ quantizes in C); the runner then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything
 else runs the model's own forward, which stays the reference (tests compare the two).
 
 The `cpu_decoder_stack` kernel switch (--no-cpu-decoder-stack, KVPILOT_CPU_DECODER_STACK=0;
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, qlinear
+from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, qlinear
 from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from kvpilot.runtime.models.llama import (
     LlamaAttention,
@@ -66,7 +66,10 @@ def unsupported_step(
         return f"attention backend {backend.name}"
     if device.type != "cpu" or dtype not in cpu_decoder.DTYPES:
         return f"activations {dtype} on {device.type}"
-    if first.k_scale is not None or first.k.dtype != dtype or first.v.dtype != dtype:
+    quantized = first.k.dtype in cpu_ops.QUANTIZED and first.k_scale is not None
+    if first.v.dtype != first.k.dtype or not (
+        quantized or (first.k_scale is None and first.k.dtype == dtype)
+    ):
         return f"a {first.k.dtype} KV cache for {dtype} activations"
     return None
 
@@ -138,7 +141,8 @@ class CpuDecoderStack:
         self._layers: _Layers | None = None
 
     def layers(self, kv_caches: list[KVCacheLayer], dtype: torch.dtype) -> ctypes.Array[cpu_decoder.Layer]:
-        key = (*(c.k.data_ptr() for c in kv_caches), *(c.v.data_ptr() for c in kv_caches), id(dtype))
+        scales = [0 if s is None else s.data_ptr() for c in kv_caches for s in (c.k_scale, c.v_scale)]
+        key = (*(c.k.data_ptr() for c in kv_caches), *(c.v.data_ptr() for c in kv_caches), *scales, id(dtype))
         if self._layers is None or self._layers.key != key:
             self._layers = self._build(kv_caches, dtype, key)
         return self._layers.array
@@ -170,6 +174,8 @@ class CpuDecoderStack:
             entry.k_cache, entry.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
             entry.k_strides[:] = list(cache.k.stride())
             entry.v_strides[:] = list(cache.v.stride())
+            entry.k_scale = None if cache.k_scale is None else cache.k_scale.data_ptr()
+            entry.v_scale = None if cache.v_scale is None else cache.v_scale.data_ptr()
         return _Layers(key, array, keep)
 
     def forward(
@@ -195,7 +201,7 @@ class CpuDecoderStack:
         step = cpu_decoder.Step(
             k["rms_norm"], k["rotary"], k["write_kv"], k["attention"], k["silu_mul"], k["qmatmul"],
             cpu_decoder.DTYPES[hidden.dtype], first_attn.num_heads, int(num_kv_heads), int(head_dim),
-            rotary.rotary_dim, cpu_decoder.DTYPES[hidden.dtype], int(cpu_attention.k_transposed(cache.k)),
+            rotary.rotary_dim, cpu_ops.DTYPE_CODES[cache.k.dtype], int(cpu_attention.k_transposed(cache.k)),
             int(cpu_attention.v_head_major(cache.v)), int(block_size), int(tables.shape[1]), meta.num_seqs,
             torch.get_num_threads(), 1, int(cache.k.shape[0]) * int(block_size), int(table.shape[0]),
             first_attn.attn.scale, pos.data_ptr(), slots.data_ptr(), table.data_ptr(), tables.data_ptr(),

@@ -191,7 +191,7 @@ def test_padding_slots_are_not_written() -> None:
 
 
 # Every ISA level this CPU runs (kernels/isa.py) is built and tested. The vectorized path (AVX-512 or
-# AVX2, by level) needs K transposed and a 16/32-bit or int8 cache; every other combination has only
+# AVX2, by level) needs K transposed (any cache dtype); every other combination has only
 # the portable loop, so it is not generated for the fast path (not skipped: it cannot apply), and the
 # generic build has no fast path at all.
 KERNEL_CASES = [
@@ -202,7 +202,7 @@ KERNEL_CASES = [
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
     for layout in ("rows", "k-transposed", "tiled")
     for generic, path in ((False, "fast-path"), (True, "generic-loop"))
-    if generic or (layout != "rows" and dtype != torch.float8_e4m3fn and level != "generic")
+    if generic or (layout != "rows" and level != "generic")
 ]
 
 
@@ -274,9 +274,7 @@ def test_cpu_kernel_matches_reference_on_a_mixed_batch(
     write_kv(kn, vn, cache, meta.slot_mapping)
     assert cpu_attention.built_isa(level) == level
     # the vectorized path exists at every level but generic, for every case generated for it
-    assert cpu_attention.fast_path(hq, cache, level) == (
-        level != "generic" and layout != "rows" and dtype != torch.float8_e4m3fn
-    )
+    assert cpu_attention.fast_path(hq, cache, level) == (level != "generic" and layout != "rows")
     got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, generic=generic, level=level)
     # the reference reads the very cache the kernel read (same quantized values), NaN slots zeroed:
     # it multiplies whole gathered blocks by masked probabilities, and 0 * NaN is NaN
@@ -363,8 +361,9 @@ def _paged_step(
         t[p // bs] * bs + p % bs for t, c, n in zip(tables, ctx, new, strict=True) for p in range(c, c + n)
     ]
     meta = step_metadata(step_slots, new, lens, tables)
-    clean = KVCacheLayer(torch.nan_to_num(cache.k), torch.nan_to_num(cache.v), cache.k_scale, cache.v_scale)
-    if quant.is_quantized(dtype):  # the reference reads the dequantized values the kernel reads
+    if not quant.is_quantized(dtype):
+        clean = KVCacheLayer(torch.nan_to_num(cache.k), torch.nan_to_num(cache.v), None, None)
+    else:  # the reference reads the dequantized values the kernel reads
         clean = KVCacheLayer(
             cache.k.float() * cache.k_scale.float()[..., None],
             cache.v.float() * cache.v_scale.float()[..., None],
@@ -405,9 +404,21 @@ def test_prefill_tiles_match_reference(level: str, dtype: torch.dtype, heads: tu
         (torch.float32, (9, 3), (1, 2, 7, 1, 30, 259)),  # decodes (tiles of one: the 4-row groups) first
         (torch.bfloat16, (10, 2), (5, 61, 1, 233)),  # G = 5: tiles of 4 tokens, pad rows
         (torch.int8, (14, 2), (3, 3, 100, 194)),  # G = 7: tiles of 3 tokens
+        (torch.int8, (9, 3), (1, 1, 17, 1, 280)),  # int8 decodes: 2 blocks a pass, scales folded into P
+        (torch.float8_e4m3fn, (9, 3), (2, 1, 1, 296)),  # float8 through float16, decodes
+        (torch.bfloat16, (4, 2), (1, 3, 1, 295)),  # G = 2: a decode of 2 rows
         (torch.float16, (8, 1), (13, 287)),  # G = 8
     ],
-    ids=["f32-g3", "f32-g3-decodes", "bf16-g5", "int8-g7", "f16-g8"],
+    ids=[
+        "f32-g3",
+        "f32-g3-decodes",
+        "bf16-g5",
+        "int8-g7",
+        "int8-g3-decodes",
+        "fp8-g3-decodes",
+        "bf16-g2-decodes",
+        "f16-g8",
+    ],
 )
 def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(
     level: str, dtype: torch.dtype, heads: tuple[int, int], chunks: tuple[int, ...]

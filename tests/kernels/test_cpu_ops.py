@@ -132,6 +132,59 @@ def test_write_kv_equals_the_torch_scatter(dtype: torch.dtype, tiled: bool, cpu_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_quantized_write_kv_is_bitwise_the_torch_quantizer(
+    dtype: torch.dtype, cache_dtype: torch.dtype, tiled: bool, cpu_isa: str
+) -> None:
+    """Into an int8 / float8 cache, cpu_ops.write_kv_ writes the values and float16 scales that
+    attention.write_kv (quant.quantize, index_copy_) writes, bit for bit: magnitudes over 12 decades
+    (float8 subnormals, exact halves, all-zero heads clamped to the minimum scale), padding skipped."""
+    from kvpilot.kernels import quant
+    from kvpilot.kernels.attention import KVCacheLayer, write_kv
+    from kvpilot.kernels.cpu_attention import head_major_v_cache, transposed_k_cache
+
+    assert cpu_ops.built_isa() == cpu_isa
+    torch.manual_seed(3)
+    nb, bs, hk, d, t = 6, 16, 3, 64, 40
+
+    def caches() -> KVCacheLayer:
+        def z(*shape: int, dt: torch.dtype = cache_dtype) -> torch.Tensor:
+            return (
+                torch.zeros(*shape, dtype=torch.uint8).view(dt)
+                if dt.itemsize == 1
+                else torch.zeros(*shape, dtype=dt)
+            )
+
+        ks, vs = z(nb, bs, hk, dt=quant.SCALE_DTYPE), z(nb, bs, hk, dt=quant.SCALE_DTYPE)
+        if tiled:
+            k = transposed_k_cache(nb, bs, hk, d, dtype=torch.uint8).view(cache_dtype)
+            v = head_major_v_cache(nb, bs, hk, d, dtype=torch.uint8).view(cache_dtype)
+            return KVCacheLayer(k, v, ks, vs)
+        return KVCacheLayer(z(nb, bs, hk, d), z(nb, bs, hk, d), ks, vs)
+
+    qkv = torch.randn(t, (4 + 2 * hk) * d) * torch.pow(10.0, torch.empty(t, (4 + 2 * hk) * d).uniform_(-6, 6))
+    qkv[1, 4 * d : 4 * d + d] = 0.0  # a head of zeros: the minimum scale
+    qkv[2, 4 * d : 4 * d + 8] = torch.tensor([127.0, 0.5, 1.5, -2.5, 63.5, 1e-9, -127.0, 3.25])  # halves
+    qkv = qkv.to(dtype)
+    _, k, v = qkv.split([4 * d, hk * d, hk * d], dim=-1)
+    k, v = k.reshape(t, hk, d), v.reshape(t, hk, d)
+    slots = torch.randperm(nb * bs)[:t]
+    slots[[5, 17]] = -1
+    want, got = caches(), caches()
+    write_kv(k, v, want, slots)
+    assert cpu_ops.write_kv_supports(k, v, got.k, got.v, got.k_scale, got.v_scale)
+    cpu_ops.write_kv_(k, v, got.k, got.v, slots, got.k_scale, got.v_scale)
+    for a, b in ((got.k, want.k), (got.v, want.v)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for a, b in ((got.k_scale, want.k_scale), (got.v_scale, want.v_scale)):
+        assert a is not None and b is not None and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert int((got.k_scale != 0).sum()) == (t - 2) * hk  # the real slots' scales, nothing else
+    assert not cpu_ops.write_kv_supports(k, v, got.k, got.v)  # a quantized cache needs its scales
+    assert not cpu_ops.write_kv_supports(k, v, got.k, got.v, got.k_scale.float(), got.v_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40])  # 40 x 1536 crosses the kernel's threading threshold
 def test_silu_mul_matches_torch_to_the_last_bits(dtype: torch.dtype, tokens: int, cpu_isa: str) -> None:
     """silu(gate) * up with the vectorizable exp: float32 within a few ulp of F.silu(g) * u (exp to

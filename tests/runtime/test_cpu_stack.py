@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear, switches
+from kvpilot.kernels import cpu_attention, cpu_decoder, cpu_ops, isa, qlinear, quant, switches
 from kvpilot.kernels.attention import KVCacheLayer, TorchReferenceBackend
 from kvpilot.runtime.config import DEFAULT_MODEL, EngineConfig
 from kvpilot.runtime.engine.build import build_engine
@@ -39,8 +39,8 @@ def int4_model() -> Any:
     return load_model(cfg, torch.device("cpu"), torch.float32)
 
 
-def _caches(loaded: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
-    return _caches_for(loaded.arch, dtype)
+def _caches(loaded: Any, dtype: torch.dtype, kv: str = "auto") -> list[KVCacheLayer]:
+    return _caches_for(loaded.arch, quant.storage_dtype(kv, dtype))
 
 
 def _caches_for(arch: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
@@ -48,11 +48,13 @@ def _caches_for(arch: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
     return allocate_kv_cache(geo, 64, torch.device("cpu"), tiled=True)
 
 
-def _run(model: Any, loaded: Any, dtype: torch.dtype, stack: bool) -> list[torch.Tensor]:
+def _run(
+    model: Any, loaded: Any, dtype: torch.dtype, stack: bool, kv_dtype: str = "auto"
+) -> list[torch.Tensor]:
     """Hidden states of three steps (two prompts' prefill, then mixed prefill + decode, then decodes),
-    by the compiled stack or by the model's own forward."""
+    by the compiled stack or by the model's own forward, over a KV cache of --kv-cache-dtype kv_dtype."""
     kv = PagedKV(loaded.arch)
-    kv.caches = _caches(loaded, dtype)
+    kv.caches = _caches(loaded, dtype, kv_dtype)
     backend = cpu_attention.CPUPagedAttentionBackend()
     forward = model
     if stack:
@@ -68,12 +70,15 @@ def _run(model: Any, loaded: Any, dtype: torch.dtype, stack: bool) -> list[torch
     return outs
 
 
-@pytest.mark.parametrize("activations", ["int8", "float"])
+@pytest.mark.parametrize(
+    ("activations", "kv_dtype"), [("int8", "auto"), ("float", "auto"), ("int8", "int8"), ("int8", "fp8")]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stack_gives_the_python_layers_hidden_states(
-    int4_model: Any, dtype: torch.dtype, activations: str, monkeypatch: pytest.MonkeyPatch
+    int4_model: Any, dtype: torch.dtype, activations: str, kv_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under either qmatmul_activations mode (the stack calls that mode's tiled kernel)."""
+    """Under either qmatmul_activations mode (the stack calls that mode's tiled kernel), and over an
+    int8 or float8 KV cache (quantized by the C write, read by the kernel with its scales)."""
     switches.use(switches.changed(qmatmul_activations=activations))  # restored by the conftest fixture
     model = copy.deepcopy(int4_model.model).to(dtype)
     model.model.embed_tokens.dtype = dtype  # the dtype of the rows the quantized table hands out
@@ -81,20 +86,29 @@ def test_stack_gives_the_python_layers_hidden_states(
     calls: list[int] = []
     real = cpu_decoder.run
     monkeypatch.setattr(cpu_decoder, "run", lambda *a: calls.append(1) or real(*a))
-    got = _run(model, int4_model, dtype, stack=True)
+    got = _run(model, int4_model, dtype, stack=True, kv_dtype=kv_dtype)
     assert len(calls) == 3  # every step took the stack
-    want = _run(model, int4_model, dtype, stack=False)
+    want = _run(model, int4_model, dtype, stack=False, kv_dtype=kv_dtype)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype and g.shape == w.shape
         # bit for bit: any difference would grow layer by layer through the int8 activation rounding
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(
+    kv_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     _require_stack()
-    cfg = EngineConfig(model=DEFAULT_MODEL, quantization="int4", kv_cache_memory=2**26, max_num_seqs=4)
+    cfg = EngineConfig(
+        model=DEFAULT_MODEL,
+        quantization="int4",
+        kv_cache_memory=2**26,
+        max_num_seqs=4,
+        kv_cache_dtype=kv_dtype,
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 9139]]
     calls: list[int] = []
@@ -130,6 +144,13 @@ def test_what_does_not_take_the_stack_says_why(int4_model: Any) -> None:
     assert cpu_stack.unsupported_step(torch.float32, cpu, caches, backend) is None
     assert cpu_stack.unsupported_step(torch.bfloat16, cpu, caches, backend) == (
         "a torch.float32 KV cache for torch.bfloat16 activations"
+    )
+    for kv in ("int8", "fp8"):  # quantized caches take the stack with either activation dtype
+        for dtype in (torch.float32, torch.bfloat16):
+            assert cpu_stack.unsupported_step(dtype, cpu, _caches(int4_model, dtype, kv), backend) is None
+    scaleless = [KVCacheLayer(c.k, c.v) for c in _caches(int4_model, torch.float32, "int8")]
+    assert cpu_stack.unsupported_step(torch.float32, cpu, scaleless, backend) == (
+        "a torch.int8 KV cache for torch.float32 activations"
     )
     fits = cpu_stack.CompiledStack.fits
     assert (
