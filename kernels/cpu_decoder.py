@@ -20,7 +20,7 @@ from kvpilot.kernels.qlinear import QuantizedWeight
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_cpu.c"
 CFLAGS = ["-O2", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11"]
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = cpu_ops.ACTIVATION_CODES
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 

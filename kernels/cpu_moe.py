@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cbuild, isa
+from kvpilot.kernels import cbuild, cpu_ops, isa
 
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.c"
 CFLAGS = ["-O3", *cbuild.FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = cpu_ops.ACTIVATION_CODES
 # assignments per held expert (T * top_k / E) up to which the fused call beats the per-expert torch
 # matmuls for float32 experts and for bfloat16 without the native dot product; measured on OLMoE's
 # shapes (docs/benchmarks.md, MoE section). bfloat16 with it: no limit (`max_rows_per_expert`).

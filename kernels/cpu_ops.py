@@ -39,7 +39,9 @@ DTYPE_CODES = {
     torch.int8: 3,
     torch.float8_e4m3fn: 4,
 }
-_DTYPES = {dt: DTYPE_CODES[dt] for dt in (torch.float32, torch.bfloat16)}
+# the activations' codes, which every CPU extension takes (cpu_decoder, cpu_moe, qlinear use this one)
+ACTIVATION_CODES = {dt: DTYPE_CODES[dt] for dt in (torch.float32, torch.bfloat16)}
+_DTYPES = ACTIVATION_CODES
 QUANTIZED = (torch.int8, torch.float8_e4m3fn)  # caches with float16 scales (kernels/quant.py)
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cbuild, isa, switches, triton_qlinear
+from kvpilot.kernels import cbuild, cpu_ops, isa, switches, triton_qlinear
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def int8_activations() -> bool:
     return switches.current().int8_activations
 
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = cpu_ops.ACTIVATION_CODES
 
 
 @dataclass

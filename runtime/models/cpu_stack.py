@@ -8,8 +8,9 @@ layers call. `compile_stack` gives the runner a `CompiledStack` when every layer
 layer (no family override of its projections, norms or MLP), every linear weight is quantized in
 the CPU kernel's tiled layout without LoRA, tensor parallelism or an input permutation, the
 attention backend is the CPU kernel's and the KV cache in the activations' dtype or quantized
-(int8 / fp8 with float16 scales: --kv-cache-dtype; cpu_ops.write_kv_ quantizes in C); the runner then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything
-else runs the model's own forward, which stays the reference (tests compare the two).
+(int8 / fp8 with float16 scales: --kv-cache-dtype; cpu_ops.write_kv_ quantizes in C); the runner
+then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything else runs the
+model's own forward, which stays the reference (tests compare the two).
 
 The `cpu_decoder_stack` kernel switch (--no-cpu-decoder-stack, KVPILOT_CPU_DECODER_STACK=0;
 kernels/switches.py) turns it off (benchmarks compare the two).
