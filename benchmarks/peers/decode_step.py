@@ -21,9 +21,11 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, get_args
 
-KV_DTYPES = ("auto", "int8", "fp8")  # runtime/config.py KVCacheDtype
+from kvpilot.runtime.config import KVCacheDtype
+
+KV_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
