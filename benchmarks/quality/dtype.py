@@ -87,13 +87,15 @@ def engine_options(name: str) -> dict[str, str]:
     return options
 
 
-def run_kvpilot(dtype: str, options: dict[str, str]) -> dict[str, Any]:
+def run_kvpilot(dtype: str, options: dict[str, str], model: str | None = None) -> dict[str, Any]:
     import torch
 
     from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
     settings: dict[str, Any] = {"dtype": dtype, "kv_cache_memory": 256 * 2**20}
+    if model is not None:
+        settings["model"] = model
     if "quantization" in options:
         settings["quantization"] = options["quantization"]
     if "qmatmul" in options:
@@ -112,6 +114,8 @@ def run_kvpilot(dtype: str, options: dict[str, str]) -> dict[str, Any]:
     return {
         **(speed(engine, ids) if os.environ.get("KVPILOT_BENCH_SPEED") == "1" else {}),
         "dtype": embedding_dtype(engine),
+        "quantization": engine.cfg.quantization,
+        "qmatmul_activations": engine.cfg.qmatmul_activations,
         "text_ids": ids,
         "choices": choices,
         "answers": answers,
@@ -176,19 +180,22 @@ def run_hf(dtype: str, text_ids: list[int], prompts: list[list[int]], eos: list[
 def worker(args: argparse.Namespace) -> None:
     engine, dtype, _ = parse_config(args.worker)
     if engine == "kvpilot":
-        out = run_kvpilot(dtype, engine_options(args.worker))
+        out = run_kvpilot(dtype, engine_options(args.worker), args.model)
     else:
         ref = json.loads(Path(args.inputs).read_text())
         out = run_hf(dtype, ref["text_ids"], ref["prompts"], ref["eos"])
     Path(args.out).write_text(json.dumps(out))
 
 
-def spawn(name: str, out: Path, inputs: Path | None = None) -> dict[str, Any]:
-    """Run one configuration in its own process (its kernel level is read at import)."""
+def spawn(name: str, out: Path, inputs: Path | None = None, model: Path | None = None) -> dict[str, Any]:
+    """Run one configuration in its own process (its kernel level is read at import); `model`: a
+    model file instead of the builtin one (kvpilot configurations only)."""
     _, _, env = parse_config(name)
     cmd = [sys.executable, __file__, "--worker", name, "--out", str(out)]
     if inputs is not None:
         cmd += ["--inputs", str(inputs)]
+    if model is not None:
+        cmd += ["--model", str(model)]
     subprocess.run(cmd, check=True, env={**os.environ, **env}, timeout=1800)
     return json.loads(out.read_text())
 
@@ -214,6 +221,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)

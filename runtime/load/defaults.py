@@ -5,13 +5,16 @@ quality cost is measured and small, says which at start-up, and an explicit flag
 
 `choose_default` (pure) decides from what the checkpoint stores and where it runs:
 
-- a GGUF file whose every linear weight and LM head (or the embedding tied to it) is stored in a type
-  that loads as blocks (Q8_0, Q4_0, Q4_1, Q4_K; runtime/load/gguf_blocks.py), a dense model, on a CPU
-  whose kernels have the tiled layout (avx512, avx2), one device, no LoRA: `--quantization auto
-  --qmatmul-activations float`. The file's own blocks are multiplied in float32 without rounding the
-  activations (kvpilot_qmatmul_tiled_float): the float32 model of the dequantized file, up to the
-  order of the sums (agreement with float32 1.0000 and 16/16 greedy answers on tests/runtime/quality.py's
-  text; Q4_K's float16 scale conversion adds +0.007% perplexity), at a fraction of the bytes read;
+- a GGUF file whose every linear weight and LM head (or the embedding tied to it) is stored in a
+  quantized type, a dense model, on a CPU whose kernels have the tiled layout (avx512, avx2), one
+  device, no LoRA: `--quantization auto --qmatmul-activations float`. The file's own blocks are
+  multiplied in float32 without rounding the activations (kvpilot_qmatmul_tiled_float): for Q8_0,
+  Q4_0, Q4_1 and Q4_K, the float32 model of the dequantized file up to the order of the sums
+  (agreement with float32 1.0000 and 16/16 greedy answers on tests/runtime/quality.py's text; Q4_K's
+  float16 scale conversion adds +0.007% perplexity), at a fraction of the bytes read. The other types
+  (Q6_K, Q5_K, Q5_0, ...: what a Q4_K_M or Q5_K_M file mixes in) are requantized to int8 per 32
+  weights at load (runtime/load/gguf_blocks.py; under an eighth of a Q6_K step a weight, measured by
+  `benchmarks/runtime_quality.py requant` and held to the same bar by tests/runtime/test_default_quality.py);
 - anything else: the weights dequantized to the model dtype at load (`--quantization none`, the
   default before), as measured (docs/runtime.md, "Precision").
 
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 # GGUF tensor names (the part before `.weight`) of the linear layers and of the LM head / embedding
 LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 HEAD_TENSORS = ("output", "token_embd")
-BLOCK_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K"})  # gguf_blocks.DIRECT_BITS
+EXACT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K"})  # gguf_blocks.DIRECT_BITS: held as stored
 TILED_LEVELS = ("avx512", "avx2")  # kernels/qlinear.py tiled_format
 
 
@@ -68,6 +71,7 @@ def choose_default(
     lora: bool,
 ) -> DefaultPath:
     """Pure: the default path for this checkpoint and machine (module docstring)."""
+    from kvpilot.runtime.load.gguf_blocks import is_quantized
 
     def dequantized(why: str) -> DefaultPath:
         return DefaultPath("none", "int8", why)
@@ -81,13 +85,17 @@ def choose_default(
     if tensor_parallel_size > 1 or lora or facts.moe:
         return dequantized("tensor parallelism, LoRA or a Mixture-of-Experts model: not measured there")
     stored = sorted(facts.linear_types | ({facts.head_type} if facts.head_type else set()))
-    if not facts.linear_types or not set(stored) <= BLOCK_TYPES:
+    if not facts.linear_types or not all(is_quantized(t) for t in stored):
         return dequantized(f"weights stored as {', '.join(stored) or 'nothing'}, not all in quantized blocks")
+    exact = [t for t in stored if t in EXACT_TYPES]
+    requantized = [t for t in stored if t not in EXACT_TYPES]
+    held = f"the file's own {'/'.join(exact)} blocks" if exact else "the file's quantized weights"
+    if requantized:
+        held += f" ({'/'.join(requantized)} requantized to int8 per 32 weights)"
     return DefaultPath(
         "auto",
         "float",
-        f"the file's own {'/'.join(stored)} blocks with float32 activations (the exact product of the "
-        "stored weights), read from memory quantized",
+        f"{held} with float32 activations (the exact product of the weights held), read from memory quantized",
     )
 
 

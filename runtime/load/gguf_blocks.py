@@ -14,6 +14,14 @@ Pure, vectorized conversions of a tensor's raw bytes (uint8 [rows, row bytes], a
   dmin * m_j) is int4 with group 32: scale = fp16(d * sc_j), min = fp16(-dmin * m_j), nibbles
   regrouped (Q4_K keeps sub-blocks 2i and 2i + 1 in the low and high nibbles of the same 32 bytes).
 
+Every other quantized type (Q6_K, Q5_K, Q5_0, Q5_1, Q3_K, Q2_K, the i-quants: what a Q4_K_M or
+Q5_K_M file mixes in) has no exact form here (Q6_K scales every 16 weights, the kernels every 32 or
+more): `requantize_int8` dequantizes it as gguf does and rounds it to int8 per 32 weights (one float16
+scale, max |w| / 127). That adds at most half an int8 step, max |w| / 254 of its 32 weights, to each
+weight: about an eighth of a Q6_K step (Q6_K's codes span 64 steps), a thirtieth of a Q4_K step
+(`runtime_quality.py requant` measures it). A matrix whose pieces mix widths (a fused q/k/v with
+Q4_K q and k and a Q6_K v) loads as int8 whole, its 4-bit pieces requantized the same way.
+
 Q8_0, Q4_0 and Q4_1 dequantize to exactly what `gguf.quants.dequantize` gives. Q4_K's products
 d * sc and dmin * m carry up to 11 + 6 significant bits and are rounded to float16's 11: each
 differs from the float32 product by at most 2^-11 of itself (2^-25 absolute below float16's
@@ -30,12 +38,29 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvpilot.kernels.qlinear import QuantizedWeight
+from kvpilot.kernels.qlinear import QuantizedWeight, quantize_int8
 
 GROUP = 32
 # GGUF types whose blocks a QuantizedWeight holds as they are -> the bits of that QuantizedWeight
 DIRECT_BITS: dict[str, int] = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}
+REQUANT_BITS = 8  # the width of every other quantized type (requantize_int8)
 FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def is_quantized(type_name: str) -> bool:
+    """A GGUF block type (more than one weight a block), as opposed to F32/F16/BF16 or an integer type."""
+    kind = GGMLQuantizationType.__members__.get(type_name)
+    return kind is not None and GGML_QUANT_SIZES[kind][0] > 1
+
+
+def load_bits(type_names: set[str] | frozenset[str]) -> int | None:
+    """The width a matrix built from tensors of these types loads at from blocks: 4 when each is a
+    4-bit type held exactly (Q4_0, Q4_1, Q4_K), 8 when each is quantized (Q8_0 exactly, the others
+    requantized), None when any is a float type (or there is none)."""
+    if not type_names or not all(is_quantized(t) for t in type_names):
+        return None
+    widths = {DIRECT_BITS.get(t) for t in type_names}
+    return 4 if widths == {4} else REQUANT_BITS
 
 
 def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType, in_features: int) -> np.ndarray:
@@ -134,6 +159,30 @@ def to_qweight(raw: np.ndarray, ggml_type: GGMLQuantizationType, in_features: in
             f"{ggml_type.name} blocks have no QuantizedWeight form (supported: {list(_CONVERTERS)})"
         )
     return convert(raw, in_features)
+
+
+def requantize_int8(raw: np.ndarray, ggml_type: GGMLQuantizationType, in_features: int) -> QuantizedWeight:
+    """Any quantized GGUF tensor's raw bytes [out, row bytes] -> int8 with group 32 (module docstring)."""
+    from gguf.quants import dequantize
+
+    if in_features % GROUP:
+        raise ValueError(f"{ggml_type.name}: {in_features} columns are not a multiple of {GROUP}")
+    w = dequantize(np.ascontiguousarray(raw, dtype=np.uint8), ggml_type).reshape(-1, in_features)
+    if not np.isfinite(w).all():
+        raise ValueError(f"{ggml_type.name}: blocks that dequantize to inf or NaN")
+    return quantize_int8(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), GROUP)
+
+
+def to_qweight_as(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, in_features: int, bits: int
+) -> QuantizedWeight:
+    """A 2-D GGUF tensor as a QuantizedWeight of `bits` (load_bits of its matrix): its own blocks
+    when its type has that width exactly, else requantized to int8."""
+    if DIRECT_BITS.get(ggml_type.name) == bits:
+        return to_qweight(raw, ggml_type, in_features)
+    if bits != REQUANT_BITS or not is_quantized(ggml_type.name):
+        raise ValueError(f"{ggml_type.name} blocks do not load as {bits}-bit weights")
+    return requantize_int8(raw, ggml_type, in_features)
 
 
 def map_rows(qw: QuantizedWeight, rows: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:

@@ -8,7 +8,7 @@ import functools
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -173,25 +173,25 @@ def unpermute_rotary(w: ArrayT, n_heads: int) -> ArrayT:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_blocks_weight(f: GGUFFile, name: str) -> QuantizedWeight:
-    """A Q8_0/Q4_0/Q4_1/Q4_K matrix as a QuantizedWeight straight from its blocks. Blocks whose
-    float16 scales or mins cannot be formed (runtime/load/gguf_blocks.py) are dequantized and quantized
-    again to the same format, with a warning: the layer still gets the format it was prepared for."""
+def gguf_blocks_weight(f: GGUFFile, name: str, bits: int) -> QuantizedWeight:
+    """A quantized matrix as a `bits` QuantizedWeight from its blocks (gguf_blocks.to_qweight_as:
+    as stored, or requantized to int8). Blocks whose float16 scales or mins cannot be formed
+    (runtime/load/gguf_blocks.py) are dequantized and quantized again to the same format, with a
+    warning: the layer still gets the format it was prepared for."""
     info = f.tensors[name]
     try:
-        return gguf_blocks.to_qweight(f.raw(name), info.ggml_type, info.shape[-1])
+        return gguf_blocks.to_qweight_as(f.raw(name), info.ggml_type, info.shape[-1], bits)
     except ValueError as err:
         log.warning("%s: %s; requantizing it from its dequantized values", name, err)
         w = torch.from_numpy(f.load(name))
-        bits = gguf_blocks.DIRECT_BITS[info.type_name]
         return qlinear.quantize_int8(w, gguf_blocks.GROUP) if bits == 8 else qlinear.quantize_int4(w)
 
 
 def iter_gguf_weights(
-    f: GGUFFile, arch: ModelArchConfig, blocks: frozenset[str] = frozenset()
+    f: GGUFFile, arch: ModelArchConfig, blocks: Mapping[str, int] | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF name, float32 tensor) for every tensor the model uses, with tqdm progress on stderr;
-    the tensors named in `blocks` come as QuantizedWeights from their own blocks instead.
+    the tensors named in `blocks` come as QuantizedWeights of the bits given there instead.
 
     Stacked expert tensors [E, out, in] are dequantized whole and handed out one expert at a time
     under the HF per-expert names. Only the `llama` converter permutes q/k rows for llama.cpp's
@@ -200,8 +200,8 @@ def iter_gguf_weights(
     names = [n for n in f.tensors if gguf_hf_name(n) is not None or gguf_expert_piece(n) is not None]
     permuted = f.get("general.architecture") == "llama"
     for name in tqdm(names, desc=f"loading {f.path.name}", unit="tensor", file=sys.stderr, leave=False):
-        if name in blocks:
-            qw = gguf_blocks_weight(f, name)
+        if blocks and name in blocks:
+            qw = gguf_blocks_weight(f, name, blocks[name])
             heads = arch.num_attention_heads if ".attn_q." in name else arch.num_key_value_heads
             if permuted and (".attn_q." in name or ".attn_k." in name):
                 qw = gguf_blocks.map_rows(qw, functools.partial(unpermute_rotary, n_heads=heads))

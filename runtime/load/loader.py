@@ -229,20 +229,21 @@ def build_model(
 
 def gguf_blocks_plan(
     f: GGUFFile, model: CausalLM, requested: str | None, group_size: int
-) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
+) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     """Which modules load straight from the file's blocks under `--quantization requested`:
-    module name -> (bits, group), and the GGUF tensors that feed them.
+    module name -> (bits, group), and the GGUF tensors that feed them -> the bits each loads at.
 
-    A linear layer does when every tensor it is built from (q, k and v for the fused QKV) is Q8_0,
-    or every one is Q4_0/Q4_1/Q4_K, and the method takes that format: `auto` any, `int8` Q8_0,
-    `int4` the 4-bit ones at group size 32; its shard must cut the input on whole blocks. The LM
-    head (or the embedding tied to it) does under any method when its type is one of those.
+    Under `auto` a linear layer does when every tensor it is built from (q, k and v for the fused
+    QKV) is quantized: as int4 when each is Q4_0/Q4_1/Q4_K, else as int8 (Q8_0 as stored, the other
+    types and the 4-bit pieces of a mixed matrix requantized: gguf_blocks.load_bits). `int8` takes
+    the layers all Q8_0, `int4` those all 4-bit at group size 32. The shard must cut the input on
+    whole blocks. The LM head (or the embedding tied to it) does under any method when quantized.
     """
     from kvpilot.runtime.load.quantization import QuantizableModule, blocks_fit
     from kvpilot.runtime.models.layers import ParallelLMHead, VocabParallelEmbedding
 
     if requested is None:
-        return {}, frozenset()
+        return {}, {}
     modules = dict(model.named_modules())
     heads = [m.weight for m in modules.values() if isinstance(m, ParallelLMHead)]
     map_name = getattr(model, "map_name", lambda n: (n, None))
@@ -259,23 +260,24 @@ def gguf_blocks_plan(
             continue  # an untied embedding stays in the model dtype
         feeds.setdefault(module, []).append((name, info.type_name))
     plan: dict[str, tuple[int, int]] = {}
-    names: set[str] = set()
+    names: dict[str, int] = {}
     for module, pieces in feeds.items():
-        widths = {gguf_blocks.DIRECT_BITS.get(t) for _, t in pieces}
-        bits = widths.pop() if len(widths) == 1 else None
+        types = {t for _, t in pieces}
+        bits = gguf_blocks.load_bits(types)
         if bits is None:
             continue
         mod = modules[module]
+        exact = {gguf_blocks.DIRECT_BITS.get(t) for t in types} == {bits}
         takes = (
             isinstance(mod, VocabParallelEmbedding)
             or requested == "auto"
-            or (requested == "int8" and bits == 8)
+            or (requested == "int8" and bits == 8 and exact)
             or (requested == "int4" and bits == 4 and group_size == gguf_blocks.GROUP)
         )
         if takes and blocks_fit(mod, bits, gguf_blocks.GROUP):
             plan[module] = (bits, gguf_blocks.GROUP)
-            names.update(n for n, _ in pieces)
-    return plan, frozenset(names)
+            names.update((n, bits) for n, _ in pieces)
+    return plan, names
 
 
 def load_gguf(
@@ -316,19 +318,24 @@ def load_gguf_weights(
         _log_blocks(f, plan, names)
 
 
-def _log_blocks(f: GGUFFile, plan: dict[str, tuple[int, int]], names: frozenset[str]) -> None:
+def _log_blocks(f: GGUFFile, plan: dict[str, tuple[int, int]], names: dict[str, int]) -> None:
     kept: dict[str, int] = {}
-    for n in names:
+    requantized: dict[str, int] = {}
+    for n, bits in names.items():
         t = f.tensors[n].type_name
         kept[t] = kept.get(t, 0) + 1
+        if gguf_blocks.DIRECT_BITS.get(t) != bits:
+            requantized[t] = requantized.get(t, 0) + 1
     rest: dict[str, int] = {}
     for n, info in f.tensors.items():
         if n not in names and len(info.shape) >= 2 and (gguf_hf_name(n) or gguf_expert_piece(n)):
             rest[info.type_name] = rest.get(info.type_name, 0) + 1
     log.info(
-        "GGUF blocks: %d modules loaded from their own blocks (tensors %s), matrices dequantized at load: %s",
+        "GGUF blocks: %d modules loaded from their own blocks (tensors %s; of them requantized to int8 "
+        "per 32 weights: %s), matrices dequantized at load: %s",
         len(plan),
         dict(sorted(kept.items())) or "none",
+        dict(sorted(requantized.items())) or "none",
         dict(sorted(rest.items())) or "none",
     )
 

@@ -46,6 +46,24 @@ def test_blocks_with_float_activations_where_the_tiled_kernels_run(level: str) -
 
 
 @pytest.mark.parametrize(
+    ("facts", "why"),
+    [
+        # Q4_K_M: Q4_K layers, Q6_K head, attn_v and half the ffn_down
+        (CheckpointFacts(True, frozenset({"Q4_K", "Q6_K"}), "Q6_K"), "own Q4_K blocks (Q6_K requantized"),
+        (CheckpointFacts(True, frozenset({"Q5_K", "Q6_K"}), "Q6_K"), "(Q5_K/Q6_K requantized"),  # Q5_K_M
+        (CheckpointFacts(True, frozenset({"Q5_0"}), "Q8_0"), "own Q8_0 blocks (Q5_0 requantized"),
+        (CheckpointFacts(True, frozenset({"IQ4_XS"}), "Q6_K"), "quantized weights (IQ4_XS/Q6_K requantized"),
+    ],
+)
+def test_files_of_other_quantized_types_take_the_blocks_path_requantized(
+    facts: CheckpointFacts, why: str
+) -> None:
+    choice = choose_default(facts, **CPU)
+    assert (choice.quantization, choice.qmatmul_activations) == ("auto", "float")
+    assert why in choice.why
+
+
+@pytest.mark.parametrize(
     ("facts", "changes", "why"),
     [
         (CheckpointFacts(gguf=False), {}, "not a GGUF"),
@@ -55,7 +73,7 @@ def test_blocks_with_float_activations_where_the_tiled_kernels_run(level: str) -
         (BUILTIN, {"tensor_parallel_size": 2}, "not measured"),
         (BUILTIN, {"lora": True}, "not measured"),
         (CheckpointFacts(True, frozenset({"Q4_1"}), "Q8_0", moe=True), {}, "not measured"),
-        (CheckpointFacts(True, frozenset({"Q4_K"}), "Q6_K"), {}, "Q4_K, Q6_K"),  # a Q4_K_M file's head
+        (CheckpointFacts(True, frozenset({"Q4_K", "F16"}), "Q6_K"), {}, "F16, Q4_K, Q6_K"),
         (CheckpointFacts(True, frozenset({"F16"}), "F16"), {}, "F16"),
         (CheckpointFacts(True, frozenset(), "Q8_0"), {}, "not all in quantized blocks"),
     ],

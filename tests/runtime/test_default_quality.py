@@ -87,3 +87,28 @@ def test_default_dtype_tracks_float32_at_least_as_well_as_transformers_bf16(
     assert teacher >= transformers_bf16["teacher_forced"], summary
     assert answers >= transformers_bf16["answers"], summary
     assert teacher >= 0.97, summary  # a floor of its own: the measured figures are in docs/runtime.md
+
+
+def test_the_default_path_on_a_q4_k_m_style_file_tracks_its_float32_model(
+    transformers_bf16: dict[str, float], tmp_path: Path
+) -> None:
+    """A file mixing Q4_1 with Q6_K (every ffn_down) and Q5_0 (odd layers' attn_v, so their fused
+    q/k/v mixes widths), as Q4_K_M files mix Q4_K and Q6_K: the default path takes it (those types
+    requantized to int8 at load) and answers as faithfully to that file's float32 model as
+    transformers' bf16 does to the builtin's."""
+    from quality import requant
+
+    from kvpilot.runtime.config import DEFAULT_MODEL
+    from kvpilot.runtime.load.loader import resolve_model_path
+
+    mixed = tmp_path / "mixed.gguf"
+    types = set(requant.write_mixed_file(resolve_model_path(DEFAULT_MODEL), mixed).values())
+    assert {"Q4_1", "Q6_K", "Q5_0"} <= types
+    ref = dtype_quality.spawn("kvpilot:float32+quantization=none", tmp_path / "ref.json", model=mixed)
+    ours = dtype_quality.spawn("kvpilot:auto", tmp_path / "ours.json", model=mixed)
+    assert (ours["quantization"], ours["qmatmul_activations"]) == ("auto", "float")
+    teacher = agreement(ours["choices"], ref["choices"])
+    answers = same_answers(ours["answers"][: len(ASKED)], ref["answers"][: len(ASKED)])
+    summary = f"{teacher:.4f} / {answers} answers vs transformers bf16 {transformers_bf16}"
+    assert teacher >= transformers_bf16["teacher_forced"], summary
+    assert answers >= transformers_bf16["answers"], summary

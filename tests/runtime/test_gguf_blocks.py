@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,18 @@ from gguf.quants import dequantize
 
 from kvpilot.kernels import qlinear, switches
 from kvpilot.runtime.load import gguf_blocks
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def bench_module(path: str) -> Any:
+    """A benchmark module loaded from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(path).stem}", BENCH / path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 ROWS, COLS = 6, 512  # two Q4_K super-blocks, sixteen 32-weight blocks a row
 
@@ -100,6 +113,64 @@ def test_converted_weights_multiply_like_their_dequantized_form(name: str) -> No
         assert float((spec - want).norm() / want.norm()) < 0.01
     with switches.using(qmatmul_activations="float"):
         torch.testing.assert_close(qlinear.matmul(x, qw), want, rtol=1e-4, atol=1e-4)
+
+
+def assert_within_half_an_int8_step(qw: qlinear.QuantizedWeight, want: torch.Tensor) -> None:
+    """Each group's scale its max |w| / 127 in float16, and each weight within half a step of `want`
+    (or, where float16 rounded the scale down and the code stopped at 127, that rounding times 127)."""
+    n, k = want.shape
+    groups = want.float().reshape(n, k // 32, 32)
+    exact = groups.abs().amax(-1, keepdim=True) / 127
+    stored = qw.scales.float().reshape(n, k // 32, 1)
+    torch.testing.assert_close(stored, exact.half().float(), rtol=0, atol=0)
+    bound = torch.maximum(stored / 2, 127 * (stored - exact).abs()) * (1 + 1e-3) + 1e-12
+    err = (qw.dequantize(torch.float32).reshape(n, k // 32, 32) - groups).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+def q6_k_real_blocks(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Q6_K blocks of normal weights (benchmarks/quality/requant.py's encoder)."""
+    return bench_module("quality/requant.py").quantize_q6_k(
+        rng.standard_normal((rows, cols)).astype(np.float32) * 0.02
+    )
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0", "Q5_1", "Q4_K", "Q8_0"])
+def test_other_quantized_types_requantize_to_int8_within_half_a_step(kind: str) -> None:
+    rng = np.random.default_rng(11)
+    if kind == "Q6_K":
+        raw = q6_k_real_blocks(rng, ROWS, COLS)
+    elif kind in ("Q5_0", "Q5_1"):
+        from gguf.quants import quantize
+
+        raw = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), GGMLQuantizationType[kind])
+    elif kind == "Q4_K":
+        weights = rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.02
+        raw = bench_module("quality/q4k.py").quantize_q4_k(weights)
+    else:
+        raw = random_blocks(kind, rng)
+    gtype = GGMLQuantizationType[kind]
+    want = torch.from_numpy(dequantize(raw, gtype).reshape(ROWS, COLS))
+    qw = gguf_blocks.to_qweight_as(raw, gtype, COLS, 8)
+    assert (qw.bits, qw.group, qw.mins) == (8, 32, None)
+    if kind == "Q8_0":  # held exactly: the file's own bytes
+        torch.testing.assert_close(qw.dequantize(torch.float32), want, rtol=0, atol=0)
+    else:
+        assert_within_half_an_int8_step(qw, want)
+
+
+def test_load_bits_of_a_matrix_from_its_pieces_types() -> None:
+    assert gguf_blocks.load_bits({"Q4_K", "Q4_0"}) == 4
+    assert gguf_blocks.load_bits({"Q8_0"}) == 8
+    assert gguf_blocks.load_bits({"Q4_K", "Q6_K"}) == 8  # a Q4_K_M layer's q/k/v
+    assert gguf_blocks.load_bits({"Q5_K"}) == 8
+    assert gguf_blocks.load_bits({"Q4_K", "F16"}) is None
+    assert gguf_blocks.load_bits({"BF16"}) is None and gguf_blocks.load_bits(set()) is None
+    assert not gguf_blocks.is_quantized("F32") and not gguf_blocks.is_quantized("NOPE")
+    with pytest.raises(ValueError, match="do not load as 4-bit"):
+        gguf_blocks.to_qweight_as(
+            random_blocks("Q8_0", np.random.default_rng(0)), GGMLQuantizationType.Q8_0, COLS, 4
+        )
 
 
 def test_bad_blocks_are_refused() -> None:
@@ -195,15 +266,18 @@ def test_a_mixed_gguf_loads_each_layer_its_own_way(tmp_path: Path) -> None:
     for got, base, bits in exact:  # Q4_0 and Q8_0 blocks: exactly the dequantized values
         assert got.weight is None and got.qweight.bits == bits
         torch.testing.assert_close(got.qweight.dequantize(), base.weight, rtol=0, atol=0)
-    # Q4_K gate + Q6_K up: not one format, so dequantized; `auto` finds no single method for a file
-    # of Q4_K, Q4_0, Q6_K and Q8_0 layers, so it stays float32
-    assert a.mlp.gate_up_proj.qweight is None
-    torch.testing.assert_close(a.mlp.gate_up_proj.weight, r.mlp.gate_up_proj.weight, rtol=0, atol=0)
+    # Q4_K gate + Q6_K up: two widths, so the fused matrix loads as int8, both pieces requantized to
+    # within half an int8 step of their dequantized values
+    gate_up = a.mlp.gate_up_proj.qweight
+    assert (gate_up.bits, gate_up.group) == (8, 32) and a.mlp.gate_up_proj.weight is None
+    assert_within_half_an_int8_step(gate_up, r.mlp.gate_up_proj.weight)
     head = auto.lm_head.qweight
     assert (head.bits, head.group) == (8, 32) and auto.model.embed_tokens.qweight is head
     torch.testing.assert_close(head.dequantize(), ref.lm_head.weight, rtol=0, atol=0)
 
     ids = [3, 17, 42, 5, 60, 1, 8]
+    with torch.no_grad():  # the reference with the requantized values: the rest must be exact
+        r.mlp.gate_up_proj.weight.copy_(gate_up.dequantize(torch.float32))
     want_logits = PagedKV(arch).logits(ref, [(0, ids)])
     got_logits = PagedKV(arch).logits(auto, [(0, ids)])
     rel = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
