@@ -44,6 +44,7 @@ GROUP = 32
 # GGUF types whose blocks a QuantizedWeight holds as they are -> the bits of that QuantizedWeight
 DIRECT_BITS: dict[str, int] = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}
 REQUANT_BITS = 8  # the width of every other quantized type (requantize_int8)
+REQUANT_ROWS = 4096  # rows requantized at a time
 FP16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -167,10 +168,24 @@ def requantize_int8(raw: np.ndarray, ggml_type: GGMLQuantizationType, in_feature
 
     if in_features % GROUP:
         raise ValueError(f"{ggml_type.name}: {in_features} columns are not a multiple of {GROUP}")
-    w = dequantize(np.ascontiguousarray(raw, dtype=np.uint8), ggml_type).reshape(-1, in_features)
-    if not np.isfinite(w).all():
-        raise ValueError(f"{ggml_type.name}: blocks that dequantize to inf or NaN")
-    return quantize_int8(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), GROUP)
+    data = np.ascontiguousarray(raw, dtype=np.uint8)
+    data = data.reshape(data.shape[0] if data.ndim > 1 else 1, -1)
+    parts = []  # a few thousand rows at a time: an 8B model's LM head is 2 GB in float32
+    for start in range(0, data.shape[0], REQUANT_ROWS):
+        w = dequantize(data[start : start + REQUANT_ROWS], ggml_type).reshape(-1, in_features)
+        if not np.isfinite(w).all():
+            raise ValueError(f"{ggml_type.name}: blocks that dequantize to inf or NaN")
+        parts.append(quantize_int8(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), GROUP))
+    n = data.shape[0]
+    return QuantizedWeight(
+        8,
+        GROUP,
+        torch.cat([q.packed for q in parts]),
+        torch.cat([q.scales for q in parts]),
+        None,
+        n,
+        in_features,
+    )
 
 
 def to_qweight_as(

@@ -291,3 +291,12 @@ def test_a_mixed_gguf_loads_each_layer_its_own_way(tmp_path: Path) -> None:
         m.weight is None and m.qweight.bits == 4 for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)
     )
     assert not torch.equal(layer.mlp.down_proj.qweight.dequantize(), r.mlp.down_proj.weight)  # re-rounded
+
+
+def test_requantizing_in_row_chunks_equals_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = q6_k_real_blocks(np.random.default_rng(3), ROWS, COLS)
+    whole = gguf_blocks.requantize_int8(raw, GGMLQuantizationType.Q6_K, COLS)
+    monkeypatch.setattr(gguf_blocks, "REQUANT_ROWS", 4)  # 6 rows: a chunk of 4 and one of 2
+    chunked = gguf_blocks.requantize_int8(raw, GGMLQuantizationType.Q6_K, COLS)
+    assert torch.equal(whole.packed, chunked.packed) and torch.equal(whole.scales, chunked.scales)
+    assert (chunked.out_features, chunked.in_features) == (ROWS, COLS)
