@@ -224,7 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="--kv-cache-memory-bytes in GiB (default: --kvpilot-kv-gib)",
     )
-    p.add_argument("--vllm-extra", default="", help="extra vllm serve flags (e.g. --enforce-eager)")
+    p.add_argument(
+        "--vllm-extra",
+        default="",
+        help="extra vllm serve flags, after the others (e.g. --vllm-extra=--enforce-eager)",
+    )
     p.add_argument("--output", default=None, help="also write the JSON here (default benchmarks/results/)")
     args = p.parse_args(argv)
     if (args.kvpilot_speculative_model is None) != (args.kvpilot_speculative_method != "draft"):
