@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How fast is the kvpilot runtime against Hugging Face transformers and llama.cpp's server, on CPU?
+"""How fast is the kvpilot runtime against Hugging Face transformers, llama.cpp's server and vLLM, on CPU?
 
 Without a subcommand: one configuration of every engine in one run (below). Subcommands:
     suite      the side-by-side suite: single stream at the native ISA and the batch as on an
@@ -17,26 +17,30 @@ configuration each engine ran with, and the figures:
   outputs 64..512 tokens, EOS ignored so lengths are exact). kvpilot runs offline (`LLMEngine`) and,
   when `kvpilot serve` starts, over HTTP too; HF `generate` runs static batches of 32 with left
   padding (only requested tokens count as useful output); llama-server runs 32 slots with continuous
-  batching behind the same OpenAI client as kvpilot serve.
+  batching and `vllm serve` (vLLM's CPU build, bfloat16, --vllm-max-num-seqs 128) its own continuous
+  batching, both behind the same OpenAI client and requests (prompt token ids) as kvpilot serve.
 * the fraction of the machine's matmul peak (same-shape torch matmuls in kvpilot's dtype, measured in
   this run) that kvpilot's batched run reaches in model FLOPs.
 * single-stream decode tokens/s for every engine.
 * TTFT / inter-token latency percentiles of an online run with Poisson arrivals over HTTP (streaming,
-  openai client) against `kvpilot serve` and llama-server.
+  openai client) against `kvpilot serve`, llama-server and vLLM.
 
 Usage:
-    python benchmarks/runtime_vs_peers.py --engines kvpilot,hf,llamacpp --num-requests 128
+    python benchmarks/runtime_vs_peers.py --engines kvpilot,hf,llamacpp,vllm --num-requests 128
     python benchmarks/runtime_vs_peers.py --quick          # small smoke run
     python benchmarks/runtime_vs_peers.py --engines kvpilot,llamacpp --skip batch,online,peak,serve \
         --single-text quoting --single-count 3 --kvpilot-quantization int4 \
         --kvpilot-speculative-method ngram      # single stream on "repeat this text" prompts
     python benchmarks/runtime_vs_peers.py suite --rounds 2     # the side-by-side suite
     python benchmarks/runtime_vs_peers.py cpu-time --num-requests 16 --quantization none,int4,int8
-llama-server comes from benchmarks/build_llamacpp.sh (built once, cached in benchmarks/.build/).
+llama-server comes from benchmarks/build_llamacpp.sh (built once, cached in benchmarks/.build/); vLLM's
+CPU build and the model it serves from scripts/vllm_cpu.sh (installed once, cached in ~/.cache; its
+start-up compile takes minutes).
 
 Layout: this file is the command line and the comparison; peers/measure.py probes the machine,
 counts FLOPs and records phases, peers/loadgen.py drives OpenAI-compatible servers, and
-peers/engine_kvpilot.py, peers/engine_hf.py and peers/engine_llamacpp.py are the adapters of the engines under test.
+peers/engine_kvpilot.py, peers/engine_hf.py, peers/engine_llamacpp.py and peers/engine_vllm.py are the adapters of
+the engines under test.
 The machine may be shared: every phase records the load average and a short matmul probe
 (`cpu_probe_gflops`) taken right before it, so figures from a noisy moment can be recognised.
 """
@@ -92,6 +96,7 @@ import workload as wl  # noqa: E402
 from peers.engine_hf import HFGenerate  # noqa: E402
 from peers.engine_kvpilot import KvpilotOffline, engine_matmul_dtype, kvpilot_server  # noqa: E402
 from peers.engine_llamacpp import DEFAULT_LLAMACPP_VERSION, llamacpp_engine  # noqa: E402
+from peers.engine_vllm import vllm_engine  # noqa: E402
 from peers.loadgen import HttpServer  # noqa: E402
 from peers.measure import (  # noqa: E402
     HERE,
@@ -108,19 +113,21 @@ from peers.measure import (  # noqa: E402
 )
 
 RESULTS_DIR = HERE / "results"
-ALL_ENGINES = ("kvpilot", "hf", "llamacpp")
+ALL_ENGINES = ("kvpilot", "hf", "llamacpp", "vllm")
+SERVERS = ("llamacpp", "vllm")  # engines under test that are HTTP servers: their online run comes last
 
 
 TARGETS = {
     "kvpilot_vs_hf_throughput": {"min": 2.0, "aim": 3.0},
     "kvpilot_vs_llamacpp_throughput": {"min": 1.5},
+    "kvpilot_vs_vllm_throughput": {"min": 1.5},
     "kvpilot_matmul_peak_fraction": {"aim": 0.5},
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma list of kvpilot,hf,llamacpp")
+    p.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma list of {','.join(ALL_ENGINES)}")
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small smoke run (few, short requests)")
@@ -192,6 +199,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-ctx-per-slot", type=int, default=1024)
     p.add_argument("--llamacpp-ubatch", type=int, default=512)
     p.add_argument("--llamacpp-extra", default="", help="extra llama-server flags")
+    p.add_argument("--vllm-bin", default=None, help="the vllm executable (default: scripts/vllm_cpu.sh's)")
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="the Hugging Face directory vllm serves (default: scripts/vllm_cpu.sh's)",
+    )
+    p.add_argument(
+        "--vllm-threads",
+        type=int,
+        default=None,
+        help="vLLM's OpenMP threads, bound to CPUs (default: --threads)",
+    )
+    p.add_argument("--vllm-max-num-seqs", type=int, default=128, help="--max-num-seqs (vLLM's CPU default)")
+    p.add_argument(
+        "--vllm-max-batched-tokens",
+        type=int,
+        default=2048,
+        help="--max-num-batched-tokens (vLLM's CPU default)",
+    )
+    p.add_argument(
+        "--vllm-kv-gib",
+        type=float,
+        default=None,
+        help="--kv-cache-memory-bytes in GiB (default: --kvpilot-kv-gib)",
+    )
+    p.add_argument(
+        "--vllm-extra",
+        default="",
+        help="extra vllm serve flags, after the others (e.g. --vllm-extra=--enforce-eager)",
+    )
     p.add_argument("--output", default=None, help="also write the JSON here (default benchmarks/results/)")
     args = p.parse_args(argv)
     if (args.kvpilot_speculative_model is None) != (args.kvpilot_speculative_method != "draft"):
@@ -287,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = corpus[-64:]  # warm-up text that no measured prompt starts with
 
     doc: dict[str, Any] = {
-        "benchmark": "kvpilot runtime vs HF transformers vs llama.cpp server (CPU)",
+        "benchmark": "kvpilot runtime vs HF transformers vs llama.cpp server vs vLLM (CPU)",
         "command": " ".join(
             ["python benchmarks/runtime_vs_peers.py", *(argv if argv is not None else sys.argv[1:])]
         ),
@@ -323,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             res["llamacpp"] = {"errors": {"setup": f"{type(exc).__name__}: {exc}"}}
             log(f"llama.cpp unavailable: {exc!r}")
+    if "vllm" in names:
+        try:
+            engines.append(vllm_engine(args, warm))
+        except Exception as exc:
+            res["vllm"] = {"errors": {"setup": f"{type(exc).__name__}: {exc}"}}
+            log(f"vLLM unavailable: {exc!r}")
 
     ready = set_up(engines, res)
 
@@ -377,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         }
     for e in ready:
-        if e.name != "llamacpp":  # in-process engines go before the servers' online runs
+        if e.name not in SERVERS:  # in-process engines go before the servers' online runs
             e.close()
 
     # -- kvpilot serve over HTTP: batch once, single stream, online ------------------------------
@@ -410,14 +453,12 @@ def main(argv: list[str] | None = None) -> int:
                 rec["online"] = measure(rec, "online", lambda: serve.online(online))
             serve.close()
 
-    # -- llama-server online, then stop it ---------------------------------------------------------
+    # -- llama-server's and vLLM's online runs, then stop them ------------------------------------
     for e in ready:
-        if e.name == "llamacpp":
+        if e.name in SERVERS:
             if "online" not in skip:
-                log("llamacpp: online (Poisson) over HTTP")
-                res["llamacpp"]["online"] = measure(
-                    res["llamacpp"], "online", functools.partial(e.online, online)
-                )
+                log(f"{e.name}: online (Poisson) over HTTP")
+                res[e.name]["online"] = measure(res[e.name], "online", functools.partial(e.online, online))
             e.close()
 
     doc["summary"] = summarize(res)
@@ -445,27 +486,32 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     kv_http = fig("kvpilot_serve", "batch", "output_tok_per_s")
     hf = fig("hf", "batch", "output_tok_per_s")
     lc = fig("llamacpp", "batch", "output_tok_per_s")
+    vl = fig("vllm", "batch", "output_tok_per_s")
     s: dict[str, Any] = {
         "batch_output_tok_per_s": {
             "kvpilot_offline": kv,
             "kvpilot_serve_http": kv_http,
             "hf_generate": hf,
             "llamacpp_server_http": lc,
+            "vllm_server_http": vl,
         },
         "kvpilot_vs_hf_throughput": ratio(kv, hf),
         "kvpilot_vs_llamacpp_throughput": ratio(kv, lc),
         "kvpilot_serve_vs_llamacpp_throughput": ratio(kv_http, lc),
+        "kvpilot_vs_vllm_throughput": ratio(kv, vl),
+        "kvpilot_serve_vs_vllm_throughput": ratio(kv_http, vl),
         "kvpilot_matmul_peak_fraction": fig("kvpilot", "mfu", "fraction_of_peak"),
         "single_stream_decode_tok_per_s": {
             "kvpilot_offline": fig("kvpilot", "single_stream", "decode_tok_per_s"),
             "kvpilot_serve_http": fig("kvpilot_serve", "single_stream", "decode_tok_per_s"),
             "hf_generate": fig("hf", "single_stream", "decode_tok_per_s"),
             "llamacpp_server_http": fig("llamacpp", "single_stream", "decode_tok_per_s"),
+            "vllm_server_http": fig("vllm", "single_stream", "decode_tok_per_s"),
         },
         "online": {},
         "targets": TARGETS,
     }
-    for e in ("kvpilot_serve", "llamacpp"):
+    for e in ("kvpilot_serve", *SERVERS):
         on = (res.get(e) or {}).get("online")
         if isinstance(on, dict) and "ttft_ms" in on:
             s["online"][e] = {

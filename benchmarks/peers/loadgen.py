@@ -1,7 +1,7 @@
 """The load generator of runtime_vs_peers.py: an OpenAI-compatible server run as a subprocess
 (`Server`), and the openai-client workloads against it: all requests at once, one stream, and
 Poisson arrivals with streaming (TTFT, inter-token latency, time per output token). `HttpServer`
-is the engine adapter for any such server (llama-server, kvpilot serve).
+is the engine adapter for any such server (llama-server, vLLM, kvpilot serve).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Server:
     ready_path: str
     log_path: Path
     env: dict[str, str] | None = None
+    ready_timeout: float = 600.0  # seconds from the start until ready_path answers 200
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -55,7 +56,7 @@ class Server:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         try:
-            wait_http(f"http://127.0.0.1:{self.port}{self.ready_path}", self.proc, timeout=600)
+            wait_http(f"http://127.0.0.1:{self.port}{self.ready_path}", self.proc, self.ready_timeout)
         except BaseException:
             self.__exit__()
             raise
@@ -77,7 +78,8 @@ class Server:
 
 
 def completion_body(r: wl.Request) -> dict[str, Any]:
-    """Extra request fields both servers understand: exact lengths, greedy."""
+    """Extra request fields: exact lengths (`ignore_eos`; llama-server's own `n_predict`, which the
+    other servers ignore)."""
     return {"ignore_eos": True, "n_predict": r.max_tokens}
 
 
@@ -191,7 +193,7 @@ async def http_online(base_url: str, model: str, reqs: list[wl.OnlineRequest]) -
 
 
 class HttpServer(BenchEngine):
-    """An OpenAI-compatible server driven by the openai client (llama-server, kvpilot serve)."""
+    """An OpenAI-compatible server driven by the openai client (llama-server, vLLM, kvpilot serve)."""
 
     def __init__(self, name: str, server: Server, config: dict[str, Any], warm_prompt: list[int]) -> None:
         self.name, self.server, self.config, self.warm_prompt = name, server, config, warm_prompt
@@ -200,7 +202,9 @@ class HttpServer(BenchEngine):
 
     def setup(self, record: dict[str, Any]) -> None:
         record["config"] = self.config
+        t0 = time.monotonic()
         self.server.__enter__()
+        record["start_s"] = round(time.monotonic() - t0, 1)  # process start until ready_path answers
         self.model = self.server.model_id()
         # one short request first: first-request costs (warm-up) stay out of the figures
         asyncio.run(http_batch(self.server.base_url, self.model, [wl.Request(0, self.warm_prompt[:32], 8)]))
