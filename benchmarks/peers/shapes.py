@@ -179,7 +179,9 @@ def write_tokenizer(directory: Path) -> tuple[int, int]:
     return int(tok.bos_token_id), int(tok.eos_token_id)
 
 
-def write_hf_checkpoint(shape: Shape, directory: Path, seed: int = SEED) -> None:
+def write_hf_checkpoint(
+    shape: Shape, directory: Path, seed: int = SEED, shard_bytes: int = SHARD_BYTES
+) -> None:
     """The Hugging Face directory of `shape` (module docstring); written to a temporary folder first."""
     import torch
     from safetensors.torch import save_file
@@ -190,7 +192,7 @@ def write_hf_checkpoint(shape: Shape, directory: Path, seed: int = SEED) -> None
     (tmp / "config.json").write_text(json.dumps(hf_config(shape, bos, eos), indent=2) + "\n")
     dims = dict(shape.tensors())
     gen = torch.Generator().manual_seed(seed)
-    plan = shard_plan(shape)
+    plan = shard_plan(shape, shard_bytes)
     files = shard_names(len(plan))
     weight_map: dict[str, str] = {}
     for names, fname in zip(plan, files, strict=True):
