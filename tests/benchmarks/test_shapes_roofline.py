@@ -5,6 +5,7 @@ Llama-3.1-8B, the FLOP count runtime_vs_peers.py already uses)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -125,3 +126,11 @@ class _Model(torch.nn.Module):
 def test_module_weight_bytes(tied: bool, quantized: bool, expected: int) -> None:
     # the projection + the LM head (the tied one is the embedding's storage, counted once)
     assert rl.module_weight_bytes(_Model(tied, quantized)) == expected
+
+
+def test_build_script_refuses_an_unknown_target() -> None:
+    res = subprocess.run(
+        ["bash", str(BENCH / "build_llamacpp.sh"), "--target", "llama-cli"], capture_output=True, text=True
+    )
+    assert res.returncode == 2
+    assert "--target must be llama-server or llama-quantize" in res.stderr
