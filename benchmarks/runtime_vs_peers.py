@@ -475,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             e.close()
 
     doc["summary"] = summarize(res)
+    if "roofline" in doc:
+        doc["summary"]["roofline"] = roofline_summary(doc["roofline"])
     doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(doc, indent=2)
@@ -539,6 +541,22 @@ def roofline(
                 **compute_line(flops["total_flops"], batch["wall_s"], peak),
             }
         out[name] = line
+    return out
+
+
+def roofline_summary(lines: dict[str, Any]) -> dict[str, Any]:
+    """The two fractions per engine from roofline()'s lines (None where a part did not run)."""
+    out: dict[str, Any] = {}
+    for name, line in lines.items():
+        if isinstance(line, dict) and ("batch_1_bandwidth" in line or "batch_compute" in line):
+            out[name] = {
+                "batch_1_fraction_of_copy_bandwidth": (line.get("batch_1_bandwidth") or {}).get(
+                    "fraction_of_copy_bandwidth"
+                ),
+                "batch_fraction_of_matmul_peak": (line.get("batch_compute") or {}).get(
+                    "fraction_of_matmul_peak"
+                ),
+            }
     return out
 
 

@@ -134,3 +134,22 @@ def test_build_script_refuses_an_unknown_target() -> None:
     )
     assert res.returncode == 2
     assert "--target must be llama-server or llama-quantize" in res.stderr
+
+
+def test_roofline_summary_takes_both_fractions_and_leaves_out_engines_without_lines() -> None:
+    from runtime_vs_peers import roofline_summary
+
+    lines = {
+        "copy_bandwidth_gb_s": 20.0,
+        "matmul_peak_gflops": 300.0,
+        "kvpilot": {
+            "batch_1_bandwidth": {"fraction_of_copy_bandwidth": 0.5},
+            "batch_compute": {"fraction_of_matmul_peak": 0.25},
+        },
+        "llamacpp": {"batch_1_bandwidth": {"fraction_of_copy_bandwidth": 0.4}},
+        "hf": {},
+    }
+    assert roofline_summary(lines) == {
+        "kvpilot": {"batch_1_fraction_of_copy_bandwidth": 0.5, "batch_fraction_of_matmul_peak": 0.25},
+        "llamacpp": {"batch_1_fraction_of_copy_bandwidth": 0.4, "batch_fraction_of_matmul_peak": None},
+    }
