@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server from the sources vendored in the llama-cpp-python sdist on PyPI.
 #
-# Usage: benchmarks/build_llamacpp.sh [--isa native|avx2] [llama-cpp-python version]
+# Usage: benchmarks/build_llamacpp.sh [--isa native|avx2] [--target llama-server|llama-quantize]
+#                                    [llama-cpp-python version]
 #
 #   --isa native  (default) GGML_NATIVE=ON: every instruction set this CPU has (AVX-512, AMX, ...).
 #                 Cached in <build>/llama.cpp-<version>/bin/llama-server.
@@ -9,6 +10,9 @@
 #                 no AVX512-VNNI/BF16, no AMX): the llama-server an AVX2-only CPU gets, for the fair
 #                 AVX2 comparison (runtime_vs_peers.py suite) on an AVX-512 machine. Cached in
 #                 <build>/llama.cpp-<version>-avx2/bin/llama-server.
+#   --target      the binary to build (default llama-server); llama-quantize (used by
+#                 benchmarks/peers/shapes.py for Q4_K_M files) lands next to it in bin/. Each is built
+#                 only when missing; a second target reuses the first one's objects (same cmake folder).
 #
 # <build> is benchmarks/.build (gitignored) unless LLAMACPP_BUILD_DIR names another folder.
 # The avx2 binary is verified after the build: `objdump -d` of it must not mention a single zmm
@@ -17,12 +21,15 @@
 # Runs at low priority (nice, NICE=10 by default) because it takes ~10 minutes on a 2-core machine.
 set -euo pipefail
 ISA=native
+TARGET=llama-server
 VERSION=0.3.36
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --isa) ISA="${2:?--isa needs native or avx2}"; shift 2 ;;
     --isa=*) ISA="${1#--isa=}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --target) TARGET="${2:?--target needs a binary name}"; shift 2 ;;
+    --target=*) TARGET="${1#--target=}"; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "build_llamacpp.sh: unknown option $1" >&2; exit 2 ;;
     *) VERSION="$1"; shift ;;
   esac
@@ -44,6 +51,10 @@ case "$ISA" in
     ;;
   *) echo "build_llamacpp.sh: --isa must be native or avx2, not '$ISA'" >&2; exit 2 ;;
 esac
+case "$TARGET" in
+  llama-server|llama-quantize) ;;
+  *) echo "build_llamacpp.sh: --target must be llama-server or llama-quantize, not '$TARGET'" >&2; exit 2 ;;
+esac
 
 # count of AVX-512 register uses (zmm registers, opmask registers) in a binary's disassembly
 avx512_uses() {
@@ -62,9 +73,9 @@ verify() {
   fi
 }
 
-if [[ -x "$OUT/bin/llama-server" ]]; then
-  verify "$OUT/bin/llama-server"
-  echo "$OUT/bin/llama-server"
+if [[ -x "$OUT/bin/$TARGET" ]]; then
+  verify "$OUT/bin/$TARGET"
+  echo "$OUT/bin/$TARGET"
   exit 0
 fi
 PIP="${PIP:-python -m pip}"
@@ -78,8 +89,8 @@ SRC="$BUILD/src/llama_cpp_python-$VERSION"
 nice -n "$NICE" cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/cmake" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
-nice -n "$NICE" cmake --build "$OUT/cmake" --config Release -j2 --target llama-server
+nice -n "$NICE" cmake --build "$OUT/cmake" --config Release -j2 --target "$TARGET"
 mkdir -p "$OUT/bin"
-cp "$OUT/cmake/bin/llama-server" "$OUT/bin/llama-server"
-verify "$OUT/bin/llama-server"
-echo "$OUT/bin/llama-server"
+cp "$OUT/cmake/bin/$TARGET" "$OUT/bin/$TARGET"
+verify "$OUT/bin/$TARGET"
+echo "$OUT/bin/$TARGET"

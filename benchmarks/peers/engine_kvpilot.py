@@ -19,6 +19,7 @@ from kvpilot.net import free_port
 from kvpilot.runtime.engine.build import build_engine
 from peers.loadgen import Server
 from peers.measure import BUILD_DIR, BenchEngine, dist, single_stream_figures
+from peers.roofline import module_weight_bytes
 
 
 def kvpilot_config(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:
@@ -144,6 +145,10 @@ class KvpilotOffline(BenchEngine):
             "attention_backend": getattr(self.engine.runner.backend, "name", None),
             "transport": "in-process LLMEngine (add_request + step)",
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        }
+        record["decode_read"] = {  # peers/roofline.py: what a decode step reads, as kvpilot stores it
+            "weight_bytes": module_weight_bytes(self.engine.runner.model),
+            "kv_bytes_per_token": self.engine.runner.geometry.bytes_per_token,
         }
         self.engine.generate([self.warm_prompt[:32]], kvpilot_params(8))  # warm up
 

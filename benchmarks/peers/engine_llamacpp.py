@@ -4,6 +4,7 @@ cached in benchmarks/.build/) with continuous batching, driven over HTTP like kv
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ DEFAULT_LLAMACPP_VERSION = "0.3.36"
 def llamacpp_binary(version: str, explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
-    path = BUILD_DIR / f"llama.cpp-{version}" / "bin" / "llama-server"
+    # build_llamacpp.sh's folder: LLAMACPP_BUILD_DIR when set, as there
+    build = Path(os.environ.get("LLAMACPP_BUILD_DIR", BUILD_DIR))
+    path = build / f"llama.cpp-{version}" / "bin" / "llama-server"
     if not path.exists():
         print(f"building llama-server {version} (benchmarks/build_llamacpp.sh) ...", file=sys.stderr)
         subprocess.run(["bash", str(HERE / "build_llamacpp.sh"), version], check=True, stdout=sys.stderr)
@@ -64,7 +67,7 @@ def llamacpp_engine(args: argparse.Namespace, gguf_path: Path, warm_prompt: list
         "llama_cpp_python_sdist": args.llamacpp_version,
         "binary": str(binary.relative_to(HERE.parent)) if rel else str(binary),
         "argv": srv.argv[1:],
-        "weights": "the same GGUF (Q4_1), run quantized",
+        "weights": f"the same GGUF ({gguf_path.name}), run as stored",
         "transport": "llama-server /v1/completions, openai client (same requests as kvpilot serve)",
     }
     return HttpServer("llamacpp", srv, cfg, warm_prompt)
