@@ -13,7 +13,7 @@ quality cost is measured and small, says which at start-up, and an explicit flag
   (agreement with float32 1.0000 and 16/16 greedy answers on tests/runtime/quality.py's text; Q4_K's
   float16 scale conversion adds +0.007% perplexity), at a fraction of the bytes read. The other types
   (Q6_K, Q5_K, Q5_0, ...: what a Q4_K_M or Q5_K_M file mixes in) are requantized to int8 per 32
-  weights at load (runtime/load/gguf_blocks.py; under an eighth of a Q6_K step a weight, measured by
+  weights at load (runtime/load/gguf_blocks.py; RMS 0.28x Q6_K's own error, measured by
   `benchmarks/runtime_quality.py requant` and held to the same bar by tests/runtime/test_default_quality.py);
 - anything else: the weights dequantized to the model dtype at load (`--quantization none`, the
   default before), as measured (docs/runtime.md, "Precision").

@@ -18,8 +18,9 @@ Every other quantized type (Q6_K, Q5_K, Q5_0, Q5_1, Q3_K, Q2_K, the i-quants: wh
 Q5_K_M file mixes in) has no exact form here (Q6_K scales every 16 weights, the kernels every 32 or
 more): `requantize_int8` dequantizes it as gguf does and rounds it to int8 per 32 weights (one float16
 scale, max |w| / 127). That adds at most half an int8 step, max |w| / 254 of its 32 weights, to each
-weight: about an eighth of a Q6_K step (Q6_K's codes span 64 steps), a thirtieth of a Q4_K step
-(`runtime_quality.py requant` measures it). A matrix whose pieces mix widths (a fused q/k/v with
+weight: an eighth of the Q6_K step of the larger of its two 16-weight sub-blocks (Q6_K's codes span 64
+steps; more in steps of a much smaller neighbour), a thirtieth of a Q4_K step. Measured on SmolLM2's
+down projections (`runtime_quality.py requant`): RMS 0.28x Q6_K's own error, 0.07 Q6_K steps on average. A matrix whose pieces mix widths (a fused q/k/v with
 Q4_K q and k and a Q6_K v) loads as int8 whole, its 4-bit pieces requantized the same way.
 
 Q8_0, Q4_0 and Q4_1 dequantize to exactly what `gguf.quants.dequantize` gives. Q4_K's products
