@@ -193,7 +193,8 @@ def resolve_weight_dtype(name: str | torch.dtype, device: str | torch.device) ->
         return None
     native = cpu_supports_bf16()
     log.info(
-        "dtype auto -> float32 activations, %s linear weights (CPU kernels at ISA %s, %s native bf16)",
+        "dtype auto -> float32 activations, %s for the linear weights not held quantized (CPU kernels at "
+        "ISA %s, %s native bf16)",
         "bfloat16" if native else "float32",
         isa.selected(),
         "with" if native else "without",
@@ -404,7 +405,11 @@ def quantization_method(requested: str | None, path: Path) -> str | None:
     with GGUFFile(path) as f:
         types = {i.type_name for n, i in f.tensors.items() if n.split(".")[-2] in _LINEAR_GGUF}
     method = auto_method(types)
-    log.info("--quantization auto: linear weights stored as %s -> %s", sorted(types), method or "none")
+    log.info(
+        "--quantization auto: linear weights stored as %s -> %s for the layers not loaded from their blocks",
+        sorted(types),
+        method or "no method",
+    )
     return method
 
 
