@@ -57,7 +57,8 @@ def vllm_engine(args: argparse.Namespace, warm_prompt: list[int]) -> HttpServer:
         "env": {
             k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "OMP_WAIT_POLICY") if k in env
         },
-        "weights": "the same GGUF converted to bfloat16 safetensors (scripts/vllm_cpu.sh)",
+        "weights": f"{model} (bfloat16 safetensors: the builtin GGUF converted by scripts/vllm_cpu.sh, or the "
+        "directory a --model shape's GGUFs come from)",
         "transport": "vllm serve /v1/completions, openai client (same requests as llama-server)",
         "log": str(log.relative_to(HERE.parent)),
     }
