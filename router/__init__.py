@@ -7,3 +7,8 @@ their health with `health` and judges the SLO with `judge`; `discovery` feeds th
 list or Kubernetes (`source` is the protocol it follows). A disaggregated model's prompts run on its
 prefill pods first: `pd` decides (pure), `prefill` runs that leg.
 """
+
+if __name__ == "router":  # the checkout's root is on sys.path: see kvpilot/source_tree.py
+    from kvpilot.source_tree import defer_to_installed
+
+    defer_to_installed(__name__, __file__)

@@ -54,6 +54,56 @@ def test_kvpilot_operator_is_still_the_operator_package() -> None:
     assert not hasattr(kvpilot.operator, "itemgetter")
 
 
+PARTS = ("api", "kube", "runtime", "kernels", "autoscaler", "router")  # operator: the tests above
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_an_installed_module_named_like_a_part_wins_at_the_repo_root(part: str, tmp_path: Path) -> None:
+    """A distribution that installs a top-level package named like a part (Hugging Face's `kernels`,
+    which transformers >= 5.25 imports with every model) is what `import <part>` gives at the root."""
+    (tmp_path / part).mkdir()
+    (tmp_path / part / "__init__.py").write_text("INSTALLED = True\nfrom . import child\n")
+    (tmp_path / part / "child.py").write_text("VALUE = 7\n")
+    code = (
+        f"import sys; sys.path.insert(1, {str(tmp_path)!r}); import {part}; from {part} import child; "
+        f"assert {part}.INSTALLED and child.VALUE == 7, {part}.__file__; "
+        f"assert sys.modules[{part!r}] is {part}"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_a_bare_part_name_at_the_root_is_its_namesake_or_else_the_folder(part: str) -> None:
+    """In this environment as it is: `import <part>` gives the installed namesake where there is one
+    (`kernels` wherever transformers >= 5.25 is installed) and the folder where there is none."""
+    code = (
+        "import importlib.machinery, os, sys\n"
+        "here = os.path.realpath(os.curdir)\n"
+        "path = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]\n"
+        f"other = importlib.machinery.PathFinder.find_spec({part!r}, path)\n"
+        f"import {part}, kvpilot.{part}\n"
+        f"want = other.origin if other else kvpilot.{part}.__file__\n"
+        f"assert os.path.realpath({part}.__file__) == os.path.realpath(want), ({part}.__file__, want)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_transformers_models_import_at_the_repo_root() -> None:
+    """The CI failure this guards: `kernels/` shadowed Hugging Face's `kernels` (a transformers
+    dependency since 5.25) and no transformers model class could be imported from the checkout."""
+    code = "from transformers import LlamaForCausalLM; assert LlamaForCausalLM.__name__"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_kvpilot_links_every_part_for_static_tools() -> None:
     """kvpilot/<part> links to each top-level part that pyproject maps to kvpilot.<part>, so mypy (and
     any tool that does not run the editable install's finder) sees the package as it is installed."""
