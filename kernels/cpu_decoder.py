@@ -131,9 +131,7 @@ def kernels() -> dict[str, int]:
         "attention": address(att.kvpilot_paged_attention),
         "silu_mul": address(ops.kvpilot_silu_mul),
         # the tiled kernel of the qmatmul_activations switch (kernels/switches.py)
-        "qmatmul": address(
-            qmm.kvpilot_qmatmul_tiled if qlinear.int8_activations() else qmm.kvpilot_qmatmul_tiled_float
-        ),
+        "qmatmul": address(qlinear.tiled_kernel(qmm)),
     }
 
 

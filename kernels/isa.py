@@ -115,3 +115,9 @@ def native_bf16(level: str | None = None) -> bool:
     """Whether the CPU has native bf16 arithmetic at `level` (AVX512-BF16 or AMX-BF16 need AVX-512)."""
     level = level or selected()
     return level == "avx512" and bool({"avx512_bf16", "amx_bf16"} & cpu_features())
+
+
+def bf16_dot(level: str | None = None) -> bool:
+    """Whether the C kernels at `level` have `vdpbf16ps` (AVX512-BF16: compile_flags adds it at avx512
+    where the CPU has it): the bf16 tiled kernel's int4 path (kernels/csrc/qmatmul_cpu.c)."""
+    return (level or selected()) == "avx512" and "avx512_bf16" in cpu_features()

@@ -40,6 +40,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,14 +65,35 @@ TILED_MAX_M = 8192
 # rows up to which a tiled weight takes the float-activation tiled kernel (more: dequantize + torch's
 # matmul, whose float32 GEMM blocks for the caches: even at 256 rows; benchmarks/kernels_bench.py qmatmul, tiled_float_act)
 TILED_FLOAT_MAX_M = 128
+# the same for bf16 activations on an int4 weight with AVX512-BF16 (kvpilot_qmatmul_tiled_bf16's vdpbf16ps):
+# any row count (2x the float kernel, 1.5-2.9x dequantize + torch's float32 matmul at 64-2048 rows, one
+# thread, SmolLM2's shapes: benchmarks/kernels_bench.py qmatmul --dtype float32, tiled_bf16_act)
+TILED_BF16_MAX_M = TILED_MAX_M
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 
 
 def int8_activations() -> bool:
     """The `qmatmul_activations` switch (kernels/switches.py): True for `int8` (the default: integer
-    dot products), False for `float` (the kernel multiplies the dequantized weights in float32: the
-    exact product, slower)."""
+    dot products), False for `bf16` and `float` (the kernel multiplies the weights' exact values by
+    float activations, rounded to bfloat16 first for `bf16`)."""
     return switches.current().int8_activations
+
+
+def bf16_activations() -> bool:
+    """The `qmatmul_activations` switch is `bf16`: every quantized matmul's activations are rounded to
+    bfloat16 (to nearest even) and multiplied by the weights' exact values, summed in float32."""
+    return switches.current().qmatmul_activations == "bf16"
+
+
+def bf16_tiles(qw: QuantizedWeight) -> bool:
+    """Whether kvpilot_qmatmul_tiled_bf16 multiplies `qw` with vdpbf16ps (int4, tiled, the avx512
+    level on a CPU with AVX512-BF16); elsewhere it runs the float kernel on the rounded activations."""
+    return qw.tiled and qw.bits == 4 and isa.bf16_dot(built_isa())
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x with every element rounded to bfloat16 (to nearest even), in x's dtype."""
+    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16).to(x.dtype)
 
 
 _DTYPES = cpu_ops.ACTIVATION_CODES
@@ -263,6 +285,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_qmatmul_tiled.restype = i
     lib.kvpilot_qmatmul_tiled_float.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
     lib.kvpilot_qmatmul_tiled_float.restype = i
+    lib.kvpilot_qmatmul_tiled_bf16.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qmatmul_tiled_bf16.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
     lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i, i]
@@ -353,7 +377,7 @@ def max_kernel_rows(qw: QuantizedWeight) -> int:
     if not qw.tiled:
         return SMALL_M
     if not int8_activations():  # the float tiled kernel: float32 FMAs, the rate of torch's float32 matmul
-        return TILED_FLOAT_MAX_M
+        return TILED_BF16_MAX_M if bf16_activations() and bf16_tiles(qw) else TILED_FLOAT_MAX_M
     level = built_isa()  # read from the library once per level (cbuild.Extension), not a ctypes call
     vnni = level == "avx512" and "avx512_vnni" in isa.cpu_features()
     return TILED_MAX_M if vnni or (level == "avx2" and qw.bits == 8) else SMALL_M
@@ -383,16 +407,25 @@ def kernel_matmul(
     int8 = int8_activations()
     lib = _library(level)
     # a tiled weight: the tiled kernel of the activation mode; the row kernel takes the mode as its
-    # last argument
+    # last argument (float, on activations rounded here for bf16)
     extra: tuple[int, ...] = ()
     if qw.tiled:
-        fn = lib.kvpilot_qmatmul_tiled if int8 else lib.kvpilot_qmatmul_tiled_float
+        fn = tiled_kernel(lib)
     else:
         fn, extra = lib.kvpilot_qmatmul, (int(int8),)
+        if bf16_activations():
+            x2 = round_bf16(x2)
     rc = fn(*_kernel_args(x2, out, b, qw), *extra)
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
     return out.reshape(*x.shape[:-1], qw.out_features)
+
+
+def tiled_kernel(lib: ctypes.CDLL) -> Any:
+    """The library's tiled kernel of the `qmatmul_activations` switch (one signature for all three)."""
+    if int8_activations():
+        return lib.kvpilot_qmatmul_tiled
+    return lib.kvpilot_qmatmul_tiled_bf16 if bf16_activations() else lib.kvpilot_qmatmul_tiled_float
 
 
 def reference_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -494,6 +527,8 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = Non
         return gemm_matmul(x, qw, bias)
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
+    if bf16_activations():  # the paths below multiply x as given
+        x = round_bf16(x)
     if triton_qlinear.applies(x, qw):  # CUDA: kernels/triton_qlinear.py dequantizes tiles in registers
         return triton_qlinear.qmatmul(x, qw, bias)
     return dequantize_matmul(x, qw, bias)

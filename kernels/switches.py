@@ -11,7 +11,7 @@ environment's overrides, resolved on first use.
 |---|---|---|
 | cpu_isa: the ISA level the C kernels are built for (kernels/isa.py) | --cpu-isa | KVPILOT_CPU_ISA |
 | cpu_kernels: False runs the torch paths instead of the C kernels | --no-cpu-kernels | KVPILOT_DISABLE_CPU_KERNEL=1 |
-| qmatmul_activations: int8 (rounded per block of 32) or float (exact, slower) | --qmatmul-activations | KVPILOT_QMATMUL_ACTIVATIONS |
+| qmatmul_activations: int8 (rounded per block of 32), bf16 (each rounded to bfloat16) or float (exact) | --qmatmul-activations | KVPILOT_QMATMUL_ACTIVATIONS |
 | cpu_decoder_stack: the runner may run a step's decoder layers in one C call | --no-cpu-decoder-stack | KVPILOT_CPU_DECODER_STACK=0 |
 | kernel_cache: where built libraries are kept | --kernel-cache-dir | KVPILOT_KERNEL_CACHE |
 | compiler: the C compiler (default gcc, then cc) | | CC |
@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 ISA_LEVELS = ("avx512", "avx2", "generic")
-Activations = Literal["int8", "float"]
+Activations = Literal["int8", "bf16", "float"]
+ACTIVATIONS: tuple[Activations, ...] = ("int8", "bf16", "float")
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,10 @@ class KernelSwitches:
     def __post_init__(self) -> None:
         if self.cpu_isa is not None and self.cpu_isa not in ISA_LEVELS:
             raise ValueError(f"cpu_isa={self.cpu_isa!r} is not one of {', '.join(ISA_LEVELS)}")
-        if self.qmatmul_activations not in ("int8", "float"):
-            raise ValueError(f"qmatmul_activations={self.qmatmul_activations!r}: expected int8 or float")
+        if self.qmatmul_activations not in ACTIVATIONS:
+            raise ValueError(
+                f"qmatmul_activations={self.qmatmul_activations!r}: expected {', '.join(ACTIVATIONS)}"
+            )
 
     @property
     def int8_activations(self) -> bool:
@@ -64,7 +67,7 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     ),
     "KVPILOT_QMATMUL_ACTIVATIONS": (
         "qmatmul_activations",
-        lambda v: _choice("KVPILOT_QMATMUL_ACTIVATIONS", v, {"int8": "int8", "float": "float"}),
+        lambda v: _choice("KVPILOT_QMATMUL_ACTIVATIONS", v, {a: a for a in ACTIVATIONS}),
     ),
     "KVPILOT_CPU_DECODER_STACK": (
         "cpu_decoder_stack",

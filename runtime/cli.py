@@ -250,10 +250,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ks.add_argument(
         "--qmatmul-activations",
-        choices=["int8", "float"],
+        choices=["int8", "bf16", "float"],
         default=s,
-        help="quantized matmuls on CPU: int8 activations (the default under --quantization) or float, "
-        "the exact product (the default path's; KVPILOT_QMATMUL_ACTIVATIONS)",
+        help="quantized matmuls on CPU: int8 activations (the default under --quantization), bf16 "
+        "(activations rounded to bfloat16, weights exact) or float (the exact product); default: the "
+        "default path's (KVPILOT_QMATMUL_ACTIVATIONS)",
     )
     ks.add_argument(
         "--cpu-decoder-stack",

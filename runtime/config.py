@@ -154,11 +154,11 @@ class EngineConfig(BaseModel):
         "auto", description="ISA level the CPU kernels are built for; auto: the best this CPU runs"
     )
     cpu_kernels: bool = Field(True, description="use the C kernels on CPU (off: the torch paths)")
-    qmatmul_activations: Literal["int8", "float"] | None = Field(
+    qmatmul_activations: Literal["int8", "bf16", "float"] | None = Field(
         None,
-        description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products) "
-        "or float (the exact product, slower); default: int8 under an explicit --quantization, else the "
-        "default path's (float)",
+        description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products), "
+        "bf16 (each activation rounded to bfloat16, the weights exact) or float (the exact product); "
+        "default: int8 under an explicit --quantization, else the default path's",
     )
     cpu_decoder_stack: bool = Field(
         True, description="run a CPU decode step's decoder layers in one C call where the model allows"

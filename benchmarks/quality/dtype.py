@@ -13,7 +13,7 @@ environment (KVPILOT_CPU_ISA, KVPILOT_DISABLE_CPU_KERNEL). Prints one JSON docum
         kvpilot:auto+quantization=auto+qmatmul=float kvpilot:auto+quantization=none hf:bfloat16
 
 A kvpilot configuration may set engine options after the dtype: `+quantization=none|auto|int8|int4`
-(none: the checkpoint dequantized at load) and `+qmatmul=int8|float` (--qmatmul-activations).
+(none: the checkpoint dequantized at load) and `+qmatmul=int8|bf16|float` (--qmatmul-activations).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ LEVEL_ENV = {
 }
 
 
-OPTIONS = {"quantization": ("none", "auto", "int8", "int4"), "qmatmul": ("int8", "float")}
+OPTIONS = {"quantization": ("none", "auto", "int8", "int4"), "qmatmul": ("int8", "bf16", "float")}
 
 
 def parse_config(name: str) -> tuple[str, str, dict[str, str]]:

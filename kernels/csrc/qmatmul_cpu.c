@@ -936,24 +936,149 @@ static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, c
 }
 #endif
 
-/* kvpilot_qmatmul_tiled with float activations (the exact product, see above); the same arguments,
- * layout and return codes. */
-int kvpilot_qmatmul_tiled_float(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
-                                const uint8_t *w, int wbits, int group, const uint16_t *scales,
-                                const uint16_t *mins, int num_threads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
-        (wbits == 4 && !mins) || M <= 0 || N % 16)
-        return -1;
+/*
+ * bfloat16 activations on the tiled layout (kvpilot_qmatmul_tiled_bf16, `--qmatmul-activations bf16`):
+ * each activation rounded once to bfloat16 (to nearest even), the weights' codes exact, the products
+ * summed in float32: x_bf16 . dequant(W), up to the order of the sums.
+ * int4 at avx512 with AVX512-BF16: `vdpbf16ps` (two products a lane) on code pairs made with one
+ * ternary-logic op each: a nibble c or'ed into the bits of bfloat16 128.0 (0x4300) is exactly 128 + c,
+ * so a group's sum is dot(x, c) + 128 * sum(x), and the min term takes 128 * scale * sum(x) off. Per
+ * 64-byte vector of a tile (16 rows x 8 codes): three shifts and four ternary ops, then four `vdpbf16ps`
+ * a row, against eight converts and eight FMAs a row in float32.
+ * Elsewhere (int8, AVX2, no AVX512-BF16) the rounded activations go through the float kernel: the same
+ * arithmetic, the float kernel's speed.
+ */
+#if defined(KVPILOT_ISA_AVX512) && defined(__AVX512BF16__)
+#define BF_TILES 1
+/* the activation pairs of the int4 tile (bf16 bits, first element low): per row and 32-block b of xp
+ * (storage order, already rounded to bf16), 16 words: for v in 0..3, (x[4v], x[4v+2]), (x[4v+1],
+ * x[4v+3]), (x[16+4v], x[16+4v+2]), (x[16+4v+1], x[16+4v+3]), the codes' pairing in tile_dots_bf */
+static uint32_t *bf_pairs(const float *xp, long M, long K) {
+    uint32_t *xa = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(M * K / 2) + 64);
+    if (!xa) return NULL;
+    for (long i = 0; i < M * K / QB; i++) {
+        const float *x = xp + i * QB;
+        uint32_t *o = xa + i * 16;
+        for (int v = 0; v < 4; v++)
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 2; j++) {
+                    const float *y = x + 16 * h + 4 * v + j;
+                    o[4 * v + 2 * h + j] = (uint32_t)f32_to_bf16(y[0]) | (uint32_t)f32_to_bf16(y[2]) << 16;
+                }
+    }
+    return xa;
+}
+
+/* tile_dots_f's contract for int4, with activation pairs xa and xs the per-group sums of the rounded
+ * activations */
+static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *xa, const float *xs, long K, long ng,
+                                                               long m0, const int mb, const uint8_t *wt, int gshift,
+                                                               const uint16_t *st, const uint16_t *mt, float *out,
+                                                               long ldo, long pf) {
+    enum { C = 4 };
+    const int chains = mb <= 2 ? 4 : mb <= 4 ? 2 : 1;
+    const long nb = K / QB;
+    const int per_row = gshift >= 62, bb = QB / 2;
+    const long bpg = per_row ? nb : (1L << gshift);
+    const __m512i low = _mm512_set1_epi32(0x000F000F), b128 = _mm512_set1_epi32(0x43004300);
+    const __m512 k128 = _mm512_set1_ps(128.0f);
+    __m512 acc[TM], part[TM][C];
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+    for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
+        for (int r = 0; r < mb; r++)
+            for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
+        for (long b = g0; b < g0 + bpg; b++) {
+            const uint8_t *p = wt + b * TR * bb;
+            if (pf)
+                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+            if (pf && !per_row && b == g0) {
+                _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+                _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+            }
+            const uint32_t *xb = xa + (m0 * nb + b) * 16;
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
+                __m512bh w[4];
+                w[0] = (__m512bh)_mm512_ternarylogic_epi32(raw, low, b128, 0xEA); /* (a & b) | c */
+                w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 8), low, b128, 0xEA);
+                w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), low, b128, 0xEA);
+                w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 12), low, b128, 0xEA);
+                for (int j = 0; j < 4; j++) {
+                    const int c0 = j % chains;
+                    for (int r = 0; r < mb; r++)
+                        part[r][c0] = _mm512_dpbf16_ps(
+                            part[r][c0], w[j], (__m512bh)_mm512_set1_epi32((int)xb[r * nb * 16 + 4 * v + j]));
+                }
+            }
+        }
+        for (int r = 0; r < mb; r++) {
+            __m512 sum = part[r][0];
+            for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, part[r][c]);
+            part[r][0] = sum;
+        }
+        if (per_row) {
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
+        } else {
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+            const __m512 off = _mm512_fnmadd_ps(k128, sv, mv); /* min - 128 * scale */
+            for (int r = 0; r < mb; r++) {
+                acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
+                acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+            }
+        }
+    }
+    if (per_row) {
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
+        const __m512 off = _mm512_fnmadd_ps(k128, sv, mv);
+        for (int r = 0; r < mb; r++)
+            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + r) * ng]), _mm512_mul_ps(acc[r], sv));
+    }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void tile_rows_bf(const uint32_t *xa, const float *xs, long K, long ng,
+                                                               long m0, int mb, const uint8_t *wt, int gshift,
+                                                               const uint16_t *st, const uint16_t *mt, float *o,
+                                                               long ldo, const long pf) {
+    switch (mb) {
+    case 1: tile_dots_bf(xa, xs, K, ng, m0, 1, wt, gshift, st, mt, o, ldo, pf); break;
+    case 2: tile_dots_bf(xa, xs, K, ng, m0, 2, wt, gshift, st, mt, o, ldo, pf); break;
+    case 3: tile_dots_bf(xa, xs, K, ng, m0, 3, wt, gshift, st, mt, o, ldo, pf); break;
+    case 4: tile_dots_bf(xa, xs, K, ng, m0, 4, wt, gshift, st, mt, o, ldo, pf); break;
+    case 5: tile_dots_bf(xa, xs, K, ng, m0, 5, wt, gshift, st, mt, o, ldo, pf); break;
+    case 6: tile_dots_bf(xa, xs, K, ng, m0, 6, wt, gshift, st, mt, o, ldo, pf); break;
+    case 7: tile_dots_bf(xa, xs, K, ng, m0, 7, wt, gshift, st, mt, o, ldo, pf); break;
+    default: tile_dots_bf(xa, xs, K, ng, m0, TM, wt, gshift, st, mt, o, ldo, pf); break;
+    }
+}
+#else
+#define BF_TILES 0
+#endif
+
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
-    const int gshift = group_shift(K, group);
-    if (gshift < 0) return -1;
-    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
-    if (!xf) return -3;
-    to_float(x, dtype, M * K, xf);
+/* The float and bfloat16 tiled kernels past their argument checks: xf [M, K] the activations in
+ * float32 (rounded to bf16 already for `bf16`; the function frees it). */
+static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, long M, long K, long N,
+                           const uint8_t *w, int wbits, int group, int gshift, const uint16_t *scales,
+                           const uint16_t *mins, int num_threads, int bf16) {
     float *xp, *xs;
     const int rc = f_acts_make(xf, M, K, wbits, group, &xp, &xs);
     free(xf);
     if (rc) return rc;
+    const uint32_t *xa = NULL;
+#if BF_TILES
+    if (bf16 && wbits == 4) {
+        xa = bf_pairs(xp, M, K);
+        if (!xa) {
+            free(xp), free(xs);
+            return -3;
+        }
+    }
+#else
+    (void)bf16;
+#endif
     const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (long t = 0; t < N / TR; t++) {
@@ -962,10 +1087,13 @@ int kvpilot_qmatmul_tiled_float(const void *x, int dtype, void *out, const void 
         float res[TM * TR];
         for (long m0 = 0; m0 < M; m0 += TM) {
             const int mb = M - m0 < TM ? (int)(M - m0) : TM;
-            if (m0 == 0)
-                tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, PF_BYTES);
+            const long pf = m0 == 0 ? PF_BYTES : 0;
+#if BF_TILES
+            if (xa)
+                tile_rows_bf(xa, xs, K, ng, m0, mb, wt, gshift, st, mt, res, TR, pf);
             else
-                tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
+#endif
+                tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
             for (int r = 0; r < mb; r++)
                 for (int i = 0; i < TR; i++) {
                     const long n = t * TR + i;
@@ -979,12 +1107,46 @@ int kvpilot_qmatmul_tiled_float(const void *x, int dtype, void *out, const void 
                 }
         }
     }
-    free(xp), free(xs);
+    free(xp), free(xs), free((void *)xa);
     return 0;
+}
+#endif
+
+static int tiled_float_entry(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
+                             const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
+                             int num_threads, int bf16) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
+        (wbits == 4 && !mins) || M <= 0 || N % 16)
+        return -1;
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+    const int gshift = group_shift(K, group);
+    if (gshift < 0) return -1;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return -3;
+    to_float(x, dtype, M * K, xf);
+    if (bf16 && dtype != DT_BF16)
+        for (long i = 0; i < M * K; i++) xf[i] = bf16_to_f32(f32_to_bf16(xf[i]));
+    return tiled_float_run(xf, dtype, out, bias, M, K, N, w, wbits, group, gshift, scales, mins, num_threads, bf16);
 #else
-    (void)x, (void)out, (void)bias, (void)w, (void)scales, (void)num_threads;
+    (void)x, (void)out, (void)bias, (void)w, (void)scales, (void)num_threads, (void)bf16;
     return -2;
 #endif
+}
+
+/* kvpilot_qmatmul_tiled with float activations (the exact product, see above); the same arguments,
+ * layout and return codes. */
+int kvpilot_qmatmul_tiled_float(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
+                                const uint8_t *w, int wbits, int group, const uint16_t *scales,
+                                const uint16_t *mins, int num_threads) {
+    return tiled_float_entry(x, dtype, out, bias, M, K, N, w, wbits, group, scales, mins, num_threads, 0);
+}
+
+/* kvpilot_qmatmul_tiled with activations rounded to bfloat16 (see above); the same arguments, layout and
+ * return codes. */
+int kvpilot_qmatmul_tiled_bf16(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
+                               const uint8_t *w, int wbits, int group, const uint16_t *scales,
+                               const uint16_t *mins, int num_threads) {
+    return tiled_float_entry(x, dtype, out, bias, M, K, N, w, wbits, group, scales, mins, num_threads, 1);
 }
 
 /* The whole weight dequantized to float32 or bfloat16 (`dtype`) into out [N, K]: for the matmuls the

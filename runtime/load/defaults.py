@@ -15,6 +15,10 @@ quality cost is measured and small, says which at start-up, and an explicit flag
   (Q6_K, Q5_K, Q5_0, ...: what a Q4_K_M or Q5_K_M file mixes in) are requantized to int8 per 32
   weights at load (runtime/load/gguf_blocks.py; RMS 0.28x Q6_K's own error, measured by
   `benchmarks/runtime_quality.py requant` and held to the same bar by tests/runtime/test_default_quality.py);
+  where the CPU has AVX512-BF16 and the file holds 4-bit blocks (Q4_0, Q4_1, Q4_K), `--qmatmul-activations
+  bf16` instead: the activations rounded to bfloat16, the weights' values still exact, summed in float32
+  (kvpilot_qmatmul_tiled_bf16's vdpbf16ps: 2x the float32 kernel at every row count). Its cost on the
+  builtin file: agreement 0.9895 with float32 and 14/16 greedy answers (transformers' bf16: 0.961, 11);
 - anything else: the weights dequantized to the model dtype at load (`--quantization none`, the
   default before), as measured (docs/runtime.md, "Precision").
 
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 HEAD_TENSORS = ("output", "token_embd")
 EXACT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K"})  # gguf_blocks.DIRECT_BITS: held as stored
+FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # held as int4: what the bf16 kernel multiplies
 TILED_LEVELS = ("avx512", "avx2")  # kernels/qlinear.py tiled_format
 
 
@@ -57,7 +62,7 @@ class CheckpointFacts:
 @dataclass(frozen=True)
 class DefaultPath:
     quantization: Literal["auto", "none"]
-    qmatmul_activations: Literal["int8", "float"]
+    qmatmul_activations: Literal["int8", "bf16", "float"]
     why: str
 
 
@@ -69,8 +74,10 @@ def choose_default(
     cpu_kernels: bool,
     tensor_parallel_size: int,
     lora: bool,
+    cpu_bf16: bool = False,
 ) -> DefaultPath:
-    """Pure: the default path for this checkpoint and machine (module docstring)."""
+    """Pure: the default path for this checkpoint and machine (module docstring). `cpu_bf16`: the
+    kernels at `kernel_level` have AVX512-BF16 (kernels/qlinear.py bf16_tiles)."""
     from kvpilot.runtime.load.gguf_blocks import is_quantized
 
     def dequantized(why: str) -> DefaultPath:
@@ -92,6 +99,13 @@ def choose_default(
     held = f"the file's own {'/'.join(exact)} blocks" if exact else "the file's quantized weights"
     if requantized:
         held += f" ({'/'.join(requantized)} requantized to int8 per 32 weights)"
+    if cpu_bf16 and FOUR_BIT_TYPES & facts.linear_types:
+        return DefaultPath(
+            "auto",
+            "bf16",
+            f"{held} times activations rounded to bfloat16 (the weights' values exact, summed in float32; "
+            "vdpbf16ps on the 4-bit blocks), read from memory quantized",
+        )
     return DefaultPath(
         "auto",
         "float",
@@ -128,6 +142,7 @@ def resolve_default(
 ) -> tuple[EngineConfig, DefaultPath | None]:
     """`cfg` with `quantization` and `qmatmul_activations` set: as given where given, else the
     default path's; and the default path when it decided (None: --quantization was given)."""
+    from kvpilot.kernels import isa
     from kvpilot.runtime.load.loader import resolve_model_path
 
     if cfg.quantization is not None:
@@ -139,6 +154,7 @@ def resolve_default(
         cpu_kernels=cpu_kernels,
         tensor_parallel_size=cfg.tensor_parallel_size,
         lora=cfg.enable_lora,
+        cpu_bf16=isa.bf16_dot(kernel_level),
     )
     activations = cfg.qmatmul_activations or choice.qmatmul_activations
     return cfg.model_copy(

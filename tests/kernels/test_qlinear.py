@@ -452,3 +452,75 @@ def test_float_activations_keep_many_rows_on_the_exact_product() -> None:
     torch.testing.assert_close(
         qlinear.matmul(big, qw), qlinear.reference_matmul(big, qw), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.fixture
+def bf16_qmatmul() -> None:
+    """--qmatmul-activations bf16 (restored by conftest's kernel_switches_restored)."""
+    switches.use(switches.changed(qmatmul_activations="bf16"))
+
+
+def bf16_spec(x: torch.Tensor, qw: qlinear.QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What `--qmatmul-activations bf16` computes: x rounded to bfloat16 . dequant(W), exact sums."""
+    b = None if bias is None else bias.double()
+    return F.linear(x.to(torch.bfloat16).double(), qw.dequantize(torch.float64), b)
+
+
+@pytest.mark.usefixtures("bf16_qmatmul")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_bf16_activations_give_the_rounded_activations_exact_product(dtype: torch.dtype) -> None:
+    """kvpilot_qmatmul_tiled_bf16 at every level (int4 with AVX512-BF16: vdpbf16ps on 128 + code
+    pairs; elsewhere the float kernel on rounded activations): x_bf16 . dequant(W) in float32, for the
+    float kernel's cases. Against the unrounded product it is further off than float32's sums are, so
+    the rounding is there: the flag does what it says."""
+    torch.manual_seed(12)
+    weights = [
+        qlinear.quantize_int4(weight(32, 512), 32),
+        qlinear.quantize_int4(weight(48, 512), 64),
+        qlinear.quantize_int4(weight(16, 512), 128),
+        qlinear.quantize_int4(weight(16, 128), 128),  # one group a row
+        qlinear.quantize_int8(weight(32, 512)),
+        qlinear.quantize_int8(weight(32, 512), 32),
+    ]
+    for level in isa.runnable():
+        if level == "generic":
+            continue
+        if not qlinear.available(level):
+            missing("a C compiler for the CPU kernels", "install gcc or clang")
+        for qw in weights:
+            t = qlinear.tile(qw)
+            bias = torch.randn(qw.out_features).to(dtype)
+            for m in (1, 2, 3, 5, 8, 9, 17):
+                x = (torch.randn(m, qw.in_features) * 4 + 1).to(dtype)  # an offset: sum(x) matters
+                got = qlinear.kernel_matmul(x, t, bias, level=level).double()
+                want = bf16_spec(x, qw, bias)
+                if dtype == torch.float32:  # vdpbf16ps sums 128 + code: float32 cancellation of 128 sum(x)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+                    unrounded = F.linear(x.double(), qw.dequantize(torch.float64), bias.double())
+                    assert (got - unrounded).abs().max() > 10 * (got - want).abs().max(), (level, qw.bits, m)
+                else:  # the output rounded to bfloat16
+                    torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
+
+
+@pytest.mark.usefixtures("bf16_qmatmul")
+def test_bf16_activations_on_every_path_of_matmul() -> None:
+    """Under bf16 every route rounds the activations: the tiled kernel up to max_kernel_rows (every
+    row count with vdpbf16ps, TILED_FLOAT_MAX_M on the float kernel), then dequantize + torch; the
+    row layout's kernel; no int8-activation GEMM."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(13)
+    qw = qlinear.quantize_int4(weight(48, 256), 64)
+    t = qlinear.tile(qw)
+    vdp = qlinear.built_isa() == "avx512" and isa.bf16_dot()
+    assert qlinear.bf16_tiles(t) == vdp
+    assert qlinear.max_kernel_rows(t) == (qlinear.TILED_BF16_MAX_M if vdp else qlinear.TILED_FLOAT_MAX_M)
+    for rows in (2, qlinear.SMALL_M + 3, qlinear.TILED_FLOAT_MAX_M + 3):
+        x = torch.randn(rows, 256) * 4
+        assert not qlinear.gemm_applies(x, qw)
+        for w in (t, qw):
+            got = qlinear.matmul(x, w).double()
+            torch.testing.assert_close(got, bf16_spec(x, qw, None), rtol=1e-5, atol=1e-4)
+    i8 = qlinear.tile(qlinear.quantize_int8(weight(48, 256)))
+    assert not qlinear.bf16_tiles(i8)  # int8 codes: the float kernel's rate (no gain from vdpbf16ps)
+    assert qlinear.max_kernel_rows(i8) == qlinear.TILED_FLOAT_MAX_M

@@ -71,13 +71,14 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("activations", "kv_dtype"), [("int8", "auto"), ("float", "auto"), ("int8", "int8"), ("int8", "fp8")]
+    ("activations", "kv_dtype"),
+    [("int8", "auto"), ("float", "auto"), ("bf16", "auto"), ("int8", "int8"), ("int8", "fp8")],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stack_gives_the_python_layers_hidden_states(
     int4_model: Any, dtype: torch.dtype, activations: str, kv_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under either qmatmul_activations mode (the stack calls that mode's tiled kernel), and over an
+    """Under each qmatmul_activations mode (the stack calls that mode's tiled kernel), and over an
     int8 or float8 KV cache (quantized by the C write, read by the kernel with its scales)."""
     switches.use(switches.changed(qmatmul_activations=activations))  # restored by the conftest fixture
     model = copy.deepcopy(int4_model.model).to(dtype)

@@ -1,5 +1,6 @@
 """The default path (runtime/load/defaults.py): with no --quantization, a GGUF stored in quantized
-blocks runs from them with float activations on a CPU with the tiled kernels; everything else is
+blocks runs from them on a CPU with the tiled kernels, with activations rounded to bfloat16 where
+the CPU multiplies 4-bit codes by them natively (AVX512-BF16), else float32; everything else is
 dequantized at load; explicit settings always win. How well the default tracks float32 is
 tests/runtime/test_default_quality.py's (it builds the engine from the defaults)."""
 
@@ -38,11 +39,32 @@ def test_builtin_gguf_stores_every_linear_and_the_head_in_blocks() -> None:
     assert gguf_facts(resolve_model_path(DEFAULT_MODEL)) == BUILTIN
 
 
+# what the machine running the tests gets by default (its kernels' level)
+HERE_ACTIVATIONS = "bf16" if isa.bf16_dot(isa.selected()) else "float"
+
+
 @pytest.mark.parametrize("level", ["avx512", "avx2"])
 def test_blocks_with_float_activations_where_the_tiled_kernels_run(level: str) -> None:
     choice = choose_default(BUILTIN, **{**CPU, "kernel_level": level})
     assert (choice.quantization, choice.qmatmul_activations) == ("auto", "float")
     assert "Q4_1/Q8_0 blocks" in choice.why
+
+
+@pytest.mark.parametrize(
+    ("facts", "activations"),
+    [
+        (BUILTIN, "bf16"),  # Q4_1 layers (the Q8_0 head: the float kernel on rounded activations)
+        (CheckpointFacts(True, frozenset({"Q4_K", "Q6_K"}), "Q6_K"), "bf16"),  # Q4_K_M
+        (CheckpointFacts(True, frozenset({"Q8_0"}), "Q8_0"), "float"),  # no 4-bit codes: no gain
+        (CheckpointFacts(True, frozenset({"Q5_K", "Q6_K"}), "Q6_K"), "float"),  # all requantized to int8
+    ],
+)
+def test_bf16_activations_where_the_cpu_multiplies_4_bit_codes_by_them(
+    facts: CheckpointFacts, activations: str
+) -> None:
+    choice = choose_default(facts, **CPU, cpu_bf16=True)
+    assert (choice.quantization, choice.qmatmul_activations) == ("auto", activations)
+    assert ("rounded to bfloat16" in choice.why) == (activations == "bf16")
 
 
 @pytest.mark.parametrize(
@@ -93,8 +115,10 @@ def test_explicit_settings_win() -> None:
         cfg, _ = resolve_default(EngineConfig(**settings), cpu, kernel_level="avx512", cpu_kernels=True)
         return cfg.quantization, cfg.qmatmul_activations
 
-    assert resolved() == ("auto", "float")
+    assert resolved() == ("auto", "bf16" if isa.bf16_dot("avx512") else "float")
     assert resolved(qmatmul_activations="int8") == ("auto", "int8")
+    assert resolved(qmatmul_activations="float") == ("auto", "float")
+    assert resolved(qmatmul_activations="bf16") == ("auto", "bf16")
     assert resolved(quantization="auto") == ("auto", "int8")  # --quantization alone: int8 as before
     assert resolved(quantization="int4") == ("int4", "int8")
     assert resolved(quantization="int4", qmatmul_activations="float") == ("int4", "float")
@@ -122,11 +146,9 @@ def test_default_engine_runs_the_files_blocks_and_says_so(caplog: pytest.LogCapt
         pytest.skip("the default path dequantizes at the generic ISA level (tested above)")
     with caplog.at_level(logging.INFO, logger="kvpilot.runtime.engine.build"):
         engine = build_engine(EngineConfig(kv_cache_memory=2**24, max_num_seqs=2))
-    assert any(
-        "default path (no --quantization given): --quantization auto --qmatmul-activations float" in r.message
-        for r in caplog.records
-    )
-    assert switches.current().qmatmul_activations == "float"
+    flags = f"--quantization auto --qmatmul-activations {HERE_ACTIVATIONS}"
+    assert any(f"default path (no --quantization given): {flags}" in r.message for r in caplog.records)
+    assert switches.current().qmatmul_activations == HERE_ACTIVATIONS
     layer = engine.runner.model.model.layers[0]
     assert layer.mlp.gate_up_proj.qweight is not None and layer.mlp.gate_up_proj.qweight.tiled
     assert engine.runner.model.lm_head.qweight is not None  # the tied Q8_0 embedding, from its blocks
