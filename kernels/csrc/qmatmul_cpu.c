@@ -944,7 +944,7 @@ static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, c
  * ternary-logic op each: a nibble c or'ed into the bits of bfloat16 128.0 (0x4300) is exactly 128 + c,
  * so a group's sum is dot(x, c) + 128 * sum(x), and the min term takes 128 * scale * sum(x) off. Per
  * 64-byte vector of a tile (16 rows x 8 codes): three shifts and four ternary ops, then four `vdpbf16ps`
- * a row, against eight converts and eight FMAs a row in float32.
+ * a row, against eight permutes and eight FMAs a row in float32.
  * Elsewhere (int8, AVX2, no AVX512-BF16) the rounded activations go through the float kernel: the same
  * arithmetic, the float kernel's speed.
  */
