@@ -463,6 +463,12 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
  * dot product is (w + 128) . x - 128 * sum(x) (vpdpbusd does not saturate); otherwise, and on AVX2
  * (maddubs saturates at 16 bits), |w| times x with w's sign, flipped per activation row.
  */
+/* the tiled kernels' argument check: 0 where they take (dtype, wbits, group, mins, M, K, N) */
+static int tiled_args_bad(int dtype, int wbits, int group, const uint16_t *mins, long M, long K, long N) {
+    return (dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
+           (wbits == 4 && !mins) || M <= 0 || N % 16;
+}
+
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 #define TR 16 /* weight rows per tile */
 /* software prefetch distance in a stream of tiles (the tiles of one weight are consecutive): with a
@@ -476,6 +482,34 @@ int kvpilot_qmatmul(const void *x, int dtype, void *out, const void *bias, long 
 #else
 #define TM 6
 #endif
+
+/* software prefetch in a stream of tiles: the codes `pf` bytes ahead and, where `scales`, the scales
+ * (and mins) 16 blocks ahead, in the next tile past the last */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, long pf, int bytes,
+                                                                 const uint16_t *st, const uint16_t *mt, long b,
+                                                                 int gshift, int scales) {
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+    if (scales) {
+        _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+        if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
+    }
+}
+
+/* out rows m0..m0+mb, columns of tile t = res [mb, TR] + bias, in the activations' dtype */
+static inline void store_tile(const float *res, long m0, int mb, long t, long N, const void *bias, int dtype,
+                              void *out) {
+    for (int r = 0; r < mb; r++)
+        for (int i = 0; i < TR; i++) {
+            const long n = t * TR + i;
+            const float v = res[r * TR + i] + (!bias              ? 0.0f
+                                               : dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
+                                                                  : ((const float *)bias)[n]);
+            if (dtype == DT_BF16)
+                ((uint16_t *)out)[(m0 + r) * N + n] = f32_to_bf16(v);
+            else
+                ((float *)out)[(m0 + r) * N + n] = v;
+        }
+}
 
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;
@@ -496,12 +530,7 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = wt + b * TR * bb;
-        if (pf)
-            for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
-        if (pf && !per_row) { /* the scales (and mins) 16 blocks ahead, in the next tile past the last */
-            _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-            if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-        }
+        if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row);
         const __m512 ws = per_row ? _mm512_set1_ps(1.0f)
                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (b >> gshift) * TR)));
         __m512i u[8];
@@ -579,13 +608,7 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
             const uint8_t *p = wt + b * TR * bb + 32 * h;
-            if (pf && h == 0) { /* as avx512: the codes PF_BYTES ahead, the scales (and mins) 16 blocks ahead */
-                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
-                if (!per_row) {
-                    _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-                    if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-                }
-            }
+            if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row); /* as avx512 */
             const __m256 ws = per_row ? _mm256_set1_ps(1.0f)
                                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (b >> gshift) * TR + 8 * h)));
             __m256i it[TM];
@@ -655,9 +678,7 @@ static inline __attribute__((always_inline)) void tile_rows(const q8_acts *a, lo
 int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
                           const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
                           int num_threads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
-        (wbits == 4 && !mins) || M <= 0 || N % 16)
-        return -1;
+    if (tiled_args_bad(dtype, wbits, group, mins, M, K, N)) return -1;
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
     const int gshift = group_shift(K, group);
     if (gshift < 0) return -1;
@@ -680,17 +701,7 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
                 tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, PF_BYTES);
             else
                 tile_rows(&acts, m0, mb, wt, wbits, gshift, st, mt, res, TR, 0);
-            for (int r = 0; r < mb; r++)
-                for (int i = 0; i < TR; i++) {
-                    const long n = t * TR + i;
-                    const float v = res[r * TR + i] + (!bias ? 0.0f
-                                                       : dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
-                                                                          : ((const float *)bias)[n]);
-                    if (dtype == DT_BF16)
-                        ((uint16_t *)out)[(m0 + r) * N + n] = f32_to_bf16(v);
-                    else
-                        ((float *)out)[(m0 + r) * N + n] = v;
-                }
+            store_tile(res, m0, mb, t, N, bias, dtype, out);
         }
     }
     q8_free(&acts);
@@ -747,6 +758,12 @@ static int f_acts_make(const float *xf, long M, long K, int wbits, int group, fl
 #endif
 
 #if defined(KVPILOT_ISA_AVX512)
+/* part[r][0] = the sum of row r's `chains` chains of partial sums, for r < mb */
+static inline __attribute__((always_inline)) void sum_chains512(__m512 part[][4], int mb, int chains) {
+    for (int r = 0; r < mb; r++)
+        for (int c = 1; c < chains; c++) part[r][0] = _mm512_add_ps(part[r][0], part[r][c]);
+}
+
 /* out[r][0..TR) = activation row m0 + r . the tile's TR weight rows (float), for r < mb. C chains of
  * sums a row (more when few rows: the FMA latency, not the throughput, bounds one chain) */
 static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
@@ -766,12 +783,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
             for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
-            if (pf)
-                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
-            if (pf && !per_row && b == g0) {
-                _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-                if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-            }
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
             const float *xb = xp + m0 * K + b * QB;
             if (wbits == 4) {
                 for (int v = 0; v < 4; v++) {
@@ -800,11 +812,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                 }
             }
         }
-        for (int r = 0; r < mb; r++) {
-            __m512 sum = part[r][0];
-            for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, part[r][c]);
-            part[r][0] = sum;
-        }
+        sum_chains512(part, mb, chains);
         if (per_row) {
             for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
         } else {
@@ -848,13 +856,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                 for (int c = 0; c < chains; c++) part[r][c] = _mm256_setzero_ps();
             for (long b = g0; b < g0 + bpg; b++) {
                 const uint8_t *p = wt + b * TR * bb + 32 * h;
-                if (pf && h == 0) {
-                    for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
-                    if (!per_row && b == g0) {
-                        _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-                        if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-                    }
-                }
+                if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
                 const float *xb = xp + m0 * K + b * QB;
                 if (wbits == 4) {
                     for (int v = 0; v < 4; v++) {
@@ -989,12 +991,7 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
             for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
-            if (pf)
-                for (int l = 0; l < TR * bb; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
-            if (pf && !per_row && b == g0) {
-                _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-                _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
-            }
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
             const uint32_t *xb = xa + (m0 * nb + b) * 16;
             for (int v = 0; v < 4; v++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
@@ -1011,11 +1008,7 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
                 }
             }
         }
-        for (int r = 0; r < mb; r++) {
-            __m512 sum = part[r][0];
-            for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, part[r][c]);
-            part[r][0] = sum;
-        }
+        sum_chains512(part, mb, chains);
         if (per_row) {
             for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
         } else {
@@ -1094,17 +1087,7 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
             else
 #endif
                 tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
-            for (int r = 0; r < mb; r++)
-                for (int i = 0; i < TR; i++) {
-                    const long n = t * TR + i;
-                    const float v = res[r * TR + i] + (!bias ? 0.0f
-                                                       : dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n])
-                                                                          : ((const float *)bias)[n]);
-                    if (dtype == DT_BF16)
-                        ((uint16_t *)out)[(m0 + r) * N + n] = f32_to_bf16(v);
-                    else
-                        ((float *)out)[(m0 + r) * N + n] = v;
-                }
+            store_tile(res, m0, mb, t, N, bias, dtype, out);
         }
     }
     free(xp), free(xs), free((void *)xa);
@@ -1115,9 +1098,7 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
 static int tiled_float_entry(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
                              const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
                              int num_threads, int bf16) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || (wbits != 8 && wbits != 4) || group <= 0 || K % group ||
-        (wbits == 4 && !mins) || M <= 0 || N % 16)
-        return -1;
+    if (tiled_args_bad(dtype, wbits, group, mins, M, K, N)) return -1;
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
     const int gshift = group_shift(K, group);
     if (gshift < 0) return -1;

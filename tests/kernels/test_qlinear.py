@@ -260,6 +260,25 @@ def test_tiling_applies_where_the_tiled_kernel_exists(monkeypatch: pytest.Monkey
     assert qlinear.tile_applies(qw) == (qlinear.built_isa() in ("avx512", "avx2"))
 
 
+def tiled_cases() -> list[tuple[str, qlinear.QuantizedWeight]]:
+    """(level, weight) for the tiled float-activation kernels' tests: every level with the tiled layout
+    (not generic: tile_applies), int4 groups of 32/64/128 (storage order interleaves a group's chunks
+    above 32) and one group a row, int8 per channel and in groups."""
+    weights = [
+        qlinear.quantize_int4(weight(32, 512), 32),
+        qlinear.quantize_int4(weight(48, 512), 64),
+        qlinear.quantize_int4(weight(16, 512), 128),
+        qlinear.quantize_int4(weight(16, 128), 128),
+        qlinear.quantize_int8(weight(32, 512)),
+        qlinear.quantize_int8(weight(32, 512), 32),
+    ]
+    levels = [lv for lv in isa.runnable() if lv != "generic"]
+    for level in levels:
+        if not qlinear.available(level):
+            missing("a C compiler for the CPU kernels", "install gcc or clang")
+    return [(level, qw) for level in levels for qw in weights]
+
+
 @pytest.mark.usefixtures("exact_qmatmul")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_float_activations_give_the_exact_product(dtype: torch.dtype) -> None:
@@ -267,30 +286,17 @@ def test_tiled_float_activations_give_the_exact_product(dtype: torch.dtype) -> N
     for int4 groups of 32/64/128 (storage order interleaves a group's chunks above 32), int8 per
     channel and in groups, 1..17 rows (the row-count cases of the kernel, more than a pass of rows)."""
     torch.manual_seed(11)
-    weights = [
-        qlinear.quantize_int4(weight(32, 512), 32),
-        qlinear.quantize_int4(weight(48, 512), 64),
-        qlinear.quantize_int4(weight(16, 512), 128),
-        qlinear.quantize_int4(weight(16, 128), 128),  # one group a row
-        qlinear.quantize_int8(weight(32, 512)),
-        qlinear.quantize_int8(weight(32, 512), 32),
-    ]
-    for level in isa.runnable():
-        if level == "generic":
-            continue  # no tiled layout there (tile_applies)
-        if not qlinear.available(level):
-            missing("a C compiler for the CPU kernels", "install gcc or clang")
-        for qw in weights:
-            t = qlinear.tile(qw)
-            bias = torch.randn(qw.out_features)
-            for m in (1, 2, 3, 5, 8, 9, 17):
-                x = torch.randn(m, qw.in_features).to(dtype)
-                got = qlinear.kernel_matmul(x, t, bias.to(dtype), level=level)
-                exact = F.linear(x.double(), qw.dequantize(torch.float64), bias.to(dtype).double())
-                if dtype == torch.float32:
-                    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
-                else:  # the output rounded to bfloat16
-                    torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=1e-2)
+    for level, qw in tiled_cases():
+        t = qlinear.tile(qw)
+        bias = torch.randn(qw.out_features)
+        for m in (1, 2, 3, 5, 8, 9, 17):
+            x = torch.randn(m, qw.in_features).to(dtype)
+            got = qlinear.kernel_matmul(x, t, bias.to(dtype), level=level)
+            exact = F.linear(x.double(), qw.dequantize(torch.float64), bias.to(dtype).double())
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+            else:  # the output rounded to bfloat16
+                torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -474,32 +480,19 @@ def test_tiled_bf16_activations_give_the_rounded_activations_exact_product(dtype
     float kernel's cases. Against the unrounded product it is further off than float32's sums are, so
     the rounding is there: the flag does what it says."""
     torch.manual_seed(12)
-    weights = [
-        qlinear.quantize_int4(weight(32, 512), 32),
-        qlinear.quantize_int4(weight(48, 512), 64),
-        qlinear.quantize_int4(weight(16, 512), 128),
-        qlinear.quantize_int4(weight(16, 128), 128),  # one group a row
-        qlinear.quantize_int8(weight(32, 512)),
-        qlinear.quantize_int8(weight(32, 512), 32),
-    ]
-    for level in isa.runnable():
-        if level == "generic":
-            continue
-        if not qlinear.available(level):
-            missing("a C compiler for the CPU kernels", "install gcc or clang")
-        for qw in weights:
-            t = qlinear.tile(qw)
-            bias = torch.randn(qw.out_features).to(dtype)
-            for m in (1, 2, 3, 5, 8, 9, 17):
-                x = (torch.randn(m, qw.in_features) * 4 + 1).to(dtype)  # an offset: sum(x) matters
-                got = qlinear.kernel_matmul(x, t, bias, level=level).double()
-                want = bf16_spec(x, qw, bias)
-                if dtype == torch.float32:  # vdpbf16ps sums 128 + code: float32 cancellation of 128 sum(x)
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-                    unrounded = F.linear(x.double(), qw.dequantize(torch.float64), bias.double())
-                    assert (got - unrounded).abs().max() > 10 * (got - want).abs().max(), (level, qw.bits, m)
-                else:  # the output rounded to bfloat16
-                    torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
+    for level, qw in tiled_cases():
+        t = qlinear.tile(qw)
+        bias = torch.randn(qw.out_features).to(dtype)
+        for m in (1, 2, 3, 5, 8, 9, 17):
+            x = (torch.randn(m, qw.in_features) * 4 + 1).to(dtype)  # an offset: sum(x) matters
+            got = qlinear.kernel_matmul(x, t, bias, level=level).double()
+            want = bf16_spec(x, qw, bias)
+            if dtype == torch.float32:  # vdpbf16ps sums 128 + code: float32 cancellation of 128 sum(x)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+                unrounded = F.linear(x.double(), qw.dequantize(torch.float64), bias.double())
+                assert (got - unrounded).abs().max() > 10 * (got - want).abs().max(), (level, qw.bits, m)
+            else:  # the output rounded to bfloat16
+                torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
 
 
 @pytest.mark.usefixtures("bf16_qmatmul")

@@ -57,6 +57,13 @@ def test_kvpilot_operator_is_still_the_operator_package() -> None:
 PARTS = ("api", "kube", "runtime", "kernels", "autoscaler", "router")  # operator: the tests above
 
 
+def python_at_root(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -c code` run in the checkout's root (which is then first on sys.path)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 @pytest.mark.parametrize("part", PARTS)
 def test_an_installed_module_named_like_a_part_wins_at_the_repo_root(part: str, tmp_path: Path) -> None:
     """A distribution that installs a top-level package named like a part (Hugging Face's `kernels`,
@@ -69,9 +76,7 @@ def test_an_installed_module_named_like_a_part_wins_at_the_repo_root(part: str, 
         f"assert {part}.INSTALLED and child.VALUE == 7, {part}.__file__; "
         f"assert sys.modules[{part!r}] is {part}"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
-    )
+    proc = python_at_root(code)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -88,19 +93,14 @@ def test_a_bare_part_name_at_the_root_is_its_namesake_or_else_the_folder(part: s
         f"want = other.origin if other else kvpilot.{part}.__file__\n"
         f"assert os.path.realpath({part}.__file__) == os.path.realpath(want), ({part}.__file__, want)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
-    )
+    proc = python_at_root(code)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_transformers_models_import_at_the_repo_root() -> None:
     """The CI failure this guards: `kernels/` shadowed Hugging Face's `kernels` (a transformers
     dependency since 5.25) and no transformers model class could be imported from the checkout."""
-    code = "from transformers import LlamaForCausalLM; assert LlamaForCausalLM.__name__"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = python_at_root("from transformers import LlamaForCausalLM; assert LlamaForCausalLM.__name__", 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
