@@ -66,7 +66,7 @@ TILED_MAX_M = 8192
 # matmul, whose float32 GEMM blocks for the caches: even at 256 rows; benchmarks/kernels_bench.py qmatmul, tiled_float_act)
 TILED_FLOAT_MAX_M = 128
 # the same for bf16 activations on an int4 weight with AVX512-BF16 (kvpilot_qmatmul_tiled_bf16's vdpbf16ps):
-# any row count (2x the float kernel, 1.5-2.9x dequantize + torch's float32 matmul at 64-2048 rows, one
+# any row count (1.5-2.2x the float kernel, 1.6-3.2x dequantize + torch's float32 matmul at 64-2048 rows, one
 # thread, SmolLM2's shapes: benchmarks/kernels_bench.py qmatmul --dtype float32, tiled_bf16_act)
 TILED_BF16_MAX_M = TILED_MAX_M
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)

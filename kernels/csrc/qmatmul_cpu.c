@@ -943,10 +943,12 @@ static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, c
  * each activation rounded once to bfloat16 (to nearest even), the weights' codes exact, the products
  * summed in float32: x_bf16 . dequant(W), up to the order of the sums.
  * int4 at avx512 with AVX512-BF16: `vdpbf16ps` (two products a lane) on code pairs made with one
- * ternary-logic op each: a nibble c or'ed into the bits of bfloat16 128.0 (0x4300) is exactly 128 + c,
- * so a group's sum is dot(x, c) + 128 * sum(x), and the min term takes 128 * scale * sum(x) off. Per
- * 64-byte vector of a tile (16 rows x 8 codes): three shifts and four ternary ops, then four `vdpbf16ps`
- * a row, against eight permutes and eight FMAs a row in float32.
+ * word permute each: `vpermw` looks each 16-bit word's low five bits up in a table of bfloat16(i & 15),
+ * so a word holding a nibble in its low four bits (whatever the bit above) becomes that code exactly.
+ * Per 64-byte vector of a tile (16 rows x 8 codes): three shifts and four permutes, then four
+ * `vdpbf16ps` a row, against eight permutes and eight FMAs a row in float32. (An earlier version or'ed
+ * the nibble into the bits of 128.0, 128 + c, and took 128 * sum(x) back off: float32 cancellation that
+ * a large activation, such as the first token's, turned into an error of whole units.)
  * Elsewhere (int8, AVX2, no AVX512-BF16) the rounded activations go through the float kernel: the same
  * arithmetic, the float kernel's speed.
  */
@@ -982,8 +984,11 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
     const long nb = K / QB;
     const int per_row = gshift >= 62, bb = QB / 2;
     const long bpg = per_row ? nb : (1L << gshift);
-    const __m512i low = _mm512_set1_epi32(0x000F000F), b128 = _mm512_set1_epi32(0x43004300);
-    const __m512 k128 = _mm512_set1_ps(128.0f);
+    static const uint16_t codes[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+                                       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+    const __m512i lut = _mm512_loadu_si512((const void *)codes); /* bfloat16(i & 15), i < 32 */
     __m512 acc[TM], part[TM][C];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
@@ -996,10 +1001,10 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
             for (int v = 0; v < 4; v++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
                 __m512bh w[4];
-                w[0] = (__m512bh)_mm512_ternarylogic_epi32(raw, low, b128, 0xEA); /* (a & b) | c */
-                w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 8), low, b128, 0xEA);
-                w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), low, b128, 0xEA);
-                w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 12), low, b128, 0xEA);
+                w[0] = (__m512bh)_mm512_permutexvar_epi16(raw, lut); /* bytes 0, 2: low nibbles */
+                w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 8), lut); /* 1, 3: low */
+                w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 4), lut); /* 0, 2: high */
+                w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 12), lut); /* 1, 3: high */
                 for (int j = 0; j < 4; j++) {
                     const int c0 = j % chains;
                     for (int r = 0; r < mb; r++)
@@ -1014,19 +1019,17 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
         } else {
             const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
             const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-            const __m512 off = _mm512_fnmadd_ps(k128, sv, mv); /* min - 128 * scale */
             for (int r = 0; r < mb; r++) {
                 acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
-                acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
             }
         }
     }
     if (per_row) {
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
-        const __m512 off = _mm512_fnmadd_ps(k128, sv, mv);
         for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + r) * ng]), _mm512_mul_ps(acc[r], sv));
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), _mm512_mul_ps(acc[r], sv));
     }
     for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }

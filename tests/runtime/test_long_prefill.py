@@ -1,11 +1,18 @@
-"""A long prompt on the default path (the builtin GGUF's blocks, float32 activations): computed in
-prefill chunks of any size it gives the log-probabilities and the greedy answer it gives in one step.
+"""A long prompt on the default path (the builtin GGUF's blocks): computed in prefill chunks of any
+size it gives the log-probabilities and the greedy answer it gives in one step.
 
-The chunk size decides which kernels run (a chunk of 96 rows takes the tiled float-activation matmul,
-more rows dequantize + torch's matmul; the attention kernel's tiles start at absolute key positions
-whatever the chunk), so the sums differ only in order: every position's log-probability agrees to
-float32 rounding, and a chunk that attended to the wrong keys (a wrong causal bound or context at a
-chunk boundary) would miss by far more."""
+With float32 activations (`--qmatmul-activations float`) the chunk size decides which kernels run (a
+chunk of 96 rows takes the tiled float-activation matmul, more rows dequantize + torch's matmul; the
+attention kernel's tiles start at absolute key positions whatever the chunk), so the sums differ
+only in order: every position's log-probability agrees to float32 rounding, and a chunk that attended
+to the wrong keys (a wrong causal bound or context at a chunk boundary) would miss by far more.
+
+With the activations rounded to bfloat16 (the default where the CPU has AVX512-BF16), a sum-order
+difference of one float32 ulp moves an activation across a bfloat16 rounding boundary now and then
+(the kernel's chains of partial sums depend on how many rows a chunk leaves in its last pass), and
+that step of 2^-8 carries on through the layers: measured on the AMD EPYC (2026-12-03), chunks of
+96 and 128 bit-identical to one step, chunks of 250 0.009 apart on average and 0.147 at worst, the
+same answer. That is the rounding's noise, not a wrong key, so it has its own bound."""
 
 from __future__ import annotations
 
@@ -24,13 +31,18 @@ PROMPT_TOKENS = 400
 ANSWER_TOKENS = 8
 
 
-def prompt_and_answer(chunk: int) -> tuple[list[float], list[int]]:
-    """The prompt's log-probabilities (positions 1..) and the greedy answer, prefill in `chunk`s."""
+def prompt_and_answer(chunk: int, activations: str | None = None) -> tuple[list[float], list[int]]:
+    """The prompt's log-probabilities (positions 1..) and the greedy answer, prefill in `chunk`s
+    (`activations`: --qmatmul-activations; None: the default path's)."""
     from kvpilot.runtime.engine.build import build_engine
 
     engine = build_engine(
         EngineConfig(
-            kv_cache_memory=2**27, max_num_seqs=2, max_num_batched_tokens=chunk, enable_prefix_caching=False
+            kv_cache_memory=2**27,
+            max_num_seqs=2,
+            max_num_batched_tokens=chunk,
+            enable_prefix_caching=False,
+            qmatmul_activations=activations,
         )
     )
     ids = engine.tokenizer.encode(TEXT, add_special_tokens=False)
@@ -50,14 +62,24 @@ def prompt_and_answer(chunk: int) -> tuple[list[float], list[int]]:
     return [lp.logprob for lp in lps[1:] if lp is not None], list(seq.output_token_ids)
 
 
-def test_a_long_prompt_in_chunks_scores_and_answers_as_in_one_step() -> None:
+# bfloat16 activations: the bound on the worst position and on the mean (measured 0.147 and 0.009)
+TOL_BF16, MEAN_TOL_BF16 = 0.5, 0.03
+
+
+@pytest.mark.parametrize("activations", ["float", "bf16"])
+def test_a_long_prompt_in_chunks_scores_and_answers_as_in_one_step(activations: str) -> None:
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     if isa.selected() not in ("avx512", "avx2"):
         pytest.skip("the default path dequantizes at the generic ISA level")
-    whole, answer = prompt_and_answer(2048)
+    whole, answer = prompt_and_answer(2048, activations)
     for chunk in (96, 250):
-        lps, got = prompt_and_answer(chunk)
-        worst = max(abs(a - b) for a, b in zip(lps, whole, strict=True))
-        assert worst < TOL, f"chunks of {chunk}: a prompt log-probability differs by {worst:.2e}"
+        lps, got = prompt_and_answer(chunk, activations)
+        diffs = [abs(a - b) for a, b in zip(lps, whole, strict=True)]
+        worst, mean = max(diffs), sum(diffs) / len(diffs)
+        summary = f"chunks of {chunk}: a prompt log-probability differs by {worst:.2e} (mean {mean:.2e})"
+        if activations == "float":
+            assert worst < TOL, summary
+        else:
+            assert worst < TOL_BF16 and mean < MEAN_TOL_BF16, summary
         assert got == answer
