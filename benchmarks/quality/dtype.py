@@ -237,7 +237,9 @@ def main() -> None:
         "kvpilot:bfloat16",
         "hf:bfloat16",
     ]
-    ref = spawn("kvpilot:float32", work / "kvpilot-float32.json")
+    # the dequantized float32 model: with --quantization unset a GGUF takes the default path, whose
+    # activations may be rounded to bfloat16 (runtime/load/defaults.py), not a reference
+    ref = spawn("kvpilot:float32+quantization=none", work / "kvpilot-float32.json")
     prompts, eos = chat_prompts()
     inputs = work / "inputs.json"
     inputs.write_text(json.dumps({"text_ids": ref["text_ids"], "prompts": prompts, "eos": eos}))
