@@ -196,13 +196,19 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def decode_bytes_per_step(loaded: LoadedModel, engine: LLMEngine, context: int) -> int:
     """What one batch-1 decode step must read: every weight except the embedding table (one row of it is
-    read), plus the KV of the context."""
-    total = 0
+    read) and, in a mixture of experts, only the experts a token is routed to (top-k of each layer's
+    experts), plus the KV of the context."""
+    from kvpilot.runtime.models.moe import FusedMoE
+
+    arch = loaded.arch
+    routed = arch.num_experts_per_tok / arch.num_experts if arch.num_experts else 1.0
+    experts = {id(p) for m in loaded.model.modules() if isinstance(m, FusedMoE) for p in m.parameters()}
+    total = 0.0
     for name, p in loaded.model.named_parameters():
-        if "embed_tokens" in name and not loaded.arch.tie_word_embeddings:
+        if "embed_tokens" in name and not arch.tie_word_embeddings:
             continue
-        total += p.numel() * p.element_size()
-    return total + int(context * engine.runner.geometry.bytes_per_token)
+        total += p.numel() * p.element_size() * (routed if id(p) in experts else 1.0)
+    return int(total) + int(context * engine.runner.geometry.bytes_per_token)
 
 
 def engine_for(loaded: LoadedModel, max_num_seqs: int, **overrides: Any) -> LLMEngine:

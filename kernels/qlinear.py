@@ -115,8 +115,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = [self.packed, self.scales] + ([self.mins] if self.mins is not None else [])
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.tiled:
@@ -131,6 +130,15 @@ class QuantizedWeight:
             q = torch.cat([p & 15, p >> 4], dim=-1).float()
             w = q * s + self.mins.float().reshape(n, k // g, 1)
         return w.reshape(n, k).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales] + ([self.mins] if self.mins is not None else [])
+
+    def move_(self, device: torch.device) -> None:
+        """In place: every module holding this weight (a tied LM head and embedding) sees it moved."""
+        self.packed = self.packed.to(device)
+        self.scales = self.scales.to(device)
+        self.mins = None if self.mins is None else self.mins.to(device)
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(

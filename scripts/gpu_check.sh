@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU path's proof in one command, for the day a GPU machine is there:
 #
-#   scripts/gpu_check.sh RESULTS_DIR
+#   scripts/gpu_check.sh RESULTS_DIR [--phase all|kernels|engine]
 #
+# Phases (default all): `kernels` needs no model file (the Triton kernels on CUDA tensors, the MoE layer
+# backends); `engine` needs the builtin SmolLM2 GGUF (the engine vs HF on CUDA, the decode benchmarks,
+# whose tokenizer is SmolLM2's). Run apart, they fit machines that can take only one of them at a time.
 # Runs on one GPU (sized for one H200: under 8 minutes), with no network. It expects the repository's
 # virtualenv (.venv, made by ./dev, or PYTHON=/path/to/python) with what ./dev installs: torch (CUDA
 # wheels on Linux bring their own CUDA user-space libraries; an NVIDIA driver must be there), triton
@@ -17,6 +20,8 @@
 #   gpu_bench.json    benchmarks/gpu_bench.py: decode tokens/s at batch 1/32/128, prefill tokens/s, the
 #   gpu_bench.log     fraction of HBM bandwidth at batch 1, per-backend decode; a Mixtral-shaped model
 #                     when the runtime has MoE (recorded as skipped otherwise)
+#   triton_qmatmul.json benchmarks/micro/triton_qmatmul.py: the quantized matmul at 1 and 16 rows on
+#   triton_qmatmul.log  8B shapes: bfloat16 dense, the tile kernel, the split-K decode kernel's tiles
 #   moe_backends.json benchmarks/moe_bench.py --backend-layer: one Mixtral-shaped MoE layer on each
 #   moe_backends.log  CUDA backend (per-expert loop, torch grouped_mm, the Triton grouped GEMM),
 #                     checked against the reference, ms and expert-weight GB/s at T = 1/32/128/512
@@ -27,7 +32,17 @@
 # Exit status: 0 when the tests passed and the benchmarks finished; 2 without a GPU; 1 otherwise.
 set -uo pipefail
 
-results="${1:?usage: scripts/gpu_check.sh RESULTS_DIR}"
+usage="usage: scripts/gpu_check.sh RESULTS_DIR [--phase all|kernels|engine]"
+results="${1:?$usage}"
+phase=all
+if [ "$#" -ge 2 ]; then
+    [ "$#" -eq 3 ] && [ "$2" = "--phase" ] || { echo "$usage" >&2; exit 2; }
+    phase="$3"
+fi
+case "$phase" in
+    all | kernels | engine) ;;
+    *) echo "gpu_check: --phase must be all, kernels or engine, not '$phase'" >&2; exit 2 ;;
+esac
 root="$(cd "$(dirname "$0")/.." && pwd)"
 py="${PYTHON:-$root/.venv/bin/python}"
 mkdir -p "$results"
@@ -47,14 +62,26 @@ fi
 } >"$results/env.txt" 2>&1
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # the benchmarks import kvpilot from the tree when it is not installed
 start=$SECONDS
 
-echo "gpu_check: CUDA tests (pytest -m gpu) ..."
-timeout 235 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/runtime \
+# The files with CUDA tests (marked gpu); those that load the builtin model belong to the engine phase.
+mapfile -t gpu_files < <(grep -rlE 'mark\.gpu' tests --include='test_*.py' | sort)
+mapfile -t engine_files < <(grep -l 'smollm2' "${gpu_files[@]}")
+mapfile -t kernel_files < <(grep -L 'smollm2' "${gpu_files[@]}")
+case "$phase" in
+    all) test_files=("${gpu_files[@]}"); test_limit=235 ;;
+    kernels) test_files=("${kernel_files[@]}"); test_limit=150 ;;
+    engine) test_files=("${engine_files[@]}"); test_limit=150 ;;
+esac
+echo "gpu_check: CUDA tests (pytest -m gpu, phase $phase: ${test_files[*]}) ..."
+timeout "$test_limit" "$py" -m pytest -m gpu -q -p no:cacheprovider -rfE "${test_files[@]}" \
     --junitxml "$results/pytest-gpu.xml" >"$results/pytest-gpu.log" 2>&1
 tests_rc=$?
 tail -n 3 "$results/pytest-gpu.log"
 
+bench_rc=0 moe_rc=0 quant_rc=0 qmm_rc=0
+if [ "$phase" != kernels ]; then
 echo "gpu_check: benchmark ..."
 timeout 200 "$py" benchmarks/gpu_bench.py --device cuda --moe --compare-backends \
     --out "$results/gpu_bench.json" >"$results/gpu_bench.log" 2>&1
@@ -74,6 +101,13 @@ print(f"batch-1 bandwidth: {bw['fraction_of_copy_bandwidth']:.2%} of measured co
 print(f"attention backend {ll['attention_backend']}, block {ll['block_size']}, graphs {ll['cuda_graphs']}")
 EOF
 fi
+fi
+if [ "$phase" != engine ]; then
+echo "gpu_check: quantized matmul at decode rows ..."
+timeout 90 "$py" benchmarks/micro/triton_qmatmul.py --out "$results/triton_qmatmul.json" \
+    >"$results/triton_qmatmul.log" 2>&1
+qmm_rc=$?
+tail -n 6 "$results/triton_qmatmul.log"
 echo "gpu_check: MoE layer backends ..."
 timeout 45 "$py" benchmarks/moe_bench.py --backend-layer --device cuda --dtype bfloat16 \
     --out "$results/moe_backends.json" >"$results/moe_backends.log" 2>&1
@@ -90,6 +124,8 @@ for key, row in r.items():
         print(f"MoE layer {key}: " + "; ".join(cells))
 EOF
 fi
+fi
+if [ "$phase" != kernels ]; then
 left=$((470 - (SECONDS - start)))
 left=$((left > 90 ? 90 : left))
 if [ "$left" -ge 30 ]; then
@@ -114,5 +150,6 @@ else
     echo "gpu_check: int4 decode skipped: ${left} s left of the 8 minutes" | tee "$results/quant_bench.log"
     quant_rc=0
 fi
-echo "gpu_check: done in $((SECONDS - start)) s (tests rc=$tests_rc, benchmark rc=$bench_rc, MoE layer rc=$moe_rc, int4 rc=$quant_rc); results in $results"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$moe_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ]
+fi
+echo "gpu_check: done in $((SECONDS - start)) s (tests rc=$tests_rc, benchmark rc=$bench_rc, MoE layer rc=$moe_rc, int4 rc=$quant_rc, decode matmul rc=$qmm_rc); results in $results"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$moe_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ] && [ "$qmm_rc" -eq 0 ]

@@ -130,6 +130,15 @@ def _num_blocks_measured(cfg: EngineConfig, geo: KVGeometry, loaded: LoadedModel
     tokens = cfg.max_num_batched_tokens
     profile = profile_memory(loaded.model, geo, loaded.device, tokens, cfg.max_num_seqs)
     budget = kv_budget_from_profile(profile, cfg.gpu_memory_utilization)
+    if profile.free_budget() < profile.share_budget(cfg.gpu_memory_utilization):
+        log.warning(
+            "--gpu-memory-utilization %.2f: the share does not fit in what is free (%.2f GiB; other "
+            "engines or processes hold %.2f GiB): the KV pool gets %.2f GiB",
+            cfg.gpu_memory_utilization,
+            profile.free / 2**30,
+            (profile.total - profile.free - profile.own) / 2**30,
+            budget / 2**30,
+        )
     return blocks_for_budget(budget, geo, cfg, loaded.device.type)
 
 

@@ -31,6 +31,7 @@ from kvpilot.runtime.engine.protocol import TokenLogprob
 from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.lora.manager import LoRAState, SlotTable
+from kvpilot.runtime.models.layers import resident_bytes
 
 log = logging.getLogger(__name__)
 
@@ -219,14 +220,25 @@ class MemoryProfile:
     """What a warm-up measured on a GPU (bytes)."""
 
     total: int  # device memory
-    used: int  # in use after the warm-up, allocator cache emptied: weights, CUDA context, other processes
+    free: int  # free after the warm-up, allocator cache emptied (the rest: this engine, other engines/processes)
+    own: int  # this engine's model on the device (parameters, buffers, quantized weights)
     activation_peak: int  # the largest step's transient tensors beyond the weights
+
+    def share_budget(self, gpu_memory_utilization: float) -> int:
+        """The engine's share of the device, less its own weights and largest step."""
+        return int(self.total * gpu_memory_utilization) - self.own - self.activation_peak
+
+    def free_budget(self) -> int:
+        """What can be allocated now, less the largest step's activations."""
+        return self.free - self.activation_peak
 
 
 def kv_budget_from_profile(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
-    """Pure: the KV pool is what is left of the `--gpu-memory-utilization` share of the device after
-    what is in use and the largest step's activations (the vLLM / nano-vllm rule)."""
-    return int(profile.total * gpu_memory_utilization) - profile.used - profile.activation_peak
+    """Pure: the KV pool is what is left of this engine's `--gpu-memory-utilization` share of the device
+    after its own weights and the largest step's activations, and never more than is free. The share is
+    per engine (vLLM's rule): two engines on one GPU at 0.45 each get the same pool, whichever started
+    first; memory that others hold only caps the pool when the share would not fit in what is free."""
+    return min(profile.share_budget(gpu_memory_utilization), profile.free_budget())
 
 
 def profile_memory(
@@ -251,11 +263,17 @@ def profile_memory(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     profile = MemoryProfile(
-        total=total, used=total - free, activation_peak=max(0, peak - before - pool_bytes)
+        total=total,
+        free=free,
+        own=resident_bytes(model),
+        activation_peak=max(0, peak - before - pool_bytes),
     )
     log.info(
-        "memory profile: %.2f GiB in use after warm-up, %.2f GiB peak activations (%d tokens, %d seqs)",
-        profile.used / 2**30,
+        "memory profile: %.2f GiB of weights, %.2f GiB free of %.2f GiB after warm-up, %.2f GiB peak "
+        "activations (%d tokens, %d seqs)",
+        profile.own / 2**30,
+        profile.free / 2**30,
+        profile.total / 2**30,
         profile.activation_peak / 2**30,
         num_tokens,
         num_seqs,

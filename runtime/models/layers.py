@@ -334,8 +334,58 @@ def store_linear_weights(model: nn.Module, dtype: torch.dtype) -> int:
     return n
 
 
-class ColumnParallelLinear(nn.Module):
+class HoldsQuantized(nn.Module):
+    """A module whose quantized weights (kernels/qlinear.QuantizedWeight: plain attributes, not
+    parameters) follow `.to(device)`, `.cuda()` and `.cpu()` as its parameters do. They move in place,
+    so that modules sharing one (a tied LM head and embedding) still share it; a dtype change leaves
+    them as they are (their scales stay float16, their codes integers)."""
+
+    held: tuple[str, ...] = ("qweight",)  # attributes: a QuantizedWeight, a list of them, or a tensor
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        for name in self.held:
+            value = getattr(self, name, None)
+            if isinstance(value, torch.Tensor):
+                yield value
+            for qw in value if isinstance(value, list) else [value]:
+                if isinstance(qw, QuantizedWeight):
+                    yield from qw.tensors()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HoldsQuantized:
+        super()._apply(fn, recurse)
+        for name in self.held:
+            value = getattr(self, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(_device_after(fn, value)))
+            for qw in value if isinstance(value, list) else [value]:
+                if isinstance(qw, QuantizedWeight):
+                    qw.move_(_device_after(fn, qw.packed))
+        return self
+
+
+def _device_after(fn: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor) -> torch.device:
+    """Where `fn` (what Module.to/cuda/cpu apply to each tensor) puts an integer tensor from `like`'s device."""
+    return fn(torch.empty(0, dtype=torch.uint8, device=like.device)).device
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of the model's own tensors (parameters, buffers, quantized weights), each storage once."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        if isinstance(module, HoldsQuantized):
+            tensors.extend(module.held_tensors())
+    for t in tensors:
+        if t.device.type != "meta" and t.numel():
+            storage = t.untyped_storage()
+            seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+class ColumnParallelLinear(HoldsQuantized):
     """y = x W^T + b with W split along its output rows; each rank holds output_size / tp rows."""
+
+    held = ("qweight", "input_perm")
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
@@ -435,8 +485,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HoldsQuantized):
     """y = x W^T + b with W split along its input columns; partial products are summed across ranks."""
+
+    held = ("qweight", "input_perm")
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -485,7 +537,7 @@ def lookup_rows(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> t
     return rows.dequantize(dtype).reshape(*ids.shape, qw.in_features)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(HoldsQuantized):
     """Embedding rows split across ranks (vocabulary padded up to a multiple of the world size)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:

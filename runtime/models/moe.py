@@ -53,7 +53,12 @@ from torch import nn
 
 from kvpilot.kernels import cpu_moe, qlinear
 from kvpilot.kernels.qlinear import QuantizedWeight
-from kvpilot.runtime.models.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
+from kvpilot.runtime.models.layers import (
+    HoldsQuantized,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    SiluAndMul,
+)
 from kvpilot.runtime.models.parallel import (
     divide,
     expert_parallel_enabled,
@@ -258,9 +263,11 @@ def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(HoldsQuantized):
     """The experts of one layer, stacked: w13 [E_here, 2 * I_here, H] (gate rows, then up rows) and
     w2 [E_here, H, I_here]. Loads per-expert checkpoint tensors with shard_id (expert, piece)."""
+
+    held = ("q13", "q2")  # one QuantizedWeight per expert once quantized
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()

@@ -68,6 +68,38 @@ def test_kernel_equals_dequantize_then_matmul(fmt: str, dtype: torch.dtype, m: i
     check(x, qw, bias)
 
 
+@pytest.mark.parametrize("fmt", ["int8-per-channel", "int8-group32", "int4-group32", "int4-group128"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_kernel_splits_k_across_programs_and_masks_the_tail(fmt: str, m: int) -> None:
+    """Small tiles force several K splits (the last one short) and a channel tail, as 8B shapes get
+    from the default tile on a GPU; the partial sums add up to the reference."""
+    torch.manual_seed(m)
+    n, k = (40, 200) if fmt == "int8-per-channel" else (40, 256)
+    qw = FORMATS[fmt](torch.randn(n, k)).to(DEVICE)
+    cfg = triton_qlinear.DecodeConfig(block_n=16, block_kb=16, num_stages=2, target_programs=12)
+    units = k if qw.bits == 8 else k // 2
+    split, per = triton_qlinear.decode_split(n, units, cfg)
+    assert split >= 3 and per % 16 == 0 and (split - 1) * per < units <= split * per
+    x = torch.randn(m, k, device=DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    got = triton_qlinear.qgemv(x, qw, bias, cfg)
+    want = qlinear.reference_matmul(x, qw, bias)
+    torch.testing.assert_close(got, want, atol=2e-5 * float(want.abs().max()), rtol=2e-5)
+
+
+def test_decode_split_fills_the_gpu_without_empty_or_tiny_splits() -> None:
+    cfg = triton_qlinear.DecodeConfig()  # 64 channels x 64 bytes, 264 programs wanted
+    # an 8B model's o_proj at int4 (N 4096, K 4096 = 2048 bytes): 64 channel tiles, 5 splits of 448 bytes
+    assert triton_qlinear.decode_split(4096, 2048, cfg) == (5, 448)
+    # a wide gate/up (N 28672): 448 channel tiles already fill the GPU, K stays whole
+    assert triton_qlinear.decode_split(28672, 2048, cfg) == (1, 2048)
+    # a short K never splits below two steps
+    assert triton_qlinear.decode_split(64, 256, cfg) == (2, 128)
+    for n, units in [(4096, 2048), (6144, 2048), (4096, 7168), (128256, 2048), (40, 100)]:
+        split, per = triton_qlinear.decode_split(n, units, cfg)
+        assert per % cfg.block_kb == 0 and (split - 1) * per < units <= split * per
+
+
 def test_prefill_rows_leading_dims_and_a_strided_input() -> None:
     """Many rows (the 64 x 128 tiles, several row tiles), a [B, T, K] input, a non-contiguous x."""
     torch.manual_seed(1)

@@ -71,13 +71,27 @@ def test_kv_budget_can_come_out_negative_and_the_engine_says_which_flag_to_raise
 # -- CPU: the measured KV budget (warm-up at the largest step, peak, what is left) ---------------
 
 
-def test_kv_budget_from_a_profile_is_the_share_minus_use_and_measured_peak() -> None:
-    p = MemoryProfile(total=141 * GIB, used=17 * GIB, activation_peak=3 * GIB)
+def test_kv_budget_from_a_profile_is_the_share_minus_own_weights_and_measured_peak() -> None:
+    p = MemoryProfile(total=141 * GIB, free=120 * GIB, own=17 * GIB, activation_peak=3 * GIB)
     assert kv_budget_from_profile(p, 0.9) == int(0.9 * 141 * GIB) - 17 * GIB - 3 * GIB
-    # a bigger measured peak or more memory in use leaves exactly that much less
-    bigger = MemoryProfile(total=141 * GIB, used=17 * GIB, activation_peak=5 * GIB)
+    # a bigger measured peak or bigger weights leave exactly that much less
+    bigger = MemoryProfile(total=141 * GIB, free=120 * GIB, own=17 * GIB, activation_peak=5 * GIB)
     assert kv_budget_from_profile(p, 0.9) - kv_budget_from_profile(bigger, 0.9) == 2 * GIB
-    assert kv_budget_from_profile(MemoryProfile(80 * GIB, 70 * GIB, GIB), 0.5) < 0
+    heavier = MemoryProfile(total=141 * GIB, free=120 * GIB, own=19 * GIB, activation_peak=3 * GIB)
+    assert kv_budget_from_profile(p, 0.9) - kv_budget_from_profile(heavier, 0.9) == 2 * GIB
+    assert kv_budget_from_profile(MemoryProfile(80 * GIB, 70 * GIB, 70 * GIB, GIB), 0.5) < 0
+
+
+def test_kv_budget_share_is_per_engine_and_capped_by_what_is_free() -> None:
+    alone = MemoryProfile(total=100 * GIB, free=98 * GIB, own=2 * GIB, activation_peak=GIB)
+    # a second engine on the same GPU (40 GiB held by the first) gets its own share, not the share less
+    # what the first holds: the vLLM rule, so that two engines at 0.45 each get equal pools
+    beside = MemoryProfile(total=100 * GIB, free=58 * GIB, own=2 * GIB, activation_peak=GIB)
+    assert kv_budget_from_profile(beside, 0.45) == kv_budget_from_profile(alone, 0.45) == 42 * GIB
+    # a share that does not fit in what is free gets what is free, less the step's activations
+    crowded = MemoryProfile(total=100 * GIB, free=30 * GIB, own=2 * GIB, activation_peak=GIB)
+    assert kv_budget_from_profile(crowded, 0.9) == 29 * GIB
+    assert crowded.free_budget() < crowded.share_budget(0.9)
 
 
 @pytest.mark.parametrize(("tokens", "seqs", "bs"), [(2048, 256, 16), (100, 7, 16), (5, 64, 4), (300, 1, 256)])

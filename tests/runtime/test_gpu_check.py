@@ -69,6 +69,24 @@ def test_bytes_a_batch1_decode_step_reads_count_every_weight_but_the_embedding()
     assert bench.decode_bytes_per_step(loaded, engine, 10) == weights - embed + int(10 * per_token)
 
 
+def test_a_batch1_step_of_a_mixture_of_experts_reads_only_the_routed_experts() -> None:
+    """The first GPU run reported 118% of the copy bandwidth for the Mixtral shape: every expert was
+    counted, while a token reads top-k of them."""
+    from kvpilot.runtime.models.moe import FusedMoE
+
+    bench = load_bench()
+    loaded = bench.random_model(bench.MIXTRAL | bench.TINY_OVERRIDES, torch.device("cpu"), torch.float32, "t")
+    engine = bench.engine_for(loaded, 2, kv_cache_memory=1 << 20)
+    arch = loaded.arch
+    assert 0 < arch.num_experts_per_tok < arch.num_experts
+    experts = sum(p.numel() for m in loaded.model.modules() if isinstance(m, FusedMoE) for p in m.parameters())
+    weights = sum(p.numel() for p in loaded.model.parameters())
+    embed = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    routed = experts * arch.num_experts_per_tok / arch.num_experts
+    want = int((weights - embed - experts + routed) * 4)
+    assert abs(bench.decode_bytes_per_step(loaded, engine, 0) - want) <= 8
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_gpu_check_refuses_without_a_gpu(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable)
@@ -87,3 +105,20 @@ def test_gpu_check_refuses_without_a_gpu(tmp_path: Path) -> None:
 def test_gpu_check_usage() -> None:
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
     assert proc.returncode != 0 and "usage: scripts/gpu_check.sh RESULTS_DIR" in proc.stderr
+
+
+def test_triton_qmatmul_micro_benchmark_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/micro/triton_qmatmul.py (scripts/gpu_check.sh runs it on a GPU): every implementation
+    timed and checked against the dequantized matmul, per-token sums written."""
+    spec = importlib.util.spec_from_file_location("triton_qmatmul", ROOT / "benchmarks/micro/triton_qmatmul.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--tiny", "--out", str(tmp_path / "q.json")])
+    assert json.loads((tmp_path / "q.json").read_text()) == result
+    assert len(result["rows"]) == 4  # int4 and int8, m 1 and 16
+    for row in result["rows"]:
+        cells = {k: v for k, v in row.items() if isinstance(v, dict)}
+        assert set(cells) == {"bf16_dense", "tiles", "splitk_default"}
+        assert all(c["ok"] and c["us"] > 0 for c in cells.values())
+    assert set(result["per_token_ms"]) == {"int4 m=1", "int4 m=16", "int8 m=1", "int8 m=16"}

@@ -72,13 +72,43 @@ def test_int8_and_int4_models_stay_close_to_the_16_bit_one(
         assert float((exact - want).abs().max() / want.abs().max()) < 1e-3
 
 
-def _tiny(hidden: int) -> Any:
+def _tiny(hidden: int, tie: bool = False) -> Any:
     arch = ModelArchConfig(
         architecture="LlamaForCausalLM", vocab_size=32, hidden_size=hidden, intermediate_size=64,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-        max_position_embeddings=64,
+        max_position_embeddings=64, tie_word_embeddings=tie,
     )  # fmt: skip
     return get_model_class("LlamaForCausalLM")(arch)
+
+
+def test_quantized_weights_follow_the_model_to_a_device_and_stay_shared() -> None:
+    """`.to(device)` moves the quantized weights (attributes, not parameters) with the parameters: the
+    first GPU run found `model.cuda()` after quantizing left them on the CPU. They move in place, so the
+    tied head and embedding still share one; a dtype change leaves their float16 scales alone; and
+    resident_bytes counts the shared one once. (The meta device stands in for a GPU.)"""
+    from kvpilot.runtime.load.quantization import quantize_lm_head
+    from kvpilot.runtime.models.layers import resident_bytes
+
+    model = _tiny(64, tie=True)
+    quantize_model(model, "int4", 32)
+    quantize_lm_head(model)
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert embed.qweight is head.qweight
+    proj = model.model.layers[0].self_attn.o_proj
+    proj.input_perm = torch.arange(proj.qweight.in_features)  # as a GPTQ act-order weight has
+    layers = [q for _, q in linear_layers(model)] + [head]
+    quantized = sum(m.qweight.nbytes for m in layers[:-1]) + head.qweight.nbytes
+    others = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert resident_bytes(model) == quantized + others + proj.input_perm.numel() * 8
+    dtypes = [[t.dtype for t in m.qweight.tensors()] for m in layers]
+    assert all(m.qweight.scales.dtype == torch.float16 for m in layers)
+    model.to(torch.bfloat16)
+    assert [[t.dtype for t in m.qweight.tensors()] for m in layers] == dtypes
+    model.to("meta")
+    assert all(t.device.type == "meta" for m in layers for t in m.qweight.tensors())
+    assert proj.input_perm.device.type == "meta"
+    assert embed.qweight is head.qweight and all(p.device.type == "meta" for p in model.parameters())
+    assert resident_bytes(model) == 0  # nothing left on a real device
 
 
 def test_a_layer_that_cannot_take_the_method_is_refused_naming_the_flag() -> None:
