@@ -79,7 +79,9 @@ def test_a_batch1_step_of_a_mixture_of_experts_reads_only_the_routed_experts() -
     engine = bench.engine_for(loaded, 2, kv_cache_memory=1 << 20)
     arch = loaded.arch
     assert 0 < arch.num_experts_per_tok < arch.num_experts
-    experts = sum(p.numel() for m in loaded.model.modules() if isinstance(m, FusedMoE) for p in m.parameters())
+    experts = sum(
+        p.numel() for m in loaded.model.modules() if isinstance(m, FusedMoE) for p in m.parameters()
+    )
     weights = sum(p.numel() for p in loaded.model.parameters())
     embed = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
     routed = experts * arch.num_experts_per_tok / arch.num_experts
@@ -110,7 +112,9 @@ def test_gpu_check_usage() -> None:
 def test_triton_qmatmul_micro_benchmark_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/micro/triton_qmatmul.py (scripts/gpu_check.sh runs it on a GPU): every implementation
     timed and checked against the dequantized matmul, per-token sums written."""
-    spec = importlib.util.spec_from_file_location("triton_qmatmul", ROOT / "benchmarks/micro/triton_qmatmul.py")
+    spec = importlib.util.spec_from_file_location(
+        "triton_qmatmul", ROOT / "benchmarks/micro/triton_qmatmul.py"
+    )
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
