@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -265,7 +265,7 @@ def profile_memory(
     profile = MemoryProfile(
         total=total,
         free=free,
-        own=resident_bytes(model),
+        own=resident_bytes(cast(torch.nn.Module, model)),
         activation_peak=max(0, peak - before - pool_bytes),
     )
     log.info(
