@@ -231,6 +231,43 @@ def close(engine: LLMEngine) -> None:
         torch.cuda.empty_cache()
 
 
+def step_profile(engine: LLMEngine, prompt_len: int, steps: int = 16) -> dict[str, Any]:
+    """Where a batch-1 decode step's time goes: torch.profiler over `steps` steps; the device's kernel
+    time per step (CUDA: what the GPU is busy with; the rest of a step is the host's work, which the
+    unprofiled step_ms divided by this shows) and the ops with the most device and host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = engine.runner.device
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    vocab = engine.runner.model.config.vocab_size if hasattr(engine.runner.model, "config") else 512
+    engine.add_request(f"profile-{time.monotonic_ns()}", prompts(1, prompt_len, vocab, seed=7)[0], params)
+    engine.step()  # the prefill, outside the profile
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    while engine.has_unfinished():
+        engine.step()
+    engine.requests.clear()
+    events = prof.key_averages()
+
+    def top(attr: str) -> list[list[Any]]:
+        ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:8]
+        return [
+            [e.key[:80], round(getattr(e, attr) / 1e3 / steps, 4)] for e in ranked if getattr(e, attr) > 0
+        ]
+
+    device_us = sum(e.self_device_time_total for e in events)
+    return {
+        "steps": steps,
+        "device_ms_per_step": device_us / 1e3 / steps,
+        "top_device_ms_per_step": top("self_device_time_total"),
+        "top_host_ms_per_step": top("self_cpu_time_total"),
+    }
+
+
 def bench_model(
     loaded: LoadedModel, args: argparse.Namespace, batches: list[int], label: str
 ) -> dict[str, Any]:
@@ -268,6 +305,10 @@ def bench_model(
         out["batch1_bandwidth"]["datasheet_bytes_per_s"] = sheet
         out["batch1_bandwidth"]["fraction_of_datasheet"] = None if sheet is None else achieved / sheet
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    out["batch1_profile"] = step_profile(engine, args.prompt_len)
+    out["batch1_profile"]["device_busy_fraction"] = (
+        out["batch1_profile"]["device_ms_per_step"] / b1["step_ms"]
+    )
     close(engine)
     return out
 

@@ -99,6 +99,10 @@ bw = ll["batch1_bandwidth"]
 print(f"batch-1 bandwidth: {bw['fraction_of_copy_bandwidth']:.2%} of measured copy, "
       f"{bw.get('fraction_of_datasheet') or float('nan'):.2%} of datasheet")
 print(f"attention backend {ll['attention_backend']}, block {ll['block_size']}, graphs {ll['cuda_graphs']}")
+pr = ll["batch1_profile"]
+print(f"batch-1 step: GPU busy {pr['device_ms_per_step']:.2f} ms of {ll['decode'][0]['step_ms']:.2f} "
+      f"({pr['device_busy_fraction']:.0%}); top GPU {pr['top_device_ms_per_step'][:3]}; "
+      f"top host {pr['top_host_ms_per_step'][:3]}")
 EOF
 fi
 fi

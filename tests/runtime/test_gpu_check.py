@@ -44,6 +44,8 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path: Path) -> None:
         # every sequence decoded 4 tokens after its first: batch x 4 tokens in 4 steps
         assert d["steps"] == 4 and d["tokens_per_s"] > 0
     assert ll["prefill"]["tokens_per_s"] > 0 and ll["prefill"]["prompt_len"] == 32
+    prof = ll["batch1_profile"]  # on the CPU: no device time, the host's ops ranked
+    assert prof["steps"] == 16 and prof["device_ms_per_step"] == 0 and prof["top_host_ms_per_step"]
     bw = ll["batch1_bandwidth"]
     assert bw["fraction_of_copy_bandwidth"] > 0 and bw["bytes_per_step"] > 0
     assert ll["cuda_graphs"] is None  # CPU: eager
