@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvpilot.kernels.switches import Activations
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -154,7 +156,7 @@ class EngineConfig(BaseModel):
         "auto", description="ISA level the CPU kernels are built for; auto: the best this CPU runs"
     )
     cpu_kernels: bool = Field(True, description="use the C kernels on CPU (off: the torch paths)")
-    qmatmul_activations: Literal["int8", "bf16", "float"] | None = Field(
+    qmatmul_activations: Activations | None = Field(
         None,
         description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products), "
         "bf16 (each activation rounded to bfloat16, the weights exact) or float (the exact product); "

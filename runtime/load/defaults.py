@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from kvpilot.kernels.switches import Activations
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,7 +64,7 @@ class CheckpointFacts:
 @dataclass(frozen=True)
 class DefaultPath:
     quantization: Literal["auto", "none"]
-    qmatmul_activations: Literal["int8", "bf16", "float"]
+    qmatmul_activations: Activations
     why: str
 
 
