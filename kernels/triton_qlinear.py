@@ -111,6 +111,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 4
     target_programs: int = 264  # twice an H200's 132 SMs; decode_split aims at least this many
+    reduce: bool = False  # _qgemv_reduce_kernel (no tl.dot; for a few rows) instead of _qgemv_splitk_kernel
 
 
 DECODE = DecodeConfig()
@@ -270,6 +271,69 @@ if HAVE_TRITON:
         o = part_ptr + (split * m_size + rows.to(tl.int64))[:, None] * n_size + cols64[None, :]
         tl.store(o, acc, mask=r_ok[:, None] & c_ok[None, :])
 
+    @triton.jit(do_not_specialize=["m_size"])
+    def _qgemv_reduce_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: typed by the JIT
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        min_ptr,
+        part_ptr,
+        m_size,
+        n_size,
+        k_size,
+        group,
+        stride_xm,
+        per_split,
+        BITS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_KB: tl.constexpr,
+    ):
+        """As _qgemv_splitk_kernel, for a few rows without tl.dot: each channel's bytes are read along
+        its row ([BLOCK_N, BLOCK_KB], contiguous per channel), dequantized in float32 and multiplied
+        with the rows' activations, summed along K in registers."""
+        split = tl.program_id(1)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        r_ok = rows < m_size
+        c_ok = cols < n_size
+        cols64 = cols.to(tl.int64)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        groups = k_size // group
+        s_rows = scale_ptr + cols64[:, None] * groups
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        units = k_size if BITS == 8 else k_size // 2
+        start = split * per_split
+        end = tl.minimum(start + per_split, units)
+        w_rows = w_ptr + cols64[:, None] * units
+        for u0 in range(start, end, BLOCK_KB):
+            us = u0 + tl.arange(0, BLOCK_KB)
+            u_ok = us < end
+            wmask = c_ok[:, None] & u_ok[None, :]
+            amask = r_ok[:, None] & u_ok[None, :]
+            q = tl.load(w_rows + us[None, :], mask=wmask, other=0)  # [BLOCK_N, BLOCK_KB]
+            if BITS == 8:
+                s = tl.load(s_rows + (us // group)[None, :], mask=wmask, other=0.0).to(tl.float32)
+                w = q.to(tl.float32) * s
+                a = tl.load(x_rows + us[None, :], mask=amask, other=0.0).to(tl.float32)
+                acc += tl.sum(w[None, :, :] * a[:, None, :], axis=2)
+            else:
+                half = group // 2
+                g = us // half
+                s = tl.load(s_rows + g[None, :], mask=wmask, other=0.0).to(tl.float32)
+                mn = tl.load(min_ptr + cols64[:, None] * groups + g[None, :], mask=wmask, other=0.0)
+                mn = mn.to(tl.float32)
+                w_lo = (q & 15).to(tl.float32) * s + mn
+                w_hi = (q >> 4).to(tl.float32) * s + mn
+                k_lo = g * group + (us - g * half)
+                a_lo = tl.load(x_rows + k_lo[None, :], mask=amask, other=0.0).to(tl.float32)
+                a_hi = tl.load(x_rows + (k_lo + half)[None, :], mask=amask, other=0.0).to(tl.float32)
+                acc += tl.sum(
+                    w_lo[None, :, :] * a_lo[:, None, :] + w_hi[None, :, :] * a_hi[:, None, :], axis=2
+                )
+        o = part_ptr + (split * m_size + rows.to(tl.int64))[:, None] * n_size + cols64[None, :]
+        tl.store(o, acc, mask=r_ok[:, None] & c_ok[None, :])
+
 
 def _check_call(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The checks both kernels need; returns x as [M, K] with unit stride along K."""
@@ -311,6 +375,27 @@ def qgemv(
     split, per = decode_split(n, units, cfg)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     mins = qw.scales if qw.mins is None else qw.mins.contiguous()  # int8: never read
+    if cfg.reduce:
+        _qgemv_reduce_kernel[(triton.cdiv(n, cfg.block_n), split)](
+            x2,
+            qw.packed.contiguous(),
+            qw.scales.contiguous(),
+            mins,
+            part,
+            m,
+            n,
+            qw.in_features,
+            qw.group,
+            x2.stride(0),
+            per,
+            BITS=qw.bits,
+            BLOCK_M=max(1, triton.next_power_of_2(m)),
+            BLOCK_N=cfg.block_n,
+            BLOCK_KB=cfg.block_kb,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return _finish(part, split, bias, x)
     grid = (1, triton.cdiv(n, cfg.block_n), split)
     _qgemv_splitk_kernel[grid](
         x2,
@@ -332,10 +417,15 @@ def qgemv(
         num_stages=cfg.num_stages,
         **_precision(x),
     )
+    return _finish(part, split, bias, x)
+
+
+def _finish(part: torch.Tensor, split: int, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The splits' float32 partial sums added (one torch sum), the bias, x's dtype and leading dims."""
     out = part.sum(0) if split > 1 else part[0]
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    return out.to(x.dtype).reshape(*x.shape[:-1], part.shape[-1])
 
 
 def qmatmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

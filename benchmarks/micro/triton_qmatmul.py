@@ -37,7 +37,13 @@ CONFIGS = {
     "n128w8": DecodeConfig(block_n=128, num_warps=8),
     "stages2": DecodeConfig(num_stages=2),
     "programs528": DecodeConfig(target_programs=528),
+    "kb128_p528": DecodeConfig(block_kb=128, target_programs=528),
+    "reduce_n32_kb128": DecodeConfig(block_n=32, block_kb=128, reduce=True),
+    "reduce_n64_kb64": DecodeConfig(block_n=64, block_kb=64, reduce=True),
+    "reduce_n16_kb256": DecodeConfig(block_n=16, block_kb=256, reduce=True),
+    "reduce_n32_kb128_p528": DecodeConfig(block_n=32, block_kb=128, reduce=True, target_programs=528),
 }
+REDUCE_MAX_M = 2  # the reduce kernel's [rows, channels, bytes] product: timed at 1 row only
 METHODS: dict[str, Callable[[torch.Tensor], qlinear.QuantizedWeight]] = {
     "int4": lambda w: qlinear.quantize_int4(w, 32),
     "int8": qlinear.quantize_int8,
@@ -70,6 +76,8 @@ def measure(
         "tiles": lambda: triton_qlinear.qmatmul_tiles(x, qw),
     }
     for name, cfg in configs.items():
+        if cfg.reduce and m > REDUCE_MAX_M:
+            continue
         calls[f"splitk_{name}"] = lambda cfg=cfg: triton_qlinear.qgemv(x, qw, None, cfg)
     for name, fn in calls.items():
         err = float((fn().float() - want).abs().max())
@@ -88,7 +96,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (or --tiny for the CPU smoke run)")
     shapes = TINY_SHAPES if args.tiny else SHAPES
-    configs = {"default": DecodeConfig(block_n=32, block_kb=32, target_programs=8)} if args.tiny else CONFIGS
+    configs = (
+        {
+            "default": DecodeConfig(block_n=32, block_kb=32, target_programs=8),
+            "reduce": DecodeConfig(block_n=32, block_kb=32, target_programs=8, reduce=True),
+        }
+        if args.tiny
+        else CONFIGS
+    )
     rows = [
         measure(method, n, k, m, device, configs)
         for method in METHODS
