@@ -17,11 +17,14 @@ and accumulates tl.dot in float32. float32 activations use exact float32 dots (n
 
 Up to 64 rows 64 x 64 tiles, prefill 64 x 128 (`tile_shape`). Decode (up to DECODE_MAX_M rows) takes a
 second kernel, `_qgemv_splitk_kernel`: at batch 1 the tile kernel read an 8B-shaped model's int4 weights
-at 342 GB/s on an H200 (half the bfloat16 path's speed; its first GPU run): one 16 x 32 program per 32
-channels walked all of K 16 bytes at a time, a few hundred tiny loads in flight. The decode kernel
-splits K across programs (`decode_split`: enough programs to fill the GPU twice) and reads whole
-BLOCK_KB-byte spans of each channel's row, several groups at once (each byte's scale and min gathered
-by its group), writing float32 partial sums that one torch sum adds up (deterministic: no atomics).
+at 342 GB/s on an H200 in its first GPU run (half the bfloat16 path's speed): one 16 x 32 program per 32
+channels walked all of K 16 bytes at a time. The decode kernel splits K across programs (`decode_split`,
+about four programs per SM) and reads whole BLOCK_KB-byte spans of each channel's row, several groups at
+once (each byte's scale and min gathered by its group), writing float32 partial sums that one torch sum
+adds up (deterministic: no atomics). Measured (benchmarks/micro/triton_qmatmul.py, DECODE below): 1.5x
+the tile kernel, still about half of torch's bfloat16 matmul on the dequantized weights, which reads 4x
+(int4) or 2x (int8) the bytes: the dequantization in registers and a 16-row tl.dot for one row cost more
+than the bytes saved; closing that needs a weight layout made for the tensor cores (as Marlin's).
 No host synchronization in either, so the call can sit inside a CUDA graph.
 
 Tested on the CPU under Triton's interpreter against qlinear.reference_matmul (dequantize + matmul),
@@ -111,10 +114,17 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 4
     target_programs: int = 264  # twice an H200's 132 SMs; decode_split aims at least this many
-    reduce: bool = False  # _qgemv_reduce_kernel (no tl.dot; for a few rows) instead of _qgemv_splitk_kernel
 
 
-DECODE = DecodeConfig()
+# Per bit width, the fastest of benchmarks/micro/triton_qmatmul.py's configurations on an H200 (8B shapes,
+# a token's linear layers at 1 and 16 rows; the 64 x 64 default above, wider spans, more programs, a
+# variant without tl.dot that summed a [rows, channels, bytes] product: 2-4x slower, dropped). int4: 128-
+# byte spans, 528 programs: 10.0 / 10.2 ms (the tile kernel 15.4 / 13.5 ms); int8: 528 programs: 8.0 /
+# 8.7 ms (tiles 12.6 / 12.6 ms). torch's bfloat16 matmul on the dequantized weights: 4.9 ms.
+DECODE: dict[int, DecodeConfig] = {
+    4: DecodeConfig(block_kb=128, target_programs=528),
+    8: DecodeConfig(target_programs=528),
+}
 
 
 def decode_split(n: int, k_units: int, cfg: DecodeConfig) -> tuple[int, int]:
@@ -271,69 +281,6 @@ if HAVE_TRITON:
         o = part_ptr + (split * m_size + rows.to(tl.int64))[:, None] * n_size + cols64[None, :]
         tl.store(o, acc, mask=r_ok[:, None] & c_ok[None, :])
 
-    @triton.jit(do_not_specialize=["m_size"])
-    def _qgemv_reduce_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: typed by the JIT
-        x_ptr,
-        w_ptr,
-        scale_ptr,
-        min_ptr,
-        part_ptr,
-        m_size,
-        n_size,
-        k_size,
-        group,
-        stride_xm,
-        per_split,
-        BITS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_KB: tl.constexpr,
-    ):
-        """As _qgemv_splitk_kernel, for a few rows without tl.dot: each channel's bytes are read along
-        its row ([BLOCK_N, BLOCK_KB], contiguous per channel), dequantized in float32 and multiplied
-        with the rows' activations, summed along K in registers."""
-        split = tl.program_id(1)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_M)
-        r_ok = rows < m_size
-        c_ok = cols < n_size
-        cols64 = cols.to(tl.int64)
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-        groups = k_size // group
-        s_rows = scale_ptr + cols64[:, None] * groups
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        units = k_size if BITS == 8 else k_size // 2
-        start = split * per_split
-        end = tl.minimum(start + per_split, units)
-        w_rows = w_ptr + cols64[:, None] * units
-        for u0 in range(start, end, BLOCK_KB):
-            us = u0 + tl.arange(0, BLOCK_KB)
-            u_ok = us < end
-            wmask = c_ok[:, None] & u_ok[None, :]
-            amask = r_ok[:, None] & u_ok[None, :]
-            q = tl.load(w_rows + us[None, :], mask=wmask, other=0)  # [BLOCK_N, BLOCK_KB]
-            if BITS == 8:
-                s = tl.load(s_rows + (us // group)[None, :], mask=wmask, other=0.0).to(tl.float32)
-                w = q.to(tl.float32) * s
-                a = tl.load(x_rows + us[None, :], mask=amask, other=0.0).to(tl.float32)
-                acc += tl.sum(w[None, :, :] * a[:, None, :], axis=2)
-            else:
-                half = group // 2
-                g = us // half
-                s = tl.load(s_rows + g[None, :], mask=wmask, other=0.0).to(tl.float32)
-                mn = tl.load(min_ptr + cols64[:, None] * groups + g[None, :], mask=wmask, other=0.0)
-                mn = mn.to(tl.float32)
-                w_lo = (q & 15).to(tl.float32) * s + mn
-                w_hi = (q >> 4).to(tl.float32) * s + mn
-                k_lo = g * group + (us - g * half)
-                a_lo = tl.load(x_rows + k_lo[None, :], mask=amask, other=0.0).to(tl.float32)
-                a_hi = tl.load(x_rows + (k_lo + half)[None, :], mask=amask, other=0.0).to(tl.float32)
-                acc += tl.sum(
-                    w_lo[None, :, :] * a_lo[:, None, :] + w_hi[None, :, :] * a_hi[:, None, :], axis=2
-                )
-        o = part_ptr + (split * m_size + rows.to(tl.int64))[:, None] * n_size + cols64[None, :]
-        tl.store(o, acc, mask=r_ok[:, None] & c_ok[None, :])
-
 
 def _check_call(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The checks both kernels need; returns x as [M, K] with unit stride along K."""
@@ -362,7 +309,7 @@ def _precision(x: torch.Tensor) -> dict[str, Any]:
 
 
 def qgemv(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, cfg: DecodeConfig = DECODE
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, cfg: DecodeConfig | None = None
 ) -> torch.Tensor:
     """The split-K decode kernel: x [..., K] (up to DECODE_MAX_M rows) @ dequant(W)^T (+ bias)."""
     x2 = _check_call(x, qw, bias)
@@ -371,31 +318,11 @@ def qgemv(
         raise ValueError(f"the decode kernel takes up to {DECODE_MAX_M} rows, not {m}")
     if m == 0 or n == 0:
         return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    cfg = cfg or DECODE[qw.bits]
     units = qw.in_features if qw.bits == 8 else qw.in_features // 2
     split, per = decode_split(n, units, cfg)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     mins = qw.scales if qw.mins is None else qw.mins.contiguous()  # int8: never read
-    if cfg.reduce:
-        _qgemv_reduce_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            x2,
-            qw.packed.contiguous(),
-            qw.scales.contiguous(),
-            mins,
-            part,
-            m,
-            n,
-            qw.in_features,
-            qw.group,
-            x2.stride(0),
-            per,
-            BITS=qw.bits,
-            BLOCK_M=max(1, triton.next_power_of_2(m)),
-            BLOCK_N=cfg.block_n,
-            BLOCK_KB=cfg.block_kb,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        return _finish(part, split, bias, x)
     grid = (1, triton.cdiv(n, cfg.block_n), split)
     _qgemv_splitk_kernel[grid](
         x2,

@@ -5,7 +5,7 @@ For each linear layer shape of a Llama-3.1-8B-shaped model (qkv, o, gate_up, dow
 (int4 group 32, int8 per channel: what `--quantization` makes), at M = 1 and 16 rows of bfloat16
 activations, it times: torch's bfloat16 matmul on the dequantized weight (the unquantized path's
 speed), the tile kernel (`qmatmul_tiles`, what decode took before the split-K kernel) and the split-K
-decode kernel (`qgemv`) in a few tile configurations, the first being the default. Each result is
+decode kernel (`qgemv`) with its picked configuration (triton_qlinear.DECODE) and a few others. Each result is
 checked against the dequantized matmul. Figures: microseconds per call (triton.testing.do_bench) and
 the weight bytes read per second, so the quantized kernels compare with bfloat16 at its 4x / 2x the
 bytes. `--tiny` runs small shapes under Triton's interpreter on the CPU (the test's smoke run).
@@ -30,20 +30,15 @@ from kvpilot.kernels.triton_qlinear import DecodeConfig
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TINY_SHAPES = {"o": (96, 256)}
-CONFIGS = {
-    "default": triton_qlinear.DECODE,
+CONFIGS = {  # the first is the dataclass's plain default; DECODE (per bit width) is timed as "picked"
+    "n64_kb64": DecodeConfig(),
     "kb128": DecodeConfig(block_kb=128),
     "n32": DecodeConfig(block_n=32),
     "n128w8": DecodeConfig(block_n=128, num_warps=8),
     "stages2": DecodeConfig(num_stages=2),
     "programs528": DecodeConfig(target_programs=528),
     "kb128_p528": DecodeConfig(block_kb=128, target_programs=528),
-    "reduce_n32_kb128": DecodeConfig(block_n=32, block_kb=128, reduce=True),
-    "reduce_n64_kb64": DecodeConfig(block_n=64, block_kb=64, reduce=True),
-    "reduce_n16_kb256": DecodeConfig(block_n=16, block_kb=256, reduce=True),
-    "reduce_n32_kb128_p528": DecodeConfig(block_n=32, block_kb=128, reduce=True, target_programs=528),
 }
-REDUCE_MAX_M = 2  # the reduce kernel's [rows, channels, bytes] product: timed at 1 row only
 METHODS: dict[str, Callable[[torch.Tensor], qlinear.QuantizedWeight]] = {
     "int4": lambda w: qlinear.quantize_int4(w, 32),
     "int8": qlinear.quantize_int8,
@@ -75,9 +70,8 @@ def measure(
         "bf16_dense": lambda: F.linear(x, dense),
         "tiles": lambda: triton_qlinear.qmatmul_tiles(x, qw),
     }
+    calls["splitk_picked"] = lambda: triton_qlinear.qgemv(x, qw)
     for name, cfg in configs.items():
-        if cfg.reduce and m > REDUCE_MAX_M:
-            continue
         calls[f"splitk_{name}"] = lambda cfg=cfg: triton_qlinear.qgemv(x, qw, None, cfg)
     for name, fn in calls.items():
         err = float((fn().float() - want).abs().max())
@@ -96,14 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (or --tiny for the CPU smoke run)")
     shapes = TINY_SHAPES if args.tiny else SHAPES
-    configs = (
-        {
-            "default": DecodeConfig(block_n=32, block_kb=32, target_programs=8),
-            "reduce": DecodeConfig(block_n=32, block_kb=32, target_programs=8, reduce=True),
-        }
-        if args.tiny
-        else CONFIGS
-    )
+    configs = {"small": DecodeConfig(block_n=32, block_kb=32, target_programs=8)} if args.tiny else CONFIGS
     rows = [
         measure(method, n, k, m, device, configs)
         for method in METHODS

@@ -70,16 +70,13 @@ def test_kernel_equals_dequantize_then_matmul(fmt: str, dtype: torch.dtype, m: i
 
 @pytest.mark.parametrize("fmt", ["int8-per-channel", "int8-group32", "int4-group32", "int4-group128"])
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("reduce", [False, True], ids=["dot", "reduce"])
-def test_decode_kernel_splits_k_across_programs_and_masks_the_tail(fmt: str, m: int, reduce: bool) -> None:
+def test_decode_kernel_splits_k_across_programs_and_masks_the_tail(fmt: str, m: int) -> None:
     """Small tiles force several K splits (the last one short) and a channel tail, as 8B shapes get
     from the default tile on a GPU; the partial sums add up to the reference."""
     torch.manual_seed(m)
     n, k = (40, 200) if fmt == "int8-per-channel" else (40, 256)
     qw = FORMATS[fmt](torch.randn(n, k)).to(DEVICE)
-    cfg = triton_qlinear.DecodeConfig(
-        block_n=16, block_kb=16, num_stages=2, target_programs=12, reduce=reduce
-    )
+    cfg = triton_qlinear.DecodeConfig(block_n=16, block_kb=16, num_stages=2, target_programs=12)
     units = k if qw.bits == 8 else k // 2
     split, per = triton_qlinear.decode_split(n, units, cfg)
     assert split >= 3 and per % 16 == 0 and (split - 1) * per < units <= split * per

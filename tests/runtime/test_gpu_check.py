@@ -125,7 +125,6 @@ def test_triton_qmatmul_micro_benchmark_runs_tiny_on_the_cpu(tmp_path: Path) -> 
     assert len(result["rows"]) == 4  # int4 and int8, m 1 and 16
     for row in result["rows"]:
         cells = {k: v for k, v in row.items() if isinstance(v, dict)}
-        reduce = {"splitk_reduce"} if row["m"] <= bench.REDUCE_MAX_M else set()
-        assert set(cells) == {"bf16_dense", "tiles", "splitk_default"} | reduce
+        assert set(cells) == {"bf16_dense", "tiles", "splitk_picked", "splitk_small"}
         assert all(c["ok"] and c["us"] > 0 for c in cells.values())
     assert set(result["per_token_ms"]) == {"int4 m=1", "int4 m=16", "int8 m=1", "int8 m=16"}
