@@ -167,7 +167,15 @@ def single_stream_profile(engine: Any, gguf_path: Path, args: argparse.Namespace
     }
 
 
-CONFIG_KEYS = ("model", "quantization", "qmatmul_activations", "threads", "dtype", "cpu_decoder_stack")
+CONFIG_KEYS = (
+    "model",
+    "quantization",
+    "qmatmul_activations",
+    "threads",
+    "dtype",
+    "cpu_decoder_stack",
+    "kv_cache_dtype",
+)
 
 
 def main() -> int:
@@ -184,7 +192,8 @@ def main() -> int:
         default=None,
         help="EngineConfig.quantization (int8, int4, auto, none; unset: the default path)",
     )
-    p.add_argument("--qmatmul-activations", default=None, choices=["int8", "float"])
+    p.add_argument("--qmatmul-activations", default=None, choices=["int8", "bf16", "float"])
+    p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype")
     p.add_argument(
         "--single-stream",
         action="store_true",
@@ -214,6 +223,7 @@ def main() -> int:
         kv_cache_memory=int(args.kv_gib * 2**30),
         quantization=args.quantization,
         qmatmul_activations=args.qmatmul_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.single_stream:
         cfg = cfg.model_copy(update={"max_num_seqs": 1})

@@ -162,8 +162,8 @@ def write_kv_supports(
     v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Whether `write_kv_` takes these: CPU, float32/bfloat16 activations, k/v [T, Hk, D] with heads
-    adjacent within a token; caches of the activations' dtype, or int8 / float8 e4m3fn ones with
-    contiguous [blocks, block_size, Hk] float16 scales (kernels/quant.py)."""
+    adjacent within a token; caches of the activations' dtype or bfloat16 ones, or int8 / float8 e4m3fn
+    ones with contiguous [blocks, block_size, Hk] float16 scales (kernels/quant.py)."""
     quantized = k_cache.dtype in QUANTIZED
     scales_ok = (
         k_scale is not None
@@ -173,7 +173,7 @@ def write_kv_supports(
             for s in (k_scale, v_scale)
         )
         if quantized
-        else k_scale is None and v_scale is None and k_cache.dtype == k.dtype
+        else k_scale is None and v_scale is None and k_cache.dtype in (k.dtype, torch.bfloat16)
     )
     return (
         k.device.type == "cpu"

@@ -13,12 +13,12 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
 
-from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError, EngineConfig
+from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError, EngineConfig, KVCacheDtype
 from kvpilot.runtime.engine.build import build_async_engine
 
 log = logging.getLogger("kvpilot.serve")
@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="tokens per KV block (default: 256 on CUDA with flash-attn, else 16)",
     )
-    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default=s)
+    e.add_argument("--kv-cache-dtype", choices=list(get_args(KVCacheDtype)), default=s)
     e.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=s, metavar="BYTES", help="KV pool size, e.g. 2GiB"
     )

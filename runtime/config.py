@@ -17,7 +17,7 @@ from kvpilot.kernels.switches import Activations
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-KVCacheDtype = Literal["auto", "fp8", "int8"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "fp8", "int8"]
 SpeculativeMethod = Literal["ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16
 Quantization = Literal["int8", "int4", "auto", "none"]
@@ -55,7 +55,12 @@ class EngineConfig(BaseModel):
         description="tokens per KV block; default: 256 on CUDA with flash-attn installed (its paged kernel "
         "reads pages of a multiple of 256), else 16 (see runtime.engine.plan.resolve_block_size)",
     )
-    kv_cache_dtype: KVCacheDtype = "auto"
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto",
+        description="KV cache storage: auto (the model's dtype; bfloat16 on the CPU under float32 "
+        "activations), float32 or bfloat16 (the CPU, or the model's dtype on a GPU), fp8 or int8 (a "
+        "scale per token and head)",
+    )
     enable_prefix_caching: bool = True
     quantization: Quantization | None = Field(
         None,

@@ -36,7 +36,7 @@ def _best_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def profile(kv_cache_dtype: str, block_tokens: int, repeats: int) -> dict[str, Any]:
-    dtype = quant.storage_dtype(kv_cache_dtype, torch.float32)
+    dtype = quant.storage_dtype(kv_cache_dtype, torch.float32, "cpu")
     geo = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
     n = block_tokens // geo.block_size
     src = allocate_kv_cache(geo, n + 8, torch.device("cpu"), tiled=True)

@@ -169,8 +169,10 @@ static inline uint16_t quantize_head(const float *x, int D, int cache_dtype, voi
  * dtype (DT_F32 or DT_BF16), heads adjacent within a token, k_stride / v_stride elements between tokens
  * (views into a fused QKV output). Caches: any layout of the logical [blocks, block_size, Hk, D] array,
  * given by its four strides in elements (the CPU kernel's transposed K and head-major V included), of
- * cache_dtype: the activations' dtype (a plain copy), or DT_I8 / DT_FP8 with k_scale / v_scale
- * [blocks * block_size, Hk] float16 (each head quantized: kernels/quant.py, attention.write_kv).
+ * cache_dtype: the activations' dtype (a plain copy), DT_BF16 under float32 activations (each value
+ * rounded to nearest even, as torch's .to(torch.bfloat16): --kv-cache-dtype bfloat16), or DT_I8 / DT_FP8
+ * with k_scale / v_scale [blocks * block_size, Hk] float16 (each head quantized: kernels/quant.py,
+ * attention.write_kv).
  * Negative slots are padding and skipped. Returns -1 on bad arguments, -2 for a slot out of range.
  */
 int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride, void *k_cache, void *v_cache,
@@ -179,7 +181,8 @@ int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride,
                      long num_slots) {
     const int quantized = cache_dtype == DT_I8 || cache_dtype == DT_FP8;
     if ((dtype != DT_F32 && dtype != DT_BF16) || block_size <= 0 || D <= 0 || D > 1024) return -1;
-    if (!quantized && cache_dtype != dtype) return -1;
+    const int narrow = !quantized && cache_dtype == DT_BF16 && dtype == DT_F32;
+    if (!quantized && cache_dtype != dtype && !narrow) return -1;
     if (quantized && (!k_scale || !v_scale)) return -1;
     for (long t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -2;
@@ -198,6 +201,11 @@ int kvpilot_write_kv(const void *k, const void *v, long k_stride, long v_stride,
                     for (int d = 0; d < D; d++) x[d] = load(src, dtype, (size_t)d);
                     (c ? v_scale : k_scale)[(size_t)s * Hk + h] =
                         quantize_head(x, D, cache_dtype, (char *)(c ? v_cache : k_cache) + at, st[3]);
+                    continue;
+                }
+                if (narrow) {
+                    uint16_t *dst = (uint16_t *)(c ? v_cache : k_cache) + at;
+                    for (int d = 0; d < D; d++) dst[(size_t)d * st[3]] = f32_to_bf16(((const float *)src)[d]);
                     continue;
                 }
                 char *dst = (char *)(c ? v_cache : k_cache) + at * es;

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.kernels import isa
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.core import LLMEngine
 from kvpilot.runtime.engine.plan import blocks_for_budget, cuda_graph_sizes, pool_blocks, with_block_size
@@ -86,7 +86,11 @@ def engine_from_loaded(loaded: LoadedModel, cfg: EngineConfig, draft: LoadedMode
     assert cfg.block_size is not None
     if cfg.enable_lora and loaded.lora is None:  # before the KV pool is sized: the slots take memory
         attach_lora(loaded, cfg)
-    geo = kv_geometry(loaded.arch, cfg.block_size, quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype))
+    try:
+        kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype, loaded.device.type)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
     if loaded.device.type == "cuda" and cfg.kv_cache_memory is None:
         num_blocks = _num_blocks_measured(cfg, geo, loaded)
     else:

@@ -7,8 +7,8 @@ kernels/cpu_decoder.py runs the whole stack of layers in one call, through the s
 layers call. `compile_stack` gives the runner a `CompiledStack` when every layer is exactly the Llama
 layer (no family override of its projections, norms or MLP), every linear weight is quantized in
 the CPU kernel's tiled layout without LoRA, tensor parallelism or an input permutation, the
-attention backend is the CPU kernel's and the KV cache in the activations' dtype or quantized
-(int8 / fp8 with float16 scales: --kv-cache-dtype; cpu_ops.write_kv_ quantizes in C); the runner
+attention backend is the CPU kernel's and the KV cache in the activations' dtype, bfloat16, or quantized
+(int8 / fp8 with float16 scales: --kv-cache-dtype; cpu_ops.write_kv_ rounds or quantizes in C); the runner
 then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything else runs the
 model's own forward, which stays the reference (tests compare the two).
 
@@ -69,7 +69,7 @@ def unsupported_step(
         return f"activations {dtype} on {device.type}"
     quantized = first.k.dtype in cpu_ops.QUANTIZED and first.k_scale is not None
     if first.v.dtype != first.k.dtype or not (
-        quantized or (first.k_scale is None and first.k.dtype == dtype)
+        quantized or (first.k_scale is None and first.k.dtype in (dtype, torch.bfloat16))
     ):
         return f"a {first.k.dtype} KV cache for {dtype} activations"
     return None

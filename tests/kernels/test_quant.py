@@ -30,8 +30,21 @@ def test_zero_rows_do_not_divide_by_zero() -> None:
 
 
 def test_storage_dtype_names() -> None:
-    assert quant.storage_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert quant.storage_dtype("int8", torch.bfloat16) == torch.int8
-    assert quant.storage_dtype("fp8", torch.float16) == torch.float8_e4m3fn
+    assert quant.storage_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    assert quant.storage_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+    assert quant.storage_dtype("auto", torch.float16, "cuda") == torch.float16
+    assert quant.storage_dtype("int8", torch.bfloat16, "cpu") == torch.int8
+    assert quant.storage_dtype("fp8", torch.float16, "cuda") == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="kv cache dtype"):
-        quant.storage_dtype("int4", torch.float16)
+        quant.storage_dtype("int4", torch.float16, "cpu")
+
+
+def test_auto_is_a_bfloat16_cache_under_float32_activations_on_the_cpu_only() -> None:
+    assert quant.storage_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    assert quant.storage_dtype("float32", torch.float32, "cpu") == torch.float32  # the opt-out
+    assert quant.storage_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    assert quant.storage_dtype("auto", torch.float32, "cuda") == torch.float32
+    assert quant.storage_dtype("bfloat16", torch.bfloat16, "cuda") == torch.bfloat16
+    for kind, model in [("bfloat16", torch.float32), ("float32", torch.bfloat16)]:
+        with pytest.raises(ValueError, match=f"--kv-cache-dtype {kind} under .* runs on the CPU only"):
+            quant.storage_dtype(kind, model, "cuda")

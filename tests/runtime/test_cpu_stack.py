@@ -5,6 +5,7 @@ same hidden states bit for bit, on the real SmolLM2 with int4 weights."""
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ def int4_model() -> Any:
 
 
 def _caches(loaded: Any, dtype: torch.dtype, kv: str = "auto") -> list[KVCacheLayer]:
-    return _caches_for(loaded.arch, quant.storage_dtype(kv, dtype))
+    return _caches_for(loaded.arch, quant.storage_dtype(kv, dtype, "cpu"))
 
 
 def _caches_for(arch: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
@@ -71,10 +72,16 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("activations", "kv_dtype"),
-    [("int8", "auto"), ("float", "auto"), ("bf16", "auto"), ("int8", "int8"), ("int8", "fp8")],
+    ("activations", "kv_dtype", "dtype"),
+    [
+        (act, kv, dtype)
+        for (act, kv), dtype in itertools.product(
+            [("int8", "auto"), ("float", "auto"), ("bf16", "auto"), ("int8", "int8"), ("int8", "fp8")],
+            [torch.float32, torch.bfloat16],
+        )
+    ]
+    + [("float", "float32", torch.float32)],  # auto is a bfloat16 cache under float32 activations
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stack_gives_the_python_layers_hidden_states(
     int4_model: Any, dtype: torch.dtype, activations: str, kv_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,7 +103,7 @@ def test_stack_gives_the_python_layers_hidden_states(
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "float32", "int8"])
 def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(
     kv_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,7 +134,7 @@ def test_stack_runs_in_the_engine_with_the_same_greedy_tokens(
 
 
 def test_what_does_not_take_the_stack_says_why(int4_model: Any) -> None:
-    caches = _caches(int4_model, torch.float32)
+    caches = _caches(int4_model, torch.float32, "float32")
     backend = cpu_attention.CPUPagedAttentionBackend()
     model = copy.deepcopy(int4_model.model)
     layer = model.model.layers[3]
@@ -146,6 +153,8 @@ def test_what_does_not_take_the_stack_says_why(int4_model: Any) -> None:
     assert cpu_stack.unsupported_step(torch.bfloat16, cpu, caches, backend) == (
         "a torch.float32 KV cache for torch.bfloat16 activations"
     )
+    bf16_cache = _caches(int4_model, torch.float32, "bfloat16")  # rounded by the C write
+    assert cpu_stack.unsupported_step(torch.float32, cpu, bf16_cache, backend) is None
     for kv in ("int8", "fp8"):  # quantized caches take the stack with either activation dtype
         for dtype in (torch.float32, torch.bfloat16):
             assert cpu_stack.unsupported_step(dtype, cpu, _caches(int4_model, dtype, kv), backend) is None

@@ -126,7 +126,7 @@ def load_shard(plan: RankPlan, device: torch.device) -> tuple[LoadedModel, KVGeo
     set_expert_parallel(cfg.enable_expert_parallel)  # MoE layers read it as they are built
     loaded = load_model(cfg, device)  # layers read this rank's place in the group as they are built
     assert loaded.dtype == plan.dtype
-    kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype)
+    kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype, device.type)
     geometry = kv_geometry(loaded.arch, cfg.block_size, kv_dtype, plan.world_size)
     return loaded, geometry, plan.pool_blocks(geometry, device)
 
