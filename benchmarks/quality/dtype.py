@@ -13,7 +13,9 @@ environment (KVPILOT_CPU_ISA, KVPILOT_DISABLE_CPU_KERNEL). Prints one JSON docum
         kvpilot:auto+quantization=auto+qmatmul=float kvpilot:auto+quantization=none hf:bfloat16
 
 A kvpilot configuration may set engine options after the dtype: `+quantization=none|auto|int8|int4`
-(none: the checkpoint dequantized at load) and `+qmatmul=int8|bf16|float` (--qmatmul-activations).
+(none: the checkpoint dequantized at load), `+qmatmul=int8|bf16|float` (--qmatmul-activations) and
+`+kv=auto|float32|bfloat16|int8|fp8` (--kv-cache-dtype). The reference is float32 throughout: the
+dequantized weights, float32 activations and a float32 KV cache.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ LEVEL_ENV = {
 }
 
 
-OPTIONS = {"quantization": ("none", "auto", "int8", "int4"), "qmatmul": ("int8", "bf16", "float")}
+OPTIONS = {
+    "quantization": ("none", "auto", "int8", "int4"),
+    "qmatmul": ("int8", "bf16", "float"),
+    "kv": ("auto", "float32", "bfloat16", "int8", "fp8"),
+}
 
 
 def parse_config(name: str) -> tuple[str, str, dict[str, str]]:
@@ -100,6 +106,8 @@ def run_kvpilot(dtype: str, options: dict[str, str], model: str | None = None) -
         settings["quantization"] = options["quantization"]
     if "qmatmul" in options:
         settings["qmatmul_activations"] = options["qmatmul"]
+    if "kv" in options:
+        settings["kv_cache_dtype"] = options["kv"]
     engine = build_engine(EngineConfig(**settings))
     tok = engine.tokenizer
     ids = tok.encode(TEXT, add_special_tokens=False)
@@ -116,6 +124,7 @@ def run_kvpilot(dtype: str, options: dict[str, str], model: str | None = None) -
         "dtype": embedding_dtype(engine),
         "quantization": engine.cfg.quantization,
         "qmatmul_activations": engine.cfg.qmatmul_activations,
+        "kv_storage": str(engine.runner.geometry.dtype).removeprefix("torch."),
         "text_ids": ids,
         "choices": choices,
         "answers": answers,
@@ -239,7 +248,7 @@ def main() -> None:
     ]
     # the dequantized float32 model: with --quantization unset a GGUF takes the default path, whose
     # activations may be rounded to bfloat16 (runtime/load/defaults.py), not a reference
-    ref = spawn("kvpilot:float32+quantization=none", work / "kvpilot-float32.json")
+    ref = spawn("kvpilot:float32+quantization=none+kv=float32", work / "kvpilot-float32.json")
     prompts, eos = chat_prompts()
     inputs = work / "inputs.json"
     inputs.write_text(json.dumps({"text_ids": ref["text_ids"], "prompts": prompts, "eos": eos}))

@@ -30,11 +30,18 @@ def hf_smollm2(smollm2_gguf_path: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def make_engine(smollm2_fp32: LoadedModel) -> Callable[..., LLMEngine]:
-    """Build an engine with its own KV pool and scheduler around the session's fp32 model."""
+    """Build an engine with its own KV pool and scheduler around the session's fp32 model, its KV cache
+    in float32 too (the model's exact arithmetic, as the parity tests compare; the default is a bfloat16
+    cache under float32 activations: test_default_quality.py holds it to the quality bar)."""
     from kvpilot.runtime.config import EngineConfig
 
     def make(**overrides: Any) -> LLMEngine:
-        settings: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": 256 * 2**20, **overrides}
+        settings: dict[str, Any] = {
+            "dtype": "float32",
+            "kv_cache_memory": 256 * 2**20,
+            "kv_cache_dtype": "float32",
+            **overrides,
+        }
         cfg = EngineConfig(**settings)
         return engine_from_loaded(smollm2_fp32, cfg)
 
