@@ -104,7 +104,9 @@ def test_the_default_path_on_a_q4_k_m_style_file_tracks_its_float32_model(
     mixed = tmp_path / "mixed.gguf"
     types = set(requant.write_mixed_file(resolve_model_path(DEFAULT_MODEL), mixed).values())
     assert {"Q4_1", "Q6_K", "Q5_0"} <= types
-    ref = dtype_quality.spawn("kvpilot:float32+quantization=none+kv=float32", tmp_path / "ref.json", model=mixed)
+    ref = dtype_quality.spawn(
+        "kvpilot:float32+quantization=none+kv=float32", tmp_path / "ref.json", model=mixed
+    )
     ours = dtype_quality.spawn("kvpilot:auto", tmp_path / "ours.json", model=mixed)
     here = "bf16" if isa.bf16_dot(isa.selected()) else "float"  # its Q4_1 layers: defaults.FOUR_BIT_TYPES
     assert (ours["quantization"], ours["qmatmul_activations"]) == ("auto", here)
