@@ -90,6 +90,12 @@ def engine_from_loaded(loaded: LoadedModel, cfg: EngineConfig, draft: LoadedMode
         kv_dtype = quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype, loaded.device.type)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.kv_cache_dtype == "auto" and kv_dtype != loaded.dtype:
+        log.info(
+            "KV cache in %s under %s activations (--kv-cache-dtype auto; float32 keeps it unrounded)",
+            str(kv_dtype).removeprefix("torch."),
+            str(loaded.dtype).removeprefix("torch."),
+        )
     geo = kv_geometry(loaded.arch, cfg.block_size, kv_dtype)
     if loaded.device.type == "cuda" and cfg.kv_cache_memory is None:
         num_blocks = _num_blocks_measured(cfg, geo, loaded)

@@ -152,6 +152,11 @@ def test_default_engine_runs_the_files_blocks_and_says_so(caplog: pytest.LogCapt
     layer = engine.runner.model.model.layers[0]
     assert layer.mlp.gate_up_proj.qweight is not None and layer.mlp.gate_up_proj.qweight.tiled
     assert engine.runner.model.lm_head.qweight is not None  # the tied Q8_0 embedding, from its blocks
+    # the KV cache: bfloat16 under the float32 activations, said at start; float32 on request
+    assert engine.runner.geometry.dtype == torch.bfloat16
+    assert any("KV cache in bfloat16 under float32 activations" in r.message for r in caplog.records)
+    unrounded = build_engine(EngineConfig(kv_cache_dtype="float32", kv_cache_memory=2**24, max_num_seqs=2))
+    assert unrounded.runner.geometry.dtype == torch.float32
     # an explicit --quantization none is the dequantized model
     engine = build_engine(EngineConfig(quantization="none", kv_cache_memory=2**24, max_num_seqs=2))
     assert engine.runner.model.model.layers[0].mlp.gate_up_proj.qweight is None
