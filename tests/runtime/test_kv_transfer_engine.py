@@ -80,7 +80,7 @@ def prompt(make_engine: Callable[..., LLMEngine]) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32", "int8", "fp8"])
 def test_decode_from_pulled_blocks_matches_the_aggregated_run(
     small: Callable[..., LLMEngine], prompt: list[int], kv_cache_dtype: str
 ) -> None:
@@ -93,7 +93,7 @@ def test_decode_from_pulled_blocks_matches_the_aggregated_run(
     assert p.kv is not None and p.kv.pins.pending == 1
     assert (
         params["kv_cache_dtype"]
-        == {"auto": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}[kv_cache_dtype]
+        == {"auto": "bfloat16", "float32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}[kv_cache_dtype]
     )
     imported = transfer(p, d, params, first_block=0)
     assert imported.num_blocks == transfer_blocks(len(prompt), 16)

@@ -163,6 +163,7 @@ def engine_config(workdir: Path, tp: int = 1, **overrides: Any) -> EngineConfig:
         "model": str(workdir / "base"),
         "device": "cpu",
         "dtype": "float32",
+        "kv_cache_dtype": "float32",  # the float32 arithmetic peft's merged model is compared with
         "threads": 1,
         "tensor_parallel_size": tp,
         "kv_cache_memory": 4 << 20,

@@ -49,6 +49,7 @@ def engine_config(model: str, tp: int, **overrides: Any) -> EngineConfig:
         "model": model,
         "device": "cpu",
         "dtype": "float32",
+        "kv_cache_dtype": "float32",  # exact: a bfloat16 cache would round tp's other sum orders apart
         "threads": 1,
         "tensor_parallel_size": tp,
         "kv_cache_memory": 4 << 20,
