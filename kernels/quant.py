@@ -16,7 +16,7 @@ def storage_dtype(kind: str, model_dtype: torch.dtype, device_type: str) -> torc
     """The KV cache's storage dtype for `--kv-cache-dtype kind`. `auto`: the model's dtype, except on
     the CPU under float32 activations, where it is bfloat16 (half the bytes the attention reads per
     step: 1.3x a batch-1 decode step at 1k tokens of context, 1.5x at 16k, and twice the tokens in the
-    pool, for a rounding of the keys and values measured in docs/runtime.md, "KV cache dtype");
+    pool, for a rounding of the keys and values measured in docs/runtime.md, "Precision");
     `float32` keeps them unrounded there. On a GPU the attention kernels read the cache in the
     model's dtype: a float kind that differs from it is refused."""
     floats = {"float32": torch.float32, "bfloat16": torch.bfloat16}
