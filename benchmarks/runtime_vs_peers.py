@@ -66,7 +66,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from harness import dispatch
 
@@ -133,6 +133,8 @@ from peers.roofline import (  # noqa: E402
     kv_bytes_per_token,
     mean_decode_context,
 )
+
+from kvpilot.runtime.config import KVCacheDtype  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 ALL_ENGINES = ("kvpilot", "hf", "llamacpp", "vllm")
@@ -218,6 +220,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvpilot-max-num-seqs", type=int, default=128)
     p.add_argument("--kvpilot-max-batched-tokens", type=int, default=2048)
     p.add_argument("--kvpilot-kv-gib", type=float, default=2.0)
+    p.add_argument(
+        "--kvpilot-kv-cache-dtype",
+        default=None,
+        choices=list(get_args(KVCacheDtype)),
+        help="--kv-cache-dtype (unset: the default, auto)",
+    )
     p.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--llamacpp-version", default=DEFAULT_LLAMACPP_VERSION)

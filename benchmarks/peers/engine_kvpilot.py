@@ -34,7 +34,7 @@ def kvpilot_config(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:
         "enable_prefix_caching": True,
         "quantization": args.kvpilot_quantization,
         **kvpilot_speculative_config(args),
-        # long_context.py's --kvpilot-kv-cache-dtype (runtime_vs_peers.py keeps the default cache)
+        # --kvpilot-kv-cache-dtype (runtime_vs_peers.py and long_context.py; unset: the default cache)
         **({"kv_cache_dtype": kv} if (kv := getattr(args, "kvpilot_kv_cache_dtype", None)) else {}),
     }
 

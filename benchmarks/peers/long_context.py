@@ -34,7 +34,9 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from kvpilot.runtime.config import KVCacheDtype
 
 TRAINED_CONTEXT = 8192
 LONG_CONTEXT = 32768
@@ -58,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kvpilot-kv-cache-dtype",
         default=None,
-        choices=["int8", "fp8"],
-        help="--kv-cache-dtype (unset: the default, the model's float32); for the decode-at-long-context question",
+        choices=list(get_args(KVCacheDtype)),
+        help="--kv-cache-dtype (unset: the default, auto: bfloat16 under float32 activations on a CPU); for "
+        "the decode-at-long-context question",
     )
     p.add_argument("--llamacpp-version", default="0.3.36")
     p.add_argument("--llamacpp-bin", default=None, help="default: build_llamacpp.sh's cached native build")
