@@ -344,12 +344,12 @@ def qgemv(
         num_stages=cfg.num_stages,
         **_precision(x),
     )
-    return _finish(part, split, bias, x)
+    return _finish(part, bias, x)
 
 
-def _finish(part: torch.Tensor, split: int, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def _finish(part: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """The splits' float32 partial sums added (one torch sum), the bias, x's dtype and leading dims."""
-    out = part.sum(0) if split > 1 else part[0]
+    out = part.sum(0) if part.shape[0] > 1 else part[0]
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], part.shape[-1])

@@ -342,24 +342,25 @@ class HoldsQuantized(nn.Module):
 
     held: tuple[str, ...] = ("qweight",)  # attributes: a QuantizedWeight, a list of them, or a tensor
 
-    def held_tensors(self) -> Iterator[torch.Tensor]:
+    def _held(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(attribute, a tensor or one QuantizedWeight) for everything held, lists flattened."""
         for name in self.held:
             value = getattr(self, name, None)
-            if isinstance(value, torch.Tensor):
-                yield value
-            for qw in value if isinstance(value, list) else [value]:
-                if isinstance(qw, QuantizedWeight):
-                    yield from qw.tensors()
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, torch.Tensor | QuantizedWeight):
+                    yield name, item
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        for _, item in self._held():
+            yield from [item] if isinstance(item, torch.Tensor) else item.tensors()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HoldsQuantized:
         super()._apply(fn, recurse)
-        for name in self.held:
-            value = getattr(self, name, None)
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, value.to(_device_after(fn, value)))
-            for qw in value if isinstance(value, list) else [value]:
-                if isinstance(qw, QuantizedWeight):
-                    qw.move_(_device_after(fn, qw.packed))
+        for name, item in list(self._held()):
+            if isinstance(item, torch.Tensor):
+                setattr(self, name, item.to(_device_after(fn, item)))
+            else:
+                item.move_(_device_after(fn, item.packed))
         return self
 
 
