@@ -9,7 +9,9 @@ layer (no family override of its projections, norms or MLP), every linear weight
 the CPU kernel's tiled layout without LoRA, tensor parallelism or an input permutation, the
 attention backend is the CPU kernel's and the KV cache in the activations' dtype, bfloat16, or quantized
 (int8 / fp8 with float16 scales: --kv-cache-dtype; cpu_ops.write_kv_ rounds or quantizes in C); the runner
-then sends it the steps it `fits` (at most qlinear.SMALL_M tokens). Everything else runs the
+then sends it the steps it `fits`: every step whose rows the Python layers' matmuls would give the
+same tiled kernel (qlinear.max_kernel_rows: a decode batch of any usual size, and prefill chunks up to
+that bound), so the two run the same kernels and give the same hidden states. Longer steps run the
 model's own forward, which stays the reference (tests compare the two).
 
 The `cpu_decoder_stack` kernel switch (--no-cpu-decoder-stack, KVPILOT_CPU_DECODER_STACK=0;
@@ -38,6 +40,12 @@ from kvpilot.runtime.models.llama import (
 OFF = "the cpu_decoder_stack switch is off (--no-cpu-decoder-stack or KVPILOT_CPU_DECODER_STACK=0)"
 
 
+def linears(layer: LlamaDecoderLayer) -> tuple[Any, Any, Any, Any]:
+    """A Llama layer's four linear modules, in the stack's order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def unsupported(model: LlamaModel) -> str | None:
     """Why the model's layers cannot run as one C stack (None when they can)."""
     if not cpu_decoder.available():
@@ -48,7 +56,7 @@ def unsupported(model: LlamaModel) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return f"attention {type(attn).__name__} / MLP {type(mlp).__name__}"
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for lin in linears(layer):
             qw = lin.qweight
             if qw is None or not qw.tiled:
                 return "a linear weight not quantized in the tiled layout"
@@ -92,7 +100,8 @@ def compile_stack(
         why = unsupported_step(probe.dtype, probe.device, kv_caches, backend)
     if why is not None:
         return None, why
-    return CompiledStack(inner), f"one C call for steps of at most {qlinear.SMALL_M} tokens"
+    stack = CompiledStack(inner)
+    return stack, f"one C call for steps of at most {stack.max_tokens()} tokens"
 
 
 class CompiledStack:
@@ -101,12 +110,22 @@ class CompiledStack:
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
         self.stack = CpuDecoderStack(model)
+        # one weight per bit width: what qlinear.max_kernel_rows reads of a tiled weight
+        layers: list[Any] = list(model.layers)
+        self.kinds = list(
+            {lin.qweight.bits: lin.qweight for layer in layers for lin in linears(layer)}.values()
+        )
 
-    @staticmethod
-    def fits(num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` takes the stack: at most qlinear.SMALL_M (more, a prefill:
-        the model's layers)."""
-        return 0 < num_tokens <= qlinear.SMALL_M
+    def max_tokens(self) -> int:
+        """The most tokens of a step the stack takes: the fewest rows any of its weights gives the tiled
+        kernel in the Python layers under the current switches (qlinear.max_kernel_rows), so both run
+        the same kernels; past it their matmuls take the GEMM or torch."""
+        return min(qlinear.max_kernel_rows(qw) for qw in self.kinds)
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` takes the stack (more than max_tokens, a long prefill: the
+        model's layers)."""
+        return 0 < num_tokens <= self.max_tokens()
 
     def __call__(
         self,

@@ -66,7 +66,7 @@ def _run(
     with torch.inference_mode():
         for batch in ([(0, ids[:9]), (1, ids[:5])], [(0, ids[9:12]), (1, [ids[5]])], [(0, [7]), (1, [11])]):
             tokens, positions, meta = kv.step(batch)
-            assert cpu_stack.CompiledStack.fits(tokens.shape[0])
+            assert not isinstance(forward, cpu_stack.CompiledStack) or forward.fits(tokens.shape[0])
             outs.append(forward(tokens, positions, kv.caches, meta, backend))
     return outs
 
@@ -101,6 +101,44 @@ def test_stack_gives_the_python_layers_hidden_states(
         assert g.dtype == dtype and g.shape == w.shape
         # bit for bit: any difference would grow layer by layer through the int8 activation rounding
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activations", ["float", "bf16", "int8"])
+def test_a_step_past_the_small_kernel_rows_takes_the_stack_with_the_same_hidden_states(
+    int4_model: Any, activations: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode batch of more sequences than qlinear.SMALL_M (and a prefill chunk beside them) takes the
+    stack wherever the layers' matmuls give those rows the tiled kernel, with the same hidden states."""
+    switches.use(switches.changed(qmatmul_activations=activations))  # restored by the conftest fixture
+    model = int4_model.model
+    kv = PagedKV(int4_model.arch)
+    kv.caches = _caches(int4_model, torch.float32)
+    backend = cpu_attention.CPUPagedAttentionBackend()
+    stack, why = cpu_stack.compile_stack(model, kv.caches, backend, enabled=True)
+    assert isinstance(stack, cpu_stack.CompiledStack), why
+    seqs = qlinear.SMALL_M + 8
+    if not stack.fits(seqs + 16):
+        assert stack.max_tokens() == qlinear.SMALL_M  # int8 activations without VNNI: the GEMM past 32 rows
+        pytest.skip(f"{activations} activations give the tiled kernel {qlinear.SMALL_M} rows on this CPU")
+    ids = int4_model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is") * 3
+    prefill = [(s, ids[: 3 + s % 5]) for s in range(seqs)]
+    mixed = [(s, [ids[(s + 3) % len(ids)]]) for s in range(seqs - 1)] + [(seqs - 1, ids[8:24])]
+    calls: list[int] = []
+    real = cpu_decoder.run
+    monkeypatch.setattr(cpu_decoder, "run", lambda *a: calls.append(1) or real(*a))
+    got, want = [], []
+    with torch.inference_mode():
+        tokens, positions, meta = kv.step(prefill)  # written by the layers, read by both below
+        model(tokens, positions, kv.caches, meta, backend)
+        tokens, positions, meta = kv.step(mixed)
+        assert tokens.shape[0] == seqs - 1 + 16 and stack.fits(tokens.shape[0])
+        saved = [(c.k.clone(), c.v.clone()) for c in kv.caches]
+        got.append(stack(tokens, positions, kv.caches, meta, backend))
+        for c, (k, v) in zip(kv.caches, saved, strict=True):
+            c.k.copy_(k), c.v.copy_(v)
+        want.append(model(tokens, positions, kv.caches, meta, backend))
+    assert len(calls) == 1
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "float32", "int8"])
@@ -162,10 +200,13 @@ def test_what_does_not_take_the_stack_says_why(int4_model: Any) -> None:
     assert cpu_stack.unsupported_step(torch.float32, cpu, scaleless, backend) == (
         "a torch.int8 KV cache for torch.float32 activations"
     )
-    fits = cpu_stack.CompiledStack.fits
-    assert (
-        fits(4) and fits(qlinear.SMALL_M) and not fits(qlinear.SMALL_M + 1) and not fits(0)
-    )  # prefill: the layers
+    stack, _ = cpu_stack.compile_stack(int4_model.model, caches, backend, enabled=True)
+    assert isinstance(stack, cpu_stack.CompiledStack)
+    for activations in ("int8", "float", "bf16"):  # as many rows as the layers' matmuls give the tiled kernel
+        switches.use(switches.changed(qmatmul_activations=activations))  # restored by the conftest fixture
+        most = qlinear.max_kernel_rows(int4_model.model.model.layers[0].mlp.down_proj.qweight)
+        assert most >= qlinear.SMALL_M and stack.max_tokens() == most
+        assert stack.fits(1) and stack.fits(most) and not stack.fits(most + 1) and not stack.fits(0)
 
 
 def test_generic_level_refuses_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
