@@ -91,6 +91,9 @@ def instrument(engine: Any, timers: Timers) -> None:
         cpu_attn.paged_attention = timers.wrap("attn.kernel", cpu_attn.paged_attention)
     except ImportError:
         pass
+    from kvpilot.kernels import cpu_decoder  # the runner's compiled forward: every layer in one C call
+
+    cpu_decoder.run = timers.wrap("decoder_stack", cpu_decoder.run)
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.on_step_done = timers.wrap("on_step_done", engine.scheduler.on_step_done)
     engine.sampler.sample = timers.wrap("sampler", engine.sampler.sample)
@@ -305,6 +308,7 @@ def main() -> int:
         parts = {
             "schedule": k["schedule"],
             "prepare_batch": k["prepare_batch"],
+            "decoder stack (one C call: every layer's kernels)": k["decoder_stack"],
             "linears (qkv, o, gate_up, down)": k["linears"],
             "attention: KV gather (index + copy)": k["attn.gather_kv"],
             "attention: SDPA (torch backend)": k["attn.sdpa"],

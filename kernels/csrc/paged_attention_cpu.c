@@ -134,6 +134,7 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 
 #if defined(KVPILOT_ISA_AVX512)
 #define QK_ROWS 8
+#define QK_BLOCKS 4 /* a decode's blocks per S pass: up to 4 x 4 accumulators, 4 K^T rows */
 #define PV_ROWS 4
 #define PV_COLS 4
 typedef __m512 v16;
@@ -195,6 +196,7 @@ VI v16 vexp(v16 x) {
 }
 #else /* KVPILOT_ISA_AVX2 */
 #define QK_ROWS 6
+#define QK_BLOCKS 2 /* 4 x 2 x 2 ymm accumulators and 2 x 2 K^T rows of 16 ymm */
 #define PV_ROWS 6
 #define PV_COLS 1
 typedef struct {
@@ -293,7 +295,7 @@ VI v16 vexp(v16 x) { return v16of(exp8(x.lo), exp8(x.hi)); }
  * step: one token), and one work item is (tile, kv head): its R = tokens x G query rows share every
  * K/V block they load, where one item per token read the whole context once per token (a 4,096-token
  * prefill spent 24 of 40 s there). Per chunk of TKC keys (4 blocks): S = Q K^T for QK_ROWS rows at a
- * time (a decode of R <= 4 rows: its R rows and two blocks a pass), one K^T row load per row's
+ * time (a decode of R <= 4 rows: its R rows and QK_BLOCKS blocks a pass), one K^T row load per row's
  * broadcast-FMA; the causal mask; one online-softmax update per row for the whole chunk (the
  * horizontal max and sum once per 64 keys, not per 16); then O += P V for PV_ROWS rows (R for such a
  * decode) and PV_COLS x 16 columns at a time, one V load per PV_ROWS broadcast-FMAs. A row's result depends only on its own query and keys (chunks
@@ -309,7 +311,7 @@ static inline int tile_tokens(int G) { return TROWS / G; }
 
 /* S rows [NR][NB x 16] (row stride TKC) = NR query rows . NB blocks' K^T tiles (times the keys' int8
  * scales): NR x NB accumulators, each key's dot product summed over d in order whatever NR and NB are
- * (a decode of few rows takes 2 blocks at once so that enough FMA chains are in flight, and drops the
+ * (a decode of few rows takes QK_BLOCKS blocks at once so that enough FMA chains are in flight, and drops the
  * pad rows; its results equal a prefill's bit for bit). Meanwhile the K (and head-major V) tiles at
  * pk / pv, PF_CHUNKS chunks ahead, are fetched into L2 a line at a time (one burst of 512 prefetches
  * per chunk, or the hardware prefetcher alone, left a decode at 16k keys 1.25x slower at avx512: a
@@ -318,7 +320,7 @@ static inline int tile_tokens(int G) { return TROWS / G; }
 VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const float *qr, const void *k_cache,
                 const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv) {
     const int PSTEP = (int)(64 / (FBS * elem_size(dt))); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
-    v16 s[QK_ROWS][2];
+    v16 s[QK_ROWS][QK_BLOCKS];
     for (int j = 0; j < NR; j++)
         for (int b = 0; b < NB; b++) s[j][b] = vzero();
     for (int d = 0; d < FD; d++) {
@@ -327,7 +329,7 @@ VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const fl
                 _mm_prefetch(pk[b] + (d / PSTEP) * 64, _MM_HINT_T1);
                 _mm_prefetch(pv[b] + (d / PSTEP) * 64, _MM_HINT_T1);
             }
-        v16 k[2];
+        v16 k[QK_BLOCKS];
         for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
         for (int j = 0; j < NR; j++) {
             const v16 q = vset1(qr[j * FD + d]);
@@ -392,7 +394,7 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
                   const int32_t *table, int Hkv, int h, int vhm) {
     float sb[TROWS][TKC] __attribute__((aligned(64)));
     float m[TROWS], l[TROWS], corr[TROWS];
-    const int small = R <= SMALL_R; /* a decode of G <= 4 query heads: its rows alone, 2 blocks a pass */
+    const int small = R <= SMALL_R; /* a decode of G <= 4 query heads: its rows alone, QK_BLOCKS blocks a pass */
     const int qrows = small ? R : QK_ROWS, prows = small ? R : PV_ROWS;
     const int Rq = (R + qrows - 1) / qrows * qrows, Rp = (R + prows - 1) / prows * prows;
     const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
@@ -407,12 +409,12 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
     for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
         const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
         const int nbk = (nk + FBS - 1) / FBS;
-        /* S = Q K^T: qrows rows and 1 block of 16 keys at a time (2 for a decode) */
+        /* S = Q K^T: qrows rows and 1 block of 16 keys at a time (up to QK_BLOCKS for a decode) */
         for (int bb = 0; bb < nbk;) {
-            const int nb = small && bb + 1 < nbk ? 2 : 1;
-            size_t tile[2];
-            v16 ks[2];
-            const char *pk[2], *pv[2];
+            const int nb = small ? (nbk - bb < QK_BLOCKS ? nbk - bb : QK_BLOCKS) : 1;
+            size_t tile[QK_BLOCKS];
+            v16 ks[QK_BLOCKS];
+            const char *pk[QK_BLOCKS], *pv[QK_BLOCKS];
             for (int b = 0; b < nb; b++) {
                 const size_t blk = (size_t)table[c0 / FBS + bb + b];
                 tile[b] = (blk * Hkv + h) * (size_t)FD * FBS;
@@ -423,15 +425,25 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
                 ks[b] = quantized(dt) ? block_scales(dt, k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
             if (small) {
+#define QK_NB(NR, NB) qk_rows(NR, NB, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv)
+#if QK_BLOCKS == 4
 #define QK_SMALL(NR)                                                                                           \
-    do {                                                                                                       \
-        if (nb == 2)                                                                                           \
-            qk_rows(NR, 2, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                            \
-        else                                                                                                   \
-            qk_rows(NR, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv);                            \
-    } while (0)
+    switch (nb) {                                                                                              \
+        case 4: QK_NB(NR, 4); break;                                                                           \
+        case 3: QK_NB(NR, 3); break;                                                                           \
+        case 2: QK_NB(NR, 2); break;                                                                           \
+        default: QK_NB(NR, 1); break;                                                                          \
+    }
+#else
+#define QK_SMALL(NR)                                                                                           \
+    switch (nb) {                                                                                              \
+        case 2: QK_NB(NR, 2); break;                                                                           \
+        default: QK_NB(NR, 1); break;                                                                          \
+    }
+#endif
                 BY_ROWS(R, QK_SMALL)
 #undef QK_SMALL
+#undef QK_NB
             } else {
                 qk_rows(QK_ROWS, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv); /* prefetches */
                 for (int r0 = QK_ROWS; r0 < Rq; r0 += QK_ROWS)
