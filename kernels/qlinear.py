@@ -65,7 +65,7 @@ TILED_MAX_M = 8192
 # rows up to which a tiled weight takes the float-activation tiled kernel (more: dequantize + torch's
 # matmul, whose float32 GEMM blocks for the caches: even at 256 rows; benchmarks/kernels_bench.py qmatmul, tiled_float_act)
 TILED_FLOAT_MAX_M = 128
-# the same for bf16 activations on an int4 weight with AVX512-BF16 (kvpilot_qmatmul_tiled_bf16's vdpbf16ps):
+# the same for bf16 activations on an int4 or int8 weight with AVX512-BF16 (kvpilot_qmatmul_tiled_bf16's vdpbf16ps):
 # any row count (1.5-2.2x the float kernel, 1.6-3.2x dequantize + torch's float32 matmul at 64-2048 rows, one
 # thread, SmolLM2's shapes: benchmarks/kernels_bench.py qmatmul --dtype float32, tiled_bf16_act)
 TILED_BF16_MAX_M = TILED_MAX_M
@@ -86,9 +86,10 @@ def bf16_activations() -> bool:
 
 
 def bf16_tiles(qw: QuantizedWeight) -> bool:
-    """Whether kvpilot_qmatmul_tiled_bf16 multiplies `qw` with vdpbf16ps (int4, tiled, the avx512
-    level on a CPU with AVX512-BF16); elsewhere it runs the float kernel on the rounded activations."""
-    return qw.tiled and qw.bits == 4 and isa.bf16_dot(built_isa())
+    """Whether kvpilot_qmatmul_tiled_bf16 multiplies `qw` with vdpbf16ps (int4 or int8, tiled, the
+    avx512 level on a CPU with AVX512-BF16); elsewhere it runs the float kernel on the rounded
+    activations."""
+    return qw.tiled and qw.bits in (4, 8) and isa.bf16_dot(built_isa())
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:

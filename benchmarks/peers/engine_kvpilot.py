@@ -123,6 +123,14 @@ def kvpilot_single_stream(engine: Any, req: wl.Request) -> dict[str, Any]:
 
 
 def engine_matmul_dtype(engine: Any) -> torch.dtype:
+    """The dtype of the engine's matmul arithmetic (whose peak its batch is held to): bfloat16 under
+    --qmatmul-activations bf16 (the default path on AVX512-BF16 CPUs: activations rounded, vdpbf16ps),
+    else its parameters' dtype."""
+    return torch.bfloat16 if engine.cfg.qmatmul_activations == "bf16" else engine_dtype(engine)
+
+
+def engine_dtype(engine: Any) -> torch.dtype:
+    """The dtype of the engine's float parameters (its activations')."""
     for p in engine.runner.model.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -138,10 +146,10 @@ class KvpilotOffline(BenchEngine):
 
     def setup(self, record: dict[str, Any]) -> None:
         self.engine = load_kvpilot(self.args, self.gguf_path)
-        dtype = str(engine_matmul_dtype(self.engine)).removeprefix("torch.")
         record["config"] = {
             **kvpilot_config(self.args, self.gguf_path),
-            "resolved_dtype": dtype,
+            "resolved_dtype": str(engine_dtype(self.engine)).removeprefix("torch."),
+            "matmul_dtype": str(engine_matmul_dtype(self.engine)).removeprefix("torch."),
             "attention_backend": getattr(self.engine.runner.backend, "name", None),
             "transport": "in-process LLMEngine (add_request + step)",
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

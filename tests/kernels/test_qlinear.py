@@ -475,7 +475,7 @@ def bf16_spec(x: torch.Tensor, qw: qlinear.QuantizedWeight, bias: torch.Tensor |
 @pytest.mark.usefixtures("bf16_qmatmul")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_bf16_activations_give_the_rounded_activations_exact_product(dtype: torch.dtype) -> None:
-    """kvpilot_qmatmul_tiled_bf16 at every level (int4 with AVX512-BF16: vdpbf16ps on 128 + code
+    """kvpilot_qmatmul_tiled_bf16 at every level (int4 and int8 with AVX512-BF16: vdpbf16ps on code
     pairs; elsewhere the float kernel on rounded activations): x_bf16 . dequant(W) in float32, for the
     float kernel's cases. Against the unrounded product it is further off than float32's sums are, so
     the rounding is there: the flag does what it says."""
@@ -515,5 +515,9 @@ def test_bf16_activations_on_every_path_of_matmul() -> None:
             got = qlinear.matmul(x, w).double()
             torch.testing.assert_close(got, bf16_spec(x, qw, None), rtol=1e-5, atol=2e-5)
     i8 = qlinear.tile(qlinear.quantize_int8(weight(48, 256)))
-    assert not qlinear.bf16_tiles(i8)  # int8 codes: the float kernel's rate (no gain from vdpbf16ps)
-    assert qlinear.max_kernel_rows(i8) == qlinear.TILED_FLOAT_MAX_M
+    assert qlinear.bf16_tiles(i8) == vdp  # int8 codes are exact in bfloat16 too
+    assert qlinear.max_kernel_rows(i8) == (qlinear.TILED_BF16_MAX_M if vdp else qlinear.TILED_FLOAT_MAX_M)
+    for rows in (2, qlinear.TILED_FLOAT_MAX_M + 3):
+        x = torch.randn(rows, 256) * 4
+        got = qlinear.matmul(x, i8).double()
+        torch.testing.assert_close(got, bf16_spec(x, i8, None), rtol=1e-5, atol=2e-5)
