@@ -17,7 +17,8 @@ quality cost is measured and small, says which at start-up, and an explicit flag
   `benchmarks/runtime_quality.py requant` and held to the same bar by tests/runtime/test_default_quality.py);
   where the CPU has AVX512-BF16 and the file holds 4-bit blocks (Q4_0, Q4_1, Q4_K), `--qmatmul-activations
   bf16` instead: the activations rounded to bfloat16, the weights' values still exact, summed in float32
-  (kvpilot_qmatmul_tiled_bf16's vdpbf16ps: 1.5-2.2x the float32 kernel at every row count). Its cost on the
+  (kvpilot_qmatmul_tiled_bf16's vdpbf16ps: 1.5-2.2x the float32 kernel at every row count on the 4-bit
+  blocks, 1.15-1.46x on the 8-bit ones, such as the builtin file's tied LM head, from 3 rows). Its cost on the
   builtin file: agreement 0.994 with float32 and 14/16 greedy answers (transformers' bf16: 0.961, 11);
 - anything else: the weights dequantized to the model dtype at load (`--quantization none`, the
   default before), as measured (docs/runtime.md, "Precision").
@@ -106,7 +107,7 @@ def choose_default(
             "auto",
             "bf16",
             f"{held} times activations rounded to bfloat16 (the weights' values exact, summed in float32; "
-            "vdpbf16ps on the 4-bit blocks), read from memory quantized",
+            "vdpbf16ps on the 4-bit blocks, and on the 8-bit ones from 3 rows), read from memory quantized",
         )
     return DefaultPath(
         "auto",
