@@ -989,74 +989,23 @@ static uint32_t *bf_pairs8(const float *xp, long M, long K) {
     return xa;
 }
 
-/* tile_dots_f's contract for int8 (per_row or groups of any multiple of QB), with activation pairs xa,
- * for mb >= BF8_MIN_ROWS rows */
-static inline __attribute__((always_inline)) void tile_dots_bf8(const uint32_t *xa, long K, long m0, const int mb,
-                                                                const uint8_t *wt, int gshift, const uint16_t *st,
-                                                                float *out, long ldo, long pf) {
-    enum { C = 4 }; /* sum_chains512's row length; 2 used */
-    const int chains = mb <= 4 ? 2 : 1;
-    const long nb = K / QB;
-    const int per_row = gshift >= 62;
-    const long bpg = per_row ? nb : (1L << gshift);
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[TM], part[TM][C];
-    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
-    for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
-        for (int r = 0; r < mb; r++)
-            for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
-        for (long b = g0; b < g0 + bpg; b++) {
-            const uint8_t *p = wt + b * TR * QB;
-            if (pf) prefetch_ahead(p, pf, TR * QB, st, NULL, b, gshift, !per_row && b == g0);
-            const uint32_t *xb = xa + (m0 * nb + b) * 16;
-            for (int v = 0; v < 8; v++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
-                __m512i f[4]; /* float32 bits of each row's code 4v + j */
-                for (int j = 0; j < 4; j++)
-                    f[j] = _mm512_castps_si512(_mm512_cvtepi32_ps(
-                        j == 3 ? _mm512_srai_epi32(raw, 24) : _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * j), 24)));
-                __m512bh w[2]; /* (code 4v, 4v + 1) and (4v + 2, 4v + 3) as bfloat16 pairs: hi | lo >> 16 */
-                for (int h = 0; h < 2; h++)
-                    w[h] = (__m512bh)_mm512_ternarylogic_epi32(f[2 * h + 1], high, _mm512_srli_epi32(f[2 * h], 16), 0xEA);
-                for (int h = 0; h < 2; h++) {
-                    const int c0 = h % chains;
-                    for (int r = 0; r < mb; r++)
-                        part[r][c0] = _mm512_dpbf16_ps(
-                            part[r][c0], w[h], (__m512bh)_mm512_set1_epi32((int)xb[r * nb * 16 + 2 * v + h]));
-                }
-            }
-        }
-        sum_chains512(part, mb, chains);
-        if (per_row) {
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
-        } else {
-            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
-        }
-    }
-    if (per_row) {
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
-    }
-    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
-}
-
-/* tile_dots_f's contract for int4, with activation pairs xa and xs the per-group sums of the rounded
- * activations */
+/* tile_dots_f's contract on activation pairs xa (bf_pairs for int4, bf_pairs8 for int8: mb >=
+ * BF8_MIN_ROWS), xs the per-group sums of the rounded activations (int4) */
 static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *xa, const float *xs, long K, long ng,
-                                                               long m0, const int mb, const uint8_t *wt, int gshift,
-                                                               const uint16_t *st, const uint16_t *mt, float *out,
-                                                               long ldo, long pf) {
+                                                               long m0, const int mb, const uint8_t *wt,
+                                                               const int wbits, int gshift, const uint16_t *st,
+                                                               const uint16_t *mt, float *out, long ldo, long pf) {
     enum { C = 4 };
     const int chains = mb <= 2 ? 4 : mb <= 4 ? 2 : 1;
     const long nb = K / QB;
-    const int per_row = gshift >= 62, bb = QB / 2;
+    const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2, nw = wbits == 8 ? 2 : 4;
     const long bpg = per_row ? nb : (1L << gshift);
     static const uint16_t codes[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
                                        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
     const __m512i lut = _mm512_loadu_si512((const void *)codes); /* bfloat16(i & 15), i < 32 */
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 acc[TM], part[TM][C];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
@@ -1066,18 +1015,30 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
             const uint8_t *p = wt + b * TR * bb;
             if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
             const uint32_t *xb = xa + (m0 * nb + b) * 16;
-            for (int v = 0; v < 4; v++) {
+            for (int v = 0; v < bb / 4; v++) { /* 64-byte vectors: 16 rows x 8 int4 or 4 int8 codes */
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
                 __m512bh w[4];
-                w[0] = (__m512bh)_mm512_permutexvar_epi16(raw, lut); /* bytes 0, 2: low nibbles */
-                w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 8), lut); /* 1, 3: low */
-                w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 4), lut); /* 0, 2: high */
-                w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 12), lut); /* 1, 3: high */
-                for (int j = 0; j < 4; j++) {
+                if (wbits == 4) {
+                    w[0] = (__m512bh)_mm512_permutexvar_epi16(raw, lut); /* bytes 0, 2: low nibbles */
+                    w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 8), lut); /* 1, 3: low */
+                    w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 4), lut); /* 0, 2: high */
+                    w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(raw, 12), lut); /* 1, 3: high */
+                } else {
+                    __m512i f[4]; /* float32 bits of each row's code 4v + j */
+                    for (int j = 0; j < 4; j++)
+                        f[j] = _mm512_castps_si512(_mm512_cvtepi32_ps(
+                            j == 3 ? _mm512_srai_epi32(raw, 24)
+                                   : _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * j), 24)));
+                    /* (code 4v, 4v + 1) and (4v + 2, 4v + 3) as bfloat16 pairs: hi | lo >> 16 */
+                    for (int h = 0; h < 2; h++)
+                        w[h] = (__m512bh)_mm512_ternarylogic_epi32(f[2 * h + 1], high,
+                                                                    _mm512_srli_epi32(f[2 * h], 16), 0xEA);
+                }
+                for (int j = 0; j < nw; j++) {
                     const int c0 = j % chains;
                     for (int r = 0; r < mb; r++)
                         part[r][c0] = _mm512_dpbf16_ps(
-                            part[r][c0], w[j], (__m512bh)_mm512_set1_epi32((int)xb[r * nb * 16 + 4 * v + j]));
+                            part[r][c0], w[j], (__m512bh)_mm512_set1_epi32((int)xb[r * nb * 16 + nw * v + j]));
                 }
             }
         }
@@ -1086,49 +1047,46 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
             for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
         } else {
             const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-            for (int r = 0; r < mb; r++) {
-                acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
-                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
+            if (wbits == 4) {
+                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+                for (int r = 0; r < mb; r++)
+                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
             }
         }
     }
     if (per_row) {
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
-        for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), _mm512_mul_ps(acc[r], sv));
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
+        if (wbits == 4) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+        }
     }
     for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
+/* tile_dots_bf with mb and wbits constants in each instantiation */
 static inline __attribute__((always_inline)) void tile_rows_bf(const uint32_t *xa, const float *xs, long K, long ng,
-                                                               long m0, int mb, const uint8_t *wt, int gshift,
-                                                               const uint16_t *st, const uint16_t *mt, float *o,
-                                                               long ldo, const long pf) {
-    switch (mb) {
-    case 1: tile_dots_bf(xa, xs, K, ng, m0, 1, wt, gshift, st, mt, o, ldo, pf); break;
-    case 2: tile_dots_bf(xa, xs, K, ng, m0, 2, wt, gshift, st, mt, o, ldo, pf); break;
-    case 3: tile_dots_bf(xa, xs, K, ng, m0, 3, wt, gshift, st, mt, o, ldo, pf); break;
-    case 4: tile_dots_bf(xa, xs, K, ng, m0, 4, wt, gshift, st, mt, o, ldo, pf); break;
-    case 5: tile_dots_bf(xa, xs, K, ng, m0, 5, wt, gshift, st, mt, o, ldo, pf); break;
-    case 6: tile_dots_bf(xa, xs, K, ng, m0, 6, wt, gshift, st, mt, o, ldo, pf); break;
-    case 7: tile_dots_bf(xa, xs, K, ng, m0, 7, wt, gshift, st, mt, o, ldo, pf); break;
-    default: tile_dots_bf(xa, xs, K, ng, m0, TM, wt, gshift, st, mt, o, ldo, pf); break;
+                                                               long m0, int mb, const uint8_t *wt, int wbits,
+                                                               int gshift, const uint16_t *st, const uint16_t *mt,
+                                                               float *o, long ldo, const long pf) {
+#define BF_ROWS(W)                                                                                             \
+    switch (mb) {                                                                                              \
+    case 1: tile_dots_bf(xa, xs, K, ng, m0, 1, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    case 2: tile_dots_bf(xa, xs, K, ng, m0, 2, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    case 3: tile_dots_bf(xa, xs, K, ng, m0, 3, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    case 4: tile_dots_bf(xa, xs, K, ng, m0, 4, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    case 5: tile_dots_bf(xa, xs, K, ng, m0, 5, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    case 6: tile_dots_bf(xa, xs, K, ng, m0, 6, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    case 7: tile_dots_bf(xa, xs, K, ng, m0, 7, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
+    default: tile_dots_bf(xa, xs, K, ng, m0, TM, wt, W, gshift, st, mt, o, ldo, pf); break;                   \
     }
-}
-
-static inline __attribute__((always_inline)) void tile_rows_bf8(const uint32_t *xa, long K, long m0, int mb,
-                                                                const uint8_t *wt, int gshift, const uint16_t *st,
-                                                                float *o, long ldo, const long pf) {
-    switch (mb) { /* mb >= BF8_MIN_ROWS */
-    case 3: tile_dots_bf8(xa, K, m0, 3, wt, gshift, st, o, ldo, pf); break;
-    case 4: tile_dots_bf8(xa, K, m0, 4, wt, gshift, st, o, ldo, pf); break;
-    case 5: tile_dots_bf8(xa, K, m0, 5, wt, gshift, st, o, ldo, pf); break;
-    case 6: tile_dots_bf8(xa, K, m0, 6, wt, gshift, st, o, ldo, pf); break;
-    case 7: tile_dots_bf8(xa, K, m0, 7, wt, gshift, st, o, ldo, pf); break;
-    default: tile_dots_bf8(xa, K, m0, TM, wt, gshift, st, o, ldo, pf); break;
-    }
+    if (wbits == 4)
+        BF_ROWS(4)
+    else
+        BF_ROWS(8)
+#undef BF_ROWS
 }
 #else
 #define BF_TILES 0
@@ -1166,10 +1124,8 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
             const int mb = M - m0 < TM ? (int)(M - m0) : TM;
             const long pf = m0 == 0 ? PF_BYTES : 0;
 #if BF_TILES
-            if (xa && wbits == 4)
-                tile_rows_bf(xa, xs, K, ng, m0, mb, wt, gshift, st, mt, res, TR, pf);
-            else if (xa && mb >= BF8_MIN_ROWS)
-                tile_rows_bf8(xa, K, m0, mb, wt, gshift, st, res, TR, pf);
+            if (xa && (wbits == 4 || mb >= BF8_MIN_ROWS))
+                tile_rows_bf(xa, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
             else
 #endif
                 tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
