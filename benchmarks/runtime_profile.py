@@ -117,7 +117,7 @@ def instrument(engine: Any, timers: Timers) -> None:
     inner.rotary_emb.forward = timers.wrap("rotary", inner.rotary_emb.forward)
 
 
-def single_stream_profile(engine: Any, gguf_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+def single_stream_profile(engine: Any, tokenizer_gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Per decode step of one request, the calling thread's CPU time: the C decoder stack, the LM
     head's quantized matmul (or the whole forward where the stack does not run), and the rest."""
     from kvpilot.kernels import cpu_decoder, qlinear
@@ -135,7 +135,7 @@ def single_stream_profile(engine: Any, gguf_path: Path, args: argparse.Namespace
 
         return wrapped
 
-    ids = wl.corpus_token_ids(str(gguf_path))[: args.single_prompt]
+    ids = wl.corpus_token_ids(str(tokenizer_gguf))[: args.single_prompt]
     engine.generate([ids[:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     stacked = engine.runner.compiled is not None
     cpu_decoder.run = timed("decoder stack (one C call)", cpu_decoder.run)
@@ -183,6 +183,11 @@ CONFIG_KEYS = (
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (the builtin GGUF), a shape such as llama-1b:q4_k_m, or a .gguf path (runtime_vs_peers.py --model)",
+    )
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--threads", type=int, default=2)
@@ -215,7 +220,7 @@ def main() -> int:
     from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.engine.sampling_params import SamplingParams
 
-    gguf_path = wl.smollm2_gguf()
+    gguf_path, tokenizer_gguf = wl.resolve_model(args.model)
     cfg = EngineConfig(
         model=str(gguf_path),
         device="cpu",
@@ -230,13 +235,13 @@ def main() -> int:
     )
     if args.single_stream:
         cfg = cfg.model_copy(update={"max_num_seqs": 1})
-        print(json.dumps(single_stream_profile(build_engine(cfg), gguf_path, args), indent=2))
+        print(json.dumps(single_stream_profile(build_engine(cfg), tokenizer_gguf, args), indent=2))
         return 0
     engine = build_engine(cfg)
     lo_p, hi_p = map(int, args.prompt_range.split(","))
     lo_o, hi_o = map(int, args.output_range.split(","))
     reqs = wl.make_requests(
-        args.num_requests, (lo_p, hi_p), (lo_o, hi_o), seed=0, corpus=wl.corpus_token_ids(str(gguf_path))
+        args.num_requests, (lo_p, hi_p), (lo_o, hi_o), seed=0, corpus=wl.corpus_token_ids(str(tokenizer_gguf))
     )
     engine.generate([reqs[0].prompt_ids[:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 

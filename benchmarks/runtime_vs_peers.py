@@ -289,19 +289,6 @@ def _int_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def resolve_model(spec: str) -> tuple[Path, Path]:
-    """--model -> (the GGUF to run, the GGUF whose tokenizer makes the prompts). A shape's file carries
-    SmolLM2's tokenizer padded to the shape's vocabulary: the prompts come from SmolLM2's own file."""
-    if spec == "smollm2":
-        return wl.smollm2_gguf(), wl.smollm2_gguf()
-    if spec.endswith(".gguf"):
-        return Path(spec), Path(spec)
-    from peers import shapes
-
-    name, fmt = shapes.parse_model(spec)
-    return shapes.build(name, fmt), wl.smollm2_gguf()
-
-
 def single_prompts(args: argparse.Namespace, gguf_path: Path, corpus: list[int]) -> list[list[int]]:
     """The single-stream prompts of every round (round r runs prompts [r * count, (r + 1) * count))."""
     n = args.rounds * args.single_count
@@ -345,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     torch.set_num_threads(args.threads)
     try:
-        gguf_path, tokenizer_gguf = resolve_model(args.model)
+        gguf_path, tokenizer_gguf = wl.resolve_model(args.model)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if "vllm" in names and args.vllm_model is None and args.model != "smollm2":

@@ -78,6 +78,19 @@ class OnlineRequest(Request):
     arrival_s: float  # offset from the start of the run (Poisson process)
 
 
+def resolve_model(spec: str) -> tuple[Path, Path]:
+    """--model -> (the GGUF to run, the GGUF whose tokenizer makes the prompts). A shape's file carries
+    SmolLM2's tokenizer padded to the shape's vocabulary: the prompts come from SmolLM2's own file."""
+    if spec == "smollm2":
+        return smollm2_gguf(), smollm2_gguf()
+    if spec.endswith(".gguf"):
+        return Path(spec), Path(spec)
+    from peers import shapes
+
+    name, fmt = shapes.parse_model(spec)
+    return shapes.build(name, fmt), smollm2_gguf()
+
+
 def _docstrings(module_name: str) -> list[str]:
     mod = importlib.import_module(module_name)
     docs: list[str] = []

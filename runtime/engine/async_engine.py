@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.runtime.engine.core import LLMEngine, lora_activity
 from kvpilot.runtime.engine.health import engine_stopped, judge_progress
@@ -317,12 +318,20 @@ class AsyncEngine:
                     self._num_unfinished -= 1
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        entry = self._queues.get(request_id)
-        if entry is None:
-            return
-        loop, queue = entry
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams with one wake-up of each event loop: a wake-up
+        per output (~100 a step in a full batch) made the event loop take the GIL from the engine
+        thread that many times a step, and each hand-off left a core idle (docs/runtime.md)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for request_id, item in items:
+            entry = self._queues.get(request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, puts in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(_put_all, puts)
 
     def _refresh_counts(self) -> None:
         self._stats = self.engine.stats()
@@ -347,17 +356,17 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                    if out.finished:
-                        with self._inbox.lock:
-                            self._num_unfinished -= 1
+                self._deliver_all([(out.request_id, out) for out in outputs])
+                finished = sum(1 for out in outputs if out.finished)
+                if finished:
+                    with self._inbox.lock:
+                        self._num_unfinished -= finished
                 self._refresh_counts()
         except BaseException as exc:  # a bug, not a bad request: fail everyone loudly, keep the server up
             log.exception("engine loop died")
             self.dead = exc
-            for rid in list(self._queues):
-                self._deliver(rid, EngineDeadError(f"the engine stopped: {exc}"))
+            msg = f"the engine stopped: {exc}"  # an exception each: each stream raises its own
+            self._deliver_all([(rid, EngineDeadError(msg)) for rid in list(self._queues)])
         finally:
             self._in_turn = False
 
@@ -369,3 +378,8 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)

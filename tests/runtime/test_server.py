@@ -25,7 +25,7 @@ from fake_engine import FakeEngine, LiveServer
 from kvpilot.runtime import cli
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.sampling_params import SamplingParams
-from kvpilot.runtime.serving.lifecycle import serve
+from kvpilot.runtime.serving.lifecycle import in_own_thread, serve
 from kvpilot.runtime.serving.server import OpenAIServer, ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -471,6 +471,38 @@ def test_ready_503_while_loading() -> None:
     finally:
         gate.set()
         live.close()
+
+
+def test_the_model_loads_in_a_thread_that_ends() -> None:
+    """The load's thread must not outlive it: an executor thread would keep the OpenMP team of the
+    load's torch operations alive beside the engine thread's, and libgomp stops spinning at barriers
+    once its live teams outnumber the CPUs (runtime/serving/lifecycle.py, `in_own_thread`)."""
+    engine = FakeEngine()
+    loaders: list[threading.Thread] = []
+
+    def load() -> FakeEngine:
+        loaders.append(threading.current_thread())
+        return engine
+
+    live = LiveServer(None, load_engine=load)
+    try:
+        wait_for(lambda: http(live, "GET", "/ready")[0] == 200)
+        (loader,) = loaders
+        assert loader is not threading.main_thread()
+        loader.join(10)
+        assert not loader.is_alive()
+    finally:
+        live.close()
+
+
+async def test_in_own_thread_returns_the_result_or_raises() -> None:
+    assert await in_own_thread(lambda: 42, "t") == 42
+
+    def fail() -> None:
+        raise ValueError("no weights")
+
+    with pytest.raises(ValueError, match="no weights"):
+        await in_own_thread(fail, "t")
 
 
 async def test_sigterm_drains_and_returns_0() -> None:
