@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError
+from kvpilot.runtime.engine.async_engine import settle
 from kvpilot.runtime.serving.server import OpenAIRequestHandler, OpenAIServer
 
 log = logging.getLogger("kvpilot.serve")
@@ -184,18 +185,10 @@ def in_own_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
     thread team that the load's torch operations start in that thread. libgomp counts the threads
     of every live team, and once they outnumber the CPUs it stops spinning at barriers: the engine
     thread's own team then sleeps and wakes at each of the ~250 parallel regions of a decode step
-    (measured: 15% of 2 cores idle, batch throughput 0.88x the in-process engine's). A thread that
-    exits takes its team with it."""
+    (measured: 13-15% of 2 cores idle, batch throughput 0.87-0.92x the in-process engine's;
+    benchmarks/async_engine_overhead.py). A thread that exits takes its team with it."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # cancelled
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
 
     def run() -> None:
         result: Any = None
@@ -205,7 +198,7 @@ def in_own_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
         except BaseException as exc:
             error = exc
         with contextlib.suppress(RuntimeError):  # the loop is closed
-            loop.call_soon_threadsafe(settle, result, error)
+            loop.call_soon_threadsafe(settle, future, error, result)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
