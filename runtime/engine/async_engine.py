@@ -278,7 +278,7 @@ class AsyncEngine:
         for op in ops:
             error = self.engine.adapters.apply(op.name, op.path)
             with contextlib.suppress(RuntimeError):  # the loop is closed
-                op.loop.call_soon_threadsafe(settle, op.future, error)
+                op.loop.call_soon_threadsafe(_settle, op.future, error)
 
     def _wake_soon(self) -> None:
         self._wake.set()
@@ -371,12 +371,11 @@ class AsyncEngine:
             self._in_turn = False
 
 
-def settle(future: asyncio.Future[Any], error: BaseException | None, result: Any = None) -> None:
-    """Complete `future` (on its event loop) with `error` or else `result`, unless the caller went away."""
-    if future.done():
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the caller went away
         return
     if error is None:
-        future.set_result(result)
+        future.set_result(None)
     else:
         future.set_exception(error)
 

@@ -30,7 +30,6 @@ from typing import Any
 from aiohttp import web
 
 from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError
-from kvpilot.runtime.engine.async_engine import settle
 from kvpilot.runtime.serving.server import OpenAIRequestHandler, OpenAIServer
 
 log = logging.getLogger("kvpilot.serve")
@@ -190,6 +189,14 @@ def in_own_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
 
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
     def run() -> None:
         result: Any = None
         error: BaseException | None = None
@@ -198,7 +205,7 @@ def in_own_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
         except BaseException as exc:
             error = exc
         with contextlib.suppress(RuntimeError):  # the loop is closed
-            loop.call_soon_threadsafe(settle, future, error, result)
+            loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
