@@ -43,12 +43,12 @@ def cpu_counters() -> tuple[int, int, int]:
     return switches, fields[3] + fields[4], sum(fields[:8])
 
 
-def timed(run: Any) -> dict[str, float]:
-    """Output tokens/s of `run()` (which returns tokens and seconds) with the machine's idle share and
-    this process's voluntary context switches a second over it (threads that sleep at barriers)."""
-    s0, i0, t0 = cpu_counters()
-    tokens, seconds = run()
+def figures(before: tuple[int, int, int], tokens: int, seconds: float) -> dict[str, float]:
+    """Output tokens/s of a run that started at `before` (cpu_counters()) and just ended, with the
+    machine's idle share and this process's voluntary context switches a second over it (threads that
+    sleep at barriers)."""
     s1, i1, t1 = cpu_counters()
+    s0, i0, t0 = before
     return {
         "tok_per_s": tokens / seconds,
         "idle_share": (i1 - i0) / max(1, t1 - t0),
@@ -56,10 +56,15 @@ def timed(run: Any) -> dict[str, float]:
     }
 
 
-def engine_config(args: argparse.Namespace) -> Any:
+def greedy(max_tokens: int) -> Any:
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def engine_config(args: argparse.Namespace, gguf: Path) -> Any:
     from kvpilot.runtime.config import EngineConfig
 
-    gguf, _ = wl.resolve_model(args.model)
     return EngineConfig(
         model=str(gguf),
         device="cpu",
@@ -70,42 +75,32 @@ def engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def requests(args: argparse.Namespace) -> list[wl.Request]:
-    _, tokenizer_gguf = wl.resolve_model(args.model)
+def setup(args: argparse.Namespace) -> tuple[Any, list[wl.Request]]:
+    """(the engine's config, the batch) for `--model`."""
+    gguf, tokenizer_gguf = wl.resolve_model(args.model)
     corpus = wl.corpus_token_ids(str(tokenizer_gguf))
-    return wl.make_requests(args.num_requests, (32, 512), (64, 512), 0, corpus)
+    return engine_config(args, gguf), wl.make_requests(args.num_requests, (32, 512), (64, 512), 0, corpus)
 
 
 def run_offline(args: argparse.Namespace) -> dict[str, float]:
     from kvpilot.runtime.engine.build import build_engine
-    from kvpilot.runtime.engine.sampling_params import SamplingParams
 
-    reqs = requests(args)
-    engine = build_engine(engine_config(args))
-    engine.generate([reqs[0].prompt_ids[:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    cfg, reqs = setup(args)
+    engine = build_engine(cfg)
+    engine.generate([reqs[0].prompt_ids[:32]], greedy(4))
     for r in reqs:
-        engine.add_request(
-            f"r{r.index}",
-            r.prompt_ids,
-            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
-        )
-
-    def batch() -> tuple[int, float]:
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        return sum(r.max_tokens for r in reqs), time.perf_counter() - t0
-
-    return timed(batch)
+        engine.add_request(f"r{r.index}", r.prompt_ids, greedy(r.max_tokens))
+    before, t0 = cpu_counters(), time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return figures(before, sum(r.max_tokens for r in reqs), time.perf_counter() - t0)
 
 
 async def run_async(args: argparse.Namespace) -> dict[str, float]:
     from kvpilot.runtime.engine.build import build_async_engine
-    from kvpilot.runtime.engine.sampling_params import SamplingParams
     from kvpilot.runtime.serving.lifecycle import in_own_thread
 
-    reqs = requests(args)
-    cfg = engine_config(args)
+    cfg, reqs = setup(args)
     if args.load == "own-thread":
         engine = await in_own_thread(lambda: build_async_engine(cfg), "kvpilot-load")
     else:
@@ -113,24 +108,17 @@ async def run_async(args: argparse.Namespace) -> dict[str, float]:
     engine.start()
 
     async def one(request_id: str, prompt: list[int], max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         n = 0
-        async for out in engine.add_request(request_id, prompt, params):
+        async for out in engine.add_request(request_id, prompt, greedy(max_tokens)):
             n += len(out.output.new_token_ids)
         return n
 
     await one("warm", reqs[0].prompt_ids[:32], 4)
-    s0, i0, c0 = cpu_counters()
-    t0 = time.perf_counter()
+    before, t0 = cpu_counters(), time.perf_counter()
     counts = await asyncio.gather(*(one(f"r{r.index}", r.prompt_ids, r.max_tokens) for r in reqs))
-    wall = time.perf_counter() - t0
-    s1, i1, c1 = cpu_counters()
+    result = figures(before, sum(counts), time.perf_counter() - t0)
     await engine.shutdown()
-    return {
-        "tok_per_s": sum(counts) / wall,
-        "idle_share": (i1 - i0) / max(1, c1 - c0),
-        "switches_per_s": (s1 - s0) / wall,
-    }
+    return result
 
 
 def without_option(argv: list[str], name: str) -> list[str]:
