@@ -25,6 +25,7 @@ ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 to measure the avx2 level o
 last one caps torch's float32 matmul, MKL's sgemm).
 
     python benchmarks/kernels_bench.py qmatmul [--rows 1,5,16,32,64,128] [--shapes qkv,gate_up,down,lm_head]
+    python benchmarks/kernels_bench.py qmatmul --shapes qkv_1b,o_1b,gate_up_1b,down_1b --rows 1,64 --methods int4
 
 Prints JSON with the CPU and the kernel's ISA level.
 """
@@ -48,6 +49,16 @@ from harness import cpu_model
 from kvpilot.kernels import isa, qlinear, switches
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+# Llama-3.2-1B's (benchmarks/peers/shapes.py, llama-1b): QKV 3072x2048, gate/up 16384x2048, down 2048x8192,
+# the tied LM head 128256x2048
+SHAPES_1B = {
+    "qkv_1b": (3072, 2048),
+    "o_1b": (2048, 2048),
+    "gate_up_1b": (16384, 2048),
+    "down_1b": (2048, 8192),
+    "lm_head_1b": (128256, 2048),
+}
+SHAPES |= SHAPES_1B
 
 
 def cpu_time_us(fn: Callable[[], Any], calls: int, rounds: int = 5) -> float:

@@ -15,6 +15,8 @@ real model's layers do not.
     git show REV:kernels/csrc/qmatmul_cpu.c > /tmp/before_qmatmul_cpu.c
     python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c [--threads 2] [--rounds 5]
     python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations float
+    python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations bf16 \
+        --shapes 16384x2048,2048x8192,128256x2048 --rows 1,5,12,40,64,256     # Llama-3.2-1B's
 
 Set KVPILOT_CPU_ISA=avx2 for the avx2 level on an AVX-512 CPU. Prints one JSON line per case.
 """
@@ -48,12 +50,15 @@ def main() -> int:
     ap.add_argument(
         "--activations",
         default="int8",
-        choices=["int8", "float"],
-        help="the tiled kernel of this activation mode: kvpilot_qmatmul_tiled (int8) or "
-        "kvpilot_qmatmul_tiled_float (float, the default path's; both builds must export it)",
+        choices=["int8", "float", "bf16"],
+        help="the tiled kernel of this activation mode: kvpilot_qmatmul_tiled (int8), "
+        "kvpilot_qmatmul_tiled_float (float) or kvpilot_qmatmul_tiled_bf16 (bf16: the default path's on "
+        "AVX512-BF16 CPUs); both builds must export it",
     )
     args = ap.parse_args()
-    entry = "kvpilot_qmatmul_tiled" if args.activations == "int8" else "kvpilot_qmatmul_tiled_float"
+    entry = {"int8": "kvpilot_qmatmul_tiled", "float": "kvpilot_qmatmul_tiled_float"}.get(
+        args.activations, "kvpilot_qmatmul_tiled_bf16"
+    )
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         rows = [int(m) for m in args.rows.split(",")]
@@ -86,7 +91,7 @@ def main() -> int:
                     wall=args.threads > 1,
                     budget_s=0.2,
                 )
-                if args.activations == "int8" and not torch.equal(outs[0], outs[1]):
+                if args.activations != "float" and not torch.equal(outs[0], outs[1]):
                     raise SystemExit(f"{n}x{k} {method} M={m}: the two builds' outputs differ")
                 if args.activations == "float":  # the exact product either way, up to the order of the sums
                     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=1e-2, atol=1e-2)

@@ -960,15 +960,32 @@ static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, c
  */
 #if defined(KVPILOT_ISA_AVX512) && defined(__AVX512BF16__)
 #define BF_TILES 1
+#define BF_TM 16 /* activation rows of a full pass over a tile: each tile vector's code expansion serves them all */
+/* Activation pairs are stored by blocks of bf_block(M) rows: for each such block and 32-block b of K, its
+ * rows' 16 words each, one after another, so that a pass over a tile (which stays in one block) reads one
+ * contiguous run per b. Rows K/2 words apart would share the cache's sets: at K = 2048 every row's line
+ * falls in the same L1 set, and 16 rows exceed its ways. The last block is padded to the block's rows. */
+static inline long bf_block(long M) { return M < BF_TM ? M : BF_TM; }
+
+static uint32_t *bf_alloc(long M, long K) {
+    const long rb = bf_block(M), rows = (M + rb - 1) / rb * rb;
+    return (uint32_t *)calloc((size_t)(rows * K / 2) + 16, sizeof(uint32_t));
+}
+
+/* the 16 words of row m, 32-block b (nb blocks a row; blocks of rb rows) */
+static inline uint32_t *bf_at(const uint32_t *xa, long nb, long rb, long m, long b) {
+    return (uint32_t *)xa + ((m / rb * nb + b) * rb + m % rb) * 16;
+}
+
 /* the activation pairs of the int4 tile (bf16 bits, first element low): per row and 32-block b of xp
  * (storage order, already rounded to bf16), 16 words: for v in 0..3, (x[4v], x[4v+2]), (x[4v+1],
  * x[4v+3]), (x[16+4v], x[16+4v+2]), (x[16+4v+1], x[16+4v+3]), the codes' pairing in tile_dots_bf */
 static uint32_t *bf_pairs(const float *xp, long M, long K) {
-    uint32_t *xa = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(M * K / 2) + 64);
+    uint32_t *xa = bf_alloc(M, K);
     if (!xa) return NULL;
     for (long i = 0; i < M * K / QB; i++) {
         const float *x = xp + i * QB;
-        uint32_t *o = xa + i * 16;
+        uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
         for (int v = 0; v < 4; v++)
             for (int h = 0; h < 2; h++)
                 for (int j = 0; j < 2; j++) {
@@ -982,17 +999,20 @@ static uint32_t *bf_pairs(const float *xp, long M, long K) {
 #define BF8_MIN_ROWS 3 /* rows of a pass from which the int8 tile takes vdpbf16ps (see above) */
 /* the int8 tile's activation pairs: per row and 32-block of xp, 16 words: (x[2i], x[2i + 1]) */
 static uint32_t *bf_pairs8(const float *xp, long M, long K) {
-    uint32_t *xa = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(M * K / 2) + 64);
+    uint32_t *xa = bf_alloc(M, K);
     if (!xa) return NULL;
-    for (long i = 0; i < M * K / 2; i++)
-        xa[i] = (uint32_t)f32_to_bf16(xp[2 * i]) | (uint32_t)f32_to_bf16(xp[2 * i + 1]) << 16;
+    for (long i = 0; i < M * K / QB; i++) {
+        const float *x = xp + i * QB;
+        uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
+        for (int j = 0; j < 16; j++) o[j] = (uint32_t)f32_to_bf16(x[2 * j]) | (uint32_t)f32_to_bf16(x[2 * j + 1]) << 16;
+    }
     return xa;
 }
 
 /* tile_dots_f's contract on activation pairs xa (bf_pairs for int4, bf_pairs8 for int8: mb >=
  * BF8_MIN_ROWS), xs the per-group sums of the rounded activations (int4) */
 static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *xa, const float *xs, long K, long ng,
-                                                               long m0, const int mb, const uint8_t *wt,
+                                                               long m0, long rb, const int mb, const uint8_t *wt,
                                                                const int wbits, int gshift, const uint16_t *st,
                                                                const uint16_t *mt, float *out, long ldo, long pf) {
     enum { C = 4 };
@@ -1006,15 +1026,23 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
                                        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
     const __m512i lut = _mm512_loadu_si512((const void *)codes); /* bfloat16(i & 15), i < 32 */
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[TM], part[TM][C];
-    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+    const uint32_t *x0 = bf_at(xa, nb, rb, m0, 0);
+    /* the sums over K: in registers for up to TM rows, else in `out`, updated once a group (the registers
+     * hold a full pass's partial sums) */
+    const int in_regs = mb <= TM;
+    __m512 acc[TM], part[BF_TM][C];
+    for (int r = 0; r < mb; r++)
+        if (in_regs)
+            acc[r] = _mm512_setzero_ps();
+        else
+            _mm512_storeu_ps(out + r * ldo, _mm512_setzero_ps());
     for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
         for (int r = 0; r < mb; r++)
             for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
             if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
-            const uint32_t *xb = xa + (m0 * nb + b) * 16;
+            const uint32_t *xb = x0 + b * rb * 16; /* bf_at(xa, nb, rb, m0 + r, b) = xb + 16 r */
             for (int v = 0; v < bb / 4; v++) { /* 64-byte vectors: 16 rows x 8 int4 or 4 int8 codes */
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
                 __m512bh w[4];
@@ -1038,49 +1066,63 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
                     const int c0 = j % chains;
                     for (int r = 0; r < mb; r++)
                         part[r][c0] = _mm512_dpbf16_ps(
-                            part[r][c0], w[j], (__m512bh)_mm512_set1_epi32((int)xb[r * nb * 16 + nw * v + j]));
+                            part[r][c0], w[j], (__m512bh)_mm512_set1_epi32((int)xb[r * 16 + nw * v + j]));
                 }
             }
         }
         sum_chains512(part, mb, chains);
         if (per_row) {
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
+            for (int r = 0; r < mb; r++)
+                if (in_regs)
+                    acc[r] = _mm512_add_ps(acc[r], part[r][0]);
+                else
+                    _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(_mm512_loadu_ps(out + r * ldo), part[r][0]));
         } else {
             const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
-            if (wbits == 4) {
-                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-                for (int r = 0; r < mb; r++)
-                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+            const __m512 mv = wbits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)))
+                                         : _mm512_setzero_ps();
+            for (int r = 0; r < mb; r++) {
+                __m512 a = _mm512_fmadd_ps(sv, part[r][0], in_regs ? acc[r] : _mm512_loadu_ps(out + r * ldo));
+                if (wbits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), a);
+                if (in_regs)
+                    acc[r] = a;
+                else
+                    _mm512_storeu_ps(out + r * ldo, a);
             }
         }
     }
     if (per_row) {
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
-        if (wbits == 4) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+        const __m512 mv = wbits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt)) : _mm512_setzero_ps();
+        for (int r = 0; r < mb; r++) {
+            __m512 a = _mm512_mul_ps(in_regs ? acc[r] : _mm512_loadu_ps(out + r * ldo), sv);
+            if (wbits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), a);
+            if (in_regs)
+                acc[r] = a;
+            else
+                _mm512_storeu_ps(out + r * ldo, a);
         }
     }
-    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+    if (in_regs)
+        for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
 /* tile_dots_bf with mb and wbits constants in each instantiation */
 static inline __attribute__((always_inline)) void tile_rows_bf(const uint32_t *xa, const float *xs, long K, long ng,
-                                                               long m0, int mb, const uint8_t *wt, int wbits,
+                                                               long m0, long rb, int mb, const uint8_t *wt, int wbits,
                                                                int gshift, const uint16_t *st, const uint16_t *mt,
                                                                float *o, long ldo, const long pf) {
 #define BF_ROWS(W)                                                                                             \
     switch (mb) {                                                                                              \
-    case 1: tile_dots_bf(xa, xs, K, ng, m0, 1, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    case 2: tile_dots_bf(xa, xs, K, ng, m0, 2, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    case 3: tile_dots_bf(xa, xs, K, ng, m0, 3, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    case 4: tile_dots_bf(xa, xs, K, ng, m0, 4, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    case 5: tile_dots_bf(xa, xs, K, ng, m0, 5, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    case 6: tile_dots_bf(xa, xs, K, ng, m0, 6, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    case 7: tile_dots_bf(xa, xs, K, ng, m0, 7, wt, W, gshift, st, mt, o, ldo, pf); break;                     \
-    default: tile_dots_bf(xa, xs, K, ng, m0, TM, wt, W, gshift, st, mt, o, ldo, pf); break;                   \
+    case 1: tile_dots_bf(xa, xs, K, ng, m0, rb, 1, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 2: tile_dots_bf(xa, xs, K, ng, m0, rb, 2, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 3: tile_dots_bf(xa, xs, K, ng, m0, rb, 3, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 4: tile_dots_bf(xa, xs, K, ng, m0, rb, 4, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 5: tile_dots_bf(xa, xs, K, ng, m0, rb, 5, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 6: tile_dots_bf(xa, xs, K, ng, m0, rb, 6, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 7: tile_dots_bf(xa, xs, K, ng, m0, rb, 7, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    case 8: tile_dots_bf(xa, xs, K, ng, m0, rb, 8, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
+    default: tile_dots_bf(xa, xs, K, ng, m0, rb, BF_TM, wt, W, gshift, st, mt, o, ldo, pf); break;                       \
     }
     if (wbits == 4)
         BF_ROWS(4)
@@ -1119,17 +1161,23 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
     for (long t = 0; t < N / TR; t++) {
         const uint8_t *wt = w + t * TR * row_bytes;
         const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
+#if BF_TILES
+        float res[BF_TM * TR];
+#else
         float res[TM * TR];
-        for (long m0 = 0; m0 < M; m0 += TM) {
-            const int mb = M - m0 < TM ? (int)(M - m0) : TM;
+#endif
+        for (long m0 = 0; m0 < M;) {
+            int mb = M - m0 < TM ? (int)(M - m0) : TM;
             const long pf = m0 == 0 ? PF_BYTES : 0;
 #if BF_TILES
+            if (xa && M - m0 >= BF_TM) mb = BF_TM; /* a full pass; the rest in passes of up to TM rows */
             if (xa && (wbits == 4 || mb >= BF8_MIN_ROWS))
-                tile_rows_bf(xa, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
+                tile_rows_bf(xa, xs, K, ng, m0, bf_block(M), mb, wt, wbits, gshift, st, mt, res, TR, pf);
             else
 #endif
                 tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
             store_tile(res, m0, mb, t, N, bias, dtype, out);
+            m0 += mb;
         }
     }
     free(xp), free(xs), free((void *)xa);

@@ -483,7 +483,7 @@ def test_tiled_bf16_activations_give_the_rounded_activations_exact_product(dtype
     for level, qw in tiled_cases():
         t = qlinear.tile(qw)
         bias = torch.randn(qw.out_features).to(dtype)
-        for m in (1, 2, 3, 5, 8, 9, 17):
+        for m in (1, 2, 3, 5, 8, 9, 16, 17, 45):  # 45: passes of 16, 16, 8 and 5 rows
             x = (torch.randn(m, qw.in_features) * 4 + 1).to(dtype)  # an offset: sum(x) matters
             got = qlinear.kernel_matmul(x, t, bias, level=level).double()
             want = bf16_spec(x, qw, bias)
