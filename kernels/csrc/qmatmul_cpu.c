@@ -483,6 +483,14 @@ static int tiled_args_bad(int dtype, int wbits, int group, const uint16_t *mins,
 #define TM 6
 #endif
 
+/* activation elements from which a call's preparation of them (widening, rounding, reordering) runs on
+ * the call's threads: a prefill chunk's (e.g. 2,048 x 8,192) took a fifth of the call on one thread */
+#define SETUP_PAR_MIN (1L << 18)
+/* activation bytes a pass over every tile keeps hot: the calls past it (a long prefill chunk at a wide K:
+ * 2,048 x 8,192 bfloat16 pairs are 32 MiB) run in blocks of rows, every tile per block, so that the block
+ * stays in each core's L2 (2 MiB on Zen 5) instead of streaming from memory once per tile */
+#define M_BLOCK_BYTES (1L << 20)
+
 /* software prefetch in a stream of tiles: the codes `pf` bytes ahead and, where `scales`, the scales
  * (and mins) 16 blocks ahead, in the next tile past the last */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, long pf, int bytes,
@@ -724,7 +732,8 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
  */
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /* the M activation rows in storage order (xp [M, K]) and, for int4, their float sum per group (xs [M, ng]) */
-static int f_acts_make(const float *xf, long M, long K, int wbits, int group, float **xp, float **xs) {
+static int f_acts_make(const float *xf, long M, long K, int wbits, int group, float **xp, float **xs,
+                       int num_threads) {
     const long ng = K / group;
     *xp = (float *)malloc(sizeof(float) * (size_t)(M * K) + 64);
     *xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * ng) + 4) : NULL;
@@ -733,9 +742,11 @@ static int f_acts_make(const float *xf, long M, long K, int wbits, int group, fl
         return -3;
     }
     const int half = group / 2;
+    float *ps = *xp, *ss = *xs;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long m = 0; m < M; m++) {
         const float *x = xf + m * K;
-        float *o = *xp + m * K;
+        float *o = ps + m * K;
         if (wbits == 8 || group == QB) {
             memcpy(o, x, sizeof(float) * (size_t)K);
         } else { /* chunk c of a group: weights 16c..16c+15, then half + 16c.. (one 32-code block) */
@@ -750,7 +761,7 @@ static int f_acts_make(const float *xf, long M, long K, int wbits, int group, fl
             for (long g = 0; g < ng; g++) {
                 float sum = 0.0f;
                 for (int i = 0; i < group; i++) sum += x[g * group + i];
-                (*xs)[m * ng + g] = sum;
+                ss[m * ng + g] = sum;
             }
     }
     return 0;
@@ -980,9 +991,10 @@ static inline uint32_t *bf_at(const uint32_t *xa, long nb, long rb, long m, long
 /* the activation pairs of the int4 tile (bf16 bits, first element low): per row and 32-block b of xp
  * (storage order, already rounded to bf16), 16 words: for v in 0..3, (x[4v], x[4v+2]), (x[4v+1],
  * x[4v+3]), (x[16+4v], x[16+4v+2]), (x[16+4v+1], x[16+4v+3]), the codes' pairing in tile_dots_bf */
-static uint32_t *bf_pairs(const float *xp, long M, long K) {
+static uint32_t *bf_pairs(const float *xp, long M, long K, int num_threads) {
     uint32_t *xa = bf_alloc(M, K);
     if (!xa) return NULL;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long i = 0; i < M * K / QB; i++) {
         const float *x = xp + i * QB;
         uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
@@ -998,9 +1010,10 @@ static uint32_t *bf_pairs(const float *xp, long M, long K) {
 
 #define BF8_MIN_ROWS 3 /* rows of a pass from which the int8 tile takes vdpbf16ps (see above) */
 /* the int8 tile's activation pairs: per row and 32-block of xp, 16 words: (x[2i], x[2i + 1]) */
-static uint32_t *bf_pairs8(const float *xp, long M, long K) {
+static uint32_t *bf_pairs8(const float *xp, long M, long K, int num_threads) {
     uint32_t *xa = bf_alloc(M, K);
     if (!xa) return NULL;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long i = 0; i < M * K / QB; i++) {
         const float *x = xp + i * QB;
         uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
@@ -1141,13 +1154,13 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
                            const uint8_t *w, int wbits, int group, int gshift, const uint16_t *scales,
                            const uint16_t *mins, int num_threads, int bf16) {
     float *xp, *xs;
-    const int rc = f_acts_make(xf, M, K, wbits, group, &xp, &xs);
+    const int rc = f_acts_make(xf, M, K, wbits, group, &xp, &xs, num_threads);
     free(xf);
     if (rc) return rc;
     const uint32_t *xa = NULL;
 #if BF_TILES
     if (bf16 && (wbits == 4 || M >= BF8_MIN_ROWS)) {
-        xa = wbits == 4 ? bf_pairs(xp, M, K) : bf_pairs8(xp, M, K);
+        xa = wbits == 4 ? bf_pairs(xp, M, K, num_threads) : bf_pairs8(xp, M, K, num_threads);
         if (!xa) {
             free(xp), free(xs);
             return -3;
@@ -1157,27 +1170,35 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
     (void)bf16;
 #endif
     const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (long t = 0; t < N / TR; t++) {
-        const uint8_t *wt = w + t * TR * row_bytes;
-        const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
+    /* blocks of rows (M_BLOCK_BYTES), a multiple of 48 rows so that passes of 6, 8 or 16 rows fall as
+     * they would without blocks (the same sums in the same order) */
+    const long act_row_bytes = xa ? K * 2 : K * (long)sizeof(float);
+    const long mblk = M_BLOCK_BYTES / act_row_bytes < 48 ? 48 : M_BLOCK_BYTES / act_row_bytes / 48 * 48;
+#pragma omp parallel num_threads(num_threads)
+    for (long b0 = 0; b0 < M; b0 += mblk) {
+        const long mend = M - b0 < mblk ? M : b0 + mblk;
+#pragma omp for schedule(static) nowait /* blocks write disjoint rows: no barrier between them */
+        for (long t = 0; t < N / TR; t++) {
+            const uint8_t *wt = w + t * TR * row_bytes;
+            const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
 #if BF_TILES
-        float res[BF_TM * TR];
+            float res[BF_TM * TR];
 #else
-        float res[TM * TR];
+            float res[TM * TR];
 #endif
-        for (long m0 = 0; m0 < M;) {
-            int mb = M - m0 < TM ? (int)(M - m0) : TM;
-            const long pf = m0 == 0 ? PF_BYTES : 0;
+            for (long m0 = b0; m0 < mend;) {
+                int mb = mend - m0 < TM ? (int)(mend - m0) : TM;
+                const long pf = m0 == b0 ? PF_BYTES : 0;
 #if BF_TILES
-            if (xa && M - m0 >= BF_TM) mb = BF_TM; /* a full pass; the rest in passes of up to TM rows */
-            if (xa && (wbits == 4 || mb >= BF8_MIN_ROWS))
-                tile_rows_bf(xa, xs, K, ng, m0, bf_block(M), mb, wt, wbits, gshift, st, mt, res, TR, pf);
-            else
+                if (xa && mend - m0 >= BF_TM) mb = BF_TM; /* a full pass; the rest in passes of up to TM rows */
+                if (xa && (wbits == 4 || mb >= BF8_MIN_ROWS))
+                    tile_rows_bf(xa, xs, K, ng, m0, bf_block(M), mb, wt, wbits, gshift, st, mt, res, TR, pf);
+                else
 #endif
-                tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
-            store_tile(res, m0, mb, t, N, bias, dtype, out);
-            m0 += mb;
+                    tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
+                store_tile(res, m0, mb, t, N, bias, dtype, out);
+                m0 += mb;
+            }
         }
     }
     free(xp), free(xs), free((void *)xa);
@@ -1194,9 +1215,14 @@ static int tiled_float_entry(const void *x, int dtype, void *out, const void *bi
     if (gshift < 0) return -1;
     float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
     if (!xf) return -3;
-    to_float(x, dtype, M * K, xf);
-    if (bf16 && dtype != DT_BF16)
-        for (long i = 0; i < M * K; i++) xf[i] = bf16_to_f32(f32_to_bf16(xf[i]));
+    const int round = bf16 && dtype != DT_BF16;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
+    for (long m = 0; m < M; m++) {
+        float *o = xf + m * K;
+        to_float((const char *)x + m * K * (dtype == DT_BF16 ? 2 : 4), dtype, K, o);
+        if (round)
+            for (long i = 0; i < K; i++) o[i] = bf16_to_f32(f32_to_bf16(o[i]));
+    }
     return tiled_float_run(xf, dtype, out, bias, M, K, N, w, wbits, group, gshift, scales, mins, num_threads, bf16);
 #else
     (void)x, (void)out, (void)bias, (void)w, (void)scales, (void)num_threads, (void)bf16;

@@ -495,6 +495,33 @@ def test_tiled_bf16_activations_give_the_rounded_activations_exact_product(dtype
                 torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
 
 
+@pytest.mark.parametrize("mode", ["bf16", "float"])
+def test_a_long_call_runs_in_row_blocks_that_change_no_sum(mode: str) -> None:
+    """A call of many rows at a wide K runs in blocks of rows (M_BLOCK_BYTES: 48 rows at K = 8,192),
+    every tile per block, and its setup on the call's threads: each row's output is bit-identical
+    to a call on its own block (passes fall as they would), and right (x_bf16 . dequant(W))."""
+    torch.manual_seed(14)
+    k, rows = 8192, 48 * 2 + 7  # three blocks at either width of activations (bf16 pairs, float)
+    for level, qw in [(lv, q) for lv, q in tiled_cases() if q.in_features == 512][::3]:
+        big = (
+            qlinear.quantize_int4(weight(32, k), 32)
+            if qw.bits == 4
+            else qlinear.quantize_int8(weight(32, k), 32)
+        )
+        t = qlinear.tile(big)
+        x = torch.randn(rows, k) * 4 + 1
+        with switches.using(qmatmul_activations=mode):
+            whole = qlinear.kernel_matmul(x, t, level=level)
+            parts = torch.cat(
+                [qlinear.kernel_matmul(x[i : i + 48], t, level=level) for i in range(0, rows, 48)]
+            )
+        assert torch.equal(whole, parts), (level, big.bits, mode)
+        want = (
+            bf16_spec(x, big, None) if mode == "bf16" else F.linear(x.double(), big.dequantize(torch.float64))
+        )
+        torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.usefixtures("bf16_qmatmul")
 def test_bf16_activations_on_every_path_of_matmul() -> None:
     """Under bf16 every route rounds the activations: the tiled kernel up to max_kernel_rows (every
