@@ -1017,7 +1017,8 @@ static uint32_t *bf_pairs8(const float *xp, long M, long K, int num_threads) {
     for (long i = 0; i < M * K / QB; i++) {
         const float *x = xp + i * QB;
         uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
-        for (int j = 0; j < 16; j++) o[j] = (uint32_t)f32_to_bf16(x[2 * j]) | (uint32_t)f32_to_bf16(x[2 * j + 1]) << 16;
+        for (int j = 0; j < 16; j++)
+            o[j] = (uint32_t)f32_to_bf16(x[2 * j]) | (uint32_t)f32_to_bf16(x[2 * j + 1]) << 16;
     }
     return xa;
 }
@@ -1106,7 +1107,8 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
     }
     if (per_row) {
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-        const __m512 mv = wbits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt)) : _mm512_setzero_ps();
+        const __m512 mv =
+            wbits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt)) : _mm512_setzero_ps();
         for (int r = 0; r < mb; r++) {
             __m512 a = _mm512_mul_ps(in_regs ? acc[r] : _mm512_loadu_ps(out + r * ldo), sv);
             if (wbits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), a);
@@ -1127,15 +1129,15 @@ static inline __attribute__((always_inline)) void tile_rows_bf(const uint32_t *x
                                                                float *o, long ldo, const long pf) {
 #define BF_ROWS(W)                                                                                             \
     switch (mb) {                                                                                              \
-    case 1: tile_dots_bf(xa, xs, K, ng, m0, rb, 1, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 2: tile_dots_bf(xa, xs, K, ng, m0, rb, 2, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 3: tile_dots_bf(xa, xs, K, ng, m0, rb, 3, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 4: tile_dots_bf(xa, xs, K, ng, m0, rb, 4, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 5: tile_dots_bf(xa, xs, K, ng, m0, rb, 5, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 6: tile_dots_bf(xa, xs, K, ng, m0, rb, 6, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 7: tile_dots_bf(xa, xs, K, ng, m0, rb, 7, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    case 8: tile_dots_bf(xa, xs, K, ng, m0, rb, 8, wt, W, gshift, st, mt, o, ldo, pf); break;                           \
-    default: tile_dots_bf(xa, xs, K, ng, m0, rb, BF_TM, wt, W, gshift, st, mt, o, ldo, pf); break;                       \
+    case 1: tile_dots_bf(xa, xs, K, ng, m0, rb, 1, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 2: tile_dots_bf(xa, xs, K, ng, m0, rb, 2, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 3: tile_dots_bf(xa, xs, K, ng, m0, rb, 3, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 4: tile_dots_bf(xa, xs, K, ng, m0, rb, 4, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 5: tile_dots_bf(xa, xs, K, ng, m0, rb, 5, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 6: tile_dots_bf(xa, xs, K, ng, m0, rb, 6, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 7: tile_dots_bf(xa, xs, K, ng, m0, rb, 7, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    case 8: tile_dots_bf(xa, xs, K, ng, m0, rb, 8, wt, W, gshift, st, mt, o, ldo, pf); break;                  \
+    default: tile_dots_bf(xa, xs, K, ng, m0, rb, BF_TM, wt, W, gshift, st, mt, o, ldo, pf); break;             \
     }
     if (wbits == 4)
         BF_ROWS(4)
