@@ -50,8 +50,6 @@ def vllm_engine(args: argparse.Namespace, warm_prompt: list[int]) -> HttpServer:
     port = free_port()
     threads = args.vllm_threads or args.threads
     env = serve_env(os.environ, exe, omp_bind(os.sched_getaffinity(0), threads))
-    if getattr(args, "vllm_allow_long_context", False):  # past the model's trained context (long-context)
-        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     argv = serve_argv(str(exe), str(model), SERVED, port, vllm_flags(args))
     log = BUILD_DIR / "logs" / "vllm-serve.log"
     srv = Server("vllm", argv, port, "/health", log, env=env, ready_timeout=READY_TIMEOUT_S)
@@ -63,7 +61,6 @@ def vllm_engine(args: argparse.Namespace, warm_prompt: list[int]) -> HttpServer:
                 "VLLM_CPU_OMP_THREADS_BIND",
                 "LD_PRELOAD",
                 "OMP_WAIT_POLICY",
-                "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
             )
             if k in env
         },

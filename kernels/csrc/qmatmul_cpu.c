@@ -731,11 +731,24 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
  * group interleave, storage_order in kernels/qlinear.py), one float per code.
  */
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
-/* the M activation rows in storage order (xp [M, K]) and, for int4, their float sum per group (xs [M, ng]) */
+/* Activations are stored by blocks of rows: for each block and 32-block b of K, its rows' 32 values (or
+ * 16 bfloat16 pairs) one after another, so that a pass over a tile reads one contiguous run per b. Rows
+ * K apart would share the cache's sets (at K = 2,048 every row's line falls in the same L1 set: 16
+ * rows of bfloat16 pairs exceeded its ways and ran at 0.55x; 6-8 float rows cost the float kernel
+ * ~10% at K = 2,048 on an L1 of 12 ways, more on one of 8). Blocks of F_BLOCK rows (48: passes of 6, 8
+ * or 16 rows from a multiple of 48 never straddle one) or all M rows when fewer; the last is padded. */
+#define F_BLOCK 48
+static inline long f_block(long M) { return M < F_BLOCK ? M : F_BLOCK; }
+
+/* the chunk index of row m, 32-block b: nb blocks a row, blocks of rb rows */
+static inline long blk_at(long nb, long rb, long m, long b) { return (m / rb * nb + b) * rb + m % rb; }
+
+/* the M activation rows in storage order (xp, blocks of f_block(M) rows: blk_at) and, for int4, their float
+ * sum per group (xs [M, ng]) */
 static int f_acts_make(const float *xf, long M, long K, int wbits, int group, float **xp, float **xs,
                        int num_threads) {
-    const long ng = K / group;
-    *xp = (float *)malloc(sizeof(float) * (size_t)(M * K) + 64);
+    const long ng = K / group, nb = K / QB, rb = f_block(M), rows = (M + rb - 1) / rb * rb;
+    *xp = (float *)calloc((size_t)(rows * K) + 16, sizeof(float));
     *xs = wbits == 4 ? (float *)malloc(sizeof(float) * (size_t)(M * ng) + 4) : NULL;
     if (!*xp || (wbits == 4 && !*xs)) {
         free(*xp), free(*xs);
@@ -746,16 +759,17 @@ static int f_acts_make(const float *xf, long M, long K, int wbits, int group, fl
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long m = 0; m < M; m++) {
         const float *x = xf + m * K;
-        float *o = ps + m * K;
         if (wbits == 8 || group == QB) {
-            memcpy(o, x, sizeof(float) * (size_t)K);
+            for (long b = 0; b < nb; b++) memcpy(ps + blk_at(nb, rb, m, b) * QB, x + b * QB, sizeof(float) * QB);
         } else { /* chunk c of a group: weights 16c..16c+15, then half + 16c.. (one 32-code block) */
             for (long g = 0; g < ng; g++)
-                for (int c = 0; c < group / QB; c++)
+                for (int c = 0; c < group / QB; c++) {
+                    float *o = ps + blk_at(nb, rb, m, g * (group / QB) + c) * QB;
                     for (int i = 0; i < 16; i++) {
-                        o[g * group + c * QB + i] = x[g * group + 16 * c + i];
-                        o[g * group + c * QB + 16 + i] = x[g * group + half + 16 * c + i];
+                        o[i] = x[g * group + 16 * c + i];
+                        o[16 + i] = x[g * group + half + 16 * c + i];
                     }
+                }
         }
         if (wbits == 4)
             for (long g = 0; g < ng; g++) {
@@ -778,9 +792,9 @@ static inline __attribute__((always_inline)) void sum_chains512(__m512 part[][4]
 /* out[r][0..TR) = activation row m0 + r . the tile's TR weight rows (float), for r < mb. C chains of
  * sums a row (more when few rows: the FMA latency, not the throughput, bounds one chain) */
 static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
-                                                              long m0, const int mb, const uint8_t *wt, int wbits,
-                                                              int gshift, const uint16_t *st, const uint16_t *mt,
-                                                              float *out, long ldo, long pf) {
+                                                              long m0, long rb, const int mb, const uint8_t *wt,
+                                                              int wbits, int gshift, const uint16_t *st,
+                                                              const uint16_t *mt, float *out, long ldo, long pf) {
     enum { C = 4 };
     const int chains = mb <= 2 ? 4 : mb <= 4 ? 2 : 1;
     const long nb = K / QB;
@@ -795,7 +809,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
             if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
-            const float *xb = xp + m0 * K + b * QB;
+            const float *xb = xp + blk_at(nb, rb, m0, b) * QB; /* row m0 + r: + QB r */
             if (wbits == 4) {
                 for (int v = 0; v < 4; v++) {
                     const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
@@ -804,8 +818,8 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                         const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * j + 4), lut);
                         const int c0 = (2 * j) % chains, c1 = (2 * j + 1) % chains;
                         for (int r = 0; r < mb; r++) {
-                            part[r][c0] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
-                            part[r][c1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[r * K + 16 + 4 * v + j]), part[r][c1]);
+                            part[r][c0] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[r * QB + 4 * v + j]), part[r][c0]);
+                            part[r][c1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[r * QB + 16 + 4 * v + j]), part[r][c1]);
                         }
                     }
                 }
@@ -818,7 +832,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                         const __m512 qf = _mm512_cvtepi32_ps(q);
                         const int c0 = j % chains;
                         for (int r = 0; r < mb; r++)
-                            part[r][c0] = _mm512_fmadd_ps(qf, _mm512_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                            part[r][c0] = _mm512_fmadd_ps(qf, _mm512_set1_ps(xb[r * QB + 4 * v + j]), part[r][c0]);
                     }
                 }
             }
@@ -850,9 +864,9 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
 /* AVX2: the same, one half tile (8 rows: bytes 32h..32h+31 of each 64-byte vector) at a time; the
  * codes widened by and/shift + convert (no 16-entry permute at 8 lanes) */
 static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
-                                                              long m0, const int mb, const uint8_t *wt, int wbits,
-                                                              int gshift, const uint16_t *st, const uint16_t *mt,
-                                                              float *out, long ldo, long pf) {
+                                                              long m0, long rb, const int mb, const uint8_t *wt,
+                                                              int wbits, int gshift, const uint16_t *st,
+                                                              const uint16_t *mt, float *out, long ldo, long pf) {
     enum { C = 2 };
     const int chains = mb <= 2 ? 2 : 1;
     const long nb = K / QB;
@@ -868,7 +882,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
             for (long b = g0; b < g0 + bpg; b++) {
                 const uint8_t *p = wt + b * TR * bb + 32 * h;
                 if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
-                const float *xb = xp + m0 * K + b * QB;
+                const float *xb = xp + blk_at(nb, rb, m0, b) * QB; /* row m0 + r: + QB r */
                 if (wbits == 4) {
                     for (int v = 0; v < 4; v++) {
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64));
@@ -878,9 +892,9 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                                 _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * j + 4), nib));
                             const int c0 = (2 * j) % chains, c1 = (2 * j + 1) % chains;
                             for (int r = 0; r < mb; r++) {
-                                part[r][c0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                                part[r][c0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xb[r * QB + 4 * v + j]), part[r][c0]);
                                 part[r][c1] =
-                                    _mm256_fmadd_ps(hi, _mm256_set1_ps(xb[r * K + 16 + 4 * v + j]), part[r][c1]);
+                                    _mm256_fmadd_ps(hi, _mm256_set1_ps(xb[r * QB + 16 + 4 * v + j]), part[r][c1]);
                             }
                         }
                     }
@@ -893,7 +907,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                             const __m256 qf = _mm256_cvtepi32_ps(q);
                             const int c0 = j % chains;
                             for (int r = 0; r < mb; r++)
-                                part[r][c0] = _mm256_fmadd_ps(qf, _mm256_set1_ps(xb[r * K + 4 * v + j]), part[r][c0]);
+                                part[r][c0] = _mm256_fmadd_ps(qf, _mm256_set1_ps(xb[r * QB + 4 * v + j]), part[r][c0]);
                         }
                     }
                 }
@@ -931,20 +945,20 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, const float *xs, long K, long ng,
-                                                              long m0, int mb, const uint8_t *wt, int wbits,
+                                                              long m0, long rb, int mb, const uint8_t *wt, int wbits,
                                                               int gshift, const uint16_t *st, const uint16_t *mt,
                                                               float *o, long ldo, const long pf) {
     switch (mb) {
-    case 1: tile_dots_f(xp, xs, K, ng, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 2: tile_dots_f(xp, xs, K, ng, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 3: tile_dots_f(xp, xs, K, ng, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 4: tile_dots_f(xp, xs, K, ng, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 5: tile_dots_f(xp, xs, K, ng, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 1: tile_dots_f(xp, xs, K, ng, m0, rb, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 2: tile_dots_f(xp, xs, K, ng, m0, rb, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 3: tile_dots_f(xp, xs, K, ng, m0, rb, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 4: tile_dots_f(xp, xs, K, ng, m0, rb, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 5: tile_dots_f(xp, xs, K, ng, m0, rb, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
 #if TM > 6
-    case 6: tile_dots_f(xp, xs, K, ng, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 7: tile_dots_f(xp, xs, K, ng, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 6: tile_dots_f(xp, xs, K, ng, m0, rb, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 7: tile_dots_f(xp, xs, K, ng, m0, rb, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
 #endif
-    default: tile_dots_f(xp, xs, K, ng, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    default: tile_dots_f(xp, xs, K, ng, m0, rb, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
     }
 }
 #endif
@@ -972,10 +986,8 @@ static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, c
 #if defined(KVPILOT_ISA_AVX512) && defined(__AVX512BF16__)
 #define BF_TILES 1
 #define BF_TM 16 /* activation rows of a full pass over a tile: each tile vector's code expansion serves them all */
-/* Activation pairs are stored by blocks of bf_block(M) rows: for each such block and 32-block b of K, its
- * rows' 16 words each, one after another, so that a pass over a tile (which stays in one block) reads one
- * contiguous run per b. Rows K/2 words apart would share the cache's sets: at K = 2048 every row's line
- * falls in the same L1 set, and 16 rows exceed its ways. The last block is padded to the block's rows. */
+/* Activation pairs are stored by blocks of bf_block(M) rows (blk_at, as the float activations are; a pass
+ * of up to 16 rows stays in one block) */
 static inline long bf_block(long M) { return M < BF_TM ? M : BF_TM; }
 
 static uint32_t *bf_alloc(long M, long K) {
@@ -985,7 +997,7 @@ static uint32_t *bf_alloc(long M, long K) {
 
 /* the 16 words of row m, 32-block b (nb blocks a row; blocks of rb rows) */
 static inline uint32_t *bf_at(const uint32_t *xa, long nb, long rb, long m, long b) {
-    return (uint32_t *)xa + ((m / rb * nb + b) * rb + m % rb) * 16;
+    return (uint32_t *)xa + blk_at(nb, rb, m, b) * 16;
 }
 
 /* the activation pairs of the int4 tile (bf16 bits, first element low): per row and 32-block b of xp
@@ -996,7 +1008,7 @@ static uint32_t *bf_pairs(const float *xp, long M, long K, int num_threads) {
     if (!xa) return NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long i = 0; i < M * K / QB; i++) {
-        const float *x = xp + i * QB;
+        const float *x = xp + blk_at(K / QB, f_block(M), i / (K / QB), i % (K / QB)) * QB;
         uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
         for (int v = 0; v < 4; v++)
             for (int h = 0; h < 2; h++)
@@ -1015,7 +1027,7 @@ static uint32_t *bf_pairs8(const float *xp, long M, long K, int num_threads) {
     if (!xa) return NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long i = 0; i < M * K / QB; i++) {
-        const float *x = xp + i * QB;
+        const float *x = xp + blk_at(K / QB, f_block(M), i / (K / QB), i % (K / QB)) * QB;
         uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
         for (int j = 0; j < 16; j++)
             o[j] = (uint32_t)f32_to_bf16(x[2 * j]) | (uint32_t)f32_to_bf16(x[2 * j + 1]) << 16;
@@ -1197,7 +1209,7 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
                     tile_rows_bf(xa, xs, K, ng, m0, bf_block(M), mb, wt, wbits, gshift, st, mt, res, TR, pf);
                 else
 #endif
-                    tile_rows_f(xp, xs, K, ng, m0, mb, wt, wbits, gshift, st, mt, res, TR, pf);
+                    tile_rows_f(xp, xs, K, ng, m0, f_block(M), mb, wt, wbits, gshift, st, mt, res, TR, pf);
                 store_tile(res, m0, mb, t, N, bias, dtype, out);
                 m0 += mb;
             }
