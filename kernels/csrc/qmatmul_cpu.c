@@ -800,6 +800,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
     const long nb = K / QB;
     const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
     const long bpg = per_row ? nb : (1L << gshift);
+    const float *x0 = xp + blk_at(nb, rb, m0, 0) * QB; /* block b of the pass's rows: x0 + b rb QB */
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[TM], part[TM][C];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
@@ -809,7 +810,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
             if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
-            const float *xb = xp + blk_at(nb, rb, m0, b) * QB; /* row m0 + r: + QB r */
+            const float *xb = x0 + b * rb * QB; /* row m0 + r: + QB r */
             if (wbits == 4) {
                 for (int v = 0; v < 4; v++) {
                     const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
@@ -872,6 +873,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
     const long nb = K / QB;
     const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
     const long bpg = per_row ? nb : (1L << gshift);
+    const float *x0 = xp + blk_at(nb, rb, m0, 0) * QB; /* block b of the pass's rows: x0 + b rb QB */
     const __m256i nib = _mm256_set1_epi32(15);
     for (int h = 0; h < 2; h++) {
         __m256 acc[TM], part[TM][C];
@@ -882,7 +884,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
             for (long b = g0; b < g0 + bpg; b++) {
                 const uint8_t *p = wt + b * TR * bb + 32 * h;
                 if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
-                const float *xb = xp + blk_at(nb, rb, m0, b) * QB; /* row m0 + r: + QB r */
+                const float *xb = x0 + b * rb * QB; /* row m0 + r: + QB r */
                 if (wbits == 4) {
                     for (int v = 0; v < 4; v++) {
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64));
