@@ -56,13 +56,7 @@ def vllm_engine(args: argparse.Namespace, warm_prompt: list[int]) -> HttpServer:
     cfg: dict[str, Any] = {
         "argv": argv[1:],
         "env": {
-            k: env[k]
-            for k in (
-                "VLLM_CPU_OMP_THREADS_BIND",
-                "LD_PRELOAD",
-                "OMP_WAIT_POLICY",
-            )
-            if k in env
+            k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "OMP_WAIT_POLICY") if k in env
         },
         "weights": f"{model} (bfloat16 safetensors: the builtin GGUF converted by scripts/vllm_cpu.sh, or the "
         "directory a --model shape's GGUFs come from)",

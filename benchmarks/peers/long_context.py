@@ -7,8 +7,8 @@ For each prompt length (default 1,024, 4,096, 8,000 and 16,384 tokens of corpus 
 window per length so no prefix cache helps), each engine runs one greedy request with --output-tokens
 tokens (EOS ignored), the engines alternating per length (the order rotated) so both meet the same
 load. Figures per length and engine: TTFT (send to first token) and decode tokens/s (tokens after the
-first over the time from the first to the last); the summary has kvpilot / llama.cpp TTFT, decode
-ratios, and each engine's decode speed at 1k over its speed at the longest length (goal: within
+first over the time from the first to the last); the summary has kvpilot / each peer's TTFT and
+decode ratios, and each engine's decode speed at 1k over its speed at the longest length (goal: within
 1.5x). kvpilot runs in process (`LLMEngine`, no --quantization: runtime/load/defaults.py picks the
 GGUF's blocks with float32 activations), llama-server over HTTP with one slot sized for the longest
 prompt (its own defaults otherwise: F16 KV cache, its flash-attention setting), `vllm serve` (`--engines
