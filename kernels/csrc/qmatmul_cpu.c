@@ -1002,16 +1002,21 @@ static inline uint32_t *bf_at(const uint32_t *xa, long nb, long rb, long m, long
     return (uint32_t *)xa + blk_at(nb, rb, m, b) * 16;
 }
 
-/* the activation pairs of the int4 tile (bf16 bits, first element low): per row and 32-block b of xp
- * (storage order, already rounded to bf16), 16 words: for v in 0..3, (x[4v], x[4v+2]), (x[4v+1],
- * x[4v+3]), (x[16+4v], x[16+4v+2]), (x[16+4v+1], x[16+4v+3]), the codes' pairing in tile_dots_bf */
-static uint32_t *bf_pairs(const float *xp, long M, long K, int num_threads) {
+/* the activation pairs of the tiles (bf16 bits, first element low; xp already rounded to bf16), per row
+ * and 32-block b of xp, 16 words: int4, for v in 0..3, (x[4v], x[4v+2]), (x[4v+1], x[4v+3]), (x[16+4v],
+ * x[16+4v+2]), (x[16+4v+1], x[16+4v+3]), the codes' pairing in tile_dots_bf; int8, (x[2i], x[2i + 1]) */
+static uint32_t *bf_pairs(const float *xp, long M, long K, int wbits, int num_threads) {
     uint32_t *xa = bf_alloc(M, K);
     if (!xa) return NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
     for (long i = 0; i < M * K / QB; i++) {
         const float *x = xp + blk_at(K / QB, f_block(M), i / (K / QB), i % (K / QB)) * QB;
         uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
+        if (wbits == 8) {
+            for (int j = 0; j < 16; j++)
+                o[j] = (uint32_t)f32_to_bf16(x[2 * j]) | (uint32_t)f32_to_bf16(x[2 * j + 1]) << 16;
+            continue;
+        }
         for (int v = 0; v < 4; v++)
             for (int h = 0; h < 2; h++)
                 for (int j = 0; j < 2; j++) {
@@ -1023,21 +1028,8 @@ static uint32_t *bf_pairs(const float *xp, long M, long K, int num_threads) {
 }
 
 #define BF8_MIN_ROWS 3 /* rows of a pass from which the int8 tile takes vdpbf16ps (see above) */
-/* the int8 tile's activation pairs: per row and 32-block of xp, 16 words: (x[2i], x[2i + 1]) */
-static uint32_t *bf_pairs8(const float *xp, long M, long K, int num_threads) {
-    uint32_t *xa = bf_alloc(M, K);
-    if (!xa) return NULL;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= SETUP_PAR_MIN)
-    for (long i = 0; i < M * K / QB; i++) {
-        const float *x = xp + blk_at(K / QB, f_block(M), i / (K / QB), i % (K / QB)) * QB;
-        uint32_t *o = bf_at(xa, K / QB, bf_block(M), i / (K / QB), i % (K / QB));
-        for (int j = 0; j < 16; j++)
-            o[j] = (uint32_t)f32_to_bf16(x[2 * j]) | (uint32_t)f32_to_bf16(x[2 * j + 1]) << 16;
-    }
-    return xa;
-}
 
-/* tile_dots_f's contract on activation pairs xa (bf_pairs for int4, bf_pairs8 for int8: mb >=
+/* tile_dots_f's contract on activation pairs xa (bf_pairs; for int8 only passes of mb >=
  * BF8_MIN_ROWS), xs the per-group sums of the rounded activations (int4) */
 static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *xa, const float *xs, long K, long ng,
                                                                long m0, long rb, const int mb, const uint8_t *wt,
@@ -1176,7 +1168,7 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
     const uint32_t *xa = NULL;
 #if BF_TILES
     if (bf16 && (wbits == 4 || M >= BF8_MIN_ROWS)) {
-        xa = wbits == 4 ? bf_pairs(xp, M, K, num_threads) : bf_pairs8(xp, M, K, num_threads);
+        xa = bf_pairs(xp, M, K, wbits, num_threads);
         if (!xa) {
             free(xp), free(xs);
             return -3;
