@@ -522,6 +522,31 @@ def test_a_long_call_runs_in_row_blocks_that_change_no_sum(mode: str) -> None:
         torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["int8", "bf16", "float"])
+def test_the_tiled_kernels_sums_do_not_depend_on_the_thread_count(mode: str) -> None:
+    """Tiles go to the threads in runs taken as threads come free (dynamic scheduling: a preempted
+    thread holds back only its current run); each tile is one thread's whole work, so every output is
+    bit-identical at any thread count, more threads than cores and uneven tile counts included."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(15)
+    qws = [qlinear.quantize_int4(weight(16 * 37, 512), 32), qlinear.quantize_int8(weight(16 * 37, 512), 32)]
+    before = torch.get_num_threads()
+    try:
+        with switches.using(qmatmul_activations=mode):
+            for qw in qws:
+                t = qlinear.tile(qw)
+                for rows in (1, 7, 16, 53):
+                    x = torch.randn(rows, 512) * 4 + 1
+                    torch.set_num_threads(1)
+                    one = qlinear.kernel_matmul(x, t)
+                    for n in (2, 3, 7):
+                        torch.set_num_threads(n)
+                        assert torch.equal(qlinear.kernel_matmul(x, t), one), (mode, qw.bits, rows, n)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.usefixtures("bf16_qmatmul")
 def test_bf16_activations_on_every_path_of_matmul() -> None:
     """Under bf16 every route rounds the activations: the tiled kernel up to max_kernel_rows (every
