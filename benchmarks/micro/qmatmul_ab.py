@@ -18,6 +18,14 @@ real model's layers do not.
     python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations bf16 \
         --shapes 16384x2048,2048x8192,128256x2048 --rows 1,5,12,40,64,256     # Llama-3.2-1B's
 
+`--contend BUSY_MS,IDLE_MS` runs a co-tenant during the timings: another process that spins BUSY_MS
+and sleeps IDLE_MS in turn (an HTTP server's event loop, a neighbour container, a CPU quota's
+throttling), so that the OS preempts the call's threads now and then; the figures are then wall time
+and the median of the rounds (what a preemption costs is the point, not the best round):
+
+    python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations bf16 \
+        --threads 2 --contend 2,4 --rounds 15 --shapes 1536x576,3072x576,576x1536 --rows 1,16,64,1024
+
 Set KVPILOT_CPU_ISA=avx2 for the avx2 level on an AVX-512 CPU. Prints one JSON line per case.
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from functools import partial
@@ -55,6 +64,13 @@ def main() -> int:
         "kvpilot_qmatmul_tiled_float (float) or kvpilot_qmatmul_tiled_bf16 (bf16: the default path's on "
         "AVX512-BF16 CPUs); both builds must export it",
     )
+    ap.add_argument(
+        "--contend",
+        default="",
+        metavar="BUSY_MS,IDLE_MS",
+        help="a co-tenant process spinning BUSY_MS and sleeping IDLE_MS in turn during the timings "
+        "(wall time, median of the rounds)",
+    )
     args = ap.parse_args()
     entry = {"int8": "kvpilot_qmatmul_tiled", "float": "kvpilot_qmatmul_tiled_float"}.get(
         args.activations, "kvpilot_qmatmul_tiled_bf16"
@@ -68,8 +84,56 @@ def main() -> int:
         ap.error("--shapes: each NxK needs N a multiple of 16 (the tiled layout)")
     if not args.against.is_file():
         ap.error(f"--against: no such file {args.against}")
+    try:
+        busy_ms, idle_ms = (float(v) for v in args.contend.split(",")) if args.contend else (0.0, 0.0)
+    except ValueError:
+        ap.error(f"--contend: expected BUSY_MS,IDLE_MS (two numbers), got {args.contend!r}")
     torch.set_num_threads(args.threads)
     before = other_build(args.against, Path(tempfile.mkdtemp()))
+    tenant = co_tenant(busy_ms, idle_ms) if args.contend else None
+    try:
+        run_cases(args, shapes, rows, entry, before, tenant is not None)
+    finally:
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
+    print(
+        json.dumps(
+            {
+                "level": isa.selected(),
+                "threads": args.threads,
+                "entry": entry,
+                "clock": "wall" if args.threads > 1 or args.contend else "thread CPU time",
+                "statistic": "median" if args.contend else "best",
+                "rounds": args.rounds,
+                "contend_ms": [busy_ms, idle_ms] if args.contend else None,
+            }
+        )
+    )
+    return 0
+
+
+def co_tenant(busy_ms: float, idle_ms: float) -> subprocess.Popen[bytes]:
+    """A process that spins busy_ms and sleeps idle_ms in turn until killed."""
+    code = (
+        "import time\n"
+        "while True:\n"
+        "    t = time.perf_counter()\n"
+        f"    while time.perf_counter() - t < {busy_ms / 1e3}: pass\n"
+        f"    time.sleep({idle_ms / 1e3})\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def run_cases(
+    args: argparse.Namespace,
+    shapes: list[tuple[int, ...]],
+    rows: list[int],
+    entry: str,
+    before: object,
+    contended: bool,
+) -> None:
+    """Time each (shape, method, rows) case of both builds and print one JSON line each."""
     after = qlinear._library()
     gen = torch.Generator().manual_seed(0)
     for n, k in shapes:
@@ -88,8 +152,9 @@ def main() -> int:
                 secs = time_calls(
                     [partial(call, before, outs[0]), partial(call, after, outs[1])],
                     args.rounds,
-                    wall=args.threads > 1,
+                    wall=args.threads > 1 or contended,
                     budget_s=0.2,
+                    median=contended,
                 )
                 if args.activations != "float" and not torch.equal(outs[0], outs[1]):
                     raise SystemExit(f"{n}x{k} {method} M={m}: the two builds' outputs differ")
@@ -109,18 +174,6 @@ def main() -> int:
                     ),
                     flush=True,
                 )
-    print(
-        json.dumps(
-            {
-                "level": isa.selected(),
-                "threads": args.threads,
-                "entry": entry,
-                "clock": "wall" if args.threads > 1 else "thread CPU time",
-                "rounds": args.rounds,
-            }
-        )
-    )
-    return 0
 
 
 if __name__ == "__main__":

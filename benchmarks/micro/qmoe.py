@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -95,23 +96,25 @@ def qmoe_call(
     return out
 
 
-def time_calls(fns: list[Any], rounds: int, wall: bool, budget_s: float = 0.3) -> list[float]:
-    """Seconds per call of each fn: the best of `rounds` rounds (the fns in turn within a round) of
-    enough calls to fill about `budget_s`."""
+def time_calls(
+    fns: list[Any], rounds: int, wall: bool, budget_s: float = 0.3, median: bool = False
+) -> list[float]:
+    """Seconds per call of each fn: the best (`median`: the median) of `rounds` rounds (the fns in turn
+    within a round) of enough calls to fill about `budget_s`."""
     clock = time.perf_counter if wall else time.thread_time
     t0 = clock()
     fns[0]()
     once = max(clock() - t0, 1e-6)
     calls = max(1, int(budget_s / once))
-    best = [float("inf")] * len(fns)
+    per: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             fn()  # warm: the weights the other fn just streamed are no advantage of this one
             t0 = clock()
             for _ in range(calls):
                 fn()
-            best[i] = min(best[i], (clock() - t0) / calls)
-    return best
+            per[i].append((clock() - t0) / calls)
+    return [statistics.median(v) if median else min(v) for v in per]
 
 
 def main() -> int:

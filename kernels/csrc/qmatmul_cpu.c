@@ -491,16 +491,6 @@ static int tiled_args_bad(int dtype, int wbits, int group, const uint16_t *mins,
  * stays in each core's L2 (2 MiB on Zen 5) instead of streaming from memory once per tile */
 #define M_BLOCK_BYTES (1L << 20)
 
-/* Tiles are handed out in runs of tile_chunk (dynamic scheduling): a thread the OS preempts (another
- * process on the core, a container's CPU quota) holds back only its current run, where a static split
- * made every other thread wait at the region's end for its whole share. Each tile is one thread's
- * work either way, so the sums are the same whoever computes them. Runs of consecutive tiles keep a
- * thread's weight reads contiguous (the prefetch of the next tile lands in its own run). */
-static inline long tile_chunk(long tiles, int num_threads) {
-    const long c = tiles / (4L * (num_threads > 0 ? num_threads : 1));
-    return c < 1 ? 1 : c;
-}
-
 /* software prefetch in a stream of tiles: the codes `pf` bytes ahead and, where `scales`, the scales
  * (and mins) 16 blocks ahead, in the next tile past the last */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, long pf, int bytes,
@@ -707,8 +697,8 @@ int kvpilot_qmatmul_tiled(const void *x, int dtype, void *out, const void *bias,
     const int rc = q8_quantize(&acts, xf, M, K, wbits, group, num_threads);
     free(xf);
     if (rc) return rc;
-    const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group, chunk = tile_chunk(N / TR, num_threads);
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads)
+    const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (long t = 0; t < N / TR; t++) {
         const uint8_t *wt = w + t * TR * row_bytes;
         const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
@@ -1192,11 +1182,10 @@ static int tiled_float_run(float *xf, int dtype, void *out, const void *bias, lo
      * they would without blocks (the same sums in the same order) */
     const long act_row_bytes = xa ? K * 2 : K * (long)sizeof(float);
     const long mblk = M_BLOCK_BYTES / act_row_bytes < 48 ? 48 : M_BLOCK_BYTES / act_row_bytes / 48 * 48;
-    const long chunk = tile_chunk(N / TR, num_threads);
 #pragma omp parallel num_threads(num_threads)
     for (long b0 = 0; b0 < M; b0 += mblk) {
         const long mend = M - b0 < mblk ? M : b0 + mblk;
-#pragma omp for schedule(dynamic, chunk) nowait /* blocks write disjoint rows: no barrier between them */
+#pragma omp for schedule(static) nowait /* blocks write disjoint rows: no barrier between them */
         for (long t = 0; t < N / TR; t++) {
             const uint8_t *wt = w + t * TR * row_bytes;
             const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;

@@ -524,9 +524,9 @@ def test_a_long_call_runs_in_row_blocks_that_change_no_sum(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["int8", "bf16", "float"])
 def test_the_tiled_kernels_sums_do_not_depend_on_the_thread_count(mode: str) -> None:
-    """Tiles go to the threads in runs taken as threads come free (dynamic scheduling: a preempted
-    thread holds back only its current run); each tile is one thread's whole work, so every output is
-    bit-identical at any thread count, more threads than cores and uneven tile counts included."""
+    """Each tile is one thread's whole work (no sum is split between threads), so every output is
+    bit-identical at any thread count, more threads than cores and tile counts that do not divide
+    evenly included: a scheduling change cannot change an answer."""
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     torch.manual_seed(15)
