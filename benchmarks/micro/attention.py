@@ -8,7 +8,12 @@ tokens, no cached prefix), times one layer's attention call of:
   * torch-ref: kernels/attention.py's reference backend (gather the blocks, then SDPA),
   * dense-sdpa: torch SDPA over contiguous K/V (no paging at all): what torch's own fused CPU
     kernels reach for the same math, a practical bound for the paged versions.
-Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second.
+Prints JSON: ms per call, attention GFLOP/s and KV bytes read per second, and the roofline line of
+the C kernel's figure: its fraction of this CPU's float32 FMA peak at the kernel's ISA level and
+threads, measured in the same run (benchmarks/micro/fma_peak.c: the kernel's scores and P.V are
+float32 FMAs whatever the cache stores, so the FMA issue rate is the ceiling it can be held to;
+torch's float32 GEMM is no such ceiling on AMD CPUs, where it ran at ~100 GFLOP/s a thread against
+~240 for the FMAs, AMD EPYC Zen 5, 2026-12-05).
 
     python benchmarks/kernels_bench.py attention [--dtype bfloat16] [--threads 2] [--isa avx2] [--kernel-only]
     python benchmarks/kernels_bench.py attention --kernel-only --fast-only --threads 1 --dtype float32 \
@@ -45,6 +50,27 @@ HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M
 
 def best_ms(fn: Callable[[], Any], seconds: float = 1.0, repeats: int = 5) -> float:
     return wl.best_seconds(fn, seconds, repeats) * 1000
+
+
+def fma_peak_gflops(threads: int) -> float:
+    """Float32 FMA GFLOP/s of `threads` threads together at the kernels' ISA level (fma_peak.c, best of 3)."""
+    import ctypes
+
+    from kvpilot.kernels import cbuild, isa
+
+    flags = [
+        "-O3",
+        "-ffp-contract=fast",
+        "-fopenmp",
+        "-fPIC",
+        "-shared",
+        "-std=gnu11",
+        *isa.flags_for(isa.selected()),
+    ]
+    lib = ctypes.CDLL(str(cbuild.build(Path(__file__).with_name("fma_peak.c"), flags)))
+    lib.kvpilot_fma_peak.restype = ctypes.c_double
+    lib.kvpilot_fma_peak.argtypes = [ctypes.c_long, ctypes.c_int]
+    return round(threads * max(lib.kvpilot_fma_peak(20_000_000, threads) for _ in range(3)), 1)
 
 
 def make_case(
@@ -216,6 +242,13 @@ def main() -> int:
             ("prefill 4 x P=256", [256] * 4, [256] * 4),
         ]
     )
+    peak = fma_peak_gflops(args.threads)
+    results = [
+        run_case(name, ql, sl, dtype, args.kernel_only, args.fast_only, kv_dtype) for name, ql, sl in cases
+    ]
+    for r in results:
+        if "cpu-paged" in r:
+            r["cpu-paged"]["fraction_of_fma_peak"] = round(r["cpu-paged"]["gflops"] / peak, 3)
     doc = {
         "dtype": args.dtype,
         "kv_dtype": args.kv_dtype or args.dtype,
@@ -223,10 +256,8 @@ def main() -> int:
         "isa": isa.selected(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
-        "results": [
-            run_case(name, ql, sl, dtype, args.kernel_only, args.fast_only, kv_dtype)
-            for name, ql, sl in cases
-        ],
+        "fma_peak_gflops": peak,
+        "results": results,
     }
     print(json.dumps(doc, indent=2))
     return 0
