@@ -56,17 +56,9 @@ def fma_peak_gflops(threads: int) -> float:
     """Float32 FMA GFLOP/s of `threads` threads together at the kernels' ISA level (fma_peak.c, best of 3)."""
     import ctypes
 
-    from kvpilot.kernels import cbuild, isa
+    from kvpilot.kernels import cbuild, cpu_attention, isa
 
-    flags = [
-        "-O3",
-        "-ffp-contract=fast",
-        "-fopenmp",
-        "-fPIC",
-        "-shared",
-        "-std=gnu11",
-        *isa.flags_for(isa.selected()),
-    ]
+    flags = [*cpu_attention.CFLAGS, "-ffp-contract=fast", *isa.flags_for(isa.selected())]  # the kernel's own
     lib = ctypes.CDLL(str(cbuild.build(Path(__file__).with_name("fma_peak.c"), flags)))
     lib.kvpilot_fma_peak.restype = ctypes.c_double
     lib.kvpilot_fma_peak.argtypes = [ctypes.c_long, ctypes.c_int]

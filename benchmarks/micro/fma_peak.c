@@ -1,6 +1,6 @@
 /*
  * The float32 FMA rate this CPU gives a thread at the kernels' ISA level (benchmarks/micro/attention.py
- * builds it with the kernels' ISA flags): twelve independent chains of FMAs on full registers (16
+ * builds it with the attention kernel's flags): twelve independent chains of FMAs on full registers (16
  * lanes at avx512, 8 at avx2), enough to cover the FMA latency, so the figure is the issue rate: the
  * ceiling of a float32 kernel's arithmetic. Returns GFLOP/s per thread, the mean over `threads`
  * OpenMP threads running at once.
