@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvpilot.kernels import cpu_attention, cpu_ops, isa
@@ -47,3 +51,34 @@ def test_every_runnable_level_builds_what_it_names() -> None:
     for level in isa.runnable():
         assert cpu_attention.built_isa(level) == level
         assert cpu_ops.built_isa(level) == level
+
+
+def test_hidden_features_are_parsed_and_refused_by_name() -> None:
+    assert isa.hidden_features(" avx512_bf16, avx512_vnni ,") == {"avx512_bf16", "avx512_vnni"}
+    assert isa.hidden_features("") == frozenset()
+    with pytest.raises(ValueError, match="KVPILOT_CPU_HIDE_FEATURES: AVX512 is not a CPU feature name"):
+        isa.hidden_features("avx2,AVX512")
+
+
+def test_hidden_features_make_the_kernels_those_of_a_cpu_without_them() -> None:
+    """KVPILOT_CPU_HIDE_FEATURES (scripts/test.sh's AVX-512-without-BF16 run) reaches every decision:
+    the features, the build flags, the routing, and the built library's own macros."""
+    if not cpu_attention.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    code = (
+        "from kvpilot.kernels import cpu_moe, isa\n"
+        "f = isa.cpu_features()\n"
+        "assert not {'avx512_bf16', 'avx512_vnni'} & f, f\n"
+        "assert not {'-mavx512bf16', '-mavx512vnni'} & set(isa.flags_for('avx512'))\n"
+        "assert not isa.bf16_dot('avx512') and not isa.native_bf16('avx512')\n"
+        "if 'avx512' in isa.runnable():\n"
+        "    assert not cpu_moe.bf16_dot('avx512')  # the build's own __AVX512BF16__\n"
+        "print('ok', sorted(isa.runnable()))\n"
+    )
+    env = {**os.environ, isa.HIDE_ENV: "avx512_bf16,avx512_vnni"}
+    env.pop("KVPILOT_CPU_ISA", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok")
+    if {"avx512_bf16"} <= isa.cpu_features() and not os.environ.get(isa.HIDE_ENV):
+        assert isa.bf16_dot("avx512")  # unhidden, this CPU's build has it: the test above could fail
