@@ -388,10 +388,12 @@ VI v16 block_scales(const int dt, const uint16_t *scale, size_t blk, int Hkv, in
         default: CALL(4); break;                                                                               \
     }
 
+/* One segment's keys [s0, s1) (SEG-aligned) of a tile's rows: o the unnormalized P V (online softmax from a
+ * fresh state), mo / lo each row's running max and sum (seg_fold merges the segments) */
 VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
                   float *o /* [TROWS][64], 64-byte aligned */, const int *rctx /* [TROWS] keys each row may see */,
                   const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
-                  const int32_t *table, int Hkv, int h, int vhm) {
+                  const int32_t *table, int Hkv, int h, int vhm, int s0, int s1, float *mo, float *lo) {
     float sb[TROWS][TKC] __attribute__((aligned(64)));
     float m[TROWS], l[TROWS], corr[TROWS];
     const int small = R <= SMALL_R; /* a decode of G <= 4 query heads: its rows alone, QK_BLOCKS blocks a pass */
@@ -406,7 +408,8 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
         l[r] = 0.0f;
         for (int c = 0; c < FD; c += 16) vstore(o + r * FD + c, vzero());
     }
-    for (int c0 = 0; c0 < ctx_max; c0 += TKC) {
+    const int cend = ctx_max < s1 ? ctx_max : s1;
+    for (int c0 = s0; c0 < cend; c0 += TKC) {
         const int nk = ctx_max - c0 < TKC ? ctx_max - c0 : TKC; /* keys of this chunk any row sees */
         const int nbk = (nk + FBS - 1) / FBS;
         /* S = Q K^T: qrows rows and 1 block of 16 keys at a time (up to QK_BLOCKS for a decode) */
@@ -494,9 +497,37 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
                 pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, table, Hkv, h, vhm);
         }
     }
+    for (int r = 0; r < R; r++) mo[r] = m[r], lo[r] = l[r];
+}
+
+/* (M, L, O) of R rows, folded with one segment's (m, l, o): a row's segments in key order, by the same
+ * arithmetic whichever thread computed each; folded into the empty state (M = NEG_BIG, L = 0, O = 0) a
+ * segment passes through exactly, so a context of one segment is what the unsegmented loop gave */
+static inline void seg_fold(int R, float *M, float *L, float *O, const float *m, const float *l, const float *o) {
     for (int r = 0; r < R; r++) {
-        const v16 inv = vset1(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-        for (int c = 0; c < FD; c += 16) vstore(o + r * FD + c, vmul(vload(o + r * FD + c), inv));
+        const float mx = m[r] > M[r] ? m[r] : M[r];
+        const float a = M[r] == mx ? 1.0f : (M[r] == NEG_BIG ? 0.0f : expf(M[r] - mx));
+        const float b = m[r] == mx ? 1.0f : (m[r] == NEG_BIG ? 0.0f : expf(m[r] - mx));
+        const v16 va = vset1(a), vb = vset1(b);
+        for (int c = 0; c < FD; c += 16)
+            vstore(O + r * FD + c, vfmadd(vload(O + r * FD + c), va, vmul(vload(o + r * FD + c), vb)));
+        L[r] = L[r] * a + l[r] * b;
+        M[r] = mx;
+    }
+}
+
+static inline void seg_empty(int R, float *M, float *L, float *O) {
+    for (int r = 0; r < R; r++) {
+        M[r] = NEG_BIG, L[r] = 0.0f;
+        for (int c = 0; c < FD; c += 16) vstore(O + r * FD + c, vzero());
+    }
+}
+
+/* o = O / L, row by row (0 where a row saw no key) */
+static inline void seg_normalize(int R, const float *L, float *O) {
+    for (int r = 0; r < R; r++) {
+        const v16 inv = vset1(L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
+        for (int c = 0; c < FD; c += 16) vstore(O + r * FD + c, vmul(vload(O + r * FD + c), inv));
     }
 }
 
@@ -506,10 +537,11 @@ static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transpose
             kv_dtype == DT_FP8);
 }
 
-#define TILE_DT(dt) tile_item(dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm)
+#define TILE_DT(dt) \
+    tile_item(dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm, s0, s1, m, l)
 static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const int *rctx, const void *k_cache,
                           const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
-                          const int32_t *table, int Hkv, int h, int vhm) {
+                          const int32_t *table, int Hkv, int h, int vhm, int s0, int s1, float *m, float *l) {
     switch (kv_dtype) {
         case DT_F32: TILE_DT(DT_F32); break;
         case DT_BF16: TILE_DT(DT_BF16); break;
@@ -517,6 +549,134 @@ static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const 
         case DT_FP8: TILE_DT(DT_FP8); break;
         default: TILE_DT(DT_I8); break;
     }
+}
+
+/* A row's keys are taken in segments of SEG (a multiple of TKC) at absolute positions, each from a fresh
+ * online softmax, and the segments folded in key order (seg_fold): the same sums whether one thread
+ * runs a tile's segments in turn (tile_whole) or, when a call has few tiles for its threads (a decode of
+ * one or a few long sequences: 3 items for SmolLM2's 3 KV heads, whatever the cores), the segments are
+ * items of their own and folded after (tiles_split). A context of one segment is the unsegmented loop's
+ * result bit for bit. */
+#define SEG 1024
+#define SPLIT_ITEMS 4 /* (tile, head) items per thread under which the segments are split */
+#define SEG_REC (TROWS * FD + 2 * TROWS) /* one segment's partial result: o, then m, then l (floats) */
+
+typedef struct { /* the arguments of one kvpilot_paged_attention call the tiles read */
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const uint16_t *k_scale, *v_scale;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    int q_dtype, kv_dtype, vhm, max_blocks, G, Hq, Hkv;
+    float sm_scale;
+} att_call;
+
+/* unit u's query rows for kv head h as tile_item takes them (scaled; pad rows 0) and the keys each row
+ * may see (rising: the last row's is the tile's most); returns the rows R */
+static int tile_load(const att_call *c, const int32_t *u, int h, float *qs, int *rctx) {
+    const int b = u[0], t = u[1], R = u[2] * c->G;
+    const int qlen = c->query_start_loc[b + 1] - c->query_start_loc[b];
+    const int ctx = c->seq_lens[b] - qlen + (t - c->query_start_loc[b]) + 1; /* keys the first token may see */
+    memset(qs, 0, sizeof(float) * TROWS * FD);
+    for (int r = 0; r < R; r++) {
+        const int i = r / c->G, g = r % c->G;
+        load_row(c->q, c->q_dtype, ((size_t)(t + i) * c->Hq + (size_t)h * c->G + g) * FD, FD, 1.0f, qs + r * FD);
+        for (int d = 0; d < FD; d++) qs[r * FD + d] *= c->sm_scale;
+        rctx[r] = ctx + i;
+    }
+    return R;
+}
+
+static void tile_store(const att_call *c, const int32_t *u, int h, int R, const float *o) {
+    for (int r = 0; r < R; r++)
+        store_row(c->out, c->q_dtype, ((size_t)(u[1] + r / c->G) * c->Hq + (size_t)h * c->G + r % c->G) * FD, FD,
+                  o + r * FD);
+}
+
+static void tile_seg(const att_call *c, const int32_t *u, int h, int R, const float *qs, const int *rctx, int s0,
+                     float *o, float *m, float *l) {
+    tile_dispatch(c->kv_dtype, R, qs, o, rctx, c->k_cache, c->v_cache, c->k_scale, c->v_scale,
+                  c->block_tables + (size_t)u[0] * c->max_blocks, c->Hkv, h, c->vhm, s0, s0 + SEG, m, l);
+}
+
+static inline int tile_segs(const att_call *c, const int32_t *u) {
+    const int b = u[0], last = u[1] + u[2] - 1;
+    const int ctx = c->seq_lens[b] - (c->query_start_loc[b + 1] - c->query_start_loc[b]) +
+                    (last - c->query_start_loc[b]) + 1;
+    return (ctx + SEG - 1) / SEG;
+}
+
+/* unit u's attention for kv head h, its segments in turn on this thread */
+static void tile_whole(const att_call *c, const int32_t *u, int h) {
+    float qs[TROWS * FD] __attribute__((aligned(64))), o[TROWS * FD] __attribute__((aligned(64)));
+    float os[TROWS * FD] __attribute__((aligned(64)));
+    float M[TROWS], L[TROWS], ms[TROWS], ls[TROWS];
+    int rctx[TROWS];
+    const int R = tile_load(c, u, h, qs, rctx);
+    if (rctx[R - 1] <= SEG) { /* one segment: what folding it into the empty state gives, without the copy */
+        tile_seg(c, u, h, R, qs, rctx, 0, o, M, L);
+        seg_normalize(R, L, o);
+        tile_store(c, u, h, R, o);
+        return;
+    }
+    seg_empty(R, M, L, o);
+    for (int s0 = 0; s0 < rctx[R - 1]; s0 += SEG) {
+        tile_seg(c, u, h, R, qs, rctx, s0, os, ms, ls);
+        seg_fold(R, M, L, o, ms, ls, os);
+    }
+    seg_normalize(R, L, o);
+    tile_store(c, u, h, R, o);
+}
+
+/* (unit, head)'s segments folded in key order, normalized and stored */
+static void tile_fold(const att_call *c, const int32_t *u, int h, const float *recs /* its first segment's */,
+                      int nseg) {
+    const int R = u[2] * c->G;
+    float o[TROWS * FD] __attribute__((aligned(64)));
+    float M[TROWS], L[TROWS];
+    seg_empty(R, M, L, o);
+    for (int e = 0; e < nseg; e++) {
+        const float *rec = recs + (size_t)e * c->Hkv * SEG_REC;
+        seg_fold(R, M, L, o, rec + TROWS * FD, rec + TROWS * FD + TROWS, rec);
+    }
+    seg_normalize(R, L, o);
+    tile_store(c, u, h, R, o);
+}
+
+/* every (unit, head, segment) an item of its own, in one parallel region: the thread that finishes a
+ * (unit, head)'s last segment folds them (no barrier: a pause of OpenMP's passive wait costs more than
+ * a short decode's attention) */
+static int tiles_split(const att_call *c, const int32_t *units, long nunits, int num_threads) {
+    const int Hkv = c->Hkv;
+    long *first = (long *)malloc(sizeof(long) * (size_t)(nunits + 1));
+    if (!first) return -3;
+    first[0] = 0;
+    for (long n = 0; n < nunits; n++) first[n + 1] = first[n] + tile_segs(c, units + 4 * n);
+    const long E = first[nunits];
+    int32_t *unit_of = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E > 0 ? E : 1));
+    int *done = (int *)calloc((size_t)(nunits * Hkv > 0 ? nunits * Hkv : 1), sizeof(int));
+    float *part = (float *)aligned_alloc(64, sizeof(float) * SEG_REC * (size_t)(E * Hkv > 0 ? E * Hkv : 1));
+    if (!unit_of || !done || !part) {
+        free(first), free(unit_of), free(done), free(part);
+        return -3;
+    }
+    for (long n = 0; n < nunits; n++)
+        for (long e = first[n]; e < first[n + 1]; e++) unit_of[e] = (int32_t)n;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (long it = 0; it < E * Hkv; it++) {
+        const long e = it / Hkv, n = unit_of[e];
+        const int h = (int)(it % Hkv), nseg = (int)(first[n + 1] - first[n]);
+        const int32_t *u = units + 4 * n;
+        float qs[TROWS * FD] __attribute__((aligned(64)));
+        int rctx[TROWS];
+        const int R = tile_load(c, u, h, qs, rctx);
+        float *rec = part + it * SEG_REC;
+        tile_seg(c, u, h, R, qs, rctx, (int)(e - first[n]) * SEG, rec, rec + TROWS * FD, rec + TROWS * FD + TROWS);
+        /* acquire-release: the last to finish sees every other segment's writes */
+        if (__atomic_add_fetch(&done[n * Hkv + h], 1, __ATOMIC_ACQ_REL) == nseg)
+            tile_fold(c, u, h, part + (first[n] * Hkv + h) * SEG_REC, nseg);
+    }
+    free(first), free(unit_of), free(done), free(part);
+    return 0;
 }
 #else
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
@@ -563,6 +723,18 @@ int kvpilot_paged_attention(
         }
     }
     const long items = nunits * Hkv;
+#if defined(KVPILOT_FAST)
+    const att_call call = {q,        k_cache,         v_cache,  out, k_scale,  v_scale, block_tables, query_start_loc,
+                           seq_lens, q_dtype,         kv_dtype, v_head_major, max_blocks, G, Hq, Hkv, sm_scale};
+    int segs = 1; /* the most segments of any tile */
+    for (long n = 0; fast && items < SPLIT_ITEMS * (long)num_threads && n < nunits; n++)
+        segs = tile_segs(&call, units + 4 * n) > segs ? tile_segs(&call, units + 4 * n) : segs;
+    if (segs > 1) { /* few items for the threads, and segments to split them into */
+        const int rc = tiles_split(&call, units, nunits, num_threads);
+        free(units);
+        return rc;
+    }
+#endif
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (long it = 0; it < items; it++) {
@@ -575,20 +747,7 @@ int kvpilot_paged_attention(
         const int32_t *table = block_tables + (size_t)b * max_blocks;
 #if defined(KVPILOT_FAST)
         if (u[3]) {
-            const int nt = u[2], R = nt * G;
-            float qs[TROWS * FD] __attribute__((aligned(64))), o[TROWS * FD] __attribute__((aligned(64)));
-            int rctx[TROWS];
-            memset(qs, 0, sizeof(qs));
-            for (int r = 0; r < R; r++) {
-                const int i = r / G, g = r % G;
-                load_row(q, q_dtype, ((size_t)(t + i) * Hq + (size_t)h * G + g) * D, D, 1.0f, qs + r * FD);
-                for (int d = 0; d < D; d++) qs[r * FD + d] *= sm_scale;
-                rctx[r] = ctx + i;
-            }
-            tile_dispatch(kv_dtype, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h,
-                          v_head_major);
-            for (int r = 0; r < R; r++)
-                store_row(out, q_dtype, ((size_t)(t + r / G) * Hq + (size_t)h * G + r % G) * D, D, o + r * FD);
+            tile_whole(&call, u, h);
             continue;
         }
 #endif

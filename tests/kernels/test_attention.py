@@ -447,3 +447,42 @@ def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(
         parts.append(cpu_attention.paged_attention(q[start : start + n], cache, chunk, 0.125, level=level))
         start += n
     assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize("level", FAST_LEVELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_long_context_in_segments_attends_alike_on_any_schedule(level: str, dtype: torch.dtype) -> None:
+    """Keys are taken in segments of 1,024 folded in key order: a 2,600-token prompt's last tokens
+    attend bit for bit alike in one step (many tiles: each tile's segments in turn on one thread) and
+    as decodes and a short chunk (three items for two threads: the segments split across threads and
+    folded after), at any thread count, and as the reference does."""
+    if not cpu_attention.available(level):
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    n = 2600
+    want, q, cache, meta = _paged_step(9, 3, [0], [n], dtype, seed=9)
+    whole = cpu_attention.paged_attention(q, cache, meta, 64**-0.5, level=level)
+    torch.testing.assert_close(whole.float(), want, atol=2e-2, rtol=2e-2)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            parts, start = [], n - 11
+            for size in (1, 1, 8, 1):
+                chunk = AttentionMetadata(
+                    slot_mapping=meta.slot_mapping[start : start + size],
+                    query_start_loc=torch.tensor([0, size], dtype=torch.int32),
+                    seq_lens=torch.tensor([start + size], dtype=torch.int32),
+                    block_tables=meta.block_tables,
+                    query_lens_cpu=[size],
+                    seq_lens_cpu=[start + size],
+                    max_query_len=size,
+                    max_seq_len=start + size,
+                )
+                got = cpu_attention.paged_attention(
+                    q[start : start + size], cache, chunk, 64**-0.5, level=level
+                )
+                parts.append(got)
+                start += size
+            assert torch.equal(torch.cat(parts), whole[n - 11 :]), threads
+    finally:
+        torch.set_num_threads(before)
