@@ -557,9 +557,9 @@ static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const 
  * one or a few long sequences: 3 items for SmolLM2's 3 KV heads, whatever the cores), the segments are
  * items of their own and folded after (tiles_split). A context of one segment is the unsegmented loop's
  * result bit for bit. */
-#define SEG 1024
+#define SEG 512
 #define SPLIT_ITEMS 4 /* (tile, head) items per thread under which the segments are split */
-#define SEG_REC (TROWS * FD + 2 * TROWS) /* one segment's partial result: o, then m, then l (floats) */
+#define SPLIT_SEGS 4  /* ... when a tile has this many segments: below, the split's cost (~5 us) outweighs it */
 
 typedef struct { /* the arguments of one kvpilot_paged_attention call the tiles read */
     const void *q, *k_cache, *v_cache;
@@ -627,16 +627,46 @@ static void tile_whole(const att_call *c, const int32_t *u, int h) {
     tile_store(c, u, h, R, o);
 }
 
+/* One segment's partial result in the split's scratch: o [rows_o][64] (the rows tile_item writes: R up
+ * to its last row group), then m [R], then l [R]; `rec` floats a record, a multiple of 16 (64-byte
+ * aligned records) */
+typedef struct {
+    long rows_o, rmax, rec;
+} seg_layout;
+
+static seg_layout seg_layout_for(int rmax) {
+    const int groups = QK_ROWS > PV_ROWS ? QK_ROWS : PV_ROWS; /* tile_item's row groups pad R up to these */
+    long rows_o = (rmax + groups - 1) / groups * groups;
+    rows_o = rows_o < TROWS ? rows_o : TROWS;
+    if (rmax <= SMALL_R) rows_o = rmax; /* a decode's rows alone */
+    const seg_layout lay = {rows_o, rmax, (rows_o * FD + 2 * rmax + 15) / 16 * 16};
+    return lay;
+}
+
+/* the split's partial results: a buffer per calling thread that grows and is kept, so that a decode's
+ * calls (one a layer) neither allocate nor touch fresh pages */
+static float *split_scratch(size_t floats) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        free(buf);
+        const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+        buf = (float *)aligned_alloc(64, bytes);
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
 /* (unit, head)'s segments folded in key order, normalized and stored */
 static void tile_fold(const att_call *c, const int32_t *u, int h, const float *recs /* its first segment's */,
-                      int nseg) {
+                      int nseg, seg_layout lay) {
     const int R = u[2] * c->G;
     float o[TROWS * FD] __attribute__((aligned(64)));
     float M[TROWS], L[TROWS];
     seg_empty(R, M, L, o);
     for (int e = 0; e < nseg; e++) {
-        const float *rec = recs + (size_t)e * c->Hkv * SEG_REC;
-        seg_fold(R, M, L, o, rec + TROWS * FD, rec + TROWS * FD + TROWS, rec);
+        const float *rec = recs + (size_t)e * c->Hkv * lay.rec;
+        seg_fold(R, M, L, o, rec + lay.rows_o * FD, rec + lay.rows_o * FD + lay.rmax, rec);
     }
     seg_normalize(R, L, o);
     tile_store(c, u, h, R, o);
@@ -652,11 +682,14 @@ static int tiles_split(const att_call *c, const int32_t *units, long nunits, int
     first[0] = 0;
     for (long n = 0; n < nunits; n++) first[n + 1] = first[n] + tile_segs(c, units + 4 * n);
     const long E = first[nunits];
+    int rmax = 1;
+    for (long n = 0; n < nunits; n++) rmax = units[4 * n + 2] * c->G > rmax ? units[4 * n + 2] * c->G : rmax;
+    const seg_layout lay = seg_layout_for(rmax);
     int32_t *unit_of = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E > 0 ? E : 1));
     int *done = (int *)calloc((size_t)(nunits * Hkv > 0 ? nunits * Hkv : 1), sizeof(int));
-    float *part = (float *)aligned_alloc(64, sizeof(float) * SEG_REC * (size_t)(E * Hkv > 0 ? E * Hkv : 1));
+    float *part = split_scratch((size_t)(lay.rec * (E * Hkv > 0 ? E * Hkv : 1)));
     if (!unit_of || !done || !part) {
-        free(first), free(unit_of), free(done), free(part);
+        free(first), free(unit_of), free(done);
         return -3;
     }
     for (long n = 0; n < nunits; n++)
@@ -669,13 +702,14 @@ static int tiles_split(const att_call *c, const int32_t *units, long nunits, int
         float qs[TROWS * FD] __attribute__((aligned(64)));
         int rctx[TROWS];
         const int R = tile_load(c, u, h, qs, rctx);
-        float *rec = part + it * SEG_REC;
-        tile_seg(c, u, h, R, qs, rctx, (int)(e - first[n]) * SEG, rec, rec + TROWS * FD, rec + TROWS * FD + TROWS);
+        float *rec = part + it * lay.rec;
+        tile_seg(c, u, h, R, qs, rctx, (int)(e - first[n]) * SEG, rec, rec + lay.rows_o * FD,
+                 rec + lay.rows_o * FD + lay.rmax);
         /* acquire-release: the last to finish sees every other segment's writes */
         if (__atomic_add_fetch(&done[n * Hkv + h], 1, __ATOMIC_ACQ_REL) == nseg)
-            tile_fold(c, u, h, part + (first[n] * Hkv + h) * SEG_REC, nseg);
+            tile_fold(c, u, h, part + (first[n] * Hkv + h) * lay.rec, nseg, lay);
     }
-    free(first), free(unit_of), free(done), free(part);
+    free(first), free(unit_of), free(done);
     return 0;
 }
 #else
@@ -729,7 +763,7 @@ int kvpilot_paged_attention(
     int segs = 1; /* the most segments of any tile */
     for (long n = 0; fast && items < SPLIT_ITEMS * (long)num_threads && n < nunits; n++)
         segs = tile_segs(&call, units + 4 * n) > segs ? tile_segs(&call, units + 4 * n) : segs;
-    if (segs > 1) { /* few items for the threads, and segments to split them into */
+    if (segs >= SPLIT_SEGS) { /* few items for the threads, and enough keys to split them */
         const int rc = tiles_split(&call, units, nunits, num_threads);
         free(units);
         return rc;

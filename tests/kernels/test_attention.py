@@ -452,7 +452,7 @@ def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(
 @pytest.mark.parametrize("level", FAST_LEVELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_a_long_context_in_segments_attends_alike_on_any_schedule(level: str, dtype: torch.dtype) -> None:
-    """Keys are taken in segments of 1,024 folded in key order: a 2,600-token prompt's last tokens
+    """Keys are taken in segments of 512 folded in key order: a 2,600-token prompt's last tokens
     attend bit for bit alike in one step (many tiles: each tile's segments in turn on one thread) and
     as decodes and a short chunk (three items for two threads: the segments split across threads and
     folded after), at any thread count, and as the reference does."""
