@@ -396,6 +396,20 @@ def test_prefill_tiles_match_reference(level: str, dtype: torch.dtype, heads: tu
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+def _chunk_of(meta: AttentionMetadata, start: int, n: int) -> AttentionMetadata:
+    """One sequence's tokens start..start + n of a whole-prompt step `meta`, as a step of their own."""
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[start : start + n],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([start + n], dtype=torch.int32),
+        block_tables=meta.block_tables,
+        query_lens_cpu=[n],
+        seq_lens_cpu=[start + n],
+        max_query_len=n,
+        max_seq_len=start + n,
+    )
+
+
 @pytest.mark.parametrize("level", FAST_LEVELS)
 @pytest.mark.parametrize(
     "dtype,heads,chunks",
@@ -434,16 +448,7 @@ def test_a_prompt_in_chunks_attends_exactly_as_in_one_step(
     whole = cpu_attention.paged_attention(q, cache, meta, 0.125, level=level)
     parts, start = [], 0
     for n in chunks:
-        chunk = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[start : start + n],
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n], dtype=torch.int32),
-            block_tables=meta.block_tables,
-            query_lens_cpu=[n],
-            seq_lens_cpu=[start + n],
-            max_query_len=n,
-            max_seq_len=start + n,
-        )
+        chunk = _chunk_of(meta, start, n)
         parts.append(cpu_attention.paged_attention(q[start : start + n], cache, chunk, 0.125, level=level))
         start += n
     assert torch.equal(torch.cat(parts), whole)
@@ -468,16 +473,7 @@ def test_a_long_context_in_segments_attends_alike_on_any_schedule(level: str, dt
             torch.set_num_threads(threads)
             parts, start = [], n - 11
             for size in (1, 1, 8, 1):
-                chunk = AttentionMetadata(
-                    slot_mapping=meta.slot_mapping[start : start + size],
-                    query_start_loc=torch.tensor([0, size], dtype=torch.int32),
-                    seq_lens=torch.tensor([start + size], dtype=torch.int32),
-                    block_tables=meta.block_tables,
-                    query_lens_cpu=[size],
-                    seq_lens_cpu=[start + size],
-                    max_query_len=size,
-                    max_seq_len=start + size,
-                )
+                chunk = _chunk_of(meta, start, size)
                 got = cpu_attention.paged_attention(
                     q[start : start + size], cache, chunk, 64**-0.5, level=level
                 )
