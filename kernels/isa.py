@@ -37,37 +37,24 @@ _NEEDS = {
 }
 
 
-# feature flags to treat as absent (comma-separated /proc/cpuinfo names): the kernels, their build flags
-# and every routing decision then take the paths of a CPU without them, as KVPILOT_CPU_ISA takes a lower
-# level; scripts/test.sh runs the kernel-sensitive tests as an AVX-512 CPU without BF16 and VNNI
-# (Skylake-X class) this way
-HIDE_ENV = "KVPILOT_CPU_HIDE_FEATURES"
+HIDE_ENV = switches.HIDE_FEATURES_ENV
 
 
 @cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read), less the
-    ones KVPILOT_CPU_HIDE_FEATURES names."""
+    ones KVPILOT_CPU_HIDE_FEATURES names (kernels/switches.py: the kernels then build and route as on a
+    CPU without them)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
     have = frozenset(line.partition(":")[2].split())
-    hidden = hidden_features(os.environ.get(HIDE_ENV, ""))
+    hidden = switches.hidden_features(os.environ.get(HIDE_ENV, ""))
     if hidden & have:
         log.info("CPU features hidden by %s: %s", HIDE_ENV, ", ".join(sorted(hidden & have)))
     return have - hidden
-
-
-def hidden_features(value: str) -> frozenset[str]:
-    """The feature names of a KVPILOT_CPU_HIDE_FEATURES value; a name that is not a /proc/cpuinfo flag's
-    form (lowercase letters, digits, underscores) is refused naming the variable."""
-    names = frozenset(v.strip() for v in value.split(",") if v.strip())
-    bad = sorted(n for n in names if not all(c.islower() or c.isdigit() or c == "_" for c in n))
-    if bad:
-        raise ValueError(f"{HIDE_ENV}: {', '.join(bad)} is not a CPU feature name as /proc/cpuinfo writes it")
-    return names
 
 
 def is_x86() -> bool:

@@ -79,6 +79,25 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
 assert {f for f, _ in ENVIRONMENT.values()} == {f.name for f in fields(KernelSwitches)}
 
 
+# CPU feature flags to treat as absent (comma-separated /proc/cpuinfo names), read by kernels/isa.py's
+# cpu_features for the whole process: the kernels' builds and every routing decision then follow a CPU
+# without them, as KVPILOT_CPU_ISA takes a lower level (scripts/test.sh runs the kernel-sensitive tests
+# as an AVX-512 CPU without BF16 and VNNI this way). Validated with the switches (resolve).
+HIDE_FEATURES_ENV = "KVPILOT_CPU_HIDE_FEATURES"
+
+
+def hidden_features(value: str) -> frozenset[str]:
+    """Pure: the feature names of a KVPILOT_CPU_HIDE_FEATURES value; a name that is not a /proc/cpuinfo
+    flag's form (lowercase letters, digits, underscores) raises ValueError naming the variable."""
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
+    bad = sorted(n for n in names if not all(c.islower() or c.isdigit() or c == "_" for c in n))
+    if bad:
+        raise ValueError(
+            f"{HIDE_FEATURES_ENV}={value!r}: {', '.join(bad)} is not a CPU feature name as /proc/cpuinfo writes it"
+        )
+    return names
+
+
 def from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
     """Pure: the overrides `environ` sets, by field. A value a variable does not take raises
     ValueError naming the variable and the values it takes."""
@@ -87,7 +106,9 @@ def from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def resolve(configured: KernelSwitches | None = None) -> KernelSwitches:
     """`configured` (from EngineConfig; default: the defaults) with the process environment's
-    overrides: the one place that reads the environment for the kernels."""
+    overrides: the one place that reads the environment for the kernels (KVPILOT_CPU_HIDE_FEATURES
+    validated here too)."""
+    hidden_features(os.environ.get(HIDE_FEATURES_ENV, ""))
     return replace(configured or KernelSwitches(), **from_environ(os.environ))
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvpilot.kernels import cpu_attention, cpu_ops, isa
+from kvpilot.kernels import cpu_attention, cpu_ops, isa, switches
 from tests.needs import missing
 
 AVX512_CPU = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx2", "fma", "f16c", "avx512_bf16"}
@@ -53,11 +53,16 @@ def test_every_runnable_level_builds_what_it_names() -> None:
         assert cpu_ops.built_isa(level) == level
 
 
-def test_hidden_features_are_parsed_and_refused_by_name() -> None:
-    assert isa.hidden_features(" avx512_bf16, avx512_vnni ,") == {"avx512_bf16", "avx512_vnni"}
-    assert isa.hidden_features("") == frozenset()
-    with pytest.raises(ValueError, match="KVPILOT_CPU_HIDE_FEATURES: AVX512 is not a CPU feature name"):
-        isa.hidden_features("avx2,AVX512")
+def test_hidden_features_are_parsed_and_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert switches.hidden_features(" avx512_bf16, avx512_vnni ,") == {"avx512_bf16", "avx512_vnni"}
+    assert switches.hidden_features("") == frozenset()
+    with pytest.raises(ValueError, match="KVPILOT_CPU_HIDE_FEATURES='avx2,AVX512': AVX512 is not a CPU"):
+        switches.hidden_features("avx2,AVX512")
+    monkeypatch.setenv(
+        switches.HIDE_FEATURES_ENV, "avx512-bf16"
+    )  # refused where the engine resolves its switches
+    with pytest.raises(ValueError, match="KVPILOT_CPU_HIDE_FEATURES='avx512-bf16'"):
+        switches.resolve()
 
 
 def test_hidden_features_make_the_kernels_those_of_a_cpu_without_them() -> None:
