@@ -43,6 +43,10 @@ MODEL = "smol"
 SLOTS = 4  # maxNumSeqs: the router's capacity per pod
 RUNTIME_FLAGS = ("--device", "cpu", "--kv-cache-memory", "48MiB", "--threads", "1")
 MAX_TOKENS = 16
+# the burst's answers: long enough that a request queued before the new replica is Ready is still
+# waiting when the router has discovered it (at 16 tokens the queue turned over in ~0.3 s on a fast
+# CPU, less than the discovery can take on a loaded machine, and the backlog had left before)
+BURST_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +200,7 @@ def test_router_wakes_a_model_from_zero_and_a_new_replica_takes_the_queued_burst
                 lambda: [rt.url],
                 MODEL,
                 concurrency=3 * SLOTS,
-                max_tokens=MAX_TOKENS,
+                max_tokens=BURST_TOKENS,
                 stop=pod2_busy,
                 max_s=240,
             )
