@@ -37,9 +37,6 @@ _NEEDS = {
 }
 
 
-HIDE_ENV = switches.HIDE_FEATURES_ENV
-
-
 @cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read), less the
@@ -51,9 +48,11 @@ def cpu_features() -> frozenset[str]:
         return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
     have = frozenset(line.partition(":")[2].split())
-    hidden = switches.hidden_features(os.environ.get(HIDE_ENV, ""))
+    hidden = switches.hidden_features(os.environ.get(switches.HIDE_FEATURES_ENV, ""))
     if hidden & have:
-        log.info("CPU features hidden by %s: %s", HIDE_ENV, ", ".join(sorted(hidden & have)))
+        log.info(
+            "CPU features hidden by %s: %s", switches.HIDE_FEATURES_ENV, ", ".join(sorted(hidden & have))
+        )
     return have - hidden
 
 

@@ -761,8 +761,10 @@ int kvpilot_paged_attention(
     const att_call call = {q,        k_cache,         v_cache,  out, k_scale,  v_scale, block_tables, query_start_loc,
                            seq_lens, q_dtype,         kv_dtype, v_head_major, max_blocks, G, Hq, Hkv, sm_scale};
     int segs = 1; /* the most segments of any tile */
-    for (long n = 0; fast && items < SPLIT_ITEMS * (long)num_threads && n < nunits; n++)
-        segs = tile_segs(&call, units + 4 * n) > segs ? tile_segs(&call, units + 4 * n) : segs;
+    for (long n = 0; fast && items < SPLIT_ITEMS * (long)num_threads && n < nunits; n++) {
+        const int sn = tile_segs(&call, units + 4 * n);
+        segs = sn > segs ? sn : segs;
+    }
     if (segs >= SPLIT_SEGS) { /* few items for the threads, and enough keys to split them */
         const int rc = tiles_split(&call, units, nunits, num_threads);
         free(units);

@@ -80,10 +80,10 @@ def test_hidden_features_make_the_kernels_those_of_a_cpu_without_them() -> None:
         "    assert not cpu_moe.bf16_dot('avx512')  # the build's own __AVX512BF16__\n"
         "print('ok', sorted(isa.runnable()))\n"
     )
-    env = {**os.environ, isa.HIDE_ENV: "avx512_bf16,avx512_vnni"}
+    env = {**os.environ, switches.HIDE_FEATURES_ENV: "avx512_bf16,avx512_vnni"}
     env.pop("KVPILOT_CPU_ISA", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("ok")
-    if {"avx512_bf16"} <= isa.cpu_features() and not os.environ.get(isa.HIDE_ENV):
+    if {"avx512_bf16"} <= isa.cpu_features() and not os.environ.get(switches.HIDE_FEATURES_ENV):
         assert isa.bf16_dot("avx512")  # unhidden, this CPU's build has it: the test above could fail
