@@ -20,7 +20,8 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    cut) (the model is optimistic there), L and the cut read from the requests the fleet served whole
    (those judged a request span after the last step took effect: the others began on a smaller fleet,
    which the step answers) and the cut sized like the step but on the misses less CUT_Z standard
-   deviations (it is remembered; a step is not). The bounds are loads, not ratios to the model: the model's
+   deviations (a step answers one sync; a cut is remembered, unless its misses neither prove it nor
+   agree with the floor: see below). The bounds are loads, not ratios to the model: the model's
    capacity swings with the token mix (fourfold over the Mooncake trace, where one fixed fleet
    serves all of it), and a ratio multiplies that swing; a bound caps it. A miss below the floor
    drops the floor to the new ceiling (the workload got heavier); headroom while running within
@@ -304,7 +305,14 @@ def evaluate(
         ):
             cut = proven_step(served.counts.missed, served.counts.total, budget, s.gain, s.max_step, CUT_Z)
             ceiling = served_load * (1.0 - cut)
-            miss_load, miss_ceiling, miss_at = served_load, ceiling, now
+            # Remembered (the probe stops at this load for miss_memory_s) unless the misses neither
+            # prove a shortfall at CUT_Z nor agree with what was measured: an unproven miss below a
+            # load the fleet served with headroom (the floor) may be noise or a heavier mix (more
+            # misses would prove that, and be remembered); held there, 2 late of 50 at half the floor
+            # kept a fleet at 182% of the fixed fleet's replica-hours for 30 minutes. It still sets
+            # the ceiling (and the floor) at the load that missed; the probe may take it back.
+            if cut > 0.0 or floor is None or served_load >= floor:
+                miss_load, miss_ceiling, miss_at = served_load, ceiling, now
             if floor is not None and floor > ceiling:
                 floor = ceiling  # proven at a lighter workload than now
         fresh_since = now + settle_s

@@ -279,6 +279,27 @@ def test_the_probe_stops_at_a_load_that_missed_while_it_is_remembered():
     assert outran.miss_load is None and outran.capacity_floor == pytest.approx((ceiling or 0) * 1.05)
 
 
+def test_an_unproven_cut_below_the_floor_is_not_remembered():
+    # 2 late of 50 at 0.25 req/s per replica, where the model says 0.5 and the fleet had served 0.45
+    # with headroom (the floor): enough to grow the fleet, but less two standard deviations no miss is
+    # left to size a cut on, and the floor says otherwise. The ceiling (and the floor) come down to
+    # the load that missed, and the probe may take it back; held there for miss_memory_s, such a cut
+    # kept a fleet at 182% of the fixed fleet's replica-hours for half an hour (fleet_battery seed 31).
+    missed = _state((NOW, SloCounts(met=48, missed_tpot=2), 0.25), capacity_floor=0.45)
+    fb = evaluate(missed, NOW, 4, 4, SETTINGS, 0.5, 10)
+    assert fb.recommendation is not None and fb.recommendation > 4
+    assert fb.state.capacity_ceiling == pytest.approx(0.25) and fb.state.capacity_floor == pytest.approx(0.25)
+    assert fb.state.miss_load is None
+    t = NOW + 15
+    ok = replace(fb.state, intervals=(SloInterval(t, 15.0, SloCounts(met=300), 0.25),), time=t)
+    assert evaluate(ok, t, 5, 5, SETTINGS, 0.5, 10).state.capacity_ceiling == pytest.approx(0.25 * 1.03)
+    # the same misses with no floor above them (nothing measured contradicts them), or proven: remembered
+    for state in (replace(missed, capacity_floor=0.2), replace(missed, capacity_floor=None)):
+        assert evaluate(state, NOW, 4, 4, SETTINGS, 0.5, 10).state.miss_load == pytest.approx(0.25)
+    proven = _state((NOW, SloCounts(met=180, missed_tpot=20), 0.25), capacity_floor=0.45)
+    assert evaluate(proven, NOW, 4, 4, SETTINGS, 0.5, 10).state.miss_load == pytest.approx(0.25)
+
+
 def test_below_target_but_not_yet_significant_steps_the_capacity_down():
     # 98.5% over 200 requests at 3 req/s per replica, the planner sizing at 3: within noise of a 1%
     # budget (no step), but below target while running as sized: the capacity steps down 3%.
