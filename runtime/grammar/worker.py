@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -39,8 +40,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import IO, Any
@@ -61,6 +61,7 @@ STARTUP_TIMEOUT_S = 120.0  # a worker's start (the forkserver's first import of 
 _WARNING = re.compile(r"Warning: (.*)")
 _MEMORY = "memory"  # a job's answer when the compile ran out of its memory limit
 _PR_SET_PDEATHSIG = 1
+_EXIT_NO_ANSWER = 70  # EX_SOFTWARE: the vet thread died without an answer
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,33 @@ def _answer(compiler: Any, job: tuple[GuidedKind, str, str], vocab_size: int) ->
         return _MEMORY if "bad_alloc" in str(e) else f"the grammar engine refused it: {e}"
 
 
+_NO_ANSWER = "no answer"  # the vet thread ended without storing one
+
+
+def answer_on_thread(fn: Callable[[], str | None]) -> str | None:
+    """`fn()` on a fresh thread (the server compiles on a thread too: the same stack size for the
+    same input), with a MemoryError anywhere in it answered as `_MEMORY`.
+
+    Not a ThreadPoolExecutor: when the compile has used the memory limit up, the executor's own
+    bookkeeping (setting the future's exception) can raise MemoryError in turn; its thread then
+    dies with the future unresolved and a `.result()` waits forever, so a compile that ran out of
+    memory was reported as one that ran out of time. Here the thread stores its answer into a slot
+    that exists before it starts (no allocation), and `join` returns however the thread ended;
+    `_NO_ANSWER` when it ended without one (an exception nothing here expects)."""
+    box: list[str | None] = [_NO_ANSWER]
+
+    def target() -> None:
+        try:
+            box[0] = fn()
+        except MemoryError:
+            box[0] = _MEMORY
+
+    thread = threading.Thread(target=target, name="kvpilot-grammar-vet", daemon=True)
+    thread.start()
+    thread.join()
+    return box[0]
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent (the forkserver, which ends with the server)
     does, so that no compile outlives the server."""
@@ -156,8 +184,6 @@ def worker_main(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     _limit_memory(memory_bytes)
-    # jobs run on a thread, like the server's compile: the same stack size for the same input
-    runner = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-vet")
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -165,7 +191,9 @@ def worker_main(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -
         except (EOFError, OSError):
             return
         t0 = time.monotonic()
-        problem = runner.submit(_answer, compiler, job, info.vocab_size).result()
+        problem = answer_on_thread(functools.partial(_answer, compiler, job, info.vocab_size))
+        if problem == _NO_ANSWER:  # the server sees a crash (exit code 70) and starts a new worker
+            os._exit(_EXIT_NO_ANSWER)
         conn.send((problem, time.monotonic() - t0))
 
 

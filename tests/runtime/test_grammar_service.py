@@ -22,6 +22,7 @@ from kvpilot.runtime.grammar.structured_output import (
     GuidedSpecError,
     LazyGrammarCompiler,
 )
+from kvpilot.runtime.grammar.worker import _MEMORY, _NO_ANSWER, answer_on_thread
 from kvpilot.runtime.load.loader import builtin_model_path
 from kvpilot.runtime.load.tokenizer import Tokenizer
 
@@ -180,6 +181,32 @@ def test_a_compile_over_the_memory_limit_is_refused(service: GrammarService) -> 
         await service.compile(SMALL)
 
     asyncio.run(run())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # `bug`, on purpose
+def test_the_vet_thread_always_answers() -> None:
+    """A MemoryError anywhere in the worker's vet thread is the memory verdict, and a thread that
+    dies is noticed. Under CI the compile above was once reported as a timeout: the worker's
+    ThreadPoolExecutor raised MemoryError in its own bookkeeping at the memory limit, its thread
+    died with the future unresolved, and the worker waited on it until the server's deadline."""
+
+    def out_of_memory() -> str:
+        raise MemoryError
+
+    def out_of_memory_while_handling() -> str:
+        try:
+            raise RuntimeError("std::bad_alloc")
+        except RuntimeError:
+            raise MemoryError from None
+
+    def bug() -> str:
+        raise KeyError("bogus")
+
+    assert answer_on_thread(lambda: "a problem") == "a problem"
+    assert answer_on_thread(lambda: None) is None
+    assert answer_on_thread(out_of_memory) == _MEMORY
+    assert answer_on_thread(out_of_memory_while_handling) == _MEMORY
+    assert answer_on_thread(bug) == _NO_ANSWER  # the worker exits; the server reports a crash
 
 
 @pytest.mark.parametrize("service", [GrammarLimits(timeout_s=60.0, workers=1)], indirect=True)
