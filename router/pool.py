@@ -136,6 +136,24 @@ class _Waiter:
     tag: str = ""  # the caller's label of the request (queued_with counts them)
 
 
+@dataclass
+class Lease:
+    """One request's hold on a pod (`ModelPool.acquire`): `release()` gives it back once, from
+    whichever path ends the request first. A stream is released when the pod's `[DONE]` arrives,
+    before it is relayed: a client that sends its next turn the moment it reads `[DONE]` (an agent)
+    must find the pod free, with its prefix cached, not still counted busy with the last turn."""
+
+    pool: ModelPool
+    pod: Pod
+    key: RouteKey
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.release(self.pod, self.key)
+
+
 class ModelPool:
     def __init__(
         self,

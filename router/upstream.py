@@ -28,7 +28,7 @@ from kvpilot.router.judge import SloBook
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.migrate import continuation, rewrite_event
 from kvpilot.router.policy import AdapterAffinity
-from kvpilot.router.pool import ModelPool, Overloaded, Pod
+from kvpilot.router.pool import Lease, ModelPool, Overloaded, Pod
 from kvpilot.router.settings import RouterSettings
 from kvpilot.router.sse import DONE, encode_event, event_data, split_events
 
@@ -77,8 +77,11 @@ class Upstream:
         return upstream
 
     async def forward(
-        self, call: Call, pool: ModelPool, pod: Pod, raw: bytes, fallback: str | None = None
+        self, call: Call, lease: Lease, raw: bytes, fallback: str | None = None
     ) -> web.StreamResponse:
+        """The pod's answer to `call` on the pod `lease` holds (released at a stream's [DONE];
+        the caller releases it in any case)."""
+        pool, pod = lease.pool, lease.pod
         upstream = await self.open(call, pool, pod, raw)
         adapter = call.key.adapter
         try:
@@ -108,7 +111,7 @@ class Upstream:
                 if upstream.status == 200:
                     self._whole_answer(call, pool, pod, data)
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
-            return await self._stream(call, pool, pod, upstream, out_headers)
+            return await self._stream(call, lease, upstream, out_headers)
         finally:
             upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
 
@@ -137,17 +140,17 @@ class Upstream:
     async def _stream(
         self,
         call: Call,
-        pool: ModelPool,
-        pod: Pod,
+        lease: Lease,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
     ) -> web.StreamResponse:
+        pool, pod = lease.pool, lease.pod
         out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
         await out.prepare(call.request)
         self.sent_status[id(call.request)] = upstream.status
         tally = call.tally
         try:
-            failure = await self._pipe(call, pod, upstream, out, continued=False)
+            failure = await self._pipe(call, lease, upstream, out, continued=False)
             if failure is None:
                 self.health.answered(pool, pod, upstream.status)
                 if upstream.status == 200 and tally.first_content_s is not None:
@@ -161,7 +164,8 @@ class Upstream:
                 self._stream_broke(pool, pod, failure)
                 upstream.close()
                 if tally.finish_reason is not None and not tally.error:  # only [DONE] was missing
-                    await out.write(DONE + b"\n\n")
+                    if not tally.done:
+                        await out.write(DONE + b"\n\n")
                     failure = None
                     break
                 if upstream.status != 200 or call.unmigratable is not None:
@@ -182,14 +186,16 @@ class Upstream:
     async def _pipe(
         self,
         call: Call,
-        pod: Pod,
+        lease: Lease,
         upstream: aiohttp.ClientResponse,
         out: web.StreamResponse,
         continued: bool,
     ) -> BaseException | None:
         """Pass the pod's stream to the client, whole events at a time, until its end (None) or the
         pod fails (the exception). `continued`: a continuation after a migration, rewritten into the
-        client's stream (migrate.rewrite_event)."""
+        client's stream (migrate.rewrite_event). The pod is released when its [DONE] arrives, before
+        the client can read it."""
+        pod = lease.pod
         tokens_before = call.tally.output_tokens
         buffer = b""
         while True:
@@ -203,6 +209,8 @@ class Upstream:
                 return None
             events, buffer = split_events(buffer + chunk)
             payload = [self._outgoing(call, e, continued, tokens_before) for e in events]
+            if call.tally.done:
+                lease.release()
             data = b"".join(p for p in payload if p)
             if data:
                 await out.write(data)
@@ -238,10 +246,11 @@ class Upstream:
             except Overloaded:
                 return None
             tried.append(pod.name)
+            lease = Lease(pool, pod, call.key)
             try:
                 upstream = await self.open(call, pool, pod, raw)
             except Retry:
-                pool.release(pod, call.key)
+                lease.release()
                 continue
             try:
                 if upstream.status != 200:
@@ -253,13 +262,13 @@ class Upstream:
                     return None
                 self.metrics.migrations.labels(pool.model).inc()
                 log.info("continuing a stream of %s on %s", pool.model, pod.name)
-                failure = await self._pipe(call, pod, upstream, out, continued=True)
+                failure = await self._pipe(call, lease, upstream, out, continued=True)
                 if failure is None:
                     self.health.answered(pool, pod, 200)
                 return pod, failure
             finally:
                 upstream.close()
-                pool.release(pod, call.key)
+                lease.release()
         return None
 
     def _stream_broke(self, pool: ModelPool, pod: Pod, failure: BaseException) -> None:

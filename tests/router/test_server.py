@@ -167,6 +167,36 @@ async def test_sse_passes_chunk_by_chunk(pods: list[FakePod]) -> None:
         assert pods[0].finished == 1
 
 
+async def test_a_stream_gives_its_pod_back_when_its_done_arrives(pods: list[FakePod]) -> None:
+    """An agent sends its next turn the moment it reads [DONE]; the pod that answered must be free
+    by then (kv-aware would otherwise count the finished turn's blocks and send the next turn away
+    from its cached prefix). Here the pod keeps its stream open after [DONE]: the router has given
+    the pod back all the same, once (a later request's hold is not released by the first's end)."""
+    done_held, second_held = asyncio.Event(), asyncio.Event()
+    pods[0].hold_after_done = done_held
+    async with live({MODEL: eps(pods[:1], capacity=1)}) as lr:
+        pool = lr.router.pools[MODEL]
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "x", "stream": True}
+            async with s.post(lr.url + "/v1/completions", json=body) as first:
+                await asyncio.wait_for(first.content.readuntil(b"data: [DONE]\n\n"), 5)
+                assert pods[0].finished == 0  # the pod has not ended its stream
+                assert pool.in_flight == 0
+                pods[0].hold_after_done, pods[0].hold_after_first = None, second_held
+                async with s.post(lr.url + "/v1/completions", json=body) as second:
+                    # capacity 1: the second request has the pod while the first stream is open
+                    await asyncio.wait_for(second.content.readuntil(b"\n\n"), 5)
+                    assert pool.in_flight == 1
+                    done_held.set()
+                    assert await first.read() == b""
+                    await until(lambda: pods[0].finished == 1)
+                    await asyncio.sleep(0.2)  # the first request's handler has ended
+                    assert pool.in_flight == 1  # still the second's
+                    second_held.set()
+                    assert (await second.read()).endswith(b"data: [DONE]\n\n")
+        await until(lambda: pool.in_flight == 0)
+
+
 async def test_openai_client_streams_through(rt: LiveRouter) -> None:
     client = openai.AsyncOpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0)
     stream = await client.chat.completions.create(

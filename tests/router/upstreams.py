@@ -42,6 +42,7 @@ class FakePod:
     chunks: int = 4
     gate: asyncio.Event | None = None
     hold_after_first: asyncio.Event | None = None  # streams wait here after their first chunk
+    hold_after_done: asyncio.Event | None = None  # streams wait here after [DONE], before they end
     chunk_delay_s: float = 0.0  # a stream's pause between chunks
     headers_delay_s: float = 0.0  # a slow pod: the pause before any answer (its /health stays quick)
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -151,6 +152,8 @@ class FakePod:
                 last = {**make("", body["model"]), "choices": [], "usage": usage}
                 await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
+            if self.hold_after_done is not None:
+                await self.hold_after_done.wait()
             self.finished += 1
             return resp
         except asyncio.CancelledError:
