@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpilot.autoscaler.attainment import PodLatency
-from kvpilot.autoscaler.samples import MetricsSnapshot
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,17 @@ def forecast_arrivals(rates: tuple[RateSample, ...], now: float, lead_s: float, 
     if slope <= RATE_SIGNIFICANCE_Z * typical / math.sqrt(var):
         slope = 0.0
     return min(level + slope * lead_s, latest * max_growth)
+
+
+def batches_turned_over(samples: Sequence[ReplicaSample]) -> bool:
+    """Whether the replicas have finished at least as many requests as they run now: only then are
+    their completions a throughput. A cold start's first batch, full of long requests of which a
+    few finished, is not (its completion rate is a fraction of what the replica sustains). True when
+    the replicas do not export a completion counter (nothing to tell it by)."""
+    counted = [s for s in samples if s.completed_total is not None]
+    if not counted:
+        return True
+    return sum(s.completed_total or 0.0 for s in counted) >= sum(s.num_running for s in counted)
 
 
 def service_rate_at_target(

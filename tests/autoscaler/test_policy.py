@@ -13,6 +13,7 @@ from kvpilot.autoscaler.policy import (
     RateSample,
     Recommendation,
     ScaleEvent,
+    batches_turned_over,
     decide,
     forecast_arrivals,
     measure_arrivals,
@@ -455,10 +456,21 @@ def test_a_cold_start_reads_the_service_rate_from_arrivals_not_lagging_completio
     assert d.arrival_rate == pytest.approx(22 / 15)
     assert d.service_rate is not None and d.service_rate >= 11 / 15  # at least what each carries now
     assert d.arrival_recommendation is not None and d.arrival_recommendation <= 2
-    # At the target the completions are the throughput: a batch still filling there is not capacity
+    # At the target the completions are the throughput once the batches turned over (each replica
+    # finished as many as it runs); before, they lag as much, and no service rate is read from them
     full = [("a", 0.7, 0, 10, 1.0), ("b", 0.7, 0, 10, 1.0)]
     at_target = decide(2, csnap(full), t, h, NOW)
-    assert at_target.service_rate == pytest.approx(1 / 15)
+    assert at_target.service_rate is None and at_target.arrival_recommendation is None
+    turned = [("a", 0.7, 0, 10, 12.0), ("b", 0.7, 0, 10, 12.0)]
+    assert decide(2, csnap(turned), t, h, NOW).service_rate == pytest.approx(12 / 15)
+
+
+def test_batches_turned_over() -> None:
+    assert not batches_turned_over(csnap([("a", 0.98, 20, 20, 10.0)]).samples)  # a cold start's batch
+    # a new replica's empty counter does not hide an old one's turnover, nor make it up
+    assert batches_turned_over(csnap([("a", 0.9, 0, 20, 400.0), ("b", 0.5, 0, 10, 0.0)]).samples)
+    assert not batches_turned_over(csnap([("a", 0.9, 0, 20, 15.0), ("b", 0.5, 0, 10, 0.0)]).samples)
+    assert batches_turned_over(csnap([("a", 0.9, 0, 20, None)]).samples)  # no counter: nothing to tell
 
 
 def test_arrival_state_continues_across_calls():
