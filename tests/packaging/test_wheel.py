@@ -89,19 +89,24 @@ def test_the_c_extensions_build_from_the_wheel(installed_wheel: Path, tmp_path: 
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["cpu_ops", "paged_attention_cpu"]
 
 
-def test_every_module_of_the_source_tree_is_in_the_wheel(installed_wheel: Path) -> None:
+def test_every_file_of_the_source_tree_is_in_the_wheel(installed_wheel: Path) -> None:
     """A subpackage missing from pyproject's `packages` list builds and installs without a word and
     fails at import: kvpilot.runtime.engine.kv_transfer (P/D disaggregation) was missing, so every
-    non-editable install, the runtime image included, died at `kvpilot serve` with ModuleNotFoundError."""
+    non-editable install, the runtime image included, died at `kvpilot serve` with ModuleNotFoundError.
+    Data files (the kernels' C sources, py.typed) are checked the same way."""
     missing = []
     for package, folder in PACKAGE_DIR.items():
         src, dest = ROOT / folder, installed_wheel / Path(*package.split("."))
         # kvpilot/ holds links to the parts, which are packages of their own
-        files = src.glob("*.py") if package == "kvpilot" else src.rglob("*.py")
+        files = src.glob("*") if package == "kvpilot" else src.rglob("*")
         for f in files:
-            if "__pycache__" not in f.parts and not (dest / f.relative_to(src)).is_file():
+            if f.is_symlink() or not f.is_file() or "__pycache__" in f.parts or f.suffix == ".pyc":
+                continue
+            if not (dest / f.relative_to(src)).is_file():
                 missing.append(f"{folder}/{f.relative_to(src)}")
-    assert not missing, f"not in the wheel (add its package to pyproject's `packages`): {missing}"
+    assert not missing, (
+        f"not in the wheel (add its package to pyproject's `packages`, a data file to `package-data`): {missing}"
+    )
 
 
 def test_no_bare_top_level_packages(installed_wheel: Path) -> None:
