@@ -137,9 +137,9 @@ class _Waiter:
 
 
 @dataclass
-class Lease:
-    """One request's hold on a pod (`ModelPool.acquire`): `release()` gives it back once, from
-    whichever path ends the request first. A stream is released when the pod's `[DONE]` arrives,
+class Slot:
+    """One request's slot on a pod (`ModelPool.acquire`; not the Kubernetes Lease of leader
+    election): `release()` gives it back once, from whichever path ends the request first. A stream is released when the pod's `[DONE]` arrives,
     before it is relayed: a client that sends its next turn the moment it reads `[DONE]` (an agent)
     must find the pod free, with its prefix cached, not still counted busy with the last turn."""
 

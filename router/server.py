@@ -49,7 +49,7 @@ from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pd import DECODE_POLICY, HELD_PATHS, PdSettings, decode_body, held_path
 from kvpilot.router.pd import plan as pd_plan
 from kvpilot.router.policy import POLICIES, AdapterAffinity, make_policy, stable_hash
-from kvpilot.router.pool import Endpoint, Lease, ModelPool, Overloaded, priority_class
+from kvpilot.router.pool import Endpoint, ModelPool, Overloaded, Slot, priority_class
 from kvpilot.router.prefill import PrefillLeg
 from kvpilot.router.settings import PRIORITY_HEADER, SESSION_HEADER, RouterSettings
 from kvpilot.router.source import EndpointSource, UpdateEndpoints
@@ -456,11 +456,11 @@ class Router:
                 return self._reject(call, status, str(e), e.code, kind, retry_after=True)
             if not tried:
                 self.metrics.queue_time.labels(pool.model).observe(time.monotonic() - call.started)
-            lease = Lease(pool, pod, call.key)
+            slot = Slot(pool, pod, call.key)
             try:
                 if raw is None:  # admitted: a disaggregated model's prompt runs on a prefill pod now
                     raw = await self._disaggregate(call, pool.model)
-                return await self.upstream.forward(call, lease, raw)
+                return await self.upstream.forward(call, slot, raw)
             except Retry as e:
                 tried.add(pod.name)
                 if len(tried) > self.settings.max_retries or not pool.routable(frozenset(tried)):
@@ -474,7 +474,7 @@ class Router:
                 self.metrics.retries.labels(pool.model).inc()
                 log.info("retrying %s on another pod after %s failed: %s", pool.model, pod.name, e)
             finally:
-                lease.release()
+                slot.release()
 
     async def _disaggregate(self, call: Call, model: str) -> bytes:
         """The body for the request's decode pod: with the transfer params of its prefill leg when
@@ -506,12 +506,12 @@ class Router:
             return None
         self.metrics.fallbacks.labels(pool.model, target.model).inc()
         body = {**call.body, "model": target.model}  # the fallback's pods serve their own name
-        lease = Lease(target, pod, call.key)
+        slot = Slot(target, pod, call.key)
         try:
-            return await self.upstream.forward(call, lease, json.dumps(body).encode(), fallback=target.model)
+            return await self.upstream.forward(call, slot, json.dumps(body).encode(), fallback=target.model)
         except Retry as e:
             status, reason = (504, "upstream_timeout") if e.timeout else (502, "upstream_failed")
             message = f"fallback model {target.model!r} failed too: {e}"
             return self._reject(call, status, message, reason, "upstream_error")
         finally:
-            lease.release()
+            slot.release()

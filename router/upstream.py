@@ -28,7 +28,7 @@ from kvpilot.router.judge import SloBook
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.migrate import continuation, rewrite_event
 from kvpilot.router.policy import AdapterAffinity
-from kvpilot.router.pool import Lease, ModelPool, Overloaded, Pod
+from kvpilot.router.pool import ModelPool, Overloaded, Pod, Slot
 from kvpilot.router.settings import RouterSettings
 from kvpilot.router.sse import DONE, encode_event, event_data, split_events
 
@@ -77,11 +77,11 @@ class Upstream:
         return upstream
 
     async def forward(
-        self, call: Call, lease: Lease, raw: bytes, fallback: str | None = None
+        self, call: Call, slot: Slot, raw: bytes, fallback: str | None = None
     ) -> web.StreamResponse:
-        """The pod's answer to `call` on the pod `lease` holds (released at a stream's [DONE];
+        """The pod's answer to `call` on the pod `slot` holds (released at a stream's [DONE];
         the caller releases it in any case)."""
-        pool, pod = lease.pool, lease.pod
+        pool, pod = slot.pool, slot.pod
         upstream = await self.open(call, pool, pod, raw)
         adapter = call.key.adapter
         try:
@@ -111,7 +111,7 @@ class Upstream:
                 if upstream.status == 200:
                     self._whole_answer(call, pool, pod, data)
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
-            return await self._stream(call, lease, upstream, out_headers)
+            return await self._stream(call, slot, upstream, out_headers)
         finally:
             upstream.close()  # a stream cut short closes the connection, and the pod aborts the request
 
@@ -140,17 +140,17 @@ class Upstream:
     async def _stream(
         self,
         call: Call,
-        lease: Lease,
+        slot: Slot,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
     ) -> web.StreamResponse:
-        pool, pod = lease.pool, lease.pod
+        pool, pod = slot.pool, slot.pod
         out = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
         await out.prepare(call.request)
         self.sent_status[id(call.request)] = upstream.status
         tally = call.tally
         try:
-            failure = await self._pipe(call, lease, upstream, out, continued=False)
+            failure = await self._pipe(call, slot, upstream, out, continued=False)
             if failure is None:
                 self.health.answered(pool, pod, upstream.status)
                 if upstream.status == 200 and tally.first_content_s is not None:
@@ -186,7 +186,7 @@ class Upstream:
     async def _pipe(
         self,
         call: Call,
-        lease: Lease,
+        slot: Slot,
         upstream: aiohttp.ClientResponse,
         out: web.StreamResponse,
         continued: bool,
@@ -195,7 +195,7 @@ class Upstream:
         pod fails (the exception). `continued`: a continuation after a migration, rewritten into the
         client's stream (migrate.rewrite_event). The pod is released when its [DONE] arrives, before
         the client can read it."""
-        pod = lease.pod
+        pod = slot.pod
         tokens_before = call.tally.output_tokens
         buffer = b""
         while True:
@@ -210,7 +210,7 @@ class Upstream:
             events, buffer = split_events(buffer + chunk)
             payload = [self._outgoing(call, e, continued, tokens_before) for e in events]
             if call.tally.done:
-                lease.release()
+                slot.release()
             data = b"".join(p for p in payload if p)
             if data:
                 await out.write(data)
@@ -246,11 +246,11 @@ class Upstream:
             except Overloaded:
                 return None
             tried.append(pod.name)
-            lease = Lease(pool, pod, call.key)
+            slot = Slot(pool, pod, call.key)
             try:
                 upstream = await self.open(call, pool, pod, raw)
             except Retry:
-                lease.release()
+                slot.release()
                 continue
             try:
                 if upstream.status != 200:
@@ -262,13 +262,13 @@ class Upstream:
                     return None
                 self.metrics.migrations.labels(pool.model).inc()
                 log.info("continuing a stream of %s on %s", pool.model, pod.name)
-                failure = await self._pipe(call, lease, upstream, out, continued=True)
+                failure = await self._pipe(call, slot, upstream, out, continued=True)
                 if failure is None:
                     self.health.answered(pool, pod, 200)
                 return pod, failure
             finally:
                 upstream.close()
-                lease.release()
+                slot.release()
         return None
 
     def _stream_broke(self, pool: ModelPool, pod: Pod, failure: BaseException) -> None:
