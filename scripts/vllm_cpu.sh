@@ -78,7 +78,10 @@ EOF
   mkdir -p "$site/vllm-$VLLM_VERSION+cpu.dist-info"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
     >"$site/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
-  "$vpy" -c "import vllm._C"  # the CPU build's C extension loads
+  # The CPU build's C extension loads, as vLLM loads it: the wheel carries one library per x86 level
+  # (_C: AVX-512 with BF16, _C_AVX512, _C_AVX2) and vLLM's CPU platform picks the one this CPU runs;
+  # importing vllm._C by name dies of SIGILL on an AVX2-only CPU.
+  "$vpy" -c "import torch; from vllm.platforms.cpu import CpuPlatform; CpuPlatform.import_kernels(); torch.ops._C.silu_and_mul"
   "$VENV/bin/vllm" --version >/dev/null 2>&1 || { log "vllm --version fails in $VENV"; exit 1; }
   touch "$STAMP"
 }
