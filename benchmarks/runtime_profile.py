@@ -200,7 +200,7 @@ def main() -> int:
         default=None,
         help="EngineConfig.quantization (int8, int4, auto, none; unset: the default path)",
     )
-    p.add_argument("--qmatmul-activations", default=None, choices=["int8", "bf16", "float"])
+    p.add_argument("--qmatmul-activations", default=None, choices=["int8", "int16", "bf16", "float"])
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype")
     p.add_argument(
         "--single-stream",

@@ -74,8 +74,8 @@ ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cp
 
 def int8_activations() -> bool:
     """The `qmatmul_activations` switch (kernels/switches.py): True for `int8` (the default: integer
-    dot products), False for `bf16` and `float` (the kernel multiplies the weights' exact values by
-    float activations, rounded to bfloat16 first for `bf16`)."""
+    dot products), False for `int16`, `bf16` and `float` (the kernel multiplies the weights' exact values
+    by the activations, rounded first to 16 bits per block of 32 for `int16`, to bfloat16 for `bf16`)."""
     return switches.current().int8_activations
 
 
@@ -95,6 +95,34 @@ def bf16_tiles(qw: QuantizedWeight) -> bool:
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """x with every element rounded to bfloat16 (to nearest even), in x's dtype."""
     return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16).to(x.dtype)
+
+
+I16_MAX = 32767  # int16 activations: a block's largest magnitude maps to this code
+
+
+def round_i16(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x [..., K] with each block of ACT_BLOCK features in `qw`'s storage order rounded to int16, one
+    scale a block (d = max|x| / 32767, to nearest), in x's dtype: the activations
+    kvpilot_qmatmul_tiled_i16 multiplies (`--qmatmul-activations int16`)."""
+    order, k = storage_order(qw), x.shape[-1]
+    pad = -k % ACT_BLOCK  # a last, shorter block (K not a multiple of 32: the row kernel's formats)
+    xf = F.pad(x.float()[..., order], (0, pad)).reshape(*x.shape[:-1], -1, ACT_BLOCK)
+    amax = xf.abs().amax(-1, keepdim=True)
+    top = torch.full_like(amax, I16_MAX)  # tensor / tensor: IEEE float32 divisions, as the kernel's (torch
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))  # takes a scalar's reciprocal first)
+    rounded = (torch.round(xf * inv) * (amax / top)).reshape(*x.shape[:-1], k + pad)[..., :k]
+    out = torch.empty_like(rounded)
+    out[..., order] = rounded
+    return out.to(x.dtype)
+
+
+def round_activations(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x as the `qmatmul_activations` switch rounds it before a float product with `qw`'s exact values
+    (bf16, int16), for the paths that multiply x as given; x itself for int8 and float."""
+    mode = switches.current().qmatmul_activations
+    if mode == "bf16":
+        return round_bf16(x)
+    return round_i16(x, qw) if mode == "int16" else x
 
 
 _DTYPES = cpu_ops.ACTIVATION_CODES
@@ -296,6 +324,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_qmatmul_tiled_float.restype = i
     lib.kvpilot_qmatmul_tiled_bf16.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
     lib.kvpilot_qmatmul_tiled_bf16.restype = i
+    lib.kvpilot_qmatmul_tiled_i16.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
+    lib.kvpilot_qmatmul_tiled_i16.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
     lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i, i]
@@ -422,8 +452,7 @@ def kernel_matmul(
         fn = tiled_kernel(lib)
     else:
         fn, extra = lib.kvpilot_qmatmul, (int(int8),)
-        if bf16_activations():
-            x2 = round_bf16(x2)
+        x2 = round_activations(x2, qw)
     rc = fn(*_kernel_args(x2, out, b, qw), *extra)
     if rc != 0:
         raise ValueError(f"quantized matmul kernel rejected its arguments (code {rc})")
@@ -431,9 +460,11 @@ def kernel_matmul(
 
 
 def tiled_kernel(lib: ctypes.CDLL) -> Any:
-    """The library's tiled kernel of the `qmatmul_activations` switch (one signature for all three)."""
+    """The library's tiled kernel of the `qmatmul_activations` switch (one signature for all four)."""
     if int8_activations():
         return lib.kvpilot_qmatmul_tiled
+    if switches.current().qmatmul_activations == "int16":
+        return lib.kvpilot_qmatmul_tiled_i16
     return lib.kvpilot_qmatmul_tiled_bf16 if bf16_activations() else lib.kvpilot_qmatmul_tiled_float
 
 
@@ -536,8 +567,7 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = Non
         return gemm_matmul(x, qw, bias)
     if kernel_applies(x, qw):
         return kernel_matmul(x, qw, bias)
-    if bf16_activations():  # the paths below multiply x as given
-        x = round_bf16(x)
+    x = round_activations(x, qw)  # the paths below multiply x as given
     if triton_qlinear.applies(x, qw):  # CUDA: kernels/triton_qlinear.py dequantizes tiles in registers
         return triton_qlinear.qmatmul(x, qw, bias)
     return dequantize_matmul(x, qw, bias)

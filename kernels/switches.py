@@ -11,7 +11,7 @@ environment's overrides, resolved on first use.
 |---|---|---|
 | cpu_isa: the ISA level the C kernels are built for (kernels/isa.py) | --cpu-isa | KVPILOT_CPU_ISA |
 | cpu_kernels: False runs the torch paths instead of the C kernels | --no-cpu-kernels | KVPILOT_DISABLE_CPU_KERNEL=1 |
-| qmatmul_activations: int8 (rounded per block of 32), bf16 (each rounded to bfloat16) or float (exact) | --qmatmul-activations | KVPILOT_QMATMUL_ACTIVATIONS |
+| qmatmul_activations: int8 or int16 (rounded per block of 32), bf16 (each rounded to bfloat16) or float (exact) | --qmatmul-activations | KVPILOT_QMATMUL_ACTIVATIONS |
 | cpu_decoder_stack: the runner may run a step's decoder layers in one C call | --no-cpu-decoder-stack | KVPILOT_CPU_DECODER_STACK=0 |
 | kernel_cache: where built libraries are kept | --kernel-cache-dir | KVPILOT_KERNEL_CACHE |
 | compiler: the C compiler (default gcc, then cc) | | CC |
@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 ISA_LEVELS = ("avx512", "avx2", "generic")
-Activations = Literal["int8", "bf16", "float"]
-ACTIVATIONS: tuple[Activations, ...] = ("int8", "bf16", "float")
+Activations = Literal["int8", "int16", "bf16", "float"]
+ACTIVATIONS: tuple[Activations, ...] = ("int8", "int16", "bf16", "float")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import ValidationError
 
+from kvpilot.kernels.switches import ACTIVATIONS
 from kvpilot.runtime.config import EXIT_GRACE_S, ConfigError, EngineConfig, KVCacheDtype
 from kvpilot.runtime.engine.build import build_async_engine
 
@@ -250,11 +251,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ks.add_argument(
         "--qmatmul-activations",
-        choices=["int8", "bf16", "float"],
+        choices=list(ACTIVATIONS),
         default=s,
-        help="quantized matmuls on CPU: int8 activations (the default under --quantization), bf16 "
-        "(activations rounded to bfloat16, weights exact) or float (the exact product); default: the "
-        "default path's (KVPILOT_QMATMUL_ACTIVATIONS)",
+        help="quantized matmuls on CPU: int8 activations (the default under --quantization), int16 "
+        "(rounded per block of 32 to 16 bits, weights exact), bf16 (activations rounded to bfloat16, "
+        "weights exact) or float (the exact product); default: the default path's "
+        "(KVPILOT_QMATMUL_ACTIVATIONS)",
     )
     ks.add_argument(
         "--cpu-decoder-stack",

@@ -164,7 +164,8 @@ class EngineConfig(BaseModel):
     qmatmul_activations: Activations | None = Field(
         None,
         description="quantized matmuls on CPU: int8 activations (per block of 32, integer dot products), "
-        "bf16 (each activation rounded to bfloat16, the weights exact) or float (the exact product); "
+        "int16 (per block of 32 to 16 bits, the weights exact), bf16 (each activation rounded to "
+        "bfloat16, the weights exact) or float (the exact product); "
         "default: int8 under an explicit --quantization, else the default path's",
     )
     cpu_decoder_stack: bool = Field(

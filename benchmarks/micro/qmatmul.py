@@ -14,6 +14,9 @@ avx2 level), rows M = 1 (single-stream decode), 5 (a speculative verification wi
 - `tiled_bf16_act`: activations rounded to bfloat16 on the tiled layout (kvpilot_qmatmul_tiled_bf16:
   int4 codes times bf16 pairs by vdpbf16ps where the CPU has AVX512-BF16, else the float kernel; the
   default path's on such CPUs); TILED_BF16_MAX_M from where it and `dequant_mm` would cross;
+- `tiled_i16_act`: activations rounded to int16 per block of 32 on the tiled layout
+  (kvpilot_qmatmul_tiled_i16: codes widened to int16 once a pass, vpmaddwd; the default path's at the
+  avx2 level);
 - `dequant_mm`: C dequantization to the activations' dtype then torch's matmul (the many-row path
   with float activations, and where the GEMM below does not apply);
 - `gemm` (`--gemm`): the int8-activation GEMM of kernels/csrc/qgemm_cpu.c (many rows).
@@ -86,6 +89,8 @@ def measure(
             row["tiled_float_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
         with switches.using(qmatmul_activations="bf16"):
             row["tiled_bf16_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
+        with switches.using(qmatmul_activations="int16"):
+            row["tiled_i16_act_us"] = cpu_time_us(lambda: qlinear.kernel_matmul(x, tiled), calls)
     row["dequant_mm_us"] = cpu_time_us(lambda: qlinear.dequantize_matmul(x, qw), calls)
     if gemm:
         row["gemm_us"] = cpu_time_us(lambda: qlinear.gemm_matmul(x, qw), calls)
@@ -100,6 +105,8 @@ def measure(
         out["tiled_float_vs_dequant_mm"] = round(row["dequant_mm_us"] / row["tiled_float_act_us"], 2)
         out["tiled_bf16_vs_float"] = round(row["tiled_float_act_us"] / row["tiled_bf16_act_us"], 2)
         out["tiled_bf16_vs_dequant_mm"] = round(row["dequant_mm_us"] / row["tiled_bf16_act_us"], 2)
+        out["tiled_i16_vs_float"] = round(row["tiled_float_act_us"] / row["tiled_i16_act_us"], 2)
+        out["tiled_i16_vs_int8"] = round(row["tiled_us"] / row["tiled_i16_act_us"], 2)
     if gemm:
         out[f"gemm_vs_{peer}"] = round(row[f"{peer}_us"] / row["gemm_us"], 2)
         out["gemm_vs_dequant_mm"] = round(row["dequant_mm_us"] / row["gemm_us"], 2)

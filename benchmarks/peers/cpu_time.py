@@ -37,8 +37,9 @@ def main() -> int:
     ap.add_argument(
         "--quantization",
         default="none,int4,int8",
-        help="comma list: none, int8, int4, auto, each optionally +float (--qmatmul-activations float) or "
-        "+int8; `default`: EngineConfig's defaults (no --quantization, no --qmatmul-activations)",
+        help="comma list: none, int8, int4, auto, each optionally +float, +int16, +bf16 or +int8 "
+        "(--qmatmul-activations); `default`: EngineConfig's defaults (no --quantization, no "
+        "--qmatmul-activations)",
     )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=32)

@@ -13,7 +13,7 @@ environment (KVPILOT_CPU_ISA, KVPILOT_DISABLE_CPU_KERNEL). Prints one JSON docum
         kvpilot:auto+quantization=auto+qmatmul=float kvpilot:auto+quantization=none hf:bfloat16
 
 A kvpilot configuration may set engine options after the dtype: `+quantization=none|auto|int8|int4`
-(none: the checkpoint dequantized at load), `+qmatmul=int8|bf16|float` (--qmatmul-activations) and
+(none: the checkpoint dequantized at load), `+qmatmul=int8|int16|bf16|float` (--qmatmul-activations) and
 `+kv=auto|float32|bfloat16|int8|fp8` (--kv-cache-dtype). The reference is float32 throughout: the
 dequantized weights, float32 activations and a float32 KV cache.
 """
@@ -58,7 +58,7 @@ LEVEL_ENV = {
 
 OPTIONS = {
     "quantization": ("none", "auto", "int8", "int4"),
-    "qmatmul": ("int8", "bf16", "float"),
+    "qmatmul": ("int8", "int16", "bf16", "float"),
     "kv": ("auto", "float32", "bfloat16", "int8", "fp8"),
 }
 

@@ -1273,6 +1273,211 @@ int kvpilot_qmatmul_tiled_bf16(const void *x, int dtype, void *out, const void *
     return tiled_float_entry(x, dtype, out, bias, M, K, N, w, wbits, group, scales, mins, num_threads, 1);
 }
 
+/*
+ * int16 activations on the tiled layout (kvpilot_qmatmul_tiled_i16, `--qmatmul-activations int16`): each
+ * 32-block of a row (in the weight's storage order) rounded to int16 with one float scale,
+ * d = max|x| / 32767, so an element's error is at most d / 2 = max|x| / 65534 (bfloat16 rounds each
+ * element to 8 significant bits: 2^-9 of itself; int8 blocks: max|x| / 254). The weights' codes are
+ * exact; int4's group term takes the sum of the group's rounded activations (xs): the product is
+ * x rounded . dequant(W), up to the order of the sums. Products by `vpmaddwd` (16 int16 pairs an instruction) into int32 per block, then times
+ * the block's scale in float32. Against the float kernel the codes are widened once to int16 for every
+ * row of a pass (and, shift, unpack: 8 instructions per 64 codes of 8 rows, against 24 to float32),
+ * and each row costs the same count of multiply-adds: at one row (a single stream's decode) half the
+ * instructions. Written with 256-bit AVX2 intrinsics (half a tile at a time, as the AVX2 kernels) and
+ * built at both tiled levels, so every x86 CPU with AVX2 has it.
+ * Block b of a row: codes 4v..4v+3 of each weight row in 32-bit lane r of vector v; int4 holds codes
+ * 4v+j in the low nibbles and 16+4v+j in the high ones. unpacklo/hi_epi8 widen them to int16, rows
+ * {0,1,4,5} and {2,3,6,7} of the half; a 64-bit broadcast of x[4v..4v+3] against them gives two int32
+ * pair sums a row, which hadd_epi32 folds into rows 0..7 in order.
+ */
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+typedef struct {
+    int16_t *xq; /* rows in f_acts' storage order and row blocks (blk_at), QB a chunk */
+    float *dx;   /* a chunk's scale, at the chunk's index */
+} i16_acts;
+
+static void i16_acts_free(i16_acts *a) { free(a->xq), free(a->dx); }
+
+/* xp's chunks (f_acts_make: f_block(M) rows a block) rounded to int16 per chunk (the padding rows stay
+ * zero); for int4 (`xs`) each row's group sums are made again from the rounded values, so that the min
+ * term multiplies the same activations as the codes (x rounded . dequant(W), as qlinear.round_i16) */
+static int i16_acts_make(const float *xp, float *xs, long M, long K, int group, i16_acts *a) {
+    const long rb = f_block(M), nb = K / QB, ng = K / group, chunks = (M + rb - 1) / rb * rb * nb;
+    a->xq = (int16_t *)calloc((size_t)(chunks * QB) + 32, sizeof(int16_t));
+    a->dx = (float *)calloc((size_t)chunks + 16, sizeof(float));
+    if (!a->xq || !a->dx) {
+        i16_acts_free(a);
+        return -3;
+    }
+    if (xs) memset(xs, 0, sizeof(float) * (size_t)(M * ng));
+    for (long m = 0; m < M; m++)
+        for (long b = 0; b < nb; b++) {
+            const long c = blk_at(nb, rb, m, b);
+            const float *x = xp + c * QB;
+            float amax = 0.0f;
+            for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(x[i]));
+            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f, d = amax / 32767.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < QB; i++) {
+                const int16_t q = (int16_t)lrintf(x[i] * inv);
+                a->xq[c * QB + i] = q;
+                sum += q;
+            }
+            a->dx[c] = d;
+            if (xs) xs[m * ng + b * QB / group] += (float)sum * d;
+        }
+    return 0;
+}
+
+static inline __m256i bcast64(const int16_t *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+}
+
+/* out[r][0..TR) = activation row m0 + r . the tile's TR weight rows, for r < mb (int16 activations) */
+static inline __attribute__((always_inline)) void tile_dots_i16(const i16_acts *a, const float *xs, long K, long ng,
+                                                                long m0, long rb, const int mb, const uint8_t *wt,
+                                                                int wbits, int gshift, const uint16_t *st,
+                                                                const uint16_t *mt, float *out, long ldo, long pf) {
+    const long nb = K / QB;
+    const int per_row = gshift >= 62, bb = wbits == 8 ? QB : QB / 2;
+    const long bpg = per_row ? nb : (1L << gshift);
+    const int16_t *x0 = a->xq + blk_at(nb, rb, m0, 0) * QB; /* block b of the pass's rows: x0 + b rb QB */
+    const float *d0 = a->dx + blk_at(nb, rb, m0, 0);         /* and its scales: d0 + b rb */
+    const __m256i nib = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TM], part[TM];
+        for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
+        for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
+            for (int r = 0; r < mb; r++) part[r] = _mm256_setzero_ps();
+            for (long b = g0; b < g0 + bpg; b++) {
+                const uint8_t *p = wt + b * TR * bb + 32 * h;
+                if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+                const int16_t *xb = x0 + b * rb * QB; /* row m0 + r: + QB r */
+                __m256i ia[TM], ib[TM];
+                for (int r = 0; r < mb; r++) ia[r] = ib[r] = _mm256_setzero_si256();
+                if (wbits == 4) {
+                    for (int v = 0; v < 4; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+                        const __m256i lo = _mm256_and_si256(raw, nib);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        const __m256i loa = _mm256_unpacklo_epi8(lo, zero), lob = _mm256_unpackhi_epi8(lo, zero);
+                        const __m256i hia = _mm256_unpacklo_epi8(hi, zero), hib = _mm256_unpackhi_epi8(hi, zero);
+                        for (int r = 0; r < mb; r++) {
+                            const __m256i xl = bcast64(xb + r * QB + 4 * v), xh = bcast64(xb + r * QB + 16 + 4 * v);
+                            ia[r] = _mm256_add_epi32(
+                                ia[r], _mm256_add_epi32(_mm256_madd_epi16(loa, xl), _mm256_madd_epi16(hia, xh)));
+                            ib[r] = _mm256_add_epi32(
+                                ib[r], _mm256_add_epi32(_mm256_madd_epi16(lob, xl), _mm256_madd_epi16(hib, xh)));
+                        }
+                    }
+                } else {
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+                        const __m256i wa = _mm256_srai_epi16(_mm256_unpacklo_epi8(raw, raw), 8);
+                        const __m256i wb = _mm256_srai_epi16(_mm256_unpackhi_epi8(raw, raw), 8);
+                        for (int r = 0; r < mb; r++) {
+                            const __m256i xv = bcast64(xb + r * QB + 4 * v);
+                            ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(wa, xv));
+                            ib[r] = _mm256_add_epi32(ib[r], _mm256_madd_epi16(wb, xv));
+                        }
+                    }
+                }
+                const float *db = d0 + b * rb; /* row m0 + r: + r */
+                for (int r = 0; r < mb; r++)
+                    part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(ia[r], ib[r])),
+                                              _mm256_set1_ps(db[r]), part[r]);
+            }
+            if (per_row) {
+                for (int r = 0; r < mb; r++) acc[r] = _mm256_add_ps(acc[r], part[r]);
+            } else {
+                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+                for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(sv, part[r], acc[r]);
+                if (wbits == 4) {
+                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
+                    for (int r = 0; r < mb; r++)
+                        acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+                }
+            }
+        }
+        if (per_row) {
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
+            for (int r = 0; r < mb; r++) acc[r] = _mm256_mul_ps(acc[r], sv);
+            if (wbits == 4) {
+                const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + 8 * h)));
+                for (int r = 0; r < mb; r++)
+                    acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+            }
+        }
+        for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_rows_i16(const i16_acts *a, const float *xs, long K, long ng,
+                                                                long m0, long rb, int mb, const uint8_t *wt,
+                                                                int wbits, int gshift, const uint16_t *st,
+                                                                const uint16_t *mt, float *o, long ldo, const long pf) {
+    switch (mb) {
+    case 1: tile_dots_i16(a, xs, K, ng, m0, rb, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 2: tile_dots_i16(a, xs, K, ng, m0, rb, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 3: tile_dots_i16(a, xs, K, ng, m0, rb, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 4: tile_dots_i16(a, xs, K, ng, m0, rb, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 5: tile_dots_i16(a, xs, K, ng, m0, rb, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#if TM > 6
+    case 6: tile_dots_i16(a, xs, K, ng, m0, rb, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    case 7: tile_dots_i16(a, xs, K, ng, m0, rb, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+#endif
+    default: tile_dots_i16(a, xs, K, ng, m0, rb, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
+    }
+}
+#endif
+
+/* kvpilot_qmatmul_tiled with int16 activations (see above); the same arguments, layout and return codes. */
+int kvpilot_qmatmul_tiled_i16(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
+                              const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
+                              int num_threads) {
+    if (tiled_args_bad(dtype, wbits, group, mins, M, K, N)) return -1;
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+    const int gshift = group_shift(K, group);
+    if (gshift < 0) return -1;
+    f_acts fa;
+    int rc = f_acts_make(x, dtype, 0, M, K, wbits, group, 1, 0, &fa, num_threads);
+    if (rc) return rc;
+    i16_acts a;
+    rc = i16_acts_make(fa.xp, wbits == 4 ? fa.xs : NULL, M, K, group, &a);
+    if (rc) {
+        f_acts_free(&fa);
+        return rc;
+    }
+    const float *xs = fa.xs;
+    const long row_bytes = wbits == 8 ? K : K / 2, ng = K / group, rb = f_block(M);
+    const long mblk = M_BLOCK_BYTES / (K * 2) < 48 ? 48 : M_BLOCK_BYTES / (K * 2) / 48 * 48;
+#pragma omp parallel num_threads(num_threads)
+    for (long b0 = 0; b0 < M; b0 += mblk) {
+        const long mend = M - b0 < mblk ? M : b0 + mblk;
+#pragma omp for schedule(static) nowait /* blocks write disjoint rows: no barrier between them */
+        for (long t = 0; t < N / TR; t++) {
+            const uint8_t *wt = w + t * TR * row_bytes;
+            const uint16_t *st = scales + t * TR * ng, *mt = mins ? mins + t * TR * ng : NULL;
+            float res[TM * TR];
+            for (long m0 = b0; m0 < mend;) {
+                const int mb = mend - m0 < TM ? (int)(mend - m0) : TM;
+                tile_rows_i16(&a, xs, K, ng, m0, rb, mb, wt, wbits, gshift, st, mt, res, TR, m0 == b0 ? PF_BYTES : 0);
+                store_tile(res, m0, mb, t, N, bias, dtype, out);
+                m0 += mb;
+            }
+        }
+    }
+    i16_acts_free(&a);
+    f_acts_free(&fa);
+    return 0;
+#else
+    (void)x, (void)out, (void)bias, (void)w, (void)scales, (void)num_threads;
+    return -2;
+#endif
+}
+
 /* The whole weight dequantized to float32 or bfloat16 (`dtype`) into out [N, K]: for the matmuls the
  * kernel above does not take (many rows: prefill), where torch multiplies the result. */
 int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,

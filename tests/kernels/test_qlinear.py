@@ -495,7 +495,7 @@ def test_tiled_bf16_activations_give_the_rounded_activations_exact_product(dtype
                 torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "float"])
+@pytest.mark.parametrize("mode", ["int16", "bf16", "float"])
 def test_a_long_call_runs_in_row_blocks_that_change_no_sum(mode: str) -> None:
     """A call of many rows at a wide K runs in blocks of rows (M_BLOCK_BYTES: 48 rows at K = 8,192),
     every tile per block, and its setup on the call's threads: each row's output is bit-identical
@@ -516,13 +516,14 @@ def test_a_long_call_runs_in_row_blocks_that_change_no_sum(mode: str) -> None:
                 [qlinear.kernel_matmul(x[i : i + 48], t, level=level) for i in range(0, rows, 48)]
             )
         assert torch.equal(whole, parts), (level, big.bits, mode)
-        want = (
-            bf16_spec(x, big, None) if mode == "bf16" else F.linear(x.double(), big.dequantize(torch.float64))
-        )
+        if mode == "float":
+            want = F.linear(x.double(), big.dequantize(torch.float64))
+        else:
+            want = (bf16_spec if mode == "bf16" else i16_spec)(x, big, None)
         torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("mode", ["int8", "bf16", "float"])
+@pytest.mark.parametrize("mode", ["int8", "int16", "bf16", "float"])
 def test_the_tiled_kernels_sums_do_not_depend_on_the_thread_count(mode: str) -> None:
     """Each tile is one thread's whole work (no sum is split between threads), so every output is
     bit-identical at any thread count, more threads than cores and tile counts that do not divide
@@ -573,3 +574,73 @@ def test_bf16_activations_on_every_path_of_matmul() -> None:
         x = torch.randn(rows, 256) * 4
         got = qlinear.matmul(x, i8).double()
         torch.testing.assert_close(got, bf16_spec(x, i8, None), rtol=1e-5, atol=2e-5)
+
+
+def i16_spec(x: torch.Tensor, qw: qlinear.QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What `--qmatmul-activations int16` computes: x rounded to int16 per block of 32 of the weight's
+    storage order (qlinear.round_i16) . dequant(W), exact sums."""
+    b = None if bias is None else bias.double()
+    return F.linear(qlinear.round_i16(x.float(), qw).double(), qw.dequantize(torch.float64), b)
+
+
+def test_int16_rounding_is_per_block_of_the_storage_order() -> None:
+    """round_i16: each 32-block of the storage order keeps its largest magnitude exactly and every
+    element within half a step (max / 32767 / 2) of itself; a block of zeros stays zero; a K that is not
+    a multiple of 32 rounds its last, shorter block too."""
+    torch.manual_seed(16)
+    qw = qlinear.quantize_int4(weight(16, 256), 128)  # chunks interleave a group's halves
+    x = torch.randn(3, 256) * 5
+    x[1, :] = 0.0
+    got = qlinear.round_i16(x, qw)
+    blocks = x[:, qlinear.storage_order(qw)].reshape(3, -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / qlinear.I16_MAX
+    err = (got[:, qlinear.storage_order(qw)].reshape(3, -1, 32) - blocks).abs()
+    assert bool((err <= step * 0.501).all())  # half a step, and float32's rounding of x * 32767 / max
+    assert bool((got[1] == 0).all())
+    assert (got - x).abs().max() > 0  # rounded: not the activations as given
+    odd = qlinear.quantize_int8(weight(8, 40))
+    y = torch.randn(2, 40)
+    tail = y[:, 32:].abs().amax(-1, keepdim=True) / qlinear.I16_MAX
+    assert bool(((qlinear.round_i16(y, odd)[:, 32:] - y[:, 32:]).abs() <= tail * 0.501).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_int16_activations_give_the_rounded_activations_exact_product(dtype: torch.dtype) -> None:
+    """kvpilot_qmatmul_tiled_i16 at every level with the tiled layout (vpmaddwd on codes widened to
+    int16): round_i16(x) . dequant(W), for the float kernel's cases and row counts across passes. It is
+    closer to the unrounded product than int8 activations are by orders of magnitude, and further than
+    float32's sums: the rounding is there, and it is the 16-bit one."""
+    torch.manual_seed(17)
+    with switches.using(qmatmul_activations="int16"):
+        for level, qw in tiled_cases():
+            t = qlinear.tile(qw)
+            bias = torch.randn(qw.out_features).to(dtype)
+            for m in (1, 2, 3, 5, 6, 7, 8, 9, 17, 45):
+                x = (torch.randn(m, qw.in_features) * 4 + 1).to(dtype)
+                got = qlinear.kernel_matmul(x, t, bias, level=level).double()
+                want = i16_spec(x, qw, bias)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+                    exact = F.linear(x.double(), qw.dequantize(torch.float64), bias.double())
+                    int8 = qlinear.reference_q8_matmul(x.float(), qw, bias.float()).double()
+                    assert (got - exact).abs().max() < (int8 - exact).abs().max() / 50, (level, qw.bits, m)
+                else:  # the output rounded to bfloat16
+                    torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
+
+
+def test_int16_activations_on_every_path_of_matmul() -> None:
+    """Under int16 every route multiplies the same rounded activations: the tiled kernel up to
+    TILED_FLOAT_MAX_M rows, then dequantize + torch; the row layout's float kernel; no int8 GEMM."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(18)
+    with switches.using(qmatmul_activations="int16"):
+        for qw in (qlinear.quantize_int4(weight(48, 256), 64), qlinear.quantize_int8(weight(48, 256))):
+            t = qlinear.tile(qw)
+            assert qlinear.max_kernel_rows(t) == qlinear.TILED_FLOAT_MAX_M
+            for rows in (2, qlinear.SMALL_M + 3, qlinear.TILED_FLOAT_MAX_M + 3):
+                x = torch.randn(rows, 256) * 4
+                assert not qlinear.gemm_applies(x, qw)
+                for w in (t, qw):
+                    got = qlinear.matmul(x, w).double()
+                    torch.testing.assert_close(got, i16_spec(x, qw, None), rtol=1e-5, atol=2e-5)

@@ -36,7 +36,9 @@ def test_environment_overrides_are_parsed_and_checked() -> None:
         "kernel_cache": "/tmp/k",
         "compiler": "clang",
     }
-    with pytest.raises(ValueError, match="KVPILOT_QMATMUL_ACTIVATIONS='fp8': expected int8 or bf16 or float"):
+    with pytest.raises(
+        ValueError, match="KVPILOT_QMATMUL_ACTIVATIONS='fp8': expected int8 or int16 or bf16 or float"
+    ):
         switches.from_environ({"KVPILOT_QMATMUL_ACTIVATIONS": "fp8"})
     with pytest.raises(ValueError, match="KVPILOT_CPU_DECODER_STACK='yes': expected 0 or 1"):
         switches.from_environ({"KVPILOT_CPU_DECODER_STACK": "yes"})

@@ -1,6 +1,7 @@
 """The default path (runtime/load/defaults.py): with no --quantization, a GGUF stored in quantized
 blocks runs from them on a CPU with the tiled kernels, with activations rounded to bfloat16 where
-the CPU multiplies 4-bit codes by them natively (AVX512-BF16), else float32; everything else is
+the CPU multiplies 4-bit codes by them natively (AVX512-BF16), to 16 bits per block of 32 at the avx2
+level (vpmaddwd), else float32; everything else is
 dequantized at load; explicit settings always win. How well the default tracks float32 is
 tests/runtime/test_default_quality.py's (it builds the engine from the defaults)."""
 
@@ -40,14 +41,17 @@ def test_builtin_gguf_stores_every_linear_and_the_head_in_blocks() -> None:
 
 
 # what the machine running the tests gets by default (its kernels' level)
-HERE_ACTIVATIONS = "bf16" if isa.bf16_dot(isa.selected()) else "float"
+HERE_ACTIVATIONS = (
+    "int16" if isa.selected() == "avx2" else "bf16" if isa.bf16_dot(isa.selected()) else "float"
+)
 
 
-@pytest.mark.parametrize("level", ["avx512", "avx2"])
-def test_blocks_with_float_activations_where_the_tiled_kernels_run(level: str) -> None:
+@pytest.mark.parametrize(("level", "activations"), [("avx512", "float"), ("avx2", "int16")])
+def test_the_files_blocks_where_the_tiled_kernels_run(level: str, activations: str) -> None:
     choice = choose_default(BUILTIN, **{**CPU, "kernel_level": level})
-    assert (choice.quantization, choice.qmatmul_activations) == ("auto", "float")
+    assert (choice.quantization, choice.qmatmul_activations) == ("auto", activations)
     assert "Q4_1/Q8_0 blocks" in choice.why
+    assert ("16 bits per block of 32" in choice.why) == (activations == "int16")
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import pytest
 from kvpilot.kernels import isa
 from tests.needs import require_module
 from tests.runtime.quality import ANSWER_TOKENS, QUESTIONS, TEXT, agreement, same_answers
+from tests.runtime.test_default_path import HERE_ACTIVATIONS
 
 if TYPE_CHECKING:
     from kvpilot.runtime.engine.core import LLMEngine
@@ -108,8 +109,8 @@ def test_the_default_path_on_a_q4_k_m_style_file_tracks_its_float32_model(
         "kvpilot:float32+quantization=none+kv=float32", tmp_path / "ref.json", model=mixed
     )
     ours = dtype_quality.spawn("kvpilot:auto", tmp_path / "ours.json", model=mixed)
-    here = "bf16" if isa.bf16_dot(isa.selected()) else "float"  # its Q4_1 layers: defaults.FOUR_BIT_TYPES
-    assert (ours["quantization"], ours["qmatmul_activations"]) == ("auto", here)
+    # its Q4_1 layers (defaults.FOUR_BIT_TYPES): the builtin file's choice on this machine
+    assert (ours["quantization"], ours["qmatmul_activations"]) == ("auto", HERE_ACTIVATIONS)
     teacher = agreement(ours["choices"], ref["choices"])
     answers = same_answers(ours["answers"][: len(ASKED)], ref["answers"][: len(ASKED)])
     summary = f"{teacher:.4f} / {answers} answers vs transformers bf16 {transformers_bf16}"
