@@ -23,7 +23,7 @@ quality cost is measured and small, says which at start-up, and an explicit flag
   at the avx2 level (every AVX2-only CPU), `--qmatmul-activations int16` instead: each block of 32
   activations rounded to 16 bits with one float scale (an element's error at most 1/65534 of its
   block's largest, against 1/512 of itself for bfloat16), the weights' values exact, products by
-  vpmaddwd (kvpilot_qmatmul_tiled_i16: 1.7-2.3x the float32 kernel at one row, 1.04-1.4x at 4-16
+  vpmaddwd (kvpilot_qmatmul_tiled_i16: 1.6-2.0x the float32 kernel at one row, 1.2-1.9x at 5-256
   rows, on SmolLM2's shapes on an AMD EPYC Zen 3; the single stream's decode step 1.37x). The
   avx512 level keeps float (or bf16) until the int16 kernel, which runs there at 256 bits, is
   measured against its 512-bit float kernel;
