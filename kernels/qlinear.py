@@ -101,9 +101,34 @@ I16_MAX = 32767  # int16 activations: a block's largest magnitude maps to this c
 
 
 def round_i16(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """`reference_round_i16`'s rounding by the C library in one pass over x (kvpilot_round_i16: the torch
+    form's gather, reductions and scatter cost as much as the matmul they precede on a long prefill),
+    where it applies (CPU f32/bf16, K a multiple of 32); else the torch form."""
+    k = x.shape[-1]
+    if not (x.device.type == "cpu" and x.dtype in _DTYPES and k % ACT_BLOCK == 0 and available()):
+        return reference_round_i16(x, qw)
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty_like(x2)
+    lib = _library()
+    rc = lib.kvpilot_round_i16(
+        x2.data_ptr(),
+        _DTYPES[x2.dtype],
+        out.data_ptr(),
+        x2.shape[0],
+        k,
+        qw.bits,
+        qw.group,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"int16 activation rounding rejected its arguments (code {rc})")
+    return out.reshape(x.shape)
+
+
+def reference_round_i16(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """x [..., K] with each block of ACT_BLOCK features in `qw`'s storage order rounded to int16, one
     scale a block (d = max|x| / 32767, to nearest), in x's dtype: the activations
-    kvpilot_qmatmul_tiled_i16 multiplies (`--qmatmul-activations int16`)."""
+    kvpilot_qmatmul_tiled_i16 multiplies (`--qmatmul-activations int16`). The specification."""
     order, k = storage_order(qw), x.shape[-1]
     pad = -k % ACT_BLOCK  # a last, shorter block (K not a multiple of 32: the row kernel's formats)
     xf = F.pad(x.float()[..., order], (0, pad)).reshape(*x.shape[:-1], -1, ACT_BLOCK)
@@ -326,6 +351,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvpilot_qmatmul_tiled_bf16.restype = i
     lib.kvpilot_qmatmul_tiled_i16.argtypes = [p, i, p, p, long, long, long, p, i, i, p, p, i]
     lib.kvpilot_qmatmul_tiled_i16.restype = i
+    lib.kvpilot_round_i16.argtypes = [p, i, p, long, long, i, i, i]
+    lib.kvpilot_round_i16.restype = i
     lib.kvpilot_dequantize.argtypes = [p, i, i, p, p, long, long, p, i, i]
     lib.kvpilot_dequantize.restype = i
     lib.kvpilot_qmoe.argtypes = [p, i, p, long, long, long, i, p, p, long, long, p, p, p, p, p, p, i, i, i, i]

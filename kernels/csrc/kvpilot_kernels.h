@@ -54,6 +54,7 @@ int kvpilot_qmatmul_tiled_bf16(const void *x, int dtype, void *out, const void *
 int kvpilot_qmatmul_tiled_i16(const void *x, int dtype, void *out, const void *bias, long M, long K, long N,
                               const uint8_t *w, int wbits, int group, const uint16_t *scales,
                               const uint16_t *mins, int num_threads);
+int kvpilot_round_i16(const void *x, int dtype, void *out, long M, long K, int wbits, int group, int num_threads);
 int kvpilot_dequantize(const uint8_t *w, int wbits, int group, const uint16_t *scales, const uint16_t *mins,
                        long N, long K, void *out, int dtype, int num_threads);
 int kvpilot_qmoe(const void *x, int dtype, void *out, long T, long H, long I, int topk, const int64_t *ids,

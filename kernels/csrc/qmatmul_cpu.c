@@ -81,6 +81,13 @@ static inline __m256i dot256(__m256i u, __m256i s) {
 #endif
 }
 
+static inline float hsum8_max(__m256 v) { /* the largest of 8 */
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
 static inline float hsum8(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -1290,6 +1297,87 @@ int kvpilot_qmatmul_tiled_bf16(const void *x, int dtype, void *out, const void *
  * {0,1,4,5} and {2,3,6,7} of the half; a 64-bit broadcast of x[4v..4v+3] against them gives two int32
  * pair sums a row, which hadd_epi32 folds into rows 0..7 in order.
  */
+/* one block of 32 activations rounded to int16 (to nearest even) with one scale, *d = max|x| / 32767;
+ * returns the sum of the codes */
+static inline int32_t round_block_i16(const float *x, int16_t *q, float *d) {
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+    /* vcvtps2dq rounds as lrintf (to nearest even, the default MXCSR mode); lrintf itself is a libm call */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + 8 * j), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    const float amax = hsum8_max(m), inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    __m256i sum = _mm256_setzero_si256(), qi[4];
+    for (int j = 0; j < 4; j++) {
+        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+        sum = _mm256_add_epi32(sum, qi[j]);
+    }
+    /* packs works within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] -> permute the 64-bit quarters */
+    _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+    *d = amax / 32767.0f;
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; i++) sum += q[i] = (int16_t)lrintf(x[i] * inv);
+    *d = amax / 32767.0f;
+    return sum;
+#endif
+}
+
+/* x [M, K] (x's dtype) with each 32-block of a weight's storage order (int8, or int4 groups of `group`:
+ * chunk c of a group = its weights 16c.. and group/2 + 16c..) rounded to int16 as the tiled int16 kernel
+ * rounds it, into out (x's dtype): the activations every other route multiplies under
+ * `--qmatmul-activations int16` (qlinear.round_i16; reference_round_i16 is its torch form). -1 on bad
+ * arguments (K or the group not a multiple of 32), -3 out of memory. */
+int kvpilot_round_i16(const void *x, int dtype, void *out, long M, long K, int wbits, int group, int num_threads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || M < 0 || K <= 0 || K % 32 || (wbits != 8 && wbits != 4) ||
+        group <= 0 || group % 32 || K % group)
+        return -1;
+    const long xbytes = dtype == DT_BF16 ? 2 : 4, nb = K / 32, chunks = group / 32, half = group / 2;
+    const int interleaved = wbits == 4 && group != 32;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (M * K >= (1L << 16))
+    {
+        float *row = (float *)malloc(sizeof(float) * (size_t)K);
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) {
+            if (!row) continue;
+            to_float((const char *)x + m * K * xbytes, dtype, K, row);
+            for (long b = 0; b < nb; b++) {
+                /* the block's two halves of 16: in place, or a group's chunk (16c.., half + 16c..) */
+                const long g = b / chunks, c = b % chunks;
+                const long lo = interleaved ? g * group + 16 * c : b * 32, hi = interleaved ? lo + half : lo + 16;
+                float blk[32], d;
+                int16_t q[32];
+                memcpy(blk, row + lo, sizeof(float) * 16);
+                memcpy(blk + 16, row + hi, sizeof(float) * 16);
+                round_block_i16(blk, q, &d);
+                for (int i = 0; i < 32; i++) blk[i] = (float)q[i] * d;
+                if (dtype == DT_BF16) {
+                    uint16_t *o = (uint16_t *)out + m * K;
+                    for (int i = 0; i < 16; i++) o[lo + i] = f32_to_bf16(blk[i]), o[hi + i] = f32_to_bf16(blk[16 + i]);
+                } else {
+                    float *o = (float *)out + m * K;
+                    memcpy(o + lo, blk, sizeof(float) * 16);
+                    memcpy(o + hi, blk + 16, sizeof(float) * 16);
+                }
+            }
+        }
+        free(row);
+    }
+    return failed ? -3 : 0;
+}
+
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 typedef struct {
     int16_t *xq; /* rows in f_acts' storage order and row blocks (blk_at), QB a chunk */
@@ -1313,18 +1401,8 @@ static int i16_acts_make(const float *xp, float *xs, long M, long K, int group, 
     for (long m = 0; m < M; m++)
         for (long b = 0; b < nb; b++) {
             const long c = blk_at(nb, rb, m, b);
-            const float *x = xp + c * QB;
-            float amax = 0.0f;
-            for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(x[i]));
-            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f, d = amax / 32767.0f;
-            int32_t sum = 0;
-            for (int i = 0; i < QB; i++) {
-                const int16_t q = (int16_t)lrintf(x[i] * inv);
-                a->xq[c * QB + i] = q;
-                sum += q;
-            }
-            a->dx[c] = d;
-            if (xs) xs[m * ng + b * QB / group] += (float)sum * d;
+            const int32_t sum = round_block_i16(xp + c * QB, a->xq + c * QB, &a->dx[c]);
+            if (xs) xs[m * ng + b * QB / group] += (float)sum * a->dx[c];
         }
     return 0;
 }

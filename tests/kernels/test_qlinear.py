@@ -580,7 +580,36 @@ def i16_spec(x: torch.Tensor, qw: qlinear.QuantizedWeight, bias: torch.Tensor | 
     """What `--qmatmul-activations int16` computes: x rounded to int16 per block of 32 of the weight's
     storage order (qlinear.round_i16) . dequant(W), exact sums."""
     b = None if bias is None else bias.double()
-    return F.linear(qlinear.round_i16(x.float(), qw).double(), qw.dequantize(torch.float64), b)
+    return F.linear(qlinear.reference_round_i16(x.float(), qw).double(), qw.dequantize(torch.float64), b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int16_rounding_in_c_is_the_reference_rounding(dtype: torch.dtype) -> None:
+    """kvpilot_round_i16 (one pass in C: what the routes other than the tiled kernel multiply under
+    int16) gives reference_round_i16's activations for every storage order (int4 groups of 32/64/128,
+    int8), to float32's last bit (its scale divisions may take a reciprocal), at 1 and many threads."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(19)
+    before = torch.get_num_threads()
+    try:
+        for qw in (
+            qlinear.quantize_int4(weight(16, 512), 32),
+            qlinear.quantize_int4(weight(16, 512), 64),
+            qlinear.quantize_int4(weight(16, 512), 128),
+            qlinear.quantize_int8(weight(16, 512)),
+        ):
+            x = (torch.randn(300, 512) * 4 + 1).to(dtype)
+            x[3] = 0.0
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                got = qlinear.round_i16(x, qw)
+                want = qlinear.reference_round_i16(x, qw)
+                assert got.dtype == dtype and bool((got[3] == 0).all())
+                tol = {"rtol": 3e-7, "atol": 0.0} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 0.0}
+                torch.testing.assert_close(got, want, **tol)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_int16_rounding_is_per_block_of_the_storage_order() -> None:
@@ -591,7 +620,7 @@ def test_int16_rounding_is_per_block_of_the_storage_order() -> None:
     qw = qlinear.quantize_int4(weight(16, 256), 128)  # chunks interleave a group's halves
     x = torch.randn(3, 256) * 5
     x[1, :] = 0.0
-    got = qlinear.round_i16(x, qw)
+    got = qlinear.reference_round_i16(x, qw)
     blocks = x[:, qlinear.storage_order(qw)].reshape(3, -1, 32)
     step = blocks.abs().amax(-1, keepdim=True) / qlinear.I16_MAX
     err = (got[:, qlinear.storage_order(qw)].reshape(3, -1, 32) - blocks).abs()
@@ -601,7 +630,7 @@ def test_int16_rounding_is_per_block_of_the_storage_order() -> None:
     odd = qlinear.quantize_int8(weight(8, 40))
     y = torch.randn(2, 40)
     tail = y[:, 32:].abs().amax(-1, keepdim=True) / qlinear.I16_MAX
-    assert bool(((qlinear.round_i16(y, odd)[:, 32:] - y[:, 32:]).abs() <= tail * 0.501).all())
+    assert bool(((qlinear.round_i16(y, odd)[:, 32:] - y[:, 32:]).abs() <= tail * 0.501).all())  # torch form
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
