@@ -831,7 +831,46 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
     }
     for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
-#elif defined(KVPILOT_ISA_AVX2)
+#endif
+
+#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* The end of a weight group in the AVX2-width kernels (half h of a tile, rows m0..m0+mb): acc += the
+ * group's sums times its scale (int4: + its min times the row's activation sum for the group), or,
+ * one group a row (per_row), acc += the sums (scaled at the end by tile_end8). */
+static inline __attribute__((always_inline)) void group_end8(__m256 *acc, const __m256 *sum, int mb, int per_row,
+                                                             int wbits, const uint16_t *st, const uint16_t *mt,
+                                                             long g, int h, const float *xs, long m0, long ng) {
+    if (per_row) {
+        for (int r = 0; r < mb; r++) acc[r] = _mm256_add_ps(acc[r], sum[r]);
+        return;
+    }
+    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
+    for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(sv, sum[r], acc[r]);
+    if (wbits == 4) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
+        for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+    }
+}
+
+/* half h of a tile done: one group a row takes its scale (int4: + its min times the row's sum) now;
+ * out[r][8h..8h+8) = acc[r] */
+static inline __attribute__((always_inline)) void tile_end8(__m256 *acc, int mb, int per_row, int wbits,
+                                                            const uint16_t *st, const uint16_t *mt, int h,
+                                                            const float *xs, long m0, long ng, float *out,
+                                                            long ldo) {
+    if (per_row) {
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
+        for (int r = 0; r < mb; r++) acc[r] = _mm256_mul_ps(acc[r], sv);
+        if (wbits == 4) {
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + 8 * h)));
+            for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+}
+#endif
+
+#if defined(KVPILOT_ISA_AVX2) && !defined(KVPILOT_ISA_AVX512)
 /* AVX2: the same, one half tile (8 rows: bytes 32h..32h+31 of each 64-byte vector) at a time; the
  * codes widened by and/shift + convert (no 16-entry permute at 8 lanes) */
 static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
@@ -884,33 +923,14 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                     }
                 }
             }
+            __m256 sum[TM];
             for (int r = 0; r < mb; r++) {
-                __m256 sum = part[r][0];
-                for (int c = 1; c < chains; c++) sum = _mm256_add_ps(sum, part[r][c]);
-                part[r][0] = sum;
+                sum[r] = part[r][0];
+                for (int c = 1; c < chains; c++) sum[r] = _mm256_add_ps(sum[r], part[r][c]);
             }
-            if (per_row) {
-                for (int r = 0; r < mb; r++) acc[r] = _mm256_add_ps(acc[r], part[r][0]);
-            } else {
-                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
-                for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(sv, part[r][0], acc[r]);
-                if (wbits == 4) {
-                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
-                    for (int r = 0; r < mb; r++)
-                        acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
-                }
-            }
+            group_end8(acc, sum, mb, per_row, wbits, st, mt, g, h, xs, m0, ng);
         }
-        if (per_row) {
-            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
-            for (int r = 0; r < mb; r++) acc[r] = _mm256_mul_ps(acc[r], sv);
-            if (wbits == 4) {
-                const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + 8 * h)));
-                for (int r = 0; r < mb; r++)
-                    acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng]), acc[r]);
-            }
-        }
-        for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+        tile_end8(acc, mb, per_row, wbits, st, mt, h, xs, m0, ng, out, ldo);
     }
 }
 #endif
@@ -1467,28 +1487,9 @@ static inline __attribute__((always_inline)) void tile_dots_i16(const i16_acts *
                     part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(ia[r], ib[r])),
                                               _mm256_set1_ps(db[r]), part[r]);
             }
-            if (per_row) {
-                for (int r = 0; r < mb; r++) acc[r] = _mm256_add_ps(acc[r], part[r]);
-            } else {
-                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TR + 8 * h)));
-                for (int r = 0; r < mb; r++) acc[r] = _mm256_fmadd_ps(sv, part[r], acc[r]);
-                if (wbits == 4) {
-                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + g * TR + 8 * h)));
-                    for (int r = 0; r < mb; r++)
-                        acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
-                }
-            }
+            group_end8(acc, part, mb, per_row, wbits, st, mt, g, h, xs, m0, ng);
         }
-        if (per_row) {
-            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
-            for (int r = 0; r < mb; r++) acc[r] = _mm256_mul_ps(acc[r], sv);
-            if (wbits == 4) {
-                const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + 8 * h)));
-                for (int r = 0; r < mb; r++)
-                    acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(m0 + r) * ng]), acc[r]);
-            }
-        }
-        for (int r = 0; r < mb; r++) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+        tile_end8(acc, mb, per_row, wbits, st, mt, h, xs, m0, ng, out, ldo);
     }
 }
 
