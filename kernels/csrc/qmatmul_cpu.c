@@ -489,6 +489,31 @@ static int tiled_args_bad(int dtype, int wbits, int group, const uint16_t *mins,
 #else
 #define TM 6
 #endif
+/* CALL(n) for a pass of mb <= TM rows, n a constant at each call (the kernels keep a pass's accumulators
+ * in registers only for a constant row count) */
+#if TM > 6
+#define TILE_ROWS(mb, CALL)                                                                                    \
+    switch (mb) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    case 4: CALL(4); break;                                                                                    \
+    case 5: CALL(5); break;                                                                                    \
+    case 6: CALL(6); break;                                                                                    \
+    case 7: CALL(7); break;                                                                                    \
+    default: CALL(TM); break;                                                                                  \
+    }
+#else
+#define TILE_ROWS(mb, CALL)                                                                                    \
+    switch (mb) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    case 4: CALL(4); break;                                                                                    \
+    case 5: CALL(5); break;                                                                                    \
+    default: CALL(TM); break;                                                                                  \
+    }
+#endif
 
 /* activation elements from which a call's preparation of them (widening, rounding, reordering) runs on
  * the call's threads: a prefill chunk's (e.g. 2,048 x 8,192) took a fifth of the call on one thread */
@@ -672,18 +697,9 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
 static inline __attribute__((always_inline)) void tile_rows(const q8_acts *a, long m0, int mb, const uint8_t *wt,
                                                             int wbits, int gshift, const uint16_t *st,
                                                             const uint16_t *mt, float *o, long ldo, const long pf) {
-    switch (mb) {
-    case 1: tile_dots(a, m0, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 2: tile_dots(a, m0, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 3: tile_dots(a, m0, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 4: tile_dots(a, m0, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 5: tile_dots(a, m0, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#if TM > 6
-    case 6: tile_dots(a, m0, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 7: tile_dots(a, m0, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#endif
-    default: tile_dots(a, m0, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    }
+#define ROWS_Q8(n) tile_dots(a, m0, n, wt, wbits, gshift, st, mt, o, ldo, pf)
+    TILE_ROWS(mb, ROWS_Q8)
+#undef ROWS_Q8
 }
 #endif
 
@@ -940,18 +956,9 @@ static inline __attribute__((always_inline)) void tile_rows_f(const float *xp, c
                                                               long m0, long rb, int mb, const uint8_t *wt, int wbits,
                                                               int gshift, const uint16_t *st, const uint16_t *mt,
                                                               float *o, long ldo, const long pf) {
-    switch (mb) {
-    case 1: tile_dots_f(xp, xs, K, ng, m0, rb, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 2: tile_dots_f(xp, xs, K, ng, m0, rb, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 3: tile_dots_f(xp, xs, K, ng, m0, rb, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 4: tile_dots_f(xp, xs, K, ng, m0, rb, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 5: tile_dots_f(xp, xs, K, ng, m0, rb, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#if TM > 6
-    case 6: tile_dots_f(xp, xs, K, ng, m0, rb, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 7: tile_dots_f(xp, xs, K, ng, m0, rb, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#endif
-    default: tile_dots_f(xp, xs, K, ng, m0, rb, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    }
+#define ROWS_F(n) tile_dots_f(xp, xs, K, ng, m0, rb, n, wt, wbits, gshift, st, mt, o, ldo, pf)
+    TILE_ROWS(mb, ROWS_F)
+#undef ROWS_F
 }
 #endif
 
@@ -1497,18 +1504,9 @@ static inline __attribute__((always_inline)) void tile_rows_i16(const i16_acts *
                                                                 long m0, long rb, int mb, const uint8_t *wt,
                                                                 int wbits, int gshift, const uint16_t *st,
                                                                 const uint16_t *mt, float *o, long ldo, const long pf) {
-    switch (mb) {
-    case 1: tile_dots_i16(a, xs, K, ng, m0, rb, 1, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 2: tile_dots_i16(a, xs, K, ng, m0, rb, 2, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 3: tile_dots_i16(a, xs, K, ng, m0, rb, 3, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 4: tile_dots_i16(a, xs, K, ng, m0, rb, 4, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 5: tile_dots_i16(a, xs, K, ng, m0, rb, 5, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#if TM > 6
-    case 6: tile_dots_i16(a, xs, K, ng, m0, rb, 6, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    case 7: tile_dots_i16(a, xs, K, ng, m0, rb, 7, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-#endif
-    default: tile_dots_i16(a, xs, K, ng, m0, rb, TM, wt, wbits, gshift, st, mt, o, ldo, pf); break;
-    }
+#define ROWS_I16(n) tile_dots_i16(a, xs, K, ng, m0, rb, n, wt, wbits, gshift, st, mt, o, ldo, pf)
+    TILE_ROWS(mb, ROWS_I16)
+#undef ROWS_I16
 }
 #endif
 
