@@ -6,7 +6,8 @@
   that prefix), which feed the simulated replicas' prefix cache.
 
 `scale_trace` stretches a trace in time (`--time-scale`) or thickens it (`--rate-scale`: the same
-duration with R x the requests); `load_per_minute` reports what a trace asks of a fleet.
+duration with R x the requests); `repeat_trace` plays it again after itself (a warm fleet's hour);
+`load_per_minute` reports what a trace asks of a fleet.
 Bad input raises TraceError naming the file and line.
 """
 
@@ -166,6 +167,35 @@ def scale_trace(
     if not out:
         raise ValueError(f"rate_scale {rate_scale:g} leaves no request of {len(requests)}")
     return out
+
+
+REPEAT_HASH_STRIDE = 1 << 48  # a repeat's hash_ids range: above scale_trace's copies (1 << 40 each)
+
+
+def repeat_period(requests: Sequence[TraceRequest]) -> float:
+    """The time one pass of a trace takes when it is played again right after itself (`repeat_trace`):
+    its span plus one mean gap between arrivals, so the next pass's first request keeps the spacing."""
+    if not requests:
+        raise ValueError("an empty trace has no period")
+    first, last = min(r.t for r in requests), max(r.t for r in requests)
+    gap = (last - first) / (len(requests) - 1) if len(requests) > 1 else 1.0
+    return last - first + max(gap, 1e-3)
+
+
+def repeat_trace(requests: Sequence[TraceRequest], passes: int) -> list[TraceRequest]:
+    """The trace played `passes` times back to back, each pass `repeat_period` after the one before:
+    what a long-running fleet sees when the traffic keeps its shape (the fleet simulator judges the
+    last pass with the earlier ones as warm-up). A later pass's hash_ids are shifted into a range of
+    their own: its prompts are new users' and find nothing of the earlier passes in a prefix cache.
+    Pure and deterministic."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    period = repeat_period(requests)
+    return [
+        replace(r, t=r.t + k * period, hash_ids=tuple(h + k * REPEAT_HASH_STRIDE for h in r.hash_ids))
+        for k in range(passes)
+        for r in requests
+    ]
 
 
 def load_per_minute(requests: Sequence[TraceRequest]) -> list[dict[str, float]]:

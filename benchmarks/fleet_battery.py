@@ -3,14 +3,15 @@
 smallest fixed fleet that meets the SLO there (issue 24's goals, as benchmarks/fleet_slo_goals.py).
 
     python benchmarks/fleet_battery.py [--seeds 1-12] [--startups 10,60] [--router router:kv-aware]
-        [--static-cache PATH] [--markdown]
+        [--static-cache PATH] [--warm] [--markdown]
 
 Per seed the shape is drawn from wide ranges (requests 4k-16k an hour, slow wave 0-50%, context median
 3k-12k tokens, output median 80-400, 1.2-3.3 turns a session), so the battery covers light and heavy
 prefill, short and long answers, flat and swinging traffic. Prints one JSON object with a row per trace
 and startup and a summary: how many rows meet >= 99% (10 s) / >= 98% (60 s), the attainment against a
 fixed fleet of the same replica-hours, and the replica-hours against the smallest fixed fleet at 99%.
---static-cache keeps the fixed fleets' results (they do not depend on the policy) between runs.
+--static-cache keeps the fixed fleets' results (they do not depend on the policy) between runs. --warm
+judges the second of two back-to-back passes of each trace, as fleet_slo_goals.py --warm does.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "traces"))
-from fleet_slo_goals import GOAL, SLO
+from fleet_slo_goals import GOAL, SLO, played
 from harness import machine, print_table
 from multiturn import Shape, generate
 
@@ -66,9 +67,11 @@ def trace_for(seed: int) -> list[TraceRequest]:
     ]
 
 
-def run(trace: list[TraceRequest], policy: Any, startup_s: float, router: str) -> dict[str, float]:
+def run(
+    trace: list[TraceRequest], policy: Any, startup_s: float, router: str, warmup_s: float
+) -> dict[str, float]:
     cal = replace(resolve_calibration(CALIBRATION), startup_s=startup_s)
-    r = simulate(trace, policy, cal, router=ROUTERS[router](), slo=SLO)
+    r = simulate(trace, policy, cal, router=ROUTERS[router](), slo=SLO, warmup_s=warmup_s)
     return {"attainment": r.slo_attainment, "replica_hours": r.replica_hours, "peak": r.peak_replicas}
 
 
@@ -86,13 +89,15 @@ def kvpilot(startup_s: float) -> KvpilotPolicy:
     )
 
 
-def statics(trace: list[TraceRequest], router: str, known: dict[str, dict[str, float]]) -> int:
+def statics(
+    trace: list[TraceRequest], router: str, warmup_s: float, known: dict[str, dict[str, float]]
+) -> int:
     """Fills `known` (fleet size -> result, 10 s startup: a fixed fleet never starts a pod) along a
     binary search for the smallest fixed fleet at the goal; returns it (MAX_REPLICAS when none is)."""
 
     def at(n: int) -> dict[str, float]:
         if str(n) not in known:
-            known[str(n)] = run(trace, StaticPolicy(n), 10.0, router)
+            known[str(n)] = run(trace, StaticPolicy(n), 10.0, router, warmup_s)
         return known[str(n)]
 
     lo, hi = 1, MAX_REPLICAS
@@ -121,6 +126,7 @@ def main() -> None:
     p.add_argument("--startups", default="10,60")
     p.add_argument("--router", default="router:kv-aware")
     p.add_argument("--static-cache", help="a JSON file that keeps the fixed fleets' results between runs")
+    p.add_argument("--warm", action="store_true", help="judge a warm fleet (fleet_slo_goals.py --warm)")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     if args.router not in ROUTERS:
@@ -136,16 +142,16 @@ def main() -> None:
         cache = json.loads(cache_path.read_text())
     rows: list[dict[str, Any]] = []
     for seed in seeds:
-        trace = trace_for(seed)
-        known = cache.setdefault(f"{seed}/{args.router}", {})
-        n = statics(trace, args.router, known)
+        trace, warmup_s = played(trace_for(seed), args.warm)
+        known = cache.setdefault(f"{seed}/{args.router}" + ("/warm" if args.warm else ""), {})
+        n = statics(trace, args.router, warmup_s, known)
         for startup in startups:
-            r = run(trace, kvpilot(startup), startup, args.router)
+            r = run(trace, kvpilot(startup), startup, args.router, warmup_s)
             mean = r["replica_hours"] / known[str(n)]["replica_hours"] * n
             lo, hi = max(1, math.floor(mean)), max(1, math.ceil(mean))
             for k in (lo, hi):
                 if str(k) not in known:
-                    known[str(k)] = run(trace, StaticPolicy(k), 10.0, args.router)
+                    known[str(k)] = run(trace, StaticPolicy(k), 10.0, args.router, warmup_s)
             a, b = known[str(lo)]["attainment"], known[str(hi)]["attainment"]
             same = a if hi == lo else a + (b - a) * (mean - lo) / (hi - lo)
             reachable = known[str(n)]["attainment"] >= GOAL
@@ -154,7 +160,7 @@ def main() -> None:
                 {
                     "seed": seed,
                     "shape": {k: round(v, 2) for k, v in vars(shape_for(seed)).items()},
-                    "requests": len(trace),
+                    "requests": len(trace) // (2 if args.warm else 1),
                     "startup_s": startup,
                     "attainment": round(r["attainment"], 5),
                     "peak_replicas": r["peak"],
@@ -175,10 +181,11 @@ def main() -> None:
             "attainment_goal_met": f"{sum(r['attainment_goal_met'] for r in judged)}/{len(judged)}",
             "vs_same_hours_met": f"{sum(r['vs_same_hours_met'] for r in sel)}/{len(sel)}",
             "attainment_min": min(r["attainment"] for r in sel),
+            "replica_hours_vs_static_mean": statistics.fmean(r["vs_static_replica_hours"] for r in sel),
             "replica_hours_vs_static_median": statistics.median(r["vs_static_replica_hours"] for r in sel),
             "replica_hours_vs_static_max": max(r["vs_static_replica_hours"] for r in sel),
         }
-    print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "rows": rows,
+    print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "warm": args.warm, "rows": rows,
                       "summary": summary, "machine": machine()}, indent=1))  # fmt: skip
     if args.markdown:
         table = [

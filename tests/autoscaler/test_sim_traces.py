@@ -24,6 +24,8 @@ from kvpilot.autoscaler.trace import (
     load_per_minute,
     load_trace,
     parse_jsonl,
+    repeat_period,
+    repeat_trace,
     scale_trace,
 )
 
@@ -92,6 +94,36 @@ def test_scale_and_load_per_minute():
     assert len(load) == 2
     with pytest.raises(ValueError):
         scale_trace(reqs, time_scale=0)
+
+
+def test_repeat_trace_plays_the_trace_again_after_itself():
+    reqs = [TraceRequest(10.0 + i * 2.0, 100 + i, 10, (i, i + 1)) for i in range(50)]
+    assert repeat_period(reqs) == 100.0  # span 98 s + one mean gap (2 s)
+    twice = repeat_trace(reqs, 2)
+    assert len(twice) == 100
+    assert [r.t for r in twice[50:]] == [r.t + 100.0 for r in reqs]  # the spacing holds across passes
+    assert [(r.prompt_tokens, r.output_tokens) for r in twice[50:]] == [
+        (r.prompt_tokens, r.output_tokens) for r in reqs
+    ]
+    first, second = {h for r in twice[:50] for h in r.hash_ids}, {h for r in twice[50:] for h in r.hash_ids}
+    assert not first & second  # new users' prompts: nothing cached from the first pass
+    assert twice[:50] == reqs and repeat_trace(reqs, 1) == reqs
+    with pytest.raises(ValueError):
+        repeat_trace(reqs, 0)
+    with pytest.raises(ValueError):
+        repeat_period([])
+
+
+def test_a_warm_run_is_judged_on_its_last_pass_only():
+    reqs = [TraceRequest(i * 0.5, 256, 16) for i in range(240)]
+    period = repeat_period(reqs)
+    warm = simulate(
+        repeat_trace(reqs, 2), StaticPolicy(2), H100, warmup_s=period, slo=Slo(ttft_s=2.0, tpot_s=0.05)
+    )
+    cold = simulate(reqs, StaticPolicy(2), H100, warmup_s=0.0, slo=Slo(ttft_s=2.0, tpot_s=0.05))
+    assert warm.requests == cold.requests == 240
+    assert warm.window_s[0] == pytest.approx(period)
+    assert warm.replica_hours == pytest.approx(2 * (warm.window_s[1] - period) / 3600.0)
 
 
 def conversation(turns: int, gap: float, block_tokens: int = 512) -> list[TraceRequest]:
