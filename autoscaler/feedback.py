@@ -142,6 +142,37 @@ def planner_capacity(state: SloState, model_capacity: float) -> float:
     return c
 
 
+# A scale-down may raise the load per replica to at most this factor of the highest load the fleet
+# served on time (the floor): a smaller fleet past it is a test of a capacity nothing has shown, which
+# a small fleet (3 -> 2: +50% each) pays for in misses for a startup.
+MAX_UNPROVEN_RISE = 1.25
+
+
+def smallest_proven_size(rate: float, floor: float | None) -> int:
+    """The fewest replicas that carry `rate` requests/s at no more than MAX_UNPROVEN_RISE x the floor
+    each (0 when no floor is measured: nothing to hold a scale-down to)."""
+    if floor is None or floor <= 0.0 or rate <= 0.0:
+        return 0
+    return math.ceil(rate / (floor * MAX_UNPROVEN_RISE) - 1e-9)
+
+
+def served_load_limit(
+    desired: int, current: int, rate: float | None, floor: float | None
+) -> tuple[int, str | None]:
+    """A scale-down from `current` to `desired` replicas, stopped short of loads never served on time:
+    (the size, the reason's note, None when the size stands). Sizes up and holds pass unchanged."""
+    if desired >= current or rate is None or floor is None:
+        return desired, None
+    proven = min(current, smallest_proven_size(rate, floor))
+    if desired >= proven:
+        return desired, None
+    each = f"{rate / desired:.2f}/s each" if desired > 0 else "unserved"
+    return proven, (
+        f"scale-down to {proven}, not {desired}: {rate:.2f}/s on {desired} would be {each}, "
+        f"past {MAX_UNPROVEN_RISE:g}x the highest load served on time ({floor:.2f}/s)"
+    )
+
+
 def proven_step(
     missed: float, total: float, budget: float, gain: float, max_step: float, z: float = EVIDENCE_Z
 ) -> float:

@@ -73,6 +73,7 @@ from kvpilot.autoscaler.feedback import (
     measure_slo,
     planner_capacity,
     request_span_s,
+    served_load_limit,
 )
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
@@ -665,6 +666,16 @@ def decide(
         notes.append("scale-down held: attainment unknown (no SLO measurement)")
         desired = current
         signal = "attainment unknown"
+    if fb is not None:
+        desired, held = served_load_limit(
+            desired,
+            current,
+            None if forecast is None else max(forecast, arrival_rate or 0.0),
+            slo_state.capacity_floor,
+        )
+        if held is not None:
+            notes.append(held)
+            signal = "served load"
 
     if snapshot.scaling_limited and desired > current:
         notes.append(f"ScalingLimited (pods unschedulable): holding {current} instead of {desired}")

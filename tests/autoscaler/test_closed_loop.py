@@ -28,6 +28,8 @@ from kvpilot.autoscaler.feedback import (
     proven_step,
     record_interval,
     request_span_s,
+    served_load_limit,
+    smallest_proven_size,
 )
 from kvpilot.autoscaler.policy import ArrivalState, History, PodCounter, decide
 from kvpilot.autoscaler.replica_model import calibration_by_name
@@ -496,3 +498,28 @@ def test_the_simulated_fleet_closes_the_loop_where_the_model_is_optimistic():
     assert results[False].slo_attainment < 0.95
     assert results[True].slo_attainment >= 0.99
     assert results[True].replica_hours > results[False].replica_hours  # it paid for it, knowingly
+
+
+def test_a_scale_down_stops_short_of_loads_never_served_on_time():
+    # 2.67 req/s on 4 replicas, all on time; the model (12/s per replica) would carry it on one
+    targets = _targets()
+    snap = MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1200))
+    assert smallest_proven_size(2.67, 0.7) == 4 and smallest_proven_size(2.67, 1.0) == 3
+    assert smallest_proven_size(2.67, None) == 0 and smallest_proven_size(0.0, 1.0) == 0
+    # nothing served above 0.67-0.7/s each: 3 replicas (0.89 each) would be past 1.25x that
+    for floor in (None, 0.7):
+        held = decide(4, snap, targets, _history(4, router_met=1000.0, capacity_floor=floor), NOW)
+        assert held.desired == 4 and held.signal == "served load"
+        assert "2.67/s on 3 would be 0.89/s each, past 1.25x the highest load served on time" in held.reason
+    # 1/s served on time: one replica fewer is within reach, not two
+    step = decide(4, snap, targets, _history(4, router_met=1000.0, capacity_floor=1.0), NOW)
+    assert step.desired == 3
+    # served far above this load before: the planner's size, as the scale-down rate limit allows
+    proven = decide(4, snap, targets, _history(4, router_met=1000.0, capacity_floor=5.0), NOW)
+    assert proven.desired < 4 and proven.signal != "served load"
+    # the rule alone: a recommendation of none with arrivals left keeps what they need; sizes up,
+    # holds and an unmeasured floor pass
+    assert served_load_limit(0, 2, 0.5, 1.0) == (1, served_load_limit(0, 2, 0.5, 1.0)[1])
+    assert "would be unserved" in (served_load_limit(0, 2, 0.5, 1.0)[1] or "")
+    assert served_load_limit(5, 4, 9.0, 1.0) == (5, None) and served_load_limit(4, 4, 9.0, 1.0) == (4, None)
+    assert served_load_limit(2, 4, 9.0, None) == (2, None) and served_load_limit(2, 4, None, 1.0) == (2, None)
