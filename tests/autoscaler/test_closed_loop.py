@@ -519,7 +519,7 @@ def test_a_scale_down_stops_short_of_loads_never_served_on_time():
     assert proven.desired < 4 and proven.signal != "served load"
     # the rule alone: a recommendation of none with arrivals left keeps what they need; sizes up,
     # holds and an unmeasured floor pass
-    assert served_load_limit(0, 2, 0.5, 1.0) == (1, served_load_limit(0, 2, 0.5, 1.0)[1])
-    assert "would be unserved" in (served_load_limit(0, 2, 0.5, 1.0)[1] or "")
+    size, note = served_load_limit(0, 2, 0.5, 1.0)
+    assert size == 1 and note is not None and "0.50/s on 0 would be unserved" in note
     assert served_load_limit(5, 4, 9.0, 1.0) == (5, None) and served_load_limit(4, 4, 9.0, 1.0) == (4, None)
     assert served_load_limit(2, 4, 9.0, None) == (2, None) and served_load_limit(2, 4, None, 1.0) == (2, None)
