@@ -17,6 +17,8 @@ real model's layers do not.
     python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations float
     python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations bf16 \
         --shapes 16384x2048,2048x8192,128256x2048 --rows 1,5,12,40,64,256     # Llama-3.2-1B's
+    python benchmarks/kernels_bench.py qmatmul-ab --against /tmp/before_qmatmul_cpu.c --activations int16 \
+        --dtype float32 --rows 1,4,16,64     # the avx2 level's default path
 
 `--contend BUSY_MS,IDLE_MS` runs a co-tenant during the timings: another process that spins BUSY_MS
 and sleeps IDLE_MS in turn (an HTTP server's event loop, a neighbour container, a CPU quota's
@@ -59,10 +61,17 @@ def main() -> int:
     ap.add_argument(
         "--activations",
         default="int8",
-        choices=["int8", "float", "bf16"],
+        choices=["int8", "float", "bf16", "int16"],
         help="the tiled kernel of this activation mode: kvpilot_qmatmul_tiled (int8), "
-        "kvpilot_qmatmul_tiled_float (float) or kvpilot_qmatmul_tiled_bf16 (bf16: the default path's on "
-        "AVX512-BF16 CPUs); both builds must export it",
+        "kvpilot_qmatmul_tiled_float (float), kvpilot_qmatmul_tiled_bf16 (bf16: the default path's on "
+        "AVX512-BF16 CPUs) or kvpilot_qmatmul_tiled_i16 (int16: the default path's at the avx2 level); "
+        "both builds must export it",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the activations' dtype (float32: what kvpilot runs at the avx2 level)",
     )
     ap.add_argument(
         "--contend",
@@ -72,9 +81,11 @@ def main() -> int:
         "(wall time, median of the rounds)",
     )
     args = ap.parse_args()
-    entry = {"int8": "kvpilot_qmatmul_tiled", "float": "kvpilot_qmatmul_tiled_float"}.get(
-        args.activations, "kvpilot_qmatmul_tiled_bf16"
-    )
+    entry = {
+        "int8": "kvpilot_qmatmul_tiled",
+        "float": "kvpilot_qmatmul_tiled_float",
+        "int16": "kvpilot_qmatmul_tiled_i16",
+    }.get(args.activations, "kvpilot_qmatmul_tiled_bf16")
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         rows = [int(m) for m in args.rows.split(",")]
@@ -103,6 +114,7 @@ def main() -> int:
                 "level": isa.selected(),
                 "threads": args.threads,
                 "entry": entry,
+                "dtype": args.dtype,
                 "clock": "wall" if args.threads > 1 or args.contend else "thread CPU time",
                 "statistic": "median" if args.contend else "best",
                 "rounds": args.rounds,
@@ -141,8 +153,9 @@ def run_cases(
         for method in args.methods.split(","):
             qw = qlinear.tile(qlinear.quantize(w, method, 0 if method == "int8" else 32))
             for m in rows:
-                x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-                outs = [torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2)]
+                dtype = getattr(torch, args.dtype)
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                outs = [torch.empty(m, n, dtype=dtype) for _ in range(2)]
 
                 def call(lib: object, out: torch.Tensor, x: torch.Tensor = x, qw: object = qw) -> None:
                     rc = getattr(lib, entry)(*qlinear._kernel_args(x, out, None, qw))  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ and each dtype's step at the longest length over its step at the shortest (issue
 
     python benchmarks/runtime_vs_peers.py decode-step --threads 1 --lengths 1024,4096,8000,16384
     python benchmarks/runtime_vs_peers.py decode-step --kv-cache-dtypes auto,int8,fp8
+    python benchmarks/runtime_vs_peers.py decode-step --threads 1 --lengths 128 --kv-cache-dtypes auto \
+        --model benchmarks/.build/shapes/llama-1b/llama-1b-q4_k_m.gguf     # a single stream's step at 1B
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, get_args
 
 from kvpilot.runtime.config import KVCacheDtype
@@ -35,8 +38,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10, help="steps timed per length; the best is kept")
     p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument(
+        "--model",
+        default="",
+        help="a GGUF file instead of the long-context SmolLM2 copy (e.g. a `runtime_vs_peers.py shapes` file)",
+    )
     args = p.parse_args(argv)
     args.lengths = sorted({int(x) for x in args.lengths.split(",") if x})
+    if args.model and not Path(args.model).is_file():
+        p.error(f"--model: no such file {args.model}")
     if not args.lengths or args.lengths[0] < 1:
         p.error("--lengths takes context lengths of at least 1 token")
     args.kv_cache_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
@@ -116,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     from peers.measure import BUILD_DIR, log, machine_info
 
     torch.set_num_threads(args.threads)
-    gguf = long_context_copy(
-        wl.smollm2_gguf(), BUILD_DIR / "models" / f"SmolLM2-135M-Instruct.Q4_1.ctx{LONG_CONTEXT}.gguf"
+    gguf = (
+        Path(args.model)
+        if args.model
+        else long_context_copy(
+            wl.smollm2_gguf(), BUILD_DIR / "models" / f"SmolLM2-135M-Instruct.Q4_1.ctx{LONG_CONTEXT}.gguf"
+        )
     )
     doc: dict[str, Any] = {
         "benchmark": "one decode step at long context, thread CPU time (kvpilot default path)",

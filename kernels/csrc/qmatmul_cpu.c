@@ -1323,6 +1323,12 @@ int kvpilot_qmatmul_tiled_bf16(const void *x, int dtype, void *out, const void *
  * 4v+j in the low nibbles and 16+4v+j in the high ones. unpacklo/hi_epi8 widen them to int16, rows
  * {0,1,4,5} and {2,3,6,7} of the half; a 64-bit broadcast of x[4v..4v+3] against them gives two int32
  * pair sums a row, which hadd_epi32 folds into rows 0..7 in order.
+ * int4 calls of up to I16_SPLIT_MAX_M rows (single-stream decode, a speculative verification) keep the
+ * codes as bytes instead: each rounded activation is split into a signed high byte and an unsigned low
+ * one (x = 256 xh + xl, split_block_i16), and `vpmaddubsw` multiplies the codes by each (block_dots_split,
+ * which says why no sum overflows). The same int32 a block and the same float sums in the same order, so
+ * the same results to the bit; at one row 1.2-1.35x the widening kernel on Zen 3 (there the widening's
+ * unpacks and hadd, not the multiplies, were the bound). More rows share the widened codes better.
  */
 /* one block of 32 activations rounded to int16 (to nearest even) with one scale, *d = max|x| / 32767;
  * returns the sum of the codes */
@@ -1406,20 +1412,42 @@ int kvpilot_round_i16(const void *x, int dtype, void *out, long M, long K, int w
 }
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+/* int4 calls of up to this many rows (single-stream decode, a speculative verification) take
+ * tile_dots_split (one pass of M rows). It holds 4 int16 accumulators a row (2 halves x high, low bytes),
+ * so spills grow with the rows: on Zen 3 a pass of 2-5 rows ran 1.06-1.45x the widening kernel's, one of
+ * 6 (TM: every pass of a larger call) 0.92x */
+#define I16_SPLIT_MAX_M 5
 typedef struct {
-    int16_t *xq; /* rows in f_acts' storage order and row blocks (blk_at), QB a chunk */
+    int16_t *xq; /* rows in f_acts' storage order and row blocks (blk_at), QB a chunk: its int16 codes, or
+                    where `split` the same 64 bytes as two byte planes (split_block_i16) */
     float *dx;   /* a chunk's scale, at the chunk's index */
+    int split;   /* byte planes: int4 weights, M <= I16_SPLIT_MAX_M (tile_dots_split) */
 } i16_acts;
 
 static void i16_acts_free(i16_acts *a) { free(a->xq), free(a->dx); }
 
+/* a block's 32 int16 codes q as two byte planes in o[0..64): o[i] = q[i] >> 8 (arithmetic: -128..127,
+ * a signed byte) and o[32 + i] = q[i] & 255 (0..255, an unsigned byte), so q[i] = 256 o[i] + o[32 + i]
+ * exactly; the packs saturate nothing (every value is in its byte's range) */
+static inline void split_block_i16(const int16_t *q, uint8_t *o) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)q), b = _mm256_loadu_si256((const __m256i *)(q + 16));
+    const __m256i low = _mm256_set1_epi16(255);
+    const __m256i hi = _mm256_packs_epi16(_mm256_srai_epi16(a, 8), _mm256_srai_epi16(b, 8));
+    const __m256i lo = _mm256_packus_epi16(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
+    /* packs works within 128-bit lanes: [a lo, b lo, a hi, b hi] -> permute the 64-bit quarters */
+    _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(hi, 0xD8));
+    _mm256_storeu_si256((__m256i *)(o + 32), _mm256_permute4x64_epi64(lo, 0xD8));
+}
+
 /* xp's chunks (f_acts_make: f_block(M) rows a block) rounded to int16 per chunk (the padding rows stay
- * zero); for int4 (`xs`) each row's group sums are made again from the rounded values, so that the min
- * term multiplies the same activations as the codes (x rounded . dequant(W), as qlinear.round_i16) */
-static int i16_acts_make(const float *xp, float *xs, long M, long K, int group, i16_acts *a) {
+ * zero), as byte planes where `split`; for int4 (`xs`) each row's group sums are made again from the
+ * rounded values, so that the min term multiplies the same activations as the codes (x rounded .
+ * dequant(W), as qlinear.round_i16) */
+static int i16_acts_make(const float *xp, float *xs, long M, long K, int group, int split, i16_acts *a) {
     const long rb = f_block(M), nb = K / QB, ng = K / group, chunks = (M + rb - 1) / rb * rb * nb;
     a->xq = (int16_t *)calloc((size_t)(chunks * QB) + 32, sizeof(int16_t));
     a->dx = (float *)calloc((size_t)chunks + 16, sizeof(float));
+    a->split = split;
     if (!a->xq || !a->dx) {
         i16_acts_free(a);
         return -3;
@@ -1428,7 +1456,9 @@ static int i16_acts_make(const float *xp, float *xs, long M, long K, int group, 
     for (long m = 0; m < M; m++)
         for (long b = 0; b < nb; b++) {
             const long c = blk_at(nb, rb, m, b);
-            const int32_t sum = round_block_i16(xp + c * QB, a->xq + c * QB, &a->dx[c]);
+            int16_t q[QB];
+            const int32_t sum = round_block_i16(xp + c * QB, split ? q : a->xq + c * QB, &a->dx[c]);
+            if (split) split_block_i16(q, (uint8_t *)(a->xq + c * QB));
             if (xs) xs[m * ng + b * QB / group] += (float)sum * a->dx[c];
         }
     return 0;
@@ -1500,12 +1530,105 @@ static inline __attribute__((always_inline)) void tile_dots_i16(const i16_acts *
     }
 }
 
+static inline __m256i bcast32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One 32-block of a whole int4 tile (p: its first code vector; half h = bytes 32h.. of each 64) against
+ * split activations (split_block_i16; row r's block at xb + 64 r: xh[0..32) then xl[0..32), x = 256 xh +
+ * xl): dots[h][r] lane j = the block's int32 dot product of activation row r and weight row 8h + j. The
+ * codes stay bytes (0..15 reads the same as a signed or an unsigned byte), and maddubs multiplies them by
+ * the activations' bytes, 2 products summed a 16-bit lane:
+ *   H += maddubs(codes, xh): |a pair| <= 2 * 15 * 128 = 3840; 8 of them a lane (4 vectors, low and high
+ *        nibbles): |H| <= 30720, an int16;
+ *   L += maddubs(xl, codes): a pair in 0..2 * 255 * 15 = 7650; 8 of them <= 61200, past int16 but under
+ *        2^16: add_epi16 wraps, so L read as an unsigned 16-bit number is exact.
+ * Lane j of vector v holds row 8h + j's codes 4v..4v+3 (low nibbles) and 16+4v..16+4v+3 (high), and a
+ * 32-bit broadcast of xh[4v..4v+3] (xh[16+4v..], xl[4v..], xl[16+4v..]) lines up with them, so row
+ * j's sum stays in lane j: 256 (H's two halves, signed: madd by 256) + L's two halves (unsigned: mask and
+ * shift), |sum| <= 15 * 32767 * 32 < 2^24. The same int32 as tile_dots_i16's, with no unpack and no hadd,
+ * and each broadcast serves both halves (16 weight rows). */
+static inline __attribute__((always_inline)) void block_dots_split(const uint8_t *p, const uint8_t *xb, const int mb,
+                                                                   __m256i dots[2][TM]) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    __m256i hs[2][TM], ls[2][TM];
+    for (int r = 0; r < mb; r++) hs[0][r] = hs[1][r] = ls[0][r] = ls[1][r] = _mm256_setzero_si256();
+    for (int v = 0; v < 4; v++) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32 * h));
+            lo[h] = _mm256_and_si256(raw, nib), hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+        }
+        for (int r = 0; r < mb; r++) {
+            const uint8_t *xr = xb + 2 * QB * r + 4 * v;
+            const __m256i xhl = bcast32(xr), xhh = bcast32(xr + 16), xll = bcast32(xr + 32), xlh = bcast32(xr + 48);
+            for (int h = 0; h < 2; h++) {
+                hs[h][r] = _mm256_add_epi16(
+                    hs[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xhl), _mm256_maddubs_epi16(hi[h], xhh)));
+                ls[h][r] = _mm256_add_epi16(
+                    ls[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(xll, lo[h]), _mm256_maddubs_epi16(xlh, hi[h])));
+            }
+        }
+    }
+    const __m256i k256 = _mm256_set1_epi16(256), low16 = _mm256_set1_epi32(0xFFFF);
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < mb; r++) {
+            const __m256i l32 = _mm256_add_epi32(_mm256_and_si256(ls[h][r], low16), _mm256_srli_epi32(ls[h][r], 16));
+            dots[h][r] = _mm256_add_epi32(_mm256_madd_epi16(hs[h][r], k256), l32);
+        }
+}
+
+/* tile_dots_i16 for int4 weights and split activations (kvpilot_qmatmul_tiled_i16 up to I16_SPLIT_MAX_M
+ * rows): both halves of the tile block by block (block_dots_split), each row's float sums in the same
+ * order as tile_dots_i16's (block by block, group by group, per half), so the same results to the bit */
+static inline __attribute__((always_inline)) void tile_dots_split(const i16_acts *a, const float *xs, long K, long ng,
+                                                                  long m0, long rb, const int mb, const uint8_t *wt,
+                                                                  int gshift, const uint16_t *st, const uint16_t *mt,
+                                                                  float *out, long ldo, long pf) {
+    const long nb = K / QB, bb = QB / 2;
+    const int per_row = gshift >= 62;
+    const long bpg = per_row ? nb : (1L << gshift);
+    const uint8_t *x0 = (const uint8_t *)(a->xq + blk_at(nb, rb, m0, 0) * QB); /* block b: x0 + 2 QB b rb */
+    const float *d0 = a->dx + blk_at(nb, rb, m0, 0);                          /* and its scales: d0 + b rb */
+    __m256 acc[2][TM], part[2][TM];
+    for (int r = 0; r < mb; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
+        for (int r = 0; r < mb; r++) part[0][r] = part[1][r] = _mm256_setzero_ps();
+        for (long b = g0; b < g0 + bpg; b++) {
+            const uint8_t *p = wt + b * TR * bb;
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+            __m256i dots[2][TM];
+            block_dots_split(p, x0 + b * rb * 2 * QB, mb, dots);
+            const float *db = d0 + b * rb; /* row m0 + r: + r */
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < mb; r++)
+                    part[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h][r]), _mm256_set1_ps(db[r]), part[h][r]);
+        }
+        for (int h = 0; h < 2; h++) group_end8(acc[h], part[h], mb, per_row, 4, st, mt, g, h, xs, m0, ng);
+    }
+    for (int h = 0; h < 2; h++) tile_end8(acc[h], mb, per_row, 4, st, mt, h, xs, m0, ng, out, ldo);
+}
+
 static inline __attribute__((always_inline)) void tile_rows_i16(const i16_acts *a, const float *xs, long K, long ng,
                                                                 long m0, long rb, int mb, const uint8_t *wt,
                                                                 int wbits, int gshift, const uint16_t *st,
                                                                 const uint16_t *mt, float *o, long ldo, const long pf) {
 #define ROWS_I16(n) tile_dots_i16(a, xs, K, ng, m0, rb, n, wt, wbits, gshift, st, mt, o, ldo, pf)
-    TILE_ROWS(mb, ROWS_I16)
+#define ROWS_SPLIT(n) tile_dots_split(a, xs, K, ng, m0, rb, n, wt, gshift, st, mt, o, ldo, pf)
+    if (a->split) { /* a call of M <= I16_SPLIT_MAX_M rows: one pass of M */
+        switch (mb) {
+        case 1: ROWS_SPLIT(1); break;
+        case 2: ROWS_SPLIT(2); break;
+        case 3: ROWS_SPLIT(3); break;
+        case 4: ROWS_SPLIT(4); break;
+        default: ROWS_SPLIT(I16_SPLIT_MAX_M); break;
+        }
+    } else {
+        TILE_ROWS(mb, ROWS_I16)
+    }
+#undef ROWS_SPLIT
 #undef ROWS_I16
 }
 #endif
@@ -1522,7 +1645,7 @@ int kvpilot_qmatmul_tiled_i16(const void *x, int dtype, void *out, const void *b
     int rc = f_acts_make(x, dtype, 0, M, K, wbits, group, 1, 0, &fa, num_threads);
     if (rc) return rc;
     i16_acts a;
-    rc = i16_acts_make(fa.xp, wbits == 4 ? fa.xs : NULL, M, K, group, &a);
+    rc = i16_acts_make(fa.xp, wbits == 4 ? fa.xs : NULL, M, K, group, wbits == 4 && M <= I16_SPLIT_MAX_M, &a);
     if (rc) {
         f_acts_free(&fa);
         return rc;

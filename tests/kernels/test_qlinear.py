@@ -657,6 +657,55 @@ def test_tiled_int16_activations_give_the_rounded_activations_exact_product(dtyp
                     torch.testing.assert_close(got, want, rtol=8e-3, atol=2e-2)
 
 
+def i16_extreme_rows(m: int, k: int) -> torch.Tensor:
+    """m rows of k activations whose 32-blocks round to int16's extremes: all +max (code 32767: high
+    byte 127, low byte 255), all -max (-32767: -128 and 1), one +max among -max / 32767 (-1: -1 and
+    255), or random; a pattern and a magnitude per row and block."""
+    x = torch.randn(m, k)
+    blocks = x.view(m, k // 32, 32)
+    for r in range(m):
+        for b in range(k // 32):
+            a = float(torch.rand(()) * 9 + 0.5)
+            kind = (r + b) % 4
+            if kind == 0:
+                blocks[r, b] = a
+            elif kind == 1:
+                blocks[r, b] = -a
+            elif kind == 2:
+                blocks[r, b] = -a / 32767
+                blocks[r, b, (r + 5 * b) % 32] = a
+    return x
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_tiled_int16_int4_rows_split_into_bytes_are_exact(group: int) -> None:
+    """kvpilot_qmatmul_tiled_i16 on int4 up to I16_SPLIT_MAX_M rows multiplies the codes by each
+    activation's high and low bytes (maddubs, 256 hi + lo); more rows widen the codes to int16. At the
+    sums' limits (all-15 codes against blocks rounded to +-32767 and -1: the low bytes' 16-bit sums
+    past 32767, the high bytes' at -30720) each row of 1..5 is bit-identical to the same row in a call
+    of 7 rows (the widened path) and to i16_spec."""
+    if not qlinear.available():
+        missing("a C compiler for the CPU kernels", "install gcc or clang")
+    torch.manual_seed(20)
+    k = 512
+    qw = qlinear.quantize_int4(torch.randn(32, k) * 0.05, group)
+    per_group = qw.packed.view(32, k // group, group // 2)
+    per_group[:, ::2] = 0xFF  # every other group all codes 15: the low bytes' sums at 61200
+    per_group[1] = 0xFF  # and a whole row of them
+    t = qlinear.tile(qw)
+    x = i16_extreme_rows(7, k)
+    with switches.using(qmatmul_activations="int16"):
+        for level in [lv for lv in isa.runnable() if lv != "generic"]:
+            widened = qlinear.kernel_matmul(x, t, level=level)
+            want = i16_spec(x, qw, None)
+            scale = F.linear(x.abs().double(), qw.dequantize(torch.float64).abs())
+            assert bool(((widened.double() - want).abs() <= 1e-6 * scale + 1e-6).all()), level
+            for m in range(1, 6):
+                for r0 in (0, 7 - m):
+                    split = qlinear.kernel_matmul(x[r0 : r0 + m], t, level=level)
+                    assert torch.equal(split, widened[r0 : r0 + m]), (level, group, m, r0)
+
+
 def test_int16_activations_on_every_path_of_matmul() -> None:
     """Under int16 every route multiplies the same rounded activations: the tiled kernel up to
     TILED_FLOAT_MAX_M rows, then dequantize + torch; the row layout's float kernel; no int8 GEMM."""
