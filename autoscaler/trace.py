@@ -7,6 +7,7 @@
 
 `scale_trace` stretches a trace in time (`--time-scale`) or thickens it (`--rate-scale`: the same
 duration with R x the requests); `repeat_trace` plays it again after itself (a warm fleet's hour);
+`shift_mix` makes its prompts heavier from one moment on (the same users, longer contexts);
 `load_per_minute` reports what a trace asks of a fleet.
 Bad input raises TraceError naming the file and line.
 """
@@ -196,6 +197,25 @@ def repeat_trace(requests: Sequence[TraceRequest], passes: int) -> list[TraceReq
         for k in range(passes)
         for r in requests
     ]
+
+
+def shift_mix(requests: Sequence[TraceRequest], factor: float, at_s: float) -> list[TraceRequest]:
+    """The trace with the token mix `factor` times heavier from `at_s` on, at the same arrivals: every
+    prompt before at_s is cut to 1 / factor of its length (its leading hash_ids kept: the same
+    conversation, less of it), the later ones are as recorded. What a fleet sees when its traffic turns
+    from chat to long-document work within a minute: the load per request changes, the request rate
+    does not, and every per-request capacity learnt before is too high after. Pure and deterministic."""
+    if factor < 1.0:
+        raise ValueError(f"factor must be >= 1 (how many times heavier the mix gets), got {factor:g}")
+    out: list[TraceRequest] = []
+    for r in requests:
+        if r.t >= at_s:
+            out.append(r)
+            continue
+        tokens = max(1, math.floor(r.prompt_tokens / factor))
+        blocks = math.ceil(tokens / HASH_BLOCK_TOKENS)
+        out.append(replace(r, prompt_tokens=tokens, hash_ids=r.hash_ids[:blocks]))
+    return out
 
 
 def load_per_minute(requests: Sequence[TraceRequest]) -> list[dict[str, float]]:

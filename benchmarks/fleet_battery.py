@@ -3,7 +3,7 @@
 smallest fixed fleet that meets the SLO there (issue 24's goals, as benchmarks/fleet_slo_goals.py).
 
     python benchmarks/fleet_battery.py [--seeds 1-12] [--startups 10,60] [--router router:kv-aware]
-        [--static-cache PATH] [--warm] [--markdown]
+        [--static-cache PATH] [--warm] [--mix-shift F] [--markdown]
 
 Per seed the shape is drawn from wide ranges (requests 4k-16k an hour, slow wave 0-50%, context median
 3k-12k tokens, output median 80-400, 1.2-3.3 turns a session), so the battery covers light and heavy
@@ -12,6 +12,9 @@ and startup and a summary: how many rows meet >= 99% (10 s) / >= 98% (60 s), the
 fixed fleet of the same replica-hours, and the replica-hours against the smallest fixed fleet at 99%.
 --static-cache keeps the fixed fleets' results (they do not depend on the policy) between runs. --warm
 judges the second of two back-to-back passes of each trace, as fleet_slo_goals.py --warm does.
+--mix-shift F cuts every prompt of a trace's first half to 1/F of its length (autoscaler.trace.shift_mix):
+at half time the token mix gets F times heavier at the same request rate, so what the loop learnt per
+request before is too optimistic after.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, StaticPolicy
 from kvpilot.autoscaler.replica_model import resolve_calibration
 from kvpilot.autoscaler.simulator import ROUTERS, simulate
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets, SloTargets
-from kvpilot.autoscaler.trace import TraceRequest
+from kvpilot.autoscaler.trace import TraceRequest, shift_mix
 
 CALIBRATION = "h100/llama-3.1-8b"
 MAX_REPLICAS = 40
@@ -127,6 +130,13 @@ def main() -> None:
     p.add_argument("--router", default="router:kv-aware")
     p.add_argument("--static-cache", help="a JSON file that keeps the fixed fleets' results between runs")
     p.add_argument("--warm", action="store_true", help="judge a warm fleet (fleet_slo_goals.py --warm)")
+    p.add_argument(
+        "--mix-shift",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="the token mix gets F times heavier halfway through each trace (autoscaler.trace.shift_mix)",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     if args.router not in ROUTERS:
@@ -136,14 +146,20 @@ def main() -> None:
         startups = [float(s) for s in args.startups.split(",")]
     except ValueError:
         p.error("--seeds takes e.g. 1-12 or 3,5,9 and --startups e.g. 10,60")
+    if args.mix_shift < 1.0:
+        p.error(f"--mix-shift: F is how many times heavier the mix gets, >= 1 (got {args.mix_shift:g})")
     cache_path = Path(args.static_cache) if args.static_cache else None
     cache: dict[str, dict[str, dict[str, float]]] = {}
     if cache_path is not None and cache_path.is_file():
         cache = json.loads(cache_path.read_text())
     rows: list[dict[str, Any]] = []
     for seed in seeds:
-        trace, warmup_s = played(trace_for(seed), args.warm)
-        known = cache.setdefault(f"{seed}/{args.router}" + ("/warm" if args.warm else ""), {})
+        base = trace_for(seed)
+        if args.mix_shift != 1.0:
+            base = shift_mix(base, args.mix_shift, (base[0].t + base[-1].t) / 2.0)
+        trace, warmup_s = played(base, args.warm)
+        key = f"{seed}/{args.router}" + ("/warm" if args.warm else "")
+        known = cache.setdefault(key + (f"/mix{args.mix_shift:g}" if args.mix_shift != 1.0 else ""), {})
         n = statics(trace, args.router, warmup_s, known)
         for startup in startups:
             r = run(trace, kvpilot(startup), startup, args.router, warmup_s)
@@ -185,7 +201,8 @@ def main() -> None:
             "replica_hours_vs_static_median": statistics.median(r["vs_static_replica_hours"] for r in sel),
             "replica_hours_vs_static_max": max(r["vs_static_replica_hours"] for r in sel),
         }
-    print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "warm": args.warm, "rows": rows,
+    print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "warm": args.warm,
+                      "mix_shift": args.mix_shift, "rows": rows,
                       "summary": summary, "machine": machine()}, indent=1))  # fmt: skip
     if args.markdown:
         table = [

@@ -27,6 +27,7 @@ from kvpilot.autoscaler.trace import (
     repeat_period,
     repeat_trace,
     scale_trace,
+    shift_mix,
 )
 
 H100 = calibration_by_name("h100/llama-3.1-8b", startup_s=10.0)
@@ -112,6 +113,29 @@ def test_repeat_trace_plays_the_trace_again_after_itself():
         repeat_trace(reqs, 0)
     with pytest.raises(ValueError):
         repeat_period([])
+
+
+def test_shift_mix_makes_the_prompts_heavier_from_a_moment_on_at_the_same_arrivals():
+    reqs = [TraceRequest(float(i), 3000 + i, 50, tuple(range(6))) for i in range(10)]
+    shifted = shift_mix(reqs, 3.0, at_s=5.0)
+    assert [r.t for r in shifted] == [r.t for r in reqs]  # the same arrivals
+    assert shifted[5:] == reqs[5:]  # from at_s on, as recorded
+    assert [r.prompt_tokens for r in shifted[:5]] == [1000, 1000, 1000, 1001, 1001]
+    assert all(r.hash_ids == (0, 1) for r in shifted[:5])  # 1,000 tokens: the first two 512-token blocks
+    assert all(r.output_tokens == 50 for r in shifted)
+    # The fixed fleet that serves the light half serves the heavy one worse: the load per request rose.
+    slo = Slo(ttft_s=2.0, tpot_s=0.05)
+    light = [TraceRequest(i * 0.1, 500, 50) for i in range(1200)]
+    heavy = shift_mix([TraceRequest(i * 0.1, 6000, 50) for i in range(1200)], 12.0, at_s=60.0)
+    assert [r.prompt_tokens for r in heavy[:600]] == [r.prompt_tokens for r in light[:600]]
+    judged = {
+        name: simulate(t, StaticPolicy(1), H100, warmup_s=0.0, slo=slo).slo_attainment
+        for name, t in (("light", light), ("heavy", heavy))
+    }
+    assert judged["heavy"] < judged["light"]
+    assert shift_mix(reqs, 1.0, at_s=5.0) == reqs
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        shift_mix(reqs, 0.5, at_s=5.0)
 
 
 def test_a_warm_run_is_judged_on_its_last_pass_only():
