@@ -1016,6 +1016,13 @@ class SloStatus(_Model):
         None,
         description="Requests/s per Ready replica sustained with attainment headroom: the planner's floor.",
     )
+    floor_model_capacity: Lenient[Amount] = Field(
+        None,
+        description=(
+            "The replica model's requests/s per replica at the token mix capacityFloor was measured at: "
+            "where the mix is heavier now, the floor counts in proportion to the model's capacity."
+        ),
+    )
     capacity_ceiling: Lenient[Amount] = Field(
         None,
         description="Requests/s per Ready replica below a load that missed the SLO: the planner's ceiling.",

@@ -23,7 +23,9 @@ window is the intervals of the last Behavior.attainment_window_s. Three rules:
    deviations (a step answers one sync; a cut is remembered, unless its misses neither prove it nor
    agree with the floor: see below). The bounds are loads, not ratios to the model: the model's
    capacity swings with the token mix (fourfold over the Mooncake trace, where one fixed fleet
-   serves all of it), and a ratio multiplies that swing; a bound caps it. A miss below the floor
+   serves all of it), and a ratio multiplies that swing; a bound caps it. Except the floor where
+   the mix got heavier than it was measured at: a load served with short prompts is no evidence
+   for long ones, so there it scales down with the model (floor_at_mix). A miss below the floor
    drops the floor to the new ceiling (the workload got heavier); headroom while running within
    tolerance of the binding bound raises it by capacity_relax per sync (the ceiling toward the
    model, the floor past it: a probe, and rule 3's headroom stops it before misses add up); below
@@ -90,6 +92,10 @@ class SloState:
     miss_load: float | None = None
     miss_ceiling: float | None = None
     miss_at: float | None = None
+    # The replica model's capacity (requests/s per replica) at the token mix the floor was measured at:
+    # the floor holds at that mix and at lighter ones, and at a heavier one only in proportion
+    # (floor_at_mix). None: measured before the planner had a mix, taken as it is.
+    floor_capacity: float | None = None
 
 
 @dataclass(frozen=True)
@@ -132,13 +138,28 @@ def feedback_settings(slo: SloTargets, b: Behavior) -> FeedbackSettings:
     )
 
 
+def floor_at_mix(state: SloState, model_capacity: float | None) -> float | None:
+    """The floor (the highest load served with headroom) where the token mix is now: as measured at the
+    mix it was measured at or a lighter one, and scaled by the model's capacity ratio at a heavier one.
+    A load served with 5.6k-token prompts says little about the same load of 17k-token ones; kept as it
+    was, a floor of 11.4/s per replica had the planner size one replica where the model asked for three
+    (the mix-shift battery's seed 9: 74% attainment at 60 s startup, 98% with this; docs/autoscaler.md,
+    "Sixth round")."""
+    floor, at = state.capacity_floor, state.floor_capacity
+    if floor is None or at is None or not model_capacity or model_capacity >= at:
+        return floor
+    return floor * model_capacity / at
+
+
 def planner_capacity(state: SloState, model_capacity: float) -> float:
-    """Requests/s per replica the planner sizes with: the model's, within the measured bounds."""
+    """Requests/s per replica the planner sizes with: the model's, within the measured bounds (the
+    floor at the current mix: floor_at_mix)."""
     c = model_capacity
     if state.capacity_ceiling is not None:
         c = min(c, state.capacity_ceiling)
-    if state.capacity_floor is not None:
-        c = max(c, state.capacity_floor)
+    floor = floor_at_mix(state, model_capacity)
+    if floor is not None:
+        c = max(c, floor)
     return c
 
 
@@ -292,7 +313,9 @@ def evaluate(
     f = window(state.intervals, now, s.window_s, since=since)
     fresh = f.counts
     served = window(state.intervals, now, s.window_s, since=None if since is None else since + span_s)
-    floor, ceiling = state.capacity_floor, state.capacity_ceiling
+    # The floor in the current mix's terms; a new value is written with the current mix as its own.
+    floor0 = floor = floor_at_mix(state, model_capacity)
+    ceiling = state.capacity_ceiling
     miss_load, miss_ceiling, miss_at = state.miss_load, state.miss_ceiling, state.miss_at
     if miss_at is not None and now - miss_at > s.miss_memory_s:
         miss_load = miss_ceiling = miss_at = None
@@ -370,7 +393,7 @@ def evaluate(
             # Running as sized, with headroom: the binding bound is probed upward (a miss takes it
             # back), the ceiling toward the model, the floor beyond it.
             if used is not None and model_capacity and at_capacity:
-                if state.capacity_floor is not None and used > model_capacity:
+                if floor0 is not None and used > model_capacity:
                     floor = max(floor, used * (1.0 + s.relax))
                 elif ceiling is not None and used < model_capacity:
                     ceiling = min(model_capacity, ceiling * (1.0 + s.relax))
@@ -393,10 +416,12 @@ def evaluate(
                     floor = ceiling
         else:
             text += " (no headroom)"
+    moved = floor != floor0
     return Feedback(
         state=replace(
             state,
-            capacity_floor=floor,
+            capacity_floor=floor if moved else state.capacity_floor,
+            floor_capacity=(model_capacity or None) if moved else state.floor_capacity,
             capacity_ceiling=ceiling,
             fresh_since=fresh_since,
             miss_load=miss_load,

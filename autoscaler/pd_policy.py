@@ -236,6 +236,7 @@ def role_view(
         ),
         fresh_since=fresh_since,
         capacity_floor=state.capacity_floor if role == PREFILL else None,
+        floor_capacity=state.floor_capacity if role == PREFILL else None,
         capacity_ceiling=state.capacity_ceiling if role == PREFILL else None,
     )
 
@@ -365,6 +366,7 @@ def decide_pd(
         slo_state = replace(
             slo_state,
             capacity_floor=fbs[PREFILL].state.capacity_floor,
+            floor_capacity=fbs[PREFILL].state.floor_capacity,
             capacity_ceiling=fbs[PREFILL].state.capacity_ceiling,
         )
         if all(fbs[r].recommendation is None for r in KV_ROLES):

@@ -70,6 +70,7 @@ from kvpilot.autoscaler.feedback import (
     SloState,
     evaluate,
     feedback_settings,
+    floor_at_mix,
     measure_slo,
     planner_capacity,
     request_span_s,
@@ -671,7 +672,7 @@ def decide(
             desired,
             current,
             None if forecast is None else max(forecast, arrival_rate or 0.0),
-            slo_state.capacity_floor,
+            floor_at_mix(slo_state, model_capacity),
         )
         if held is not None:
             notes.append(held)

@@ -165,6 +165,7 @@ def _slo_state(s: SloStatus) -> SloState:
         miss_load=s.miss_load or None,
         miss_ceiling=s.miss_ceiling or None,
         miss_at=_seconds(s.miss_at),
+        floor_capacity=s.floor_model_capacity or None,
     )
 
 
@@ -182,6 +183,7 @@ def _slo_model(decision: Decision) -> SloStatus | None:
         target=decision.attainment_target,
         capacity_factor=None if decision.capacity_factor is None else round(decision.capacity_factor, 4),
         capacity_floor=None if state.capacity_floor is None else round(state.capacity_floor, 5),
+        floor_model_capacity=None if state.floor_capacity is None else round(state.floor_capacity, 5),
         capacity_ceiling=None if state.capacity_ceiling is None else round(state.capacity_ceiling, 5),
         fresh_since=_time(state.fresh_since),
         last_backlog=_time(state.last_backlog),

@@ -24,6 +24,7 @@ from kvpilot.autoscaler.feedback import (
     FeedbackSettings,
     SloState,
     evaluate,
+    floor_at_mix,
     planner_capacity,
     proven_step,
     record_interval,
@@ -251,6 +252,36 @@ def test_scale_down_needs_headroom_and_a_measurement():
     assert unknown.attainment is None and not unknown.allow_scale_down
 
 
+def test_a_floor_served_at_a_lighter_mix_counts_at_a_heavier_one_only_in_proportion():
+    # 1.8 requests/s per replica served with headroom where the model, at that token mix, said 2.8
+    light = evaluate(_state((NOW, SloCounts(met=1000), 1.8)), NOW, 2, 2, SETTINGS, 2.8, 10).state
+    assert light.capacity_floor == pytest.approx(1.8) and light.floor_capacity == pytest.approx(2.8)
+    # prompts got longer: the model says 1.5/s. 1.8/s of short prompts is no evidence for 1.8 of long
+    # ones: the floor counts as 1.8 x 1.5 / 2.8, below the model, which the planner takes (1.8 before)
+    assert floor_at_mix(light, 1.5) == pytest.approx(1.8 * 1.5 / 2.8)
+    assert planner_capacity(light, 1.5) == pytest.approx(1.5)
+    # ... and so does the scale-down limit: 2.2/s on one replica is within 1.25x the floor as measured
+    # (2.25), far past it where the mix is now
+    assert served_load_limit(1, 2, 2.2, light.capacity_floor)[0] == 1
+    assert served_load_limit(1, 2, 2.2, floor_at_mix(light, 1.5))[0] == 2
+    # a floor above a pessimistic model (3/s served where it said 2) holds at its mix and lighter ones,
+    # and at a heavier one in proportion
+    pessimistic = evaluate(_state((NOW, SloCounts(met=1000), 3.0)), NOW, 5, 5, SETTINGS, 2.0, 10).state
+    assert pessimistic.floor_capacity == pytest.approx(2.0)
+    assert planner_capacity(pessimistic, 2.0) == pytest.approx(3.0)
+    assert planner_capacity(pessimistic, 2.5) == pytest.approx(3.0)
+    assert planner_capacity(pessimistic, 1.0) == pytest.approx(1.5)
+    # measured before the planner had a mix: taken as it is
+    assert floor_at_mix(SloState(capacity_floor=3.0), 1.0) == 3.0
+    # a sync that does not move the floor keeps its mix; a new floor is measured at the current one
+    again = evaluate(replace(light, intervals=(SloInterval(NOW + 15, 15.0, SloCounts(met=1000), 0.5),)),
+                     NOW + 15, 2, 2, SETTINGS, 1.5, 10).state  # fmt: skip
+    assert (again.capacity_floor, again.floor_capacity) == (light.capacity_floor, light.floor_capacity)
+    higher = evaluate(replace(light, intervals=(SloInterval(NOW + 15, 15.0, SloCounts(met=1000), 1.2),)),
+                      NOW + 15, 2, 2, SETTINGS, 1.5, 10).state  # fmt: skip
+    assert higher.capacity_floor == pytest.approx(1.2) and higher.floor_capacity == pytest.approx(1.5)
+
+
 def test_the_probe_stops_at_a_load_that_missed_while_it_is_remembered():
     # A fleet of 2 sized at a 0.8/s ceiling runs at 0.5/s per replica with headroom: the probe raises
     # the ceiling 3% a sync, and once it passes the fleet's whole rate (1.0/s) the planner halves the
@@ -426,6 +457,13 @@ def test_status_round_trip_keeps_the_loop_and_publishes_the_prefill_terms():
     assert back.miss_load == pytest.approx(d.history.slo.miss_load, abs=1e-4)
     assert back.miss_ceiling == pytest.approx(d.history.slo.miss_ceiling or 0, abs=1e-4)
     assert back.miss_at == pytest.approx(NOW, abs=1e-3)
+    # and the floor with the model's capacity at the mix it was measured at
+    served = decide(4, MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1140)), targets,
+                    _history(4, router_met=1000.0), NOW)  # fmt: skip
+    assert served.history.slo.capacity_floor is not None and served.history.slo.floor_capacity is not None
+    kept = history_from_status(decision_to_status(served, NOW, None)).slo
+    assert kept.capacity_floor == pytest.approx(served.history.slo.capacity_floor, abs=1e-4)
+    assert kept.floor_capacity == pytest.approx(served.history.slo.floor_capacity, abs=1e-4)
 
 
 # -- sources -------------------------------------------------------------------------------------
