@@ -143,7 +143,7 @@ def floor_at_mix(state: SloState, model_capacity: float | None) -> float | None:
     mix it was measured at or a lighter one, and scaled by the model's capacity ratio at a heavier one.
     A load served with 5.6k-token prompts says little about the same load of 17k-token ones; kept as it
     was, a floor of 11.4/s per replica had the planner size one replica where the model asked for three
-    (the mix-shift battery's seed 9: 74% attainment at 60 s startup, 98% with this; docs/autoscaler.md,
+    (the mix-shift battery's seed 9: 74% attainment at 60 s startup, 97.8% with this; docs/autoscaler.md,
     "Sixth round")."""
     floor, at = state.capacity_floor, state.floor_capacity
     if floor is None or at is None or not model_capacity or model_capacity >= at:
