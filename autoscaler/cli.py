@@ -86,6 +86,16 @@ def _nonneg_int(flag: str) -> Any:
     return parse
 
 
+def _positive_int(flag: str) -> Any:
+    def parse(value: str) -> int:
+        v: int = _nonneg_int(flag)(value)
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {v}")
+        return v
+
+    return parse
+
+
 def _fraction(flag: str) -> Any:
     def parse(value: str) -> float:
         v = _positive_float(flag)(value)
@@ -331,6 +341,21 @@ def add_behavior_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.arrival_headroom,
         help=f"multiply the forecast arrival rate by this (default {d.arrival_headroom:g})",
     )
+    g.add_argument(
+        "--redundancy-replicas",
+        type=_positive_int("--redundancy-replicas"),
+        default=d.redundancy_replicas,
+        metavar="N",
+        help="while the forecast load needs at least --redundancy-load of one replica, keep at least N "
+        f"replicas (default {d.redundancy_replicas}; 1: off)",
+    )
+    g.add_argument(
+        "--redundancy-load",
+        type=_nonneg_float("--redundancy-load"),
+        default=d.redundancy_load,
+        metavar="SHARE",
+        help=f"the share of one replica's capacity from which --redundancy-replicas applies (default {d.redundancy_load:g})",
+    )
 
 
 def behavior_from_args(args: argparse.Namespace) -> Behavior:
@@ -346,6 +371,8 @@ def behavior_from_args(args: argparse.Namespace) -> Behavior:
         arrival_lead_s=getattr(args, "arrival_lead", d.arrival_lead_s),
         arrival_trend_window_s=getattr(args, "arrival_trend_window", d.arrival_trend_window_s),
         arrival_headroom=getattr(args, "arrival_headroom", d.arrival_headroom),
+        redundancy_replicas=getattr(args, "redundancy_replicas", d.redundancy_replicas),
+        redundancy_load=getattr(args, "redundancy_load", d.redundancy_load),
     )
 
 

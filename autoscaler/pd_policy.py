@@ -132,7 +132,11 @@ class PdTargets:
         lo, hi = (
             (self.prefill_min, self.prefill_max) if role == PREFILL else (self.decode_min, self.decode_max)
         )
-        return self.base.with_overrides(min_replicas=lo, max_replicas=hi, slo=None)
+        # No redundancy rule per role (redundancy.py): a role's spare is its own minReplicas
+        # (spec.disaggregation.ROLE.minReplicas); on the P/D goal row it would hold a second decode
+        # pod for 96% of the aggregated fleet's replica-hours instead of 85% (docs/autoscaler.md).
+        behavior = replace(self.base.behavior, redundancy_replicas=1)
+        return self.base.with_overrides(min_replicas=lo, max_replicas=hi, slo=None, behavior=behavior)
 
     @classmethod
     def from_spec(

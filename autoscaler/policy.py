@@ -76,6 +76,7 @@ from kvpilot.autoscaler.feedback import (
     request_span_s,
     served_load_limit,
 )
+from kvpilot.autoscaler.redundancy import Redundancy, redundancy
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
@@ -276,6 +277,7 @@ def decide(
     arrival_rec: int | None = None
     slo_rec: int | None = None
     surge_rec: int | None = None
+    spare: Redundancy | None = None
     slo_capacity: float | None = None
     model_capacity: float | None = None
     burst = False
@@ -536,6 +538,9 @@ def decide(
             if surge_rec > raw:
                 raw = surge_rec
                 h_part = hold.text(now, b.surge_window_s, b.surge_quantile)
+        spare = redundancy(
+            forecast, per_replica, b.redundancy_replicas, b.redundancy_load, targets.max_replicas
+        )
         kv_part = _kv_text(avg_kv, target_kv, tol)
         if avg_slots is not None and avg_slots > avg_kv:
             kv_part = f"kv {avg_kv:.2f}, " + _kv_text(avg_slots, target_kv, tol).replace("kv", "slots", 1)
@@ -681,6 +686,11 @@ def decide(
     if snapshot.scaling_limited and desired > current:
         notes.append(f"ScalingLimited (pods unschedulable): holding {current} instead of {desired}")
         desired = current
+
+    if spare is not None and desired < spare.replicas and not snapshot.scaling_limited:
+        # A floor while the model is busy, as minReplicas is one always (redundancy.py).
+        notes.append(f"{spare.text()}: held at {spare.replicas}, not {desired}")
+        desired, signal = spare.replicas, "redundancy"
 
     clamped = min(max(desired, targets.min_replicas), targets.max_replicas)
     if clamped != desired:

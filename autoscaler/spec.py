@@ -102,6 +102,10 @@ class Behavior:
     surge_window_s: float = 1800.0
     surge_shift_ratio: float = 3.0
     surge_quantile: float = 0.7
+    # Redundancy (redundancy.py): while the forecast load needs at least redundancy_load of one
+    # replica, at least redundancy_replicas replicas (1: off).
+    redundancy_replicas: int = 2
+    redundancy_load: float = 0.25
 
     def __post_init__(self) -> None:
         if self.attainment_window_s <= 0 or self.attainment_min_requests < 1:
@@ -114,6 +118,8 @@ class Behavior:
             raise ValueError("surge_window_s must be > 0, surge_shift_ratio > 1, surge_quantile in (0, 1]")
         if self.arrival_lead_s < 0 or self.arrival_trend_window_s < 0:
             raise ValueError("arrival_lead_s and arrival_trend_window_s must be >= 0")
+        if self.redundancy_replicas < 1 or self.redundancy_load < 0:
+            raise ValueError("redundancy_replicas must be >= 1 and redundancy_load >= 0")
         if self.arrival_headroom <= 0 or self.arrival_max_growth < 1:
             raise ValueError("arrival_headroom must be > 0 and arrival_max_growth >= 1")
 

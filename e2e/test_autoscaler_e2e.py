@@ -434,8 +434,10 @@ def test_slow_replicas_are_scaled_up_by_the_measured_attainment_rule(
         "--prometheus-url", prom.url,
         "--interval", str(interval),
         "--no-leader-elect",
-        # The completion-rate estimate would see slow replicas too; this test is about the loop.
+        # The completion-rate estimate would see slow replicas too, and a second replica for
+        # redundancy would come first; this test is about the loop.
         "--no-arrival-rate",
+        "--redundancy-replicas", "1",
     )  # fmt: skip
     decisions: list[dict[str, Any]] = []
     stop = threading.Event()

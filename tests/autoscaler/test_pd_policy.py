@@ -47,6 +47,9 @@ def test_from_spec_takes_role_bounds_over_the_models():
     t = targets()
     assert (t.prefill_min, t.prefill_max, t.decode_min, t.decode_max) == (1, 20, 1, 10)
     assert t.role_targets("decode").max_replicas == 10 and t.role_targets("decode").slo is None
+    # a role's spare is its own minReplicas: the aggregated policy's redundancy rule is off per role
+    assert t.base.behavior.redundancy_replicas == 2
+    assert t.role_targets("decode").behavior.redundancy_replicas == 1
 
 
 def test_both_roles_wake_from_zero_on_a_held_request():

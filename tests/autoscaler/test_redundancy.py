@@ -1,0 +1,78 @@
+"""Redundancy (autoscaler/redundancy.py): a busy model is not served by one replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.autoscaler.policy import ArrivalState, History, PodCounter, RateSample, decide
+from kvpilot.autoscaler.redundancy import redundancy
+from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.spec import Behavior, ScalingTargets
+
+NOW = 1_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("rate", "per_replica", "replicas", "max_replicas", "want"),
+    [
+        (3.0, 5.0, 2, 10, 2),  # 0.6 of one replica: two
+        (2.5, 5.0, 2, 10, 2),  # exactly the threshold
+        (2.4, 5.0, 2, 10, None),  # below it: what the other signals ask
+        (0.0, 5.0, 2, 10, None),  # idle (scale to zero stays possible)
+        (None, 5.0, 2, 10, None),  # no rate measured
+        (3.0, None, 2, 10, None),  # no per-replica rate
+        (3.0, 5.0, 1, 10, None),  # the rule off
+        (3.0, 5.0, 3, 10, 3),
+        (3.0, 5.0, 2, 1, 1),  # never past maxReplicas
+    ],
+)
+def test_redundancy_applies_from_a_share_of_one_replica(
+    rate: float | None, per_replica: float | None, replicas: int, max_replicas: int, want: int | None
+):
+    r = redundancy(rate, per_replica, replicas, 0.5, max_replicas)
+    assert (None if r is None else r.replicas) == want
+
+
+def _one_replica(rate: float, pods: str = "a") -> tuple[MetricsSnapshot, History]:
+    """`pods` serving `rate` requests/s in all, each sustaining 5/s (the measured service rate)."""
+    each = rate * 15.0 / len(pods)
+    snap = MetricsSnapshot(
+        ready_replicas=len(pods), samples=tuple(ReplicaSample(p, 0.1, 0, 1, each) for p in pods)
+    )
+    rates = tuple(RateSample(NOW - 60 + 15 * i, rate) for i in range(4))
+    counters = tuple(PodCounter(p, 0.0, 1) for p in pods)
+    return snap, History(arrivals=ArrivalState(NOW - 15, counters, rates, service_rate=5.0))
+
+
+def test_decide_keeps_a_second_replica_for_a_busy_model_and_names_the_signal():
+    t = ScalingTargets(min_replicas=1, max_replicas=10, scale_down_stabilization_s=0.0)
+    snap, history = _one_replica(3.0)
+    d = decide(1, snap, t, history, NOW)
+    assert d.desired == 2 and d.signal == "redundancy", d.reason
+    assert (
+        "; redundancy: 2 replicas while serving 3.00/s (0.60 of one replica's 5.00/s): held at 2, not 1"
+        in d.reason
+    )
+    # two replicas at the same load: a scale-down to one is what the other signals ask; not taken
+    snap2, history2 = _one_replica(3.0, "ab")
+    d2 = decide(2, snap2, t, history2, NOW)
+    assert d2.desired == 2 and d2.signal == "redundancy", d2.reason
+    # a quiet model, the rule off, or maxReplicas 1: one replica
+    quiet, qh = _one_replica(1.0)
+    assert decide(1, quiet, t, qh, NOW).desired == 1
+    off = ScalingTargets(
+        min_replicas=1,
+        max_replicas=10,
+        scale_down_stabilization_s=0.0,
+        behavior=Behavior(redundancy_replicas=1),
+    )
+    assert decide(1, snap, off, history, NOW).desired == 1
+    one = ScalingTargets(min_replicas=1, max_replicas=1, scale_down_stabilization_s=0.0)
+    assert decide(1, snap, one, history, NOW).desired == 1
+
+
+def test_behavior_rejects_a_redundancy_it_cannot_apply():
+    with pytest.raises(ValueError, match="redundancy_replicas"):
+        Behavior(redundancy_replicas=0)
+    with pytest.raises(ValueError, match="redundancy_load"):
+        Behavior(redundancy_load=-0.1)
