@@ -105,7 +105,7 @@ class Behavior:
     # Redundancy (redundancy.py): while the forecast load needs at least redundancy_load of one
     # replica, at least redundancy_replicas replicas (1: off).
     redundancy_replicas: int = 2
-    redundancy_load: float = 0.25
+    redundancy_load: float = 0.5
 
     def __post_init__(self) -> None:
         if self.attainment_window_s <= 0 or self.attainment_min_requests < 1:

@@ -196,7 +196,7 @@ def test_cli_behavior_flags_reach_the_policy():
     b = behavior_from_args(args)
     assert not b.arrival_rate and b.arrival_lead_s == 0.0
     assert b.arrival_trend_window_s == 90.0 and b.arrival_headroom == 1.2
-    assert (b.redundancy_replicas, b.redundancy_load) == (2, 0.25)  # the defaults
+    assert (b.redundancy_replicas, b.redundancy_load) == (2, 0.5)  # the defaults
     args = parser.parse_args(
         ["simulate", "--trace", "t.csv", "--redundancy-replicas", "1", "--redundancy-load", "0.8"]
     )
