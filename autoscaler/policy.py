@@ -37,7 +37,9 @@ Steps, in order (HPA-like where the HPA has an answer):
    scale down to the largest recommendation in the down window (default 300 s).
 4. Rate limits over the events in the rule's period, like HPA behavior policies.
 5. ScalingLimited (pods Unschedulable): never ask for more than we have.
-6. Clamp to [minReplicas, maxReplicas].
+6. Redundancy (redundancy.py): while the forecast load needs at least Behavior.redundancy_load of one
+   replica, at least Behavior.redundancy_replicas (a floor, like minReplicas).
+7. Clamp to [minReplicas, maxReplicas].
 """
 
 from __future__ import annotations
