@@ -739,7 +739,12 @@ class InferenceModelSpec(_Model):
     tolerations: list[Toleration] | None = Field(None, max_length=64)
     affinity: dict[str, Any] | None = Field(None, description="core/v1 Affinity, passed through as written.")
     priority_class_name: str | None = Field(None, max_length=253)
-    env: list[EnvVar] | None = Field(None, max_length=128, description="Extra environment for the runtime.")
+    env: list[EnvVar] | None = Field(
+        None,
+        max_length=128,
+        description="Extra environment for the runtime, and for the init containers that fetch hf:// "
+        "weights and adapters (HF_ENDPOINT names a Hub mirror; HTTPS_PROXY, NO_PROXY, REQUESTS_CA_BUNDLE).",
+    )
     extra_args: list[str] | None = Field(
         None,
         max_length=64,

@@ -416,11 +416,14 @@ def _fetch_init_container(
     python: str = "python",
 ) -> dict[str, Any]:
     """Download hf:// weights (the model's, or `source` into `dest` for an adapter) into their volume
-    before the runtime starts. `volume`: (volume name, mount path, destination)."""
+    before the runtime starts. `volume`: (volume name, mount path, destination). The container gets the
+    runtime's environment, spec.env included: that is where a cluster names its Hub mirror
+    (HF_ENDPOINT), its proxy (HTTPS_PROXY, NO_PROXY) and its CA bundle (REQUESTS_CA_BUNDLE), which the
+    download needs more than the runtime does."""
     source = source or im.spec.model.source
     repo, _, revision = source.removeprefix("hf://").partition("@")
     volume_name, mount, dest = volume or ("model", MODELS_DIR, model_path(im.spec.model.source))
-    env = [e for e in _env(im) if e["name"] in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_TOKEN")]
+    env = _env(im)
     return {
         "name": name,
         "image": image,

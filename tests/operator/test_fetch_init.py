@@ -1,0 +1,128 @@
+"""The hf:// fetch init containers, run: the rendered command and environment against a Hub stand-in.
+
+test_builders.py checks what the operator renders; here the init container's own command (its
+FETCH_SCRIPT, the real huggingface_hub client) runs as a subprocess with the environment the pod
+would get, the Hub being e2e/hub_standin.py at the HF_ENDPOINT that spec.env names (a cluster's Hub
+mirror). The container's /models, /adapters and /tmp are folders of the test; `secretKeyRef` values
+are resolved from a dict, as the kubelet resolves them from the Secret.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.hub_standin import HubStandin
+from kvpilot.api.models import InferenceModel
+from kvpilot.operator.builders import ADAPTERS_DIR, MODELS_DIR
+from tests.operator.test_builders import im, pod_spec
+
+TOKEN = "hf_standin_token"
+SECRETS = {("hf", "token"): TOKEN}
+
+
+@pytest.fixture
+def repos(tmp_path: Path) -> dict[str, Path]:
+    model = tmp_path / "hub" / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama"}\n')
+    (model / "sub" / "weights.bin").write_bytes(os.urandom(3 << 20))  # several of the client's chunks
+    adapter = tmp_path / "hub" / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}\n')
+    return {"org/tiny": model, "org/tiny-lora": adapter}
+
+
+def _env(container: dict[str, Any], root: Path) -> dict[str, str]:
+    out = {"PATH": os.environ.get("PATH", ""), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    for var in container["env"]:
+        if "valueFrom" in var:
+            ref = var["valueFrom"]["secretKeyRef"]
+            out[var["name"]] = SECRETS[(ref["name"], ref["key"])]
+        else:
+            out[var["name"]] = _local(var["value"], root)
+    return out
+
+
+def _local(path: str, root: Path) -> str:
+    """A path in the container -> the test's folder for it."""
+    for mount in (MODELS_DIR, ADAPTERS_DIR, "/tmp"):
+        if path == mount or path.startswith(mount + "/"):
+            return str(root / mount.strip("/")) + path[len(mount) :]
+    return path
+
+
+def run_init(container: dict[str, Any], root: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, *(_local(a, root) for a in container["command"][1:])]
+    for mount in container["volumeMounts"]:
+        Path(_local(mount["mountPath"], root)).mkdir(parents=True, exist_ok=True)
+    return subprocess.run(command, env=_env(container, root), capture_output=True, text=True, timeout=120)
+
+
+def model(hub: HubStandin, source: str, **spec: Any) -> InferenceModel:
+    return im(
+        model={"source": source, "hfTokenSecret": {"name": "hf", "key": "token"}},
+        env=[{"name": "HF_ENDPOINT", "value": hub.url}],
+        **spec,
+    )
+
+
+def same_tree(got: Path, want: Path) -> None:
+    files = sorted(p.relative_to(want) for p in want.rglob("*") if p.is_file())
+    assert files, want
+    for rel in files:
+        assert (got / rel).read_bytes() == (want / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("pin", ["", "@main", "@commit"])
+def test_fetch_init_container_downloads_the_model_from_the_mirror_spec_env_names(
+    tmp_path: Path, repos: dict[str, Path], pin: str
+) -> None:
+    with HubStandin(repos, token=TOKEN) as hub:
+        if pin == "@commit":
+            pin = f"@{hub.commit('org/tiny')}"
+        (init,) = pod_spec(model(hub, f"hf://org/tiny{pin}"))["initContainers"]
+        done = run_init(init, tmp_path / "pod")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"/org/tiny/resolve/{hub.commit('org/tiny')}/sub/weights.bin" in " ".join(hub.requests)
+    same_tree(tmp_path / "pod" / "models" / "org--tiny", repos["org/tiny"])
+
+
+def test_fetch_init_container_for_an_adapter_gets_the_same_environment(
+    tmp_path: Path, repos: dict[str, Path]
+) -> None:
+    with HubStandin(repos, token=TOKEN) as hub:
+        spec = pod_spec(
+            model(hub, "hf://org/tiny", adapters=[{"name": "tone", "source": "hf://org/tiny-lora"}])
+        )
+        fetch_model, fetch_adapter = spec["initContainers"]
+        assert fetch_adapter["name"] == "fetch-adapter-0"
+        for init in (fetch_model, fetch_adapter):
+            done = run_init(init, tmp_path / "pod")
+            assert done.returncode == 0, done.stderr[-2000:]
+    same_tree(tmp_path / "pod" / "adapters" / "tone", repos["org/tiny-lora"])
+    same_tree(tmp_path / "pod" / "models" / "org--tiny", repos["org/tiny"])
+
+
+@pytest.mark.parametrize(
+    ("source", "token", "says"),
+    [
+        ("hf://org/tiny@v9", TOKEN, "v9"),  # a revision the repository does not have
+        ("hf://org/missing", TOKEN, "org/missing"),
+        ("hf://org/tiny", "hf_wrong", "401"),  # the Secret holds a token the Hub refuses
+    ],
+)
+def test_fetch_init_container_fails_the_pod_start_with_a_message_that_names_the_problem(
+    tmp_path: Path, repos: dict[str, Path], source: str, token: str, says: str
+) -> None:
+    with HubStandin(repos, token=token) as hub:
+        (init,) = pod_spec(model(hub, source))["initContainers"]
+        done = run_init(init, tmp_path / "pod")
+    assert done.returncode != 0  # the init container fails: the pod does not start on missing weights
+    assert says in done.stderr
+    assert not list((tmp_path / "pod" / "models").rglob("weights.bin"))
