@@ -65,6 +65,7 @@ class HubStandin:
     ) -> None:
         self.repos = {name: _Repo(Path(folder)) for name, folder in repos.items()}
         self.token = token
+        self._host = host
         self.requests: list[str] = []
         self._lock = threading.Lock()
         standin = self
@@ -87,8 +88,7 @@ class HubStandin:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{self._host}:{self._server.server_port}"
 
     def commit(self, repo: str) -> str:
         return self.repos[repo].sha
