@@ -46,6 +46,13 @@ VLLM_RULES = (
         lambda s: _vllm(s) and s.model.source.startswith("builtin://"),
     ),
     EngineRule(
+        "self.engine != 'vllm' || !self.model.source.matches('^hf://.*:')",
+        "spec.model.source hf://ORG/NAME:QUANT picks one .gguf file of a repository for kvpilot's runtime, "
+        "which vLLM pods do not fetch: with spec.engine vllm use hf://ORG/NAME (a safetensors repository), "
+        "or the .gguf file as pvc://CLAIM/PATH or file:///PATH with --tokenizer in extraArgs",
+        lambda s: _vllm(s) and s.model.source.startswith("hf://") and ":" in s.model.source[len("hf://") :],
+    ),
+    EngineRule(
         "self.engine != 'vllm' || !has(self.runtime.kvCacheDtype) || self.runtime.kvCacheDtype != 'int8'",
         "spec.runtime.kvCacheDtype int8 is kvpilot's KV-cache format, which vLLM does not have: with "
         "spec.engine vllm set kvCacheDtype to auto or fp8",

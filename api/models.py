@@ -69,13 +69,14 @@ MAX_REPLICAS = 1000
 SOURCE_PATTERN = (
     r"^(builtin://[a-z0-9][a-z0-9._-]*"
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?"
-    r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?(:[A-Za-z0-9._-]+)?"
     r"|file:///.+)$"
 )
 SOURCE_HELP = (
     "spec.model.source must be one of builtin://NAME (e.g. builtin://smollm2-135m-instruct), "
     "pvc://CLAIM/PATH (a .gguf file or model directory inside a PersistentVolumeClaim), "
-    "hf://ORG/NAME[@REVISION] or file:///ABSOLUTE/PATH (baked into the image)"
+    "hf://ORG/NAME[@REVISION][:QUANT] (:QUANT picks one .gguf of a GGUF repository, e.g. :Q4_K_M) "
+    "or file:///ABSOLUTE/PATH (baked into the image)"
 )
 # Kubernetes resource quantity (https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/)
 QUANTITY_PATTERN = r"^[0-9]+([.][0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
@@ -139,8 +140,9 @@ class ModelSource(_Model):
         min_length=1,
         max_length=512,
         description=(
-            "Where the weights come from: builtin://NAME, pvc://CLAIM/PATH, hf://ORG/NAME[@REVISION] "
-            "or file:///ABSOLUTE/PATH."
+            "Where the weights come from: builtin://NAME, pvc://CLAIM/PATH, hf://ORG/NAME[@REVISION][:QUANT] "
+            "or file:///ABSOLUTE/PATH. :QUANT names the one .gguf file of a GGUF repository to fetch "
+            "(the file whose name ends in -QUANT.gguf or .QUANT.gguf, as llama.cpp's -hf REPO:QUANT)."
         ),
         json_schema_extra=_validations(_rule(f"self.matches('{SOURCE_PATTERN}')", SOURCE_HELP)),
     )

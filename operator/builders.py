@@ -144,6 +144,22 @@ def child_metadata(im: InferenceModel, name: str, settings: OperatorSettings) ->
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class HfSource:
+    """hf://ORG/NAME[@REVISION][:QUANT], parsed (the API's pattern has validated it)."""
+
+    repo: str
+    revision: str  # "" for the default branch
+    quant: str  # "" for the whole repository
+
+
+def hf_source(source: str) -> HfSource:
+    rest = source.removeprefix("hf://")
+    rest, colon, quant = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    repo, _, revision = rest.partition("@")
+    return HfSource(repo, revision, quant if colon else "")
+
+
 def model_path(source: str) -> str:
     """Where the runtime finds the weights inside the pod, for each source scheme."""
     scheme, _, rest = source.partition("://")
@@ -153,8 +169,7 @@ def model_path(source: str) -> str:
         _claim, _, path = rest.partition("/")
         return f"{MODELS_DIR}/{path}".rstrip("/") if path else MODELS_DIR
     if scheme == "hf":
-        repo = rest.split("@", 1)[0]
-        return f"{MODELS_DIR}/{repo.replace('/', '--')}"
+        return f"{MODELS_DIR}/{hf_source(source).repo.replace('/', '--')}"
     if scheme == "file":
         return rest  # file:///abs -> /abs
     raise ValueError(f"unsupported model source {source!r}")
@@ -396,14 +411,30 @@ def _http_probe(path: str, period: int, failure: int, timeout: int = 5) -> dict[
 
 
 # Runs in the runtime image, whose tokenizers dependency brings huggingface_hub; the Python API is
-# stable across huggingface_hub versions (its CLI was renamed from huggingface-cli to hf).
-FETCH_SCRIPT = (
-    "import sys\n"
-    "from huggingface_hub import snapshot_download\n"
-    "repo, dest, revision = sys.argv[1], sys.argv[2], sys.argv[3] or None\n"
-    "snapshot_download(repo_id=repo, local_dir=dest, revision=revision)\n"
-    "print('fetched', repo, revision or 'main', 'into', dest)\n"
-)
+# stable across huggingface_hub versions (its CLI was renamed from huggingface-cli to hf). A GGUF
+# repository (no config.json, several .gguf files, often tens of GB of quantizations) is fetched one
+# file at a time: QUANT (hf://ORG/NAME:QUANT) picks the file whose name ends in -QUANT.gguf or
+# .QUANT.gguf, case aside; without QUANT such a repository is refused before anything is downloaded,
+# the message naming its files. Exit status 1 with the message on stderr: the pod's init container fails.
+FETCH_SCRIPT = """\
+import re, sys
+from huggingface_hub import HfApi, snapshot_download
+repo, dest, revision, quant = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]
+patterns = None
+files = HfApi().list_repo_files(repo, revision=revision)
+ggufs = sorted(f for f in files if f.lower().endswith('.gguf'))
+if quant:
+    tag = re.compile('[-.]' + re.escape(quant) + '[.]gguf$', re.IGNORECASE)
+    patterns = [f for f in ggufs if tag.search(f)]
+    if len(patterns) != 1:
+        sys.exit(f'hf://{repo}: {len(patterns)} .gguf files end in -{quant}.gguf or .{quant}.gguf '
+                 f'({", ".join(patterns) or "none"}); the repository has: {", ".join(ggufs) or "no .gguf file"}')
+elif 'config.json' not in files and len(ggufs) > 1:
+    sys.exit(f'hf://{repo} holds {len(ggufs)} .gguf files ({", ".join(ggufs)}): '
+             f'name one as hf://{repo}:QUANT, e.g. :Q4_K_M for *-Q4_K_M.gguf')
+snapshot_download(repo_id=repo, local_dir=dest, revision=revision, allow_patterns=patterns)
+print('fetched', repo, revision or 'main', *(patterns or []), 'into', dest)
+"""
 
 
 def _fetch_init_container(
@@ -420,15 +451,14 @@ def _fetch_init_container(
     runtime's environment, spec.env included: that is where a cluster names its Hub mirror
     (HF_ENDPOINT), its proxy (HTTPS_PROXY, NO_PROXY) and its CA bundle (REQUESTS_CA_BUNDLE), which the
     download needs more than the runtime does."""
-    source = source or im.spec.model.source
-    repo, _, revision = source.removeprefix("hf://").partition("@")
+    hf = hf_source(source or im.spec.model.source)
     volume_name, mount, dest = volume or ("model", MODELS_DIR, model_path(im.spec.model.source))
     env = _env(im)
     return {
         "name": name,
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": [python, "-c", FETCH_SCRIPT, repo, dest, revision],
+        "command": [python, "-c", FETCH_SCRIPT, hf.repo, dest, hf.revision, hf.quant],
         "env": env,
         "volumeMounts": [
             {"name": volume_name, "mountPath": mount},

@@ -125,12 +125,37 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
             raise ValueError(f"{path}: expected a .gguf file or a Hugging Face-style directory")
         return path
     if path.is_dir():
+        gguf = _single_gguf(path)
+        if gguf is not None:
+            return gguf
         _check_hf_dir(path)
         return path
     raise FileNotFoundError(
         f"model {str(name_or_path)!r} not found: expected a builtin name ({', '.join(BUILTIN_MODELS)}), "
         "a .gguf file or a Hugging Face-style directory"
     )
+
+
+def _single_gguf(path: Path) -> Path | None:
+    """A folder that is not a Hugging Face checkpoint (no config.json) but holds .gguf files (a GGUF
+    repository fetched from the Hub, a claim's folder) -> its one .gguf; several -> an error naming them
+    (which one is meant is the user's to say)."""
+    if (path / "config.json").is_file():
+        return None
+    found = sorted(
+        p
+        for p in path.rglob("*.[gG][gG][uU][fF]")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )  # hidden folders skipped: huggingface_hub's .cache/ beside a download
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(str(p.relative_to(path)) for p in found)
+        raise ValueError(
+            f"{path}: {len(found)} .gguf files ({names}): name one, as the model path (the file itself) "
+            "or, for an hf:// source, as hf://ORG/NAME:QUANT (e.g. :Q4_K_M picks *-Q4_K_M.gguf)"
+        )
+    return found[0]
 
 
 def _check_hf_dir(path: Path) -> None:

@@ -34,6 +34,8 @@ VALID = [
     },
     {"model": {"source": "pvc://models"}},
     {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct@main", "hfTokenSecret": {"name": "hf"}}},
+    {"model": {"source": "hf://bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M"}},  # one .gguf of a repository
+    {"model": {"source": "hf://org/some-GGUF@refs/pr/1:Q8_0"}},
     {"model": {"source": "file:///opt/models/qwen.gguf"}, "resources": {"cpu": "500m", "memory": "16Gi"}},
     {"model": BUILTIN, "autoscaling": {"minReplicas": 0, "maxReplicas": 4}},
     {
@@ -65,6 +67,8 @@ VALID = [
 INVALID = [
     ({"model": {"source": "s3://bucket/model"}}, "spec.model.source must be one of builtin://NAME"),
     ({"model": {"source": "hf://no-org"}}, "spec.model.source must be one of"),
+    ({"model": {"source": "hf://org/name:"}}, "spec.model.source must be one of"),
+    ({"model": {"source": "hf://org/name:Q4/K"}}, "spec.model.source must be one of"),
     ({"model": {"source": "pvc://Bad_Claim/x"}}, "spec.model.source must be one of"),
     (
         {"model": {**BUILTIN, "hfTokenSecret": {"name": "hf"}}},

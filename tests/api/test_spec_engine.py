@@ -28,6 +28,7 @@ VALID = [
     {"model": {"source": "builtin://smollm2-135m-instruct"}, "runtime": {"kvCacheDtype": "int8"}},
     {"model": HF, "engine": "kvpilot", "runtime": {"maxLoraRank": 17, "maxQueueLen": 32}},
     {"model": HF, "engine": "kvpilot", "disaggregation": {"prefill": {}, "decode": {}}},
+    {"model": {"source": "hf://org/tiny-GGUF:Q4_K_M"}, "engine": "kvpilot"},
 ]
 
 INVALID = [
@@ -35,6 +36,10 @@ INVALID = [
         {"model": {"source": "builtin://smollm2-135m-instruct"}, "engine": "vllm"},
         "spec.model.source builtin://NAME is a model packaged with kvpilot's runtime, which vLLM cannot "
         "load: with spec.engine vllm use hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH",
+    ),
+    (
+        {"model": {"source": "hf://org/tiny-GGUF@v2:Q4_K_M"}, "engine": "vllm"},
+        "spec.model.source hf://ORG/NAME:QUANT picks one .gguf file of a repository for kvpilot's runtime",
     ),
     (
         {"model": HF, "engine": "vllm", "runtime": {"kvCacheDtype": "int8"}},

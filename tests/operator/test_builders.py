@@ -11,10 +11,12 @@ from kvpilot.api.models import InferenceModel, OOMOverrides
 from kvpilot.operator.builders import (
     APPLIED_HASH_ANNOTATION,
     CONFIG_HASH_ANNOTATION,
+    HfSource,
     OperatorSettings,
     adapter_claim_volume,
     config_hash,
     desired_replicas,
+    hf_source,
     model_path,
     render_children,
     render_config_yaml,
@@ -50,11 +52,28 @@ def container(model: InferenceModel) -> dict[str, Any]:
         ("pvc://models/llama/8b", "/models/llama/8b"),
         ("pvc://models", "/models"),
         ("hf://Qwen/Qwen2.5-7B-Instruct@v1", "/models/Qwen--Qwen2.5-7B-Instruct"),
+        (
+            "hf://bartowski/Llama-3.2-1B-Instruct-GGUF@refs/pr/3:Q4_K_M",
+            "/models/bartowski--Llama-3.2-1B-Instruct-GGUF",
+        ),
         ("file:///opt/m.gguf", "/opt/m.gguf"),
     ],
 )
 def test_model_path(source: str, path: str) -> None:
     assert model_path(source) == path
+
+
+@pytest.mark.parametrize(
+    ("source", "parsed"),
+    [
+        ("hf://org/name", HfSource("org/name", "", "")),
+        ("hf://org/name@v1.2", HfSource("org/name", "v1.2", "")),
+        ("hf://org/name:Q4_K_M", HfSource("org/name", "", "Q4_K_M")),
+        ("hf://org/name@refs/pr/3:q8_0", HfSource("org/name", "refs/pr/3", "q8_0")),
+    ],
+)
+def test_hf_source(source: str, parsed: HfSource) -> None:
+    assert hf_source(source) == parsed
 
 
 def test_children_kinds_names_labels_and_owner() -> None:
@@ -195,7 +214,7 @@ def test_hf_source_gets_cache_volume_token_and_fetch_init_container() -> None:
     init = ps["initContainers"][0]
     assert token in init["env"]
     assert init["command"][:2] == ["python", "-c"]
-    assert init["command"][3:] == ["Qwen/Qwen2.5-7B", "/models/Qwen--Qwen2.5-7B", "abc"]
+    assert init["command"][3:] == ["Qwen/Qwen2.5-7B", "/models/Qwen--Qwen2.5-7B", "abc", ""]
     compile(init["command"][2], "fetch", "exec")  # the script is valid Python
 
 
@@ -233,7 +252,7 @@ def test_adapters_are_mounted_fetched_and_rendered_as_lora_modules() -> None:
     assert {"name": "adapters", "mountPath": "/adapters"} in mounts
     (fetch,) = ps["initContainers"]  # the model itself comes from a PVC
     assert fetch["name"] == "fetch-adapter-1"
-    assert fetch["command"][3:] == ["org/chat-lora", "/adapters/chat", "v2"]
+    assert fetch["command"][3:] == ["org/chat-lora", "/adapters/chat", "v2", ""]
     assert {"name": "adapters", "mountPath": "/adapters"} in fetch["volumeMounts"]
     no_adapters = im(model={"source": "pvc://weights/llama"})
     assert not yaml.safe_load(render_config_yaml(no_adapters))["lora_modules"]

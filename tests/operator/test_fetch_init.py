@@ -19,11 +19,13 @@ import pytest
 
 from e2e.hub_standin import HubStandin
 from kvpilot.api.models import InferenceModel
-from kvpilot.operator.builders import ADAPTERS_DIR, MODELS_DIR
+from kvpilot.operator.builders import ADAPTERS_DIR, MODELS_DIR, model_path
+from kvpilot.runtime.load.loader import resolve_model_path
 from tests.operator.test_builders import im, pod_spec
 
 TOKEN = "hf_standin_token"
 SECRETS = {("hf", "token"): TOKEN}
+GGUF_FILES = ("tiny-Q4_K_M.gguf", "tiny-Q4_K_S.gguf", "tiny.Q8_0.gguf")
 
 
 @pytest.fixture
@@ -35,7 +37,12 @@ def repos(tmp_path: Path) -> dict[str, Path]:
     adapter = tmp_path / "hub" / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 8}\n')
-    return {"org/tiny": model, "org/tiny-lora": adapter}
+    gguf = tmp_path / "hub" / "gguf"  # a GGUF repository: one model in several quantizations
+    gguf.mkdir()
+    (gguf / "README.md").write_text("# tiny GGUF\n")
+    for name in GGUF_FILES:
+        (gguf / name).write_bytes(os.urandom(1 << 16))
+    return {"org/tiny": model, "org/tiny-lora": adapter, "org/tiny-GGUF": gguf}
 
 
 def _env(container: dict[str, Any], root: Path) -> dict[str, str]:
@@ -126,3 +133,40 @@ def test_fetch_init_container_fails_the_pod_start_with_a_message_that_names_the_
     assert done.returncode != 0  # the init container fails: the pod does not start on missing weights
     assert says in done.stderr
     assert not list((tmp_path / "pod" / "models").rglob("weights.bin"))
+
+
+@pytest.mark.parametrize(("quant", "file"), [("Q4_K_M", "tiny-Q4_K_M.gguf"), ("q8_0", "tiny.Q8_0.gguf")])
+def test_quant_fetches_only_that_gguf_and_the_runtime_loads_it_from_the_folder(
+    tmp_path: Path, repos: dict[str, Path], quant: str, file: str
+) -> None:
+    source = f"hf://org/tiny-GGUF:{quant}"
+    with HubStandin(repos, token=TOKEN) as hub:
+        (init,) = pod_spec(model(hub, source))["initContainers"]
+        done = run_init(init, tmp_path / "pod")
+        assert done.returncode == 0, done.stderr[-2000:]
+        fetched = [r for r in hub.requests if r.startswith("GET /org/tiny-GGUF/resolve/")]
+    assert [r.rsplit("/", 1)[-1] for r in fetched] == [file]  # not the other quantizations
+    folder = Path(_local(model_path(source), tmp_path / "pod"))
+    assert (folder / file).read_bytes() == (repos["org/tiny-GGUF"] / file).read_bytes()
+    assert resolve_model_path(folder) == folder / file  # the runtime's --model is the folder
+
+
+@pytest.mark.parametrize(
+    ("quant", "says"),
+    [
+        ("", "hf://org/tiny-GGUF holds 3 .gguf files (tiny-Q4_K_M.gguf, tiny-Q4_K_S.gguf, tiny.Q8_0.gguf): "
+         "name one as hf://org/tiny-GGUF:QUANT"),
+        (":Q5_K_M", "hf://org/tiny-GGUF: 0 .gguf files end in -Q5_K_M.gguf or .Q5_K_M.gguf (none); the "
+         "repository has: tiny-Q4_K_M.gguf, tiny-Q4_K_S.gguf, tiny.Q8_0.gguf"),
+        (":Q4_K", "0 .gguf files end in -Q4_K.gguf"),  # a prefix of Q4_K_M and Q4_K_S picks neither
+    ],
+)  # fmt: skip
+def test_a_gguf_repository_without_one_file_named_is_refused_before_any_download(
+    tmp_path: Path, repos: dict[str, Path], quant: str, says: str
+) -> None:
+    with HubStandin(repos, token=TOKEN) as hub:
+        (init,) = pod_spec(model(hub, f"hf://org/tiny-GGUF{quant}"))["initContainers"]
+        done = run_init(init, tmp_path / "pod")
+        assert not [r for r in hub.requests if "/resolve/" in r]
+    assert done.returncode != 0
+    assert says in done.stderr

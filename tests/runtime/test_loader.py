@@ -56,6 +56,27 @@ def test_resolve_errors_name_the_path(tmp_path: Path) -> None:
         resolve_model_path(tmp_path)
 
 
+def test_a_folder_with_one_gguf_resolves_to_it_and_with_several_names_them(
+    tmp_path: Path, smollm2_gguf_path: Path
+) -> None:
+    """A GGUF repository fetched from the Hub (hf://ORG/NAME:QUANT) or a claim's folder: no config.json."""
+    folder = tmp_path / "org--tiny-GGUF"
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / "stale.gguf").write_bytes(b"")  # the client's own folder: ignored
+    (folder / "README.md").write_text("# tiny\n")
+    (folder / "model.Q4_1.gguf").symlink_to(smollm2_gguf_path)
+    assert resolve_model_path(folder) == folder / "model.Q4_1.gguf"
+    (folder / "sub").mkdir()
+    (folder / "sub" / "model.Q8_0.GGUF").write_bytes(b"")
+    with pytest.raises(
+        ValueError, match=r"2 \.gguf files \(model\.Q4_1\.gguf, sub/model\.Q8_0\.GGUF\): name one"
+    ):
+        resolve_model_path(folder)
+    (folder / "config.json").write_text("{}")  # a Hugging Face checkpoint that also ships a GGUF
+    with pytest.raises(FileNotFoundError, match=r"missing tokenizer\.json"):
+        resolve_model_path(folder)
+
+
 def test_unsupported_hf_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
