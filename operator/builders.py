@@ -459,6 +459,7 @@ def _fetch_init_container(
         "image": image,
         "imagePullPolicy": pull_policy,
         "command": [python, "-c", FETCH_SCRIPT, hf.repo, dest, hf.revision, hf.quant],
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # its error, in the status (podstate.py)
         "env": env,
         "volumeMounts": [
             {"name": volume_name, "mountPath": mount},

@@ -121,7 +121,29 @@ def pod_problems(pod: dict[str, Any], now: datetime) -> list[PodProblem]:
             problems.append(
                 PodProblem(name, reason, f"pod {name}: {reason}: {waiting.get('message', '')}".strip(), chash)
             )
+    problems += _init_problems(name, chash, status)
     return problems
+
+
+def _init_problems(name: str, chash: str | None, status: dict[str, Any]) -> list[PodProblem]:
+    """An init container (the hf:// fetch) that failed: the pod never starts its runtime, so the model
+    would wait for a replica forever. Reported as CrashLoopBackOff (the kubelet retries it) with the
+    container's own message (FallbackToLogsOnError: the fetch's last lines, e.g. a repository of
+    several .gguf files and how to name one)."""
+    out: list[PodProblem] = []
+    for cs in status.get("initContainerStatuses") or []:
+        state = cs.get("state") or {}
+        failed = state.get("terminated") or {}
+        if not failed or failed.get("exitCode", 0) == 0:
+            failed = (cs.get("lastState") or {}).get("terminated") or {}
+            if (state.get("waiting") or {}).get("reason") != "CrashLoopBackOff":
+                failed = {}
+        if not failed or failed.get("exitCode", 0) == 0:
+            continue
+        detail = (failed.get("message") or "").strip() or f"exit code {failed.get('exitCode')}"
+        message = f"pod {name} init container {cs.get('name', '?')} failed: {detail}"
+        out.append(PodProblem(name, "CrashLoopBackOff", message, chash))
+    return out
 
 
 def all_problems(pods: list[dict[str, Any]], now: datetime) -> list[PodProblem]:

@@ -26,7 +26,7 @@ from e2e.hub_standin import HubStandin
 from e2e.kubelet_node import GATEWAY
 from e2e.processes import OperatorProcess
 from e2e.realnode import pods as rp
-from e2e.realnode.pods import MODEL_FILE, SELECTOR, inference_model
+from e2e.realnode.pods import MODEL_FILE, NAME, SELECTOR, inference_model
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -112,3 +112,34 @@ def test_file_source_baked_into_the_image(
     pod, ready_after = _ready_and_serving(kubectl, operator, applied)
     assert not [v for v in pod["spec"]["volumes"] if v["name"] == "model"]  # no volume: in the image
     print(f"REALNODE_FIGURES file_apply_to_ready_s={ready_after:.1f}")
+
+
+def test_a_gguf_repository_without_its_quant_named_degrades_the_model_with_the_fetch_message(
+    real_node: object, operator: OperatorProcess, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in (MODEL_FILE, OTHER_QUANT):
+        (repo / name).write_bytes(b"GGUF" + bytes(64))
+    with HubStandin({REPO: repo}, host=GATEWAY) as hub:
+        model = inference_model("unused")
+        model["spec"]["model"] = {"source": f"hf://{REPO}", "servedName": "smollm2"}  # no :QUANT
+        model["spec"]["env"] = [{"name": "HF_ENDPOINT", "value": hub.url}]
+        kubectl.apply(model)
+
+        def degraded() -> str | None:
+            im = kubectl.json("get", "inferencemodel", NAME)
+            for cond in (im.get("status") or {}).get("conditions") or []:
+                if cond["type"] == "Degraded" and cond["status"] == "True":
+                    return str(cond["message"])
+            return None
+
+        try:
+            message = wait_until(degraded, timeout=300, interval=1, what="the model Degraded")
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}\n{rp.diagnostics(kubectl, operator.log_path)}", pytrace=False)
+        assert not [r for r in hub.requests if "/resolve/" in r]  # refused before any download
+    assert "init container fetch-model failed" in message, message
+    assert f"hf://{REPO} holds 2 .gguf files" in message and f"name one as hf://{REPO}:QUANT" in message, (
+        message
+    )

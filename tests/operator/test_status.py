@@ -245,6 +245,37 @@ def test_pod_problems_record_config_hash_and_finish_time() -> None:
     assert pod_problems(OLD_OOM, datetime(2026, 1, 1, 10, 5, tzinfo=UTC))  # recent then
 
 
+FETCH_MESSAGE = (
+    "hf://org/x-GGUF holds 2 .gguf files (x-Q4_K_M.gguf, x-Q8_0.gguf): name one as hf://org/x-GGUF:QUANT"
+)
+
+
+@pytest.mark.parametrize(
+    "init",
+    [
+        {
+            "state": {"terminated": {"reason": "Error", "exitCode": 1, "message": FETCH_MESSAGE}}
+        },  # first failure
+        {
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": FETCH_MESSAGE}},
+        },
+    ],
+)
+def test_a_failed_fetch_init_container_degrades_the_model_with_its_message(init: dict[str, Any]) -> None:
+    waiting = {"name": "kvpilot", "state": {"waiting": {"reason": "PodInitializing"}}}
+    failed = pod(initContainerStatuses=[{"name": "fetch-model", **init}], containerStatuses=[waiting])
+    (problem,) = pod_problems(failed, NOW)
+    assert problem.reason == "CrashLoopBackOff"
+    assert problem.message == f"pod llama-abc init container fetch-model failed: {FETCH_MESSAGE}"
+    degraded = {c.type: c for c in compute_conditions(im(), deployment(1, 0), [problem])}["Degraded"]
+    assert degraded.status and FETCH_MESSAGE in degraded.message
+    done = {"name": "fetch-model", "state": {"terminated": {"reason": "Completed", "exitCode": 0}}}
+    running = {"name": "fetch-model", "state": {"running": {}}, "lastState": init["state"]}
+    for fine in (done, running):  # fetched, or retrying after a failure and not yet backed off
+        assert pod_problems(pod(initContainerStatuses=[fine]), NOW) == []
+
+
 def test_terminating_pods_are_ignored() -> None:
     gone = pod(**OOM_LOOP["status"])
     gone["metadata"]["deletionTimestamp"] = T
