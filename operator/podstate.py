@@ -153,3 +153,18 @@ def all_problems(pods: list[dict[str, Any]], now: datetime) -> list[PodProblem]:
         for pod in sorted(live, key=lambda p: p["metadata"].get("name", ""))
         for problem in pod_problems(pod, now)
     ]
+
+
+def fetching(pods: list[dict[str, Any]]) -> list[str]:
+    """ "POD (INIT CONTAINER)" for each live pod whose init container is running: the hf:// download
+    of the weights, which can take minutes for a large model; the model is not ready meanwhile and its
+    status says why."""
+    out = []
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
+        md = pod.get("metadata", {})
+        if md.get("deletionTimestamp"):
+            continue
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            if (cs.get("state") or {}).get("running") is not None:
+                out.append(f"{md.get('name', '?')} ({cs.get('name', '?')})")
+    return out

@@ -42,7 +42,7 @@ from kvpilot.operator.builders import (
     rollout_config_yaml,
     selector_string,
 )
-from kvpilot.operator.podstate import PodProblem, all_problems
+from kvpilot.operator.podstate import PodProblem, all_problems, fetching
 from kvpilot.operator.roles import (
     ROLE_KINDS,
     controller_elsewhere,
@@ -285,6 +285,7 @@ class Reconciler:
             refused=frozenset(applied.refused),
             adapters=adapter_sync,
             inference_pool=pool_condition,
+            fetching=fetching(pods),
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied:

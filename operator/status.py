@@ -8,6 +8,7 @@ transitions into the Events a person should see.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -75,8 +76,12 @@ def compute_conditions(
     oom_note: str | None = None,
     apply_error: str | None = None,
     refused: frozenset[str] = frozenset(),
+    fetching: Sequence[str] = (),
 ) -> list[Cond]:
     """The four conditions, from the Deployment and the pods' problems (no timestamps).
+
+    `fetching`: pods whose init container downloads the weights (podstate.fetching), named while no
+    replica is ready.
 
     `refused`: kinds of children the API server refused in this reconcile. A refused Service means
     clients have no endpoint, so the model is not Ready whatever its pods say.
@@ -107,7 +112,10 @@ def compute_conditions(
     elif ready > 0:
         ready_c = Cond("Ready", True, "Serving", f"{counts}; endpoint {endpoint(im.name, im.namespace)}")
     else:
-        ready_c = Cond("Ready", False, "NoReplicaReady", f"{counts}: waiting for a replica to load the model")
+        waiting = "waiting for a replica to load the model"
+        if fetching:
+            waiting = f"waiting for the weights: {', '.join(fetching)} downloading them"
+        ready_c = Cond("Ready", False, "NoReplicaReady", f"{counts}: {waiting}")
 
     # Progressing: a rollout or scale is under way.
     if deadline:
@@ -210,6 +218,7 @@ def compute_status(
     refused: frozenset[str] = frozenset(),
     adapters: AdapterSync | None = None,
     inference_pool: Cond | None = None,
+    fetching: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The operator-owned status of `im` (camelCase keys, as written to the API).
 
@@ -217,7 +226,13 @@ def compute_status(
     """
     st = (deployment or {}).get("status", {})
     conds = compute_conditions(
-        im, deployment, problems, oom_note=oom_note, apply_error=apply_error, refused=refused
+        im,
+        deployment,
+        problems,
+        oom_note=oom_note,
+        apply_error=apply_error,
+        refused=refused,
+        fetching=fetching,
     )
     counts = {key: int(st.get(key) or 0) for key in ("replicas", "readyReplicas", "updatedReplicas")}
     status = assemble_status(

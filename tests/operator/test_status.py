@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvpilot.api.models import InferenceModel
-from kvpilot.operator.podstate import all_problems, pod_problems
+from kvpilot.operator.podstate import all_problems, fetching, pod_problems
 from kvpilot.operator.status import (
     compute_conditions,
     compute_status,
@@ -274,6 +274,25 @@ def test_a_failed_fetch_init_container_degrades_the_model_with_its_message(init:
     running = {"name": "fetch-model", "state": {"running": {}}, "lastState": init["state"]}
     for fine in (done, running):  # fetched, or retrying after a failure and not yet backed off
         assert pod_problems(pod(initContainerStatuses=[fine]), NOW) == []
+
+
+def test_a_replica_fetching_its_weights_is_named_while_none_is_ready() -> None:
+    downloading = pod(initContainerStatuses=[{"name": "fetch-model", "state": {"running": {"startedAt": T}}}])
+    done = pod(
+        "llama-def", initContainerStatuses=[{"name": "fetch-model", "state": {"terminated": {"exitCode": 0}}}]
+    )
+    going = pod("llama-old", initContainerStatuses=[{"name": "fetch-model", "state": {"running": {}}}])
+    going["metadata"]["deletionTimestamp"] = T
+    names = fetching([done, going, downloading])
+    assert names == ["llama-abc (fetch-model)"]
+    ready = {c.type: c for c in compute_conditions(im(), deployment(1, 0), [], fetching=names)}["Ready"]
+    assert (ready.status, ready.reason) == (False, "NoReplicaReady")
+    assert (
+        ready.message
+        == "0/1 replicas ready: waiting for the weights: llama-abc (fetch-model) downloading them"
+    )
+    serving = {c.type: c for c in compute_conditions(im(), deployment(1, 1), [], fetching=names)}["Ready"]
+    assert serving.status  # one replica serves: a second one's download is not news
 
 
 def test_terminating_pods_are_ignored() -> None:
