@@ -363,6 +363,7 @@ class Reconciler:
             refused=frozenset(applied.refused),
             adapters=adapter_sync,
             inference_pool=pool_condition,
+            fetching={role: fetching([p for p in pods if pod_role(p) == role]) for role in KV_ROLES},
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied or outcome.deleted:

@@ -87,6 +87,7 @@ def compute_roles_status(
     refused: frozenset[str] = frozenset(),
     adapters: AdapterSync | None = None,
     inference_pool: Cond | None = None,
+    fetching: dict[KvRole, list[str]] | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status of a disaggregated model (as status.compute_status for one Deployment)."""
     per_role: dict[KvRole, list[Cond]] = {}
@@ -102,6 +103,7 @@ def compute_roles_status(
             oom_note=(oom_notes or {}).get(role),
             apply_error=apply_error,
             refused=refused,
+            fetching=(fetching or {}).get(role, ()),
         )
         counts = role_counts(im, role, deployment)
         totals["replicas"] += counts.replicas

@@ -11,9 +11,10 @@ from kvpilot.api.models import API_VERSION, KIND, KV_ROLE_LABEL, MODEL_LABEL, In
 from kvpilot.operator.builders import CONFIG_HASH_ANNOTATION, OperatorSettings
 from kvpilot.operator.reconcile import Reconciler
 from kvpilot.operator.roles import render_role_children, role_args
-from kvpilot.operator.rolestatus import combine_conditions
+from kvpilot.operator.rolestatus import combine_conditions, compute_roles_status
 from kvpilot.operator.status import Cond
 from tests.operator.fakes import FakeKube, make_body
+from tests.operator.test_status import deployment
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 SETTINGS = OperatorSettings(image="img")
@@ -265,6 +266,23 @@ def test_both_roles_at_zero_is_scaled_to_zero_one_is_not_serving() -> None:
     )
     assert (one[0].status, one[0].reason) == (False, "RoleScaledToZero")
     assert one[0].message == "both roles must serve; prefill: replicas is 0"
+
+
+def test_a_role_fetching_its_weights_is_named_in_ready() -> None:
+    im = model(disaggregation=PD)
+    status = compute_roles_status(
+        im,
+        {"prefill": deployment(1, 1), "decode": deployment(2, 0)},
+        {},
+        now=NOW,
+        fetching={"decode": ["m-decode-x (fetch-model)"]},
+    )
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NoReplicaReady")
+    assert ready["message"] == (
+        "both roles must serve; decode: 0/2 replicas ready: waiting for the weights: "
+        "m-decode-x (fetch-model) downloading them"
+    )
 
 
 def test_tensor_parallel_roles_shard_alike() -> None:
