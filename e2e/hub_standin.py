@@ -23,7 +23,7 @@ import threading
 import urllib.parse
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 DEFAULT_BRANCH = "main"
@@ -37,24 +37,15 @@ def blob_id(data: bytes) -> str:
 
 class _Repo:
     def __init__(self, root: Path) -> None:
-        self.root = root
         self.files = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+        self.blobs = {rel: blob_id(path.read_bytes()) for rel, path in self.files.items()}
         digest = hashlib.sha1()
-        self.blobs: dict[str, str] = {}
-        for rel, path in self.files.items():
-            self.blobs[rel] = blob_id(path.read_bytes())
-            digest.update(f"{rel}\0{self.blobs[rel]}\n".encode())
+        for rel, blob in self.blobs.items():
+            digest.update(f"{rel}\0{blob}\n".encode())
         self.sha = digest.hexdigest()
 
     def folders(self) -> list[str]:
-        out = {str(Path(rel).parent.as_posix()) for rel in self.files}
-        parents = {p for f in out for p in _ancestors(f)}
-        return sorted((out | parents) - {"."})
-
-
-def _ancestors(folder: str) -> list[str]:
-    parts = folder.split("/")
-    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        return sorted({str(d) for rel in self.files for d in PurePosixPath(rel).parents} - {"."})
 
 
 class HubStandin:
@@ -197,22 +188,18 @@ class HubStandin:
                 while chunk := f.read(CHUNK):
                     h.wfile.write(chunk)
 
-    def _json(self, h: BaseHTTPRequestHandler, value: object, body: bool) -> None:
+    def _json(
+        self, h: BaseHTTPRequestHandler, value: object, body: bool, status: int = 200, **headers: str
+    ) -> None:
         data = json.dumps(value).encode()
-        h.send_response(200)
+        h.send_response(status)
         h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(data)))
+        for name, header in headers.items():
+            h.send_header(name.replace("_", "-"), header)
         h.end_headers()
         if body:
             h.wfile.write(data)
 
     def _error(self, h: BaseHTTPRequestHandler, status: int, code: str, message: str, body: bool) -> None:
-        data = json.dumps({"error": message}).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.send_header("X-Error-Code", code)
-        h.send_header("X-Error-Message", message)
-        h.end_headers()
-        if body:
-            h.wfile.write(data)
+        self._json(h, {"error": message}, body, status, X_Error_Code=code, X_Error_Message=message)

@@ -154,10 +154,9 @@ class HfSource:
 
 
 def hf_source(source: str) -> HfSource:
-    rest = source.removeprefix("hf://")
-    rest, colon, quant = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    rest, _, quant = source.removeprefix("hf://").partition(":")  # neither repo nor revision has one
     repo, _, revision = rest.partition("@")
-    return HfSource(repo, revision, quant if colon else "")
+    return HfSource(repo, revision, quant)
 
 
 def model_path(source: str) -> str:
@@ -453,14 +452,13 @@ def _fetch_init_container(
     download needs more than the runtime does."""
     hf = hf_source(source or im.spec.model.source)
     volume_name, mount, dest = volume or ("model", MODELS_DIR, model_path(im.spec.model.source))
-    env = _env(im)
     return {
         "name": name,
         "image": image,
         "imagePullPolicy": pull_policy,
         "command": [python, "-c", FETCH_SCRIPT, hf.repo, dest, hf.revision, hf.quant],
         "terminationMessagePolicy": "FallbackToLogsOnError",  # its error, in the status (podstate.py)
-        "env": env,
+        "env": _env(im),
         "volumeMounts": [
             {"name": volume_name, "mountPath": mount},
             {"name": "tmp", "mountPath": "/tmp"},

@@ -133,11 +133,9 @@ def _init_problems(name: str, chash: str | None, status: dict[str, Any]) -> list
     out: list[PodProblem] = []
     for cs in status.get("initContainerStatuses") or []:
         state = cs.get("state") or {}
-        failed = state.get("terminated") or {}
-        if not failed or failed.get("exitCode", 0) == 0:
-            failed = (cs.get("lastState") or {}).get("terminated") or {}
-            if (state.get("waiting") or {}).get("reason") != "CrashLoopBackOff":
-                failed = {}
+        failed = state.get("terminated")  # its first failure, before the kubelet backs off
+        if (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff":
+            failed = (cs.get("lastState") or {}).get("terminated")
         if not failed or failed.get("exitCode", 0) == 0:
             continue
         detail = (failed.get("message") or "").strip() or f"exit code {failed.get('exitCode')}"

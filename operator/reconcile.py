@@ -309,11 +309,12 @@ class Reconciler:
         problems: dict[KvRole, list[PodProblem]] = {}
         hashes: dict[KvRole, str] = {}
         extra_events: list[EventSpec] = []
+        role_pods = {role: [p for p in pods if pod_role(p) == role] for role in KV_ROLES}
         for role in KV_ROLES:
             rim = role_model(im, role)
             raw = (live_roles.get(role) or {}).get("oomAdaptation")
             state = OOMAdaptation.model_validate(raw) if raw else None
-            problems[role] = all_problems([p for p in pods if pod_role(p) == role], now)
+            problems[role] = all_problems(role_pods[role], now)
             current = oom.current_overrides(rim.spec, state)
             chash = config_hash(rollout_config_yaml(rim, current), current)
             decisions[role] = oom.decide(rim.spec, state, problems[role], chash)
@@ -343,12 +344,7 @@ class Reconciler:
         adapter_sync = None
         if im.spec.adapters:
             adapter_sync = merge_adapter_syncs(
-                [
-                    self.sync_adapters(
-                        role_model(im, role), [p for p in pods if pod_role(p) == role], hashes[role]
-                    )
-                    for role in KV_ROLES
-                ]
+                [self.sync_adapters(role_model(im, role), role_pods[role], hashes[role]) for role in KV_ROLES]
             )
         desired = compute_roles_status(
             im,
@@ -363,7 +359,7 @@ class Reconciler:
             refused=frozenset(applied.refused),
             adapters=adapter_sync,
             inference_pool=pool_condition,
-            fetching={role: fetching([p for p in pods if pod_role(p) == role]) for role in KV_ROLES},
+            fetching={role: fetching(role_pods[role]) for role in KV_ROLES},
         )
         self._write_status(body, live_status, desired, outcome, extra_events)
         if outcome.applied or outcome.deleted:
