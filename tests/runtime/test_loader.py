@@ -69,7 +69,7 @@ def test_a_folder_with_one_gguf_resolves_to_it_and_with_several_names_them(
     (folder / "sub").mkdir()
     (folder / "sub" / "model.Q8_0.GGUF").write_bytes(b"")
     with pytest.raises(
-        ValueError, match=r"2 \.gguf files \(model\.Q4_1\.gguf, sub/model\.Q8_0\.GGUF\): name one"
+        ValueError, match=r"2 \.gguf models \(model\.Q4_1\.gguf, sub/model\.Q8_0\.GGUF\): name one"
     ):
         resolve_model_path(folder)
     (folder / "config.json").write_text("{}")  # a Hugging Face checkpoint that also ships a GGUF
