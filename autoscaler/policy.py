@@ -38,7 +38,8 @@ Steps, in order (HPA-like where the HPA has an answer):
 4. Rate limits over the events in the rule's period, like HPA behavior policies.
 5. ScalingLimited (pods Unschedulable): never ask for more than we have.
 6. Redundancy (redundancy.py): while the forecast load needs at least Behavior.redundancy_load of one
-   replica, at least Behavior.redundancy_replicas (a floor, like minReplicas).
+   replica, at least Behavior.redundancy_replicas (a floor, like minReplicas), held for the
+   scale-down window after the load last needed it.
 7. Clamp to [minReplicas, maxReplicas].
 """
 
@@ -78,7 +79,7 @@ from kvpilot.autoscaler.feedback import (
     request_span_s,
     served_load_limit,
 )
-from kvpilot.autoscaler.redundancy import Redundancy, redundancy
+from kvpilot.autoscaler.redundancy import Redundancy, held_redundancy, redundancy
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import output_cdf_from_buckets, replicas_needed
 from kvpilot.autoscaler.spec import ScalingRule, ScalingTargets
@@ -144,6 +145,9 @@ class History:
     slo: SloState = field(
         default_factory=SloState
     )  # the closed loop's measurements and capacity correction (feedback.py)
+    # When the redundancy floor last applied, and its size (held for the scale-down window). Not in the
+    # status: a restarted autoscaler holds it only from the next time the load needs it.
+    redundancy: tuple[float, Redundancy] | None = None
 
 
 @dataclass(frozen=True)
@@ -689,6 +693,9 @@ def decide(
         notes.append(f"ScalingLimited (pods unschedulable): holding {current} instead of {desired}")
         desired = current
 
+    floor_mark = history.redundancy if spare is None else (now, spare)
+    if spare is None and n > 0:
+        spare = held_redundancy(history.redundancy, now, down_s)
     if spare is not None and desired < spare.replicas and not snapshot.scaling_limited:
         # A floor while the model is busy, as minReplicas is one always (redundancy.py).
         notes.append(f"{spare.text()}: held at {spare.replicas}, not {desired}")
@@ -704,7 +711,12 @@ def decide(
         events = (*events, ScaleEvent(now, current, desired))
     last_queue = (now, waiting) if n > 0 else None
     new_history = History(
-        recommendations=recs, events=events, last_queue=last_queue, arrivals=arrivals, slo=slo_state
+        recommendations=recs,
+        events=events,
+        last_queue=last_queue,
+        arrivals=arrivals,
+        slo=slo_state,
+        redundancy=floor_mark,
     )
 
     verb = "hold" if desired == current else ("up" if desired > current else "down")

@@ -11,7 +11,7 @@ import pytest
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy
 from kvpilot.autoscaler.policy import ArrivalState, History, PodCounter, RateSample, decide
-from kvpilot.autoscaler.redundancy import redundancy
+from kvpilot.autoscaler.redundancy import Redundancy, redundancy
 from kvpilot.autoscaler.replica_model import calibration_by_name
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.sim_result import SimResult
@@ -80,6 +80,46 @@ def test_decide_keeps_a_second_replica_for_a_busy_model_and_names_the_signal():
     assert decide(1, snap, off, history, NOW).desired == 1
     one = ScalingTargets(min_replicas=1, max_replicas=1, scale_down_stabilization_s=0.0)
     assert decide(1, snap, one, history, NOW).desired == 1
+
+
+def test_the_floor_is_held_through_the_scale_down_window_not_dropped_at_the_next_sync():
+    """Two replicas at 2.4/s, below the floor's 2.5/s: the floor that applied 60 s ago is held (the
+    scale-down window is 120 s) and named; one that applied 150 s ago, or never, is not."""
+    t = ScalingTargets(min_replicas=1, max_replicas=10, scale_down_stabilization_s=120.0)
+    snap, history = _one_replica(2.4, "ab")
+    assert decide(2, snap, t, history, NOW).desired == 1
+    floor = Redundancy(2, 2.6, 5.0)
+    d = decide(2, snap, t, replace(history, redundancy=(NOW - 60.0, floor)), NOW)
+    assert d.desired == 2 and d.signal == "redundancy", d.reason
+    assert "redundancy: 2 replicas, held for the scale-down window (120s): the load needed them 60s ago" in d.reason
+    assert d.history.redundancy == (NOW - 60.0, floor)  # held, not renewed
+    assert decide(2, snap, t, replace(history, redundancy=(NOW - 150.0, floor)), NOW).desired == 1
+
+
+def test_a_load_falling_through_the_floor_does_not_flap():
+    """3/s on one replica (the floor starts a second), then 2.4/s for five minutes: the fleet stays at
+    two until a scale-down window after the last sync whose load needed them, then goes to one, once."""
+    t = ScalingTargets(min_replicas=1, max_replicas=10, scale_down_stabilization_s=120.0)
+    snap, history = _one_replica(3.0)
+    d = decide(1, snap, t, history, NOW)
+    assert d.desired == 2 and d.signal == "redundancy", d.reason
+    current, hist, done = 2, d.history, {"a": 45.0, "b": 0.0}
+    sizes: list[tuple[float, int, str]] = [(0.0, 2, d.reason)]
+    for k in range(1, 21):
+        done = {p: c + 2.4 * 15.0 / 2 for p, c in done.items()}
+        step = MetricsSnapshot(
+            ready_replicas=current,
+            samples=tuple(ReplicaSample(p, 0.1, 0, 1, c) for p, c in list(done.items())[:current]),
+        )
+        d = decide(current, step, t, hist, NOW + 15.0 * k)
+        sizes.append((15.0 * k, d.desired, d.reason))
+        current, hist = d.desired, d.history
+    ns = [n for _, n, _ in sizes]
+    assert ns[-1] == 1 and ns == sorted(ns, reverse=True), sizes  # 2 ... 2, 1 ... 1: one step down
+    last_needed = max(at for at, _, reason in sizes if "replicas while serving" in reason)
+    first_one = min(at for at, n, _ in sizes if n == 1)
+    assert first_one - last_needed > 120.0, sizes
+    assert any("held for the scale-down window" in reason for _, n, reason in sizes if n == 2)
 
 
 def test_behavior_rejects_a_redundancy_it_cannot_apply():
