@@ -65,4 +65,3 @@ def held_redundancy(last: tuple[float, Redundancy] | None, now: float, window_s:
     if now - at > window_s or at > now:
         return None
     return Redundancy(floor.replicas, floor.rate, floor.per_replica, since_s=now - at, window_s=window_s)
-

@@ -91,7 +91,10 @@ def test_the_floor_is_held_through_the_scale_down_window_not_dropped_at_the_next
     floor = Redundancy(2, 2.6, 5.0)
     d = decide(2, snap, t, replace(history, redundancy=(NOW - 60.0, floor)), NOW)
     assert d.desired == 2 and d.signal == "redundancy", d.reason
-    assert "redundancy: 2 replicas, held for the scale-down window (120s): the load needed them 60s ago" in d.reason
+    assert (
+        "redundancy: 2 replicas, held for the scale-down window (120s): the load needed them 60s ago"
+        in d.reason
+    )
     assert d.history.redundancy == (NOW - 60.0, floor)  # held, not renewed
     assert decide(2, snap, t, replace(history, redundancy=(NOW - 150.0, floor)), NOW).desired == 1
 
