@@ -414,11 +414,30 @@ def _http_probe(path: str, period: int, failure: int, timeout: int = 5) -> dict[
 # repository (no config.json, several .gguf files, often tens of GB of quantizations) is fetched one
 # model at a time: QUANT (hf://ORG/NAME:QUANT) picks the file whose name ends in -QUANT.gguf or
 # .QUANT.gguf, case aside, or every part of a split one (-QUANT-00001-of-00003.gguf, ...); without QUANT
-# a repository of several models is refused before anything is downloaded, the message naming its files. Exit status 1 with the message on stderr: the pod's init container fails.
+# a repository of several models is refused before anything is downloaded, the message naming its files.
+# A fetch that writes nothing for KVPILOT_FETCH_STALL_S (spec.env; default 120 s) exits 1 saying so: the
+# client's listing calls have no timeout of their own, and a mirror or proxy that accepts and never
+# answers held the pod in Init forever (the kubelet retries a failed init container with backoff). Exit status 1 with the message on stderr: the pod's init container fails.
 FETCH_SCRIPT = """\
-import re, sys
+import os, re, sys, threading, time
 from huggingface_hub import HfApi, snapshot_download
 repo, dest, revision, quant = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]
+stall = float(os.environ.get('KVPILOT_FETCH_STALL_S') or 120)
+def written():  # the download's files, and the client's own cache (HF_HOME: the Xet chunks)
+    return sum(os.path.getsize(os.path.join(d, n)) for top in {dest, os.environ.get('HF_HOME') or dest}
+               for d, _, names in os.walk(top) for n in names if os.path.isfile(os.path.join(d, n)))
+def watchdog():  # the Hub client's listing calls have no timeout: a mirror that never answers hangs them
+    last, since = -1, time.monotonic()
+    while True:
+        time.sleep(min(5.0, stall / 4))
+        size = written()
+        if size != last:
+            last, since = size, time.monotonic()
+        elif time.monotonic() - since > stall:
+            print(f'hf://{repo}: no progress for {stall:g}s from {os.environ.get("HF_ENDPOINT") or "https://huggingface.co"} '
+                  f'({size} bytes written); giving up (KVPILOT_FETCH_STALL_S sets the limit)', file=sys.stderr, flush=True)
+            os._exit(1)
+threading.Thread(target=watchdog, daemon=True).start()
 patterns = None
 files = HfApi().list_repo_files(repo, revision=revision)
 ggufs = sorted(f for f in files if f.lower().endswith('.gguf'))

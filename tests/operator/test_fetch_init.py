@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +93,31 @@ def same_tree(got: Path, want: Path) -> None:
     assert files, want
     for rel in files:
         assert (got / rel).read_bytes() == (want / rel).read_bytes(), rel
+
+
+def test_a_mirror_that_never_answers_fails_the_fetch_after_the_stall_limit(tmp_path: Path) -> None:
+    """An HF_ENDPOINT that accepts connections and never replies (a stalled proxy or mirror): the
+    client's listing call has no timeout, so without the watchdog the pod stays in Init forever. With
+    KVPILOT_FETCH_STALL_S=2 (spec.env) the init container exits 1 in seconds, saying why."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in range(8)], daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    spec = im(
+        model={"source": "hf://org/tiny"},
+        env=[{"name": "HF_ENDPOINT", "value": url}, {"name": "KVPILOT_FETCH_STALL_S", "value": "2"}],
+    )
+    (init,) = pod_spec(spec)["initContainers"]
+    started = time.monotonic()
+    done = run_init(init, tmp_path / "pod")
+    took = time.monotonic() - started
+    server.close()
+    assert held  # the client did connect, and waited
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"hf://org/tiny: no progress for 2s from {url} (0 bytes written); giving up" in done.stderr
+    assert took < 60, took
 
 
 @pytest.mark.parametrize("pin", ["", "@main", "@commit"])
