@@ -417,12 +417,18 @@ def _http_probe(path: str, period: int, failure: int, timeout: int = 5) -> dict[
 # a repository of several models is refused before anything is downloaded, the message naming its files.
 # A fetch that writes nothing for KVPILOT_FETCH_STALL_S (spec.env; default 120 s) exits 1 saying so: the
 # client's listing calls have no timeout of their own, and a mirror or proxy that accepts and never
-# answers held the pod in Init forever (the kubelet retries a failed init container with backoff). Exit status 1 with the message on stderr: the pod's init container fails.
+# answers held the pod in Init forever (the kubelet retries a failed init container with backoff).
+# Exit status 1 with the message on stderr: the pod's init container fails.
 FETCH_SCRIPT = """\
 import os, re, sys, threading, time
 from huggingface_hub import HfApi, snapshot_download
 repo, dest, revision, quant = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]
-stall = float(os.environ.get('KVPILOT_FETCH_STALL_S') or 120)
+try:
+    stall = float(os.environ.get('KVPILOT_FETCH_STALL_S') or 120)
+except ValueError:
+    stall = 0.0
+if not stall > 0:
+    sys.exit(f'KVPILOT_FETCH_STALL_S: expected seconds > 0, got {os.environ["KVPILOT_FETCH_STALL_S"]!r}')
 def written():  # the download's files, and the client's own cache (HF_HOME: the Xet chunks)
     return sum(os.path.getsize(os.path.join(d, n)) for top in {dest, os.environ.get('HF_HOME') or dest}
                for d, _, names in os.walk(top) for n in names if os.path.isfile(os.path.join(d, n)))

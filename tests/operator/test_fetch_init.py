@@ -118,6 +118,9 @@ def test_a_mirror_that_never_answers_fails_the_fetch_after_the_stall_limit(tmp_p
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"hf://org/tiny: no progress for 2s from {url} (0 bytes written); giving up" in done.stderr
     assert took < 60, took
+    bad = im(model={"source": "hf://org/tiny"}, env=[{"name": "KVPILOT_FETCH_STALL_S", "value": "2m"}])
+    done = run_init(pod_spec(bad)["initContainers"][0], tmp_path / "pod2")
+    assert done.returncode == 1 and "KVPILOT_FETCH_STALL_S: expected seconds > 0, got '2m'" in done.stderr
 
 
 @pytest.mark.parametrize("pin", ["", "@main", "@commit"])
