@@ -912,6 +912,15 @@ class HistoryEntry(_Model):
     replicas: Count
 
 
+class RedundancyFloorStatus(_Model):
+    """When the redundancy floor last applied (the load needed it), held for the scale-down window."""
+
+    time: Time
+    replicas: Count
+    rate: Amount = Field(description="Requests/s arriving then.")
+    per_replica: Amount = Field(description="Requests/s one replica served within the SLO then.")
+
+
 class ScaleEventEntry(_Model):
     """One change of spec.replicas by the autoscaler (its rate limits count them)."""
 
@@ -1157,6 +1166,7 @@ class AutoscalerStatus(_Model):
         None, description="Replica changes inside the longest rate-limit period."
     )
     last_scale_time: Lenient[Time] = None
+    redundancy: Lenient[RedundancyFloorStatus] = None
     arrivals: Lenient[ArrivalsStatus] = None
     decided_by: str | None = Field(None, description="Identity of the autoscaler replica that decided.")
     slo: Lenient[SloStatus] = None

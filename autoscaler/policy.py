@@ -145,8 +145,8 @@ class History:
     slo: SloState = field(
         default_factory=SloState
     )  # the closed loop's measurements and capacity correction (feedback.py)
-    # When the redundancy floor last applied, and its size (held for the scale-down window). Not in the
-    # status: a restarted autoscaler holds it only from the next time the load needs it.
+    # When the redundancy floor last applied, and its size (held for the scale-down window;
+    # status.autoscaler.redundancy).
     redundancy: tuple[float, Redundancy] | None = None
 
 

@@ -6,6 +6,8 @@ status.autoscaler (written by field manager kvpilot-autoscaler with a merge patc
   history: [{time, replicas}]            recommendations inside the longest stabilization window
   scaleEvents: [{time, fromReplicas, toReplicas}]   scale changes inside the longest rate-limit period
   lastScaleTime
+  redundancy: {time, replicas, rate, perReplica}   when the redundancy floor last applied (held for the
+                                         scale-down window, redundancy.held_redundancy)
   arrivals: {time, pods: [{pod, completed, inFlight, promptTokens?, generationTokens?}],
              rates: [{time, rate}], serviceRate, tokenMix?: {prompt, output},
              levels?: [{time, rate}], shiftAt?}  (levels, shiftAt: the surge headroom's, surge.py)
@@ -31,6 +33,7 @@ from kvpilot.api.models import (
     HistoryEntry,
     PodCounters,
     RatePoint,
+    RedundancyFloorStatus,
     ScaleEventEntry,
     ScalingDecision,
     SloCountsStatus,
@@ -52,6 +55,7 @@ from kvpilot.autoscaler.policy import (
     Recommendation,
     ScaleEvent,
 )
+from kvpilot.autoscaler.redundancy import Redundancy
 
 MAX_REASON = 1024  # the CRD's maxLength for lastDecision.reason
 
@@ -249,6 +253,9 @@ def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:
         last_queue=last_queue,
         arrivals=_arrivals(status.arrivals) if status.arrivals is not None else ArrivalState(),
         slo=_slo_state(status.slo) if status.slo is not None else SloState(),
+        redundancy=None
+        if (r := status.redundancy) is None
+        else (r.time.timestamp(), Redundancy(r.replicas, r.rate, r.per_replica)),
     )
 
 
@@ -293,6 +300,14 @@ def decision_to_status(
             for e in h.events
         ],
         last_scale_time=last_scale,
+        redundancy=None
+        if h.redundancy is None
+        else RedundancyFloorStatus(
+            time=_at(h.redundancy[0]),
+            replicas=h.redundancy[1].replicas,
+            rate=round(h.redundancy[1].rate, 5),
+            per_replica=round(h.redundancy[1].per_replica, 5),
+        ),
         arrivals=_arrivals_model(h.arrivals),
         decided_by=decided_by,
         held_kind=held_kind,

@@ -139,6 +139,7 @@ def test_status_schema_keeps_autoscaler_fields_and_conditions_are_a_map() -> Non
         "history",
         "scaleEvents",
         "lastScaleTime",
+        "redundancy",
         "arrivals",
         "decidedBy",
         "heldKind",

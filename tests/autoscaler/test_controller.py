@@ -331,6 +331,8 @@ def test_the_written_status_block_is_pinned_and_declared_by_the_crd():
         ],
         "scaleEvents": [{"time": "2023-11-14T22:11:20Z", "fromReplicas": 2, "toReplicas": 4}],
         "lastScaleTime": "2023-11-14T22:11:20Z",
+        # the redundancy floor applied (1.8/s forecast, 0.9 of one replica's 2.0/s): held from now on
+        "redundancy": {"time": "2023-11-14T22:13:20Z", "replicas": 2, "rate": 1.79918, "perReplica": 2.0},
         "arrivals": {
             "time": "2023-11-14T22:13:20.000Z",
             "pods": [
@@ -371,6 +373,7 @@ def test_the_written_status_block_is_pinned_and_declared_by_the_crd():
     back = history_from_status(block)
     assert back.arrivals.counters[1] == PodCounter("p1", 41.0, 1, 1001.0, 500.0)
     assert [(e.time, e.from_replicas, e.to_replicas) for e in back.events] == [(T0 - 120, 2, 4)]
+    assert back.redundancy is not None and back.redundancy[0] == T0 and back.redundancy[1].replicas == 2
 
     # Nothing reporting: the KV usage is written as null (the merge patch clears the previous one),
     # no decidedBy or heldKind without an identity or a noteworthy hold, and no lastScaleTime yet.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from typing import Any
@@ -18,6 +19,7 @@ from kvpilot.autoscaler.sim_result import SimResult
 from kvpilot.autoscaler.simulator import ROUTERS, FleetSimulator
 from kvpilot.autoscaler.slo import Slo
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets, SloTargets
+from kvpilot.autoscaler.state import decision_to_status, history_from_status
 from kvpilot.autoscaler.trace import TraceRequest, shift_mix
 
 NOW = 1_000_000.0
@@ -101,12 +103,15 @@ def test_the_floor_is_held_through_the_scale_down_window_not_dropped_at_the_next
 
 def test_a_load_falling_through_the_floor_does_not_flap():
     """3/s on one replica (the floor starts a second), then 2.4/s for five minutes: the fleet stays at
-    two until a scale-down window after the last sync whose load needed them, then goes to one, once."""
+    two until a scale-down window after the last sync whose load needed them, then goes to one, once.
+    The history goes through the status between syncs, as the controller keeps it."""
     t = ScalingTargets(min_replicas=1, max_replicas=10, scale_down_stabilization_s=120.0)
     snap, history = _one_replica(3.0)
     d = decide(1, snap, t, history, NOW)
     assert d.desired == 2 and d.signal == "redundancy", d.reason
-    current, hist, done = 2, d.history, {"a": 45.0, "b": 0.0}
+    hist = history_from_status(json.loads(json.dumps(decision_to_status(d, NOW, None))))
+    assert d.history.redundancy is not None and hist.redundancy == d.history.redundancy
+    current, done = 2, {"a": 45.0, "b": 0.0}
     sizes: list[tuple[float, int, str]] = [(0.0, 2, d.reason)]
     for k in range(1, 21):
         done = {p: c + 2.4 * 15.0 / 2 for p, c in done.items()}
@@ -116,7 +121,8 @@ def test_a_load_falling_through_the_floor_does_not_flap():
         )
         d = decide(current, step, t, hist, NOW + 15.0 * k)
         sizes.append((15.0 * k, d.desired, d.reason))
-        current, hist = d.desired, d.history
+        current = d.desired
+        hist = history_from_status(json.loads(json.dumps(decision_to_status(d, NOW + 15.0 * k, None))))
     ns = [n for _, n, _ in sizes]
     assert ns[-1] == 1 and ns == sorted(ns, reverse=True), sizes  # 2 ... 2, 1 ... 1: one step down
     last_needed = max(at for at, _, reason in sizes if "replicas while serving" in reason)
