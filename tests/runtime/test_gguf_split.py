@@ -7,14 +7,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.load.gguf_reader import GGUFFile, gguf_models
 from kvpilot.runtime.load.loader import load_model, resolve_model_path
-
-gguf = pytest.importorskip("gguf")
 
 
 def split_copy(source: Path, dest: Path, max_tensors: int, small_first_shard: bool = False) -> list[Path]:
