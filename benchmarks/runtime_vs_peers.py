@@ -122,6 +122,7 @@ from peers.measure import (  # noqa: E402
     model_dims,
     model_flops,
     phase,
+    read_bandwidth,
     set_up,
 )
 from peers.roofline import (  # noqa: E402
@@ -546,7 +547,8 @@ def roofline(
     from gpu_bench import copy_bandwidth
 
     bandwidth = copy_bandwidth(torch.device("cpu"), 512 * 2**20)
-    out: dict[str, Any] = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2)}
+    read = read_bandwidth(args.threads)
+    out: dict[str, Any] = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "read_bandwidth": read}
     # the matmul peak: kvpilot's measurement (its dtype and the other), else one taken here
     kv_rec = res.get("kvpilot") or {}
     peaks = [
@@ -576,7 +578,7 @@ def roofline(
         single = rec.get("single_stream")
         if isinstance(single, dict) and single.get("decode_tok_per_s"):
             line["batch_1_bandwidth"] = bandwidth_line(
-                weights, kv, context, single["decode_tok_per_s"], bandwidth
+                weights, kv, context, single["decode_tok_per_s"], bandwidth, read["read_gb_s"] * 1e9
             )
         batch = rec.get("batch")
         if peak and isinstance(batch, dict) and batch.get("wall_s"):
@@ -596,6 +598,9 @@ def roofline_summary(lines: dict[str, Any]) -> dict[str, Any]:
             out[name] = {
                 "batch_1_fraction_of_copy_bandwidth": (line.get("batch_1_bandwidth") or {}).get(
                     "fraction_of_copy_bandwidth"
+                ),
+                "batch_1_fraction_of_read_bandwidth": (line.get("batch_1_bandwidth") or {}).get(
+                    "fraction_of_read_bandwidth"
                 ),
                 "batch_fraction_of_matmul_peak": (line.get("batch_compute") or {}).get(
                     "fraction_of_matmul_peak"

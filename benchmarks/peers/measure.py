@@ -202,6 +202,43 @@ def matmul_peak(
     }
 
 
+READ_SOURCE = Path(__file__).with_name("read_bandwidth.c")
+READ_PREFETCH_BYTES = (0, 4096, 16384)  # the probe's prefetch distances: the best is the ceiling
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, rounds: int = 5) -> dict[str, Any]:
+    """Bytes/s a read-only stream over `nbytes` reaches on `threads` threads (read_bandwidth.c: each
+    thread its contiguous share, 64 bytes a step; the best of `rounds` passes at each prefetch distance
+    of READ_PREFETCH_BYTES). A batch-1 decode step's ceiling: it reads its weights and writes nothing
+    of their size, which a copy's read + write rate overstates on a CPU whose few cores bound the
+    misses in flight. Built with the runtime's own C toolchain and ISA flags (kernels/cbuild.py)."""
+    import ctypes
+
+    from kvpilot.kernels import cbuild, isa
+
+    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", *isa.flags_for(isa.selected())]
+    lib = ctypes.CDLL(str(cbuild.build(READ_SOURCE, flags)))
+    fn = lib.kvpilot_bench_read
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_double
+    n = nbytes // (64 * threads) * 64 * threads
+    buf = torch.ones(n, dtype=torch.uint8)  # written: every page is mapped before the timing
+    sink = ctypes.c_uint64(0)
+    by_prefetch = {
+        str(pf): round(n / fn(buf.data_ptr(), n, threads, pf, rounds, ctypes.byref(sink)) / 1e9, 2)
+        for pf in READ_PREFETCH_BYTES
+    }
+    if sink.value != n // 8 * 0x0101010101010101 % 2**64:  # the sum of the words read, mod 2^64
+        raise RuntimeError(f"read_bandwidth.c read {sink.value:#x}, not the buffer's sum")
+    del buf
+    return {
+        "threads": threads,
+        "bytes": n,
+        "gb_s_by_prefetch_bytes": by_prefetch,
+        "read_gb_s": max(by_prefetch.values()),
+    }
+
+
 @contextmanager
 def phase(record: dict[str, Any], name: str, probe: bool = True) -> Iterator[dict[str, Any]]:
     """Time a phase and note the machine's state around it."""

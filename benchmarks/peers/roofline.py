@@ -5,7 +5,10 @@
   because a step reads one row of it; with tied embeddings the table is the LM head and counts) and the
   KV of its context. bytes per step x decode tokens/s over the copy bandwidth measured in the same run
   (gpu_bench.copy_bandwidth on the CPU device, read + write bytes) is the fraction of the bandwidth the
-  engine turns into decode steps.
+  engine turns into decode steps; over the read-only bandwidth measured on the engines' threads
+  (measure.read_bandwidth), the fraction of the ceiling a step that only reads has. On a CPU with few
+  cores the two differ by about 2x (a 2-core Zen 4 VM: copy 61 GB/s read + write, read-only 30 GB/s):
+  the copy's figure is not one a decode step can reach there.
 * Batch, compute: the model FLOPs of the batch (measure.model_flops: no padding, no recomputation) over
   its wall time, against the matmul peak measured in the same run (measure.matmul_peak, the best of the
   model's own matmul shapes in the engine's dtype and the other one).
@@ -53,11 +56,25 @@ def mean_decode_context(prompt_tokens: int, output_tokens: int) -> float:
 
 
 def bandwidth_line(
-    weight_bytes: float, kv_per_token: float, context: float, decode_tok_per_s: float, bandwidth: float
+    weight_bytes: float,
+    kv_per_token: float,
+    context: float,
+    decode_tok_per_s: float,
+    bandwidth: float,
+    read_bandwidth: float | None = None,
 ) -> dict[str, Any]:
-    """Pure: the batch-1 roofline of one engine's single-stream figure."""
+    """Pure: the batch-1 roofline of one engine's single-stream figure, against the copy bandwidth and,
+    where measured, the read-only one."""
     step = weight_bytes + kv_per_token * context
     achieved = step * decode_tok_per_s
+    read = (
+        {
+            "read_ceiling_decode_tok_per_s": round(read_bandwidth / step, 1),
+            "fraction_of_read_bandwidth": round(achieved / read_bandwidth, 3),
+        }
+        if read_bandwidth
+        else {}
+    )
     return {
         "weight_mb_per_step": round(weight_bytes / 1e6, 1),
         "kv_mb_per_step": round(kv_per_token * context / 1e6, 2),
@@ -67,6 +84,7 @@ def bandwidth_line(
         "achieved_gb_s": round(achieved / 1e9, 2),
         "ceiling_decode_tok_per_s": round(bandwidth / step, 1),
         "fraction_of_copy_bandwidth": round(achieved / bandwidth, 3),
+        **read,
     }
 
 

@@ -91,6 +91,11 @@ def test_bandwidth_and_compute_lines() -> None:
     assert line["achieved_gb_s"] == 10.1
     assert line["fraction_of_copy_bandwidth"] == 0.101
     assert line["ceiling_decode_tok_per_s"] == 99.0
+    assert "fraction_of_read_bandwidth" not in line  # no read-only figure measured: no line
+    read = rl.bandwidth_line(1e9, 1e5, 100, decode_tok_per_s=10.0, bandwidth=1e11, read_bandwidth=5e10)
+    assert read["fraction_of_copy_bandwidth"] == 0.101
+    assert read["fraction_of_read_bandwidth"] == 0.202
+    assert read["read_ceiling_decode_tok_per_s"] == 49.5
     c = rl.compute_line(model_flops=2e12, wall_s=10.0, peak_gflops=800.0)
     assert c == {"model_gflops_per_s": 200.0, "peak_gflops": 800.0, "fraction_of_matmul_peak": 0.25}
 
@@ -143,13 +148,35 @@ def test_roofline_summary_takes_both_fractions_and_leaves_out_engines_without_li
         "copy_bandwidth_gb_s": 20.0,
         "matmul_peak_gflops": 300.0,
         "kvpilot": {
-            "batch_1_bandwidth": {"fraction_of_copy_bandwidth": 0.5},
+            "batch_1_bandwidth": {"fraction_of_copy_bandwidth": 0.5, "fraction_of_read_bandwidth": 0.9},
             "batch_compute": {"fraction_of_matmul_peak": 0.25},
         },
         "llamacpp": {"batch_1_bandwidth": {"fraction_of_copy_bandwidth": 0.4}},
         "hf": {},
     }
     assert roofline_summary(lines) == {
-        "kvpilot": {"batch_1_fraction_of_copy_bandwidth": 0.5, "batch_fraction_of_matmul_peak": 0.25},
-        "llamacpp": {"batch_1_fraction_of_copy_bandwidth": 0.4, "batch_fraction_of_matmul_peak": None},
+        "kvpilot": {
+            "batch_1_fraction_of_copy_bandwidth": 0.5,
+            "batch_1_fraction_of_read_bandwidth": 0.9,
+            "batch_fraction_of_matmul_peak": 0.25,
+        },
+        "llamacpp": {
+            "batch_1_fraction_of_copy_bandwidth": 0.4,
+            "batch_1_fraction_of_read_bandwidth": None,
+            "batch_fraction_of_matmul_peak": None,
+        },
     }
+
+
+def test_the_read_probe_reads_every_byte_at_a_plausible_rate() -> None:
+    """measure.read_bandwidth builds read_bandwidth.c with the runtime's toolchain and checks the sum of
+    what each pass read against the buffer's (so no pass was skipped or cut short); the rates are
+    positive and the ceiling is the best of the prefetch distances."""
+    from peers.measure import READ_PREFETCH_BYTES, read_bandwidth
+
+    r = read_bandwidth(2, nbytes=8 << 20, rounds=2)
+    assert r["bytes"] == 8 << 20 and r["threads"] == 2
+    assert set(r["gb_s_by_prefetch_bytes"]) == {str(pf) for pf in READ_PREFETCH_BYTES}
+    assert r["read_gb_s"] == max(r["gb_s_by_prefetch_bytes"].values()) > 0.1
+    odd = read_bandwidth(3, nbytes=(1 << 20) + 1000, rounds=1)  # cut to whole 64-byte lines per thread
+    assert odd["bytes"] % (64 * 3) == 0 and odd["bytes"] <= (1 << 20) + 1000
