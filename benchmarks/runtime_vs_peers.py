@@ -28,8 +28,9 @@ configuration each engine ran with, and the figures:
   openai client) against `kvpilot serve`, llama-server and vLLM.
 * roofline lines per engine (peers/roofline.py): the single stream's bytes per decode step (weights as
   the engine stores them, LM head included, embedding table left out, plus the KV of the context) x
-  its tokens/s over the copy bandwidth measured in this run, and the batch's model FLOP/s over the
-  matmul peak measured in this run.
+  its tokens/s over the copy bandwidth and over the read-only bandwidth on --threads threads
+  (measure.read_bandwidth) measured in this run, and the batch's model FLOP/s over the matmul peak
+  measured in this run.
 
 The model is SmolLM2-135M's Q4_1 GGUF unless --model names a real shape (`llama-1b:q4_k_m`,
 `llama-8b:q8_0`, ...: a random-weight checkpoint built by peers/shapes.py on first use, prompts from
