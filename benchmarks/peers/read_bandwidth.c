@@ -1,11 +1,11 @@
 /* The read-only memory bandwidth a few threads reach: what a batch-1 decode step is bound by.
  *
- * A decode step reads its weights and writes almost nothing, so its ceiling is a read stream, not a copy:
- * a copy's stores leave the cores' line-fill buffers to the loads (and non-temporal stores go straight
- * out), so on a machine whose few cores cannot keep enough misses in flight a copy of N bytes moves
- * 2N bytes in about the time a read of 2N bytes takes twice (measured on a 2-core Zen 4 VM: copy
- * 61 GB/s read + write, read-only 31 GB/s). benchmarks/peers/measure.read_bandwidth builds and calls
- * this. Plain C (auto-vectorized at the ISA level the runtime's kernels are built for), OpenMP threads.
+ * A decode step reads its weights and writes almost nothing, so its ceiling is a read stream, not a copy.
+ * The two differ: on a 2-core Zen 4 VM a copy measured 51-61 GB/s counting read + write bytes where a
+ * read stream on the same two threads reached 30-34 GB/s (2026-12-06, docs/benchmarks.md). A plain
+ * stream, so an engine may beat it by a little: a ceiling to within a few percent.
+ * benchmarks/peers/measure.read_bandwidth builds and calls this. Plain C (auto-vectorized at the ISA
+ * level the runtime's kernels are built for), OpenMP threads.
  */
 #include <omp.h>
 #include <stdint.h>

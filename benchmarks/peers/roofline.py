@@ -7,8 +7,8 @@
   (gpu_bench.copy_bandwidth on the CPU device, read + write bytes) is the fraction of the bandwidth the
   engine turns into decode steps; over the read-only bandwidth measured on the engines' threads
   (measure.read_bandwidth), the fraction of the ceiling a step that only reads has. On a CPU with few
-  cores the two differ by about 2x (a 2-core Zen 4 VM: copy 61 GB/s read + write, read-only 30 GB/s):
-  the copy's figure is not one a decode step can reach there.
+  cores the two differ by up to 2x (a 2-core Zen 4 VM: copy 51-61 GB/s read + write, read-only
+  30-34 GB/s): the copy's figure is not one a decode step can reach there.
 * Batch, compute: the model FLOPs of the batch (measure.model_flops: no padding, no recomputation) over
   its wall time, against the matmul peak measured in the same run (measure.matmul_peak, the best of the
   model's own matmul shapes in the engine's dtype and the other one).
