@@ -69,6 +69,10 @@ TILED_FLOAT_MAX_M = 128
 # any row count (1.5-2.2x the float kernel, 1.6-3.2x dequantize + torch's float32 matmul at 64-2048 rows, one
 # thread, SmolLM2's shapes: benchmarks/kernels_bench.py qmatmul --dtype float32, tiled_bf16_act)
 TILED_BF16_MAX_M = TILED_MAX_M
+# the same for int16 activations at the avx512 level (kvpilot_qmatmul_tiled_i16's 512-bit kernel: 1.3-1.9x
+# dequantize + torch's float32 matmul at 128-2048 rows, one thread, SmolLM2's shapes on an AMD EPYC Zen 4;
+# at avx2 its 256-bit kernel and MKL's sgemm are at parity from 512 rows: TILED_FLOAT_MAX_M there)
+TILED_I16_MAX_M = TILED_MAX_M
 ACT_BLOCK = 32  # activations quantized to int8 per block of this many (llama.cpp's Q8_0 block)
 
 
@@ -442,9 +446,12 @@ def max_kernel_rows(qw: QuantizedWeight) -> int:
     dequantize + torch)."""
     if not qw.tiled:
         return SMALL_M
-    if not int8_activations():  # the float tiled kernel: float32 FMAs, the rate of torch's float32 matmul
-        return TILED_BF16_MAX_M if bf16_activations() and bf16_tiles(qw) else TILED_FLOAT_MAX_M
     level = built_isa()  # read from the library once per level (cbuild.Extension), not a ctypes call
+    if not int8_activations():  # the float tiled kernel: float32 FMAs, the rate of torch's float32 matmul
+        if bf16_activations() and bf16_tiles(qw):
+            return TILED_BF16_MAX_M
+        i16_wide = switches.current().qmatmul_activations == "int16" and level == "avx512"
+        return TILED_I16_MAX_M if i16_wide else TILED_FLOAT_MAX_M
     vnni = level == "avx512" and "avx512_vnni" in isa.cpu_features()
     return TILED_MAX_M if vnni or (level == "avx2" and qw.bits == 8) else SMALL_M
 

@@ -7,26 +7,29 @@ quality cost is measured and small, says which at start-up, and an explicit flag
 
 - a GGUF file whose every linear weight and LM head (or the embedding tied to it) is stored in a
   quantized type, a dense model, on a CPU whose kernels have the tiled layout (avx512, avx2), one
-  device, no LoRA: `--quantization auto --qmatmul-activations float`. The file's own blocks are
-  multiplied in float32 without rounding the activations (kvpilot_qmatmul_tiled_float): for Q8_0,
-  Q4_0, Q4_1 and Q4_K, the float32 model of the dequantized file up to the order of the sums
-  (agreement with float32 1.0000 and 16/16 greedy answers on tests/runtime/quality.py's text; Q4_K's
-  float16 scale conversion adds +0.007% perplexity), at a fraction of the bytes read. The other types
-  (Q6_K, Q5_K, Q5_0, ...: what a Q4_K_M or Q5_K_M file mixes in) are requantized to int8 per 32
-  weights at load (runtime/load/gguf_blocks.py; RMS 0.28x Q6_K's own error, measured by
-  `benchmarks/runtime_quality.py requant` and held to the same bar by tests/runtime/test_default_quality.py);
-  where the CPU has AVX512-BF16 and the file holds 4-bit blocks (Q4_0, Q4_1, Q4_K), `--qmatmul-activations
-  bf16` instead: the activations rounded to bfloat16, the weights' values still exact, summed in float32
-  (kvpilot_qmatmul_tiled_bf16's vdpbf16ps: 1.5-2.2x the float32 kernel at every row count on the 4-bit
-  blocks, 1.15-1.46x on the 8-bit ones, such as the builtin file's tied LM head, from 3 rows). Its cost on the
-  builtin file: agreement 0.994 with float32 and 14/16 greedy answers (transformers' bf16: 0.961, 11);
-  at the avx2 level (every AVX2-only CPU), `--qmatmul-activations int16` instead: each block of 32
-  activations rounded to 16 bits with one float scale (an element's error at most 1/65534 of its
-  block's largest, against 1/512 of itself for bfloat16), the weights' values exact, products by
-  vpmaddwd (kvpilot_qmatmul_tiled_i16: 1.6-2.0x the float32 kernel at one row, 1.2-1.9x at 5-256
-  rows, on SmolLM2's shapes on an AMD EPYC Zen 3; the single stream's decode step 1.37x). The
-  avx512 level keeps float (or bf16) until the int16 kernel, which runs there at 256 bits, is
-  measured against its 512-bit float kernel;
+  device, no LoRA: `--quantization auto`, the file's own blocks multiplied as stored: Q8_0, Q4_0,
+  Q4_1 and Q4_K exactly (Q4_K's float16 scale conversion adds +0.007% perplexity); the other types
+  (Q6_K, Q5_K, Q5_0, ...: what a Q4_K_M or Q5_K_M file mixes in) requantized to int8 per 32 weights
+  at load (runtime/load/gguf_blocks.py; RMS 0.28x Q6_K's own error, measured by
+  `benchmarks/runtime_quality.py requant` and held to the same bar by tests/runtime/test_default_quality.py).
+  The activations (`--qmatmul-activations`):
+  * where the CPU has AVX512-BF16 and the file holds 4-bit blocks (Q4_0, Q4_1, Q4_K), `bf16`: each
+    activation rounded to bfloat16, the weights' values exact, summed in float32
+    (kvpilot_qmatmul_tiled_bf16's vdpbf16ps: 1.5-2.2x the float32 kernel at every row count on the 4-bit
+    blocks, 1.15-1.46x on the 8-bit ones, such as the builtin file's tied LM head, from 3 rows). Its cost
+    on the builtin file: agreement 0.994 with float32 and 14/16 greedy answers (transformers' bf16:
+    0.961, 11);
+  * everywhere else (every AVX2-only CPU; AVX-512 without AVX512-BF16, such as the Skylake to Ice Lake
+    Xeons; a file without 4-bit blocks), `int16`: each block of 32 activations rounded to 16 bits
+    with one float scale (an element's error at most 1/65534 of its block's largest, against 1/512 of
+    itself for bfloat16), the weights' values exact, products by vpmaddwd (kvpilot_qmatmul_tiled_i16:
+    at avx2, 1.6-2.0x the float32 kernel at one row, 1.2-1.9x at 5-256 rows, on SmolLM2's shapes on
+    an AMD EPYC Zen 3, the single stream's decode step 1.37x; at avx512 its 512-bit kernel, `vpdpwssd`
+    with AVX512-VNNI, 1.3-2.0x the 512-bit float32 kernel at 1-256 rows with neither BF16 nor VNNI,
+    and 1.2-2.3x the bf16 kernel on 8-bit blocks at 1-5 rows, on an AMD EPYC Zen 4:
+    docs/benchmarks.md, "The int16 kernel at 512 bits").
+  `float` (kvpilot_qmatmul_tiled_float: the activations unrounded, the float32 model of the dequantized
+  file up to the order of the sums) stays on request: slower than either at every row count;
 - anything else: the weights dequantized to the model dtype at load (`--quantization none`, the
   default before), as measured (docs/runtime.md, "Precision").
 
@@ -109,14 +112,7 @@ def choose_default(
     held = f"the file's own {'/'.join(exact)} blocks" if exact else "the file's quantized weights"
     if requantized:
         held += f" ({'/'.join(requantized)} requantized to int8 per 32 weights)"
-    if kernel_level == "avx2":
-        return DefaultPath(
-            "auto",
-            "int16",
-            f"{held} times activations rounded to 16 bits per block of 32 (the weights' values exact; "
-            "vpmaddwd), read from memory quantized",
-        )
-    if cpu_bf16 and FOUR_BIT_TYPES & facts.linear_types:
+    if kernel_level == "avx512" and cpu_bf16 and FOUR_BIT_TYPES & facts.linear_types:
         return DefaultPath(
             "auto",
             "bf16",
@@ -125,8 +121,9 @@ def choose_default(
         )
     return DefaultPath(
         "auto",
-        "float",
-        f"{held} with float32 activations (the exact product of the weights held), read from memory quantized",
+        "int16",
+        f"{held} times activations rounded to 16 bits per block of 32 (the weights' values exact; "
+        f"{'vpdpwssd/vpmaddwd at 512 bits' if kernel_level == 'avx512' else 'vpmaddwd'}), read from memory quantized",
     )
 
 

@@ -708,15 +708,18 @@ def test_tiled_int16_int4_rows_split_into_bytes_are_exact(group: int) -> None:
 
 def test_int16_activations_on_every_path_of_matmul() -> None:
     """Under int16 every route multiplies the same rounded activations: the tiled kernel up to
-    TILED_FLOAT_MAX_M rows, then dequantize + torch; the row layout's float kernel; no int8 GEMM."""
+    TILED_I16_MAX_M rows at avx512 (its 512-bit kernel), TILED_FLOAT_MAX_M at avx2, then dequantize +
+    torch; the row layout's float kernel; no int8 GEMM."""
     if not qlinear.available():
         missing("a C compiler for the CPU kernels", "install gcc or clang")
     torch.manual_seed(18)
+    wide = qlinear.built_isa() == "avx512"
+    limit = qlinear.TILED_I16_MAX_M if wide else qlinear.TILED_FLOAT_MAX_M
     with switches.using(qmatmul_activations="int16"):
         for qw in (qlinear.quantize_int4(weight(48, 256), 64), qlinear.quantize_int8(weight(48, 256))):
             t = qlinear.tile(qw)
-            assert qlinear.max_kernel_rows(t) == qlinear.TILED_FLOAT_MAX_M
-            for rows in (2, qlinear.SMALL_M + 3, qlinear.TILED_FLOAT_MAX_M + 3):
+            assert qlinear.max_kernel_rows(t) == limit
+            for rows in sorted({2, qlinear.SMALL_M + 3, qlinear.TILED_FLOAT_MAX_M + 3, limit + 3}):
                 x = torch.randn(rows, 256) * 4
                 assert not qlinear.gemm_applies(x, qw)
                 for w in (t, qw):

@@ -1,7 +1,7 @@
 """The default path (runtime/load/defaults.py): with no --quantization, a GGUF stored in quantized
 blocks runs from them on a CPU with the tiled kernels, with activations rounded to bfloat16 where
-the CPU multiplies 4-bit codes by them natively (AVX512-BF16), to 16 bits per block of 32 at the avx2
-level (vpmaddwd), else float32; everything else is
+the CPU multiplies 4-bit codes by them natively (AVX512-BF16), else to 16 bits per block of 32
+(vpmaddwd, at 512 bits on AVX-512); everything else is
 dequantized at load; explicit settings always win. How well the default tracks float32 is
 tests/runtime/test_default_quality.py's (it builds the engine from the defaults)."""
 
@@ -41,17 +41,18 @@ def test_builtin_gguf_stores_every_linear_and_the_head_in_blocks() -> None:
 
 
 # what the machine running the tests gets by default (its kernels' level)
-HERE_ACTIVATIONS = (
-    "int16" if isa.selected() == "avx2" else "bf16" if isa.bf16_dot(isa.selected()) else "float"
-)
+HERE_ACTIVATIONS = "bf16" if isa.bf16_dot(isa.selected()) else "int16"
 
 
-@pytest.mark.parametrize(("level", "activations"), [("avx512", "float"), ("avx2", "int16")])
-def test_the_files_blocks_where_the_tiled_kernels_run(level: str, activations: str) -> None:
+@pytest.mark.parametrize("level", ["avx512", "avx2"])
+def test_the_files_blocks_where_the_tiled_kernels_run(level: str) -> None:
+    """Without AVX512-BF16 (every AVX2-only CPU, the AVX-512 Xeons before Cooper Lake) the activations
+    are rounded to 16 bits per block of 32: never the slower float32 kernel."""
     choice = choose_default(BUILTIN, **{**CPU, "kernel_level": level})
-    assert (choice.quantization, choice.qmatmul_activations) == ("auto", activations)
+    assert (choice.quantization, choice.qmatmul_activations) == ("auto", "int16")
     assert "Q4_1/Q8_0 blocks" in choice.why
-    assert ("16 bits per block of 32" in choice.why) == (activations == "int16")
+    assert "16 bits per block of 32" in choice.why
+    assert ("at 512 bits" in choice.why) == (level == "avx512")
 
 
 @pytest.mark.parametrize(
@@ -59,8 +60,8 @@ def test_the_files_blocks_where_the_tiled_kernels_run(level: str, activations: s
     [
         (BUILTIN, "bf16"),  # Q4_1 layers (the Q8_0 head: the float kernel on rounded activations)
         (CheckpointFacts(True, frozenset({"Q4_K", "Q6_K"}), "Q6_K"), "bf16"),  # Q4_K_M
-        (CheckpointFacts(True, frozenset({"Q8_0"}), "Q8_0"), "float"),  # no 4-bit codes: no gain
-        (CheckpointFacts(True, frozenset({"Q5_K", "Q6_K"}), "Q6_K"), "float"),  # all requantized to int8
+        (CheckpointFacts(True, frozenset({"Q8_0"}), "Q8_0"), "int16"),  # no 4-bit codes: no gain
+        (CheckpointFacts(True, frozenset({"Q5_K", "Q6_K"}), "Q6_K"), "int16"),  # all requantized to int8
     ],
 )
 def test_bf16_activations_where_the_cpu_multiplies_4_bit_codes_by_them(
@@ -85,7 +86,7 @@ def test_files_of_other_quantized_types_take_the_blocks_path_requantized(
     facts: CheckpointFacts, why: str
 ) -> None:
     choice = choose_default(facts, **CPU)
-    assert (choice.quantization, choice.qmatmul_activations) == ("auto", "float")
+    assert (choice.quantization, choice.qmatmul_activations) == ("auto", "int16")
     assert why in choice.why
 
 
@@ -119,7 +120,7 @@ def test_explicit_settings_win() -> None:
         cfg, _ = resolve_default(EngineConfig(**settings), cpu, kernel_level="avx512", cpu_kernels=True)
         return cfg.quantization, cfg.qmatmul_activations
 
-    assert resolved() == ("auto", "bf16" if isa.bf16_dot("avx512") else "float")
+    assert resolved() == ("auto", "bf16" if isa.bf16_dot("avx512") else "int16")
     assert resolved(qmatmul_activations="int8") == ("auto", "int8")
     assert resolved(qmatmul_activations="float") == ("auto", "float")
     assert resolved(qmatmul_activations="bf16") == ("auto", "bf16")
