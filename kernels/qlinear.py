@@ -69,7 +69,7 @@ TILED_FLOAT_MAX_M = 128
 # any row count (1.5-2.2x the float kernel, 1.6-3.2x dequantize + torch's float32 matmul at 64-2048 rows, one
 # thread, SmolLM2's shapes: benchmarks/kernels_bench.py qmatmul --dtype float32, tiled_bf16_act)
 TILED_BF16_MAX_M = TILED_MAX_M
-# the same for int16 activations at the avx512 level (kvpilot_qmatmul_tiled_i16's 512-bit kernel: 1.3-1.9x
+# the same for int16 activations at the avx512 level (kvpilot_qmatmul_tiled_i16's 512-bit kernel: 1.3-2.3x
 # dequantize + torch's float32 matmul at 128-2048 rows, one thread, SmolLM2's shapes on an AMD EPYC Zen 4;
 # at avx2 its 256-bit kernel and MKL's sgemm are at parity from 512 rows: TILED_FLOAT_MAX_M there)
 TILED_I16_MAX_M = TILED_MAX_M

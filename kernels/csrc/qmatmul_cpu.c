@@ -1319,8 +1319,8 @@ int kvpilot_qmatmul_tiled_bf16(const void *x, int dtype, void *out, const void *
  * and each row costs the same count of multiply-adds: at one row (a single stream's decode) half the
  * instructions. Written with 256-bit AVX2 intrinsics (half a tile at a time, as the AVX2 kernels), so
  * every x86 CPU with AVX2 has it; at the avx512 level tile_dots_i16z does the same at 512 bits (a whole
- * tile a vector, `vpdpwssd` with AVX512-VNNI), on every call: 1.2-1.7x the 256-bit kernel (AMD EPYC Zen 4,
- * one thread, SmolLM2's shapes, 1-256 rows; kernels_bench.py qmatmul).
+ * tile a vector, `vpdpwssd` with AVX512-VNNI), on every call: 1.0-1.9x the 256-bit kernel with VNNI, 0.87-1.5x
+ * without (AMD EPYC Zen 4, one thread, SmolLM2's shapes, 1-256 rows; kernels_bench.py qmatmul).
  * Block b of a row: codes 4v..4v+3 of each weight row in 32-bit lane r of vector v; int4 holds codes
  * 4v+j in the low nibbles and 16+4v+j in the high ones. unpacklo/hi_epi8 widen them to int16, rows
  * {0,1,4,5} and {2,3,6,7} of the half; a 64-bit broadcast of x[4v..4v+3] against them gives two int32

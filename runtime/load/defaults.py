@@ -25,7 +25,7 @@ quality cost is measured and small, says which at start-up, and an explicit flag
     itself for bfloat16), the weights' values exact, products by vpmaddwd (kvpilot_qmatmul_tiled_i16:
     at avx2, 1.6-2.0x the float32 kernel at one row, 1.2-1.9x at 5-256 rows, on SmolLM2's shapes on
     an AMD EPYC Zen 3, the single stream's decode step 1.37x; at avx512 its 512-bit kernel, `vpdpwssd`
-    with AVX512-VNNI, 1.3-2.0x the 512-bit float32 kernel at 1-256 rows with neither BF16 nor VNNI,
+    with AVX512-VNNI, 1.2-2.0x the 512-bit float32 kernel at 1-256 rows with neither BF16 nor VNNI,
     and 1.2-2.3x the bf16 kernel on 8-bit blocks at 1-5 rows, on an AMD EPYC Zen 4:
     docs/benchmarks.md, "The int16 kernel at 512 bits").
   `float` (kvpilot_qmatmul_tiled_float: the activations unrounded, the float32 model of the dequantized
