@@ -1639,6 +1639,7 @@ static inline __attribute__((always_inline)) void tile_dots_split(const i16_acts
  * 32767 * 32 < 2^31), then scaled by the block's activation scale into the group's float sums, the
  * weight's scale (and min) at the group's end: the arithmetic of tile_dots_i16, the float sums in the
  * same order. */
+#define I16Z_CHAINS 4
 #if defined(__AVX512VNNI__)
 #define I16Z_DOT(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
 #else
@@ -1654,6 +1655,9 @@ static inline __attribute__((always_inline)) void tile_dots_i16z(const i16_acts 
     const uint32_t *x0 = (const uint32_t *)(a->xq + blk_at(nb, rb, m0, 0) * QB); /* block b, row r: + 16 (b rb + r) */
     const float *d0 = a->dx + blk_at(nb, rb, m0, 0);                            /* and its scales: + b rb + r */
     const __m512i nib = _mm512_set1_epi32(0x000F000F);
+    /* independent int32 sums a row for passes of few rows: one chain of 16 dependent `vpdpwssd` a block
+     * cost a single stream's matmul 4-12% with VNNI (Zen 4, one thread; integer sums: any order, the same) */
+    const int chains = mb <= 2 ? I16Z_CHAINS : mb <= 4 ? 2 : 1;
     __m512 acc[TM], part[TM];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long g0 = 0, g = 0; g0 < nb; g0 += bpg, g++) {
@@ -1662,8 +1666,9 @@ static inline __attribute__((always_inline)) void tile_dots_i16z(const i16_acts 
             const uint8_t *p = wt + b * TR * bb;
             if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
             const uint32_t *xb = x0 + b * rb * 16;
-            __m512i dots[TM];
-            for (int r = 0; r < mb; r++) dots[r] = _mm512_setzero_si512();
+            __m512i dots[TM][I16Z_CHAINS];
+            for (int r = 0; r < mb; r++)
+                for (int c = 0; c < chains; c++) dots[r][c] = _mm512_setzero_si512();
             for (int v = 0; v < bb / 4; v++) { /* 64-byte vectors: 16 rows x 8 int4 or 4 int8 codes */
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
                 __m512i w[4];
@@ -1676,13 +1681,17 @@ static inline __attribute__((always_inline)) void tile_dots_i16z(const i16_acts 
                     w[0] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);
                     w[1] = _mm512_srai_epi16(raw, 8);
                 }
-                for (int j = 0; j < nw; j++)
+                for (int j = 0; j < nw; j++) {
+                    const int c = (nw * v + j) % chains;
                     for (int r = 0; r < mb; r++)
-                        dots[r] = I16Z_DOT(dots[r], w[j], _mm512_set1_epi32((int)xb[r * 16 + nw * v + j]));
+                        dots[r][c] = I16Z_DOT(dots[r][c], w[j], _mm512_set1_epi32((int)xb[r * 16 + nw * v + j]));
+                }
             }
             const float *db = d0 + b * rb;
-            for (int r = 0; r < mb; r++)
-                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(db[r]), part[r]);
+            for (int r = 0; r < mb; r++) {
+                for (int c = 1; c < chains; c++) dots[r][0] = _mm512_add_epi32(dots[r][0], dots[r][c]);
+                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][0]), _mm512_set1_ps(db[r]), part[r]);
+            }
         }
         if (per_row) {
             for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r]);
@@ -1706,6 +1715,7 @@ static inline __attribute__((always_inline)) void tile_dots_i16z(const i16_acts 
     for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 #undef I16Z_DOT
+#undef I16Z_CHAINS
 #endif
 
 static inline __attribute__((always_inline)) void tile_rows_i16(const i16_acts *a, const float *xs, long K, long ng,
