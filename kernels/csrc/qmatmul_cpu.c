@@ -775,6 +775,39 @@ static inline __attribute__((always_inline)) void sum_chains512(__m512 part[][4]
         for (int c = 1; c < chains; c++) part[r][0] = _mm512_add_ps(part[r][0], part[r][c]);
 }
 
+/* The end of a weight group in the 512-bit kernels (a whole tile, rows m0..m0+mb): acc += the group's
+ * sums times its scale (int4: + its min times the row's activation sum for the group), or, one group a
+ * row (per_row), acc += the sums (scaled at the end by tile_end16) */
+static inline __attribute__((always_inline)) void group_end16(__m512 *acc, const __m512 *sum, int mb, int per_row,
+                                                              int wbits, const uint16_t *st, const uint16_t *mt,
+                                                              long g, const float *xs, long m0, long ng) {
+    if (per_row) {
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], sum[r]);
+        return;
+    }
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, sum[r], acc[r]);
+    if (wbits == 4) {
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
+    }
+}
+
+/* a tile done: one group a row takes its scale (int4: + its min times the row's sum) now; out[r] = acc[r] */
+static inline __attribute__((always_inline)) void tile_end16(__m512 *acc, int mb, int per_row, int wbits,
+                                                             const uint16_t *st, const uint16_t *mt, const float *xs,
+                                                             long m0, long ng, float *out, long ldo) {
+    if (per_row) {
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
+        if (wbits == 4) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
 /* out[r][0..TR) = activation row m0 + r . the tile's TR weight rows (float), for r < mb. C chains of
  * sums a row (more when few rows: the FMA latency, not the throughput, bounds one chain) */
 static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, const float *xs, long K, long ng,
@@ -825,27 +858,11 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
             }
         }
         sum_chains512(part, mb, chains);
-        if (per_row) {
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
-        } else {
-            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, part[r][0], acc[r]);
-            if (wbits == 4) {
-                const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-                for (int r = 0; r < mb; r++)
-                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
-            }
-        }
+        __m512 sum[TM];
+        for (int r = 0; r < mb; r++) sum[r] = part[r][0];
+        group_end16(acc, sum, mb, per_row, wbits, st, mt, g, xs, m0, ng);
     }
-    if (per_row) { /* one group a row: its scale (int4: + its min times the row's sum) */
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
-        if (wbits == 4) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), acc[r]);
-        }
-    }
-    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+    tile_end16(acc, mb, per_row, wbits, st, mt, xs, m0, ng, out, ldo);
 }
 #endif
 
@@ -1693,26 +1710,9 @@ static inline __attribute__((always_inline)) void tile_dots_i16z(const i16_acts 
                 part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][0]), _mm512_set1_ps(db[r]), part[r]);
             }
         }
-        if (per_row) {
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_add_ps(acc[r], part[r]);
-            continue;
-        }
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * TR)));
-        for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(sv, part[r], acc[r]);
-        if (wbits == 4) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + g * TR)));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng + g]), acc[r]);
-        }
+        group_end16(acc, part, mb, per_row, wbits, st, mt, g, xs, m0, ng);
     }
-    if (per_row) {
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-        for (int r = 0; r < mb; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
-        if (wbits == 4) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mt));
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * ng]), acc[r]);
-        }
-    }
-    for (int r = 0; r < mb; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+    tile_end16(acc, mb, per_row, wbits, st, mt, xs, m0, ng, out, ldo);
 }
 #undef I16Z_DOT
 #undef I16Z_CHAINS
