@@ -447,7 +447,7 @@ def max_kernel_rows(qw: QuantizedWeight) -> int:
     if not qw.tiled:
         return SMALL_M
     level = built_isa()  # read from the library once per level (cbuild.Extension), not a ctypes call
-    if not int8_activations():  # the float tiled kernel: float32 FMAs, the rate of torch's float32 matmul
+    if not int8_activations():  # the float, bf16 and int16 tiled kernels: each has its own crossover
         if bf16_activations() and bf16_tiles(qw):
             return TILED_BF16_MAX_M
         i16_wide = switches.current().qmatmul_activations == "int16" and level == "avx512"
