@@ -866,7 +866,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
 }
 #endif
 
-#if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
+#if defined(KVPILOT_ISA_AVX2) && !defined(KVPILOT_ISA_AVX512)
 /* The end of a weight group in the AVX2-width kernels (half h of a tile, rows m0..m0+mb): acc += the
  * group's sums times its scale (int4: + its min times the row's activation sum for the group), or,
  * one group a row (per_row), acc += the sums (scaled at the end by tile_end8). */
@@ -1431,21 +1431,24 @@ int kvpilot_round_i16(const void *x, int dtype, void *out, long M, long K, int w
 }
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
-/* int4 calls of up to this many rows (single-stream decode, a speculative verification) take
+#if !defined(KVPILOT_ISA_AVX512)
+/* (avx2) int4 calls of up to this many rows (single-stream decode, a speculative verification) take
  * tile_dots_split (one pass of M rows). It holds 4 int16 accumulators a row (2 halves x high, low bytes),
  * so spills grow with the rows: on Zen 3 a pass of 2-5 rows ran 1.06-1.45x the widening kernel's, one of
  * 6 (TM: every pass of a larger call) 0.92x */
 #define I16_SPLIT_MAX_M 5
+#endif
 typedef struct {
-    int16_t *xq; /* rows in f_acts' storage order and row blocks (blk_at), QB a chunk: its int16 codes, or
-                    where `split` the same 64 bytes as two byte planes (split_block_i16) */
+    int16_t *xq; /* rows in f_acts' storage order and row blocks (blk_at), QB a chunk: its int16 codes; at
+                    avx512 as the pairs tile_dots_i16z multiplies (i16_words), at avx2 where `split` the
+                    same 64 bytes as two byte planes (split_block_i16) */
     float *dx;   /* a chunk's scale, at the chunk's index */
-    int split;   /* byte planes: int4 weights, M <= I16_SPLIT_MAX_M (tile_dots_split) */
-    int words;   /* the codes as the 512-bit kernel's pairs (i16_words; avx512) */
+    int split;   /* (avx2) byte planes: int4 weights, M <= I16_SPLIT_MAX_M (tile_dots_split) */
 } i16_acts;
 
 static void i16_acts_free(i16_acts *a) { free(a->xq), free(a->dx); }
 
+#if !defined(KVPILOT_ISA_AVX512)
 /* a block's 32 int16 codes q as two byte planes in o[0..64): o[i] = q[i] >> 8 (arithmetic: -128..127,
  * a signed byte) and o[32 + i] = q[i] & 255 (0..255, an unsigned byte), so q[i] = 256 o[i] + o[32 + i]
  * exactly; the packs saturate nothing (every value is in its byte's range) */
@@ -1458,6 +1461,7 @@ static inline void split_block_i16(const int16_t *q, uint8_t *o) {
     _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(hi, 0xD8));
     _mm256_storeu_si256((__m256i *)(o + 32), _mm256_permute4x64_epi64(lo, 0xD8));
 }
+#else
 
 /* a block's 32 int16 codes q (storage order) as the pairs tile_dots_i16z multiplies, 16 32-bit words into o
  * (low half first): word i pairs (q[c], q[c + 2]) with c, for int8, 4 (i / 2) + i % 2 (vector v = i / 2 of
@@ -1470,18 +1474,21 @@ static inline void i16_words(const int16_t *q, int wbits, int16_t *o) {
         o[2 * i] = q[c], o[2 * i + 1] = q[c + 2];
     }
 }
+#endif
 
 /* xp's chunks (f_acts_make: f_block(M) rows a block) rounded to int16 per chunk (the padding rows stay
- * zero), as byte planes where `split`; for int4 (`xs`) each row's group sums are made again from the
- * rounded values, so that the min term multiplies the same activations as the codes (x rounded .
- * dequant(W), as qlinear.round_i16) */
-static int i16_acts_make(const float *xp, float *xs, long M, long K, int wbits, int group, int split, int words,
+ * zero), at avx512 as i16_words' pairs, at avx2 as byte planes where `split`; for int4 (`xs`) each row's
+ * group sums are made again from the rounded values, so that the min term multiplies the same activations
+ * as the codes (x rounded . dequant(W), as qlinear.round_i16) */
+static int i16_acts_make(const float *xp, float *xs, long M, long K, int wbits, int group, int split,
                          i16_acts *a) {
     const long rb = f_block(M), nb = K / QB, ng = K / group, chunks = (M + rb - 1) / rb * rb * nb;
     a->xq = (int16_t *)calloc((size_t)(chunks * QB) + 32, sizeof(int16_t));
     a->dx = (float *)calloc((size_t)chunks + 16, sizeof(float));
     a->split = split;
-    a->words = words;
+#if !defined(KVPILOT_ISA_AVX512)
+    (void)wbits; /* only the 512-bit kernel's pairs depend on it */
+#endif
     if (!a->xq || !a->dx) {
         i16_acts_free(a);
         return -3;
@@ -1491,14 +1498,19 @@ static int i16_acts_make(const float *xp, float *xs, long M, long K, int wbits, 
         for (long b = 0; b < nb; b++) {
             const long c = blk_at(nb, rb, m, b);
             int16_t q[QB];
-            const int32_t sum = round_block_i16(xp + c * QB, split || words ? q : a->xq + c * QB, &a->dx[c]);
+#if defined(KVPILOT_ISA_AVX512)
+            const int32_t sum = round_block_i16(xp + c * QB, q, &a->dx[c]);
+            i16_words(q, wbits, a->xq + c * QB);
+#else
+            const int32_t sum = round_block_i16(xp + c * QB, split ? q : a->xq + c * QB, &a->dx[c]);
             if (split) split_block_i16(q, (uint8_t *)(a->xq + c * QB));
-            if (words) i16_words(q, wbits, a->xq + c * QB);
+#endif
             if (xs) xs[m * ng + b * QB / group] += (float)sum * a->dx[c];
         }
     return 0;
 }
 
+#if !defined(KVPILOT_ISA_AVX512)
 static inline __m256i bcast64(const int16_t *p) {
     int64_t v;
     memcpy(&v, p, 8);
@@ -1646,7 +1658,7 @@ static inline __attribute__((always_inline)) void tile_dots_split(const i16_acts
     for (int h = 0; h < 2; h++) tile_end8(acc[h], mb, per_row, 4, st, mt, h, xs, m0, ng, out, ldo);
 }
 
-#if defined(KVPILOT_ISA_AVX512)
+#else
 /* The int16 kernel at 512 bits: a whole tile (16 weight rows) a vector, as tile_dots_bf, with the codes
  * widened to int16 pairs in each row's 32-bit lane by shifts and masks (int4: (raw >> 0, 8, 4, 12) & 0xF
  * in each 16-bit word gives codes (4v, 4v + 2), (4v + 1, 4v + 3), (16 + 4v, 16 + 4v + 2), (16 + 4v + 1,
@@ -1722,20 +1734,17 @@ static inline __attribute__((always_inline)) void tile_rows_i16(const i16_acts *
                                                                 long m0, long rb, int mb, const uint8_t *wt,
                                                                 int wbits, int gshift, const uint16_t *st,
                                                                 const uint16_t *mt, float *o, long ldo, const long pf) {
-#define ROWS_I16(n) tile_dots_i16(a, xs, K, ng, m0, rb, n, wt, wbits, gshift, st, mt, o, ldo, pf)
-#define ROWS_SPLIT(n) tile_dots_split(a, xs, K, ng, m0, rb, n, wt, gshift, st, mt, o, ldo, pf)
 #if defined(KVPILOT_ISA_AVX512)
 #define ROWS_I16Z(n)                                                                                           \
     if (wbits == 4)                                                                                            \
         tile_dots_i16z(a, xs, K, ng, m0, rb, n, wt, 4, gshift, st, mt, o, ldo, pf);                            \
     else                                                                                                       \
         tile_dots_i16z(a, xs, K, ng, m0, rb, n, wt, 8, gshift, st, mt, o, ldo, pf)
-    if (a->words) {
-        TILE_ROWS(mb, ROWS_I16Z)
-        return;
-    }
+    TILE_ROWS(mb, ROWS_I16Z)
 #undef ROWS_I16Z
-#endif
+#else
+#define ROWS_I16(n) tile_dots_i16(a, xs, K, ng, m0, rb, n, wt, wbits, gshift, st, mt, o, ldo, pf)
+#define ROWS_SPLIT(n) tile_dots_split(a, xs, K, ng, m0, rb, n, wt, gshift, st, mt, o, ldo, pf)
     if (a->split) { /* a call of M <= I16_SPLIT_MAX_M rows: one pass of M */
         switch (mb) {
         case 1: ROWS_SPLIT(1); break;
@@ -1749,6 +1758,7 @@ static inline __attribute__((always_inline)) void tile_rows_i16(const i16_acts *
     }
 #undef ROWS_SPLIT
 #undef ROWS_I16
+#endif
 }
 #endif
 
@@ -1765,12 +1775,11 @@ int kvpilot_qmatmul_tiled_i16(const void *x, int dtype, void *out, const void *b
     if (rc) return rc;
     i16_acts a;
 #if defined(KVPILOT_ISA_AVX512)
-    const int words = 1; /* tile_dots_i16z */
+    const int split = 0; /* tile_dots_i16z on every call */
 #else
-    const int words = 0;
+    const int split = wbits == 4 && M <= I16_SPLIT_MAX_M;
 #endif
-    rc = i16_acts_make(fa.xp, wbits == 4 ? fa.xs : NULL, M, K, wbits, group,
-                       !words && wbits == 4 && M <= I16_SPLIT_MAX_M, words, &a);
+    rc = i16_acts_make(fa.xp, wbits == 4 ? fa.xs : NULL, M, K, wbits, group, split, &a);
     if (rc) {
         f_acts_free(&fa);
         return rc;
