@@ -20,6 +20,11 @@ stream at the native ISA and the batch as on an AVX2-only CPU (`runtime_vs_peers
 (c) Batch throughput at the native ISA (`--parts native_batch`; not in the default parts): the same
     workload, kvpilot's default path, none, auto, int8 and int4 against the native llama-server with
     32 slots. Goal: >= 2x llama.cpp.
+(d) Batch throughput as on an AVX-512 CPU without BF16 and VNNI (a Skylake-SP Xeon; `--parts avx512_batch`,
+    not in the default parts): kvpilot's default path under KVPILOT_CPU_HIDE_FEATURES (its kernels built
+    and routed as there, as scripts/test.sh emulates it) with oneDNN capped at AVX512_CORE, against the
+    llama-server such a CPU gets (`build_llamacpp.sh --isa avx512`: no VNNI, BF16 or AMX instructions)
+    with 32 slots; the same workload. Goal: >= 2x llama.cpp.
 
 Every measurement is one runtime_vs_peers.py process (its adapters and options; a process per
 configuration, because the ISA environment must be set before torch loads); this script plans the
@@ -56,18 +61,30 @@ AVX2_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
 }
+# An AVX-512 CPU without BF16 and VNNI (Skylake-SP): kvpilot's kernels built and routed as there
+# (kernels/isa.py), oneDNN's bf16 matmuls capped at AVX512_CORE; the features scripts/test.sh hides
+AVX512_NO_BF16_ENV = {
+    "KVPILOT_CPU_HIDE_FEATURES": "avx512_bf16,avx512_vnni,amx_bf16,amx_int8,amx_tile,avx_vnni",
+    "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+}
+EMULATION_KEYS = set(AVX2_ENV) | set(AVX512_NO_BF16_ENV)
 # build_llamacpp.sh's cache folders per --isa (version: engine_llamacpp.DEFAULT_LLAMACPP_VERSION)
 LLAMACPP_VERSION = "0.3.36"
-LLAMACPP_FOLDERS = {"native": "llama.cpp-{version}", "avx2": "llama.cpp-{version}-avx2"}
+LLAMACPP_FOLDERS = {
+    "native": "llama.cpp-{version}",
+    "avx2": "llama.cpp-{version}-avx2",
+    "avx512": "llama.cpp-{version}-avx512",
+}
 TARGETS = {
     "single_int4_vs_llamacpp": 1.3,
     "single_speculative_vs_llamacpp": 1.5,
     "avx2_batch_vs_llamacpp": 1.5,
     "avx2_batch_vs_hf_fastest": 2.0,
     "native_batch_vs_llamacpp": 2.0,
+    "avx512_batch_vs_llamacpp": 2.0,
 }
-PARTS = ("single", "avx2_batch", "native_batch")
-BATCH_PARTS = ("avx2_batch", "native_batch")
+PARTS = ("single", "avx2_batch", "native_batch", "avx512_batch")
+BATCH_PARTS = ("avx2_batch", "native_batch", "avx512_batch")
 
 
 @dataclass(frozen=True)
@@ -77,7 +94,7 @@ class Run:
     key: str
     part: str  # one of PARTS
     argv: list[str]
-    env: dict[str, str]  # set on top of os.environ (native runs drop AVX2_ENV's keys instead)
+    env: dict[str, str]  # set on top of os.environ (which loses EMULATION_KEYS first)
     # label -> engine name in runtime_vs_peers.py's JSON ("kvpilot", "hf", "llamacpp")
     picks: dict[str, str] = field(default_factory=dict)
 
@@ -122,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--llamacpp-avx2-bin", default=None, help="default: build_llamacpp.sh's cached --isa avx2 build"
     )
     p.add_argument(
+        "--llamacpp-avx512-bin", default=None, help="default: build_llamacpp.sh's cached --isa avx512 build"
+    )
+    p.add_argument(
         "--output", default=None, help="default benchmarks/results/runtime_vs_peers_suite-<time>.json"
     )
     args = p.parse_args(argv)
@@ -137,7 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan(
-    args: argparse.Namespace, native_bin: str | None, avx2_bin: str | None, draft_dir: str | None
+    args: argparse.Namespace,
+    native_bin: str | None,
+    avx2_bin: str | None,
+    draft_dir: str | None,
+    avx512_bin: str | None = None,
 ) -> list[Run]:
     """The runtime_vs_peers.py processes of the suite, in order."""
     common = [
@@ -295,12 +319,33 @@ def plan(
         for key, label, extra in extras:
             engine = "hf" if key.startswith("avx2_hf") else "kvpilot"
             runs.append(Run(key, "avx2_batch", [*batch, *extra], dict(AVX2_ENV), {label: engine}))
+    if "avx512_batch" in args.parts:
+        peers = ["kvpilot"] + (["llamacpp"] if avx512_bin else [])
+        runs.append(
+            Run(
+                "avx512_peers",
+                "avx512_batch",
+                [
+                    *batch,
+                    "--engines",
+                    ",".join(peers),
+                    *(["--llamacpp-bin", avx512_bin] if avx512_bin else []),
+                    "--llamacpp-slots",
+                    str(args.llamacpp_slots),
+                ],
+                dict(AVX512_NO_BF16_ENV),
+                {
+                    "kvpilot default": "kvpilot",
+                    f"llama.cpp server AVX-512 build (no VNNI/BF16), {args.llamacpp_slots} slots": "llamacpp",
+                },
+            )
+        )
     return runs
 
 
 def child_env(run: Run) -> dict[str, str]:
-    """os.environ with the run's ISA settings; native runs never inherit the AVX2 caps."""
-    env = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
+    """os.environ with the run's ISA settings; a run never inherits another emulation's settings."""
+    env = {k: v for k, v in os.environ.items() if k not in EMULATION_KEYS}
     env.update(run.env)
     return env
 
@@ -374,11 +419,13 @@ def summarize(runs: list[Run], docs: dict[str, dict[str, Any] | None]) -> dict[s
         "avx2_batch_vs_llamacpp": ratio(best["avx2_batch"]["kvpilot"], best["avx2_batch"]["llamacpp"]),
         "avx2_batch_vs_hf_fastest": ratio(best["avx2_batch"]["kvpilot"], best["avx2_batch"]["hf"]),
         "native_batch_vs_llamacpp": ratio(best["native_batch"]["kvpilot"], best["native_batch"]["llamacpp"]),
+        "avx512_batch_vs_llamacpp": ratio(best["avx512_batch"]["kvpilot"], best["avx512_batch"]["llamacpp"]),
     }
     return {
         "single_stream_decode_tok_per_s": single,
         "avx2_batch_output_tok_per_s": batches["avx2_batch"],
         "native_batch_output_tok_per_s": batches["native_batch"],
+        "avx512_batch_output_tok_per_s": batches["avx512_batch"],
         "ratios": ratios,
         "targets": TARGETS,
         "targets_met": {k: None if v is None else v >= TARGETS[k] for k, v in ratios.items()},
@@ -420,6 +467,7 @@ def markdown(summary: dict[str, Any], cpu: str) -> str:
         for title, key in (
             ("batch, native ISA", "native_batch_output_tok_per_s"),
             ("batch, AVX2 (emulated)", "avx2_batch_output_tok_per_s"),
+            ("batch, AVX-512 without BF16/VNNI (emulated)", "avx512_batch_output_tok_per_s"),
         )
         if summary[key]
     ]
@@ -430,7 +478,8 @@ def markdown(summary: dict[str, Any], cpu: str) -> str:
             for key, goal in summary["targets"].items()
         ),
     )
-    return "\n\n".join([f"CPU: {cpu}", single, *batches, goals])
+    tables = [single] if summary["single_stream_decode_tok_per_s"] else []
+    return "\n\n".join([f"CPU: {cpu}", *tables, *batches, goals])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +499,7 @@ def isa_levels(env: dict[str, str]) -> dict[str, Any]:
     if res.returncode != 0:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
     out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
-    out["env"] = {k: env[k] for k in AVX2_ENV if k in env}
+    out["env"] = {k: env[k] for k in sorted(EMULATION_KEYS) if k in env}
     return out
 
 
@@ -516,8 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu = harness.cpu_model()
     native_env = child_env(Run("", "", [], {}))
     avx2_env = child_env(Run("", "", [], dict(AVX2_ENV)))
+    avx512_env = child_env(Run("", "", [], dict(AVX512_NO_BF16_ENV)))
     doc: dict[str, Any] = {
-        "benchmark": "runtime vs peers suite: kvpilot vs llama.cpp server vs transformers, single stream and AVX2 batch",
+        "benchmark": "runtime vs peers suite: kvpilot vs llama.cpp server vs transformers, single stream and "
+        "batches at the native ISA and emulated ones",
         "command": " ".join(
             ["python benchmarks/runtime_vs_peers.py suite", *(argv if argv is not None else sys.argv[1:])]
         ),
@@ -529,13 +580,19 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg_start": [round(x, 2) for x in os.getloadavg()],
             "isa_native": isa_levels(native_env),
             "isa_avx2_emulated": isa_levels(avx2_env),
+            **(
+                {"isa_avx512_no_bf16_emulated": isa_levels(avx512_env)}
+                if "avx512_batch" in args.parts
+                else {}
+            ),
         },
         "llamacpp": {},
     }
-    bins: dict[str, str | None] = {"native": None, "avx2": None}
+    bins: dict[str, str | None] = {"native": None, "avx2": None, "avx512": None}
     for isa, wanted, explicit in (
         ("native", {"single", "native_batch"}, args.llamacpp_native_bin),
         ("avx2", {"avx2_batch"}, args.llamacpp_avx2_bin),
+        ("avx512", {"avx512_batch"}, args.llamacpp_avx512_bin),
     ):
         if not wanted & args.parts:
             continue
@@ -557,7 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         if "single" in args.parts:
             log("writing the random-weight draft")
             write_draft(draft_dir, args.draft_layers, args.draft_hidden)
-        runs = plan(args, bins["native"], bins["avx2"], draft_dir if "single" in args.parts else None)
+        runs = plan(
+            args,
+            bins["native"],
+            bins["avx2"],
+            draft_dir if "single" in args.parts else None,
+            avx512_bin=bins["avx512"],
+        )
         docs: dict[str, dict[str, Any] | None] = {}
         doc["runs"] = {}
         for i, run in enumerate(runs, 1):

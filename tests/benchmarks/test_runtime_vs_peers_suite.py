@@ -90,6 +90,42 @@ def test_native_runs_drop_inherited_avx2_caps(monkeypatch: pytest.MonkeyPatch) -
     assert all(capped[k] == v for k, v in i14.AVX2_ENV.items())
 
 
+def test_the_avx512_part_runs_the_default_path_as_on_a_cpu_without_bf16_and_vnni(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = i14.parse_args(["--parts", "avx512_batch"])
+    runs = i14.plan(args, "/bin/native", "/bin/avx2", None, avx512_bin="/bin/avx512")
+    assert [r.key for r in runs] == ["avx512_peers"]
+    run = runs[0]
+    assert run.env == i14.AVX512_NO_BF16_ENV
+    assert "avx512_bf16" in run.env["KVPILOT_CPU_HIDE_FEATURES"].split(",")
+    assert "avx512_vnni" in run.env["KVPILOT_CPU_HIDE_FEATURES"].split(",")
+    assert opt(run.argv, "--engines") == "kvpilot,llamacpp"
+    assert opt(run.argv, "--llamacpp-bin") == "/bin/avx512"
+    assert "--kvpilot-quantization" not in run.argv  # the default path, as such a CPU's users get it
+    # without the binary, kvpilot alone; the emulations never leak into each other's runs
+    assert opt(i14.plan(args, None, None, None)[0].argv, "--engines") == "kvpilot"
+    monkeypatch.setenv("KVPILOT_CPU_HIDE_FEATURES", "avx512_bf16")
+    monkeypatch.setenv("KVPILOT_CPU_ISA", "avx2")
+    assert not {"KVPILOT_CPU_HIDE_FEATURES", "KVPILOT_CPU_ISA"} & set(
+        i14.child_env(i14.Run("a", "single", [], {}))
+    )
+    avx2 = i14.child_env(i14.Run("b", "avx2_batch", [], dict(i14.AVX2_ENV)))
+    assert "KVPILOT_CPU_HIDE_FEATURES" not in avx2 and avx2["KVPILOT_CPU_ISA"] == "avx2"
+    skx = i14.child_env(run)
+    assert "KVPILOT_CPU_ISA" not in skx and skx["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    batch = lambda v: {"batch": {"output_tok_per_s": v}}  # noqa: E731
+    s = i14.summarize(runs, {"avx512_peers": _doc({"kvpilot": batch(280.0), "llamacpp": batch(100.0)})})
+    assert s["ratios"]["avx512_batch_vs_llamacpp"] == 2.8 and s["targets_met"]["avx512_batch_vs_llamacpp"]
+    assert list(s["avx512_batch_output_tok_per_s"]) == [
+        "kvpilot default",
+        "llama.cpp server AVX-512 build (no VNNI/BF16), 32 slots",
+    ]
+    table = i14.markdown(s, "cpu")
+    assert "AVX-512 without BF16/VNNI (emulated)" in table
+    assert "single stream" not in table  # not among --parts: no empty table
+
+
 def _doc(engines: dict[str, Any]) -> dict[str, Any]:
     return {"engines": engines}
 
@@ -117,8 +153,13 @@ def test_summary_ratios_use_the_fastest_transformers_dtype_and_the_best_kvpilot(
         "avx2_batch_vs_llamacpp": 1.6,
         "avx2_batch_vs_hf_fastest": 2.5,  # 160 / 64 (bf16 beat fp32 here)
         "native_batch_vs_llamacpp": None,  # not among --parts
+        "avx512_batch_vs_llamacpp": None,
     }
-    assert s["targets_met"] == {**dict.fromkeys(s["ratios"], True), "native_batch_vs_llamacpp": None}
+    assert s["targets_met"] == {
+        **dict.fromkeys(s["ratios"], True),
+        "native_batch_vs_llamacpp": None,
+        "avx512_batch_vs_llamacpp": None,
+    }
     assert "kvpilot draft (random 2-layer)" not in s["single_stream_decode_tok_per_s"]
     table = i14.markdown(s, "test CPU")
     assert "| kvpilot int4 | 52.0 | 1.3x |" in table
