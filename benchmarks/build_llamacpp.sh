@@ -69,30 +69,23 @@ case "$TARGET" in
   *) echo "build_llamacpp.sh: --target must be llama-server or llama-quantize, not '$TARGET'" >&2; exit 2 ;;
 esac
 
-# count of AVX-512 register uses (zmm registers, opmask registers) in a binary's disassembly
-avx512_uses() {
-  objdump -d --no-show-raw-insn "$1" | grep -cE '%zmm[0-9]|\{%k[1-7]\}' || true
+# fails unless no line of the binary's disassembly matches the extended regex: forbid BINARY REGEX WHAT WHY
+forbid() {
+  local n
+  n="$(objdump -d --no-show-raw-insn "$1" | grep -cE "$2" || true)"
+  if [[ "$n" != 0 ]]; then
+    echo "build_llamacpp.sh: $1 has $n $3 instructions; $4" >&2
+    exit 1
+  fi
+  echo "verified: objdump -d $1 has no $3 instructions" >&2
 }
 
 verify() {
-  if [[ "$ISA" == avx2 ]]; then
-    local n
-    n="$(avx512_uses "$1")"
-    if [[ "$n" != 0 ]]; then
-      echo "build_llamacpp.sh: $1 has $n AVX-512 instructions (zmm/opmask); not an AVX2-only build" >&2
-      exit 1
-    fi
-    echo "verified: objdump -d $1 | grep -cE '%zmm|{%k1-7}' = 0 (no AVX-512 instructions)" >&2
-  fi
-  if [[ "$ISA" == avx512 ]]; then
-    local n
-    n="$(objdump -d --no-show-raw-insn "$1" | grep -cE 'vpdpbusd|vpdpwssd|vdpbf16ps|vcvtne2ps2bf16|vcvtneps2bf16|tdpb' || true)"
-    if [[ "$n" != 0 ]]; then
-      echo "build_llamacpp.sh: $1 has $n VNNI/BF16/AMX instructions; not a Skylake-class build" >&2
-      exit 1
-    fi
-    echo "verified: objdump -d $1 has no VNNI, BF16 or AMX instructions" >&2
-  fi
+  case "$ISA" in
+    avx2) forbid "$1" '%zmm[0-9]|\{%k[1-7]\}' "AVX-512 (zmm/opmask)" "not an AVX2-only build" ;;
+    avx512) forbid "$1" 'vpdpbusd|vpdpwssd|vdpbf16ps|vcvtne2ps2bf16|vcvtneps2bf16|tdpb' "VNNI/BF16/AMX" \
+      "not a Skylake-class build" ;;
+  esac
 }
 
 if [[ -x "$OUT/bin/$TARGET" ]]; then

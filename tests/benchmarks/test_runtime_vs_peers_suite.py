@@ -4,6 +4,7 @@ aggregation, and build_llamacpp.sh's --isa check."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,6 +229,33 @@ def test_build_script_refuses_an_unknown_isa() -> None:
     )
     assert res.returncode == 2
     assert "--isa must be native, avx2 or avx512, not 'avx512vnni'" in res.stderr
+
+
+def test_build_script_refuses_a_cached_avx512_binary_with_vnni_instructions(tmp_path: Path) -> None:
+    """--isa avx512 is the llama-server of a CPU without VNNI and BF16: a cached binary that uses them
+    (a native build on this machine, say) is refused, one with AVX-512 F alone is taken."""
+    src = tmp_path / "v.c"
+    src.write_text(
+        "#include <immintrin.h>\n"
+        "int main(int c, char **v) { (void)v; __m512i a = _mm512_set1_epi32(c);\n"
+        "#ifdef VNNI\n a = _mm512_dpbusd_epi32(a, a, a);\n#else\n a = _mm512_add_epi32(a, a);\n#endif\n"
+        " return _mm512_reduce_add_epi32(a) & 1; }\n"
+    )
+    out = {}
+    for name, flags in (("vnni", ["-mavx512f", "-mavx512vnni", "-DVNNI"]), ("skx", ["-mavx512f"])):
+        build = tmp_path / name
+        binary = build / "llama.cpp-0.3.36-avx512" / "bin" / "llama-server"
+        binary.parent.mkdir(parents=True)
+        subprocess.run(["cc", "-O2", *flags, str(src), "-o", str(binary)], check=True)
+        out[name] = subprocess.run(
+            ["bash", str(BENCH / "build_llamacpp.sh"), "--isa", "avx512"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "LLAMACPP_BUILD_DIR": str(build)},
+        )
+    assert out["vnni"].returncode == 1
+    assert "VNNI/BF16/AMX instructions; not a Skylake-class build" in out["vnni"].stderr
+    assert out["skx"].returncode == 0 and out["skx"].stdout.strip().endswith("bin/llama-server")
 
 
 def test_avx512_instruction_count_tells_an_avx2_build_from_an_avx512_one(tmp_path: Path) -> None:
