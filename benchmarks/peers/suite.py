@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The side-by-side suite in one run: kvpilot against llama.cpp's server and transformers, single
-stream at the native ISA and the batch as on an AVX2-only CPU (`runtime_vs_peers.py suite`).
+stream at the native ISA and batches at the native ISA, as on an AVX2-only CPU and as on an AVX-512 CPU
+without BF16 and VNNI (`runtime_vs_peers.py suite`).
 
 (a) Single stream, native ISA, every engine on the same "repeat this text" chat prompts
     (features/speculative.py's quoting prompts, one at a time, greedy, EOS ignored): kvpilot's default
