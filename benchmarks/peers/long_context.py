@@ -10,8 +10,9 @@ load. Figures per length and engine: TTFT (send to first token) and decode token
 first over the time from the first to the last); the summary has kvpilot / each peer's TTFT and
 decode ratios, and each engine's decode speed at 1k over its speed at the longest length (goal: within
 1.5x). kvpilot runs in process (`LLMEngine`, no --quantization: runtime/load/defaults.py picks the
-GGUF's blocks with float32 activations), llama-server over HTTP with one slot sized for the longest
-prompt (its own defaults otherwise: F16 KV cache, its flash-attention setting), `vllm serve` (`--engines
+GGUF's blocks with this CPU's default activations, bf16 or int16), llama-server over HTTP with one
+slot sized for the longest prompt (its own defaults otherwise: F16 KV cache, its flash-attention
+setting), `vllm serve` (`--engines
 ...,vllm`; scripts/vllm_cpu.sh installs it and converts the GGUF to a bfloat16 directory) over HTTP with
 --max-model-len sized for the longest prompt and its 2,048-token prefill chunks, all on --threads.
 
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kvpilot-kv-cache-dtype",
         default=None,
         choices=list(get_args(KVCacheDtype)),
-        help="--kv-cache-dtype (unset: the default, auto: bfloat16 under float32 activations on a CPU); for "
+        help="--kv-cache-dtype (unset: the default, auto: bfloat16 on a CPU); for "
         "the decode-at-long-context question",
     )
     p.add_argument("--llamacpp-version", default="0.3.36")
