@@ -88,6 +88,7 @@ from kvpilot.autoscaler.startup import (
     backlog_replicas,
     forecast_lead_s,
     scale_down_hold_s,
+    startup_rise_limit,
 )
 from kvpilot.autoscaler.surge import level_shift, record_level, rising_shift, surge_hold
 
@@ -678,16 +679,21 @@ def decide(
         notes.append("scale-down held: attainment unknown (no SLO measurement)")
         desired = current
         signal = "attainment unknown"
+    # A scale-down sized at the larger of the forecast and the latest rate, stopped short of loads never
+    # served on time and, at a long startup, of no room for the rate to rise.
+    down_rate = None if forecast is None else max(forecast, arrival_rate or 0.0)
     if fb is not None:
         desired, held = served_load_limit(
-            desired,
-            current,
-            None if forecast is None else max(forecast, arrival_rate or 0.0),
-            floor_at_mix(slo_state, model_capacity),
+            desired, current, down_rate, floor_at_mix(slo_state, model_capacity)
         )
         if held is not None:
             notes.append(held)
             signal = "served load"
+    if slo_capacity is not None:
+        desired, short = startup_rise_limit(desired, current, down_rate, slo_capacity, startup)
+        if short is not None:
+            notes.append(short)
+            signal = "startup rise"
 
     if snapshot.scaling_limited and desired > current:
         notes.append(f"ScalingLimited (pods unschedulable): holding {current} instead of {desired}")

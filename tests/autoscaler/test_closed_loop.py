@@ -39,6 +39,7 @@ from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.slo import prefill_terms
 from kvpilot.autoscaler.sources import parse_metrics_text
 from kvpilot.autoscaler.spec import ScalingTargets
+from kvpilot.autoscaler.startup import STARTUP_AWARE_MIN_S, startup_rise_limit
 from kvpilot.autoscaler.state import decision_to_status, history_from_status
 
 NOW = 1_000_000.0
@@ -561,3 +562,37 @@ def test_a_scale_down_stops_short_of_loads_never_served_on_time():
     assert size == 1 and note is not None and "0.50/s on 0 would be unserved" in note
     assert served_load_limit(5, 4, 9.0, 1.0) == (5, None) and served_load_limit(4, 4, 9.0, 1.0) == (4, None)
     assert served_load_limit(2, 4, 9.0, None) == (2, None) and served_load_limit(2, 4, None, 1.0) == (2, None)
+
+
+def test_a_scale_down_at_a_long_startup_keeps_room_for_the_rate_to_rise():
+    # 2.67 req/s on 4 replicas, all on time, the capacity measured at 0.8-0.9/s per replica (the probe
+    # raises the ceiling to 0.93 this sync): 3 carry the rate at 96% each. With replicas Ready 10 s after
+    # they are asked for that is the size; with 60 s the fleet keeps room for the rate +20% (3.2/s: 4
+    # replicas), since a rise would wait a startup for the replica it needs.
+    targets = _targets()
+    history = _history(4, router_met=1000.0, capacity_floor=0.8, capacity_ceiling=0.9)
+    sizes = {}
+    for startup in (10.0, 60.0):
+        snap = MetricsSnapshot(4, _samples(4), router_slo=SloCounts(met=1200), startup_s=startup)
+        sizes[startup] = decide(4, snap, targets, history, NOW)
+    assert sizes[10.0].desired == 3 and sizes[10.0].signal != "startup rise"
+    held = sizes[60.0]
+    assert held.desired == 4 and held.signal == "startup rise"
+    assert (
+        "scale-down to 4, not 3: a 60s startup keeps room for 3.20/s (+20%) at 0.93/s per replica"
+        in held.reason
+    )
+    # the rule alone: the size that carries the risen rate, never above the current size; sizes up,
+    # holds, short startups and unknown inputs pass
+    assert startup_rise_limit(1, 4, 2.67, 0.9, 60.0)[0] == 4
+    assert startup_rise_limit(1, 6, 2.67, 0.9, 60.0)[0] == 4
+    assert startup_rise_limit(1, 6, 2.0, 0.9, 60.0)[0] == 3
+    assert startup_rise_limit(1, 6, 2.0, 0.9, STARTUP_AWARE_MIN_S - 1.0) == (1, None)
+    assert startup_rise_limit(5, 4, 9.0, 0.9, 60.0) == (5, None) and startup_rise_limit(
+        4, 4, 9.0, 0.9, 60.0
+    ) == (4, None)
+    assert startup_rise_limit(1, 4, None, 0.9, 60.0) == (1, None) and startup_rise_limit(
+        1, 4, 2.0, 0.9, None
+    ) == (1, None)
+    assert startup_rise_limit(1, 4, 2.0, 0.0, 60.0) == (1, None)
+    assert startup_rise_limit(0, 4, 0.0, 0.9, 60.0) == (0, None)
