@@ -43,7 +43,10 @@ REQUESTS_RUNNING = PodMetric("kvpilot_num_requests_running", ("vllm:num_requests
 REQUEST_SUCCESS = PodMetric("kvpilot_request_success_total", ("vllm:request_success_total",))
 PROMPT_TOKENS = PodMetric("kvpilot_prompt_tokens_total", ("vllm:prompt_tokens_total",))
 GENERATION_TOKENS = PodMetric("kvpilot_generation_tokens_total", ("vllm:generation_tokens_total",))
-# histograms: output length per finished request, and the latencies
+# histograms: prompt and output length per finished request (observed when it finishes: their sums over
+# their count are the token mix of the requests finished, which the token counters above, counted as
+# prompts arrive and tokens stream, are not while the load changes), and the latencies
+REQUEST_PROMPT_TOKENS = PodMetric("kvpilot_request_prompt_tokens", ("vllm:request_prompt_tokens",))
 REQUEST_GENERATION_TOKENS = PodMetric(
     "kvpilot_request_generation_tokens", ("vllm:request_generation_tokens",)
 )
@@ -68,6 +71,7 @@ TWINS = (
     REQUEST_SUCCESS,
     PROMPT_TOKENS,
     GENERATION_TOKENS,
+    REQUEST_PROMPT_TOKENS,
     REQUEST_GENERATION_TOKENS,
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
@@ -100,6 +104,9 @@ KV_ROLE_INFO_LABEL = "kv_role"
 # The output-length histogram's bounds (tokens per finished generation): powers of two, the points the
 # autoscaler's TPOT tail rule reads the distribution at (autoscaler/slo.output_share_at_most).
 OUTPUT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(16))  # 1 .. 32768
+# The prompt-length histogram's (tokens per finished generation): powers of two to 128k tokens. The
+# autoscaler reads only its sum and count (the token mix of the requests finished).
+PROMPT_TOKENS_BUCKETS = tuple(float(2**k) for k in range(18))  # 1 .. 131072
 
 
 def promql_any(names: tuple[str, ...], select: str, around: str = "{}") -> str:

@@ -3,8 +3,8 @@ processes. Pure; pd_policy.decide_pd calls it (in the controller and in the simu
 
 A prefill pod runs prompts only (docs/disaggregation.md): it is compute-bound whenever it is busy, so
 its capacity is a token rate, not a KV or slot share. From the prefill pods' counters (the prompt
-tokens and requests they finished: kvpilot_prompt_tokens_total / kvpilot_request_success_total, vLLM's
-names too) between two syncs:
+tokens and requests they finished: kvpilot_request_prompt_tokens_sum, else kvpilot_prompt_tokens_total,
+and kvpilot_request_success_total, vLLM's names too; sources.PROMPT_TOKEN_METRICS) between two syncs:
 
 - the **prompt token rate** arriving = tokens finished + the change of the tokens in flight (requests
   waiting or running x the mean prompt), per second; its trend is forecast one startup ahead as the

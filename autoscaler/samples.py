@@ -30,9 +30,11 @@ class ReplicaSample:
     # Or the completion rate itself (requests/s), when the source computes it (Prometheus rate()).
     # Preferred over completed_total when both are set.
     completion_rate: float | None = None
-    # Prompt and generated tokens of the requests this replica has served (counters: kvpilot's
-    # kvpilot_prompt_tokens_total / kvpilot_generation_tokens_total, vLLM's vllm:prompt_tokens_total /
-    # vllm:generation_tokens_total): the token mix the SLO planner sizes for. None when not exported.
+    # Prompt and generated tokens of the requests this replica has finished (the length histograms'
+    # sums, kvpilot_request_prompt_tokens_sum / kvpilot_request_generation_tokens_sum or vLLM's
+    # vllm:request_*_tokens_sum; else the token counters, kvpilot_prompt_tokens_total /
+    # kvpilot_generation_tokens_total or vLLM's, which run ahead of finishing while the load changes):
+    # the token mix the SLO planner sizes for. None when not exported.
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
     # The replica's histogram of generated tokens per finished request (kvpilot's

@@ -42,9 +42,16 @@ WAITING_METRICS = pm.REQUESTS_WAITING.names
 RUNNING_METRICS = pm.REQUESTS_RUNNING.names
 # Finished requests (a counter, one series per finish reason; summed).
 COMPLETED_METRICS = pm.REQUEST_SUCCESS.names
-# Token counters: the token mix the SLO planner sizes for (spec.autoscaling.slo).
-PROMPT_TOKEN_METRICS = pm.PROMPT_TOKENS.names
-GENERATION_TOKEN_METRICS = pm.GENERATION_TOKENS.names
+# Prompt and generated tokens of the requests finished: the token mix the SLO planner sizes for
+# (spec.autoscaling.slo) is their change over the change in finished requests. The length histograms'
+# sums first (observed as a request finishes); the token counters where a pod has no such histogram
+# (they count prompts as they arrive and tokens as they stream, so while the load changes they run
+# ahead of the requests finished: a 6x surge on a saturated fleet read as prompts 6x longer).
+PROMPT_TOKEN_METRICS = (*(n + "_sum" for n in pm.REQUEST_PROMPT_TOKENS.names), *pm.PROMPT_TOKENS.names)
+GENERATION_TOKEN_METRICS = (
+    *(n + "_sum" for n in pm.REQUEST_GENERATION_TOKENS.names),
+    *pm.GENERATION_TOKENS.names,
+)
 # Output length per finished request (a histogram's cumulative buckets): the TPOT tail rule's
 # output-length distribution (spec.autoscaling.slo.tpotTailBudget).
 OUTPUT_TOKENS_BUCKET_METRICS = pm.REQUEST_GENERATION_TOKENS.buckets
@@ -71,8 +78,9 @@ DEFAULT_RUNNING_QUERY = f"sum by (pod) ({pm.promql_any(RUNNING_METRICS, _SELECT)
 # Not in the CRD: a failed or empty answer only leaves the arrival rate out.
 DEFAULT_COMPLETIONS_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT, 'rate({}[1m])')})"
 # The counters themselves (instant values, not rates): the SLO planner's token mix is the change in
-# prompt / generated tokens over the change in finished requests between two syncs, as from the pod
-# scrape (policy.measure_token_mix).
+# prompt / generated tokens of finished requests over the change in finished requests between two
+# syncs, as from the pod scrape (arrivals.measure_token_mix); a pod's histogram sums where it has them
+# (`or`: per pod, the first family it exports).
 DEFAULT_COMPLETED_TOTAL_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT)})"
 DEFAULT_PROMPT_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(PROMPT_TOKEN_METRICS, _SELECT)})"
 DEFAULT_GENERATION_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(GENERATION_TOKEN_METRICS, _SELECT)})"

@@ -603,6 +603,17 @@ def build() -> dict[str, Any]:
         12,
         8,
     )
+    g.add(
+        timeseries(
+            "Prompt length per request",
+            "Prompt tokens per finished choice (p50, p90, p99; aborted ones not counted). With the output "
+            "length, the token mix of finished requests the autoscaler's SLO planner sizes for.",
+            quantiles("kvpilot_request_prompt_tokens"),
+            "short",
+        ),
+        12,
+        8,
+    )
 
     g.row("Preemptions, OOM and engine loop")
     g.add(

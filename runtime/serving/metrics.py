@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpilot.api import pod_metrics as pm
-from kvpilot.api.pod_metrics import OUTPUT_TOKENS_BUCKETS
+from kvpilot.api.pod_metrics import OUTPUT_TOKENS_BUCKETS, PROMPT_TOKENS_BUCKETS
 from kvpilot.runtime.engine.kv_transfer.client import FAILURE_REASONS, FALLBACK_REASONS
 
 log = logging.getLogger(__name__)
@@ -322,6 +322,13 @@ class ServerMetrics:
             registry=r,
         ).labels(model_name)
 
+        self.prompt_lengths = Histogram(
+            pm.REQUEST_PROMPT_TOKENS.kvpilot,
+            "Prompt tokens per finished generation (one per choice; aborted ones are not counted).",
+            labels,
+            buckets=PROMPT_TOKENS_BUCKETS,
+            registry=r,
+        ).labels(model_name)
         self.output_tokens = Histogram(
             pm.REQUEST_GENERATION_TOKENS.kvpilot,
             "Tokens generated per finished generation (one per choice; aborted ones are not counted).",
@@ -373,11 +380,17 @@ class ServerMetrics:
         """Start (or stop, with None) reporting engine-side metrics from this `stats()` callable."""
         self._engine.source = stats
 
-    def request_finished(self, finish_reason: str, output_tokens: int | None = None) -> None:
-        """A generation finished; with `output_tokens`, its length goes into the output-length histogram."""
+    def request_finished(
+        self, finish_reason: str, output_tokens: int | None = None, prompt_tokens: int | None = None
+    ) -> None:
+        """A generation finished; with `output_tokens` (and `prompt_tokens`), its lengths go into the
+        output-length (and prompt-length) histograms: the token mix of finished requests, which the
+        autoscaler divides by the requests finished (the token counters run ahead of finishing)."""
         self._success.labels(self.model_name, finish_reason).inc()
         if output_tokens is not None:
             self.output_tokens.observe(output_tokens)
+            if prompt_tokens is not None:
+                self.prompt_lengths.observe(prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -410,7 +410,7 @@ class RequestState:
         c.stop_reason = stop_reason
         c.engine_done = engine_done
         metrics = self.processor.metrics
-        metrics.request_finished(reason, c.output_tokens)
+        metrics.request_finished(reason, c.output_tokens, len(c.prompt_token_ids))
         metrics.e2e.observe(time.monotonic() - self.arrival)
 
     def close(self) -> None:

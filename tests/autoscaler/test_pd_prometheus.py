@@ -28,12 +28,18 @@ REF = ModelRef("ml", MODEL, MODEL)
 
 
 @contextlib.contextmanager
-def prometheus(targets: list[str], tmp: Path) -> Iterator[str]:
-    """A real Prometheus server scraping `targets` (host:port) every 200 ms; its base URL."""
+def prometheus(targets: list[str], tmp: Path, labels: list[dict[str, str]] | None = None) -> Iterator[str]:
+    """A real Prometheus server scraping `targets` (host:port) every 200 ms, each target's series with
+    its `labels` (as a Kubernetes service discovery would add namespace and pod); its base URL."""
     binary = require_tool("prometheus", "run `bash scripts/tools.sh` (Debian package prometheus)")
+    statics: list[dict[str, object]] = (
+        [{"targets": targets}]
+        if labels is None
+        else [{"targets": [t], "labels": lab} for t, lab in zip(targets, labels, strict=True)]
+    )
     config = {
         "global": {"scrape_interval": "200ms", "scrape_timeout": "150ms"},
-        "scrape_configs": [{"job_name": "kvpilot-router", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": [{"job_name": "kvpilot-router", "static_configs": statics}],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()

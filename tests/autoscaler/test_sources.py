@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvpilot.autoscaler.policy import ArrivalState, PodCounter, measure_token_mix
+from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.sources import (
     DEFAULT_KV_QUERY,
     DEFAULT_QUEUE_QUERY,
@@ -339,8 +340,14 @@ async def test_prometheus_source_groups_by_pod(prometheus):
     # The counters for the SLO planner's token mix, as instant values.
     a = snap.samples[0]
     assert (a.completed_total, a.prompt_tokens_total, a.generation_tokens_total) == (150.0, 300000.0, 30000.0)
-    assert any('sum by (pod) (kvpilot_prompt_tokens_total{namespace="ml",pod=~"a|b"}' in q for q in queries)
-    assert any("vllm:generation_tokens_total" in q for q in queries)
+    # the length histograms' sums first, the counters per pod where a pod has no histogram
+    prompt_q = 'sum by (pod) (kvpilot_request_prompt_tokens_sum{namespace="ml",pod=~"a|b"} or '
+    assert any(
+        q.startswith(prompt_q) and 'or kvpilot_prompt_tokens_total{namespace="ml"' in q for q in queries
+    )
+    assert any(
+        "vllm:request_generation_tokens_sum" in q and "vllm:generation_tokens_total" in q for q in queries
+    )
 
 
 async def test_prometheus_token_counters_feed_the_planner_token_mix(prometheus):
@@ -422,6 +429,38 @@ def test_parse_output_length_histogram_from_the_runtime_exporter():
     assert (b[1.0], b[2.0], b[4.0], b[64.0], b[4096.0], b[8192.0], b[float("inf")]) == (1, 1, 3, 4, 4, 5, 5)
     plain = parse_metrics_text(kvpilot_page(0.5, 1), "p", "llama")
     assert plain is not None and plain.output_tokens_buckets is None
+
+
+def test_the_token_mix_reads_finished_requests_where_the_length_histograms_exist():
+    """The runtime's page after a surge: 3 requests finished (prompts of 1,000 tokens, 100 generated)
+    while 9 more arrived and stream. The counters count those too (prompts when they arrive, tokens as
+    they stream); the sample's token totals are the histograms' sums (the finished requests'), so the
+    mix is the finished requests' own. A page with the counters alone still gives them."""
+    from kvpilot.runtime.serving.metrics import ServerMetrics
+
+    m = ServerMetrics("llama")
+    m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.9, "num_running": 9, "num_waiting": 3})())
+    for _ in range(3):
+        m.request_finished("length", 100, 1000)
+    m.prompt_tokens.inc(12 * 1000)
+    m.generation_tokens.inc(3 * 100 + 9 * 20)
+    page = m.render().decode()
+    s = parse_metrics_text(page, "p", "llama")
+    assert s is not None
+    assert (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total) == (3.0, 3000.0, 300.0)
+    before = ArrivalState(counters=(PodCounter("p", 0.0, 0, 0.0, 0.0),), time=0.0)
+    assert measure_token_mix(MetricsSnapshot(1, (s,)), before) == (1000.0, 100.0)
+    # an engine without the histograms: the counters, which run ahead of the requests finished
+    counters_only = "\n".join(
+        line for line in page.splitlines() if "_request_" not in line or "success" in line
+    )
+    c = parse_metrics_text(counters_only, "p", "llama")
+    assert c is not None and (c.completed_total, c.prompt_tokens_total, c.generation_tokens_total) == (
+        3.0,
+        12000.0,
+        480.0,
+    )
+    assert measure_token_mix(MetricsSnapshot(1, (c,)), before) == (4000.0, 160.0)
 
 
 def test_parse_vllm_output_length_histogram():

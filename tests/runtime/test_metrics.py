@@ -29,6 +29,7 @@ CONTRACT = {
     "kvpilot_inter_token_latency_seconds": "histogram",
     "kvpilot_e2e_request_latency_seconds": "histogram",
     "kvpilot_request_queue_time_seconds": "histogram",
+    "kvpilot_request_prompt_tokens": "histogram",
     "kvpilot_request_generation_tokens": "histogram",
 }
 
@@ -182,14 +183,20 @@ def buckets(text: str, family: str) -> dict[float, float]:
 
 def test_output_length_histogram_observes_each_finished_generation() -> None:
     m = ServerMetrics("m")
-    for n in (1, 3, 3, 40):
-        m.request_finished("length", n)
-    m.request_finished("abort")  # no length: counted as finished, not as an output length
+    for n, prompt in ((1, 100), (3, 7), (3, 7), (40, 5000)):
+        m.request_finished("length", n, prompt)
+    m.request_finished("abort")  # no length: counted as finished, not as an output or prompt length
+    m.prompt_tokens.inc(9000)  # a prompt that arrived and has not finished: the counter only
     text = m.render().decode()
     b = buckets(text, "kvpilot_request_generation_tokens")
     assert (b[1.0], b[2.0], b[4.0], b[32.0], b[64.0], b[float("inf")]) == (1, 1, 3, 3, 4, 4)
     fams = scrape_text(text)["kvpilot_request_generation_tokens"]
     assert fams["kvpilot_request_generation_tokens_sum,model_name=m"] == 47
+    p = buckets(text, "kvpilot_request_prompt_tokens")
+    assert (p[4.0], p[8.0], p[128.0], p[4096.0], p[8192.0], p[131072.0]) == (0, 2, 3, 3, 4, 4)
+    prompts = scrape_text(text)["kvpilot_request_prompt_tokens"]
+    assert prompts["kvpilot_request_prompt_tokens_sum,model_name=m"] == 5114
+    assert prompts["kvpilot_request_prompt_tokens_count,model_name=m"] == 4
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +237,13 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
     assert fams[f"kvpilot_request_generation_tokens_sum,model_name={name}"] == 43
     counts = buckets(text, "kvpilot_request_generation_tokens")
     assert (counts[2.0], counts[4.0], counts[16.0], counts[32.0]) == (0, 1, 1, 3)
+    # each finished choice's prompt, once per choice (n = 2 counts b's twice); the token counter
+    # counts each prompt once, when it arrives
+    prompts = scrape_text(text)["kvpilot_request_prompt_tokens"]
+    assert prompts[f"kvpilot_request_prompt_tokens_count,model_name={name}"] == 3
+    assert prompts[f"kvpilot_request_prompt_tokens_sum,model_name={name}"] == (
+        a.usage.prompt_tokens + 2 * b.usage.prompt_tokens
+    )
 
 
 def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:

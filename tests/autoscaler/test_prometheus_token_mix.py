@@ -1,0 +1,77 @@
+"""The SLO planner's token mix read through a real Prometheus (sources.PrometheusSource): per pod, the
+prompt- and output-length histograms' sums where the pod exports them (the tokens of the requests it
+finished), its token counters where it does not (one `or` per family, as the pod scrape prefers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from kvpilot.autoscaler.sources import ModelRef, PodTarget, PrometheusSource
+from kvpilot.net import free_port
+from kvpilot.runtime.serving.metrics import ServerMetrics
+from tests.autoscaler.test_pd_prometheus import prometheus
+
+REF = ModelRef("ml", "llama", "llama")
+
+
+def runtime_page(with_histograms: bool) -> str:
+    """A runtime's page after a surge: 3 requests finished (prompts of 1,000 tokens, 100 generated)
+    while 9 more arrived; without the histograms, an engine that exports the counters only."""
+    m = ServerMetrics("llama")
+    m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.9, "num_running": 9, "num_waiting": 3})())
+    for _ in range(3):
+        m.request_finished("length", 100, 1000)
+    m.prompt_tokens.inc(12 * 1000)
+    m.generation_tokens.inc(3 * 100 + 9 * 20)
+    page = m.render().decode()
+    if with_histograms:
+        return page
+    return (
+        "\n".join(line for line in page.splitlines() if "_request_" not in line or "success" in line) + "\n"
+    )
+
+
+async def serve(text: str) -> tuple[web.AppRunner, int]:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+async def test_each_pod_reports_finished_tokens_where_it_can(tmp_path: Path) -> None:
+    a, port_a = await serve(runtime_page(with_histograms=True))
+    b, port_b = await serve(runtime_page(with_histograms=False))
+    try:
+        targets = [f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"]
+        labels = [{"namespace": "ml", "pod": "a"}, {"namespace": "ml", "pod": "b"}]
+        with prometheus(targets, tmp_path, labels) as url:
+            source = PrometheusSource(url)
+            try:
+                pods = [PodTarget("a", "10.0.0.1"), PodTarget("b", "10.0.0.2")]
+                got: dict[str, tuple[float | None, ...]] = {}
+                deadline = time.monotonic() + 30
+                while len(got) < 2 or any(v[0] is None for v in got.values()):  # scraped every 200 ms
+                    assert time.monotonic() < deadline, f"Prometheus answered {got}"
+                    await asyncio.sleep(0.2)
+                    snap = await source.collect(REF, pods)
+                    got = {
+                        s.pod: (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total)
+                        for s in snap.samples
+                    }
+            finally:
+                await source.close()
+    finally:
+        await a.cleanup()
+        await b.cleanup()
+    assert got["a"] == (3.0, 3000.0, 300.0)  # the histograms' sums: 1,000 and 100 a finished request
+    assert got["b"] == (3.0, 12000.0, 480.0)  # the counters, which count the 9 unfinished ones too
