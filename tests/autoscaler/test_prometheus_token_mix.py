@@ -12,27 +12,10 @@ from aiohttp import web
 
 from kvpilot.autoscaler.sources import ModelRef, PodTarget, PrometheusSource
 from kvpilot.net import free_port
-from kvpilot.runtime.serving.metrics import ServerMetrics
 from tests.autoscaler.test_pd_prometheus import prometheus
+from tests.autoscaler.test_sources import surge_page
 
 REF = ModelRef("ml", "llama", "llama")
-
-
-def runtime_page(with_histograms: bool) -> str:
-    """A runtime's page after a surge: 3 requests finished (prompts of 1,000 tokens, 100 generated)
-    while 9 more arrived; without the histograms, an engine that exports the counters only."""
-    m = ServerMetrics("llama")
-    m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.9, "num_running": 9, "num_waiting": 3})())
-    for _ in range(3):
-        m.request_finished("length", 100, 1000)
-    m.prompt_tokens.inc(12 * 1000)
-    m.generation_tokens.inc(3 * 100 + 9 * 20)
-    page = m.render().decode()
-    if with_histograms:
-        return page
-    return (
-        "\n".join(line for line in page.splitlines() if "_request_" not in line or "success" in line) + "\n"
-    )
 
 
 async def serve(text: str) -> tuple[web.AppRunner, int]:
@@ -49,8 +32,8 @@ async def serve(text: str) -> tuple[web.AppRunner, int]:
 
 
 async def test_each_pod_reports_finished_tokens_where_it_can(tmp_path: Path) -> None:
-    a, port_a = await serve(runtime_page(with_histograms=True))
-    b, port_b = await serve(runtime_page(with_histograms=False))
+    a, port_a = await serve(surge_page(with_histograms=True))
+    b, port_b = await serve(surge_page(with_histograms=False))
     try:
         targets = [f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"]
         labels = [{"namespace": "ml", "pod": "a"}, {"namespace": "ml", "pod": "b"}]

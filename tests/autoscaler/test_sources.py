@@ -48,6 +48,26 @@ def kvpilot_page(
     return generate_latest(reg).decode()
 
 
+def surge_page(with_histograms: bool) -> str:
+    """The runtime's page after a surge: 3 requests finished (prompts of 1,000 tokens, 100 generated)
+    while 9 more arrived and stream (20 tokens each so far); without the histograms, the page of an
+    engine that exports the token counters only."""
+    from kvpilot.runtime.serving.metrics import ServerMetrics
+
+    m = ServerMetrics("llama")
+    m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.9, "num_running": 9, "num_waiting": 3})())
+    for _ in range(3):
+        m.request_finished("length", 100, 1000)
+    m.prompt_tokens.inc(12 * 1000)
+    m.generation_tokens.inc(3 * 100 + 9 * 20)
+    page = m.render().decode()
+    if with_histograms:
+        return page
+    return (
+        "\n".join(line for line in page.splitlines() if "_request_" not in line or "success" in line) + "\n"
+    )
+
+
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests currently running on GPU.
 # TYPE vllm:num_requests_running gauge
@@ -436,24 +456,13 @@ def test_the_token_mix_reads_finished_requests_where_the_length_histograms_exist
     while 9 more arrived and stream. The counters count those too (prompts when they arrive, tokens as
     they stream); the sample's token totals are the histograms' sums (the finished requests'), so the
     mix is the finished requests' own. A page with the counters alone still gives them."""
-    from kvpilot.runtime.serving.metrics import ServerMetrics
-
-    m = ServerMetrics("llama")
-    m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.9, "num_running": 9, "num_waiting": 3})())
-    for _ in range(3):
-        m.request_finished("length", 100, 1000)
-    m.prompt_tokens.inc(12 * 1000)
-    m.generation_tokens.inc(3 * 100 + 9 * 20)
-    page = m.render().decode()
-    s = parse_metrics_text(page, "p", "llama")
+    s = parse_metrics_text(surge_page(with_histograms=True), "p", "llama")
     assert s is not None
     assert (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total) == (3.0, 3000.0, 300.0)
     before = ArrivalState(counters=(PodCounter("p", 0.0, 0, 0.0, 0.0),), time=0.0)
     assert measure_token_mix(MetricsSnapshot(1, (s,)), before) == (1000.0, 100.0)
     # an engine without the histograms: the counters, which run ahead of the requests finished
-    counters_only = "\n".join(
-        line for line in page.splitlines() if "_request_" not in line or "success" in line
-    )
+    counters_only = surge_page(with_histograms=False)
     c = parse_metrics_text(counters_only, "p", "llama")
     assert c is not None and (c.completed_total, c.prompt_tokens_total, c.generation_tokens_total) == (
         3.0,
