@@ -29,6 +29,16 @@ class PodMetric:
         return tuple(f"{n}_bucket" for n in self.names)
 
     @property
+    def sums(self) -> tuple[str, ...]:
+        """A histogram's sum series names."""
+        return tuple(f"{n}_sum" for n in self.names)
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        """A histogram's count series names."""
+        return tuple(f"{n}_count" for n in self.names)
+
+    @property
     def counter_base(self) -> str:
         """kvpilot's name as prometheus_client registers a counter (it appends `_total` itself)."""
         return self.kvpilot.removesuffix("_total")

@@ -47,11 +47,8 @@ COMPLETED_METRICS = pm.REQUEST_SUCCESS.names
 # sums first (observed as a request finishes); the token counters where a pod has no such histogram
 # (they count prompts as they arrive and tokens as they stream, so while the load changes they run
 # ahead of the requests finished: a 6x surge on a saturated fleet read as prompts 6x longer).
-PROMPT_TOKEN_METRICS = (*(n + "_sum" for n in pm.REQUEST_PROMPT_TOKENS.names), *pm.PROMPT_TOKENS.names)
-GENERATION_TOKEN_METRICS = (
-    *(n + "_sum" for n in pm.REQUEST_GENERATION_TOKENS.names),
-    *pm.GENERATION_TOKENS.names,
-)
+PROMPT_TOKEN_METRICS = (*pm.REQUEST_PROMPT_TOKENS.sums, *pm.PROMPT_TOKENS.names)
+GENERATION_TOKEN_METRICS = (*pm.REQUEST_GENERATION_TOKENS.sums, *pm.GENERATION_TOKENS.names)
 # Output length per finished request (a histogram's cumulative buckets): the TPOT tail rule's
 # output-length distribution (spec.autoscaling.slo.tpotTailBudget).
 OUTPUT_TOKENS_BUCKET_METRICS = pm.REQUEST_GENERATION_TOKENS.buckets
@@ -60,8 +57,8 @@ TTFT_BUCKET_METRICS = pm.TIME_TO_FIRST_TOKEN.buckets
 ITL_BUCKET_METRICS = pm.INTER_TOKEN_LATENCY.buckets
 # A P/D decode pod's KV pulls (the decode role's link signal, autoscaler/pd_decode.py): the pull
 # histogram's sum and count, and the bytes received (kvpilot's names only: vLLM has no equivalents).
-KV_TRANSFER_SUM_METRICS = (pm.KV_TRANSFER_SECONDS.kvpilot + "_sum",)
-KV_TRANSFER_COUNT_METRICS = (pm.KV_TRANSFER_SECONDS.kvpilot + "_count",)
+KV_TRANSFER_SUM_METRICS = pm.KV_TRANSFER_SECONDS.sums
+KV_TRANSFER_COUNT_METRICS = pm.KV_TRANSFER_SECONDS.counts
 KV_TRANSFER_BYTES_METRICS = pm.KV_TRANSFER_BYTES.names
 KV_RECEIVED = {"direction": "received"}
 

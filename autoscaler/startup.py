@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from kvpilot.autoscaler.slo import replicas_needed
 from kvpilot.kube.times import parse_time
 
 # The queue rule plans over the startup only when a startup spans at least two syncs (15 s each): a
@@ -97,7 +98,7 @@ def startup_rise_limit(
     ):
         return desired, None
     risen = rate * (1.0 + STARTUP_RATE_RISE)
-    need = min(current, math.ceil(risen / per_replica - 1e-9))
+    need = min(current, replicas_needed(risen, per_replica))
     if need <= desired:
         return desired, None
     return need, (

@@ -337,14 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         gguf_path, tokenizer_gguf = wl.resolve_model(args.model)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if "vllm" in names and args.vllm_model is None and args.model != "smollm2":
+    if "vllm" in names and args.vllm_model is None:
         if args.model.endswith(".gguf"):
             raise SystemExit(
                 "--engines vllm with a .gguf --model needs --vllm-model (a Hugging Face directory)"
             )
-        from peers import shapes  # a shape: vLLM serves the bfloat16 directory its GGUFs come from
-
-        args.vllm_model = str(shapes.hf_path(shapes.parse_model(args.model)[0]))
+        args.vllm_model = wl.shape_vllm_model(args.model)
     dims = model_dims(gguf_path)
     prompt_range, output_range = ((32, 96), (16, 48)) if args.quick else ((32, 512), (64, 512))
     prompt_range = args.prompt_range or prompt_range

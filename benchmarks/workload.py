@@ -91,6 +91,17 @@ def resolve_model(spec: str) -> tuple[Path, Path]:
     return shapes.build(name, fmt), smollm2_gguf()
 
 
+def shape_vllm_model(spec: str) -> str | None:
+    """The Hugging Face directory `vllm serve` loads for --model `spec`: a shape's bfloat16 directory (the
+    one its GGUFs are converted from); None for the builtin (scripts/vllm_cpu.sh's own directory) and
+    for a .gguf path (--vllm-model names one)."""
+    if spec == "smollm2" or spec.endswith(".gguf"):
+        return None
+    from peers import shapes
+
+    return str(shapes.hf_path(shapes.parse_model(spec)[0]))
+
+
 def _docstrings(module_name: str) -> list[str]:
     mod = importlib.import_module(module_name)
     docs: list[str] = []

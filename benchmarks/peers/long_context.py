@@ -152,12 +152,7 @@ def model_files(spec: str, lengths: list[int], output_tokens: int, models_dir: P
             f"--lengths: {max(lengths)} prompt tokens + {output_tokens} output tokens exceed --model {spec}'s "
             f"context of {context} tokens"
         )
-    vllm_model = None
-    if not spec.endswith(".gguf"):
-        from peers import shapes  # vLLM serves the bfloat16 directory the shape's GGUFs come from
-
-        vllm_model = str(shapes.hf_path(shapes.parse_model(spec)[0]))
-    return ModelFiles(gguf_path, tokenizer, context, context, vllm_model)
+    return ModelFiles(gguf_path, tokenizer, context, context, wl.shape_vllm_model(spec))
 
 
 def long_context_copy(src: Path, dst: Path, context: int = LONG_CONTEXT) -> Path:
@@ -175,8 +170,7 @@ def long_context_copy(src: Path, dst: Path, context: int = LONG_CONTEXT) -> Path
         reader.data.flush()
         del reader
         tmp.replace(dst)
-    check = gguf.GGUFReader(str(dst))
-    got = int(check.fields["llama.context_length"].contents())
+    got = gguf_context(dst)
     if got != context:
         raise RuntimeError(f"{dst}: llama.context_length is {got}, not {context}")
     return dst

@@ -278,6 +278,11 @@ class ServerMetrics:
         self.registry.register(self._engine)
         labels = ["model_name"]
         r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            """A histogram of this model's series (one label, model_name)."""
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
         self.prompt_tokens = Counter(
             pm.PROMPT_TOKENS.counter_base, "Prompt tokens received (once per prompt).", labels, registry=r
         ).labels(model_name)
@@ -293,49 +298,35 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             pm.TIME_TO_FIRST_TOKEN.kvpilot,
             "Time from request arrival to the first generated token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
             pm.INTER_TOKEN_LATENCY.kvpilot,
             "Time between consecutive generated tokens of one sequence.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "kvpilot_e2e_request_latency_seconds",
-            "Time from request arrival to its last token.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.queue_time = Histogram(
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "kvpilot_e2e_request_latency_seconds", "Time from request arrival to its last token.", E2E_BUCKETS
+        )
+        self.queue_time = histogram(
             "kvpilot_request_queue_time_seconds",
             "Time a request waited before it was first scheduled.",
-            labels,
-            buckets=QUEUE_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+            QUEUE_BUCKETS,
+        )
 
-        self.prompt_lengths = Histogram(
+        self.prompt_lengths = histogram(
             pm.REQUEST_PROMPT_TOKENS.kvpilot,
             "Prompt tokens per finished generation (one per choice; aborted ones are not counted).",
-            labels,
-            buckets=PROMPT_TOKENS_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.output_tokens = Histogram(
+            PROMPT_TOKENS_BUCKETS,
+        )
+        self.output_tokens = histogram(
             pm.REQUEST_GENERATION_TOKENS.kvpilot,
             "Tokens generated per finished generation (one per choice; aborted ones are not counted).",
-            labels,
-            buckets=OUTPUT_TOKENS_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+            OUTPUT_TOKENS_BUCKETS,
+        )
 
         # prefill/decode disaggregation: the KV transfer (docs/disaggregation.md)
         kv_bytes = Counter(
@@ -346,13 +337,11 @@ class ServerMetrics:
         )
         self.kv_bytes_sent = kv_bytes.labels(model_name, "sent")
         self.kv_bytes_received = kv_bytes.labels(model_name, "received")
-        self.kv_transfer_seconds = Histogram(
+        self.kv_transfer_seconds = histogram(
             pm.KV_TRANSFER_SECONDS.kvpilot,
             "Decode side: one KV pull, from the request to the prefill pod until its blocks are checked.",
-            labels,
-            buckets=KV_TRANSFER_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+            KV_TRANSFER_BUCKETS,
+        )
         self._kv_failures = Counter(
             pm.KV_TRANSFER_FAILURES.counter_base,
             "KV transfers that failed, by reason (a pull's fault, or the prefill side's pin_capacity).",

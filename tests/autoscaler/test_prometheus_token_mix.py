@@ -11,9 +11,8 @@ from pathlib import Path
 from aiohttp import web
 
 from kvpilot.autoscaler.sources import ModelRef, PodTarget, PrometheusSource
-from kvpilot.net import free_port
 from tests.autoscaler.test_pd_prometheus import prometheus
-from tests.autoscaler.test_sources import surge_page
+from tests.autoscaler.test_sources import _serve, surge_page
 
 REF = ModelRef("ml", "llama", "llama")
 
@@ -24,11 +23,7 @@ async def serve(text: str) -> tuple[web.AppRunner, int]:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
+    return await _serve(app)
 
 
 async def test_each_pod_reports_finished_tokens_where_it_can(tmp_path: Path) -> None:
