@@ -939,6 +939,15 @@ class PodCounters(_Model):
     in_flight: Count = Field(description="Waiting plus running requests.")
     prompt_tokens: Amount | None = None
     generation_tokens: Amount | None = None
+    finished_lengths: Amount | None = Field(
+        None, description="Generations the length histograms counted (a counter; aborted ones are not)."
+    )
+    admitted: Amount | None = Field(
+        None, description="Generations admitted (a counter: the admitted-prompt histogram's count)."
+    )
+    admitted_prompt_tokens: Amount | None = Field(
+        None, description="Their prompt tokens (a counter: the admitted-prompt histogram's sum)."
+    )
     # The pod's own latency histograms, as cumulative counts at the SLO targets' bucket bounds (the
     # measured-attainment fallback without a router; autoscaler/attainment.py).
     ttft_within: Amount | None = Field(None, description="First tokens within the TTFT target (a counter).")

@@ -60,6 +60,10 @@ REQUEST_PROMPT_TOKENS = PodMetric("kvpilot_request_prompt_tokens", ("vllm:reques
 REQUEST_GENERATION_TOKENS = PodMetric(
     "kvpilot_request_generation_tokens", ("vllm:request_generation_tokens",)
 )
+# prompt length per generation *admitted* (observed as it is submitted, one per choice): its sum over its
+# count is the mix of the prompts arriving, which leads the finished requests' by a request's duration.
+# vLLM has no such histogram (its prompt counter counts prefills done, not arrivals).
+ADMITTED_PROMPT_TOKENS = PodMetric("kvpilot_admitted_prompt_tokens", ())
 TIME_TO_FIRST_TOKEN = PodMetric("kvpilot_time_to_first_token_seconds", ("vllm:time_to_first_token_seconds",))
 # vLLM renamed its inter-token histogram: vllm:inter_token_latency_seconds (0.32 exports only this),
 # vllm:time_per_output_token_seconds before.

@@ -37,6 +37,16 @@ class ReplicaSample:
     # the token mix the SLO planner sizes for. None when not exported.
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    # The generations behind those two where they are the length histograms' sums: the histograms'
+    # count (kvpilot_request_prompt_tokens_count, vLLM's), which leaves aborted generations out where
+    # completed_total counts them; None with the counters (the mix then divides by completed_total).
+    finished_lengths_total: float | None = None
+    # Generations this replica admitted and their prompt tokens (the count and sum of kvpilot's
+    # kvpilot_admitted_prompt_tokens histogram, observed per choice as it is submitted): the prompts
+    # arriving, which lead the finished ones above by a request's duration when the mix shifts. None
+    # when not exported (vLLM has no such metric: its prompt counter counts prefills done).
+    admitted_total: float | None = None
+    admitted_prompt_tokens_total: float | None = None
     # The replica's histogram of generated tokens per finished request (kvpilot's
     # kvpilot_request_generation_tokens, vLLM's vllm:request_generation_tokens): cumulative
     # (le, count) pairs since the process started, +Inf included. None when not exported. The TPOT

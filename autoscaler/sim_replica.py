@@ -82,6 +82,10 @@ class Replica:
     completed: int = 0  # requests finished: the runtime's request_success counter
     prompt_tokens_done: int = 0  # prompt and output tokens of the finished requests (counters)
     output_tokens_done: int = 0
+    # Requests routed to it and their prompt tokens, counted as they arrive: the runtime's
+    # kvpilot_admitted_prompt_tokens histogram's count and sum (a preempted request is not counted again).
+    admitted: int = 0
+    admitted_prompt_tokens: int = 0
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # prompt block ids, LRU first
     waiting_tokens: int = 0  # prompt tokens of the waiting requests (for routers' free-KV view)
     # Finished requests per output-length bucket (OUTPUT_TOKENS_BUCKETS), as the runtime's
@@ -105,6 +109,8 @@ class Replica:
             float(self.completed),
             prompt_tokens_total=float(self.prompt_tokens_done),
             generation_tokens_total=float(self.output_tokens_done),
+            admitted_total=float(self.admitted),
+            admitted_prompt_tokens_total=float(self.admitted_prompt_tokens),
             output_tokens_buckets=self._buckets(),
         )
 

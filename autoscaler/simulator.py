@@ -44,13 +44,14 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
 from kvpilot.api.slo import OUTCOMES, Outcome, judge, request_tpot
 from kvpilot.autoscaler.attainment import SloCounts
 from kvpilot.autoscaler.calibration import Calibration
-from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
+from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.sim_replica import (
     OUTPUT_TOKENS_BUCKETS,
     Replica,
@@ -270,6 +271,8 @@ class FleetSimulator:
             return False
         rep.waiting.append(req)
         rep.waiting_tokens += req.prompt
+        rep.admitted += 1
+        rep.admitted_prompt_tokens += req.prompt
         if not rep.busy:
             self._schedule(rep, now)
         elif rep.jump:
@@ -340,16 +343,7 @@ class FleetSimulator:
         if queue and samples:
             extra, rest = divmod(len(queue), len(samples))
             samples = [
-                ReplicaSample(
-                    s.pod,
-                    s.kv_cache_usage,
-                    s.num_waiting + extra + (1 if i < rest else 0),
-                    s.num_running,
-                    s.completed_total,
-                    prompt_tokens_total=s.prompt_tokens_total,
-                    generation_tokens_total=s.generation_tokens_total,
-                    output_tokens_buckets=s.output_tokens_buckets,
-                )
+                replace(s, num_waiting=s.num_waiting + extra + (1 if i < rest else 0))
                 for i, s in enumerate(samples)
             ]
         # Startup as the controller measures it from the pods (creation -> Ready, the most recent ones).

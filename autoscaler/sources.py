@@ -49,6 +49,13 @@ COMPLETED_METRICS = pm.REQUEST_SUCCESS.names
 # ahead of the requests finished: a 6x surge on a saturated fleet read as prompts 6x longer).
 PROMPT_TOKEN_METRICS = (*pm.REQUEST_PROMPT_TOKENS.sums, *pm.PROMPT_TOKENS.names)
 GENERATION_TOKEN_METRICS = (*pm.REQUEST_GENERATION_TOKENS.sums, *pm.GENERATION_TOKENS.names)
+# The generations the length histograms counted (finished; aborted ones are in neither): the token
+# totals' denominator where a pod has them (ReplicaSample.finished_lengths_total).
+FINISHED_LENGTHS_METRICS = pm.REQUEST_PROMPT_TOKENS.counts
+# Generations admitted and their prompt tokens (the admitted-prompt histogram's count and sum): the
+# planner's prompt mix where a pod exports them (kvpilot's runtime; ReplicaSample.admitted_total).
+ADMITTED_COUNT_METRICS = pm.ADMITTED_PROMPT_TOKENS.counts
+ADMITTED_SUM_METRICS = pm.ADMITTED_PROMPT_TOKENS.sums
 # Output length per finished request (a histogram's cumulative buckets): the TPOT tail rule's
 # output-length distribution (spec.autoscaling.slo.tpotTailBudget).
 OUTPUT_TOKENS_BUCKET_METRICS = pm.REQUEST_GENERATION_TOKENS.buckets
@@ -76,11 +83,15 @@ DEFAULT_RUNNING_QUERY = f"sum by (pod) ({pm.promql_any(RUNNING_METRICS, _SELECT)
 DEFAULT_COMPLETIONS_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT, 'rate({}[1m])')})"
 # The counters themselves (instant values, not rates): the SLO planner's token mix is the change in
 # prompt / generated tokens of finished requests over the change in finished requests between two
-# syncs, as from the pod scrape (arrivals.measure_token_mix); a pod's histogram sums where it has them
-# (`or`: per pod, the first family it exports).
+# syncs, as from the pod scrape (arrivals.measure_token_mix); a pod's histogram sums (and their count,
+# the finished requests without the aborted ones) where it has them (`or`: per pod, the first family it
+# exports).
 DEFAULT_COMPLETED_TOTAL_QUERY = f"sum by (pod) ({pm.promql_any(COMPLETED_METRICS, _SELECT)})"
 DEFAULT_PROMPT_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(PROMPT_TOKEN_METRICS, _SELECT)})"
 DEFAULT_GENERATION_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(GENERATION_TOKEN_METRICS, _SELECT)})"
+DEFAULT_FINISHED_LENGTHS_QUERY = f"sum by (pod) ({pm.promql_any(FINISHED_LENGTHS_METRICS, _SELECT)})"
+DEFAULT_ADMITTED_QUERY = f"sum by (pod) ({pm.promql_any(ADMITTED_COUNT_METRICS, _SELECT)})"
+DEFAULT_ADMITTED_PROMPT_TOKENS_QUERY = f"sum by (pod) ({pm.promql_any(ADMITTED_SUM_METRICS, _SELECT)})"
 DEFAULT_OUTPUT_TOKENS_BUCKETS_QUERY = (
     f"sum by (pod, le) ({pm.promql_any(OUTPUT_TOKENS_BUCKET_METRICS, _SELECT)})"
 )
@@ -170,6 +181,7 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     """
     wanted = set(KV_METRICS) | set(WAITING_METRICS) | set(RUNNING_METRICS) | set(COMPLETED_METRICS)
     wanted |= set(PROMPT_TOKEN_METRICS) | set(GENERATION_TOKEN_METRICS) | set(OUTPUT_TOKENS_BUCKET_METRICS)
+    wanted |= set(FINISHED_LENGTHS_METRICS) | set(ADMITTED_COUNT_METRICS) | set(ADMITTED_SUM_METRICS)
     wanted |= set(TTFT_BUCKET_METRICS) | set(ITL_BUCKET_METRICS)
     wanted |= set(KV_TRANSFER_SUM_METRICS) | set(KV_TRANSFER_COUNT_METRICS) | set(KV_TRANSFER_BYTES_METRICS)
     values: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -188,6 +200,9 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
     completed = _series(values, COMPLETED_METRICS, model)
     prompt_tokens = _series(values, PROMPT_TOKEN_METRICS, model)
     generation_tokens = _series(values, GENERATION_TOKEN_METRICS, model)
+    finished_lengths = _series(values, FINISHED_LENGTHS_METRICS, model)
+    admitted = _series(values, ADMITTED_COUNT_METRICS, model)
+    admitted_prompt = _series(values, ADMITTED_SUM_METRICS, model)
     transfer_s = _series(values, KV_TRANSFER_SUM_METRICS, model)
     transfers = _series(values, KV_TRANSFER_COUNT_METRICS, model)
     received = _series(values, KV_TRANSFER_BYTES_METRICS, model, KV_RECEIVED)
@@ -200,6 +215,9 @@ def parse_metrics_text(text: str, pod: str, model: str | None = None) -> Replica
         completed_total=None if completed is None else max(0.0, sum(completed)),
         prompt_tokens_total=None if prompt_tokens is None else max(0.0, sum(prompt_tokens)),
         generation_tokens_total=None if generation_tokens is None else max(0.0, sum(generation_tokens)),
+        finished_lengths_total=None if finished_lengths is None else max(0.0, sum(finished_lengths)),
+        admitted_total=None if admitted is None else max(0.0, sum(admitted)),
+        admitted_prompt_tokens_total=None if admitted_prompt is None else max(0.0, sum(admitted_prompt)),
         output_tokens_buckets=_buckets(values, OUTPUT_TOKENS_BUCKET_METRICS, model),
         ttft_buckets=_buckets(values, TTFT_BUCKET_METRICS, model),
         itl_buckets=_buckets(values, ITL_BUCKET_METRICS, model),
@@ -368,7 +386,14 @@ class PrometheusSource:
         # Completed-request and token counters for the SLO planner's token mix (optional queries: a
         # runtime without them leaves the planner off, as with the pod scrape).
         self.counter_queries: tuple[str, ...] = (
-            (DEFAULT_COMPLETED_TOTAL_QUERY, DEFAULT_PROMPT_TOKENS_QUERY, DEFAULT_GENERATION_TOKENS_QUERY)
+            (
+                DEFAULT_COMPLETED_TOTAL_QUERY,
+                DEFAULT_PROMPT_TOKENS_QUERY,
+                DEFAULT_GENERATION_TOKENS_QUERY,
+                DEFAULT_FINISHED_LENGTHS_QUERY,
+                DEFAULT_ADMITTED_QUERY,
+                DEFAULT_ADMITTED_PROMPT_TOKENS_QUERY,
+            )
             if token_counters
             else ()
         )
@@ -517,7 +542,7 @@ class PrometheusSource:
         kv, waiting = results[0], results[1]
         running = results[2] if len(results) > 2 else {}
         counters, pulls = counted[: len(self.counter_queries)], counted[len(self.counter_queries) :]
-        done, prompt, generated = counters if counters else ({}, {}, {})
+        done, prompt, generated, lengths, admitted, admitted_prompt = counters if counters else ({},) * 6
         ttft, itl = latency if latency else ({}, {})
         pull_s, pull_n, pull_bytes = pulls if pulls else ({}, {}, {})
         samples = []
@@ -533,6 +558,9 @@ class PrometheusSource:
                         completed_total=done.get(p.name),
                         prompt_tokens_total=prompt.get(p.name),
                         generation_tokens_total=generated.get(p.name),
+                        finished_lengths_total=lengths.get(p.name),
+                        admitted_total=admitted.get(p.name),
+                        admitted_prompt_tokens_total=admitted_prompt.get(p.name),
                         output_tokens_buckets=buckets.get(p.name),
                         ttft_buckets=ttft.get(p.name),
                         itl_buckets=itl.get(p.name),

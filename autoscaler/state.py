@@ -80,7 +80,17 @@ def _latency(p: PodCounters) -> PodLatency | None:
 
 def _arrivals(a: ArrivalsStatus) -> ArrivalState:
     pods = tuple(
-        PodCounter(p.pod, p.completed, p.in_flight, p.prompt_tokens, p.generation_tokens, _latency(p))
+        PodCounter(
+            p.pod,
+            p.completed,
+            p.in_flight,
+            p.prompt_tokens,
+            p.generation_tokens,
+            p.finished_lengths,
+            p.admitted,
+            p.admitted_prompt_tokens,
+            _latency(p),
+        )
         for p in a.pods or []
     )
     rates = sorted((RateSample(r.time.timestamp(), r.rate) for r in a.rates or []), key=lambda r: r.time)
@@ -114,6 +124,9 @@ def _arrivals_model(state: ArrivalState) -> ArrivalsStatus:
                 in_flight=c.in_flight,
                 prompt_tokens=c.prompt_tokens,
                 generation_tokens=c.generation_tokens,
+                finished_lengths=c.finished_lengths,
+                admitted=c.admitted,
+                admitted_prompt_tokens=c.admitted_prompt_tokens,
                 **(
                     {}
                     if c.latency is None

@@ -322,6 +322,11 @@ class ServerMetrics:
             "Prompt tokens per finished generation (one per choice; aborted ones are not counted).",
             PROMPT_TOKENS_BUCKETS,
         )
+        self.admitted_prompt_lengths = histogram(
+            pm.ADMITTED_PROMPT_TOKENS.kvpilot,
+            "Prompt tokens per generation admitted (one per choice, observed as it is submitted).",
+            PROMPT_TOKENS_BUCKETS,
+        )
         self.output_tokens = histogram(
             pm.REQUEST_GENERATION_TOKENS.kvpilot,
             "Tokens generated per finished generation (one per choice; aborted ones are not counted).",

@@ -298,9 +298,11 @@ class RequestState:
 
     def submit(self) -> None:
         """Add every choice to the engine; raises APIError (429 queue full, 503 engine dead, 400)."""
+        metrics = self.processor.metrics
         for c in self.choices:
             self._streams[c.index] = self._submit(c)
-        self.processor.metrics.prompt_tokens.inc(self.prompt_tokens)
+            metrics.admitted_prompt_lengths.observe(len(c.prompt_token_ids))
+        metrics.prompt_tokens.inc(self.prompt_tokens)
         self._merger = OutputMerger(self._streams)
 
     def _submit(self, c: Choice) -> AsyncIterator[Any]:

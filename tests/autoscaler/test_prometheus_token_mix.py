@@ -1,6 +1,7 @@
 """The SLO planner's token mix read through a real Prometheus (sources.PrometheusSource): per pod, the
 prompt- and output-length histograms' sums where the pod exports them (the tokens of the requests it
-finished), its token counters where it does not (one `or` per family, as the pod scrape prefers)."""
+finished), its token counters where it does not (one `or` per family, as the pod scrape prefers), and
+the admitted-prompt histogram's count and sum (the prompts arriving) where it exports that."""
 
 from __future__ import annotations
 
@@ -43,7 +44,14 @@ async def test_each_pod_reports_finished_tokens_where_it_can(tmp_path: Path) -> 
                     await asyncio.sleep(0.2)
                     snap = await source.collect(REF, pods)
                     got = {
-                        s.pod: (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total)
+                        s.pod: (
+                            s.completed_total,
+                            s.prompt_tokens_total,
+                            s.generation_tokens_total,
+                            s.finished_lengths_total,
+                            s.admitted_total,
+                            s.admitted_prompt_tokens_total,
+                        )
                         for s in snap.samples
                     }
             finally:
@@ -51,5 +59,8 @@ async def test_each_pod_reports_finished_tokens_where_it_can(tmp_path: Path) -> 
     finally:
         await a.cleanup()
         await b.cleanup()
-    assert got["a"] == (3.0, 3000.0, 300.0)  # the histograms' sums: 1,000 and 100 a finished request
-    assert got["b"] == (3.0, 12000.0, 480.0)  # the counters, which count the 9 unfinished ones too
+    # the histograms' sums: 1,000 and 100 a finished request (3 of the 4 finished: one aborted); 12
+    # admitted, 9 of them of 3,000
+    assert got["a"] == (4.0, 3000.0, 300.0, 3.0, 12.0, 30000.0)
+    # the counters, which count the 9 unfinished ones too; no histograms
+    assert got["b"] == (4.0, 30000.0, 480.0, None, None, None)

@@ -10,6 +10,7 @@ import pytest
 
 from kvpilot.autoscaler.fleet_policies import StaticPolicy
 from kvpilot.autoscaler.replica_model import calibration_by_name
+from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.simulator import (
     LeastLoaded,
     ReplicaView,
@@ -245,3 +246,43 @@ def test_mooncake_synthetic_trace_replays():
     res = simulate(trace, StaticPolicy(4), H100, warmup_s=0, router=LeastLoaded())
     assert res.requests == 200 and 0.0 < res.prefix_hit_rate < 1.0
     assert not math.isnan(res.tpot_p50_s)
+
+
+class _Recorder(StaticPolicy):
+    """A fixed fleet that keeps every snapshot the simulator shows it."""
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__(replicas)
+        self.seen: list[tuple[float, MetricsSnapshot]] = []
+
+    def decide(self, now: float, current: int, snapshot: MetricsSnapshot, in_flight: int) -> int:
+        self.seen.append((now, snapshot))
+        return super().decide(now, current, snapshot, in_flight)
+
+
+def test_replicas_count_prompts_as_they_are_admitted():
+    """The simulated replicas count the requests routed to them and their prompts on arrival, as the
+    runtime's admitted-prompt histogram does: admitted = finished + in flight at every sync (a
+    preempted request is not counted again), and over a mix shift on a saturated replica the admitted
+    prompts show the heavier mix while the finished ones still show the lighter."""
+    light = [TraceRequest(i * 0.05, 2_000, 200) for i in range(600)]
+    trace = shift_mix(light + [TraceRequest(30.0 + i * 0.05, 2_000, 200) for i in range(600)], 3.0, 30.0)
+    rec = _Recorder(1)
+    result = simulate(trace, rec, H100, warmup_s=0, router=RoundRobin(), sync_interval_s=5.0)
+    assert result.preemptions > 0  # requeued requests, which are not admitted again
+    for _, snap in rec.seen:
+        (s,) = snap.samples
+        assert s.admitted_total == (s.completed_total or 0) + s.num_running + s.num_waiting
+        assert (s.admitted_prompt_tokens_total or 0) >= (s.prompt_tokens_total or 0)
+    mixes = []
+    for (_, a), (t, b) in zip(rec.seen, rec.seen[1:], strict=False):
+        (x,), (y,) = a.samples, b.samples
+        if t > 30.0 and y.completed_total != x.completed_total:
+            admitted = (y.admitted_prompt_tokens_total - x.admitted_prompt_tokens_total) / (
+                y.admitted_total - x.admitted_total
+            )
+            finished = (y.prompt_tokens_total - x.prompt_tokens_total) / (
+                y.completed_total - x.completed_total
+            )
+            mixes.append((admitted, finished))
+    assert mixes and mixes[0][0] > 1.5 * mixes[0][1]  # the first sync after the shift

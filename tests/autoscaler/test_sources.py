@@ -13,7 +13,7 @@ import yaml
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvpilot.autoscaler.policy import ArrivalState, PodCounter, measure_token_mix
+from kvpilot.autoscaler.policy import ArrivalState, PodCounter, admitted_prompt_totals, measure_token_mix
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.sources import (
     DEFAULT_KV_QUERY,
@@ -50,22 +50,25 @@ def kvpilot_page(
 
 def surge_page(with_histograms: bool) -> str:
     """The runtime's page after a surge: 3 requests finished (prompts of 1,000 tokens, 100 generated)
-    while 9 more arrived and stream (20 tokens each so far); without the histograms, the page of an
-    engine that exports the token counters only."""
+    and one was aborted (its client went away) while 9 more arrived with prompts of 3,000 and stream
+    (20 tokens each so far); without the histograms, the page of an engine that exports the token
+    counters only."""
     from kvpilot.runtime.serving.metrics import ServerMetrics
 
     m = ServerMetrics("llama")
     m.attach_engine(lambda: type("S", (), {"kv_cache_usage": 0.9, "num_running": 9, "num_waiting": 3})())
+    for prompt in (1000,) * 3 + (3000,) * 9:
+        m.admitted_prompt_lengths.observe(prompt)
     for _ in range(3):
         m.request_finished("length", 100, 1000)
-    m.prompt_tokens.inc(12 * 1000)
+    m.request_finished("abort")
+    m.prompt_tokens.inc(3 * 1000 + 9 * 3000)
     m.generation_tokens.inc(3 * 100 + 9 * 20)
     page = m.render().decode()
     if with_histograms:
         return page
-    return (
-        "\n".join(line for line in page.splitlines() if "_request_" not in line or "success" in line) + "\n"
-    )
+    histograms = ("kvpilot_request_prompt_tokens", "kvpilot_request_generation_tokens", "kvpilot_admitted_")
+    return "\n".join(line for line in page.splitlines() if not any(h in line for h in histograms)) + "\n"
 
 
 VLLM_PAGE = """\
@@ -453,23 +456,30 @@ def test_parse_output_length_histogram_from_the_runtime_exporter():
 
 def test_the_token_mix_reads_finished_requests_where_the_length_histograms_exist():
     """The runtime's page after a surge: 3 requests finished (prompts of 1,000 tokens, 100 generated)
-    while 9 more arrived and stream. The counters count those too (prompts when they arrive, tokens as
-    they stream); the sample's token totals are the histograms' sums (the finished requests'), so the
-    mix is the finished requests' own. A page with the counters alone still gives them."""
+    while 9 more arrived (3,000) and stream. The counters count those too (prompts when they arrive,
+    tokens as they stream); the sample's token totals are the histograms' sums (the finished
+    requests'), so the mix is the finished requests' own, and the prompts admitted are the
+    admitted-prompt histogram's count and sum. A page with the counters alone still gives them."""
     s = parse_metrics_text(surge_page(with_histograms=True), "p", "llama")
     assert s is not None
-    assert (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total) == (3.0, 3000.0, 300.0)
-    before = ArrivalState(counters=(PodCounter("p", 0.0, 0, 0.0, 0.0),), time=0.0)
-    assert measure_token_mix(MetricsSnapshot(1, (s,)), before) == (1000.0, 100.0)
+    assert (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total) == (4.0, 3000.0, 300.0)
+    assert s.finished_lengths_total == 3.0  # the aborted one is in no length histogram
+    assert (s.admitted_total, s.admitted_prompt_tokens_total) == (12.0, 30000.0)
+    before = ArrivalState(counters=(PodCounter("p", 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0),), time=0.0)
+    snap = MetricsSnapshot(1, (s,))
+    assert measure_token_mix(snap, before) == (1000.0, 100.0)
+    assert admitted_prompt_totals(snap, before) == (12.0, 30000.0)
     # an engine without the histograms: the counters, which run ahead of the requests finished
     counters_only = surge_page(with_histograms=False)
     c = parse_metrics_text(counters_only, "p", "llama")
     assert c is not None and (c.completed_total, c.prompt_tokens_total, c.generation_tokens_total) == (
-        3.0,
-        12000.0,
+        4.0,
+        30000.0,
         480.0,
     )
-    assert measure_token_mix(MetricsSnapshot(1, (c,)), before) == (4000.0, 160.0)
+    assert c.finished_lengths_total is None  # divided by the finished counter, aborted one included
+    assert measure_token_mix(MetricsSnapshot(1, (c,)), before) == (7500.0, 120.0)
+    assert c.admitted_total is None and admitted_prompt_totals(MetricsSnapshot(1, (c,)), before) is None
 
 
 def test_parse_vllm_output_length_histogram():

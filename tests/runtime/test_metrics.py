@@ -31,6 +31,7 @@ CONTRACT = {
     "kvpilot_request_queue_time_seconds": "histogram",
     "kvpilot_request_prompt_tokens": "histogram",
     "kvpilot_request_generation_tokens": "histogram",
+    "kvpilot_admitted_prompt_tokens": "histogram",
 }
 
 
@@ -244,6 +245,43 @@ def test_output_length_histogram_through_the_real_engine(real_server: tuple[Live
     assert prompts[f"kvpilot_request_prompt_tokens_sum,model_name={name}"] == (
         a.usage.prompt_tokens + 2 * b.usage.prompt_tokens
     )
+    # the prompts admitted, once per choice as it is submitted: the same three here (all finished)
+    admitted = scrape_text(text)["kvpilot_admitted_prompt_tokens"]
+    assert admitted[f"kvpilot_admitted_prompt_tokens_count,model_name={name}"] == 3
+    assert admitted[f"kvpilot_admitted_prompt_tokens_sum,model_name={name}"] == (
+        a.usage.prompt_tokens + 2 * b.usage.prompt_tokens
+    )
+
+
+def test_a_prompt_is_counted_as_admitted_before_it_finishes(real_server: tuple[LiveServer, Any]) -> None:
+    """A streaming request shows in the admitted-prompt histogram while it runs, before any finished
+    request's histogram counts it (the autoscaler's prompt mix leads the finished requests')."""
+    live, engine = real_server
+    name = engine.model_name
+
+    def counts() -> tuple[float, float]:
+        fams = scrape_text(get_metrics(live)[1])
+        return (
+            fams["kvpilot_admitted_prompt_tokens"][f"kvpilot_admitted_prompt_tokens_count,model_name={name}"],
+            fams["kvpilot_request_prompt_tokens"][f"kvpilot_request_prompt_tokens_count,model_name={name}"],
+        )
+
+    admitted0, finished0 = counts()
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    stream = c.completions.create(
+        model=name,
+        prompt="Count: 1, 2, 3,",
+        max_tokens=150,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(stream))
+    assert first.choices
+    assert counts() == (admitted0 + 1, finished0)  # admitted, not finished
+    for _ in stream:
+        pass
+    assert counts() == (admitted0 + 1, finished0 + 1)
 
 
 def registered_metrics() -> dict[str, tuple[str, frozenset[str]]]:
