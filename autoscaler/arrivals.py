@@ -24,6 +24,9 @@ class PodCounter:
     in_flight: int
     prompt_tokens: float | None = None  # the replica's prompt / generated token counters
     generation_tokens: float | None = None
+    finished_lengths: float | None = None  # the length histograms' count (ReplicaSample)
+    admitted: float | None = None  # its admitted-prompt histogram's count and sum (ReplicaSample)
+    admitted_prompt_tokens: float | None = None
     # Its latency histograms at the SLO targets (attainment.PodLatency), for the fallback without a router.
     latency: PodLatency | None = None
 
@@ -46,6 +49,11 @@ class ArrivalState:
     # Finished requests behind token_mix (capped at TOKEN_MIX_WINDOW_REQUESTS); the planner waits for
     # MIN_MIX_REQUESTS. Not written to the status: a mix read back from it counts as established.
     mix_requests: float = 0.0
+    # The finished requests' prompt tokens per request (smoothed like token_mix): the mix of the requests
+    # the closed loop judges, which token_mix's prompt side (the prompts admitted) leads when it
+    # shifts. None: the same as token_mix's (no replica counts admissions, or just read back from the
+    # status, which does not keep it).
+    judged_prompt: float | None = None
     # The surge headroom's memory (surge.py): the mean rate of every minute of Behavior.surge_window_s,
     # and when the rate last shifted level.
     levels: tuple[RateSample, ...] = ()
@@ -83,6 +91,9 @@ def measure_arrivals(
             s.num_running + s.num_waiting,
             s.prompt_tokens_total,
             s.generation_tokens_total,
+            s.finished_lengths_total,
+            s.admitted_total,
+            s.admitted_prompt_tokens_total,
         )
         for s in samples
         if s.completion_rate is not None or s.completed_total is not None
@@ -140,42 +151,125 @@ def measure_token_mix(snapshot: MetricsSnapshot, previous: ArrivalState) -> tupl
     return prompt / done, output / done
 
 
-def smooth_token_mix(
-    previous: tuple[float, float] | None, totals: tuple[float, float, float]
-) -> tuple[float, float]:
-    """The running token mix after `totals` = (requests, prompt tokens, output tokens) finished: the new
-    requests weigh in as done / (done + TOKEN_MIX_WINDOW_REQUESTS), so the mix follows the last ~200
-    requests whatever the sync interval and load."""
-    done, prompt, output = totals
-    mix = (prompt / done, output / done)
+def smooth_mean(previous: float | None, count: float, total: float) -> float:
+    """A running mean per request after `count` more requests with `total` tokens: they weigh in as
+    count / (count + TOKEN_MIX_WINDOW_REQUESTS), so the mean follows the last ~200 requests whatever
+    the sync interval and load."""
+    mean = total / count
     if previous is None:
+        return mean
+    w = count / (count + TOKEN_MIX_WINDOW_REQUESTS)
+    return w * mean + (1.0 - w) * previous
+
+
+# While requests queue beyond the target, the planner sizes for the prompts admitted in the last sync
+# when at least this many were and they are heavier than the running mean (backlog_mix).
+BACKLOG_MIX_MIN_REQUESTS = 20.0
+
+
+def backlog_mix(
+    mix: tuple[float, float], admitted: tuple[float, float] | None, backlog: bool
+) -> tuple[float, float]:
+    """The token mix the planner sizes for: the running mean, or, while requests queue beyond the
+    target (`backlog`), the prompts admitted since the last sync (`admitted` = (generations, prompt
+    tokens)) where they are heavier and at least BACKLOG_MIX_MIN_REQUESTS. A queue says the capacity
+    the running mean gives is too high, and when the mix turned heavier, the last sync's prompts are
+    the mix that queued: after a mix three times heavier, the running mean (~200 requests) took four
+    syncs to follow, with the fleet sized for the old mix and missing 40% of its requests (the
+    mix-shift battery's seed 64; docs/autoscaler.md, "Tenth round"). Without a queue, the mean alone:
+    a sync's mean of heavy-tailed prompts is noise."""
+    if not backlog or admitted is None or admitted[0] < BACKLOG_MIX_MIN_REQUESTS:
         return mix
-    w = done / (done + TOKEN_MIX_WINDOW_REQUESTS)
-    return (w * mix[0] + (1.0 - w) * previous[0], w * mix[1] + (1.0 - w) * previous[1])
+    recent = admitted[1] / admitted[0]
+    return (recent, mix[1]) if recent > mix[0] else mix
+
+
+def smooth_token_mix(
+    previous: tuple[float, float] | None,
+    totals: tuple[float, float, float] | None,
+    admitted: tuple[float, float] | None = None,
+) -> tuple[float, float] | None:
+    """The running token mix after `totals` = (requests, prompt tokens, output tokens) finished since
+    the last sync (None: none finished). The prompt side follows the prompts admitted instead where
+    the replicas count them (`admitted` = (generations, prompt tokens) admitted since the last sync,
+    admitted_prompt_totals): a prompt is known when it arrives, an output length only when its request
+    finishes, and a heavier mix reaches the finished requests a request's duration late (longer still
+    on a saturated fleet, where the heavy requests are the ones that take long). None until a first
+    request finished."""
+    before_prompt, before_output = previous if previous is not None else (None, None)
+    prompt = before_prompt
+    if admitted is not None and admitted[0] > 0:
+        prompt = smooth_mean(before_prompt, *admitted)
+    elif totals is not None and (admitted is None or before_prompt is None):
+        prompt = smooth_mean(before_prompt, totals[0], totals[1])
+    output = before_output if totals is None else smooth_mean(before_output, totals[0], totals[2])
+    if prompt is None or output is None:
+        return None
+    return prompt, output
+
+
+def _increase(pairs: Sequence[tuple[float | None, float | None]]) -> tuple[float, ...] | None:
+    """Each (now, before) counter pair's increase; None when one is missing or went down (a
+    restart)."""
+    out = []
+    for now_v, then_v in pairs:
+        if now_v is None or then_v is None or now_v < then_v:
+            return None
+        out.append(now_v - then_v)
+    return tuple(out)
 
 
 def token_totals(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float, float] | None:
-    """(requests finished, their prompt tokens, their output tokens) since the last sync; see
-    measure_token_mix."""
+    """(requests finished, their prompt tokens, their output tokens) since the last sync, over the
+    replicas seen both times with the counters; see measure_token_mix. The requests are the length
+    histograms' count where a replica had it both times, else its completed counter: an aborted
+    generation is in no histogram, and counted as finished with no tokens a wave of client timeouts
+    on an overloaded fleet would read as a lighter mix."""
     before = {c.pod: c for c in previous.counters}
     done = prompt = output = 0.0
     for s in snapshot.samples:
         prev = before.get(s.pod)
-        if (
-            prev is None
-            or None in (prev.completed, prev.prompt_tokens, prev.generation_tokens)
-            or None in (s.completed_total, s.prompt_tokens_total, s.generation_tokens_total)
-        ):
+        if prev is None:
             continue
-        d = (s.completed_total or 0.0) - (prev.completed or 0.0)
-        p = (s.prompt_tokens_total or 0.0) - (prev.prompt_tokens or 0.0)
-        g = (s.generation_tokens_total or 0.0) - (prev.generation_tokens or 0.0)
-        if d < 0 or p < 0 or g < 0:
-            continue
-        done, prompt, output = done + d, prompt + p, output + g
+        lengths = s.finished_lengths_total is not None and prev.finished_lengths is not None
+        d = _increase(
+            (
+                (s.finished_lengths_total, prev.finished_lengths)
+                if lengths
+                else (s.completed_total, prev.completed),
+                (s.prompt_tokens_total, prev.prompt_tokens),
+                (s.generation_tokens_total, prev.generation_tokens),
+            )
+        )
+        if d is not None:
+            done, prompt, output = done + d[0], prompt + d[1], output + d[2]
     if done <= 0:
         return None
     return done, prompt, output
+
+
+def admitted_prompt_totals(snapshot: MetricsSnapshot, previous: ArrivalState) -> tuple[float, float] | None:
+    """(generations admitted, their prompt tokens) since the last sync, over the replicas seen both
+    times that count admissions (ReplicaSample.admitted_total); (0, 0) when they admitted none, None
+    when no replica counts them (vLLM pods)."""
+    before = {c.pod: c for c in previous.counters}
+    diffs = [
+        d
+        for s in snapshot.samples
+        if (prev := before.get(s.pod)) is not None
+        and (
+            d := _increase(
+                (
+                    (s.admitted_total, prev.admitted),
+                    (s.admitted_prompt_tokens_total, prev.admitted_prompt_tokens),
+                )
+            )
+        )
+        is not None
+    ]
+    if not diffs:
+        return None
+    return sum(d[0] for d in diffs), sum(d[1] for d in diffs)
 
 
 # A rate differs from another, or a trend is real, when it is this many Poisson standard deviations

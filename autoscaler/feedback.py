@@ -288,6 +288,7 @@ def evaluate(
     last_scale_up: float | None = None,
     surging: bool = False,
     span_s: float = 0.0,
+    judged_capacity: float | None = None,
 ) -> Feedback:
     """Apply the three rules (module doc). `model_capacity`: requests/s per replica the replica model
     gives at the current token mix (None: the planner is not sizing yet, the factor is left alone);
@@ -300,7 +301,9 @@ def evaluate(
     rate above the trend window's mean beyond noise): a surge's misses say the fleet was late.
     `span_s` (request_span_s): the capacity is learnt only from intervals that began a request span
     after the fresh window opened, whose requests the fleet as it is now served from start to end; the
-    growth step does not wait for them."""
+    growth step does not wait for them. `judged_capacity`: the model's capacity at the mix of the
+    requests judged (the finished ones), where the planner's mix (`model_capacity`'s) leads them:
+    a load served at a lighter mix raises the floor only in proportion (None: the same mix)."""
     s = settings
     budget = 1.0 - s.target
     w = window(state.intervals, now, s.window_s)
@@ -389,7 +392,12 @@ def evaluate(
         allow = win.missed <= (1.0 - s.headroom) * budget * win.total + 1e-9
         text = f"attainment {attainment:.3f} {where}"
         if attainment >= s.target and allow and win_load is not None:
-            floor = max(floor or 0.0, win_load)
+            # the load served, in the terms of the mix the planner sizes for (a lighter mix's load
+            # proves less at a heavier one, as floor_at_mix scales the floor)
+            served_now = win_load
+            if model_capacity and judged_capacity and judged_capacity > model_capacity:
+                served_now = win_load * model_capacity / judged_capacity
+            floor = max(floor or 0.0, served_now)
             # Running as sized, with headroom: the binding bound is probed upward (a miss takes it
             # back), the ceiling toward the model, the floor beyond it.
             if used is not None and model_capacity and at_capacity:

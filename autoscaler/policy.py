@@ -18,7 +18,9 @@ Steps, in order (HPA-like where the HPA has an answer):
    the rate one replica sustains at the target (its completion rate now, scaled to the target).
    SLO planner (targets.slo, spec.autoscaling.slo), Dynamo's throughput-planner idea: the forecast
    arrival rate over what one replica serves within the TTFT/TPOT targets at the observed token
-   mix (prompt and output tokens per finished request, from per-pod counters), computed from the
+   mix (prompt tokens per request admitted where the pods count them, else per request finished,
+   and output tokens per request finished, from per-pod counters; while requests queue, the last
+   sync's admitted prompts where heavier: arrivals.backlog_mix), computed from the
    replica model (slo.replica_capacity), within the per-replica bounds the closed loop measured
    (feedback.planner_capacity); it replaces the completion-rate service estimate above.
    Startup-aware (startup.py; the startup measured from the pods, else declared): the forecast
@@ -59,12 +61,15 @@ from kvpilot.autoscaler.arrivals import (
     ArrivalState,
     PodCounter,
     RateSample,
+    admitted_prompt_totals,
+    backlog_mix,
     batches_turned_over,
     forecast_arrivals,
     measure_arrivals,
     measure_token_mix,
     rate_surging,
     service_rate_at_target,
+    smooth_mean,
     smooth_token_mix,
     token_totals,
 )
@@ -106,6 +111,7 @@ __all__ = [
     "RateSample",
     "Recommendation",
     "ScaleEvent",
+    "admitted_prompt_totals",
     "batches_turned_over",
     "decide",
     "forecast_arrivals",
@@ -292,6 +298,7 @@ def decide(
     # The arrival rate is measured (and remembered) whether or not it drives the size.
     arrivals = history.arrivals
     arrival_rate, forecast, service_rate = None, None, arrivals.service_rate
+    admitted: tuple[float, float] | None = None  # generations and prompt tokens admitted since the last sync
     if n > 0:
         arrival_rate, per_replica_done, counters = measure_arrivals(snapshot, arrivals, now)
         rates = tuple(r for r in arrivals.rates if now - b.arrival_trend_window_s < r.time < now)
@@ -336,10 +343,17 @@ def decide(
                     else SERVICE_RATE_SMOOTHING * estimate + (1.0 - SERVICE_RATE_SMOOTHING) * service_rate
                 )
         token_mix, mix_requests = arrivals.token_mix, arrivals.mix_requests
+        judged_prompt = arrivals.judged_prompt
         if targets.slo is not None:
             totals = token_totals(snapshot, arrivals)
             if totals is not None:
-                token_mix = smooth_token_mix(token_mix, totals)
+                before = judged_prompt
+                if before is None and token_mix is not None:
+                    before = token_mix[0]
+                judged_prompt = smooth_mean(before, totals[0], totals[1])
+            admitted = admitted_prompt_totals(snapshot, arrivals)
+            token_mix = smooth_token_mix(token_mix, totals, admitted)
+            if totals is not None:
                 mix_requests = min(TOKEN_MIX_WINDOW_REQUESTS, mix_requests + totals[0])
         arrivals = ArrivalState(
             now if counters else None,
@@ -348,6 +362,7 @@ def decide(
             service_rate,
             token_mix,
             mix_requests,
+            judged_prompt,
             levels=levels,
             shift_at=shift_at,
         )
@@ -441,9 +456,12 @@ def decide(
                     planner = replace(planner, output_cdf=measured)
                     source = "measured"
             tail_text = f", TPOT tail within {planner.tpot_tail_budget:.1%} ({source} output lengths)"
-        model_capacity = None
+        model_capacity = judged_capacity = None
         if planner_on and planner is not None and arrivals.token_mix is not None:
-            model_capacity = planner.capacity(*arrivals.token_mix)
+            queued = waiting > targets.target_queue_depth * n
+            model_capacity = planner.capacity(*backlog_mix(arrivals.token_mix, admitted, queued))
+            if arrivals.judged_prompt is not None:
+                judged_capacity = planner.capacity(arrivals.judged_prompt, arrivals.token_mix[1])
         if loop is not None:
             settle = startup if startup is not None else b.arrival_lead_s
             last_up = max((e.time for e in history.events if e.to_replicas > e.from_replicas), default=None)
@@ -458,6 +476,7 @@ def decide(
                 last_up,
                 surging=rate_surging(arrivals.rates),
                 span_s=request_span_s(loop, arrivals.token_mix),
+                judged_capacity=judged_capacity,
             )
             slo_state = fb.state
         if model_capacity is not None:

@@ -283,6 +283,20 @@ def test_a_floor_served_at_a_lighter_mix_counts_at_a_heavier_one_only_in_proport
     assert higher.capacity_floor == pytest.approx(1.2) and higher.floor_capacity == pytest.approx(1.5)
 
 
+def test_a_load_judged_at_a_lighter_mix_than_the_planner_sizes_for_raises_the_floor_in_proportion():
+    """The planner's prompt mix (the prompts admitted) leads the requests judged (the finished ones):
+    right after the mix triples, the window's 1.8/s per replica were served at the old mix, where the
+    model said 2.8/s, and the model says 1.2 at the new one. The floor is raised to 1.8 x 1.2 / 2.8,
+    written in the new mix's terms, not to 1.8 as if the heavy requests had been served at that load."""
+    ok = _state((NOW, SloCounts(met=1000), 1.8))
+    led = evaluate(ok, NOW, 2, 2, SETTINGS, 1.2, 10, judged_capacity=2.8).state
+    assert led.capacity_floor == pytest.approx(1.8 * 1.2 / 2.8) and led.floor_capacity == pytest.approx(1.2)
+    assert planner_capacity(led, 1.2) == pytest.approx(1.2)  # the model's, not the old load's
+    # judged at the same mix, or at a heavier one (the mix got lighter): the load as served
+    assert evaluate(ok, NOW, 2, 2, SETTINGS, 1.2, 10, judged_capacity=1.2).state.capacity_floor == 1.8
+    assert evaluate(ok, NOW, 2, 2, SETTINGS, 2.8, 10, judged_capacity=1.2).state.capacity_floor == 1.8
+
+
 def test_the_probe_stops_at_a_load_that_missed_while_it_is_remembered():
     # A fleet of 2 sized at a 0.8/s ceiling runs at 0.5/s per replica with headroom: the probe raises
     # the ceiling 3% a sync, and once it passes the fleet's whole rate (1.0/s) the planner halves the

@@ -232,6 +232,72 @@ def test_token_mix_is_a_running_mean_over_requests_not_syncs():
     assert few[0] < 18_000 < 55_000 < many[0] < 60_000
 
 
+def test_the_prompt_side_follows_the_prompts_admitted():
+    """Where replicas count the prompts they admit, the mix's prompt side follows those (known when a
+    request arrives); the output side can only follow the requests finished."""
+    w = 100.0 / (100.0 + TOKEN_MIX_WINDOW_REQUESTS)
+    # 10 finished of 15,000 + 150 tokens; 100 admitted of 45,000 (the mix tripled on arrival)
+    mixed = smooth_token_mix((15_000.0, 150.0), (10.0, 150_000.0, 1_500.0), (100.0, 100 * 45_000.0))
+    assert mixed == pytest.approx((15_000 + w * 30_000, 150.0))
+    # none finished this sync: the prompt side moves, the output side waits
+    early = smooth_token_mix((15_000.0, 150.0), None, (100.0, 100 * 45_000.0))
+    assert early == pytest.approx((15_000 + w * 30_000, 150.0))
+    # admissions counted and none came: the finished prompts are not mixed in (they are older news)
+    assert smooth_token_mix((15_000.0, 150.0), (10.0, 10 * 60_000.0, 1_500.0), (0.0, 0.0)) == (
+        15_000.0,
+        150.0,
+    )
+    # no replica counts admissions (vLLM): the finished requests' prompts, as before
+    w10 = 10.0 / (10.0 + TOKEN_MIX_WINDOW_REQUESTS)
+    vllm = smooth_token_mix((15_000.0, 150.0), (10.0, 10 * 30_000.0, 1_500.0), None)
+    assert vllm == pytest.approx((15_000 + w10 * 15_000, 150.0))
+    # nothing finished yet: no mix (an output length is needed), whatever was admitted
+    assert smooth_token_mix(None, None, (100.0, 100 * 45_000.0)) is None
+    assert smooth_token_mix(None, (4.0, 4 * 900.0, 40.0), (0.0, 0.0)) == (900.0, 10.0)
+
+
+def test_decide_reads_the_admitted_prompts_per_replica():
+    """Through decide(): two replicas counted their admissions since the last sync, and one that
+    restarted (its counter went down) is left out of them."""
+    targets = ScalingTargets.from_spec({"minReplicas": 1, "maxReplicas": 50, "slo": SLO}, max_num_seqs=256)
+    before = previous(3, mix=(2000.0, 200.0))
+    before = replace(
+        before,
+        arrivals=replace(
+            before.arrivals,
+            counters=tuple(
+                replace(c, admitted=500.0, admitted_prompt_tokens=500 * 2000.0)
+                for c in before.arrivals.counters
+            ),
+        ),
+    )
+    finished = (1010, 2_000_000 + 10 * 2000, 200_000 + 10 * 200)  # 10 more finished, of the old mix
+    samples = (
+        replace(
+            sample("p0", *finished),
+            admitted_total=550.0,
+            admitted_prompt_tokens_total=500 * 2000.0 + 50 * 8000,
+        ),
+        replace(
+            sample("p1", *finished),
+            admitted_total=550.0,
+            admitted_prompt_tokens_total=500 * 2000.0 + 50 * 8000,
+        ),
+        replace(
+            sample("p2", *finished), admitted_total=3.0, admitted_prompt_tokens_total=3 * 90_000.0
+        ),  # restarted
+    )
+    d = decide(3, MetricsSnapshot(3, samples), targets, before, NOW)
+    w = 100.0 / (100.0 + TOKEN_MIX_WINDOW_REQUESTS)
+    assert d.token_mix == pytest.approx((2000.0 + w * 6000.0, 200.0))
+    # the requests judged (finished) are still of the old mix: kept beside it for the closed loop
+    assert d.history.arrivals.judged_prompt == pytest.approx(2000.0)
+    counters = {c.pod: c for c in d.history.arrivals.counters}
+    assert (counters["p2"].admitted, counters["p2"].admitted_prompt_tokens) == (3.0, 270_000.0)
+    back = arrivals_from_status(arrivals_to_status(d.history.arrivals))
+    assert back.counters == d.history.arrivals.counters  # remembered across a restart of the autoscaler
+
+
 def test_planner_waits_for_enough_finished_requests():
     """The first requests to finish after a cold start are the short ones: the planner does not size
     from a mix until MIN_MIX_REQUESTS finished."""
