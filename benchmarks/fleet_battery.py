@@ -3,7 +3,7 @@
 smallest fixed fleet that meets the SLO there (issue 24's goals, as benchmarks/fleet_slo_goals.py).
 
     python benchmarks/fleet_battery.py [--seeds 1-12] [--startups 10,60] [--router router:kv-aware]
-        [--static-cache PATH] [--warm] [--mix-shift F] [--markdown]
+        [--static-cache PATH] [--warm] [--mix-shift F [--shift-oracle]] [--markdown]
 
 Per seed the shape is drawn from wide ranges (requests 4k-16k an hour, slow wave 0-50%, context median
 3k-12k tokens, output median 80-400, 1.2-3.3 turns a session), so the battery covers light and heavy
@@ -14,7 +14,11 @@ fixed fleet of the same replica-hours, and the replica-hours against the smalles
 judges the second of two back-to-back passes of each trace, as fleet_slo_goals.py --warm does.
 --mix-shift F cuts every prompt of a trace's first half to 1/F of its length (autoscaler.trace.shift_mix):
 at half time the token mix gets F times heavier at the same request rate, so what the loop learnt per
-request before is too optimistic after.
+request before is too optimistic after. --shift-oracle bounds what any reaction to that shift can do:
+per row, a fleet that runs the sizes the policy asked for up to the shift and then, from the first sync
+at or after it, the most replicas it may have (its pods Ready a startup later, as any reaction's): the
+best reaction from where the policy stood. Where even that misses the goal, only more replicas before
+the shift (which no signal foretells) would meet it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from multiturn import Shape, generate
 
 from kvpilot.autoscaler.fleet_policies import KvpilotPolicy, StaticPolicy
 from kvpilot.autoscaler.replica_model import resolve_calibration
+from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.simulator import ROUTERS, simulate
 from kvpilot.autoscaler.spec import Behavior, ScalingTargets, SloTargets
 from kvpilot.autoscaler.trace import TraceRequest, shift_mix
@@ -76,6 +81,38 @@ def run(
     cal = replace(resolve_calibration(CALIBRATION), startup_s=startup_s)
     r = simulate(trace, policy, cal, router=ROUTERS[router](), slo=SLO, warmup_s=warmup_s)
     return {"attainment": r.slo_attainment, "replica_hours": r.replica_hours, "peak": r.peak_replicas}
+
+
+class Recording:
+    """A fleet policy that keeps the size another asked for at each sync (sync time -> replicas)."""
+
+    def __init__(self, policy: KvpilotPolicy) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.sizes: dict[float, int] = {}
+
+    def initial_replicas(self) -> int:
+        return self.policy.initial_replicas()
+
+    def decide(self, now: float, current: int, snapshot: MetricsSnapshot, in_flight: int) -> int:
+        self.sizes[now] = self.policy.decide(now, current, snapshot, in_flight)
+        return self.sizes[now]
+
+    def settings(self) -> dict[str, Any]:
+        return self.policy.settings()
+
+
+class ShiftOracle(StaticPolicy):
+    """The recorded sizes before `at`, then `after` replicas from the first sync at or after it."""
+
+    name = "shift-oracle"
+
+    def __init__(self, initial: int, sizes: dict[float, int], after: int, at: float) -> None:
+        super().__init__(initial)
+        self.sizes, self.after, self.at = sizes, after, at
+
+    def decide(self, now: float, current: int, snapshot: MetricsSnapshot, in_flight: int) -> int:
+        return self.after if now >= self.at else self.sizes.get(now, current)
 
 
 def kvpilot(startup_s: float) -> KvpilotPolicy:
@@ -137,6 +174,11 @@ def main() -> None:
         metavar="F",
         help="the token mix gets F times heavier halfway through each trace (autoscaler.trace.shift_mix)",
     )
+    p.add_argument(
+        "--shift-oracle",
+        action="store_true",
+        help="with --mix-shift: also run each row's reaction bound (the module doc)",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     if args.router not in ROUTERS:
@@ -148,6 +190,8 @@ def main() -> None:
         p.error("--seeds takes e.g. 1-12 or 3,5,9 and --startups e.g. 10,60")
     if args.mix_shift < 1.0:
         p.error(f"--mix-shift: F is how many times heavier the mix gets, >= 1 (got {args.mix_shift:g})")
+    if args.shift_oracle and args.mix_shift == 1.0:
+        p.error("--shift-oracle bounds the reaction to a mix shift: give --mix-shift F (F > 1) with it")
     cache_path = Path(args.static_cache) if args.static_cache else None
     cache: dict[str, dict[str, dict[str, float]]] = {}
     if cache_path is not None and cache_path.is_file():
@@ -155,14 +199,23 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for seed in seeds:
         base = trace_for(seed)
+        shift_at = (base[0].t + base[-1].t) / 2.0
         if args.mix_shift != 1.0:
-            base = shift_mix(base, args.mix_shift, (base[0].t + base[-1].t) / 2.0)
+            base = shift_mix(base, args.mix_shift, shift_at)
         trace, warmup_s = played(base, args.warm)
         key = f"{seed}/{args.router}" + ("/warm" if args.warm else "")
         known = cache.setdefault(key + (f"/mix{args.mix_shift:g}" if args.mix_shift != 1.0 else ""), {})
         n = statics(trace, args.router, warmup_s, known)
         for startup in startups:
-            r = run(trace, kvpilot(startup), startup, args.router, warmup_s)
+            policy = Recording(kvpilot(startup))
+            r = run(trace, policy, startup, args.router, warmup_s)
+            oracle: dict[str, Any] = {}
+            if args.shift_oracle:
+                # (a warm run's trace plays twice: the shift it is judged on is the second pass's)
+                at = shift_at + (warmup_s if args.warm else 0.0)
+                bound = ShiftOracle(policy.initial_replicas(), policy.sizes, MAX_REPLICAS, at)
+                got = run(trace, bound, startup, args.router, warmup_s)["attainment"]
+                oracle = {"shift_oracle_attainment": round(got, 5)}
             mean = r["replica_hours"] / known[str(n)]["replica_hours"] * n
             lo, hi = max(1, math.floor(mean)), max(1, math.ceil(mean))
             for k in (lo, hi):
@@ -185,6 +238,7 @@ def main() -> None:
                     "same_hours_static_attainment": round(same, 5),
                     "attainment_goal_met": (r["attainment"] >= need) if reachable else None,
                     "vs_same_hours_met": r["attainment"] >= same - 1e-9,
+                    **oracle,
                 }
             )
         if cache_path is not None:
@@ -201,6 +255,13 @@ def main() -> None:
             "replica_hours_vs_static_median": statistics.median(r["vs_static_replica_hours"] for r in sel),
             "replica_hours_vs_static_max": max(r["vs_static_replica_hours"] for r in sel),
         }
+        if args.shift_oracle:
+            need = GOAL if startup <= 10 else 0.98
+            could = [r for r in judged if r["shift_oracle_attainment"] >= need]
+            summary[f"{startup:g}s"]["shift_oracle_goal_met"] = f"{len(could)}/{len(judged)}"
+            summary[f"{startup:g}s"]["goal_met_where_a_reaction_could"] = (
+                f"{sum(r['attainment_goal_met'] for r in could)}/{len(could)}"
+            )
     print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "warm": args.warm,
                       "mix_shift": args.mix_shift, "rows": rows,
                       "summary": summary, "machine": machine()}, indent=1))  # fmt: skip

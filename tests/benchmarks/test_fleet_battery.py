@@ -1,0 +1,60 @@
+"""benchmarks/fleet_battery.py's reaction bound for the mix-shift rows (--shift-oracle): the replay of
+the policy's own sizes is exact, the switch happens at the shift, and the flag needs --mix-shift."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "traces"))
+
+import fleet_battery as fb  # noqa: E402
+
+from kvpilot.autoscaler.samples import MetricsSnapshot  # noqa: E402
+from kvpilot.autoscaler.trace import shift_mix  # noqa: E402
+
+
+def test_the_oracle_replays_the_policy_then_switches_at_the_shift() -> None:
+    oracle = fb.ShiftOracle(1, {15.0: 2, 30.0: 3}, after=5, at=40.0)
+    empty = MetricsSnapshot(1)
+    assert oracle.initial_replicas() == 1
+    assert [oracle.decide(t, 4, empty, 0) for t in (15.0, 30.0, 35.0, 40.0, 45.0)] == [2, 3, 4, 5, 5]
+
+
+def test_replaying_the_recorded_sizes_reproduces_the_run() -> None:
+    """The bound starts from where the policy stood only if the replay is the same fleet: replayed to
+    the end (no switch), attainment and replica-hours are the policy's own."""
+    base = [r for r in fb.trace_for(63) if r.t < 1500.0]
+    trace = shift_mix(base, 3.0, 750.0)
+    policy = fb.Recording(fb.kvpilot(10.0))
+    ran = fb.run(trace, policy, 10.0, "router:kv-aware", 300.0)
+    assert len(set(policy.sizes.values())) > 1  # it scaled
+    replay = fb.ShiftOracle(policy.initial_replicas(), policy.sizes, after=40, at=float("inf"))
+    assert fb.run(trace, replay, 10.0, "router:kv-aware", 300.0) == ran
+    # switched to a large fleet at the shift: at least as good, at more replica-hours
+    bound = fb.run(
+        trace,
+        fb.ShiftOracle(policy.initial_replicas(), policy.sizes, 8, 750.0),
+        10.0,
+        "router:kv-aware",
+        300.0,
+    )
+    assert bound["attainment"] >= ran["attainment"] and bound["replica_hours"] > ran["replica_hours"]
+
+
+def _battery(*args: str) -> subprocess.CompletedProcess[str]:
+    script = ROOT / "benchmarks" / "fleet_battery.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_shift_oracle_needs_a_mix_shift() -> None:
+    r = _battery("--shift-oracle", "--seeds", "1")
+    assert r.returncode == 2 and "--shift-oracle" in r.stderr and "--mix-shift" in r.stderr
+
+
+def test_mix_shift_below_one_is_refused() -> None:
+    r = _battery("--mix-shift=0.5", "--seeds", "1")
+    assert r.returncode == 2 and "--mix-shift" in r.stderr
