@@ -606,9 +606,19 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Prompt length per request",
-            "Prompt tokens per finished choice (p50, p90, p99; aborted ones not counted). With the output "
-            "length, the token mix of finished requests the autoscaler's SLO planner sizes for.",
-            quantiles("kvpilot_request_prompt_tokens"),
+            "Prompt tokens per finished choice (p50, p90, p99; aborted ones not counted), and the median "
+            "of the prompts admitted (as they arrive; kvpilot pods only). The autoscaler's SLO planner "
+            "sizes for the prompts admitted and the outputs finished: when the mix shifts, the admitted "
+            "line moves a request's duration before the finished ones.",
+            [
+                *quantiles("kvpilot_request_prompt_tokens"),
+                target(
+                    f"histogram_quantile(0.5, sum by (le, {BY_MODEL}) "
+                    f"({pods('kvpilot_admitted_prompt_tokens', RATE, suffix='_bucket')}))",
+                    "p50 admitted {{model_name}}",
+                    ref="D",
+                ),
+            ],
             "short",
         ),
         12,
