@@ -253,20 +253,16 @@ def admitted_prompt_totals(snapshot: MetricsSnapshot, previous: ArrivalState) ->
     times that count admissions (ReplicaSample.admitted_total); (0, 0) when they admitted none, None
     when no replica counts them (vLLM pods)."""
     before = {c.pod: c for c in previous.counters}
-    diffs = [
-        d
-        for s in snapshot.samples
-        if (prev := before.get(s.pod)) is not None
-        and (
-            d := _increase(
-                (
-                    (s.admitted_total, prev.admitted),
-                    (s.admitted_prompt_tokens_total, prev.admitted_prompt_tokens),
-                )
-            )
+    diffs = []
+    for s in snapshot.samples:
+        prev = before.get(s.pod)
+        if prev is None:
+            continue
+        d = _increase(
+            ((s.admitted_total, prev.admitted), (s.admitted_prompt_tokens_total, prev.admitted_prompt_tokens))
         )
-        is not None
-    ]
+        if d is not None:
+            diffs.append(d)
     if not diffs:
         return None
     return sum(d[0] for d in diffs), sum(d[1] for d in diffs)
