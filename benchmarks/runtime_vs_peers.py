@@ -9,7 +9,7 @@ Without a subcommand: one configuration of every engine in one run (below). Subc
                llama-server on the same GGUF (peers/long_context.py)
     decode-step  one decode step at 1k-16k tokens of context per --kv-cache-dtype, thread CPU time
                (peers/decode_step.py)
-    shapes     build the random-weight checkpoints at real shapes (llama-1b, llama-8b) as bf16, Q8_0
+    shapes     build the random-weight checkpoints at real shapes (llama-1b, llama-3b, llama-8b) as bf16, Q8_0
                and Q4_K_M GGUF files for --model (peers/shapes.py)
 
 Prints one JSON document: the machine (CPU model, bf16/AMX flags, cores, load average, versions), the
@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="smollm2",
-        help="smollm2 (the builtin 135M Q4_1 GGUF), SHAPE[:FORMAT] with SHAPE llama-1b or llama-8b and "
+        help="smollm2 (the builtin 135M Q4_1 GGUF), SHAPE[:FORMAT] with SHAPE llama-1b, llama-3b or llama-8b and "
         "FORMAT bf16, q8_0 or q4_k_m (default q4_k_m; peers/shapes.py builds it on first use), or a .gguf path",
     )
     p.add_argument("--num-requests", type=int, default=128)

@@ -5,7 +5,8 @@ dominates the torch reference path on CPUs. The shared library is compiled once 
 ISA level (kernels/isa.py: avx512, avx2 or generic, chosen from the CPU's features or forced with
 KVPILOT_CPU_ISA) and CPU into ~/.cache/kvpilot/kernels (or $KVPILOT_KERNEL_CACHE) and loaded with
 ctypes; when no C compiler is available the runtime falls back to the torch reference path. The
-vectorized path (head_dim 64, block 16, K transposed) exists at the avx512 and avx2 levels.
+vectorized path (head_dim a multiple of 16 up to 256, block 16, K transposed, up to 24 query heads a KV
+head) exists at the avx512 and avx2 levels.
 """
 
 from __future__ import annotations

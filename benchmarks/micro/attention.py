@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Paged attention on CPU in isolation: kvpilot's backends against dense torch SDPA, SmolLM2 shapes.
+"""Paged attention on CPU in isolation: kvpilot's backends against dense torch SDPA, SmolLM2's heads or
+another model's (--shape).
 
 For a decode step (B sequences, one new token each, context L) and a prefill (one sequence of P
 tokens, no cached prefix), times one layer's attention call of:
@@ -19,6 +20,7 @@ torch's float32 GEMM is no such ceiling on AMD CPUs, where it ran at ~100 GFLOP/
     python benchmarks/kernels_bench.py attention --kernel-only --fast-only --threads 1 --dtype float32 \
         --kv-dtype int8 --decode 1024,16384          # one decode step over an int8 cache (issue 26)
     python benchmarks/kernels_bench.py attention --kernel-only --fast-only --prefill 1024,4096,8192
+    python benchmarks/kernels_bench.py attention --kernel-only --shape llama-8b --prefill 2048   # head_dim 128
 
 --isa builds and uses the kernel for one ISA level (kernels/isa.py; the same as KVPILOT_CPU_ISA), so
 the AVX2 path can be timed on an AVX-512 machine; --kernel-only skips the torch comparisons;
@@ -45,7 +47,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import workload as wl
 
-HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M
+BS = 16
+# (query heads, KV heads, head_dim) of the models whose attention --shape times
+SHAPES = {
+    "smollm2-135m": (9, 3, 64),
+    "llama-1b": (32, 8, 64),  # Llama-3.2-1B
+    "llama-8b": (32, 8, 128),  # Llama-3.1-8B, Mistral-7B
+    "qwen2.5-7b": (28, 4, 128),
+}
+HQ, HKV, D = SHAPES["smollm2-135m"]  # set by --shape
 
 
 def best_ms(fn: Callable[[], Any], seconds: float = 1.0, repeats: int = 5) -> float:
@@ -201,6 +211,9 @@ def main() -> int:
         help="a quantized cache (float16 scales per token and head) under --dtype queries",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="smollm2-135m", help="the model's attention heads"
+    )
     p.add_argument("--isa", choices=["avx512", "avx2", "generic"], help="force the kernel's ISA level")
     p.add_argument("--kernel-only", action="store_true", help="time only the C kernel's two paths")
     p.add_argument("--fast-only", action="store_true", help="skip the C kernel's generic loop")
@@ -215,6 +228,8 @@ def main() -> int:
         help="comma-separated context lengths: time one sequence's decode step at each (issue 26)",
     )
     args = p.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[args.shape]
     if args.isa:
         os.environ["KVPILOT_CPU_ISA"] = args.isa
     from kvpilot.kernels import isa
@@ -247,6 +262,7 @@ def main() -> int:
         "threads": args.threads,
         "isa": isa.selected(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "shape": args.shape,
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
         "fma_peak_gflops": peak,
         "results": results,

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="smollm2",
-        help="smollm2 (the builtin 135M Q4_1 GGUF), SHAPE[:FORMAT] with SHAPE llama-1b or llama-8b and FORMAT "
+        help="smollm2 (the builtin 135M Q4_1 GGUF), SHAPE[:FORMAT] with SHAPE llama-1b, llama-3b or llama-8b and FORMAT "
         "bf16, q8_0 or q4_k_m (default q4_k_m; peers/shapes.py builds it on first use), or a .gguf path",
     )
     p.add_argument("--lengths", default="1024,4096,8000,16384", help="prompt lengths in tokens, comma list")

@@ -2,7 +2,7 @@
 """Random-weight checkpoints at the shapes users serve (`runtime_vs_peers.py shapes`), so the
 runtime-vs-peers comparison runs at 1B-8B and not only on the 135M SmolLM2 GGUF.
 
-A shape (SHAPES: `llama-1b` is Llama-3.2-1B's, `llama-8b` Llama-3.1-8B's) becomes, under
+A shape (SHAPES: `llama-1b` is Llama-3.2-1B's, `llama-3b` Llama-3.2-3B's, `llama-8b` Llama-3.1-8B's) becomes, under
 benchmarks/.build/shapes/<name>/ (gitignored; reused when present):
 
     hf/          a Hugging Face directory: config.json, model.safetensors (bfloat16, normal(0, 0.02)
@@ -110,6 +110,8 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     # Llama-3.2-1B: tied embeddings
     "llama-1b": Shape("llama-1b", 2048, 8192, 16, 32, 8, 64, 128256, tied=True),
+    # Llama-3.2-3B: tied embeddings, head_dim 128 (the 8B's heads at a size a 2-core machine runs)
+    "llama-3b": Shape("llama-3b", 3072, 8192, 28, 24, 8, 128, 128256, tied=True),
     # Llama-3.1-8B: untied LM head
     "llama-8b": Shape("llama-8b", 4096, 14336, 32, 32, 8, 128, 128256, tied=False),
 }

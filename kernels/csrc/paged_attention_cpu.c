@@ -15,8 +15,8 @@
  *
  * One work item of the portable loop is (token, kv head): the G = Hq / Hkv query heads of a group
  * share every K/V row they load. Softmax is computed online, one block of keys at a time. Parallel
- * with OpenMP (the process's libgomp, the one torch already loaded). With the common shape (head_dim
- * 64, block size 16, K transposed) a vectorized path runs instead unless allow_fast is 0: one work
+ * with OpenMP (the process's libgomp, the one torch already loaded). With block size 16, K transposed
+ * and a head_dim that is a multiple of 16 up to 256, a vectorized path runs instead unless allow_fast is 0: one work
  * item is a tile of consecutive tokens x kv head (tile_item), the same code in a build for avx512
  * (AVX-512 registers) and in one for avx2 (AVX2+FMA+F16C); isa.h, kernels/isa.py picks the build
  * from the CPU's features. The generic build has only the portable loop.
@@ -107,7 +107,9 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
 
 #if defined(KVPILOT_ISA_AVX512) || defined(KVPILOT_ISA_AVX2)
 /*
- * Vectorized path for the common shape: head_dim 64, block size 16, K transposed, 1 <= G <= 8, K/V in
+ * Vectorized path: head_dim D a multiple of 16 up to MAX_FD (256: 64, 96, 128 and 256 are what models use; 64
+ * and 128 are constants in their own instantiations, others a runtime bound), block size 16, K transposed,
+ * 1 <= G <= 24 (a tile holds one token's query rows at least), K/V in
  * float32, bfloat16, float16, int8 or float8 e4m3fn (widened to float32 in registers: every product
  * is a float32 one; no bf16 dot product, see docs/runtime.md "Precision"; a quantized cache's scales
  * multiply the scores and P, once per key). Every token takes the tiles below (tile_item); other
@@ -120,15 +122,16 @@ static inline void store_row(void *base, int dt, size_t off, int n, const float 
  * two __m256 at avx2 (AVX2 + FMA + F16C). Only the register blocking differs (32 zmm registers
  * against 16 ymm): QK_ROWS query rows per S group (8 at avx512: 8 accumulators; 6 at avx2: 12 ymm),
  * and P.V over PV_ROWS rows x PV_COLS x 16 output columns per pass (4 x 64 at avx512: 16 zmm
- * accumulators; 6 x 16 at avx2: 12 ymm, four passes over the chunk's V rows, in L1 by then).
+ * accumulators, a narrower last pass where D is not a multiple of 64; 6 x 16 at avx2: 12 ymm, D / 16
+ * passes over the chunk's V rows, in L1 by then).
  */
 #include <immintrin.h>
 
 #define KVPILOT_FAST 1
-#define FD 64
+#define MAX_FD 256 /* head_dim of the vectorized path: a multiple of 16 up to this */
 #define quantized(dt) ((dt) == DT_I8 || (dt) == DT_FP8) /* scales per (token, head) */
 #define FBS 16
-#define MAX_FG 8
+#define MAX_FG 24 /* = TROWS: a tile holds one token's G query rows at least */
 #define NEG_BIG (-1e30f) /* stands in for -inf: -ffast-math assumes there are no infinities */
 #define VI static inline __attribute__((always_inline))
 
@@ -317,13 +320,13 @@ static inline int tile_tokens(int G) { return TROWS / G; }
  * per chunk, or the hardware prefetcher alone, left a decode at 16k keys 1.25x slower at avx512: a
  * block's tiles are 4 KiB apart in the pool; with nothing left to fetch, pk / pv name the current
  * tile, so that the loop has no branch) */
-VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const float *qr, const void *k_cache,
+VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const int D, const float *qr, const void *k_cache,
                 const size_t *tile, const v16 *ks, float *sp, const char *const *pk, const char *const *pv) {
     const int PSTEP = (int)(64 / (FBS * elem_size(dt))); /* K^T rows per 64-byte line: 1 (f32), 2, 4 (int8) */
     v16 s[QK_ROWS][QK_BLOCKS];
     for (int j = 0; j < NR; j++)
         for (int b = 0; b < NB; b++) s[j][b] = vzero();
-    for (int d = 0; d < FD; d++) {
+    for (int d = 0; d < D; d++) {
         if (PF && d % PSTEP == 0) /* one line of a later block's K and V tiles per PSTEP rows */
             for (int b = 0; b < NB; b++) {
                 _mm_prefetch(pk[b] + (d / PSTEP) * 64, _MM_HINT_T1);
@@ -332,7 +335,7 @@ VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const fl
         v16 k[QK_BLOCKS];
         for (int b = 0; b < NB; b++) k[b] = ld16(k_cache, dt, tile[b] + (size_t)d * FBS);
         for (int j = 0; j < NR; j++) {
-            const v16 q = vset1(qr[j * FD + d]);
+            const v16 q = vset1(qr[j * D + d]);
             for (int b = 0; b < NB; b++) s[j][b] = vfmadd(q, k[b], s[j][b]);
         }
     }
@@ -340,32 +343,47 @@ VI void qk_rows(const int NR, const int NB, const int PF, const int dt, const fl
         for (int b = 0; b < NB; b++) vstore(sp + j * TKC + b * FBS, quantized(dt) ? vmul(s[j][b], ks[b]) : s[j][b]);
 }
 
-/* O rows [NR][64] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp, for int8
- * already times the values' scales), PV_COLS x 16 output columns a pass: NR x PV_COLS accumulators,
- * one V load per NR broadcast-FMAs */
-VI void pv_rows(const int NR, const int dt, float *o, const float *sp, const float *corr, int c0, int nk,
-                const void *v_cache, const int32_t *table, int Hkv, int h, int vhm) {
-    for (int col = 0; col < FD; col += PV_COLS * 16) {
-        v16 acc[PV_ROWS][PV_COLS];
-        for (int j = 0; j < NR; j++) {
-            const v16 cv = vset1(corr[j]);
-            for (int c = 0; c < PV_COLS; c++) acc[j][c] = vmul(vload(o + j * FD + col + c * 16), cv);
-        }
-        for (int bb = 0; bb * FBS < nk; bb++) {
-            const size_t blk = (size_t)table[c0 / FBS + bb];
-            const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
-            for (int kr = 0; kr < n; kr++) {
-                const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)FD;
-                v16 v[PV_COLS];
-                for (int c = 0; c < PV_COLS; c++) v[c] = ld16(v_cache, dt, off + (size_t)(col + c * 16));
-                for (int j = 0; j < NR; j++) {
-                    const v16 p = vset1(sp[j * TKC + bb * FBS + kr]);
-                    for (int c = 0; c < PV_COLS; c++) acc[j][c] = vfmadd(p, v[c], acc[j][c]);
-                }
+/* O rows [NR][D] = corr O + P V over the chunk's nk keys from key c0 (P rows [NR][TKC] in sp, for int8
+ * already times the values' scales), columns [col, col + 16 NC): NR x NC accumulators, one V load per NR
+ * broadcast-FMAs */
+VI void pv_cols(const int NR, const int NC, const int dt, const int D, int col, float *o, const float *sp,
+                const float *corr, int c0, int nk, const void *v_cache, const int32_t *table, int Hkv, int h,
+                int vhm) {
+    v16 acc[PV_ROWS][PV_COLS];
+    for (int j = 0; j < NR; j++) {
+        const v16 cv = vset1(corr[j]);
+        for (int c = 0; c < NC; c++) acc[j][c] = vmul(vload(o + j * D + col + c * 16), cv);
+    }
+    for (int bb = 0; bb * FBS < nk; bb++) {
+        const size_t blk = (size_t)table[c0 / FBS + bb];
+        const int n = nk - bb * FBS < FBS ? nk - bb * FBS : FBS;
+        for (int kr = 0; kr < n; kr++) {
+            const size_t off = (vhm ? (blk * Hkv + h) * FBS + kr : (blk * FBS + kr) * Hkv + h) * (size_t)D;
+            v16 v[PV_COLS];
+            for (int c = 0; c < NC; c++) v[c] = ld16(v_cache, dt, off + (size_t)(col + c * 16));
+            for (int j = 0; j < NR; j++) {
+                const v16 p = vset1(sp[j * TKC + bb * FBS + kr]);
+                for (int c = 0; c < NC; c++) acc[j][c] = vfmadd(p, v[c], acc[j][c]);
             }
         }
-        for (int j = 0; j < NR; j++)
-            for (int c = 0; c < PV_COLS; c++) vstore(o + j * FD + col + c * 16, acc[j][c]);
+    }
+    for (int j = 0; j < NR; j++)
+        for (int c = 0; c < NC; c++) vstore(o + j * D + col + c * 16, acc[j][c]);
+}
+
+/* pv_cols over all D columns, PV_COLS x 16 a pass (the last pass narrower where D is not a multiple of that) */
+VI void pv_rows(const int NR, const int dt, const int D, float *o, const float *sp, const float *corr, int c0, int nk,
+                const void *v_cache, const int32_t *table, int Hkv, int h, int vhm) {
+    for (int col = 0; col < D; col += PV_COLS * 16) {
+        const int left = (D - col) / 16;
+#define PV_COLS_N(NC) pv_cols(NR, NC, dt, D, col, o, sp, corr, c0, nk, v_cache, table, Hkv, h, vhm)
+        if (left >= PV_COLS) PV_COLS_N(PV_COLS);
+#if PV_COLS == 4
+        else if (left == 3) PV_COLS_N(3);
+        else if (left == 2) PV_COLS_N(2);
+        else PV_COLS_N(1);
+#endif
+#undef PV_COLS_N
     }
 }
 
@@ -390,8 +408,8 @@ VI v16 block_scales(const int dt, const uint16_t *scale, size_t blk, int Hkv, in
 
 /* One segment's keys [s0, s1) (SEG-aligned) of a tile's rows: o the unnormalized P V (online softmax from a
  * fresh state), mo / lo each row's running max and sum (seg_fold merges the segments) */
-VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], scaled, pad rows 0 */,
-                  float *o /* [TROWS][64], 64-byte aligned */, const int *rctx /* [TROWS] keys each row may see */,
+VI void tile_item(const int dt, const int D, const int R, const float *qs /* [TROWS][D], scaled, pad rows 0 */,
+                  float *o /* [TROWS][D], 64-byte aligned */, const int *rctx /* [TROWS] keys each row may see */,
                   const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                   const int32_t *table, int Hkv, int h, int vhm, int s0, int s1, float *mo, float *lo) {
     float sb[TROWS][TKC] __attribute__((aligned(64)));
@@ -399,14 +417,14 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
     const int small = R <= SMALL_R; /* a decode of G <= 4 query heads: its rows alone, QK_BLOCKS blocks a pass */
     const int qrows = small ? R : QK_ROWS, prows = small ? R : PV_ROWS;
     const int Rq = (R + qrows - 1) / qrows * qrows, Rp = (R + prows - 1) / prows * prows;
-    const size_t tile_bytes = (size_t)FD * FBS * elem_size(dt);
+    const size_t tile_bytes = (size_t)D * FBS * elem_size(dt);
     int ctx_max = 0;
     for (int r = 0; r < R; r++) ctx_max = rctx[r] > ctx_max ? rctx[r] : ctx_max;
     const int ctx_blocks = (ctx_max + FBS - 1) / FBS;
     for (int r = 0; r < Rp; r++) {
         m[r] = NEG_BIG;
         l[r] = 0.0f;
-        for (int c = 0; c < FD; c += 16) vstore(o + r * FD + c, vzero());
+        for (int c = 0; c < D; c += 16) vstore(o + r * D + c, vzero());
     }
     const int cend = ctx_max < s1 ? ctx_max : s1;
     for (int c0 = s0; c0 < cend; c0 += TKC) {
@@ -420,7 +438,7 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
             const char *pk[QK_BLOCKS], *pv[QK_BLOCKS];
             for (int b = 0; b < nb; b++) {
                 const size_t blk = (size_t)table[c0 / FBS + bb + b];
-                tile[b] = (blk * Hkv + h) * (size_t)FD * FBS;
+                tile[b] = (blk * Hkv + h) * (size_t)D * FBS;
                 const int ahead = (c0 + PF_CHUNKS * TKC) / FBS + bb + b;
                 const size_t nbl = ahead < ctx_blocks ? (size_t)table[ahead] : blk;
                 pk[b] = (const char *)k_cache + (nbl * Hkv + h) * tile_bytes;
@@ -428,7 +446,7 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
                 ks[b] = quantized(dt) ? block_scales(dt, k_scale, blk, Hkv, h, nk - (bb + b) * FBS) : vset1(1.0f);
             }
             if (small) {
-#define QK_NB(NR, NB) qk_rows(NR, NB, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv)
+#define QK_NB(NR, NB) qk_rows(NR, NB, 1, dt, D, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv)
 #if QK_BLOCKS == 4
 #define QK_SMALL(NR)                                                                                           \
     switch (nb) {                                                                                              \
@@ -448,9 +466,9 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
 #undef QK_SMALL
 #undef QK_NB
             } else {
-                qk_rows(QK_ROWS, 1, 1, dt, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv); /* prefetches */
+                qk_rows(QK_ROWS, 1, 1, dt, D, qs, k_cache, tile, ks, &sb[0][bb * FBS], pk, pv); /* prefetches */
                 for (int r0 = QK_ROWS; r0 < Rq; r0 += QK_ROWS)
-                    qk_rows(QK_ROWS, 1, 0, dt, qs + r0 * FD, k_cache, tile, ks, &sb[r0][bb * FBS], pk, pv);
+                    qk_rows(QK_ROWS, 1, 0, dt, D, qs + r0 * D, k_cache, tile, ks, &sb[r0][bb * FBS], pk, pv);
             }
             bb += nb;
         }
@@ -489,12 +507,12 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
         }
         /* O = corr O + P V, prows rows at a time */
         if (small) {
-#define PV_SMALL(NR) pv_rows(NR, dt, o, &sb[0][0], corr, c0, nk, v_cache, table, Hkv, h, vhm)
+#define PV_SMALL(NR) pv_rows(NR, dt, D, o, &sb[0][0], corr, c0, nk, v_cache, table, Hkv, h, vhm)
             BY_ROWS(R, PV_SMALL)
 #undef PV_SMALL
         } else {
             for (int r0 = 0; r0 < Rp; r0 += PV_ROWS)
-                pv_rows(PV_ROWS, dt, o + r0 * FD, &sb[r0][0], corr + r0, c0, nk, v_cache, table, Hkv, h, vhm);
+                pv_rows(PV_ROWS, dt, D, o + r0 * D, &sb[r0][0], corr + r0, c0, nk, v_cache, table, Hkv, h, vhm);
         }
     }
     for (int r = 0; r < R; r++) mo[r] = m[r], lo[r] = l[r];
@@ -503,53 +521,62 @@ VI void tile_item(const int dt, const int R, const float *qs /* [TROWS][64], sca
 /* (M, L, O) of R rows, folded with one segment's (m, l, o): a row's segments in key order, by the same
  * arithmetic whichever thread computed each; folded into the empty state (M = NEG_BIG, L = 0, O = 0) a
  * segment passes through exactly, so a context of one segment is what the unsegmented loop gave */
-static inline void seg_fold(int R, float *M, float *L, float *O, const float *m, const float *l, const float *o) {
+static inline void seg_fold(int R, int D, float *M, float *L, float *O, const float *m, const float *l, const float *o) {
     for (int r = 0; r < R; r++) {
         const float mx = m[r] > M[r] ? m[r] : M[r];
         const float a = M[r] == mx ? 1.0f : (M[r] == NEG_BIG ? 0.0f : expf(M[r] - mx));
         const float b = m[r] == mx ? 1.0f : (m[r] == NEG_BIG ? 0.0f : expf(m[r] - mx));
         const v16 va = vset1(a), vb = vset1(b);
-        for (int c = 0; c < FD; c += 16)
-            vstore(O + r * FD + c, vfmadd(vload(O + r * FD + c), va, vmul(vload(o + r * FD + c), vb)));
+        for (int c = 0; c < D; c += 16)
+            vstore(O + r * D + c, vfmadd(vload(O + r * D + c), va, vmul(vload(o + r * D + c), vb)));
         L[r] = L[r] * a + l[r] * b;
         M[r] = mx;
     }
 }
 
-static inline void seg_empty(int R, float *M, float *L, float *O) {
+static inline void seg_empty(int R, int D, float *M, float *L, float *O) {
     for (int r = 0; r < R; r++) {
         M[r] = NEG_BIG, L[r] = 0.0f;
-        for (int c = 0; c < FD; c += 16) vstore(O + r * FD + c, vzero());
+        for (int c = 0; c < D; c += 16) vstore(O + r * D + c, vzero());
     }
 }
 
 /* o = O / L, row by row (0 where a row saw no key) */
-static inline void seg_normalize(int R, const float *L, float *O) {
+static inline void seg_normalize(int R, int D, const float *L, float *O) {
     for (int r = 0; r < R; r++) {
         const v16 inv = vset1(L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
-        for (int c = 0; c < FD; c += 16) vstore(O + r * FD + c, vmul(vload(O + r * FD + c), inv));
+        for (int c = 0; c < D; c += 16) vstore(O + r * D + c, vmul(vload(O + r * D + c), inv));
     }
 }
 
 static int fast_path_applies(int G, int D, int BS, int kv_dtype, int k_transposed) {
-    return G >= 1 && G <= MAX_FG && D == FD && BS == FBS && k_transposed &&
+    return G >= 1 && G <= MAX_FG && D >= 16 && D <= MAX_FD && D % 16 == 0 && BS == FBS && k_transposed &&
            (kv_dtype == DT_F32 || kv_dtype == DT_BF16 || kv_dtype == DT_F16 || kv_dtype == DT_I8 ||
             kv_dtype == DT_FP8);
 }
 
-#define TILE_DT(dt) \
-    tile_item(dt, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm, s0, s1, m, l)
-static void tile_dispatch(int kv_dtype, int R, const float *qs, float *o, const int *rctx, const void *k_cache,
+/* tile_item for a cache dtype and head_dim, each a constant in its instantiation where common (64, 128) */
+#define TILE_DT(dt, DC) \
+    tile_item(dt, DC, R, qs, o, rctx, k_cache, v_cache, k_scale, v_scale, table, Hkv, h, vhm, s0, s1, m, l)
+#define TILE_D(dt)                                                                                             \
+    switch (D) {                                                                                               \
+        case 64: TILE_DT(dt, 64); break;                                                                       \
+        case 128: TILE_DT(dt, 128); break;                                                                     \
+        default: TILE_DT(dt, D); break;                                                                        \
+    }
+static void tile_dispatch(int kv_dtype, int D, int R, const float *qs, float *o, const int *rctx, const void *k_cache,
                           const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                           const int32_t *table, int Hkv, int h, int vhm, int s0, int s1, float *m, float *l) {
     switch (kv_dtype) {
-        case DT_F32: TILE_DT(DT_F32); break;
-        case DT_BF16: TILE_DT(DT_BF16); break;
-        case DT_F16: TILE_DT(DT_F16); break;
-        case DT_FP8: TILE_DT(DT_FP8); break;
-        default: TILE_DT(DT_I8); break;
+        case DT_F32: TILE_D(DT_F32); break;
+        case DT_BF16: TILE_D(DT_BF16); break;
+        case DT_F16: TILE_D(DT_F16); break;
+        case DT_FP8: TILE_D(DT_FP8); break;
+        default: TILE_D(DT_I8); break;
     }
 }
+#undef TILE_D
+#undef TILE_DT
 
 /* A row's keys are taken in segments of SEG (a multiple of TKC) at absolute positions, each from a fresh
  * online softmax, and the segments folded in key order (seg_fold): the same sums whether one thread
@@ -566,7 +593,7 @@ typedef struct { /* the arguments of one kvpilot_paged_attention call the tiles 
     void *out;
     const uint16_t *k_scale, *v_scale;
     const int32_t *block_tables, *query_start_loc, *seq_lens;
-    int q_dtype, kv_dtype, vhm, max_blocks, G, Hq, Hkv;
+    int q_dtype, kv_dtype, vhm, max_blocks, G, Hq, Hkv, D;
     float sm_scale;
 } att_call;
 
@@ -576,11 +603,12 @@ static int tile_load(const att_call *c, const int32_t *u, int h, float *qs, int 
     const int b = u[0], t = u[1], R = u[2] * c->G;
     const int qlen = c->query_start_loc[b + 1] - c->query_start_loc[b];
     const int ctx = c->seq_lens[b] - qlen + (t - c->query_start_loc[b]) + 1; /* keys the first token may see */
-    memset(qs, 0, sizeof(float) * TROWS * FD);
+    const int D = c->D;
+    memset(qs, 0, sizeof(float) * TROWS * D);
     for (int r = 0; r < R; r++) {
         const int i = r / c->G, g = r % c->G;
-        load_row(c->q, c->q_dtype, ((size_t)(t + i) * c->Hq + (size_t)h * c->G + g) * FD, FD, 1.0f, qs + r * FD);
-        for (int d = 0; d < FD; d++) qs[r * FD + d] *= c->sm_scale;
+        load_row(c->q, c->q_dtype, ((size_t)(t + i) * c->Hq + (size_t)h * c->G + g) * D, D, 1.0f, qs + r * D);
+        for (int d = 0; d < D; d++) qs[r * D + d] *= c->sm_scale;
         rctx[r] = ctx + i;
     }
     return R;
@@ -588,13 +616,13 @@ static int tile_load(const att_call *c, const int32_t *u, int h, float *qs, int 
 
 static void tile_store(const att_call *c, const int32_t *u, int h, int R, const float *o) {
     for (int r = 0; r < R; r++)
-        store_row(c->out, c->q_dtype, ((size_t)(u[1] + r / c->G) * c->Hq + (size_t)h * c->G + r % c->G) * FD, FD,
-                  o + r * FD);
+        store_row(c->out, c->q_dtype, ((size_t)(u[1] + r / c->G) * c->Hq + (size_t)h * c->G + r % c->G) * c->D,
+                  c->D, o + r * c->D);
 }
 
 static void tile_seg(const att_call *c, const int32_t *u, int h, int R, const float *qs, const int *rctx, int s0,
                      float *o, float *m, float *l) {
-    tile_dispatch(c->kv_dtype, R, qs, o, rctx, c->k_cache, c->v_cache, c->k_scale, c->v_scale,
+    tile_dispatch(c->kv_dtype, c->D, R, qs, o, rctx, c->k_cache, c->v_cache, c->k_scale, c->v_scale,
                   c->block_tables + (size_t)u[0] * c->max_blocks, c->Hkv, h, c->vhm, s0, s0 + SEG, m, l);
 }
 
@@ -607,39 +635,39 @@ static inline int tile_segs(const att_call *c, const int32_t *u) {
 
 /* unit u's attention for kv head h, its segments in turn on this thread */
 static void tile_whole(const att_call *c, const int32_t *u, int h) {
-    float qs[TROWS * FD] __attribute__((aligned(64))), o[TROWS * FD] __attribute__((aligned(64)));
-    float os[TROWS * FD] __attribute__((aligned(64)));
+    float qs[TROWS * MAX_FD] __attribute__((aligned(64))), o[TROWS * MAX_FD] __attribute__((aligned(64)));
+    float os[TROWS * MAX_FD] __attribute__((aligned(64)));
     float M[TROWS], L[TROWS], ms[TROWS], ls[TROWS];
     int rctx[TROWS];
     const int R = tile_load(c, u, h, qs, rctx);
     if (rctx[R - 1] <= SEG) { /* one segment: what folding it into the empty state gives, without the copy */
         tile_seg(c, u, h, R, qs, rctx, 0, o, M, L);
-        seg_normalize(R, L, o);
+        seg_normalize(R, c->D, L, o);
         tile_store(c, u, h, R, o);
         return;
     }
-    seg_empty(R, M, L, o);
+    seg_empty(R, c->D, M, L, o);
     for (int s0 = 0; s0 < rctx[R - 1]; s0 += SEG) {
         tile_seg(c, u, h, R, qs, rctx, s0, os, ms, ls);
-        seg_fold(R, M, L, o, ms, ls, os);
+        seg_fold(R, c->D, M, L, o, ms, ls, os);
     }
-    seg_normalize(R, L, o);
+    seg_normalize(R, c->D, L, o);
     tile_store(c, u, h, R, o);
 }
 
-/* One segment's partial result in the split's scratch: o [rows_o][64] (the rows tile_item writes: R up
+/* One segment's partial result in the split's scratch: o [rows_o][D] (the rows tile_item writes: R up
  * to its last row group), then m [R], then l [R]; `rec` floats a record, a multiple of 16 (64-byte
  * aligned records) */
 typedef struct {
     long rows_o, rmax, rec;
 } seg_layout;
 
-static seg_layout seg_layout_for(int rmax) {
+static seg_layout seg_layout_for(int rmax, int D) {
     const int groups = QK_ROWS > PV_ROWS ? QK_ROWS : PV_ROWS; /* tile_item's row groups pad R up to these */
     long rows_o = (rmax + groups - 1) / groups * groups;
     rows_o = rows_o < TROWS ? rows_o : TROWS;
     if (rmax <= SMALL_R) rows_o = rmax; /* a decode's rows alone */
-    const seg_layout lay = {rows_o, rmax, (rows_o * FD + 2 * rmax + 15) / 16 * 16};
+    const seg_layout lay = {rows_o, rmax, (rows_o * D + 2 * rmax + 15) / 16 * 16};
     return lay;
 }
 
@@ -661,14 +689,14 @@ static float *split_scratch(size_t floats) {
 static void tile_fold(const att_call *c, const int32_t *u, int h, const float *recs /* its first segment's */,
                       int nseg, seg_layout lay) {
     const int R = u[2] * c->G;
-    float o[TROWS * FD] __attribute__((aligned(64)));
+    float o[TROWS * MAX_FD] __attribute__((aligned(64)));
     float M[TROWS], L[TROWS];
-    seg_empty(R, M, L, o);
+    seg_empty(R, c->D, M, L, o);
     for (int e = 0; e < nseg; e++) {
         const float *rec = recs + (size_t)e * c->Hkv * lay.rec;
-        seg_fold(R, M, L, o, rec + lay.rows_o * FD, rec + lay.rows_o * FD + lay.rmax, rec);
+        seg_fold(R, c->D, M, L, o, rec + lay.rows_o * c->D, rec + lay.rows_o * c->D + lay.rmax, rec);
     }
-    seg_normalize(R, L, o);
+    seg_normalize(R, c->D, L, o);
     tile_store(c, u, h, R, o);
 }
 
@@ -684,7 +712,7 @@ static int tiles_split(const att_call *c, const int32_t *units, long nunits, int
     const long E = first[nunits];
     int rmax = 1;
     for (long n = 0; n < nunits; n++) rmax = units[4 * n + 2] * c->G > rmax ? units[4 * n + 2] * c->G : rmax;
-    const seg_layout lay = seg_layout_for(rmax);
+    const seg_layout lay = seg_layout_for(rmax, c->D);
     int32_t *unit_of = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E > 0 ? E : 1));
     int *done = (int *)calloc((size_t)(nunits * Hkv > 0 ? nunits * Hkv : 1), sizeof(int));
     float *part = split_scratch((size_t)(lay.rec * (E * Hkv > 0 ? E * Hkv : 1)));
@@ -699,12 +727,12 @@ static int tiles_split(const att_call *c, const int32_t *units, long nunits, int
         const long e = it / Hkv, n = unit_of[e];
         const int h = (int)(it % Hkv), nseg = (int)(first[n + 1] - first[n]);
         const int32_t *u = units + 4 * n;
-        float qs[TROWS * FD] __attribute__((aligned(64)));
+        float qs[TROWS * MAX_FD] __attribute__((aligned(64)));
         int rctx[TROWS];
         const int R = tile_load(c, u, h, qs, rctx);
         float *rec = part + it * lay.rec;
-        tile_seg(c, u, h, R, qs, rctx, (int)(e - first[n]) * SEG, rec, rec + lay.rows_o * FD,
-                 rec + lay.rows_o * FD + lay.rmax);
+        tile_seg(c, u, h, R, qs, rctx, (int)(e - first[n]) * SEG, rec, rec + lay.rows_o * c->D,
+                 rec + lay.rows_o * c->D + lay.rmax);
         /* acquire-release: the last to finish sees every other segment's writes */
         if (__atomic_add_fetch(&done[n * Hkv + h], 1, __ATOMIC_ACQ_REL) == nseg)
             tile_fold(c, u, h, part + (first[n] * Hkv + h) * lay.rec, nseg, lay);
@@ -759,7 +787,7 @@ int kvpilot_paged_attention(
     const long items = nunits * Hkv;
 #if defined(KVPILOT_FAST)
     const att_call call = {q,        k_cache,         v_cache,  out, k_scale,  v_scale, block_tables, query_start_loc,
-                           seq_lens, q_dtype,         kv_dtype, v_head_major, max_blocks, G, Hq, Hkv, sm_scale};
+                           seq_lens, q_dtype,         kv_dtype, v_head_major, max_blocks, G, Hq, Hkv, D, sm_scale};
     int segs = 1; /* the most segments of any tile */
     for (long n = 0; fast && items < SPLIT_ITEMS * (long)num_threads && n < nunits; n++) {
         const int sn = tile_segs(&call, units + 4 * n);

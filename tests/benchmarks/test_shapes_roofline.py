@@ -26,6 +26,7 @@ def test_shapes_have_the_published_parameter_counts() -> None:
     # Llama-3.2-1B: 1,235,814,400 parameters (tied embeddings); Llama-3.1-8B: 8,030,261,248
     assert shapes.SHAPES["llama-1b"].params == 1_235_814_400
     assert shapes.SHAPES["llama-8b"].params == 8_030_261_248
+    assert shapes.SHAPES["llama-3b"].params == 3_212_749_824  # Llama-3.2-3B's count
 
 
 @pytest.mark.parametrize("name", sorted(shapes.SHAPES))

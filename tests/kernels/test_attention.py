@@ -330,15 +330,15 @@ def test_bf16_cache_fast_path_is_float32_exact_past_the_cache(level: str) -> Non
 
 
 def _paged_step(
-    hq: int, hkv: int, ctx: list[int], new: list[int], dtype: torch.dtype, seed: int
+    hq: int, hkv: int, ctx: list[int], new: list[int], dtype: torch.dtype, seed: int, d: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor, KVCacheLayer, AttentionMetadata]:
-    """A step over sequences with `ctx` cached and `new` new tokens (d 64, block 16, the kernel's
-    tiled K/V layout), blocks shuffled in the pool, unused slots NaN; returns (out of the reference, q,
-    cache, meta)."""
+    """A step over sequences with `ctx` cached and `new` new tokens (head_dim d, block 16, the
+    kernel's tiled K/V layout), blocks shuffled in the pool, unused slots NaN; returns (out of the
+    reference, q, cache, meta)."""
     from kvpilot.kernels.attention import write_kv
 
     torch.manual_seed(seed)
-    d, bs = 64, 16
+    bs = 16
     tables, num_blocks = scattered_tables(ctx, new, bs, spare=3)
     shape = (num_blocks, bs, hkv, d)
     k = cpu_attention.transposed_k_cache(*shape, dtype=dtype)
@@ -394,6 +394,86 @@ def test_prefill_tiles_match_reference(level: str, dtype: torch.dtype, heads: tu
     assert torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+# (head_dim, (q heads, kv heads)) of real model families: Llama-3.1-8B / Mistral-7B (128, G 4), Qwen2.5-7B
+# (128, G 7), Phi-3-mini (96, MHA: the 512-bit build's last column pass is two vectors wide), an 80-wide
+# head (one vector), Gemma (256), and groups past 8 query heads a KV head (G 12, 16, 24: tiles of one or
+# two tokens)
+REAL_HEADS = [
+    (128, (32, 8)),
+    (128, (28, 4)),
+    (96, (32, 32)),
+    (80, (8, 2)),
+    (256, (8, 4)),
+    (64, (24, 2)),
+    (128, (16, 1)),
+    (112, (24, 1)),
+]
+REAL_HEAD_IDS = ["d128-g4", "d128-g7", "d96-mha", "d80-g4", "d256-g2", "d64-g12", "d128-g16", "d112-g24"]
+
+
+@pytest.mark.parametrize("level", FAST_LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("d", "heads"), REAL_HEADS, ids=REAL_HEAD_IDS)
+def test_real_model_head_sizes_take_the_tiles(
+    level: str, dtype: torch.dtype, d: int, heads: tuple[int, int]
+) -> None:
+    """Every head_dim that is a multiple of 16 up to 256 and every group of up to 24 query heads a KV
+    head takes the vectorized path (before: head_dim 64 and G <= 8 only, so a Llama-3.1-8B or Qwen2.5-7B
+    prefill read its whole context once per token in the portable loop), and matches the reference on
+    prefill tiles beside decodes over NaN stale slots."""
+    if not cpu_attention.available(level):
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    hq, hkv = heads
+    want, q, cache, meta = _paged_step(hq, hkv, [37, 0, 70], [60, 33, 1], dtype, seed=11, d=d)
+    assert cpu_attention.fast_path(hq, cache, level)
+    got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
+    assert torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("level", FAST_LEVELS)
+@pytest.mark.parametrize(("d", "heads"), REAL_HEADS[:5], ids=REAL_HEAD_IDS[:5])
+def test_real_model_head_sizes_attend_alike_in_chunks_and_segments(
+    level: str, d: int, heads: tuple[int, int]
+) -> None:
+    """The chunk invariance at the wider heads: a 700-token prompt (two segments of keys for its last
+    tiles) in one step and in chunks down to single tokens gives the same outputs bit for bit, and the
+    last tokens as decodes split across threads too."""
+    if not cpu_attention.available(level):
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    n = 700
+    _, q, cache, meta = _paged_step(*heads, [0], [n], torch.bfloat16, seed=13, d=d)
+    whole = cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
+    parts, start = [], 0
+    for size in (1, 2, 97, 1, 1, 598):
+        chunk = _chunk_of(meta, start, size)
+        parts.append(
+            cpu_attention.paged_attention(q[start : start + size], cache, chunk, d**-0.5, level=level)
+        )
+        start += size
+    assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize("level", FAST_LEVELS)
+@pytest.mark.parametrize("d", [72, 320])
+def test_head_sizes_off_the_tiles_take_the_portable_loop(level: str, d: int) -> None:
+    """A head_dim that is not a multiple of 16, or wider than 256, is not the vectorized path's: the
+    portable loop answers it, as exactly."""
+    if not cpu_attention.available(level):
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    if d > 256:  # the portable loop's own limit is 256 too: the kernel refuses it, and says so
+        want, q, cache, meta = _paged_step(4, 2, [20], [9], torch.float32, seed=17, d=d)
+        assert not cpu_attention.fast_path(4, cache, level)
+        with pytest.raises(ValueError, match="rejected its arguments"):
+            cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
+        return
+    want, q, cache, meta = _paged_step(4, 2, [20, 0], [9, 40], torch.float32, seed=17, d=d)
+    assert not cpu_attention.fast_path(4, cache, level)
+    got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5)
 
 
 def _chunk_of(meta: AttentionMetadata, start: int, n: int) -> AttentionMetadata:
