@@ -108,6 +108,28 @@ def fast_path(num_q_heads: int, cache: KVCacheLayer, level: str | None = None) -
     )
 
 
+def describe_path(num_q_heads: int, cache: KVCacheLayer) -> tuple[bool, str]:
+    """(whether the vectorized path runs these heads and this cache, a line that says which path and,
+    for the portable loop, what the vectorized one needs): the engine logs it once."""
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    level = built_isa()
+    shape = (
+        f"{num_q_heads} query / {num_kv_heads} KV heads, head_dim {head_dim}, block size {block_size}, "
+        f"{str(cache.k.dtype).removeprefix('torch.')} cache"
+    )
+    if fast_path(num_q_heads, cache):
+        return True, f"CPU attention: the vectorized path at {level} ({shape})"
+    needs = (
+        "an avx2 or avx512 build"
+        if level == "generic"
+        else "block size 16, a head_dim that is a multiple of 16 up to 256 and at most 24 query heads a KV head"
+    )
+    return (
+        False,
+        f"CPU attention takes the portable loop, several times slower ({shape}): the vectorized path needs {needs}",
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     cache: KVCacheLayer,
@@ -163,6 +185,9 @@ class CPUPagedAttentionBackend:
     name = "cpu-paged"
     tiled_kv = True  # the model runner allocates transposed_k_cache() K and head_major_v_cache() V
 
+    def __init__(self) -> None:
+        self._path_logged = False  # describe_path's line, once, at the first call (q's heads known there)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -176,4 +201,8 @@ class CPUPagedAttentionBackend:
             cpu_ops.write_kv_(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         else:
             write_kv(k, v, cache, meta.slot_mapping)
+        if not self._path_logged:
+            self._path_logged = True
+            fast, line = describe_path(q.shape[1], cache)
+            (log.info if fast else log.warning)(line)
         return paged_attention(q, cache, meta, scale)

@@ -476,6 +476,28 @@ def test_head_sizes_off_the_tiles_take_the_portable_loop(level: str, d: int) -> 
     torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_the_backend_says_once_which_path_its_heads_take(caplog: pytest.LogCaptureFixture) -> None:
+    """At its first call the backend logs the path these heads and this cache take: a head size off
+    the vectorized path is a warning that names it and what the fast path needs; later calls say
+    nothing more."""
+    if not cpu_attention.available():
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    vectorized = cpu_attention.built_isa() != "generic"
+    for d, fast in ((128, vectorized), (72, False)):
+        _, q, cache, meta = _paged_step(8, 2, [5], [3], torch.float32, seed=1, d=d)
+        backend = cpu_attention.CPUPagedAttentionBackend()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="kvpilot.kernels.cpu_attention"):
+            for _ in range(2):
+                backend.forward(q, torch.randn(3, 2, d), torch.randn(3, 2, d), cache, meta, d**-0.5)
+        lines = [r for r in caplog.records if "CPU attention" in r.getMessage()]
+        assert len(lines) == 1
+        assert f"head_dim {d}" in lines[0].getMessage()
+        assert (lines[0].levelname == "INFO") == fast
+        if not fast:
+            assert "portable loop" in lines[0].getMessage()
+
+
 def _chunk_of(meta: AttentionMetadata, start: int, n: int) -> AttentionMetadata:
     """One sequence's tokens start..start + n of a whole-prompt step `meta`, as a step of their own."""
     return AttentionMetadata(
