@@ -19,7 +19,7 @@ from kvpilot.kernels import qlinear
 from kvpilot.kernels.qlinear import QuantizedWeight
 from kvpilot.runtime.load import gguf_blocks
 from kvpilot.runtime.load.gguf_reader import GGUFFile
-from kvpilot.runtime.models import ModelArchConfig, architectures
+from kvpilot.runtime.models import ARCHITECTURES, ModelArchConfig, architectures
 from kvpilot.runtime.models.llama import ROPE_FREQS_NAME
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,13 @@ def _gguf_moe_settings(f: GGUFFile, arch: str) -> dict[str, Any]:
     """The ModelArchConfig MoE fields from `<arch>.expert_*` metadata ({} for a dense model)."""
     experts = int(f.get(f"{arch}.expert_count") or 0)
     if experts == 0:
-        if arch != "llama":
+        if ARCHITECTURES[arch].moe:
             raise ValueError(f"{f.path}: GGUF metadata {arch}.expert_count is missing")
         return {}
+    if arch not in _GGUF_NORM_TOPK:  # a dense-only architecture (llama's experts load as llama-moe)
+        raise ValueError(
+            f"{f.path}: GGUF metadata {arch}.expert_count is {experts}, but {arch} is a dense architecture"
+        )
     layers = int(f.get(f"{arch}.block_count"))
     ff = f.get(f"{arch}.expert_feed_forward_length") or f.get(f"{arch}.feed_forward_length")
     settings: dict[str, Any] = {
@@ -195,7 +199,7 @@ def iter_gguf_weights(
 
     Stacked expert tensors [E, out, in] are dequantized whole and handed out one expert at a time
     under the HF per-expert names. Only the `llama` converter permutes q/k rows for llama.cpp's
-    rotary layout; qwen2moe, qwen3moe and olmoe keep HF's rotate-half rows (llama.cpp's NEOX rope).
+    rotary layout; qwen2, qwen2moe, qwen3moe and olmoe keep HF's rotate-half rows (llama.cpp's NEOX rope).
     """
     names = [n for n in f.tensors if gguf_hf_name(n) is not None or gguf_expert_piece(n) is not None]
     permuted = f.get("general.architecture") == "llama"

@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, "hf", moe=True),
     "OlmoeForCausalLM": Architecture(MoEForCausalLM, "hf", moe=True),
     "llama": Architecture(LlamaForCausalLM, "gguf", moe=False),  # Llama, Mistral, SmolLM GGUFs
+    "qwen2": Architecture(LlamaForCausalLM, "gguf", moe=False),  # Qwen2 / Qwen2.5 GGUFs: q/k/v biases
     "llama-moe": Architecture(MoEForCausalLM, "derived", moe=True),  # GGUF llama with expert_count > 0
     "qwen2moe": Architecture(MoEForCausalLM, "gguf", moe=True),
     "qwen3moe": Architecture(MoEForCausalLM, "gguf", moe=True),

@@ -174,12 +174,15 @@ def test_unpermute_inverts_the_converter(shape: tuple[int, ...]) -> None:
     np.testing.assert_array_equal(unpermute_rotary(permuted, 4), w)
 
 
-def write_llama_gguf(path: Path, hf: Any, vocab: int) -> None:
-    """A GGUF from a transformers Llama the way llama.cpp's converter writes one (q/k permuted)."""
+def write_llama_gguf(path: Path, hf: Any, vocab: int, arch: str = "llama", matrices: str = "F16") -> None:
+    """A GGUF from a transformers Llama-family model the way llama.cpp's converter writes one: as
+    `llama` with the q/k rows permuted for its rotary, as `qwen2` with them as HF stores them (its
+    NEOX rope); the layers' matrices in F16 or as Q8_0 blocks (`matrices`), vectors in float32."""
     import gguf
+    from gguf.quants import quantize
 
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -187,7 +190,7 @@ def write_llama_gguf(path: Path, hf: Any, vocab: int) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(50000.0)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     chars = list(byte_to_unicode().values())
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars[: vocab - 3]]
@@ -208,11 +211,15 @@ def write_llama_gguf(path: Path, hf: Any, vocab: int) -> None:
             gguf_name = f"blk.{layer}.{pieces['.'.join(rest[:-1])]}.{rest[-1]}"
         else:
             gguf_name = names[name]
-        if ".attn_q." in gguf_name:
+        if arch == "llama" and ".attn_q." in gguf_name:
             arr = llama_cpp_permute(arr, cfg.num_attention_heads)
-        elif ".attn_k." in gguf_name:
+        elif arch == "llama" and ".attn_k." in gguf_name:
             arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
-        w.add_tensor(gguf_name, arr.astype(np.float16) if arr.ndim == 2 else arr)
+        if arr.ndim == 2 and matrices == "Q8_0" and gguf_name.startswith("blk."):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_name, quantize(arr, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(gguf_name, arr.astype(np.float16) if arr.ndim == 2 else arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -245,6 +252,81 @@ def test_untied_f16_gguf_matches_transformers(tmp_path: Path) -> None:
         ref = hf(torch.tensor([ids])).logits[0]
         ours = _prefill_logits(loaded, ids)
     assert float((ours - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+
+
+def _tiny_qwen2(vocab: int) -> Any:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = tf.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # biases too (transformers zeroes them): a swapped or dropped bias shows
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p).mul_(0.2).half().float())  # exactly representable in F16
+    return hf
+
+
+def test_qwen2_gguf_matches_transformers(tmp_path: Path) -> None:
+    """A dense Qwen2 / Qwen2.5 GGUF (`general.architecture` qwen2: q/k/v biases, q/k rows unpermuted)
+    loads as the Llama family with its biases and gives transformers' logits."""
+    vocab = 80
+    hf = _tiny_qwen2(vocab)
+    path = tmp_path / "qwen.gguf"
+    write_llama_gguf(path, hf, vocab, arch="qwen2")
+    loaded = load_model(EngineConfig(model=str(path)), torch.device("cpu"), torch.float32)
+    assert loaded.arch.architecture == "qwen2"
+    assert loaded.arch.qkv_bias and not loaded.arch.o_bias
+    assert loaded.arch.rope_theta == 1000000.0
+    ids = list(range(3, 20))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+        ours = _prefill_logits(loaded, ids)
+    assert float((ours - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+
+
+def test_qwen2_q8_0_gguf_keeps_its_blocks_and_biases(tmp_path: Path) -> None:
+    """With --quantization auto its Q8_0 matrices load as int8 weights (the file's blocks, no 16-bit
+    copy) beside the float32 q/k/v biases: logits within the quantization's error of transformers'."""
+    vocab = 80
+    hf = _tiny_qwen2(vocab)
+    path = tmp_path / "qwen-q8.gguf"
+    write_llama_gguf(path, hf, vocab, arch="qwen2", matrices="Q8_0")
+    cfg = EngineConfig(model=str(path), quantization="auto")  # the file's blocks as stored
+    loaded = load_model(cfg, torch.device("cpu"), torch.float32)
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight is not None and qkv.qweight.bits == 8
+    assert qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)
+    ids = list(range(3, 20))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+        ours = _prefill_logits(loaded, ids)
+    err = float((ours - ref).abs().max()) / float(ref.abs().max())
+    print(f"\nQ8_0 qwen2: logits within {err:.2g} of transformers' float32")
+    assert err <= 5e-2
+
+
+def test_experts_in_a_dense_gguf_architecture_are_refused(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_uint32("qwen2.expert_count", 8)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with (
+        GGUFFile(path) as f,
+        pytest.raises(ValueError, match=r"qwen2\.expert_count is 8, but qwen2 is a dense"),
+    ):
+        gguf_arch_config(f)
 
 
 def _prefill_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
