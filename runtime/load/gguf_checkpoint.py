@@ -97,6 +97,7 @@ def gguf_arch_config(f: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
         o_bias="blk.0.attn_output.bias" in f.tensors,
+        qk_norm={"qwen3": "head", "qwen3moe": "head", "olmoe": "full"}.get(arch),
         **moe,
         extra={"gguf_name": f.get("general.name"), "file_type": f.get("general.file_type")},
     )
@@ -125,7 +126,6 @@ def _gguf_moe_settings(f: GGUFFile, arch: str) -> dict[str, Any]:
         "dense_mlp_layers": tuple(
             i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors
         ),
-        "qk_norm": {"qwen3moe": "head", "olmoe": "full"}.get(arch),
     }
     clip = f.get(f"{arch}.attention.clamp_kqv")
     if clip is not None:
@@ -199,7 +199,8 @@ def iter_gguf_weights(
 
     Stacked expert tensors [E, out, in] are dequantized whole and handed out one expert at a time
     under the HF per-expert names. Only the `llama` converter permutes q/k rows for llama.cpp's
-    rotary layout; qwen2, qwen2moe, qwen3moe and olmoe keep HF's rotate-half rows (llama.cpp's NEOX rope).
+    rotary layout; qwen2, qwen3, qwen2moe, qwen3moe and olmoe keep HF's rotate-half rows (llama.cpp's
+    NEOX rope).
     """
     names = [n for n in f.tensors if gguf_hf_name(n) is not None or gguf_expert_piece(n) is not None]
     permuted = f.get("general.architecture") == "llama"

@@ -35,8 +35,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def hf_arch_config(directory: Path) -> ModelArchConfig:
-    """ModelArchConfig from a transformers config.json (Llama, Mistral, Qwen2; SmolLM is Llama; the
-    MoE families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+    """ModelArchConfig from a transformers config.json (Llama, Mistral, Qwen2, Qwen3; SmolLM is Llama;
+    the MoE families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     cfg = read_json(directory / "config.json")
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
@@ -48,7 +48,12 @@ def hf_arch_config(directory: Path) -> ModelArchConfig:
     rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-    qwen_window = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    qwen_window = arch in (
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    )
     qkv_bias = bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("attention_bias", False))
     return ModelArchConfig(
         architecture=arch,
@@ -68,6 +73,10 @@ def hf_arch_config(directory: Path) -> ModelArchConfig:
         o_bias=not qwen2 and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         sliding_window=_hf_sliding_window(cfg, qwen_window),
+        # RMSNorm on q and k: per head (Qwen3, dense and MoE) or over the whole projection (OLMoE)
+        qk_norm={"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}.get(
+            arch
+        ),
         **(_hf_moe_settings(arch, cfg) if arch in _HF_MOE_ARCHS else {}),
         extra={
             "model_type": cfg.get("model_type"),
@@ -92,10 +101,7 @@ def _hf_moe_settings(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         settings["dense_mlp_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
     if arch == "Qwen2MoeForCausalLM":
         settings["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
-    if arch == "Qwen3MoeForCausalLM":
-        settings["qk_norm"] = "head"
     if arch == "OlmoeForCausalLM":
-        settings["qk_norm"] = "full"
         clip = cfg.get("clip_qkv")
         settings["clip_qkv"] = float(clip) if clip is not None else None
     return settings

@@ -29,6 +29,7 @@ from kvpilot.runtime.models.layers import (
     VocabParallelEmbedding,
     get_weight_loader,
 )
+from kvpilot.runtime.models.parallel import get_tp_world_size, tp_all_reduce
 
 # checkpoint (HF) name piece -> (our fused parameter piece, shard id)
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
@@ -110,10 +111,91 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector split across tensor-parallel ranks (OLMoE's q/k norm spans all heads).
+
+    This rank holds `shard_size` values (block `shard_index` of the full vector); the sum of squares
+    is all-reduced, and divided by `replicas` when each block lives on that many ranks (KV heads
+    replicated because there are fewer of them than ranks).
+    """
+
+    def __init__(self, full_size: int, shard_size: int, eps: float, shard_index: int, replicas: int) -> None:
+        super().__init__()
+        self.full_size = full_size
+        self.shard_index = shard_index
+        self.replicas = replicas
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(shard_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if loaded_weight.shape != (self.full_size,):
+            raise ValueError(
+                f"shape mismatch: norm of {self.full_size}, checkpoint {tuple(loaded_weight.shape)}"
+            )
+        size = param.shape[0]
+        param.data.copy_(loaded_weight.narrow(0, self.shard_index * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        if get_tp_world_size() == 1:
+            variance = h.pow(2).mean(-1, keepdim=True)
+        else:
+            variance = tp_all_reduce(h.pow(2).sum(-1, keepdim=True)) / (self.full_size * self.replicas)
+        return self.weight * (h * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+class QKNormAttention(LlamaAttention):
+    """Llama attention plus the optional q/k RMSNorm (per head: Qwen3 and Qwen3-MoE; over the whole
+    projection: OLMoE) and qkv clipping (OLMoE)."""
+
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__(cfg, rotary)
+        self.qk_norm = cfg.qk_norm
+        self.clip_qkv = cfg.clip_qkv
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        p = self.qkv_proj
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = ShardedRMSNorm(cfg.q_size, p.q_size, cfg.rms_norm_eps, p.tp_rank, 1)
+            self.k_norm = ShardedRMSNorm(
+                cfg.kv_size, p.kv_size, cfg.rms_norm_eps, p.tp_rank // p.kv_replicas, p.kv_replicas
+            )
+        elif cfg.qk_norm is not None:
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {cfg.qk_norm!r}")
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Llama's projection, then OLMoE's whole-projection norm, its clipping, or Qwen3's per-head norm."""
+        q, k, v = super().project_qkv(hidden)
+        if self.qk_norm == "full":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        if self.qk_norm == "head":
+            assert isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm)
+            t, d = hidden.shape[0], self.head_dim
+            q = self.q_norm(q.reshape(t * self.num_heads, d))[0].reshape(t, -1)
+            k = self.k_norm(k.reshape(t * self.num_kv_heads, d))[0].reshape(t, -1)
+        return q, k, v
+
+
+def attention_for(cfg: ModelArchConfig, rotary: RotaryEmbedding) -> LlamaAttention:
+    """A decoder layer's attention: QKNormAttention where the family norms or clips q/k, else Llama's."""
+    if cfg.qk_norm is not None or cfg.clip_qkv is not None:
+        return QKNormAttention(cfg, rotary)
+    return LlamaAttention(cfg, rotary)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = attention_for(cfg, rotary)
         self.mlp: nn.Module = LlamaMLP(cfg)  # MoE decoders put a sparse MoE block here
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -225,3 +225,17 @@ def test_generic_level_refuses_the_stack(monkeypatch: pytest.MonkeyPatch) -> Non
         None,
         reason,
     )
+
+
+def test_q_k_norms_keep_the_model_s_own_layers(tmp_path: Any) -> None:
+    """The C stack has no q/k norms: a Qwen3 model, its linears int4-tiled (otherwise what the stack
+    takes), is refused by name, so its own forward runs (tests/runtime/test_model_parity.py holds that
+    one to transformers)."""
+    from tests.runtime.test_model_parity import make_tiny_hf_dir
+
+    _require_stack()
+    make_tiny_hf_dir("qwen3", tmp_path)
+    cfg = EngineConfig(model=str(tmp_path), quantization="int4", quantization_group_size=32)
+    model = load_model(cfg, torch.device("cpu"), torch.float32).model
+    assert type(model.model.layers[0].self_attn).__name__ == "QKNormAttention"
+    assert cpu_stack.unsupported(model.model) == "attention QKNormAttention / MLP LlamaMLP"

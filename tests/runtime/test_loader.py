@@ -176,8 +176,8 @@ def test_unpermute_inverts_the_converter(shape: tuple[int, ...]) -> None:
 
 def write_llama_gguf(path: Path, hf: Any, vocab: int, arch: str = "llama", matrices: str = "F16") -> None:
     """A GGUF from a transformers Llama-family model the way llama.cpp's converter writes one: as
-    `llama` with the q/k rows permuted for its rotary, as `qwen2` with them as HF stores them (its
-    NEOX rope); the layers' matrices in F16 or as Q8_0 blocks (`matrices`), vectors in float32."""
+    `llama` with the q/k rows permuted for its rotary, as `qwen2` or `qwen3` with them as HF stores
+    them (its NEOX rope; Qwen3's q/k norms as attn_q_norm / attn_k_norm); the layers' matrices in F16 or as Q8_0 blocks (`matrices`), vectors in float32."""
     import gguf
     from gguf.quants import quantize
 
@@ -191,7 +191,10 @@ def write_llama_gguf(path: Path, hf: Any, vocab: int, arch: str = "llama", matri
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     chars = list(byte_to_unicode().values())
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars[: vocab - 3]]
     w.add_tokenizer_model("gpt2")
@@ -307,6 +310,34 @@ def test_qwen2_q8_0_gguf_keeps_its_blocks_and_biases(tmp_path: Path) -> None:
     err = float((ours - ref).abs().max()) / float(ref.abs().max())
     print(f"\nQ8_0 qwen2: logits within {err:.2g} of transformers' float32")
     assert err <= 5e-2
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path: Path) -> None:
+    """A dense Qwen3 GGUF (`general.architecture` qwen3): RMSNorm on each query and key head before
+    rotary (attn_q_norm / attn_k_norm), a head_dim (key_length) wider than hidden / heads, no biases."""
+    import transformers as tf
+
+    vocab = 80
+    torch.manual_seed(0)
+    cfg = tf.Qwen3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # the norms' weights too (ones in a fresh model): a norm left out shows
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p).mul_(0.2).half().float())
+    path = tmp_path / "qwen3.gguf"
+    write_llama_gguf(path, hf, vocab, arch="qwen3")
+    loaded = load_model(EngineConfig(model=str(path)), torch.device("cpu"), torch.float32)
+    assert loaded.arch.architecture == "qwen3"
+    assert loaded.arch.qk_norm == "head" and loaded.arch.head_dim == 32 and not loaded.arch.qkv_bias
+    ids = list(range(3, 20))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+        ours = _prefill_logits(loaded, ids)
+    assert float((ours - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
 
 
 def test_experts_in_a_dense_gguf_architecture_are_refused(tmp_path: Path) -> None:

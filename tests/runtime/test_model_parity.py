@@ -246,6 +246,9 @@ def _tiny_hf_model(kind: str) -> Any:
     if kind == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
         return tf.MistralForCausalLM(cfg)
+    if kind == "qwen3":  # q/k RMSNorm per head; head_dim wider than hidden / heads, as in Qwen3-0.6B
+        cfg = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
+        return tf.Qwen3ForCausalLM(cfg)
     rope = {
         "rope_type": "llama3",
         "rope_theta": 50000.0,
@@ -285,7 +288,7 @@ def make_tiny_hf_dir(kind: str, directory: Path) -> Any:
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "llama"])
 def test_tiny_hf_dir_matches_transformers(kind: str, tmp_path: Path) -> None:
     hf = make_tiny_hf_dir(kind, tmp_path)
     if kind == "mistral":
@@ -294,6 +297,7 @@ def test_tiny_hf_dir_matches_transformers(kind: str, tmp_path: Path) -> None:
     arch = loaded.arch
     assert arch.qkv_bias == (kind == "qwen2")
     assert arch.tie_word_embeddings == (kind == "llama")
+    assert arch.qk_norm == ("head" if kind == "qwen3" else None)
     assert loaded.tokenizer.eos_token_ids == {2}
 
     ids = torch.randint(3, TINY_VOCAB, (29,), generator=torch.Generator().manual_seed(7)).tolist()
