@@ -40,5 +40,5 @@ def test_a_shape_is_served_to_vllm_from_its_bfloat16_directory_without_overrides
 
 
 def test_an_unknown_model_names_the_flag(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="--model 'llama-3b'"):
-        lc.model_files("llama-3b", [1024], 64, tmp_path)
+    with pytest.raises(SystemExit, match="--model 'llama-70b'"):
+        lc.model_files("llama-70b", [1024], 64, tmp_path)
