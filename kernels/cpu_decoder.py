@@ -53,6 +53,9 @@ class Layer(ctypes.Structure):
         ("v_strides", _l * 4),
         ("k_scale", _p),
         ("v_scale", _p),
+        ("q_norm", _p),
+        ("k_norm", _p),
+        ("qk_eps", _f),
     ]
 
 

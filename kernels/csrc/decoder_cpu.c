@@ -4,7 +4,8 @@
  * arithmetic. Each layer runs the same kernels, in the same order, as the Python layer does:
  *
  *   x, res = rms_norm(h, res)                         (the first layer: x = rms_norm(h), res = h)
- *   qkv = x W_qkv^T (+ b);  rotary(q, k);  write_kv(k, v);  a = paged_attention(q)
+ *   qkv = x W_qkv^T (+ b);  [q, k = rms_norm of each head (Qwen3)];  rotary(q, k);  write_kv(k, v);
+ *   a = paged_attention(q)
  *   x, res = rms_norm(a W_o^T (+ b), res)
  *   h = (silu(g) * u) W_down^T,  [g, u] = x W_gate_up^T
  *
@@ -74,6 +75,16 @@ int kvpilot_decoder_stack(const kv_step *s, const kv_layer *layers, int num_laye
                   1);
         STAGE(linear(s, &L->qkv, xn, qkv, T), 2);
         char *k = qkv + es * (size_t)q_size, *v = qkv + es * (size_t)(q_size + kv_size);
+        if (L->q_norm) /* each token's heads are rows of head_dim, in place (the kernel is row by row) */
+            for (long t = 0; t < T; t++) {
+                char *qt = qkv + es * (size_t)(t * qkv_size), *kt = k + es * (size_t)(t * qkv_size);
+                STAGE(s->rms_norm(qt, NULL, NULL, qt, L->q_norm, s->dtype, s->num_heads, s->head_dim, L->qk_eps,
+                                  s->num_threads),
+                      1);
+                STAGE(s->rms_norm(kt, NULL, NULL, kt, L->k_norm, s->dtype, s->num_kv_heads, s->head_dim, L->qk_eps,
+                                  s->num_threads),
+                      1);
+            }
         STAGE(s->rotary(qkv, k, qkv_size, qkv_size, s->positions, s->cos_sin, s->dtype, T, s->num_heads,
                         s->num_kv_heads, s->head_dim, s->rotary_dim, s->max_position, s->num_threads),
               3);

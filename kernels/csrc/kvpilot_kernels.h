@@ -90,6 +90,8 @@ typedef struct {
     void *k_cache, *v_cache;
     long k_strides[4], v_strides[4]; /* elements, of the logical [blocks, block_size, Hk, D] cache */
     uint16_t *k_scale, *v_scale;     /* [blocks * block_size, Hk] float16: int8 / fp8 caches only, else NULL */
+    const void *q_norm, *k_norm;     /* RMSNorm of each query / key head (Qwen3), head_dim weights; else NULL */
+    float qk_eps;
 } kv_layer;
 
 /* what every layer of one step shares; the kernels are the other libraries' exported functions */

@@ -34,6 +34,7 @@ from kvpilot.runtime.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    QKNormAttention,
     last_layer_rows,
 )
 
@@ -54,8 +55,13 @@ def unsupported(model: LlamaModel) -> str | None:
         if type(layer) is not LlamaDecoderLayer:
             return f"layer type {type(layer).__name__}"
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-            return f"attention {type(attn).__name__} / MLP {type(mlp).__name__}"
+        if type(mlp) is not LlamaMLP:
+            return f"MLP {type(mlp).__name__}"
+        if type(attn) is QKNormAttention:  # the stack norms each q/k head (Qwen3), not OLMoE's norm or clip
+            if attn.qk_norm != "head" or attn.clip_qkv is not None:
+                return f"q/k norm {attn.qk_norm!r} with clip_qkv {attn.clip_qkv}"
+        elif type(attn) is not LlamaAttention:
+            return f"attention {type(attn).__name__}"
         for lin in linears(layer):
             qw = lin.qweight
             if qw is None or not qw.tiled:
@@ -190,6 +196,8 @@ class CpuDecoderStack:
                 norm(layer.post_attention_layernorm),
             )
             entry.qkv, entry.o = lin(attn.qkv_proj), lin(attn.o_proj)
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head q/k norms (unsupported() checks)
+                (entry.q_norm, entry.qk_eps), (entry.k_norm, _) = norm(attn.q_norm), norm(attn.k_norm)
             entry.gate_up, entry.down = lin(mlp.gate_up_proj), lin(mlp.down_proj)
             entry.k_cache, entry.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
             entry.k_strides[:] = list(cache.k.stride())

@@ -50,7 +50,12 @@ def _caches_for(arch: Any, dtype: torch.dtype) -> list[KVCacheLayer]:
 
 
 def _run(
-    model: Any, loaded: Any, dtype: torch.dtype, stack: bool, kv_dtype: str = "auto"
+    model: Any,
+    loaded: Any,
+    dtype: torch.dtype,
+    stack: bool,
+    kv_dtype: str = "auto",
+    ids: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """Hidden states of three steps (two prompts' prefill, then mixed prefill + decode, then decodes),
     by the compiled stack or by the model's own forward, over a KV cache of --kv-cache-dtype kv_dtype."""
@@ -61,7 +66,8 @@ def _run(
     if stack:
         forward, why = cpu_stack.compile_stack(model, kv.caches, backend, enabled=True)
         assert isinstance(forward, cpu_stack.CompiledStack), why
-    ids = loaded.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    if ids is None:
+        ids = loaded.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     outs = []
     with torch.inference_mode():
         for batch in ([(0, ids[:9]), (1, ids[:5])], [(0, ids[9:12]), (1, [ids[5]])], [(0, [7]), (1, [11])]):
@@ -227,15 +233,38 @@ def test_generic_level_refuses_the_stack(monkeypatch: pytest.MonkeyPatch) -> Non
     )
 
 
-def test_q_k_norms_keep_the_model_s_own_layers(tmp_path: Any) -> None:
-    """The C stack has no q/k norms: a Qwen3 model, its linears int4-tiled (otherwise what the stack
-    takes), is refused by name, so its own forward runs (tests/runtime/test_model_parity.py holds that
-    one to transformers)."""
+@pytest.fixture(scope="module")
+def qwen3_int4(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random-weight Qwen3 (q/k RMSNorm per head, head_dim wider than hidden / heads), int4-tiled."""
     from tests.runtime.test_model_parity import make_tiny_hf_dir
 
     _require_stack()
-    make_tiny_hf_dir("qwen3", tmp_path)
-    cfg = EngineConfig(model=str(tmp_path), quantization="int4", quantization_group_size=32)
-    model = load_model(cfg, torch.device("cpu"), torch.float32).model
+    directory = tmp_path_factory.mktemp("qwen3")
+    make_tiny_hf_dir("qwen3", directory)
+    cfg = EngineConfig(model=str(directory), quantization="int4", quantization_group_size=32)
+    return load_model(cfg, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_norms_each_q_k_head_as_the_python_layers_do(
+    qwen3_int4: Any, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3's per-head q/k RMSNorm in the stack (the same kernel, row by row, in place in the QKV
+    output before rotary): its hidden states equal the Python layers' bit for bit."""
+    model = copy.deepcopy(qwen3_int4.model).to(dtype)
+    model.model.embed_tokens.dtype = dtype
     assert type(model.model.layers[0].self_attn).__name__ == "QKNormAttention"
-    assert cpu_stack.unsupported(model.model) == "attention QKNormAttention / MLP LlamaMLP"
+    assert cpu_stack.unsupported(model.model) is None
+    calls: list[int] = []
+    real = cpu_decoder.run
+    monkeypatch.setattr(cpu_decoder, "run", lambda *a: calls.append(1) or real(*a))
+    ids = list(range(3, 40, 2))
+    got = _run(model, qwen3_int4, dtype, stack=True, ids=ids)
+    assert len(calls) == 3
+    want = _run(model, qwen3_int4, dtype, stack=False, ids=ids)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # and the norms matter: without them the stack's answer is another one
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.weight.data.fill_(1.0)
+    assert not torch.equal(_run(model, qwen3_int4, dtype, stack=True, ids=ids)[-1], got[-1])
