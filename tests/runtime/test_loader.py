@@ -229,85 +229,73 @@ def write_llama_gguf(path: Path, hf: Any, vocab: int, arch: str = "llama", matri
     w.close()
 
 
-def test_untied_f16_gguf_matches_transformers(tmp_path: Path) -> None:
-    """A GGUF with an output.weight, F16 matrices and GQA; logits against the HF model it came from."""
+# the tiny models the GGUF tests write: vocabulary 80, hidden 64, two layers of 4 query / 2 KV heads
+TINY_GGUF: dict[str, Any] = dict(
+    vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _tiny(family: str, **config: Any) -> Any:
+    """A tiny transformers `family` model (Llama, Qwen2, Qwen3) with every parameter random and exactly
+    representable in F16, biases and norms too (transformers makes them 0 and 1): a dropped, swapped or
+    misplaced one shows in the logits."""
     import transformers as tf
 
-    vocab = 80
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=50000.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    hf = tf.LlamaForCausalLM(cfg).eval()
+    cfg = getattr(tf, f"{family}Config")(**TINY_GGUF, **config)
+    hf = getattr(tf, f"{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
-            p.copy_(torch.randn_like(p).mul_(0.2).half().float())  # exactly representable in F16
-    path = tmp_path / "tiny.gguf"
-    write_llama_gguf(path, hf, vocab)
+            p.copy_(torch.randn_like(p).mul_(0.2).half().float())
+    return hf
 
-    loaded = load_model(EngineConfig(model=str(path)), torch.device("cpu"), torch.float32)
-    assert not loaded.arch.tie_word_embeddings
-    assert loaded.model_name == "tiny"
+
+def _logit_error(loaded: LoadedModel, hf: Any) -> float:
+    """The largest difference of a 17-token prefill's logits from transformers', over their scale."""
     ids = list(range(3, 20))
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
         ours = _prefill_logits(loaded, ids)
-    assert float((ours - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    return float((ours - ref).abs().max()) / float(ref.abs().max())
 
 
-def _tiny_qwen2(vocab: int) -> Any:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen2Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    hf = tf.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # biases too (transformers zeroes them): a swapped or dropped bias shows
-        for p in hf.parameters():
-            p.copy_(torch.randn_like(p).mul_(0.2).half().float())  # exactly representable in F16
-    return hf
+def test_untied_f16_gguf_matches_transformers(tmp_path: Path) -> None:
+    """A GGUF with an output.weight, F16 matrices and GQA; logits against the HF model it came from."""
+    hf = _tiny("Llama", rope_theta=50000.0)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, hf, TINY_GGUF["vocab_size"])
+    loaded = load_model(EngineConfig(model=str(path)), torch.device("cpu"), torch.float32)
+    assert not loaded.arch.tie_word_embeddings
+    assert loaded.model_name == "tiny"
+    assert _logit_error(loaded, hf) <= 1e-4
 
 
 def test_qwen2_gguf_matches_transformers(tmp_path: Path) -> None:
     """A dense Qwen2 / Qwen2.5 GGUF (`general.architecture` qwen2: q/k/v biases, q/k rows unpermuted)
     loads as the Llama family with its biases and gives transformers' logits."""
-    vocab = 80
-    hf = _tiny_qwen2(vocab)
+    hf = _tiny("Qwen2", rope_theta=1000000.0)
     path = tmp_path / "qwen.gguf"
-    write_llama_gguf(path, hf, vocab, arch="qwen2")
+    write_llama_gguf(path, hf, TINY_GGUF["vocab_size"], arch="qwen2")
     loaded = load_model(EngineConfig(model=str(path)), torch.device("cpu"), torch.float32)
     assert loaded.arch.architecture == "qwen2"
     assert loaded.arch.qkv_bias and not loaded.arch.o_bias
     assert loaded.arch.rope_theta == 1000000.0
-    ids = list(range(3, 20))
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0]
-        ours = _prefill_logits(loaded, ids)
-    assert float((ours - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    assert _logit_error(loaded, hf) <= 1e-4
 
 
 def test_qwen2_q8_0_gguf_keeps_its_blocks_and_biases(tmp_path: Path) -> None:
     """With --quantization auto its Q8_0 matrices load as int8 weights (the file's blocks, no 16-bit
     copy) beside the float32 q/k/v biases: logits within the quantization's error of transformers'."""
-    vocab = 80
-    hf = _tiny_qwen2(vocab)
+    hf = _tiny("Qwen2", rope_theta=1000000.0)
     path = tmp_path / "qwen-q8.gguf"
-    write_llama_gguf(path, hf, vocab, arch="qwen2", matrices="Q8_0")
+    write_llama_gguf(path, hf, TINY_GGUF["vocab_size"], arch="qwen2", matrices="Q8_0")
     cfg = EngineConfig(model=str(path), quantization="auto")  # the file's blocks as stored
     loaded = load_model(cfg, torch.device("cpu"), torch.float32)
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
     assert qkv.qweight is not None and qkv.qweight.bits == 8
     assert qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)
-    ids = list(range(3, 20))
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0]
-        ours = _prefill_logits(loaded, ids)
-    err = float((ours - ref).abs().max()) / float(ref.abs().max())
+    err = _logit_error(loaded, hf)
     print(f"\nQ8_0 qwen2: logits within {err:.2g} of transformers' float32")
     assert err <= 5e-2
 
@@ -315,29 +303,13 @@ def test_qwen2_q8_0_gguf_keeps_its_blocks_and_biases(tmp_path: Path) -> None:
 def test_qwen3_gguf_matches_transformers(tmp_path: Path) -> None:
     """A dense Qwen3 GGUF (`general.architecture` qwen3): RMSNorm on each query and key head before
     rotary (attn_q_norm / attn_k_norm), a head_dim (key_length) wider than hidden / heads, no biases."""
-    import transformers as tf
-
-    vocab = 80
-    torch.manual_seed(0)
-    cfg = tf.Qwen3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, tie_word_embeddings=False,
-    )  # fmt: skip
-    hf = tf.Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # the norms' weights too (ones in a fresh model): a norm left out shows
-        for p in hf.parameters():
-            p.copy_(torch.randn_like(p).mul_(0.2).half().float())
+    hf = _tiny("Qwen3", head_dim=32, rope_theta=1000000.0)
     path = tmp_path / "qwen3.gguf"
-    write_llama_gguf(path, hf, vocab, arch="qwen3")
+    write_llama_gguf(path, hf, TINY_GGUF["vocab_size"], arch="qwen3")
     loaded = load_model(EngineConfig(model=str(path)), torch.device("cpu"), torch.float32)
     assert loaded.arch.architecture == "qwen3"
     assert loaded.arch.qk_norm == "head" and loaded.arch.head_dim == 32 and not loaded.arch.qkv_bias
-    ids = list(range(3, 20))
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0]
-        ours = _prefill_logits(loaded, ids)
-    assert float((ours - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    assert _logit_error(loaded, hf) <= 1e-4
 
 
 def test_experts_in_a_dense_gguf_architecture_are_refused(tmp_path: Path) -> None:
