@@ -46,14 +46,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import workload as wl
+from peers import shapes as peer_shapes
 
 BS = 16
-# (query heads, KV heads, head_dim) of the models whose attention --shape times
+# (query heads, KV heads, head_dim) of the models whose attention --shape times: SmolLM2-135M and the
+# peer benchmarks' real shapes (peers/shapes.py: llama-1b, llama-3b, llama-8b)
 SHAPES = {
     "smollm2-135m": (9, 3, 64),
-    "llama-1b": (32, 8, 64),  # Llama-3.2-1B
-    "llama-8b": (32, 8, 128),  # Llama-3.1-8B, Mistral-7B
-    "qwen2.5-7b": (28, 4, 128),
+    **{name: (s.heads, s.kv_heads, s.head_dim) for name, s in peer_shapes.SHAPES.items()},
 }
 HQ, HKV, D = SHAPES["smollm2-135m"]  # set by --shape
 

@@ -440,8 +440,7 @@ def test_real_model_head_sizes_attend_alike_in_chunks_and_segments(
     level: str, d: int, heads: tuple[int, int]
 ) -> None:
     """The chunk invariance at the wider heads: a 700-token prompt (two segments of keys for its last
-    tiles) in one step and in chunks down to single tokens gives the same outputs bit for bit, and the
-    last tokens as decodes split across threads too."""
+    tiles) in one step and in chunks down to single tokens gives the same outputs bit for bit."""
     if not cpu_attention.available(level):
         missing("a C compiler for the CPU attention kernel", "install gcc or clang")
     n = 700
