@@ -11,12 +11,20 @@ A token's slot is ``block_id * block_size + offset``; slot -1 means "do not writ
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# The C kernel's limits (kernels/csrc/paged_attention_cpu.c, MAX_G and MAX_D; a test holds them equal):
+# past either, attention on the CPU runs on the torch reference path instead.
+CPU_KERNEL_MAX_GROUP = 32  # query heads a KV head
+CPU_KERNEL_MAX_HEAD_DIM = 256
 
 
 @dataclass
@@ -347,15 +355,36 @@ def installed(device_type: str) -> Installed:
     return Installed()
 
 
+@dataclass(frozen=True)
+class Heads:
+    """A model's attention heads as a kernel sees them: query heads a KV head, and the head size."""
+
+    group: int
+    head_dim: int
+
+
+def cpu_kernel_takes(heads: Heads | None) -> bool:
+    """Pure: whether the C kernel runs these heads at all (None: not known, assumed so)."""
+    return heads is None or (
+        heads.group <= CPU_KERNEL_MAX_GROUP and heads.head_dim <= CPU_KERNEL_MAX_HEAD_DIM
+    )
+
+
 def choose_backend(
-    device_type: str, kv_dtype: torch.dtype, block_size: int, have: Installed, cpu_kernels: bool = True
+    device_type: str,
+    kv_dtype: torch.dtype,
+    block_size: int,
+    have: Installed,
+    cpu_kernels: bool = True,
+    heads: Heads | None = None,
 ) -> str:
     """Pure: the name of the backend attention runs on, the one choice every caller makes through
     (`select_backend`; the runner's CPU decoder stack and the block size follow from it).
-    `kv_dtype`: the pool's storage dtype; `cpu_kernels`: the kernel switch (kernels/switches.py)."""
+    `kv_dtype`: the pool's storage dtype; `cpu_kernels`: the kernel switch (kernels/switches.py);
+    `heads`: the model's, where known (heads past the C kernel's limits run on torch)."""
     if device_type == "cuda":
         return cuda_backend_name(kv_dtype, block_size, have.flash_attn, have.triton)
-    if device_type == "cpu" and cpu_kernels and have.cpu_kernel:
+    if device_type == "cpu" and cpu_kernels and have.cpu_kernel and cpu_kernel_takes(heads):
         return "cpu-paged"
     return "torch"
 
@@ -371,15 +400,24 @@ def select_backend(
     kv_quantized: bool = False,
     block_size: int = 16,
     kv_dtype: torch.dtype | None = None,
+    heads: Heads | None = None,
 ) -> AttentionBackend:
     """The backend `choose_backend` names for this device and pool, made (`kv_dtype`: the pool's
-    storage dtype; on CUDA it decides whether flash-attn can read it)."""
+    storage dtype; on CUDA it decides whether flash-attn can read it; `heads`: the model's)."""
     from kvpilot.kernels import switches
 
     dtype = kv_dtype if kv_dtype is not None else (torch.int8 if kv_quantized else torch.float16)
-    name = choose_backend(
-        device.type, dtype, block_size, installed(device.type), switches.current().cpu_kernels
-    )
+    have, enabled = installed(device.type), switches.current().cpu_kernels
+    name = choose_backend(device.type, dtype, block_size, have, enabled, heads)
+    if device.type == "cpu" and enabled and have.cpu_kernel and not cpu_kernel_takes(heads):
+        log.warning(
+            "CPU attention: %s query heads a KV head, head_dim %s are past the C kernel's limits (at most %d "
+            "and %d): attention runs on torch's reference path, several times slower",
+            heads.group if heads else "?",
+            heads.head_dim if heads else "?",
+            CPU_KERNEL_MAX_GROUP,
+            CPU_KERNEL_MAX_HEAD_DIM,
+        )
     if name == "flash-attn":
         return FlashAttentionBackend()
     if name == "triton":
@@ -413,3 +451,11 @@ class PagedAttention(torch.nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         return backend.forward(q, k, v, cache, meta, self.scale)
+
+
+def model_heads(model: torch.nn.Module) -> Heads | None:
+    """The heads of a model's attention layers (its first PagedAttention; None where it has none)."""
+    for m in model.modules():
+        if isinstance(m, PagedAttention):
+            return Heads(group=max(1, m.num_heads // max(1, m.num_kv_heads)), head_dim=m.head_dim)
+    return None

@@ -22,7 +22,13 @@ from typing import Any, Protocol, cast
 import torch
 
 from kvpilot.kernels import isa, quant, switches
-from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, select_backend
+from kvpilot.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheLayer,
+    model_heads,
+    select_backend,
+)
 from kvpilot.kernels.switches import KernelSwitches
 from kvpilot.runtime.config import ConfigError, EngineConfig
 from kvpilot.runtime.engine.cuda_graphs import DecodeGraphRunner
@@ -391,7 +397,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.backend = backend or select_backend(
-            device, quant.is_quantized(geometry.dtype), geometry.block_size, geometry.dtype
+            device,
+            quant.is_quantized(geometry.dtype),
+            geometry.block_size,
+            geometry.dtype,
+            model_heads(model),
         )
         tiled = bool(getattr(self.backend, "tiled_kv", False))
         self.kv_caches = allocate_kv_cache(geometry, num_blocks, device, tiled)

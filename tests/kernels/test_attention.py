@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from kvpilot.kernels import cpu_attention, isa, quant, triton_attention
-from kvpilot.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheLayer, TorchReferenceBackend
+from kvpilot.kernels.attention import (
+    CPU_KERNEL_MAX_GROUP,
+    CPU_KERNEL_MAX_HEAD_DIM,
+    AttentionBackend,
+    AttentionMetadata,
+    Heads,
+    KVCacheLayer,
+    TorchReferenceBackend,
+    cpu_kernel_takes,
+)
 from tests.needs import missing
 
 HQ, HKV, D, BS = 6, 2, 16, 4
@@ -457,22 +466,39 @@ def test_real_model_head_sizes_attend_alike_in_chunks_and_segments(
 
 
 @pytest.mark.parametrize("level", FAST_LEVELS)
-@pytest.mark.parametrize("d", [72, 320])
+@pytest.mark.parametrize("d", [72, 120])
 def test_head_sizes_off_the_tiles_take_the_portable_loop(level: str, d: int) -> None:
-    """A head_dim that is not a multiple of 16, or wider than 256, is not the vectorized path's: the
-    portable loop answers it, as exactly."""
+    """A head_dim that is not a multiple of 16 is not the vectorized path's: the portable loop
+    answers it, as exactly (wider than 256: test_the_kernels_limits_are_the_backend_choices)."""
     if not cpu_attention.available(level):
         missing("a C compiler for the CPU attention kernel", "install gcc or clang")
-    if d > 256:  # the portable loop's own limit is 256 too: the kernel refuses it, and says so
-        want, q, cache, meta = _paged_step(4, 2, [20], [9], torch.float32, seed=17, d=d)
-        assert not cpu_attention.fast_path(4, cache, level)
-        with pytest.raises(ValueError, match="rejected its arguments"):
-            cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
-        return
     want, q, cache, meta = _paged_step(4, 2, [20, 0], [9, 40], torch.float32, seed=17, d=d)
     assert not cpu_attention.fast_path(4, cache, level)
     got = cpu_attention.paged_attention(q, cache, meta, d**-0.5, level=level)
     torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("level", [*FAST_LEVELS, "generic"])
+def test_the_kernels_limits_are_the_backend_choices(level: str) -> None:
+    """The C kernel takes exactly the heads kernels/attention.py chooses it for (CPU_KERNEL_MAX_GROUP
+    query heads a KV head, CPU_KERNEL_MAX_HEAD_DIM wide) and refuses one past either."""
+    if not cpu_attention.available(level):
+        missing("a C compiler for the CPU attention kernel", "install gcc or clang")
+    g, d = CPU_KERNEL_MAX_GROUP, CPU_KERNEL_MAX_HEAD_DIM
+    for hq, hkv, dim, takes in (
+        (g, 1, 64, True),
+        (g + 1, 1, 64, False),
+        (2, 1, d, True),
+        (2, 1, d + 16, False),
+    ):
+        want, q, cache, meta = _paged_step(hq, hkv, [6], [3], torch.float32, seed=3, d=dim)
+        assert cpu_kernel_takes(Heads(hq // hkv, dim)) == takes
+        if takes:
+            got = cpu_attention.paged_attention(q, cache, meta, dim**-0.5, level=level)
+            torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5)
+        else:
+            with pytest.raises(ValueError, match="rejected its arguments"):
+                cpu_attention.paged_attention(q, cache, meta, dim**-0.5, level=level)
 
 
 def test_the_backend_says_once_which_path_its_heads_take(caplog: pytest.LogCaptureFixture) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpilot.kernels import isa, switches
-from kvpilot.kernels.attention import Installed, choose_backend, flash_reads_in_place
+from kvpilot.kernels.attention import Heads, Installed, choose_backend, flash_reads_in_place
 from kvpilot.kernels.switches import KernelSwitches
 from kvpilot.runtime.cli import add_arguments, build_config
 from kvpilot.runtime.config import ConfigError, EngineConfig
@@ -127,6 +127,23 @@ def test_one_backend_choice(
     device: str, kv_dtype: torch.dtype, block: int, have: Installed, cpu_kernels: bool, want: str
 ) -> None:
     assert choose_backend(device, kv_dtype, block, have, cpu_kernels) == want
+
+
+@pytest.mark.parametrize(
+    ("device", "kv_dtype", "heads", "want"),
+    [
+        ("cpu", F32, Heads(32, 256), "cpu-paged"),  # the C kernel's limits, both at once
+        ("cpu", BF16, Heads(4, 320), "torch"),  # head_dim past 256
+        ("cpu", F32, Heads(33, 64), "torch"),  # more than 32 query heads a KV head
+        ("cpu", F32, None, "cpu-paged"),  # heads not known
+        ("cuda", F16, Heads(4, 320), "flash-attn"),  # the CPU kernel's limits only
+    ],
+)
+def test_heads_past_the_cpu_kernel_take_torch(
+    device: str, kv_dtype: torch.dtype, heads: Heads | None, want: str
+) -> None:
+    block = 256 if device == "cuda" else 16
+    assert choose_backend(device, kv_dtype, block, EVERYTHING, True, heads) == want
 
 
 def test_the_default_block_size_follows_the_backend_choice() -> None:

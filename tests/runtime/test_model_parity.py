@@ -249,6 +249,9 @@ def _tiny_hf_model(kind: str) -> Any:
     if kind == "qwen3":  # q/k RMSNorm per head; head_dim wider than hidden / heads, as in Qwen3-0.6B
         cfg = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
         return tf.Qwen3ForCausalLM(cfg)
+    if kind == "wide_heads":  # head_dim 320: past the CPU attention kernel's 256
+        cfg = tf.LlamaConfig(**common, head_dim=320, tie_word_embeddings=False)
+        return tf.LlamaForCausalLM(cfg)
     rope = {
         "rope_type": "llama3",
         "rope_theta": 50000.0,
@@ -310,3 +313,32 @@ def test_tiny_hf_dir_matches_transformers(kind: str, tmp_path: Path) -> None:
     _, rel = rel_diff(ours, ref)
     print(f"\ntiny {kind}: max logit diff {rel:.2g} of scale")
     assert rel <= REL_TOL
+
+
+def test_heads_past_the_cpu_kernel_run_on_the_torch_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model whose heads the C attention kernel cannot take (head_dim 320 > 256) is served: the
+    runner picks torch's reference attention at start-up and says so, instead of the kernel refusing
+    the first forward; greedy tokens equal transformers'."""
+    from kvpilot.runtime.engine.build import build_engine
+    from kvpilot.runtime.engine.sampling_params import SamplingParams
+
+    hf = make_tiny_hf_dir("wide_heads", tmp_path)
+    with caplog.at_level("WARNING", logger="kvpilot.kernels.attention"):
+        engine = build_engine(
+            EngineConfig(
+                model=str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="float32", max_num_seqs=2
+            )
+        )
+    assert engine.runner.backend.name == "torch"
+    warned = [r.getMessage() for r in caplog.records if "CPU attention" in r.getMessage()]
+    assert len(warned) == 1 and "head_dim 320" in warned[0] and "256" in warned[0]
+    ids = torch.randint(3, TINY_VOCAB, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (seq,) = engine.generate([ids], greedy)
+    with torch.inference_mode():
+        want = hf.generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids) :].tolist()
+    assert seq.output_token_ids == want
