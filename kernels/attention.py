@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -453,7 +453,7 @@ class PagedAttention(torch.nn.Module):
         return backend.forward(q, k, v, cache, meta, self.scale)
 
 
-def model_heads(model: torch.nn.Module) -> Heads | None:
+def model_heads(model: Any) -> Heads | None:
     """The heads of a model's attention layers (its first PagedAttention; None where it has none)."""
     for m in model.modules():
         if isinstance(m, PagedAttention):
