@@ -3,7 +3,7 @@
 smallest fixed fleet that meets the SLO there (issue 24's goals, as benchmarks/fleet_slo_goals.py).
 
     python benchmarks/fleet_battery.py [--seeds 1-12] [--startups 10,60] [--router router:kv-aware]
-        [--static-cache PATH] [--warm] [--mix-shift F [--shift-oracle]] [--markdown]
+        [--static-cache PATH] [--warm] [--mix-shift F [--shift-oracle]] [--load F] [--markdown]
 
 Per seed the shape is drawn from wide ranges (requests 4k-16k an hour, slow wave 0-50%, context median
 3k-12k tokens, output median 80-400, 1.2-3.3 turns a session), so the battery covers light and heavy
@@ -51,10 +51,11 @@ CALIBRATION = "h100/llama-3.1-8b"
 MAX_REPLICAS = 40
 
 
-def shape_for(seed: int) -> Shape:
+def shape_for(seed: int, load: float = 1.0) -> Shape:
+    """The seed's shape; `load` multiplies its request count (the same draws otherwise)."""
     rng = np.random.default_rng(10_000 + seed)
     return Shape(
-        requests=int(rng.uniform(4000, 16000)),
+        requests=int(rng.uniform(4000, 16000) * load),
         wave=float(rng.uniform(0.0, 0.5)),
         context_median=float(rng.uniform(3000, 12000)),
         output_median=float(rng.uniform(80, 400)),
@@ -62,8 +63,8 @@ def shape_for(seed: int) -> Shape:
     )
 
 
-def trace_for(seed: int) -> list[TraceRequest]:
-    rows = generate(shape_for(seed), seed)
+def trace_for(seed: int, load: float = 1.0) -> list[TraceRequest]:
+    rows = generate(shape_for(seed, load), seed)
     return [
         TraceRequest(
             int(r["timestamp"]) / 1000.0,  # type: ignore[arg-type]
@@ -179,8 +180,17 @@ def main() -> None:
         action="store_true",
         help="with --mix-shift: also run each row's reaction bound (the module doc)",
     )
+    p.add_argument(
+        "--load",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="F times the requests of each seed's shape (larger fleets: 3 reaches 10-30 replicas)",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
+    if args.load <= 0:
+        p.error(f"--load: F multiplies each trace's requests, > 0 (got {args.load:g})")
     if args.router not in ROUTERS:
         p.error(f"--router: unknown router {args.router!r} (known: {', '.join(ROUTERS)})")
     try:
@@ -198,12 +208,16 @@ def main() -> None:
         cache = json.loads(cache_path.read_text())
     rows: list[dict[str, Any]] = []
     for seed in seeds:
-        base = trace_for(seed)
+        base = trace_for(seed, args.load)
         shift_at = (base[0].t + base[-1].t) / 2.0
         if args.mix_shift != 1.0:
             base = shift_mix(base, args.mix_shift, shift_at)
         trace, warmup_s = played(base, args.warm)
-        key = f"{seed}/{args.router}" + ("/warm" if args.warm else "")
+        key = (
+            f"{seed}/{args.router}"
+            + ("/warm" if args.warm else "")
+            + (f"/load{args.load:g}" if args.load != 1 else "")
+        )
         known = cache.setdefault(key + (f"/mix{args.mix_shift:g}" if args.mix_shift != 1.0 else ""), {})
         n = statics(trace, args.router, warmup_s, known)
         for startup in startups:
@@ -228,7 +242,7 @@ def main() -> None:
             rows.append(
                 {
                     "seed": seed,
-                    "shape": {k: round(v, 2) for k, v in vars(shape_for(seed)).items()},
+                    "shape": {k: round(v, 2) for k, v in vars(shape_for(seed, args.load)).items()},
                     "requests": len(trace) // (2 if args.warm else 1),
                     "startup_s": startup,
                     "attainment": round(r["attainment"], 5),
@@ -263,7 +277,7 @@ def main() -> None:
                 f"{sum(r['attainment_goal_met'] for r in could)}/{len(could)}"
             )
     print(json.dumps({"benchmark": "fleet_battery", "router": args.router, "warm": args.warm,
-                      "mix_shift": args.mix_shift, "rows": rows,
+                      "mix_shift": args.mix_shift, "load": args.load, "rows": rows,
                       "summary": summary, "machine": machine()}, indent=1))  # fmt: skip
     if args.markdown:
         table = [

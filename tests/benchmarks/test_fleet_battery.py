@@ -1,5 +1,6 @@
 """benchmarks/fleet_battery.py's reaction bound for the mix-shift rows (--shift-oracle): the replay of
-the policy's own sizes is exact, the switch happens at the shift, and the flag needs --mix-shift."""
+the policy's own sizes is exact, the switch happens at the shift, and the flag needs --mix-shift;
+--load scales each seed's requests and nothing else."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ def test_shift_oracle_needs_a_mix_shift() -> None:
 def test_mix_shift_below_one_is_refused() -> None:
     r = _battery("--mix-shift=0.5", "--seeds", "1")
     assert r.returncode == 2 and "--mix-shift" in r.stderr
+
+
+def test_load_scales_the_requests_and_nothing_else() -> None:
+    """--load F draws the same shape with F times the requests: a larger fleet, the same mix."""
+    one, three = fb.shape_for(5), fb.shape_for(5, 3.0)
+    assert three.requests in (3 * one.requests, 3 * one.requests + 1, 3 * one.requests + 2)
+    assert {k: v for k, v in vars(three).items() if k != "requests"} == {
+        k: v for k, v in vars(one).items() if k != "requests"
+    }
+
+
+def test_load_must_be_positive() -> None:
+    r = _battery("--load=0", "--seeds", "1")
+    assert r.returncode == 2 and "--load" in r.stderr
