@@ -984,6 +984,8 @@ class ArrivalsStatus(_Model):
     """Mean arrival rate of every minute of the surge headroom's window (autoscaler/surge.py)."""
     shift_at: Lenient[MilliTime] = None
     """When the arrival rate last shifted level (the surge headroom holds capacity after one)."""
+    router_queue: Lenient[Count] = None
+    """Requests the router held for the model at `time` (their change counts as arrivals)."""
 
 
 class SloCountsStatus(_Model):

@@ -58,6 +58,9 @@ class ArrivalState:
     # and when the rate last shifted level.
     levels: tuple[RateSample, ...] = ()
     shift_at: float | None = None
+    # The router's central queue for the model at the time of `counters` (MetricsSnapshot.router_queue):
+    # requests it holds arrived as surely as those on the pods. None: no router reported it.
+    router_queue: int | None = None
 
 
 MAX_COUNTER_AGE_S = 300.0
@@ -124,9 +127,18 @@ def measure_arrivals(
     if not known_arrivals:
         return None, None, counters
     cap = max(known_arrivals)
-    total = sum(known_arrivals) + sum(min(a, cap) for a in new_arrivals)
+    # The router's queue: its growth arrived; what it handed to the pods since is in their in flight,
+    # new replicas' too (their count past the cap is the queue's drain, not a missed replica's).
+    held = 0.0
+    drained = 0.0
+    if snapshot.router_queue is not None and previous.router_queue is not None:
+        held = float(snapshot.router_queue - previous.router_queue)
+        drained = max(0.0, -held)
+    new = min(sum(new_arrivals), sum(min(a, cap) for a in new_arrivals) + drained)
+    total = sum(known_arrivals) + new
     if snapshot.missing:
         total *= snapshot.ready_replicas / len(samples)
+    total = max(0.0, total + held)
     return total / dt, sum(known_done) / dt / len(known_done), counters
 
 

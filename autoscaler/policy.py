@@ -365,6 +365,7 @@ def decide(
             judged_prompt,
             levels=levels,
             shift_at=shift_at,
+            router_queue=snapshot.router_queue if counters else None,
         )
     loop = targets.slo if targets.slo is not None and b.slo_feedback else None
     slo_state = history.slo

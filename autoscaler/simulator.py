@@ -44,7 +44,6 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -338,14 +337,8 @@ class FleetSimulator:
             in_flight += rep.in_flight
             if not rep.draining:
                 samples.append(rep.sample())
-        # The central queue is the router's: reported as waiting, spread over the replicas (a
-        # router exports its queue depth; the policy reads it as the fleet's waiting requests).
-        if queue and samples:
-            extra, rest = divmod(len(queue), len(samples))
-            samples = [
-                replace(s, num_waiting=s.num_waiting + extra + (1 if i < rest else 0))
-                for i, s in enumerate(samples)
-            ]
+        # The central queue is the router's, reported as the router reports it (router_queue: its
+        # kvpilot_router_queue_depth, which the controller reads beside the pods').
         # Startup as the controller measures it from the pods (creation -> Ready, the most recent ones).
         started = sorted(
             (
@@ -361,6 +354,7 @@ class FleetSimulator:
             samples=tuple(samples),
             startup_s=startup,
             router_slo=SloCounts.from_outcomes(self._outcomes),
+            router_queue=len(queue),
         )
         return snapshot, in_flight
 

@@ -10,7 +10,8 @@ status.autoscaler (written by field manager kvpilot-autoscaler with a merge patc
                                          scale-down window, redundancy.held_redundancy)
   arrivals: {time, pods: [{pod, completed, inFlight, promptTokens?, generationTokens?}],
              rates: [{time, rate}], serviceRate, tokenMix?: {prompt, output},
-             levels?: [{time, rate}], shiftAt?}  (levels, shiftAt: the surge headroom's, surge.py)
+             levels?: [{time, rate}], shiftAt?, routerQueue?}  (levels, shiftAt: the surge headroom's,
+             surge.py; routerQueue: the router's held requests at `time`)
                                          the arrival-rate estimate's counters and trend (policy.ArrivalState)
 Times are RFC 3339 UTC strings (arrivals' with milliseconds: rates are counter differences over them).
 The block's schema is the shared model `kvpilot.api.models.AutoscalerStatus`; reading it back is one
@@ -106,6 +107,7 @@ def _arrivals(a: ArrivalsStatus) -> ArrivalState:
             sorted((RateSample(r.time.timestamp(), r.rate) for r in a.levels or []), key=lambda r: r.time)
         ),
         shift_at=_seconds(a.shift_at),
+        router_queue=a.router_queue,
     )
 
 
@@ -145,6 +147,7 @@ def _arrivals_model(state: ArrivalState) -> ArrivalsStatus:
         token_mix=None if mix is None else TokenMix(prompt=round(mix[0], 1), output=round(mix[1], 1)),
         levels=[RatePoint(time=_at(r.time), rate=round(r.rate, 4)) for r in state.levels] or None,
         shift_at=_time(state.shift_at),
+        router_queue=state.router_queue,
     )
 
 

@@ -502,8 +502,10 @@ def test_arrival_state_round_trips_and_skips_garbage():
         (PodCounter("a", 12.0, 3), PodCounter("b", None, 0)),
         (RateSample(T0 - 15.5, 2.5), RateSample(T0 + 0.25, 3.0)),
         4.5,
+        router_queue=17,
     )
     assert arrivals_from_status(json.loads(json.dumps(arrivals_to_status(state)))) == state
+    assert arrivals_to_status(state)["routerQueue"] == 17
     garbage = {
         "time": "soon",
         "pods": [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -365,6 +367,23 @@ def test_arrivals_handle_new_pods_resets_and_missing_replicas():
     prom = MetricsSnapshot(1, (ReplicaSample("a", 0.5, 0, 7, completion_rate=3.0),))
     rate_prom, done_prom, _ = measure_arrivals(prom, before, NOW)
     assert rate_prom == pytest.approx((30 + 2) / 10) and done_prom == pytest.approx(3.0)
+
+
+def test_requests_the_router_holds_arrived_and_its_drain_is_not_a_missed_replica():
+    """The router's central queue (MetricsSnapshot.router_queue) counts: requests it queued since the
+    last sync arrived, and what it handed to new replicas since is their in flight, not a missed
+    replica's count for the cap to cut."""
+    before = ArrivalState(NOW - 10, (PodCounter("a", 100.0, 8),), router_queue=50)
+    # the router held 50 -> 80: 30 more arrived beside a's 10 done + 0 more in flight
+    grew = replace(csnap([("a", 0.9, 0, 8, 110.0)]), router_queue=80)
+    assert measure_arrivals(grew, before, NOW)[0] == pytest.approx((10 + 30) / 10)
+    # new replicas b and c took 40 of the queue (50 -> 20) and 6 new requests; a finished 10
+    drained = replace(
+        csnap([("a", 0.9, 0, 8, 110.0), ("b", 0.9, 0, 23, 0.0), ("c", 0.9, 0, 23, 0.0)]), router_queue=20
+    )
+    assert measure_arrivals(drained, before, NOW)[0] == pytest.approx((10 + 46 - 30) / 10)
+    # without the router's count both times, its queue is not read (as before)
+    assert measure_arrivals(grew, replace(before, router_queue=None), NOW)[0] == pytest.approx(10 / 10)
 
 
 @pytest.mark.parametrize(

@@ -286,3 +286,18 @@ def test_replicas_count_prompts_as_they_are_admitted():
             )
             mixes.append((admitted, finished))
     assert mixes and mixes[0][0] > 1.5 * mixes[0][1]  # the first sync after the shift
+
+
+def test_the_central_queue_is_reported_as_the_routers():
+    """What the router holds is reported as a router reports it (MetricsSnapshot.router_queue, which
+    production reads from kvpilot_router_queue_depth), not as the pods' waiting requests: at every
+    sync the pods' in flight plus the router's queue is every request that arrived and did not finish,
+    and a burst on one full replica shows in router_queue."""
+    trace = [TraceRequest(i * 0.01, 4_000, 300) for i in range(1500)]
+    rec = _Recorder(1)
+    simulate(trace, rec, H100, warmup_s=0, router=LeastLoaded(), sync_interval_s=5.0)
+    assert max(snap.router_queue or 0 for _, snap in rec.seen) > 100
+    for now, snap in rec.seen:
+        (s,) = snap.samples
+        arrived = sum(r.t <= now for r in trace)
+        assert (s.completed_total or 0) + s.num_running + s.num_waiting + (snap.router_queue or 0) == arrived
