@@ -409,12 +409,18 @@ def select_backend(
     dtype = kv_dtype if kv_dtype is not None else (torch.int8 if kv_quantized else torch.float16)
     have, enabled = installed(device.type), switches.current().cpu_kernels
     name = choose_backend(device.type, dtype, block_size, have, enabled, heads)
-    if device.type == "cpu" and enabled and have.cpu_kernel and not cpu_kernel_takes(heads):
+    if (
+        device.type == "cpu"
+        and enabled
+        and have.cpu_kernel
+        and heads is not None
+        and not cpu_kernel_takes(heads)
+    ):
         log.warning(
-            "CPU attention: %s query heads a KV head, head_dim %s are past the C kernel's limits (at most %d "
+            "CPU attention: %d query heads a KV head, head_dim %d are past the C kernel's limits (at most %d "
             "and %d): attention runs on torch's reference path, several times slower",
-            heads.group if heads else "?",
-            heads.head_dim if heads else "?",
+            heads.group,
+            heads.head_dim,
             CPU_KERNEL_MAX_GROUP,
             CPU_KERNEL_MAX_HEAD_DIM,
         )
