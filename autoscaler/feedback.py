@@ -74,6 +74,12 @@ EVIDENCE_Z = 1.0
 CUT_Z = 2.0
 
 
+# The floor is evidence above the model at the token mix it was measured at and near it, not at a mix
+# heavier than this (the model's capacity there below 1/FLOOR_MIX_RANGE of its capacity at the floor's
+# mix): floor_at_mix. A mix's sync-to-sync swing on a stationary trace stays within it.
+FLOOR_MIX_RANGE = 1.5
+
+
 @dataclass(frozen=True)
 class SloState:
     """What the closed loop remembers between syncs (status.autoscaler.slo)."""
@@ -144,11 +150,19 @@ def floor_at_mix(state: SloState, model_capacity: float | None) -> float | None:
     A load served with 5.6k-token prompts says little about the same load of 17k-token ones; kept as it
     was, a floor of 11.4/s per replica had the planner size one replica where the model asked for three
     (the mix-shift battery's seed 9: 74% attainment at 60 s startup, 97.8% with this; docs/autoscaler.md,
-    "Sixth round")."""
+    "Sixth round"). Proportion holds near the floor's mix only: where the model's capacity is below
+    1/FLOOR_MIX_RANGE of its capacity there, the floor counts up to the model's capacity, not above it.
+    The model's error depends on the mix (pessimistic at short multi-turn prompts, which hit the prefix
+    cache, optimistic at long ones): a floor 2.3x the model at 3.5k-token prompts, scaled, still said
+    2.3x at 10k, where replicas sustained 0.8x, and sized the reaction to the shift on it (the
+    mix-shift battery at --load 3, seed 1, 60 s startup: 2 -> 5 -> 8 -> 9 replicas over the first
+    45 s where the model's capacity asks 10 -> 21 -> 24 for the backlog; docs/autoscaler.md,
+    "Twelfth round")."""
     floor, at = state.capacity_floor, state.floor_capacity
     if floor is None or at is None or not model_capacity or model_capacity >= at:
         return floor
-    return floor * model_capacity / at
+    scaled = floor * model_capacity / at
+    return min(scaled, model_capacity) if at > FLOOR_MIX_RANGE * model_capacity else scaled
 
 
 def planner_capacity(state: SloState, model_capacity: float) -> float:

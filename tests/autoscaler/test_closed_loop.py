@@ -21,6 +21,7 @@ from kvpilot.autoscaler.attainment import (
 )
 from kvpilot.autoscaler.feedback import (
     CUT_Z,
+    FLOOR_MIX_RANGE,
     FeedbackSettings,
     SloState,
     evaluate,
@@ -266,12 +267,21 @@ def test_a_floor_served_at_a_lighter_mix_counts_at_a_heavier_one_only_in_proport
     assert served_load_limit(1, 2, 2.2, light.capacity_floor)[0] == 1
     assert served_load_limit(1, 2, 2.2, floor_at_mix(light, 1.5))[0] == 2
     # a floor above a pessimistic model (3/s served where it said 2) holds at its mix and lighter ones,
-    # and at a heavier one in proportion
+    # and at a heavier one in proportion, near its mix (the model at 1/FLOOR_MIX_RANGE of its capacity
+    # there or more); farther, the model's error at one mix says nothing of its error at the other
+    # (a model pessimistic at short prompts was optimistic at long ones): the floor counts up to the
+    # model's capacity there, not above it
     pessimistic = evaluate(_state((NOW, SloCounts(met=1000), 3.0)), NOW, 5, 5, SETTINGS, 2.0, 10).state
     assert pessimistic.floor_capacity == pytest.approx(2.0)
     assert planner_capacity(pessimistic, 2.0) == pytest.approx(3.0)
     assert planner_capacity(pessimistic, 2.5) == pytest.approx(3.0)
-    assert planner_capacity(pessimistic, 1.0) == pytest.approx(1.5)
+    near = 2.0 / FLOOR_MIX_RANGE
+    assert planner_capacity(pessimistic, near) == pytest.approx(3.0 / FLOOR_MIX_RANGE)
+    assert planner_capacity(pessimistic, 0.99 * near) == pytest.approx(0.99 * near)
+    assert planner_capacity(pessimistic, 1.0) == pytest.approx(1.0)
+    # ... and the scale-down limit is held to it: 9/s on 5 replicas (1.8/s each) is within 1.25x
+    # the floor scaled (1.5/s each) but 1.8x the model's 1.0
+    assert served_load_limit(5, 9, 9.0, floor_at_mix(pessimistic, 1.0))[0] == 8
     # measured before the planner had a mix: taken as it is
     assert floor_at_mix(SloState(capacity_floor=3.0), 1.0) == 3.0
     # a sync that does not move the floor keeps its mix; a new floor is measured at the current one

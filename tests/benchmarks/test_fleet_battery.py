@@ -73,3 +73,31 @@ def test_load_scales_the_requests_and_nothing_else() -> None:
 def test_load_must_be_positive() -> None:
     r = _battery("--load=0", "--seeds", "1")
     assert r.returncode == 2 and "--load" in r.stderr
+
+
+def test_a_floor_measured_at_a_light_mix_does_not_size_the_reaction_to_a_heavy_one() -> None:
+    """Seed 1 at three times its requests, 30 minutes, prompts three times longer from 900 s, 60 s
+    startup. Two replicas serve the light half at a load the model calls ~2x their capacity (its
+    multi-turn prompts hit the prefix cache), so the closed loop measures a floor above the model.
+    At the shift that floor, scaled by the model's ratio between the mixes, still said 3.1/s a
+    replica where the model says 1.8: the backlog was sized on it (2 -> 3 -> 5 -> 7, 91.4% over the
+    run). Measured at a mix this far lighter, it is not applied above the model (feedback.
+    FLOOR_MIX_RANGE): the first reaction asks for the model's count, and the run misses less."""
+    trace = shift_mix([r for r in fb.trace_for(1, 3.0) if r.t < 1800.0], 3.0, 900.0)
+    policy = fb.kvpilot(60.0)
+    reasons: dict[float, tuple[int, int, str]] = {}
+    decide = policy.decide
+
+    def logged(now: float, current: int, snapshot: MetricsSnapshot, in_flight: int) -> int:
+        d = decide(now, current, snapshot, in_flight)
+        reasons[now] = (current, d, policy.last_reason)
+        return d
+
+    policy.decide = logged  # type: ignore[method-assign]
+    ran = fb.run(trace, policy, 60.0, "router:kv-aware", 300.0)
+    before = [r for t, (_, _, r) in reasons.items() if 600.0 < t < 900.0]
+    assert any("measured floor" in r for r in before)  # the light half's floor, above the model
+    first_up = min(t for t, (c, d, _) in reasons.items() if t >= 900.0 and d > c)
+    current, asked, reason = reasons[first_up]
+    assert current == 2 and "measured floor" not in reason and asked >= 8, reason
+    assert ran["attainment"] >= 0.94
