@@ -106,6 +106,16 @@ def _fraction(flag: str) -> Any:
     return parse
 
 
+def _share(flag: str) -> Any:
+    def parse(value: str) -> float:
+        v = _nonneg_float(flag)(value)
+        if v > 1.0:
+            raise argparse.ArgumentTypeError(f"{flag} must be in [0, 1], got {value}")
+        return float(v)
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="autoscaler_command", metavar="{run,simulate}")
     sub.required = True
@@ -300,6 +310,14 @@ def add_behavior_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"at most max(-PODS, -PERCENT%%) per PERIOD seconds (default {show(d.scale_down)})",
     )
     g.add_argument(
+        "--scale-down-surplus-share",
+        type=_share("--scale-down-surplus-share"),
+        default=d.scale_down_surplus_share,
+        metavar="SHARE",
+        help="... or this share of the surplus over the size the recommendations ask, whichever is more "
+        f"(default {d.scale_down_surplus_share:g}; 0: --scale-down-rule alone)",
+    )
+    g.add_argument(
         "--tolerance", type=_fraction("--tolerance"), default=d.tolerance, help="relative dead band"
     )
     g.add_argument(
@@ -364,6 +382,7 @@ def behavior_from_args(args: argparse.Namespace) -> Behavior:
         d,
         scale_up=getattr(args, "scale_up_rule", d.scale_up),
         scale_down=getattr(args, "scale_down_rule", d.scale_down),
+        scale_down_surplus_share=getattr(args, "scale_down_surplus_share", d.scale_down_surplus_share),
         tolerance=getattr(args, "tolerance", d.tolerance),
         scale_down_exponent=getattr(args, "scale_down_exponent", d.scale_down_exponent),
         queue_recommendation=getattr(args, "queue_recommendation", d.queue_recommendation),

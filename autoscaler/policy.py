@@ -231,12 +231,24 @@ def scale_up_limit(current: int, events: tuple[ScaleEvent, ...], now: float, rul
     return max(start + rule.pods, _ceil(start * (1.0 + rule.percent / 100.0)), current)
 
 
-def scale_down_limit(current: int, events: tuple[ScaleEvent, ...], now: float, rule: ScalingRule) -> int:
+def scale_down_limit(
+    current: int,
+    events: tuple[ScaleEvent, ...],
+    now: float,
+    rule: ScalingRule,
+    toward: int | None = None,
+    surplus_share: float = 0.0,
+) -> int:
     """Smallest size allowed now: min(start - pods, start * (1 - percent)) where start is the size at
-    the beginning of the period."""
+    the beginning of the period, and, given the size the recommendations ask (`toward`), also
+    start - floor(surplus_share x (start - toward)): a surplus comes down in proportion to its size
+    (from 40 toward 11 at a half: 26, 19, 15, 13, 12, 11, one period each), and near the size asked by
+    the rule's steps."""
     added, removed = _period_start(current, events, now, rule.period_s)
     start = current + removed - added
     proposed = min(start - rule.pods, math.floor(start * (1.0 - rule.percent / 100.0) + _EPS))
+    if toward is not None and toward < start:
+        proposed = min(proposed, start - math.floor(surplus_share * (start - toward) + _EPS))
     return min(max(0, proposed), current)
 
 
@@ -680,11 +692,12 @@ def decide(
             desired = limit
     elif desired < current:
         rule = b.scale_down
-        limit = scale_down_limit(current, events, now, rule)
+        limit = scale_down_limit(current, events, now, rule, desired, b.scale_down_surplus_share)
         if desired < limit:
+            share = b.scale_down_surplus_share
+            surplus = "" if not share else f" or {share:.0%} of the surplus"
             notes.append(
-                f"scale-down limited to {limit} "
-                f"(max -{rule.pods} or {rule.percent:g}% per {rule.period_s:g}s)"
+                f"scale-down limited to {limit} (max -{rule.pods} or {rule.percent:g}% per {rule.period_s:g}s{surplus})"
             )
             desired = limit
 

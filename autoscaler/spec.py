@@ -49,6 +49,10 @@ class Behavior:
     tolerance: float = 0.1
     scale_up: ScalingRule = ScalingRule(pods=4, percent=100.0, period_s=15.0)
     scale_down: ScalingRule = ScalingRule(pods=1, percent=0.0, period_s=60.0)
+    # ... or this share of the surplus over the size the recommendations ask (policy.scale_down_limit),
+    # whichever is more: far above the size asked (a backlog's replicas once it drained) the fleet
+    # comes down in a few periods, near it one replica a period as scale_down says. 0: scale_down alone.
+    scale_down_surplus_share: float = 0.5
     # Burst mode: skip the up window and jump further when the fleet is saturated and queueing.
     burst_kv_threshold: float = 0.95
     # ... or when the queue grows by at least this many requests per ready replica per second.
@@ -118,6 +122,8 @@ class Behavior:
             raise ValueError("surge_window_s must be > 0, surge_shift_ratio > 1, surge_quantile in (0, 1]")
         if self.arrival_lead_s < 0 or self.arrival_trend_window_s < 0:
             raise ValueError("arrival_lead_s and arrival_trend_window_s must be >= 0")
+        if not 0 <= self.scale_down_surplus_share <= 1:
+            raise ValueError("scale_down_surplus_share must be in [0, 1]")
         if self.redundancy_replicas < 1 or self.redundancy_load < 0:
             raise ValueError("redundancy_replicas must be >= 1 and redundancy_load >= 0")
         if self.arrival_headroom <= 0 or self.arrival_max_growth < 1:

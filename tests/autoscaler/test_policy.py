@@ -168,6 +168,36 @@ def test_rate_limits_follow_hpa_semantics():
     assert scale_down_limit(4, (ScaleEvent(NOW - 61, 5, 4),), NOW, down) == 3
 
 
+def test_a_surplus_comes_down_in_proportion_to_its_size_and_near_the_size_asked_one_at_a_time():
+    down = ScalingRule(pods=1, percent=0, period_s=60)
+    # from 40 toward 11 at half the surplus a period: 26, 19, 15, 13, 12, 11
+    sizes, t, events = [40], NOW, ()
+    while sizes[-1] > 11:
+        n = scale_down_limit(sizes[-1], events, t, down, toward=11, surplus_share=0.5)
+        events = (*events, ScaleEvent(t, sizes[-1], n))
+        sizes.append(n)
+        t += 60
+    assert sizes == [40, 26, 19, 15, 13, 12, 11]
+    # within the period of the last step, nothing more; the share 0 is the rule alone
+    assert scale_down_limit(26, (ScaleEvent(NOW - 30, 40, 26),), NOW, down, 11, 0.5) == 26
+    assert scale_down_limit(40, (), NOW, down, toward=11, surplus_share=0.0) == 39
+    # never below the size asked, never above the current size
+    assert scale_down_limit(12, (), NOW, down, toward=11, surplus_share=1.0) == 11
+    assert scale_down_limit(12, (), NOW, down, toward=12, surplus_share=0.5) == 11  # the rule's own step
+
+
+def test_a_fleet_far_above_what_it_needs_comes_down_by_half_the_surplus_a_minute():
+    """40 replicas at 5% KV use, where the recommendations ask for a few: the first step is half the
+    surplus, not one replica, and the reason says which limit applied; with the share 0, one."""
+    t = targets(max_replicas=60)
+    d = decide(40, snap([0.05] * 40), t, History(), NOW)
+    asked = d.recommendation
+    assert asked < 20 and d.desired == 40 - (40 - asked) // 2, (asked, d.desired)  # 11: 26, not 39
+    assert "or 50% of the surplus" in d.reason
+    one = replace(t, behavior=replace(t.behavior, scale_down_surplus_share=0.0))
+    assert decide(40, snap([0.05] * 40), one, History(), NOW).desired == 39
+
+
 def test_history_is_bounded():
     t = targets()
     h = History()

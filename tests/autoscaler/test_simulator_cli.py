@@ -202,7 +202,15 @@ def test_cli_behavior_flags_reach_the_policy():
     )
     b = behavior_from_args(args)
     assert (b.redundancy_replicas, b.redundancy_load) == (1, 0.8)
-    for bad in (["--redundancy-replicas", "0"], ["--redundancy-load", "-1"]):
+    assert b.scale_down_surplus_share == 0.5  # the default
+    args = parser.parse_args(["simulate", "--trace", "t.csv", "--scale-down-surplus-share", "0"])
+    assert behavior_from_args(args).scale_down_surplus_share == 0.0
+    for bad in (
+        ["--redundancy-replicas", "0"],
+        ["--redundancy-load", "-1"],
+        ["--scale-down-surplus-share", "1.5"],
+        ["--scale-down-surplus-share", "-0.1"],
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(["simulate", "--trace", "t.csv", *bad])
     with pytest.raises(SystemExit):
