@@ -191,7 +191,7 @@ def test_scale_down_hold_spans_several_startups() -> None:
     history = History(recommendations=(Recommendation(NOW - 400.0, 6),))
     fast = decide(6, MetricsSnapshot(6, idle, startup_s=60.0), targets, history, NOW)
     slow = decide(6, MetricsSnapshot(6, idle, startup_s=120.0), targets, history, NOW)
-    assert fast.desired == 5  # the 300 s window has passed: one pod goes
+    assert fast.desired == 4  # the 300 s window has passed: half the surplus over the 2 asked goes
     assert slow.desired == 6  # 400 s < 4 x 120 s: held
     assert "scale-down stabilization (480s) holds 6" in slow.reason
 
