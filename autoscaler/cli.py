@@ -96,21 +96,14 @@ def _positive_int(flag: str) -> Any:
     return parse
 
 
-def _fraction(flag: str) -> Any:
+def _fraction(flag: str, zero: bool = False) -> Any:
+    """A number in (0, 1], or in [0, 1] with `zero`."""
+    low = _nonneg_float(flag) if zero else _positive_float(flag)
+
     def parse(value: str) -> float:
-        v = _positive_float(flag)(value)
+        v = low(value)
         if v > 1.0:
-            raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], got {value}")
-        return float(v)
-
-    return parse
-
-
-def _share(flag: str) -> Any:
-    def parse(value: str) -> float:
-        v = _nonneg_float(flag)(value)
-        if v > 1.0:
-            raise argparse.ArgumentTypeError(f"{flag} must be in [0, 1], got {value}")
+            raise argparse.ArgumentTypeError(f"{flag} must be in {'[' if zero else '('}0, 1], got {value}")
         return float(v)
 
     return parse
@@ -311,7 +304,7 @@ def add_behavior_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--scale-down-surplus-share",
-        type=_share("--scale-down-surplus-share"),
+        type=_fraction("--scale-down-surplus-share", zero=True),
         default=d.scale_down_surplus_share,
         metavar="SHARE",
         help="... or this share of the surplus over the size the recommendations ask, whichever is more "

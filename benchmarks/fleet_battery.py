@@ -21,8 +21,9 @@ best reaction from where the policy stood. Where even that misses the goal, only
 the shift (which no signal foretells) would meet it. The same bound at the smallest fixed fleet's size
 after the shift (shift_oracle_static_attainment) says whether a reaction can meet the goal without
 running more replicas than the fixed fleet does: where it cannot, the misses of the shift itself (the
-requests that arrive while the fleet of the light mix serves the heavy one) are over the budget. --load F draws each shape with F times its
-requests (3: fleets of 7-25 replicas on seeds 1-12, the size of the production trace issue 24 describes).
+requests that arrive while the fleet of the light mix serves the heavy one) are over the budget.
+--load F draws each shape with F times its requests (3: fleets of 7-25 replicas on seeds 1-12, the
+size of the production trace issue 24 describes).
 """
 
 from __future__ import annotations
