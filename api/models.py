@@ -910,6 +910,8 @@ class HistoryEntry(_Model):
 
     time: Time
     replicas: Count
+    backlog: Lenient[bool] = None
+    """Sized for a backlog (startup-aware queue rule): holds the scale-down window only while it queues."""
 
 
 class RedundancyFloorStatus(_Model):

@@ -131,6 +131,7 @@ _EPS = 1e-9
 class Recommendation:
     time: float
     replicas: int
+    backlog: bool = False  # sized by the startup-aware queue rule for a backlog (startup.backlog_replicas)
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,7 @@ def decide(
 
     kv_rec: int | None = None
     queue_rec: int | None = None
+    q_startup = ""
     arrival_rec: int | None = None
     slo_rec: int | None = None
     surge_rec: int | None = None
@@ -659,9 +661,13 @@ def decide(
     down_s = scale_down_hold_s(targets.scale_down_stabilization_s, startup)
     horizon = max(targets.history_horizon_s, down_s)
     recs = tuple(r for r in history.recommendations if now - r.time <= horizon and r.time <= now)
-    recs = (*recs, Recommendation(now, raw))
+    backlog_sized = bool(q_startup) and queue_rec is not None and queue_rec >= raw
+    recs = (*recs, Recommendation(now, raw, backlog_sized))
     up_window = [r.replicas for r in recs if now - r.time <= targets.scale_up_stabilization_s]
-    down_window = [r.replicas for r in recs if now - r.time <= down_s]
+    # A size asked for a backlog holds the scale-down window only while requests still queue beyond
+    # the target: once the backlog drained, the replicas it asked for are not what the load needs.
+    drained = waiting <= targets.target_queue_depth * max(1, n)
+    down_window = [r.replicas for r in recs if now - r.time <= down_s and not (r.backlog and drained)]
     up_candidate = raw if burst else min(up_window)
     down_candidate = max(down_window)
     if up_candidate > current:

@@ -3,7 +3,8 @@
 status.autoscaler (written by field manager kvpilot-autoscaler with a merge patch):
   lastDecision: {time, fromReplicas, toReplicas, reason, metrics: {kvCacheUsage, queueDepth, readyReplicas,
                  reporting}}
-  history: [{time, replicas}]            recommendations inside the longest stabilization window
+  history: [{time, replicas, backlog?}]  recommendations inside the longest stabilization window
+                                         (backlog: sized for a backlog, held only while it queues)
   scaleEvents: [{time, fromReplicas, toReplicas}]   scale changes inside the longest rate-limit period
   lastScaleTime
   redundancy: {time, replicas, rate, perReplica}   when the redundancy floor last applied (held for the
@@ -237,7 +238,7 @@ def history_from_status(autoscaler_status: Mapping[str, Any] | None) -> History:
     if not autoscaler_status:
         return History()
     status = AutoscalerStatus.model_validate(autoscaler_status)
-    recs = [Recommendation(h.time.timestamp(), h.replicas) for h in status.history or []]
+    recs = [Recommendation(h.time.timestamp(), h.replicas, bool(h.backlog)) for h in status.history or []]
     events = [
         ScaleEvent(e.time.timestamp(), e.from_replicas, e.to_replicas) for e in status.scale_events or []
     ]
@@ -310,7 +311,10 @@ def decision_to_status(
                 reporting=decision.reporting,
             ),
         ),
-        history=[HistoryEntry(time=_at(r.time), replicas=r.replicas) for r in h.recommendations],
+        history=[
+            HistoryEntry(time=_at(r.time), replicas=r.replicas, backlog=r.backlog or None)
+            for r in h.recommendations
+        ],
         scale_events=[
             ScaleEventEntry(time=_at(e.time), from_replicas=e.from_replicas, to_replicas=e.to_replicas)
             for e in h.events

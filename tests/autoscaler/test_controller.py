@@ -235,7 +235,7 @@ def test_history_round_trips_through_status():
     from kvpilot.autoscaler.policy import decide
     from kvpilot.autoscaler.spec import ScalingTargets
 
-    h = History(recommendations=(Recommendation(T0 - 30, 5),))
+    h = History(recommendations=(Recommendation(T0 - 60, 9, backlog=True), Recommendation(T0 - 30, 5)))
     d = decide(
         5,
         MetricsSnapshot(5, tuple(ReplicaSample(f"p{i}", 0.99, 9, 9) for i in range(5))),
@@ -245,7 +245,12 @@ def test_history_round_trips_through_status():
     )
     block = json.loads(json.dumps(decision_to_status(d, T0, None)))
     back = history_from_status(block)
-    assert [(r.time, r.replicas) for r in back.recommendations] == [(T0 - 30, 5), (T0, d.recommendation)]
+    assert [(r.time, r.replicas, r.backlog) for r in back.recommendations] == [
+        (T0 - 60, 9, True),
+        (T0 - 30, 5, False),
+        (T0, d.recommendation, False),
+    ]
+    assert [("backlog" in e) for e in block["history"]] == [True, False, False]  # left out when False
     assert [(e.from_replicas, e.to_replicas) for e in back.events] == [(5, d.desired)]
     assert back.last_queue == (T0, 45)
     # Garbage in status is skipped, never guessed.

@@ -142,6 +142,26 @@ def test_startup_aware_queue_rule_sizes_the_backlog_over_the_startup() -> None:
     assert d.recommendation < reactive.recommendation  # the reactive rule re-asks for the whole queue
 
 
+def test_a_size_asked_for_a_backlog_holds_the_scale_down_window_only_while_it_queues() -> None:
+    """The startup-aware queue rule's size is marked as a backlog's; once the queue drained (at most
+    targetQueueDepth a replica), it no longer holds the scale-down window, which another size would:
+    60 s after 30 replicas were asked for a backlog, 30 Ready replicas at 5% KV use step down (half
+    the surplus over the 9 the utilization asks: 20) instead of holding 30 for the window."""
+    snapshot, history, targets = backlog_case(60.0)
+    asked = decide(2, snapshot, targets, history, NOW)
+    assert asked.history.recommendations[-1].backlog and "over a 60s startup" in asked.reason
+    assert (
+        not decide(2, replace(snapshot, startup_s=None), targets, history, NOW)
+        .history.recommendations[-1]
+        .backlog
+    )  # the reactive rule sizes no backlog over a startup
+    idle = tuple(ReplicaSample(f"p{i}", 0.05, 0, 1) for i in range(30))
+    for backlog, expected in ((True, 20), (False, 30)):
+        past = History(recommendations=(Recommendation(NOW - 60.0, 30, backlog),))
+        d = decide(30, MetricsSnapshot(30, idle, startup_s=60.0), targets, past, NOW)
+        assert d.desired == expected, (backlog, d.reason)
+
+
 def test_full_batches_during_a_backlog_do_not_add_replicas() -> None:
     """A backlog fills every batch at any fleet size: with the startup-aware queue rule sizing the
     backlog, the utilization rule holds the current size instead of asking 8 x 1.0 / 0.7 (x 1.5 burst)."""
