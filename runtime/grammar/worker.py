@@ -61,7 +61,8 @@ STARTUP_TIMEOUT_S = 120.0  # a worker's start (the forkserver's first import of 
 _WARNING = re.compile(r"Warning: (.*)")
 _MEMORY = "memory"  # a job's answer when the compile ran out of its memory limit
 _PR_SET_PDEATHSIG = 1
-_EXIT_NO_ANSWER = 70  # EX_SOFTWARE: the vet thread died without an answer
+_EXIT_NO_ANSWER = 70  # EX_SOFTWARE: the vet thread ended a job without an answer
+_EXIT_OUT_OF_MEMORY = 71  # the compile ran out of the worker's memory limit (EX_OSERR)
 
 
 @dataclass(frozen=True)
@@ -140,31 +141,57 @@ def _answer(compiler: Any, job: tuple[GuidedKind, str, str], vocab_size: int) ->
         return _MEMORY if "bad_alloc" in str(e) else f"the grammar engine refused it: {e}"
 
 
-_NO_ANSWER = "no answer"  # the vet thread ended without storing one
+_NO_ANSWER = "no answer"  # the vet thread ended a job without storing an answer
 
 
-def answer_on_thread(fn: Callable[[], str | None]) -> str | None:
-    """`fn()` on a fresh thread (the server compiles on a thread too: the same stack size for the
-    same input), with a MemoryError anywhere in it answered as `_MEMORY`.
+class VetThread:
+    """The worker's one vet thread: `answer(fn)` runs `fn()` on it (the server compiles on a thread
+    too: the same stack size for the same input), with a MemoryError anywhere in it answered as
+    `_MEMORY` and any other exception as `_NO_ANSWER`.
 
-    Not a ThreadPoolExecutor: when the compile has used the memory limit up, the executor's own
-    bookkeeping (setting the future's exception) can raise MemoryError in turn; its thread then
-    dies with the future unresolved and a `.result()` waits forever, so a compile that ran out of
-    memory was reported as one that ran out of time. Here the thread stores its answer into a slot
-    that exists before it starts (no allocation), and `join` returns however the thread ended;
-    `_NO_ANSWER` when it ended without one (an exception nothing here expects)."""
-    box: list[str | None] = [_NO_ANSWER]
+    Started once, before the memory limit, and reused for every job: at the limit, whatever
+    allocates can raise MemoryError, and a thread's own machinery allocates. Under CI a compile
+    over the limit was twice reported as one over the time limit: first a ThreadPoolExecutor's
+    bookkeeping raised while setting the future's exception (its thread died, the future never
+    resolved); then a thread started per job raised in its start-up ("Exception ignored in thread
+    started by"), before it signalled that it had started, so `Thread.start` waited forever. Here
+    the thread exists before the limit, it hands its answer over through slots and locks made
+    before the limit (storing and releasing allocate nothing), and the waiting side notices a
+    thread that died."""
 
-    def target() -> None:
-        try:
-            box[0] = fn()
-        except MemoryError:
-            box[0] = _MEMORY
+    def __init__(self) -> None:
+        self._job: list[Callable[[], str | None] | None] = [None]
+        self._answer: list[str | None] = [_NO_ANSWER]
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._thread = threading.Thread(target=self._loop, name="kvpilot-grammar-vet", daemon=True)
+        self._thread.start()
 
-    thread = threading.Thread(target=target, name="kvpilot-grammar-vet", daemon=True)
-    thread.start()
-    thread.join()
-    return box[0]
+    def _loop(self) -> None:
+        go, done, job, answer = self._go.acquire, self._done.release, self._job, self._answer
+        while True:
+            go()
+            try:
+                fn = job[0]
+                answer[0] = fn() if fn is not None else _NO_ANSWER
+            except MemoryError:
+                answer[0] = _MEMORY
+            except BaseException:  # a bug: the worker exits and the server reports a crash
+                answer[0] = _NO_ANSWER
+                with contextlib.suppress(BaseException):  # the answer is stored: nothing else to do
+                    log.exception("grammar vet failed")
+            done()
+
+    def answer(self, fn: Callable[[], str | None]) -> str | None:
+        self._job[0], self._answer[0] = fn, _NO_ANSWER
+        self._go.release()
+        while not self._done.acquire(True, 1.0):
+            if not self._thread.is_alive():
+                return _NO_ANSWER
+        self._job[0] = None
+        return self._answer[0]
 
 
 def _die_with_parent() -> None:
@@ -179,10 +206,13 @@ def worker_main(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -
     """The worker process: answer (kind, source, param) jobs with (problem, seconds) until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
     _die_with_parent()
+    import jsonschema  # noqa: F401 - the metaschema check's, imported before the limit as xgrammar is
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    vetter = VetThread()  # before the limit: starting a thread allocates
+    exit_ = os._exit
     _limit_memory(memory_bytes)
     conn.send(("ready", os.getpid()))
     while True:
@@ -191,10 +221,16 @@ def worker_main(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -
         except (EOFError, OSError):
             return
         t0 = time.monotonic()
-        problem = answer_on_thread(functools.partial(_answer, compiler, job, info.vocab_size))
-        if problem == _NO_ANSWER:  # the server sees a crash (exit code 70) and starts a new worker
-            os._exit(_EXIT_NO_ANSWER)
-        conn.send((problem, time.monotonic() - t0))
+        problem = vetter.answer(functools.partial(_answer, compiler, job, info.vocab_size))
+        # the verdicts that may come at the memory limit are exit codes: an exit allocates nothing
+        if problem is _MEMORY:  # a process that hit its limit mid-allocation is not reused either
+            exit_(_EXIT_OUT_OF_MEMORY)
+        if problem is _NO_ANSWER:
+            exit_(_EXIT_NO_ANSWER)
+        try:
+            conn.send((problem, time.monotonic() - t0))
+        except MemoryError:
+            exit_(_EXIT_OUT_OF_MEMORY)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -260,13 +296,12 @@ class GrammarWorker:
             return Verdict(None, time.monotonic() - t0, timed_out=True)
         try:
             problem, seconds = self._conn.recv()
-        except (EOFError, OSError):  # it died on this job: out of memory in C++, or a crash
+        except (EOFError, OSError):  # it ended on this job: out of its memory, or a crash
             code = self._stop()
+            if code == _EXIT_OUT_OF_MEMORY:
+                return Verdict(None, time.monotonic() - t0, out_of_memory=True)
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             return Verdict(None, time.monotonic() - t0, crashed=how)
-        if problem == _MEMORY:
-            self._stop()  # a process that hit its limit mid-allocation is not reused
-            return Verdict(None, float(seconds), out_of_memory=True)
         return Verdict(problem, float(seconds))
 
     def _stop(self) -> int | None:

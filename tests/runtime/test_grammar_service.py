@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvpilot.runtime.grammar.structured_output import (
     GuidedSpecError,
     LazyGrammarCompiler,
 )
-from kvpilot.runtime.grammar.worker import _MEMORY, _NO_ANSWER, answer_on_thread
+from kvpilot.runtime.grammar.worker import _MEMORY, _NO_ANSWER, VetThread
 from kvpilot.runtime.load.loader import builtin_model_path
 from kvpilot.runtime.load.tokenizer import Tokenizer
 
@@ -183,12 +184,12 @@ def test_a_compile_over_the_memory_limit_is_refused(service: GrammarService) -> 
     asyncio.run(run())
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # `bug`, on purpose
 def test_the_vet_thread_always_answers() -> None:
-    """A MemoryError anywhere in the worker's vet thread is the memory verdict, and a thread that
-    dies is noticed. Under CI the compile above was once reported as a timeout: the worker's
-    ThreadPoolExecutor raised MemoryError in its own bookkeeping at the memory limit, its thread
-    died with the future unresolved, and the worker waited on it until the server's deadline."""
+    """A MemoryError anywhere in a job is the memory verdict, any other exception the no-answer one,
+    and the same thread, started once (before the worker's memory limit), runs every job. Under CI
+    the compile above was twice reported as a timeout: a thread's own machinery raised MemoryError
+    at the limit (a ThreadPoolExecutor's bookkeeping; then a per-job thread's start-up, before it
+    signalled that it had started) and the worker waited until the server's deadline."""
 
     def out_of_memory() -> str:
         raise MemoryError
@@ -202,11 +203,20 @@ def test_the_vet_thread_always_answers() -> None:
     def bug() -> str:
         raise KeyError("bogus")
 
-    assert answer_on_thread(lambda: "a problem") == "a problem"
-    assert answer_on_thread(lambda: None) is None
-    assert answer_on_thread(out_of_memory) == _MEMORY
-    assert answer_on_thread(out_of_memory_while_handling) == _MEMORY
-    assert answer_on_thread(bug) == _NO_ANSWER  # the worker exits; the server reports a crash
+    idents: set[int | None] = set()
+
+    def where() -> str:
+        idents.add(threading.get_ident())
+        return "here"
+
+    vetter = VetThread()
+    assert vetter.answer(lambda: "a problem") == "a problem"
+    assert vetter.answer(lambda: None) is None
+    assert vetter.answer(out_of_memory) is _MEMORY
+    assert vetter.answer(out_of_memory_while_handling) is _MEMORY
+    assert vetter.answer(bug) is _NO_ANSWER  # the worker exits; the server reports a crash
+    assert [vetter.answer(where) for _ in range(3)] == ["here"] * 3
+    assert len(idents) == 1 and threading.get_ident() not in idents
 
 
 @pytest.mark.parametrize("service", [GrammarLimits(timeout_s=60.0, workers=1)], indirect=True)
