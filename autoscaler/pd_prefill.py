@@ -36,7 +36,13 @@ from dataclasses import dataclass, replace
 from kvpilot.autoscaler.arrivals import MAX_COUNTER_AGE_S, PodCounter, RateSample, forecast_arrivals
 from kvpilot.autoscaler.calibration import Calibration
 from kvpilot.autoscaler.feedback import SloState, planner_capacity
-from kvpilot.autoscaler.policy import Recommendation, ScaleEvent, scale_down_limit, scale_up_limit
+from kvpilot.autoscaler.policy import (
+    Recommendation,
+    ScaleEvent,
+    scale_down_limit,
+    scale_down_limit_text,
+    scale_up_limit,
+)
 from kvpilot.autoscaler.samples import MetricsSnapshot
 from kvpilot.autoscaler.slo import solo_prefill_s
 from kvpilot.autoscaler.spec import ScalingTargets
@@ -168,9 +174,9 @@ def stabilize(
             notes.append(f"scale-up limited to {limit}")
             desired = limit
     elif desired < current:
-        limit = scale_down_limit(current, events, now, b.scale_down)
+        limit = scale_down_limit(current, events, now, b.scale_down, desired, b.scale_down_surplus_share)
         if desired < limit:
-            notes.append(f"scale-down limited to {limit}")
+            notes.append(scale_down_limit_text(limit, b.scale_down, b.scale_down_surplus_share))
             desired = limit
     return desired, recs, events, notes
 

@@ -120,6 +120,7 @@ __all__ = [
     "measure_arrivals",
     "measure_token_mix",
     "scale_down_limit",
+    "scale_down_limit_text",
     "scale_up_limit",
     "service_rate_at_target",
     "smooth_token_mix",
@@ -253,6 +254,12 @@ def scale_down_limit(
     if toward is not None and toward < start:
         proposed = min(proposed, start - math.floor(surplus_share * (start - toward) + _EPS))
     return min(max(0, proposed), current)
+
+
+def scale_down_limit_text(limit: int, rule: ScalingRule, surplus_share: float) -> str:
+    """The reason's words for a scale-down that `scale_down_limit` held at `limit`."""
+    surplus = "" if not surplus_share else f" or {surplus_share:.0%} of the surplus"
+    return f"scale-down limited to {limit} (max -{rule.pods} or {rule.percent:g}% per {rule.period_s:g}s{surplus})"
 
 
 def _kv_text(avg: float, target: float, tol: float) -> str:
@@ -702,11 +709,7 @@ def decide(
         rule = b.scale_down
         limit = scale_down_limit(current, events, now, rule, desired, b.scale_down_surplus_share)
         if desired < limit:
-            share = b.scale_down_surplus_share
-            surplus = "" if not share else f" or {share:.0%} of the surplus"
-            notes.append(
-                f"scale-down limited to {limit} (max -{rule.pods} or {rule.percent:g}% per {rule.period_s:g}s{surplus})"
-            )
+            notes.append(scale_down_limit_text(limit, rule, b.scale_down_surplus_share))
             desired = limit
 
     fb_noted = fb is None or fb_in_driver  # the feedback's text is in the reason

@@ -206,3 +206,20 @@ async def test_the_controller_splits_pods_by_role_and_patches_both_roles_once():
     ).sync_all()
     assert again.decision.reason.startswith("prefill ")
     assert kube.model["status"]["autoscaler"]["disaggregation"]["prefill"]["pods"][0]["pod"] == "p0"
+
+
+def test_a_role_surplus_comes_down_in_proportion_as_the_aggregated_policy_does() -> None:
+    """Both P/D roles step down through pd_prefill.stabilize: half the surplus over the size asked
+    per period (Behavior.scale_down_surplus_share), where it was one replica a minute."""
+    from kvpilot.autoscaler.pd_prefill import stabilize
+    from kvpilot.autoscaler.spec import Behavior, ScalingTargets
+
+    role = ScalingTargets(max_replicas=40)
+    desired, _, _, notes = stabilize(11, 40, (), (), T0, role, startup=None)
+    assert desired == 26
+    assert notes == ["scale-down limited to 26 (max -1 or 0% per 60s or 50% of the surplus)"]
+    one_a_minute = replace(role, behavior=Behavior(scale_down_surplus_share=0.0))
+    desired, _, _, notes = stabilize(11, 40, (), (), T0, one_a_minute, startup=None)
+    assert (desired, notes) == (39, ["scale-down limited to 39 (max -1 or 0% per 60s)"])
+    desired, _, _, notes = stabilize(11, 12, (), (), T0, role, startup=None)  # near the size: one a minute
+    assert (desired, notes) == (11, [])
