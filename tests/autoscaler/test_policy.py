@@ -90,7 +90,7 @@ def test_scale_down_waits_for_the_window_then_goes_one_at_a_time():
     h = History(recommendations=(Recommendation(NOW - 100, 5),))
     d = decide(5, snap([0.1] * 5), t, h, NOW)
     assert d.desired == 5
-    assert "scale-down stabilization (300s) holds 5" in d.reason
+    assert "scale-down stabilization (240s) holds 5" in d.reason  # the default window
     # Past the window: down, but limited to one replica per 60 s.
     h = History(recommendations=(Recommendation(NOW - 400, 5),))
     d = decide(5, snap([0.1] * 5), t, h, NOW)
