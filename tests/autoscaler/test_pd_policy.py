@@ -17,9 +17,11 @@ from kvpilot.autoscaler.pd_policy import (
     decide_pd,
     learn_ratio,
 )
+from kvpilot.autoscaler.pd_prefill import stabilize
 from kvpilot.autoscaler.pd_state import pd_decision_to_status, pd_state_from_status
 from kvpilot.autoscaler.samples import MetricsSnapshot, ReplicaSample
 from kvpilot.autoscaler.sources import ModelRef, PodTarget
+from kvpilot.autoscaler.spec import Behavior, ScalingTargets
 from tests.autoscaler.test_controller import T0, FakeKube, FakeSource, calls
 
 SLO = {"calibration": "h100/llama-3.1-8b", "ttftSeconds": 2, "tpotSeconds": 0.05}
@@ -211,9 +213,6 @@ async def test_the_controller_splits_pods_by_role_and_patches_both_roles_once():
 def test_a_role_surplus_comes_down_in_proportion_as_the_aggregated_policy_does() -> None:
     """Both P/D roles step down through pd_prefill.stabilize: half the surplus over the size asked
     per period (Behavior.scale_down_surplus_share), where it was one replica a minute."""
-    from kvpilot.autoscaler.pd_prefill import stabilize
-    from kvpilot.autoscaler.spec import Behavior, ScalingTargets
-
     role = ScalingTargets(max_replicas=40)
     desired, _, _, notes = stabilize(11, 40, (), (), T0, role, startup=None)
     assert desired == 26
