@@ -36,7 +36,7 @@ Steps, in order (HPA-like where the HPA has an answer):
    scale-up window, asks burst_factor more (not while the closed loop measures the SLO met) and uses
    the larger burst rate limit.
 3. Stabilization: scale up to the smallest recommendation in the up window (default 0 s, i.e. now),
-   scale down to the largest recommendation in the down window (default 300 s); one sized for a
+   scale down to the largest recommendation in the down window (default 240 s); one sized for a
    backlog (the startup-aware queue rule) counts there only while requests still queue.
 4. Rate limits over the events in the rule's period, like HPA behavior policies; a scale-down may
    also take Behavior.scale_down_surplus_share of the surplus over the size asked.
