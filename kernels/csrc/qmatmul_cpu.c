@@ -523,12 +523,23 @@ static int tiled_args_bad(int dtype, int wbits, int group, const uint16_t *mins,
  * stays in each core's L2 (2 MiB on Zen 5) instead of streaming from memory once per tile */
 #define M_BLOCK_BYTES (1L << 20)
 
-/* software prefetch in a stream of tiles: the codes `pf` bytes ahead and, where `scales`, the scales
- * (and mins) 16 blocks ahead, in the next tile past the last */
+/* passes of up to this many activation rows prefetch the codes into L1 (T0), larger ones into L2 (T1).
+ * A one-row pass (a single stream's decode) does little arithmetic per byte and streams the weights at
+ * the memory's pace: T0 made it 1.06-1.23x faster on weights that stream from memory (bf16 and int8
+ * activations, one and two threads; AMD EPYC Zen 4, kernels_bench.py qmatmul-ab, docs/benchmarks.md);
+ * at 5 rows it cost 0.95x (bf16) to 0.78x (int8 activations) on a 128,256-row LM head, and from 8 rows
+ * it did nothing measurable (T1 had been chosen for the expert tiles, qmoe, at many rows) */
+#define PF_L1_ROWS 1
+
+/* software prefetch in a stream of tiles for a pass of `rows` rows: the codes `pf` bytes ahead and, where
+ * `scales`, the scales (and mins) 16 blocks ahead, in the next tile past the last */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, long pf, int bytes,
                                                                  const uint16_t *st, const uint16_t *mt, long b,
-                                                                 int gshift, int scales) {
-    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
+                                                                 int gshift, int scales, int rows) {
+    if (rows <= PF_L1_ROWS)
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T0);
+    else
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(p + pf + l), _MM_HINT_T1);
     if (scales) {
         _mm_prefetch((const char *)(st + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
         if (mt) _mm_prefetch((const char *)(mt + ((b + 16) >> gshift) * TR), _MM_HINT_T1);
@@ -570,7 +581,7 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = wt + b * TR * bb;
-        if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row);
+        if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row, mb);
         const __m512 ws = per_row ? _mm512_set1_ps(1.0f)
                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (b >> gshift) * TR)));
         __m512i u[8];
@@ -648,7 +659,7 @@ static inline __attribute__((always_inline)) void tile_dots(const q8_acts *a, lo
         for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
             const uint8_t *p = wt + b * TR * bb + 32 * h;
-            if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row); /* as avx512 */
+            if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row, mb); /* as avx512 */
             const __m256 ws = per_row ? _mm256_set1_ps(1.0f)
                                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (b >> gshift) * TR + 8 * h)));
             __m256i it[TM];
@@ -828,7 +839,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
             for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
-            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0, mb);
             const float *xb = x0 + b * rb * QB; /* row m0 + r: + QB r */
             if (wbits == 4) {
                 for (int v = 0; v < 4; v++) {
@@ -925,7 +936,7 @@ static inline __attribute__((always_inline)) void tile_dots_f(const float *xp, c
                 for (int c = 0; c < chains; c++) part[r][c] = _mm256_setzero_ps();
             for (long b = g0; b < g0 + bpg; b++) {
                 const uint8_t *p = wt + b * TR * bb + 32 * h;
-                if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+                if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0, mb);
                 const float *xb = x0 + b * rb * QB; /* row m0 + r: + QB r */
                 if (wbits == 4) {
                     for (int v = 0; v < 4; v++) {
@@ -1067,7 +1078,7 @@ static inline __attribute__((always_inline)) void tile_dots_bf(const uint32_t *x
             for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
-            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0, mb);
             const uint32_t *xb = x0 + b * rb * 16; /* bf_at(xa, nb, rb, m0 + r, b) = xb + 16 r */
             for (int v = 0; v < bb / 4; v++) { /* 64-byte vectors: 16 rows x 8 int4 or 4 int8 codes */
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + v * 64));
@@ -1535,7 +1546,7 @@ static inline __attribute__((always_inline)) void tile_dots_i16(const i16_acts *
             for (int r = 0; r < mb; r++) part[r] = _mm256_setzero_ps();
             for (long b = g0; b < g0 + bpg; b++) {
                 const uint8_t *p = wt + b * TR * bb + 32 * h;
-                if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+                if (pf && h == 0) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0, mb);
                 const int16_t *xb = x0 + b * rb * QB; /* row m0 + r: + QB r */
                 __m256i ia[TM], ib[TM];
                 for (int r = 0; r < mb; r++) ia[r] = ib[r] = _mm256_setzero_si256();
@@ -1645,7 +1656,7 @@ static inline __attribute__((always_inline)) void tile_dots_split(const i16_acts
         for (int r = 0; r < mb; r++) part[0][r] = part[1][r] = _mm256_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
-            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0, mb);
             __m256i dots[2][TM];
             block_dots_split(p, x0 + b * rb * 2 * QB, mb, dots);
             const float *db = d0 + b * rb; /* row m0 + r: + r */
@@ -1693,7 +1704,7 @@ static inline __attribute__((always_inline)) void tile_dots_i16z(const i16_acts 
         for (int r = 0; r < mb; r++) part[r] = _mm512_setzero_ps();
         for (long b = g0; b < g0 + bpg; b++) {
             const uint8_t *p = wt + b * TR * bb;
-            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0);
+            if (pf) prefetch_ahead(p, pf, TR * bb, st, mt, b, gshift, !per_row && b == g0, mb);
             const uint32_t *xb = x0 + b * rb * 16;
             __m512i dots[TM][I16Z_CHAINS];
             for (int r = 0; r < mb; r++)
