@@ -322,6 +322,16 @@ class Autoscaling(_Model):
         le=3600,
         description="Window over which scale-down takes the highest recommendation.",
     )
+    startup_seconds: int | None = Field(
+        None,
+        ge=0,
+        le=3600,
+        description=(
+            "Declared replica startup (pod created -> Ready), seconds: the startup-aware rules use it "
+            "until one is measured from the model's Ready pods (the measurement wins). Unset: unknown "
+            "until measured."
+        ),
+    )
     metrics_source: Literal["pods", "prometheus"] = Field(
         "pods", description="pods: scrape each pod's /metrics; prometheus: query the Prometheus HTTP API."
     )

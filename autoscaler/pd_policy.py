@@ -343,9 +343,11 @@ def decide_pd(
     slo_state = state.slo
     attainment, att_requests, att_window = None, 0.0, 0.0
     if base.slo is not None and b.slo_feedback:
-        backlog = (
-            snapshot.decode.total_waiting > base.target_queue_depth * max(1, snapshot.decode.reporting)
-            or router_queue > 0
+        # A backlog on either role's pods or at the router (the aggregated policy's test per role):
+        # its misses say the fleet was short for a while, which the queue rules answer.
+        backlog = router_queue > 0 or any(
+            s.total_waiting > base.target_queue_depth * max(1, s.reporting)
+            for s in (snapshot.prefill, snapshot.decode)
         )
         # The intervals' load is the prefill role's (prompt tokens/s per Ready prefill replica): the
         # loop's capacity correction (feedback.py, rule 2) applies to the prefill throughput.

@@ -368,6 +368,7 @@ class PdFleetSimulator(FleetSimulator):
             decode=replace(roles[DECODE], samples=tuple(samples)),
             router_queue=held,
             router_slo=SloCounts.from_outcomes(self._outcomes),
+            startup_s=self.measured_startup_s((PREFILL, DECODE)),  # over the model's pods, as pd_controller
             router_pd=RouterPdCounts(
                 t.prefill_seconds, float(t.prefill_legs), float(t.no_prefill), float(held_prefill)
             ),

@@ -416,18 +416,21 @@ def decide(
         driver = f"no metrics from 0/{ready} ready replicas" if ready else "no ready replica reports metrics"
     else:
         target_kv = targets.target_kv_cache_utilization
-        ratio = avg_util / target_kv
-        if abs(ratio - 1.0) <= tol:
-            kv_rec = current
-        else:
+
+        def utilization_rec(util: float) -> int:
+            ratio = util / target_kv
+            if abs(ratio - 1.0) <= tol:
+                return current
             # Below target, utilization is convex in load (in-flight = arrivals x latency, and a
             # fuller batch is slower), so n * u / target removes too many replicas; a replica's
             # utilization is taken to grow as load ** (1 / exponent) instead.
             exponent = 1.0 if ratio > 1.0 else b.scale_down_exponent
-            kv_rec = _ceil(n * ratio**exponent) + missing
+            rec = _ceil(n * ratio**exponent) + missing
             # Starting pods (current - ready) neither report nor get read as idle: KV above target
             # never asks for fewer replicas, KV below target never asks for more.
-            kv_rec = max(kv_rec, current) if ratio > 1.0 else min(kv_rec, current)
+            return max(rec, current) if ratio > 1.0 else min(rec, current)
+
+        kv_rec = utilization_rec(avg_util)
         # A replica takes about as many requests as fit under the KV target (target / KV per running
         # request), far more than targetQueueDepth. "absorb" (default): the queue beyond the target
         # asks for one more replica per that many requests, and replicas already starting count as
@@ -533,10 +536,20 @@ def decide(
         if current > 0 and abs(queue_rec / current - 1.0) <= tol:
             queue_rec = current
         if q_startup and kv_rec > max(current, queue_rec):
-            # A batch full of the backlog reads as high utilization at any fleet size: the backlog
-            # is sized above, so the utilization rule only holds the current size here.
-            notes.append(f"utilization ({kv_rec}) left to the queue rule while a backlog drains")
-            kv_rec = max(current, queue_rec)
+            # A batch full of the backlog reads as high utilization at any fleet size, and the
+            # backlog is sized above: the utilization rule counts only what the backlog leaves,
+            # the utilization less the excess queue's share of the fleet at the target (a
+            # replica holds `absorb` requests there). A queue far smaller than the batches leaves
+            # the utilization whole: full batches then come from the arrivals (the replica model
+            # sizing the queue rule may be optimistic, and the utilization is what says so).
+            backlog_util = target_kv * max(0, waiting - targets.target_queue_depth * n) / (absorb * n)
+            net_rec = utilization_rec(max(0.0, avg_util - backlog_util))
+            if net_rec < kv_rec:
+                notes.append(
+                    f"utilization ({kv_rec}) less the backlog's {backlog_util:.2f} -> "
+                    f"{max(current, net_rec)} while it drains"
+                )
+                kv_rec = max(current, net_rec)
         raw = max(kv_rec, queue_rec)
         a_part = ""
         if (

@@ -67,7 +67,9 @@ class Replica:
     ready: bool = False
     draining: bool = False
     gone_at: float | None = None
-    started_ready: bool = False  # there at the start, Ready at once: no startup to measure
+    # There at the start, Ready at once: a pod started before the trace, whose creation and Ready
+    # times still give the controller its startup (Replica.startup_s)
+    started_ready: bool = False
     role: str = "both"  # "prefill" or "decode" in a P/D fleet (pd_simulator.py)
     waiting: deque[SimRequest] = field(default_factory=deque)
     running: list[SimRequest] = field(default_factory=list)
@@ -91,6 +93,12 @@ class Replica:
     # Finished requests per output-length bucket (OUTPUT_TOKENS_BUCKETS), as the runtime's
     # kvpilot_request_generation_tokens histogram counts them.
     output_hist: list[int] = field(default_factory=lambda: [0] * (len(OUTPUT_TOKENS_BUCKETS) + 1))
+
+    @property
+    def startup_s(self) -> float:
+        """Creation -> Ready as the controller reads it from the pod: a pod there at the start
+        started before the trace, as long as any other (the calibration's startup)."""
+        return self.cal.startup_s if self.started_ready else self.ready_at - self.created
 
     @property
     def in_flight(self) -> int:

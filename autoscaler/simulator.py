@@ -321,6 +321,15 @@ class FleetSimulator:
             if queue:
                 self._dispatch(now, role)
 
+    def measured_startup_s(self, roles: tuple[str, ...]) -> float | None:
+        """The startup as the controller measures it from these roles' pods: the median creation ->
+        Ready of the most recent Ready ones."""
+        started = sorted(
+            (r for r in self.replicas if r.ready and r.gone_at is None and r.role in roles),
+            key=lambda r: r.created,
+        )
+        return measured_startup_s(r.startup_s for r in started[-STARTUP_SAMPLE_PODS:])
+
     def _snapshot(self, now: float, role: str = BOTH) -> tuple[MetricsSnapshot, int]:
         """What the controller would read of `role`'s replicas (the role's central queue spread over
         them as waiting), and the requests in flight there."""
@@ -339,20 +348,10 @@ class FleetSimulator:
                 samples.append(rep.sample())
         # The central queue is the router's, reported as the router reports it (router_queue: its
         # kvpilot_router_queue_depth, which the controller reads beside the pods').
-        # Startup as the controller measures it from the pods (creation -> Ready, the most recent ones).
-        started = sorted(
-            (
-                r
-                for r in self.replicas
-                if r.ready and r.gone_at is None and not r.started_ready and r.role == role
-            ),
-            key=lambda r: r.created,
-        )
-        startup = measured_startup_s(r.ready_at - r.created for r in started[-STARTUP_SAMPLE_PODS:])
         snapshot = MetricsSnapshot(
             ready_replicas=len(samples),
             samples=tuple(samples),
-            startup_s=startup,
+            startup_s=self.measured_startup_s((role,)),
             router_slo=SloCounts.from_outcomes(self._outcomes),
             router_queue=len(queue),
         )

@@ -299,6 +299,9 @@ class ScalingTargets:
             behavior=behavior or Behavior(),
             max_num_seqs=max_num_seqs,
             slo=SloTargets.from_spec(slo_block) if slo_block else None,
+            startup_s=None
+            if autoscaling.get("startupSeconds") is None
+            else float(autoscaling["startupSeconds"]),
         )
 
     def with_overrides(self, **changes: Any) -> ScalingTargets:

@@ -186,3 +186,25 @@ def test_slo_tpot_tail_budget_is_an_optional_share() -> None:
     for bad in (0.0, 1.0, -0.1):
         with pytest.raises(ValidationError, match=r"tpotTailBudget|tpot_tail_budget"):
             SloPlanner.model_validate({"calibration": "h100/llama-3.1-8b", "tpotTailBudget": bad})
+
+
+def test_declared_startup_is_an_optional_bounded_integer() -> None:
+    """spec.autoscaling.startupSeconds: no default (unknown until measured), 0..3600; the models refuse
+    what the schema refuses, and the autoscaler's targets carry it."""
+    from pydantic import ValidationError
+
+    from kvpilot.api.models import Autoscaling
+    from kvpilot.autoscaler.spec import ScalingTargets
+
+    auto = _schema()["properties"]["spec"]["properties"]["autoscaling"]["properties"]
+    field = auto["startupSeconds"]
+    assert field["type"] == "integer" and "default" not in field
+    assert (field["minimum"], field["maximum"]) == (0, 3600)
+    declared = Autoscaling.model_validate({"maxReplicas": 4, "startupSeconds": 90}).dump()
+    assert declared["startupSeconds"] == 90
+    assert "startupSeconds" not in Autoscaling.model_validate({"maxReplicas": 4}).dump()
+    for bad in (-1, 3601):
+        with pytest.raises(ValidationError, match=r"startupSeconds|startup_seconds"):
+            Autoscaling.model_validate({"maxReplicas": 4, "startupSeconds": bad})
+    assert ScalingTargets.from_spec(declared).startup_s == 90.0
+    assert ScalingTargets.from_spec({"maxReplicas": 4}).startup_s is None

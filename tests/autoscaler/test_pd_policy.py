@@ -129,6 +129,20 @@ def test_ttft_misses_grow_prefill_and_tpot_misses_grow_decode():
     assert tpot.attainment == 0.75
 
 
+def test_a_queue_on_the_prefill_pods_is_a_backlog_for_the_loop():
+    """Requests waiting on the prefill pods past the queue target are a backlog, as on the decode pods
+    or at the router: their misses say the fleet was short for a while (the queue rules answer that),
+    not that the replica's capacity is lower. Counted only on decode, a cold start's prefill queue cut
+    the learnt prefill capacity to a fifth of its throughput and held 11-12 prefill replicas where 5
+    serve (Mooncake synthetic, 10 s startup: 157% of the aggregated fixed fleet's replica-hours)."""
+    t = targets()
+    counts = SloCounts(met=1150, missed_ttft=50)
+    for waiting, backlog in ((10, True), (4, False)):
+        snap = PdSnapshot(prefill_pods(2, 0, 0, waiting=waiting), decode_pods(2, 0.5), router_slo=counts)
+        d = decide_pd((2, 2), snap, t, _measured_before(), T0 + 15)
+        assert (d.state.slo.last_backlog == T0 + 15) is backlog, waiting
+
+
 def test_status_round_trip_keeps_the_ratio_and_the_prefill_estimate():
     t = targets()
     state = replace(PdState(), ratio=0.5, ratio_samples=4)

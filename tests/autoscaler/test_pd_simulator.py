@@ -134,3 +134,18 @@ def test_the_cpu_calibrations_kv_bytes_are_smollm2s_geometry():
         assert cal.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
         block = cal.kv_bytes_per_token * cal.block_size
         assert cal.num_kv_blocks == int(256 * 2**20 // block)
+
+
+def test_the_pd_policy_sees_the_startup_measured_over_both_roles():
+    """As pd_controller reads it (creation -> Ready over the model's pods): the pods there at the
+    start report the calibration's startup from the first sync, before any pod was started."""
+    cal = replace(CAL, startup_s=40.0)
+    seen: list[float | None] = []
+
+    class Recorder(PdStaticPolicy):
+        def decide(self, now: float, current: tuple[int, int], snapshot: PdSnapshot) -> tuple[int, int]:
+            seen.append(snapshot.startup_s)
+            return super().decide(now, current, snapshot)
+
+    simulate_pd(TRACE[:40], Recorder(2, 1), cal, slo=SLO, warmup_s=0)
+    assert seen and set(seen) == {40.0}

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvpilot.autoscaler.policy import (
     ArrivalState,
+    Decision,
     History,
     PodCounter,
     RateSample,
@@ -162,19 +163,39 @@ def test_a_size_asked_for_a_backlog_holds_the_scale_down_window_only_while_it_qu
         assert d.desired == expected, (backlog, d.reason)
 
 
-def test_full_batches_during_a_backlog_do_not_add_replicas() -> None:
-    """A backlog fills every batch at any fleet size: with the startup-aware queue rule sizing the
-    backlog, the utilization rule holds the current size instead of asking 8 x 1.0 / 0.7 (x 1.5 burst)."""
-    samples = tuple(ReplicaSample(f"p{i}", 0.5, 6, 32, completed_total=150.0) for i in range(8))
+def _full_batches(waiting_each: int, startup: float | None = 60.0) -> Decision:
+    """8 replicas with every batch slot taken (32 of 32) and `waiting_each` requests waiting on each;
+    at a 60 s startup the startup-aware queue rule sizes the backlog."""
+    samples = tuple(ReplicaSample(f"p{i}", 0.5, waiting_each, 32, completed_total=150.0) for i in range(8))
     counters = tuple(PodCounter(f"p{i}", 0.0, 38) for i in range(8))
     history = History(arrivals=ArrivalState(time=NOW - 15.0, counters=counters, service_rate=20.0))
     targets = ScalingTargets(min_replicas=1, max_replicas=100, max_num_seqs=32)
-    d = decide(8, MetricsSnapshot(8, samples, startup_s=60.0), targets, history, NOW)
+    return decide(8, MetricsSnapshot(8, samples, startup_s=startup), targets, history, NOW)
+
+
+def test_full_batches_during_a_backlog_do_not_add_replicas() -> None:
+    """A backlog fills every batch at any fleet size: with the startup-aware queue rule sizing the
+    backlog, the utilization rule counts only what the backlog leaves. 160 waiting, 128 past the
+    target, are half of what 8 replicas hold at the target (0.7 x 32 each), so the batches would sit
+    at 0.5 without them: the current size holds instead of 8 x 1.0 / 0.7 (x 1.5 burst)."""
+    d = _full_batches(20)
     assert d.queue_recommendation is not None and d.queue_recommendation <= 8
     assert d.kv_recommendation == 8 and d.desired == 8
-    assert "utilization (12) left to the queue rule while a backlog drains" in d.reason
-    reactive = decide(8, MetricsSnapshot(8, samples), targets, history, NOW)
+    assert "utilization (12) less the backlog's 0.50 -> 8 while it drains" in d.reason
+    reactive = _full_batches(20, startup=None)
     assert reactive.kv_recommendation == 12 and reactive.burst and reactive.desired > 12
+
+
+def test_full_batches_behind_a_short_queue_still_add_replicas() -> None:
+    """A queue far smaller than the batches does not explain them: 48 waiting (16 past the target)
+    would fill 6% of the fleet at the target, so full batches say the arrivals outgrow the fleet
+    (issue 24: on the diurnal trace at 60 s startup the replica model's 39/s a replica sized the
+    queue rule at 3 replicas while 3 ran full at 100/s, and the utilization rule, overridden, let the
+    queue grow to 1,700 requests). The queue rule alone asks for 7; the utilization, less the backlog, 11."""
+    d = _full_batches(6)
+    assert d.queue_recommendation is not None and d.queue_recommendation <= 8
+    assert d.kv_recommendation == 11 and d.desired == 11
+    assert "utilization (12) less the backlog's 0.06 -> 11 while it drains" in d.reason
 
 
 def test_short_startup_keeps_the_reactive_queue_rule() -> None:
@@ -261,9 +282,11 @@ class _Recorder:
 
 
 def test_simulator_measures_startup_like_the_controller() -> None:
-    """The replica that was there from the start has no startup to measure; the two started at the
-    first sync report creation -> Ready = calibration.startup_s once Ready."""
+    """The controller reads a pod's startup from its creation and Ready times, so a replica that was
+    there when the trace began (started before it) reports calibration.startup_s from the first sync,
+    as do the two started at the first sync once Ready."""
     from kvpilot.autoscaler.replica_model import calibration_by_name
+    from kvpilot.autoscaler.sim_replica import Replica
     from kvpilot.autoscaler.simulator import simulate
     from kvpilot.autoscaler.trace import TraceRequest
 
@@ -271,6 +294,8 @@ def test_simulator_measures_startup_like_the_controller() -> None:
     trace = [TraceRequest(float(t), 200, 20) for t in range(0, 120, 2)]
     policy = _Recorder()
     simulate(trace, policy, cal, warmup_s=0.0)
-    assert policy.seen[0] == (15.0, None)  # nobody started yet
-    assert (45.0, None) in policy.seen  # started at 15 s, not Ready until 55 s
-    assert (60.0, 40.0) in policy.seen
+    assert policy.seen[0] == (15.0, 40.0)  # the pod there at the start: known from the first sync
+    assert {s for _, s in policy.seen} == {40.0}
+    there = Replica(rid=0, cal=cal, created=0.0, ready_at=0.0, free_blocks=1, ready=True, started_ready=True)
+    started = Replica(rid=1, cal=cal, created=15.0, ready_at=70.0, free_blocks=1, ready=True)
+    assert (there.startup_s, started.startup_s) == (40.0, 55.0)
