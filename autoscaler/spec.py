@@ -241,8 +241,9 @@ class ScalingTargets:
     # capacity within the SLO, in place of the completion-rate service estimate; the KV and queue
     # rules stay as a floor.
     slo: SloTargets | None = None
-    # Declared replica startup (pod created -> Ready), seconds, used until one is measured from the
-    # pods (MetricsSnapshot.startup_s); None: unknown, the policy does not plan for it.
+    # Declared replica startup (pod created -> Ready; spec.autoscaling.startupSeconds), seconds, used
+    # until one is measured from the pods (MetricsSnapshot.startup_s); None: unknown, the policy does
+    # not plan for it.
     startup_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """Startup-aware sizing: what a replica's startup time (pod created -> Ready) changes in the policy.
 
 Pure functions; policy.decide() calls them when the startup time is known (measured from the model's
-pods, else declared in ScalingTargets.startup_s), and behaves as before when it is not.
+pods, else declared in ScalingTargets.startup_s: spec.autoscaling.startupSeconds), and behaves as
+before when it is not.
 
 - measured_startup_s: the median startup of the pods seen (creation -> Ready), from the pod objects
   the controller lists (pod_startup_seconds) or the simulator's replicas.
